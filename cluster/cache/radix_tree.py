@@ -1,0 +1,490 @@
+"""Token-level radix tree mapping token sequences to KV extents.
+
+One tree per worker, one owner thread. Each edge carries a token list
+(``node.key``) and the extents holding the KV of exactly those tokens, in the
+pool of the node's tier. Children are keyed by their first token.
+
+- Match ending inside a node splits it: the new parent inherits lock count,
+  access time and tier, and the extents are cut on the same block (no copy).
+- Lock counts walk to the root; a 0<->1 transition moves the node's tokens
+  between the ``evictable`` and ``protected`` counters of its tier, so both
+  are known without a scan.
+- Eviction candidates are kept in one lazy heap per tier: a node is pushed when
+  it becomes a frontier node (no child in its own tier, unlocked); stale
+  entries are skipped or re-ranked when popped. For a single-tier cache the
+  frontier is exactly the set of unlocked leaves.
+- After a drop leaves an internal node with exactly one child, the two are
+  merged, so lookups take fewer hops.
+- Namespaces (tenant cache salt, LoRA id) get separate roots: a tenant can
+  never match another tenant's KV.
+
+Tiers are numbered HOT=0, WARM=1, COLD=2; along any root-to-leaf path a
+node's tier is never hotter than its parent's. The tiered layer
+(``cluster.cache.tiered``) moves nodes between tiers with ``retier``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable, Sequence
+
+from cluster.cache.allocator import BlockAllocator, Extent
+from cluster.cache.eviction import make_policy
+from cluster.errors import InvalidInputError
+from cluster.tokens import as_token_list
+
+HOT, WARM, COLD = 0, 1, 2
+TIER_NAMES = ("hot", "warm", "cold")
+
+
+class TreeNode:
+    __slots__ = ("children", "parent", "key", "extents", "lock_ref", "last_access",
+                 "hit_count", "tier", "stamp", "busy", "session")
+
+    def __init__(self, key: list[int], extents: list[Extent], parent: "TreeNode | None",
+                 tier: int = HOT, now: float = 0.0):
+        self.children: dict[int, TreeNode] = {}
+        self.parent = parent
+        self.key = key
+        self.extents = extents
+        self.lock_ref = 0
+        self.last_access = now
+        self.hit_count = 0
+        self.tier = tier
+        self.stamp = 0          # heap entry generation: only the newest entry is valid
+        self.busy = False       # an asynchronous tier move owns this node's storage
+        self.session = None
+
+    @property
+    def alive(self) -> bool:
+        return self.parent is not None
+
+    def replace_extent(self, old: Extent, new: Extent) -> None:
+        """Called by compaction when this node's KV moved."""
+        self.extents[self.extents.index(old)] = new
+
+    def __repr__(self) -> str:
+        return (f"TreeNode(len={len(self.key)}, tier={TIER_NAMES[self.tier]}, lock={self.lock_ref}, "
+                f"children={len(self.children)})")
+
+
+@dataclass(slots=True)
+class MatchResult:
+    length: int
+    last_node: TreeNode
+    extents: list[Extent]
+    tier_lengths: list[int] = field(default_factory=lambda: [0, 0, 0])
+    nodes: list[TreeNode] = field(default_factory=list)
+
+    @property
+    def hot_length(self) -> int:
+        return self.tier_lengths[HOT]
+
+
+@dataclass(slots=True)
+class InsertResult:
+    existing_length: int     # tokens that were already cached before this insert
+    node: TreeNode           # node holding the last inserted token
+    freed_duplicate_tokens: int
+
+
+class RadixTree:
+    def __init__(self, allocators: BlockAllocator | Sequence[BlockAllocator], *, policy: str | Any = "lru",
+                 clock: Callable[[], float] = time.monotonic, vocab_size: int | None = None):
+        self.allocators = [allocators] if isinstance(allocators, BlockAllocator) else list(allocators)
+        if not 1 <= len(self.allocators) <= 3:
+            raise InvalidInputError("a tree needs one allocator per tier (1 to 3)")
+        self.policy = make_policy(policy)
+        self.clock = clock
+        self.vocab_size = vocab_size
+        self.roots: dict[Hashable, TreeNode] = {}
+        ntiers = len(self.allocators)
+        self.evictable = [0] * ntiers
+        self.protected = [0] * ntiers
+        self._heaps: list[list] = [[] for _ in range(ntiers)]
+        self._seq = itertools.count()
+        self.stats = {"splits": 0, "merges": 0, "evicted_tokens": 0, "evicted_nodes": 0}
+
+    # ----------------------------------------------------------------- queries
+    @property
+    def evictable_tokens(self) -> int:
+        return sum(self.evictable)
+
+    @property
+    def protected_tokens(self) -> int:
+        return sum(self.protected)
+
+    @property
+    def total_tokens(self) -> int:
+        return self.evictable_tokens + self.protected_tokens
+
+    def root(self, namespace: Hashable = None) -> TreeNode:
+        node = self.roots.get(namespace)
+        if node is None:
+            if namespace is not None and not isinstance(namespace, (str, int)):
+                raise InvalidInputError(f"namespace must be a str, an int or None, got {type(namespace).__name__}")
+            node = TreeNode([], [], None)
+            node.lock_ref = 1  # the root is never evicted
+            self.roots[namespace] = node
+        return node
+
+    # ------------------------------------------------------------------- match
+    def match_prefix(self, tokens: Sequence[int], namespace: Hashable = None, *,
+                     validate: bool = True) -> MatchResult:
+        """Longest cached prefix of ``tokens``; splits the node the match ends in.
+
+        ``validate=False`` skips the token checks for callers that validated
+        the request once at ingress (``cluster.tokens.as_token_list``).
+        """
+        if validate:
+            tokens = as_token_list(tokens, self.vocab_size)
+        node, pos, path = self._walk(tokens, self.root(namespace), split=True)
+        now = self.clock()
+        extents: list[Extent] = []
+        tier_lengths = [0, 0, 0]
+        for n in path:
+            n.last_access = now
+            n.hit_count += 1
+            extents.extend(n.extents)
+            tier_lengths[n.tier] += len(n.key)
+        return MatchResult(pos, node, extents, tier_lengths, path)
+
+    def _walk(self, tokens: list[int], node: TreeNode, split: bool) -> tuple[TreeNode, int, list[TreeNode]]:
+        pos, n, path = 0, len(tokens), []
+        while pos < n:
+            child = node.children.get(tokens[pos])
+            if child is None:
+                break
+            key = child.key
+            klen = len(key)
+            if tokens[pos:pos + klen] == key:
+                pos += klen
+                node = child
+                path.append(child)
+                continue
+            common = 1
+            limit = min(klen, n - pos)
+            while common < limit and key[common] == tokens[pos + common]:
+                common += 1
+            if split and not child.busy:
+                child = self._split(child, common)
+                pos += common
+                node = child
+                path.append(child)
+            break
+        return node, pos, path
+
+    def _split(self, node: TreeNode, at: int) -> TreeNode:
+        """Cut ``node`` after ``at`` tokens; returns the new parent holding the head."""
+        alloc = self.allocators[node.tier]
+        head_ext: list[Extent] = []
+        tail_ext: list[Extent] = []
+        covered = 0
+        for e in node.extents:
+            if covered >= at:
+                tail_ext.append(e)
+            elif covered + e.length <= at:
+                head_ext.append(e)
+            else:
+                first, second = alloc.split(e, at - covered)
+                head_ext.append(first)
+                tail_ext.append(second)
+            covered += e.length
+        parent = node.parent
+        head = TreeNode(node.key[:at], head_ext, parent, node.tier, node.last_access)
+        head.lock_ref = node.lock_ref
+        head.hit_count = node.hit_count
+        head.session = node.session
+        for e in head_ext:
+            alloc.set_owner(e, head)
+        node.key = node.key[at:]
+        node.extents = tail_ext
+        node.parent = head
+        head.children[node.key[0]] = node
+        parent.children[head.key[0]] = head
+        self.stats["splits"] += 1
+        return head
+
+    # ------------------------------------------------------------------ insert
+    def insert(self, tokens: Sequence[int], extents: Sequence[Extent], namespace: Hashable = None, *,
+               start: int = 0, validate: bool = True) -> InsertResult:
+        """Add the KV of ``tokens``; ``extents`` (in the HOT pool) cover ``tokens[start:]``.
+
+        ``tokens[:start]`` must already be cached (the caller matched and locked
+        it). The tree takes ownership of the extents: the parts that turn out to
+        be cached already (another request inserted them first) are freed here,
+        and their count is returned. Cached parts that are WARM or COLD are
+        re-homed onto the caller's HOT extents, keeping tiers monotone.
+        """
+        if validate:
+            tokens = as_token_list(tokens, self.vocab_size)
+        extents = list(extents)
+        alloc = self.allocators[HOT]
+        if not 0 <= start <= len(tokens):
+            raise InvalidInputError(f"start={start} outside [0, {len(tokens)}]")
+        if sum(e.length for e in extents) != len(tokens) - start:
+            raise InvalidInputError(
+                f"extents cover {sum(e.length for e in extents)} tokens but tokens[{start}:] has {len(tokens) - start}")
+        for e in extents:
+            if alloc.owner_of(e) is not None:
+                raise InvalidInputError(f"extent {tuple(e)} is already owned by the tree")
+        node, present, path = self._walk(tokens, self.root(namespace), split=True)
+        if present < start:
+            raise InvalidInputError(
+                f"tokens[:{start}] must be cached before inserting from start={start}; only {present} are")
+        now = self.clock()
+        pos, cursor = 0, extents  # cursor: caller extents not yet consumed, starting at token `start`
+        freed = 0
+        for n in path:
+            nlen = len(n.key)
+            end = pos + nlen
+            if end > start:
+                take_from = max(pos, start)
+                mine, cursor = self._cut(cursor, end - take_from)
+                if n.tier != HOT and take_from == pos and not n.busy:
+                    self._rehome(n, mine)
+                else:
+                    freed += end - take_from
+                    alloc.free(mine)
+            n.last_access = now
+            pos = end
+        if present == len(tokens):
+            return InsertResult(present, node, freed)
+        if node.tier != HOT or node.busy:
+            # Cannot hang HOT KV below a colder (or moving) node: keep the cache as it was.
+            alloc.free(cursor)
+            return InsertResult(present, node, freed + len(tokens) - present)
+        leaf = TreeNode(tokens[present:], cursor, node, HOT, now)
+        for e in cursor:
+            alloc.set_owner(e, leaf)
+        node.children[leaf.key[0]] = leaf
+        self.evictable[HOT] += len(leaf.key)
+        self._consider(leaf)
+        self._consider_parent_after_child_change(node)
+        return InsertResult(present, leaf, freed)
+
+    def _cut(self, extents: list[Extent], ntokens: int) -> tuple[list[Extent], list[Extent]]:
+        """Split an extent list after ``ntokens`` tokens (cutting an extent on its block)."""
+        head, covered = [], 0
+        for i, e in enumerate(extents):
+            if covered + e.length <= ntokens:
+                head.append(e)
+                covered += e.length
+                if covered == ntokens:
+                    return head, extents[i + 1:]
+            else:
+                first, second = self.allocators[HOT].split(e, ntokens - covered)
+                return head + [first], [second] + extents[i + 1:]
+        return head, []
+
+    def _rehome(self, node: TreeNode, hot_extents: list[Extent]) -> None:
+        """Replace a cold copy by freshly computed HOT KV of the same tokens."""
+        self.allocators[node.tier].free(node.extents)
+        self.retier(node, HOT, hot_extents)
+
+    # ------------------------------------------------------------------- locks
+    def lock(self, node: TreeNode) -> None:
+        if not node.alive and node.lock_ref == 0:
+            raise InvalidInputError("cannot lock a node that is no longer in the tree")
+        while node.parent is not None:
+            if node.lock_ref == 0:
+                n = len(node.key)
+                self.evictable[node.tier] -= n
+                self.protected[node.tier] += n
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, node: TreeNode) -> None:
+        # Validate the whole path first: a bad unlock must not leave half the path changed.
+        walk = node
+        while walk.parent is not None:
+            if walk.lock_ref <= 0:
+                raise InvalidInputError("unlock of a node that is not locked")
+            walk = walk.parent
+        while node.parent is not None:
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                n = len(node.key)
+                self.protected[node.tier] -= n
+                self.evictable[node.tier] += n
+                self._consider(node)
+            node = node.parent
+
+    # ---------------------------------------------------------------- eviction
+    def _consider(self, node: TreeNode) -> None:
+        """Push ``node`` onto its tier's heap if it is now an eviction candidate."""
+        if node.parent is None or node.lock_ref or node.busy:
+            return
+        tier = node.tier
+        for c in node.children.values():
+            if c.tier == tier:
+                return
+        node.stamp += 1
+        heapq.heappush(self._heaps[tier], (self.policy.priority(node), next(self._seq), node.stamp, node))
+
+    def _consider_parent_after_child_change(self, parent: TreeNode) -> None:
+        # A parent that gained a same-tier child stops being a candidate: bump its
+        # stamp so its old heap entry is ignored.
+        parent.stamp += 1
+
+    def pop_candidate(self, tier: int, *, leaves_only: bool) -> TreeNode | None:
+        """Lowest-priority valid candidate of ``tier`` (removed from the heap)."""
+        heap = self._heaps[tier]
+        while heap:
+            prio, _, stamp, node = heapq.heappop(heap)
+            if (stamp != node.stamp or node.parent is None or node.lock_ref or node.busy
+                    or node.tier != tier or any(c.tier == tier for c in node.children.values())):
+                continue
+            current = self.policy.priority(node)
+            if current != prio:
+                node.stamp += 1
+                heapq.heappush(heap, (current, next(self._seq), node.stamp, node))
+                continue
+            if leaves_only and node.children:
+                node.stamp += 1
+                continue
+            return node
+        return None
+
+    def evict(self, num_tokens: int, tier: int = HOT) -> int:
+        """Drop least-valuable unlocked leaves of ``tier`` until ``num_tokens`` are freed.
+
+        Returns the number of tokens freed (less than asked when everything left
+        is locked).
+        """
+        if not isinstance(num_tokens, int) or num_tokens < 0:
+            raise InvalidInputError(f"num_tokens must be a non-negative integer, got {num_tokens!r}")
+        freed = 0
+        while freed < num_tokens:
+            node = self.pop_candidate(tier, leaves_only=True)
+            if node is None:
+                break
+            freed += self.drop(node)
+        return freed
+
+    def drop(self, node: TreeNode) -> int:
+        """Remove an unlocked leaf and free its KV; merges or re-queues the parent."""
+        if node.children or node.lock_ref or node.parent is None or node.busy:
+            raise InvalidInputError("only an unlocked, idle leaf can be dropped")
+        n = len(node.key)
+        self.allocators[node.tier].free(node.extents)
+        self.evictable[node.tier] -= n
+        parent = node.parent
+        del parent.children[node.key[0]]
+        node.parent = None
+        node.extents = []
+        node.stamp += 1
+        self.stats["evicted_tokens"] += n
+        self.stats["evicted_nodes"] += 1
+        if len(parent.children) == 1 and parent.parent is not None:
+            (only,) = parent.children.values()
+            if self._mergeable(parent, only):
+                self._merge(parent, only)
+                return n
+        self._consider(parent)
+        return n
+
+    def _mergeable(self, parent: TreeNode, child: TreeNode) -> bool:
+        return (parent.lock_ref == 0 and child.lock_ref == 0 and parent.tier == child.tier
+                and not parent.busy and not child.busy)
+
+    def _merge(self, parent: TreeNode, child: TreeNode) -> None:
+        alloc = self.allocators[child.tier]
+        merged = list(parent.extents)
+        for e in child.extents:
+            joined = alloc.try_join(merged[-1], e) if merged else None
+            if joined is None:
+                merged.append(e)
+            else:
+                merged[-1] = joined
+        grand = parent.parent
+        child.key = parent.key + child.key
+        child.extents = merged
+        for e in merged:
+            alloc.set_owner(e, child)
+        child.parent = grand
+        child.last_access = max(child.last_access, parent.last_access)
+        child.hit_count = max(child.hit_count, parent.hit_count)
+        grand.children[child.key[0]] = child
+        parent.parent = None
+        parent.children = {}
+        parent.extents = []
+        parent.stamp += 1
+        self.stats["merges"] += 1
+        self._consider(child)
+
+    # -------------------------------------------------------------- tier moves
+    def retier(self, node: TreeNode, tier: int, extents: list[Extent]) -> None:
+        """Record that ``node``'s KV now lives in ``tier`` at ``extents``.
+
+        The caller copied the data and frees the old extents itself (after its
+        copy completed). Keeps counters and candidate heaps current.
+        """
+        n = len(node.key)
+        counter = self.protected if node.lock_ref else self.evictable
+        counter[node.tier] -= n
+        counter[tier] += n
+        old_tier = node.tier
+        node.tier = tier
+        node.extents = extents
+        for e in extents:
+            self.allocators[tier].set_owner(e, node)
+        self._consider(node)
+        if node.parent is not None and node.parent.parent is not None and node.parent.tier == old_tier:
+            self._consider(node.parent)
+
+    # -------------------------------------------------------------- iteration
+    def iter_nodes(self, namespace: Hashable = ...):
+        roots = self.roots.values() if namespace is ... else [self.root(namespace)]
+        for root in roots:
+            stack = list(root.children.values())
+            while stack:
+                node = stack.pop()
+                yield node
+                stack.extend(node.children.values())
+
+    def path_tokens(self, node: TreeNode) -> list[int]:
+        parts = []
+        while node.parent is not None:
+            parts.append(node.key)
+            node = node.parent
+        return [t for part in reversed(parts) for t in part]
+
+    # -------------------------------------------------------------- invariants
+    def check_invariants(self) -> None:
+        ntiers = len(self.allocators)
+        evictable, protected = [0] * ntiers, [0] * ntiers
+        owned = [set() for _ in range(ntiers)]
+        for root in self.roots.values():
+            assert root.lock_ref >= 1 and root.parent is None and not root.key
+            stack = [(root, 0)]
+            while stack:
+                node, _ = stack.pop()
+                child_locks = 0
+                for first, child in node.children.items():
+                    assert child.parent is node, "child's parent pointer is wrong"
+                    assert child.key and child.key[0] == first, "child not keyed by its first token"
+                    assert child.tier >= node.tier or node.parent is None, "child hotter than its parent"
+                    child_locks += child.lock_ref
+                    stack.append((child, 0))
+                if node.parent is None:
+                    continue
+                assert node.lock_ref >= child_locks, "lock count below the sum of the children's"
+                assert sum(e.length for e in node.extents) == len(node.key), (
+                    f"extents cover {sum(e.length for e in node.extents)} tokens, key has {len(node.key)}")
+                alloc = self.allocators[node.tier]
+                for e in node.extents:
+                    assert alloc.owner_of(e) is node, f"extent {tuple(e)} not owned by its node"
+                    owned[node.tier].add((e.block_id, e.offset))
+                (protected if node.lock_ref else evictable)[node.tier] += len(node.key)
+        assert evictable == self.evictable, f"evictable counters {self.evictable} != recount {evictable}"
+        assert protected == self.protected, f"protected counters {self.protected} != recount {protected}"
+        for tier, alloc in enumerate(self.allocators):
+            alloc.check_invariants()
+            for b in range(alloc.num_blocks):
+                for off, (_, owner) in alloc.live[b].items():
+                    if isinstance(owner, TreeNode):
+                        assert (b, off) in owned[tier], f"extent ({b},{off}) owned by a node not in the tree"

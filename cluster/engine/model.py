@@ -1,0 +1,365 @@
+"""A small Llama-style decoder in pure torch, with an explicit KV contract.
+
+The engine's caches store, for T tokens, one tensor per sequence segment:
+
+    kv[num_layers, 2, T, num_kv_heads, head_dim]   (index 0: K after RoPE, 1: V)
+
+Because K is stored after the rotary embedding of its absolute position, a
+cached prefix is reused as is: `forward_one(tokens[p:], p, kv_of(tokens[:p]))`
+gives the same logits and KV as a full prefill, which is the whole point of a
+prefix cache and is what the tests check.
+
+Weights are random but deterministic (`ModelConfig.seed`): the model computes
+real attention over real KV, so cache hits and misses are checked for equality,
+not for meaning.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cluster.engine.tokenizer import BYTE_VOCAB_SIZE
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+INIT_STD = 0.02
+QUERY_CHUNK = 256  # queries per attention call when a cached prefix precedes them
+
+BatchItem = tuple[torch.Tensor, int, "torch.Tensor | None"]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    # The default prefills 2,000 tokens on one CPU thread in about 0.3 s.
+    vocab_size: int = BYTE_VOCAB_SIZE
+    hidden_size: int = 256
+    num_layers: int = 4
+    num_heads: int = 8
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    intermediate_size: int = 688
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    max_position: int = 8192
+    seed: int = 0
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "intermediate_size", "max_position"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of "
+                f"num_kv_heads ({self.num_kv_heads}) for grouped-query attention"
+            )
+        if self.head_dim % 2:
+            raise ValueError(
+                f"ModelConfig.head_dim must be even for rotary embeddings, got {self.head_dim}"
+            )
+        for name in ("rope_theta", "rms_norm_eps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"ModelConfig.{name} must be a positive finite number, got {value!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
+            raise ValueError(f"ModelConfig.seed must be an int in [0, 2**63), got {self.seed!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"ModelConfig.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+
+def kv_shape(config: CausalLMConfig, num_tokens: int) -> tuple[int, int, int, int, int]:
+    """Shape of the KV of `num_tokens` tokens for all layers."""
+    return (config.num_layers, 2, num_tokens, config.num_kv_heads, config.head_dim)
+
+
+@runtime_checkable
+class CausalLMConfig(Protocol):
+    """The config fields the engine and the KV pools read."""
+
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def max_position(self) -> int: ...
+
+
+@runtime_checkable
+class CausalLM(Protocol):
+    """What the engine needs from a model: DecoderModel and HFCausalLM both fit."""
+
+    @property
+    def config(self) -> CausalLMConfig: ...
+
+    def forward_one(
+        self, tokens: torch.Tensor, start_pos: int, past_kv: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def forward_batch(
+        self, items: Sequence[BatchItem]
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]: ...
+
+
+def validate_item(
+    config: CausalLMConfig, tokens: object, start_pos: object, past_kv: object, where: str = ""
+) -> torch.Tensor:
+    """Checks one (tokens, start_pos, past_kv) request; returns tokens as int64."""
+    if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1 \
+            or tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+        raise TypeError(f"{where}tokens must be a 1-D integer tensor, got {tokens!r:.80}")
+    if tokens.numel() == 0:
+        raise ValueError(f"{where}tokens must not be empty")
+    if isinstance(start_pos, bool) or not isinstance(start_pos, int) or start_pos < 0:
+        raise ValueError(f"{where}start_pos must be a non-negative int, got {start_pos!r}")
+    if start_pos + tokens.numel() > config.max_position:
+        raise ValueError(
+            f"{where}start_pos + len(tokens) = {start_pos + tokens.numel()} exceeds "
+            f"max_position {config.max_position}"
+        )
+    low, high = int(tokens.min()), int(tokens.max())
+    if low < 0 or high >= config.vocab_size:
+        raise ValueError(f"{where}tokens must lie in [0, {config.vocab_size}), got [{low}, {high}]")
+    if past_kv is None:
+        if start_pos:
+            raise ValueError(
+                f"{where}past_kv is None but start_pos is {start_pos}: pass the KV of the prefix"
+            )
+    else:
+        expected = kv_shape(config, start_pos)
+        if not isinstance(past_kv, torch.Tensor) or tuple(past_kv.shape) != expected:
+            shape = tuple(past_kv.shape) if isinstance(past_kv, torch.Tensor) else type(past_kv).__name__
+            raise ValueError(f"{where}past_kv must have shape {expected} (P == start_pos), got {shape}")
+        if past_kv.dtype != DTYPES[config.dtype]:
+            raise ValueError(
+                f"{where}past_kv dtype {past_kv.dtype} differs from the model dtype {config.dtype}"
+            )
+    return tokens.long()
+
+
+def rope_tables(config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [max_position, head_dim], rotate-half layout (frequencies repeated twice)."""
+    # float64 so that large positions keep their angle; the table is indexed, never recomputed,
+    # so a token gets bit-identical rotations whatever split its sequence was prefilled in.
+    exponents = torch.arange(0, config.head_dim, 2, dtype=torch.float64) / config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** exponents)
+    angles = torch.outer(torch.arange(config.max_position, dtype=torch.float64), inv_freq)
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos().float(), angles.sin().float()
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [N, heads, head_dim]; cos, sin [N, 1, head_dim] in float32."""
+    x32 = x.float()
+    return (x32 * cos + _rotate_half(x32) * sin).to(x.dtype)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+class DecoderLayer(nn.Module):
+    """Parameters of one layer; the math lives in DecoderModel so it can pack sequences."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        c = config
+        qkv_rows = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+        # Fused projections: one matmul for q/k/v and one for gate/up.
+        self.attn_norm = nn.Parameter(torch.empty(c.hidden_size))
+        self.qkv_proj = nn.Parameter(torch.empty(qkv_rows, c.hidden_size))
+        self.o_proj = nn.Parameter(torch.empty(c.hidden_size, c.num_heads * c.head_dim))
+        self.mlp_norm = nn.Parameter(torch.empty(c.hidden_size))
+        self.gate_up_proj = nn.Parameter(torch.empty(2 * c.intermediate_size, c.hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(c.hidden_size, c.intermediate_size))
+
+
+class DecoderModel(nn.Module):
+    """Llama-style decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU."""
+
+    def __init__(self, config: ModelConfig | None = None) -> None:
+        super().__init__()
+        self.config = config = config if config is not None else ModelConfig()
+        self.embed = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.final_norm = nn.Parameter(torch.empty(config.hidden_size))
+        self.lm_head = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
+        cos, sin = rope_tables(config)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self._init_weights()
+        self.to(config.torch_dtype)
+        self.rope_cos.data, self.rope_sin.data = cos, sin  # keep the tables in float32
+        self.eval()
+        self.requires_grad_(False)
+
+    def _init_weights(self) -> None:
+        # Own generator, float32 draws, fixed registration order: the same seed gives the
+        # same weights in every process and for every dtype, and the global RNG is untouched.
+        generator = torch.Generator().manual_seed(self.config.seed)
+        with torch.no_grad():
+            for name, param in self.named_parameters():
+                if name.endswith("norm"):
+                    param.fill_(1.0)
+                else:
+                    param.copy_(torch.randn(param.shape, generator=generator) * INIT_STD)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    def forward_one(
+        self, tokens: torch.Tensor, start_pos: int = 0, past_kv: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits [T, vocab] (float32) and the new tokens' KV [layers, 2, T, kv_heads, head_dim].
+
+        `past_kv` is the KV of the `start_pos` tokens before `tokens` (None when 0).
+        """
+        return self.forward_batch([(tokens, start_pos, past_kv)])[0]
+
+    forward = forward_one
+
+    @torch.no_grad()
+    def forward_batch(self, items: Sequence[BatchItem]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """forward_one for each item; the token-wise work runs once on all tokens packed."""
+        c = self.config
+        checked = []
+        for index, item in enumerate(items):
+            if not isinstance(item, tuple) or len(item) != 3:
+                raise TypeError(f"items[{index}] must be a (tokens, start_pos, past_kv) tuple")
+            tokens, start_pos, past_kv = item
+            where = f"items[{index}]: " if len(items) > 1 else ""
+            tokens = validate_item(c, tokens, start_pos, past_kv, where)
+            if past_kv is not None:
+                past_kv = past_kv.to(self.device)
+            checked.append((tokens.to(self.device), start_pos, past_kv))
+        if not checked:
+            return []
+
+        tokens = torch.cat([t for t, _, _ in checked])
+        positions = torch.cat([torch.arange(p, p + t.numel(), device=self.device) for t, p, _ in checked])
+        bounds, offset = [], 0
+        for t, _, _ in checked:
+            bounds.append((offset, offset + t.numel()))
+            offset += t.numel()
+        new_kvs = [
+            torch.empty(kv_shape(c, t.numel()), dtype=c.torch_dtype, device=self.device)
+            for t, _, _ in checked
+        ]
+        cos = self.rope_cos[positions].unsqueeze(1)
+        sin = self.rope_sin[positions].unsqueeze(1)
+
+        hidden = self.embed[tokens]
+        for layer_index, layer in enumerate(self.layers):
+            attn_in = _rms_norm(hidden, layer.attn_norm, c.rms_norm_eps)
+            q, k, v = F.linear(attn_in, layer.qkv_proj).split(
+                [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim], dim=-1
+            )
+            q = _apply_rope(q.view(-1, c.num_heads, c.head_dim), cos, sin)
+            k = _apply_rope(k.view(-1, c.num_kv_heads, c.head_dim), cos, sin)
+            v = v.view(-1, c.num_kv_heads, c.head_dim)
+            attn_out = torch.empty_like(q)
+            for (begin, end), (_, start_pos, past_kv), new_kv in zip(bounds, checked, new_kvs):
+                new_kv[layer_index, 0] = k[begin:end]
+                new_kv[layer_index, 1] = v[begin:end]
+                keys, values = new_kv[layer_index, 0], new_kv[layer_index, 1]
+                if start_pos:
+                    keys = torch.cat((past_kv[layer_index, 0], keys))
+                    values = torch.cat((past_kv[layer_index, 1], values))
+                attn_out[begin:end] = self._attend(q[begin:end], keys, values, start_pos)
+            hidden = hidden + F.linear(attn_out.flatten(1), layer.o_proj)
+            mlp_in = _rms_norm(hidden, layer.mlp_norm, c.rms_norm_eps)
+            gate, up = F.linear(mlp_in, layer.gate_up_proj).chunk(2, dim=-1)
+            hidden = hidden + F.linear(F.silu(gate) * up, layer.down_proj)
+
+        logits = F.linear(_rms_norm(hidden, self.final_norm, c.rms_norm_eps), self.lm_head).float()
+        return [(logits[begin:end], new_kv) for (begin, end), new_kv in zip(bounds, new_kvs)]
+
+    def _attend(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start_pos: int
+    ) -> torch.Tensor:
+        """q [T, heads, hd] at positions start_pos.., keys/values [start_pos + T, kv_heads, hd]."""
+        num_new = q.shape[0]
+        group = self.config.num_heads // self.config.num_kv_heads
+        q = q.transpose(0, 1).unsqueeze(0)
+        # Expanding K/V per query head costs a copy of S x heads x hd, small next to the scores,
+        # and works on every torch (SDPA's enable_gqa needs torch >= 2.5).
+        keys = keys.transpose(0, 1).repeat_interleave(group, dim=0).unsqueeze(0)
+        values = values.transpose(0, 1).repeat_interleave(group, dim=0).unsqueeze(0)
+        if start_pos == 0:
+            # No past: SDPA's top-left causal mask is exact, and its fused kernel skips the
+            # masked half (twice as fast as an explicit mask for a long prefill).
+            out = F.scaled_dot_product_attention(q, keys, values, is_causal=True)
+        else:
+            # New token i sits at absolute position start_pos + i and sees keys 0..start_pos + i.
+            # With an explicit mask the kernel computes every score, so queries go in chunks that
+            # each see only the keys up to their last position: the masked-out work stays small.
+            out = torch.empty_like(q)
+            for begin in range(0, num_new, QUERY_CHUNK):
+                end = min(begin + QUERY_CHUNK, num_new)
+                visible = start_pos + end
+                query_pos = torch.arange(start_pos + begin, visible, device=q.device)
+                mask = torch.arange(visible, device=q.device)[None, :] <= query_pos[:, None]
+                out[:, :, begin:end] = F.scaled_dot_product_attention(
+                    q[:, :, begin:end], keys[:, :, :visible], values[:, :, :visible], attn_mask=mask
+                )
+        return out[0].transpose(0, 1)
+
+
+def sample(
+    logits_row: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> int:
+    """Next token id: greedy when temperature == 0, else temperature + nucleus sampling.
+
+    Top-p keeps the smallest set of most likely tokens whose probability reaches
+    top_p (the most likely token always). Ties sort stably, so a seeded generator
+    gives the same token on every run.
+    """
+    if not isinstance(logits_row, torch.Tensor) or logits_row.dim() != 1 or logits_row.numel() == 0:
+        raise ValueError(f"logits_row must be a non-empty 1-D tensor, got {logits_row!r:.80}")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
+            or not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+    logits = logits_row.float()
+    if torch.isnan(logits).any():
+        raise ValueError("logits_row contains NaN")
+    if temperature == 0:
+        return int(torch.argmax(logits))
+    if generator is not None and generator.device != logits.device:
+        logits = logits.to(generator.device)
+    probs = torch.softmax(logits / temperature, dim=-1)
+    if top_p < 1:
+        sorted_probs, order = torch.sort(probs, descending=True, stable=True)
+        before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        sorted_probs = torch.where(before < top_p, sorted_probs, torch.zeros_like(sorted_probs))
+        choice = torch.multinomial(sorted_probs, 1, generator=generator)
+        return int(order[choice])
+    return int(torch.multinomial(probs, 1, generator=generator))

@@ -1,0 +1,132 @@
+import pytest
+
+from cluster.cache.allocator import AllocatorConfig, BlockAllocator, Extent
+from cluster.errors import InvalidInputError, PoolExhaustedError
+
+
+def make(num_blocks=8, block_tokens=8, mode="slotted"):
+    return BlockAllocator(AllocatorConfig(num_blocks=num_blocks, block_tokens=block_tokens, mode=mode))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(num_blocks=0), "num_blocks"),
+    (dict(num_blocks=-3), "num_blocks"),
+    (dict(num_blocks=4, block_tokens=0), "block_tokens"),
+    (dict(num_blocks=4, mode="paged"), "mode"),
+    (dict(num_blocks=4, block_tokens=4, mode="token"), "block_tokens=1"),
+])
+def test_bad_config_names_the_field(kwargs, message):
+    with pytest.raises(InvalidInputError, match=message):
+        AllocatorConfig(**kwargs)
+
+
+def test_long_span_gets_whole_blocks_and_remainder_a_slot():
+    a = make()
+    assert a.allocate(19) == [Extent(0, 0, 8), Extent(1, 0, 8), Extent(2, 0, 3)]
+    # Short spans pack into the open block 2 after the first slot.
+    assert a.allocate(5) == [Extent(2, 3, 5)]
+    assert a.used_blocks == 3 and a.used_tokens == 24
+    a.check_invariants()
+
+
+def test_flat_mode_never_shares_a_block():
+    a = make(mode="flat")
+    assert a.allocate(3) == [Extent(0, 0, 3)]
+    assert a.allocate(3) == [Extent(1, 0, 3)]
+    assert a.internal_fragmentation() == pytest.approx(10 / 16)
+    a.check_invariants()
+
+
+def test_best_fit_prefers_the_smallest_room():
+    a = make()
+    a.allocate(6)          # block 0: room 2
+    a.allocate(3)          # block 0 cannot take 3 -> block 1, room 5
+    assert a.allocate(2) == [Extent(0, 6, 2)]
+    assert a.allocate(4) == [Extent(1, 3, 4)]
+    a.check_invariants()
+
+
+def test_freed_slot_is_reused_before_a_new_block():
+    a = make()
+    first, second, third = a.allocate(3)[0], a.allocate(3)[0], a.allocate(2)[0]
+    assert (first.block_id, second.block_id, third.block_id) == (0, 0, 0)
+    a.free([second])
+    assert a.allocate(3) == [Extent(0, 3, 3)]
+    a.check_invariants()
+
+
+def test_block_returns_to_free_list_when_last_extent_goes():
+    a = make(num_blocks=2)
+    x = a.allocate(4)
+    y = a.allocate(4)
+    assert a.free_blocks == 1
+    a.free(x)
+    a.free(y)
+    assert a.free_blocks == 2 and a.used_tokens == 0
+    a.check_invariants()
+
+
+def test_exhaustion_is_all_or_nothing():
+    a = make(num_blocks=2)
+    a.allocate(8)
+    with pytest.raises(PoolExhaustedError, match="need 2 free blocks, 1 left") as info:
+        a.allocate(16)
+    assert info.value.needed_blocks == 2 and info.value.free_blocks == 1
+    assert a.free_blocks == 1
+    a.check_invariants()
+
+
+def test_double_free_and_stale_extents_are_rejected_without_damage():
+    a = make()
+    (e,) = a.allocate(5)
+    a.free([e])
+    with pytest.raises(InvalidInputError, match="not allocated"):
+        a.free([e])
+    (f,) = a.allocate(5)
+    with pytest.raises(InvalidInputError, match="listed twice"):
+        a.free([f, f])
+    with pytest.raises(InvalidInputError, match="block_id outside"):
+        a.free([Extent(99, 0, 1)])
+    with pytest.raises(InvalidInputError, match="not allocated"):
+        a.free([Extent(f.block_id, f.offset, 4)])   # wrong length
+    assert a.used_tokens == 5
+    a.check_invariants()
+
+
+def test_bad_sizes_are_rejected():
+    a = make()
+    for bad in (0, -1, 2.5, "3"):
+        with pytest.raises(InvalidInputError, match="num_tokens"):
+            a.allocate(bad)
+    a.check_invariants()
+
+
+def test_split_keeps_one_block_and_counts_two_extents():
+    a = make()
+    (e,) = a.allocate(6)
+    left, right = a.split(e, 2)
+    assert (left, right) == (Extent(0, 0, 2), Extent(0, 2, 4))
+    assert a.refcount[0] == 2 and a.used[0] == 6
+    assert a.try_join(left, right) == Extent(0, 0, 6)
+    assert a.refcount[0] == 1
+    with pytest.raises(InvalidInputError, match="split point"):
+        a.split(Extent(0, 0, 6), 6)
+    a.check_invariants()
+
+
+def test_private_tail_grows_in_place_and_is_not_shared():
+    a = make()
+    (tail,) = a.allocate(3, private_tail=True)
+    assert a.allocate(2) == [Extent(1, 0, 2)]       # the private block takes no slot
+    assert a.try_grow(tail, 4) == Extent(0, 0, 7)
+    assert a.try_grow(Extent(0, 0, 7), 4) == Extent(0, 0, 8)   # capped by the block
+    assert a.try_grow(Extent(0, 0, 8), 1) is None
+    a.check_invariants()
+
+
+def test_token_mode_has_no_internal_fragmentation():
+    a = BlockAllocator(AllocatorConfig.token_granular(16))
+    ext = a.allocate(5)
+    assert [e.length for e in ext] == [1] * 5
+    assert a.internal_fragmentation() == 0.0
+    a.check_invariants()

@@ -1,0 +1,255 @@
+"""DecoderModel: config validation, determinism, prefix-split exactness, packing, sampling."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cluster.engine.model as model_module
+from cluster.engine.model import (
+    CausalLM,
+    DecoderModel,
+    ModelConfig,
+    kv_shape,
+    sample,
+)
+from cluster.engine.tokenizer import ByteTokenizer
+
+SMALL = ModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                    intermediate_size=128, max_position=512, seed=7)
+
+
+@pytest.fixture(scope="module")
+def model() -> DecoderModel:
+    return DecoderModel(SMALL)
+
+
+def tokens_of(length: int, seed: int = 0, vocab: int = SMALL.vocab_size) -> torch.Tensor:
+    return torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(seed))
+
+
+# ---- config -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        ({"vocab_size": 0}, "vocab_size"),
+        ({"hidden_size": -1}, "hidden_size"),
+        ({"num_layers": 0}, "num_layers"),
+        ({"num_heads": 2.0}, "num_heads"),
+        ({"num_kv_heads": True}, "num_kv_heads"),
+        ({"num_heads": 8, "num_kv_heads": 3}, "num_heads"),
+        ({"head_dim": 33}, "head_dim"),
+        ({"intermediate_size": 0}, "intermediate_size"),
+        ({"rope_theta": 0.0}, "rope_theta"),
+        ({"rms_norm_eps": float("nan")}, "rms_norm_eps"),
+        ({"max_position": 0}, "max_position"),
+        ({"seed": -1}, "seed"),
+        ({"dtype": "float64"}, "dtype"),
+    ],
+)
+def test_config_rejects_bad_field_and_names_it(overrides: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=rf"ModelConfig\.{field}\b"):
+        ModelConfig(**overrides)
+
+
+def test_default_config_matches_byte_tokenizer_and_allows_explicit_head_dim() -> None:
+    config = ModelConfig()
+    assert config.vocab_size == ByteTokenizer.vocab_size == 259
+    assert (config.num_layers, config.num_heads, config.num_kv_heads, config.head_dim) == (4, 8, 2, 32)
+    # head_dim need not equal hidden_size / num_heads (as in Llama's config).
+    wide = DecoderModel(ModelConfig(hidden_size=48, num_heads=4, num_kv_heads=1, head_dim=16,
+                                    num_layers=1, intermediate_size=64, max_position=64))
+    logits, kv = wide.forward_one(tokens_of(5), 0, None)
+    assert logits.shape == (5, 259) and kv.shape == (1, 2, 5, 1, 16)
+
+
+def test_model_satisfies_causal_lm_protocol(model: DecoderModel) -> None:
+    assert isinstance(model, CausalLM)
+    assert not model.training
+    assert all(not p.requires_grad for p in model.parameters())
+
+
+# ---- determinism --------------------------------------------------------------------------------
+
+def test_same_seed_same_logits_different_seed_differs(model: DecoderModel) -> None:
+    tokens = tokens_of(24)
+    logits, kv = model.forward_one(tokens, 0, None)
+    again_logits, again_kv = DecoderModel(SMALL).forward_one(tokens, 0, None)
+    assert torch.equal(logits, again_logits) and torch.equal(kv, again_kv)
+    other = DecoderModel(ModelConfig(**{**SMALL.__dict__, "seed": 8}))
+    assert (other.forward_one(tokens, 0, None)[0] - logits).abs().max() > 1e-3
+
+
+def test_construction_leaves_global_rng_alone() -> None:
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    DecoderModel(SMALL)
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_output_shapes_and_logits_are_well_behaved(model: DecoderModel) -> None:
+    logits, kv = model.forward_one(tokens_of(10), 0, None)
+    assert logits.shape == (10, SMALL.vocab_size) and logits.dtype == torch.float32
+    assert kv.shape == kv_shape(SMALL, 10) == (2, 2, 10, 2, 16)
+    assert torch.isfinite(logits).all() and logits.abs().max() < 10
+
+
+def test_bfloat16_model_keeps_kv_in_bfloat16_and_logits_in_float32(model: DecoderModel) -> None:
+    half = DecoderModel(ModelConfig(**{**SMALL.__dict__, "dtype": "bfloat16"}))
+    tokens = tokens_of(30, seed=2)
+    logits, kv = half.forward_one(tokens, 0, None)
+    assert kv.dtype == torch.bfloat16 and logits.dtype == torch.float32
+    assert half.rope_cos.dtype == torch.float32
+    torch.testing.assert_close(logits, model.forward_one(tokens, 0, None)[0], atol=2e-2, rtol=0)
+    suffix_logits, _ = half.forward_one(tokens[10:], 10, kv[:, :, :10])
+    torch.testing.assert_close(suffix_logits, logits[10:], atol=1e-2, rtol=0)
+
+
+# ---- prefix-split exactness ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("split", [0, 1, 7, 16, 31, 47, 48])
+def test_prefill_with_cached_prefix_equals_full_prefill(model: DecoderModel, split: int) -> None:
+    tokens = tokens_of(49, seed=3)
+    full_logits, full_kv = model.forward_one(tokens, 0, None)
+    prefix_kv = model.forward_one(tokens[:split], 0, None)[1] if split else None
+    logits, kv = model.forward_one(tokens[split:], split, prefix_kv)
+    assert logits.shape == (49 - split, SMALL.vocab_size)
+    torch.testing.assert_close(logits, full_logits[split:], atol=1e-4, rtol=0)
+    torch.testing.assert_close(kv, full_kv[:, :, split:], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 64])
+def test_chunked_attention_over_a_cached_prefix_is_exact(
+    model: DecoderModel, monkeypatch: pytest.MonkeyPatch, chunk: int
+) -> None:
+    # Queries after a cached prefix are attended in chunks of QUERY_CHUNK; any chunking is exact.
+    tokens = tokens_of(40, seed=8)
+    full_logits, full_kv = model.forward_one(tokens, 0, None)
+    monkeypatch.setattr(model_module, "QUERY_CHUNK", chunk)
+    logits, kv = model.forward_one(tokens[11:], 11, full_kv[:, :, :11])
+    torch.testing.assert_close(logits, full_logits[11:], atol=1e-4, rtol=0)
+    torch.testing.assert_close(kv, full_kv[:, :, 11:], atol=1e-4, rtol=0)
+
+
+def test_token_by_token_decode_equals_full_prefill(model: DecoderModel) -> None:
+    tokens = tokens_of(20, seed=4)
+    full_logits, full_kv = model.forward_one(tokens, 0, None)
+    kv = model.forward_one(tokens[:1], 0, None)[1]
+    for pos in range(1, 20):
+        logits, new_kv = model.forward_one(tokens[pos:pos + 1], pos, kv)
+        torch.testing.assert_close(logits[0], full_logits[pos], atol=1e-4, rtol=0)
+        kv = torch.cat((kv, new_kv), dim=2)
+    torch.testing.assert_close(kv, full_kv, atol=1e-4, rtol=0)
+
+
+def test_position_matters(model: DecoderModel) -> None:
+    # Same tokens after two different prefixes of equal length: K differs only through the past,
+    # so the first layer's K must be identical and later outputs must differ.
+    suffix = tokens_of(5, seed=5)
+    kv_a = model.forward_one(tokens_of(8, seed=6), 0, None)[1]
+    kv_b = model.forward_one(tokens_of(8, seed=9), 0, None)[1]
+    logits_a, new_a = model.forward_one(suffix, 8, kv_a)
+    logits_b, new_b = model.forward_one(suffix, 8, kv_b)
+    torch.testing.assert_close(new_a[0], new_b[0], atol=0, rtol=0)
+    assert (logits_a - logits_b).abs().max() > 1e-4
+
+
+# ---- packed batches -----------------------------------------------------------------------------
+
+def test_forward_batch_equals_forward_one_per_item(model: DecoderModel) -> None:
+    history = tokens_of(60, seed=10)
+    history_kv = model.forward_one(history, 0, None)[1]
+    items = [
+        (tokens_of(17, seed=11), 0, None),
+        (history[25:40], 25, history_kv[:, :, :25]),
+        (tokens_of(1, seed=12), 60, history_kv),
+        (tokens_of(3, seed=13), 0, None),
+        (history[59:], 59, history_kv[:, :, :59].clone()),
+    ]
+    batched = model.forward_batch(items)
+    assert len(batched) == len(items)
+    for (tokens, _, _), (logits, kv), item in zip(items, batched, items):
+        one_logits, one_kv = model.forward_one(*item)
+        assert logits.shape == (tokens.numel(), SMALL.vocab_size)
+        torch.testing.assert_close(logits, one_logits, atol=1e-5, rtol=0)
+        torch.testing.assert_close(kv, one_kv, atol=1e-5, rtol=0)
+    assert model.forward_batch([]) == []
+
+
+# ---- input validation ---------------------------------------------------------------------------
+
+def test_forward_rejects_bad_inputs(model: DecoderModel) -> None:
+    tokens = tokens_of(4)
+    kv = model.forward_one(tokens, 0, None)[1]
+    with pytest.raises(TypeError, match="1-D integer tensor"):
+        model.forward_one(tokens.float(), 0, None)
+    with pytest.raises(TypeError, match="1-D integer tensor"):
+        model.forward_one(tokens.view(2, 2), 0, None)
+    with pytest.raises(ValueError, match="must not be empty"):
+        model.forward_one(tokens[:0], 0, None)
+    with pytest.raises(ValueError, match=r"tokens must lie in \[0, 259\)"):
+        model.forward_one(torch.tensor([1, 259]), 0, None)
+    with pytest.raises(ValueError, match="start_pos must be a non-negative int"):
+        model.forward_one(tokens, -1, None)
+    with pytest.raises(ValueError, match="past_kv is None but start_pos is 4"):
+        model.forward_one(tokens, 4, None)
+    with pytest.raises(ValueError, match=r"past_kv must have shape \(2, 2, 3, 2, 16\)"):
+        model.forward_one(tokens, 3, kv)
+    with pytest.raises(ValueError, match="past_kv dtype"):
+        model.forward_one(tokens, 4, kv.double())
+    with pytest.raises(ValueError, match="exceeds max_position 512"):
+        model.forward_one(tokens, 510, torch.zeros(kv_shape(SMALL, 510)))
+    with pytest.raises(ValueError, match=r"items\[1\]: start_pos"):
+        model.forward_batch([(tokens, 0, None), (tokens, -2, None)])
+    with pytest.raises(TypeError, match=r"items\[0\] must be a \(tokens, start_pos, past_kv\) tuple"):
+        model.forward_batch([tokens])
+
+
+# ---- sampling -----------------------------------------------------------------------------------
+
+def test_greedy_is_argmax_and_tiny_top_p_is_argmax() -> None:
+    logits = torch.tensor([0.1, 2.0, -1.0, 1.9, 0.0])
+    assert sample(logits, 0.0) == 1
+    generator = torch.Generator().manual_seed(0)
+    assert all(sample(logits, 1.0, 1e-6, generator) == 1 for _ in range(50))
+
+
+def test_seeded_sampling_is_reproducible_and_follows_the_distribution() -> None:
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+
+    def draws(seed: int, top_p: float, n: int = 400) -> list[int]:
+        generator = torch.Generator().manual_seed(seed)
+        return [sample(logits, 1.0, top_p, generator) for _ in range(n)]
+
+    first = draws(42, 1.0)
+    assert first == draws(42, 1.0)
+    assert first != draws(43, 1.0)
+    assert set(first) == {0, 1, 2, 3}
+    # top_p = 0.8: tokens 0 and 1 reach it (0.5 + 0.3), so 2 and 3 are never drawn.
+    assert set(draws(42, 0.8)) == {0, 1}
+    # Token 0 alone reaches 0.4; 0.6 needs tokens 0 and 1.
+    assert set(draws(1, 0.4)) == {0}
+    assert set(draws(1, 0.6)) == {0, 1}
+    # Low temperature sharpens towards the argmax.
+    generator = torch.Generator().manual_seed(0)
+    assert all(sample(logits, 0.01, 1.0, generator) == 0 for _ in range(50))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"temperature": -0.5}, "temperature"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"logits_row": torch.zeros(2, 3)}, "logits_row"),
+        ({"logits_row": torch.tensor([]).float()}, "logits_row"),
+        ({"logits_row": torch.tensor([0.0, float("nan")])}, "NaN"),
+    ],
+)
+def test_sample_rejects_bad_parameters(kwargs: dict, message: str) -> None:
+    arguments = {"logits_row": torch.zeros(4), "temperature": 1.0, "top_p": 0.9, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        sample(**arguments)
