@@ -253,8 +253,9 @@ class RadixTree:
             pos = end
         if present == len(tokens):
             return InsertResult(present, node, freed)
-        if node.tier != HOT or node.busy:
-            # Cannot hang HOT KV below a colder (or moving) node: keep the cache as it was.
+        if node.tier != HOT or node.busy or tokens[present] in node.children:
+            # Cannot hang HOT KV below a colder (or moving) node, nor beside a child
+            # that a move keeps from being split: keep the cache as it was.
             alloc.free(cursor)
             return InsertResult(present, node, freed + len(tokens) - present)
         leaf = TreeNode(tokens[present:], cursor, node, HOT, now)
@@ -325,6 +326,10 @@ class RadixTree:
         node.stamp += 1
         heapq.heappush(self._heaps[tier], (self.policy.priority(node), next(self._seq), node.stamp, node))
 
+    def requeue(self, node: TreeNode) -> None:
+        """Offer ``node`` to its tier's eviction heap again (after a caller passed it over)."""
+        self._consider(node)
+
     def _consider_parent_after_child_change(self, parent: TreeNode) -> None:
         # A parent that gained a same-tier child stops being a candidate: bump its
         # stamp so its old heap entry is ignored.
@@ -365,7 +370,7 @@ class RadixTree:
             freed += self.drop(node)
         return freed
 
-    def drop(self, node: TreeNode) -> int:
+    def drop(self, node: TreeNode, *, merge: bool = True) -> int:
         """Remove an unlocked leaf and free its KV; merges or re-queues the parent."""
         if node.children or node.lock_ref or node.parent is None or node.busy:
             raise InvalidInputError("only an unlocked, idle leaf can be dropped")
@@ -379,13 +384,29 @@ class RadixTree:
         node.stamp += 1
         self.stats["evicted_tokens"] += n
         self.stats["evicted_nodes"] += 1
-        if len(parent.children) == 1 and parent.parent is not None:
+        if merge and len(parent.children) == 1 and parent.parent is not None:
             (only,) = parent.children.values()
             if self._mergeable(parent, only):
                 self._merge(parent, only)
                 return n
         self._consider(parent)
         return n
+
+    def drop_subtree(self, node: TreeNode) -> int:
+        """Drop ``node`` and everything under it (e.g. its KV failed a checksum).
+
+        Locked or moving descendants (and so their ancestors) are kept.
+        Returns the tokens dropped."""
+        order, stack = [], [node]
+        while stack:
+            n = stack.pop()
+            order.append(n)
+            stack.extend(n.children.values())
+        dropped = 0
+        for n in reversed(order):  # children before parents
+            if n.alive and not n.children and not n.lock_ref and not n.busy:
+                dropped += self.drop(n, merge=False)
+        return dropped
 
     def _mergeable(self, parent: TreeNode, child: TreeNode) -> bool:
         return (parent.lock_ref == 0 and child.lock_ref == 0 and parent.tier == child.tier

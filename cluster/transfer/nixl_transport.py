@@ -136,6 +136,32 @@ def _runs(remote: np.ndarray, local: np.ndarray) -> tuple[np.ndarray, np.ndarray
     return remote[starts], local[starts], lengths
 
 
+def _make_agent(name: str, progress_delay_us: int | None) -> Any:
+    """Create a ``nixl_agent`` with no backend yet and a progress thread that sleeps.
+
+    The owner of the data must make UCX progress for a peer's READ to finish
+    (wireup, and the GET itself on TCP/shared-memory AM paths), so the agent
+    needs its progress thread. ``nixl_agent`` hard-codes the thread's delay
+    to 0, which busy-spins one core per agent forever (measured: 3.0 CPU-s per
+    3 s idle; 0.05 with 100 us). The wrapper keeps its C++ agent in ``.agent``
+    and only reads it after construction, so we swap in one built from our own
+    config before any backend exists.
+    """
+    from nixl import _bindings
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=[]))
+    if progress_delay_us is not None:
+        cfg = _bindings.nixlAgentConfig()
+        cfg.useProgThread = True
+        cfg.useListenThread = False
+        cfg.pthrDelay = int(progress_delay_us)
+        cfg.syncMode = _bindings.NIXL_THREAD_SYNC_NONE  # nixl_agent's default without listener
+        cfg.captureTelemetry = False
+        agent.agent = _bindings.nixlAgent(name, cfg)
+    return agent
+
+
 class NixlEndpoint:
     """One NIXL agent owning one registered KV pool; pulls blocks from peers.
 
@@ -150,9 +176,8 @@ class NixlEndpoint:
         *,
         ucx_env: Mapping[str, str] | None = None,
         ucx_params: Mapping[str, str] | None = None,
+        progress_delay_us: int | None = 100,
     ) -> None:
-        from nixl._api import nixl_agent, nixl_agent_config
-
         self._layout = _layout_of(name, pool)
         self._pool = pool  # keep the registered memory alive
         for key, value in (ucx_env or {}).items():
@@ -164,11 +189,13 @@ class NixlEndpoint:
         self._closed = False
         # The progress thread lets this agent serve peers' READs on transports
         # that need the target to make progress (TCP, AM-based shared memory).
-        self._agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=True, backends=[]))
+        self._agent = _make_agent(name, progress_delay_us)
         try:
             self._agent.create_backend(_BACKEND, dict(ucx_params or {}))
         except Exception as e:
-            raise TransferError(f"cannot create NIXL UCX backend (UCX_TLS={os.environ.get('UCX_TLS')}): {e!r}") from e
+            raise TransferError(
+                f"cannot create NIXL UCX backend (UCX_TLS={os.environ.get('UCX_TLS')!r}): {e!r}"
+            ) from e
         lay = self._layout
         region = [(lay.base_addr, lay.num_blocks * lay.block_bytes, lay.dev_id, "")]
         if lay.mem_type == "VRAM":

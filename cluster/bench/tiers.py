@@ -1,0 +1,190 @@
+"""``prefix-cache bench tiers``: tier-move bandwidth and forward-pass stall.
+
+Bandwidth, per direction, through the real tiered cache (tree bookkeeping,
+copy engine, disk checksums), against a plain copy of the same bytes between
+the same pools in the same run (disk: a plain write/read of the same bytes to
+a file in the same directory). Stall: a compute loop on one thread, timed idle
+and while demotions of ``--gib`` run beside it.
+
+The KV layout defaults to a Llama-3-8B-like one (32 layers, 8 KV heads,
+head_dim 128, fp16): one 16-token block is 2 MiB, as in production.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+
+import torch
+
+from cluster.bench.common import emit, rounded
+from cluster.cache.kv_pool import KVLayout
+from cluster.cache.radix_tree import COLD, HOT, WARM
+from cluster.cache.tiered import TierConfig, TieredCache
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--gib", type=float, default=1.0, help="bytes moved per direction, GiB (default 1)")
+    p.add_argument("--block-tokens", type=int, default=16)
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
+    p.add_argument("--disk-dir", default=None, help="directory for the disk tier (default: a temp dir)")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument("--stall-steps", type=int, default=60, help="compute steps per stall measurement")
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9 if seconds > 0 else 0.0
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _fill(cache: TieredCache, nblocks: int, bt: int) -> list:
+    """Insert ``nblocks`` full-block nodes of random KV; returns the nodes."""
+    nodes = []
+    g = torch.Generator(device="cpu").manual_seed(0)
+    for i in range(nblocks):
+        toks = [i % 50_000, i // 50_000] + [7] * (bt - 2)
+        ext = cache.allocate(bt)
+        cache.hot.tensor[ext[0].block_id].copy_(
+            torch.randn(cache.hot.tensor.shape[1:], generator=g).to(cache.hot.tensor.dtype))
+        nodes.append(cache.insert(toks, ext).node)
+    return nodes
+
+
+def _move_all(cache: TieredCache, nodes: list) -> float:
+    """Demote every node one tier down (all in flight at once)."""
+    t0 = time.perf_counter()
+    cache._start_demotion(nodes)
+    cache.wait_all()
+    _sync(cache.device)
+    return time.perf_counter() - t0
+
+
+def _promote_all(cache: TieredCache, nodes: list) -> float:
+    t0 = time.perf_counter()
+    cache._start_promotion(nodes)
+    cache.wait_all()
+    _sync(cache.device)
+    return time.perf_counter() - t0
+
+
+def bandwidth(args: argparse.Namespace, disk_dir: str) -> None:
+    layout = KVLayout(args.layers, args.kv_heads, args.head_dim, args.dtype)
+    block_bytes = layout.bytes_per_token() * args.block_tokens
+    nblocks = max(1, int(args.gib * 2**30) // block_bytes)
+    cfg = TierConfig(hot_blocks=nblocks, warm_blocks=nblocks, cold_blocks=nblocks, block_tokens=args.block_tokens,
+                     disk_dir=disk_dir, device=args.device, high_watermark=1.0, low_watermark=0.99)
+    cache = TieredCache(cfg, layout)
+    hot, warm, cold = cache.pools
+    nbytes = nblocks * block_bytes
+    nodes = _fill(cache, nblocks, args.block_tokens)
+    _sync(cache.device)
+
+    def plain(dst, src) -> float:
+        t0 = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        _sync(cache.device)
+        return time.perf_counter() - t0
+
+    t_d2h = _move_all(cache, nodes)
+    p_d2h = plain(warm.tensor, hot.tensor)
+    t_h2d_src = [n for n in nodes]
+    t_h2c = _move_all(cache, nodes)
+    path = os.path.join(disk_dir, "plain-copy.bin")
+    data = warm.tensor.numpy() if warm.tensor.dtype != torch.bfloat16 else warm.tensor.view(torch.int16).numpy()
+    t0 = time.perf_counter()
+    with open(path, "wb") as fh:
+        fh.write(memoryview(data).cast("B"))
+    p_h2c = time.perf_counter() - t0
+    # Disk reads: drop the page cache where we may, so neither side reads from memory.
+    _drop_caches()
+    t_c2h = _promote_all(cache, t_h2d_src)  # disk -> device (through host on CUDA)
+    _drop_caches()
+    t0 = time.perf_counter()
+    with open(path, "rb") as fh:
+        buf = bytearray(nbytes)
+        fh.readinto(buf)
+    p_c2h = time.perf_counter() - t0
+    # h2d: demote to WARM again, then promote from WARM.
+    _move_all(cache, nodes)
+    t_h2d = _promote_all(cache, nodes)
+    p_h2d = plain(hot.tensor, warm.tensor)
+    for direction, ours, base in (("d2h", t_d2h, p_d2h), ("h2d", t_h2d, p_h2d),
+                                  ("host_to_disk", t_h2c, p_h2c), ("disk_to_host", t_c2h, p_c2h)):
+        gb, pgb = _gbps(nbytes, ours), _gbps(nbytes, base)
+        emit({"bench": "tiers", "direction": direction, "bytes": nbytes, "gb_per_s": rounded(gb, 3),
+              "plain_gb_per_s": rounded(pgb, 3), "ratio": rounded(gb / pgb if pgb else 0.0, 3),
+              "blocks": nblocks, "block_bytes": block_bytes, "device": str(cache.device)})
+    os.unlink(path)
+    cache.close()
+
+
+def _drop_caches() -> None:
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as fh:
+            fh.write("1\n")
+    except OSError:
+        pass
+
+
+def _compute_steps(n: int, size: int = 384) -> list[float]:
+    a = torch.randn(size, size)
+    b = torch.randn(size, size)
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        for _ in range(8):
+            a = torch.tanh(a @ b * 0.01)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def stall(args: argparse.Namespace, disk_dir: str) -> None:
+    layout = KVLayout(args.layers, args.kv_heads, args.head_dim, args.dtype)
+    block_bytes = layout.bytes_per_token() * args.block_tokens
+    nblocks = max(1, int(args.gib * 2**30) // block_bytes)
+    cfg = TierConfig(hot_blocks=nblocks, warm_blocks=nblocks, block_tokens=args.block_tokens, device=args.device,
+                     high_watermark=1.0, low_watermark=0.99)
+    cache = TieredCache(cfg, layout)
+    nodes = _fill(cache, nblocks, args.block_tokens)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the compute loop owns one core; copies run beside it
+    moved = 0
+    try:
+        _compute_steps(5)
+        idle = sorted(_compute_steps(args.stall_steps))
+        busy: list[float] = []
+        while len(busy) < args.stall_steps:
+            # Demote the whole GiB in the background and keep computing until it lands.
+            cache._start_demotion(nodes)
+            while cache.in_flight() and len(busy) < 10 * args.stall_steps:
+                busy.extend(_compute_steps(1))
+                cache.poll()
+            cache.wait_all()
+            moved += nblocks * block_bytes
+            _promote_all(cache, nodes)   # back to HOT, untimed, for the next round
+        busy.sort()
+    finally:
+        torch.set_num_threads(threads)
+    mid = len(idle) // 2
+    step_idle, step_busy = idle[mid] * 1e3, busy[mid] * 1e3
+    emit({"bench": "tiers", "step_ms_idle": rounded(step_idle, 3), "step_ms_offload": rounded(step_busy, 3),
+          "stall_pct": rounded(100 * (step_busy - step_idle) / step_idle, 2),
+          "offload_bytes_during_loop": moved, "steps_measured": len(busy), "device": str(cache.device)})
+    cache.close()
+
+
+def run(args: argparse.Namespace) -> int:
+    with tempfile.TemporaryDirectory(dir=args.disk_dir) as tmp:
+        bandwidth(args, tmp)
+        stall(args, tmp)
+    return 0

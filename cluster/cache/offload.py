@@ -1,0 +1,162 @@
+"""Asynchronous copy engines: tier moves that never stall the forward pass.
+
+Both engines share one small interface: ``submit`` returns an operation id at
+once, ``poll`` returns the operations that finished (with their error, if
+any), ``wait`` blocks on one operation. Completions are applied by the owner
+of the cache when it polls: background threads never touch the tree.
+
+- ``ThreadEngine``: a worker thread runs each job (tensor copies release the
+  GIL, so the caller's compute loop keeps its core); used for host copies
+  without CUDA and for disk IO everywhere.
+- ``CudaStreamEngine``: copies are queued on a dedicated non-blocking CUDA
+  stream, after the producer stream's pending work; each operation records an
+  event, polled with ``event.query()``; a consumer that needs the data waits on
+  that event only (``wait_on_stream``), never on the whole device.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+
+@dataclass(slots=True)
+class Completion:
+    op_id: int
+    error: BaseException | None
+
+
+class ThreadEngine:
+    """Runs jobs on one worker thread.
+
+    ``drain_on_poll`` makes completion timing deterministic (every job
+    submitted before a ``poll`` is complete when it returns), for property
+    tests and simulations that must replay exactly; the copies still run on
+    the worker thread.
+    """
+
+    def __init__(self, name: str, *, drain_on_poll: bool = False):
+        self.drain_on_poll = drain_on_poll
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self._ids = itertools.count(1)
+        self._done: queue.SimpleQueue[Completion] = queue.SimpleQueue()
+        self._futures: dict[int, Future] = {}
+        self._lock = threading.Lock()
+
+    def submit(self, job: Callable[[], None]) -> int:
+        op_id = next(self._ids)
+
+        def run() -> None:
+            err = None
+            try:
+                job()
+            except BaseException as exc:  # reported to the owner, never lost
+                err = exc
+            self._done.put(Completion(op_id, err))
+
+        self._futures[op_id] = self._pool.submit(run)
+        return op_id
+
+    def submit_copies(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> int:
+        def copy_all() -> None:
+            for dst, src in pairs:
+                dst.copy_(src)
+        return self.submit(copy_all)
+
+    def poll(self) -> list[Completion]:
+        if self.drain_on_poll:
+            for fut in list(self._futures.values()):
+                fut.result()
+        out = []
+        while True:
+            try:
+                c = self._done.get_nowait()
+            except queue.Empty:
+                return out
+            self._futures.pop(c.op_id, None)
+            out.append(c)
+
+    def wait(self, op_id: int) -> None:
+        fut = self._futures.get(op_id)
+        if fut is not None:
+            fut.result()
+
+    def in_flight(self) -> int:
+        return len(self._futures)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+class CudaStreamEngine:
+    """Copies on a dedicated CUDA stream, completion tracked by events."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device)
+        self._ids = itertools.count(1)
+        self._events: dict[int, torch.cuda.Event] = {}
+        self._keepalive: dict[int, list] = {}
+
+    def submit_copies(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> int:
+        op_id = next(self._ids)
+        producer = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self.stream):
+            # Source KV may still be being written by the forward pass.
+            self.stream.wait_stream(producer)
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        for dst, src in pairs:  # the allocator must not reuse memory the copy reads or writes
+            for t in (dst, src):
+                if t.is_cuda:
+                    t.record_stream(self.stream)
+        self._events[op_id] = event
+        self._keepalive[op_id] = list(pairs)
+        return op_id
+
+    def submit(self, job: Callable[[], None]) -> int:
+        op_id = next(self._ids)
+        with torch.cuda.stream(self.stream):
+            job()
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        self._events[op_id] = event
+        return op_id
+
+    def poll(self) -> list[Completion]:
+        done = [op for op, ev in self._events.items() if ev.query()]
+        for op in done:
+            del self._events[op]
+            self._keepalive.pop(op, None)
+        return [Completion(op, None) for op in done]
+
+    def wait(self, op_id: int) -> None:
+        ev = self._events.get(op_id)
+        if ev is not None:
+            ev.synchronize()
+
+    def wait_on_stream(self, op_id: int, stream: torch.cuda.Stream | None = None) -> None:
+        """Make ``stream`` (default: current) wait for ``op_id`` without blocking the host."""
+        ev = self._events.get(op_id)
+        if ev is not None:
+            (stream or torch.cuda.current_stream(self.device)).wait_event(ev)
+
+    def in_flight(self) -> int:
+        return len(self._events)
+
+    def close(self) -> None:
+        self.stream.synchronize()
+
+
+def make_copy_engine(device: torch.device, *, deterministic: bool = False):
+    if device.type == "cuda":
+        return CudaStreamEngine(device)
+    return ThreadEngine("kv-copy", drain_on_poll=deterministic)

@@ -1,0 +1,516 @@
+"""Tiered radix cache: HOT (device) -> WARM (host) -> COLD (disk).
+
+Under pressure a node is demoted, not destroyed; the tree keeps its topology,
+so ``match`` sees how much of a prefix is HOT, WARM and COLD, and a hit on a
+colder part promotes the whole path back to HOT before the caller reads it.
+
+Moves are asynchronous: a node being moved is marked ``busy`` (no split,
+merge, drop or second move), its source KV stays valid until the copy
+completes, and completions are applied by the owner in ``poll``. A demotion
+that finds its node locked when it completes is abandoned (the HOT copy is in
+use); a promotion that fails (disk checksum) drops the bad node and its
+subtree, and the caller recomputes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable, Sequence
+
+import torch
+
+from cluster.cache.allocator import AllocatorConfig, Extent
+from cluster.cache.disk import DiskPool
+from cluster.cache.kv_pool import KVLayout, KVPool, cuda_available
+from cluster.cache.offload import ThreadEngine, make_copy_engine
+from cluster.cache.radix_tree import COLD, HOT, TIER_NAMES, WARM, MatchResult, RadixTree, TreeNode
+from cluster.errors import CacheError, ChecksumError, InvalidInputError, PoolExhaustedError
+
+
+class UnknownSessionError(CacheError, KeyError):
+    """A prefetch named a session this cache has never seen (or has forgotten)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    hot_blocks: int
+    warm_blocks: int = 0
+    cold_blocks: int = 0
+    block_tokens: int = 16
+    disk_dir: str | None = None
+    high_watermark: float = 0.9
+    low_watermark: float = 0.7
+    mode: str = "slotted"
+    device: str = "auto"
+    policy: str = "lru"
+    max_sessions: int = 100_000
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.hot_blocks, int) or self.hot_blocks <= 0:
+            raise InvalidInputError(f"hot_blocks must be a positive integer, got {self.hot_blocks!r}")
+        for name in ("warm_blocks", "cold_blocks"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 0:
+                raise InvalidInputError(f"{name} must be a non-negative integer, got {v!r}")
+        if self.cold_blocks and not self.warm_blocks:
+            raise InvalidInputError("cold_blocks needs warm_blocks > 0 (COLD is reached through WARM)")
+        if self.cold_blocks and not self.disk_dir:
+            raise InvalidInputError("cold_blocks > 0 needs disk_dir")
+        if not 0.0 < self.low_watermark < self.high_watermark <= 1.0:
+            raise InvalidInputError(
+                f"watermarks out of order: need 0 < low_watermark ({self.low_watermark}) < "
+                f"high_watermark ({self.high_watermark}) <= 1")
+
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if cuda_available() else "cpu")
+        return torch.device(self.device)
+
+
+@dataclass(slots=True)
+class _Move:
+    kind: str                     # "demote" | "promote"
+    nodes: list[TreeNode]
+    src_tiers: list[int]
+    dst_tier: int
+    dst_extents: list[list[Extent]]
+    engine: Any
+    op_id: int = 0
+    failed_index: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class TieredMatch:
+    length: int                   # tokens usable now (HOT, after any promotion)
+    last_node: TreeNode
+    extents: list[Extent]         # HOT extents covering tokens[:length]
+    tier_lengths: list[int]       # HOT/WARM/COLD split of the prefix before promotion
+    promoted_tokens: int = 0
+    waited_s: float = 0.0
+
+
+class TieredCache:
+    def __init__(self, config: TierConfig, layout: KVLayout | None, *, clock: Callable[[], float] = time.monotonic,
+                 vocab_size: int | None = None, deterministic_io: bool = False):
+        """``deterministic_io``: background copies complete at the next poll,
+        exactly (tests and replays); production leaves it off."""
+        self.config = config
+        self.layout = layout
+        self.device = config.resolved_device()
+        bt, mode = config.block_tokens, config.mode
+        self.pools: list[Any] = [KVPool(AllocatorConfig(config.hot_blocks, bt, mode), layout,
+                                        device=self.device, name="hot")]
+        if config.warm_blocks:
+            self.pools.append(KVPool(AllocatorConfig(config.warm_blocks, bt, mode), layout,
+                                     device="cpu", pin_memory=self.device.type == "cuda", name="warm"))
+        if config.cold_blocks:
+            if layout is None:
+                raise InvalidInputError("a disk tier needs a KV layout")
+            self.pools.append(DiskPool(AllocatorConfig(config.cold_blocks, bt, mode), layout, config.disk_dir))
+        self.tree = RadixTree([p.allocator for p in self.pools], policy=config.policy, clock=clock,
+                              vocab_size=vocab_size)
+        self.copier = make_copy_engine(self.device, deterministic=deterministic_io)
+        self.disk_io = ThreadEngine("kv-disk", drain_on_poll=deterministic_io) if config.cold_blocks else None
+        self._moves: dict[tuple[int, int], _Move] = {}
+        self._pending_out = [0, 0, 0]   # tokens leaving each tier in flight
+        self._sessions: OrderedDict[Any, tuple[Hashable, list[int]]] = OrderedDict()
+        self.stats = {"demoted_to_warm": 0, "demoted_to_cold": 0, "promoted_tokens": 0, "promotions": 0,
+                      "dropped_tokens": 0, "checksum_failures": 0, "demotions_abandoned": 0, "prefetches": 0,
+                      "prefetch_unknown_session": 0, "stalls": 0, "promotion_skipped_no_room": 0}
+
+    @property
+    def num_tiers(self) -> int:
+        return len(self.pools)
+
+    @property
+    def hot(self) -> KVPool:
+        return self.pools[HOT]
+
+    # ------------------------------------------------------------ public API
+    def match(self, tokens: Sequence[int], namespace: Hashable = None, *, promote: bool = True,
+              lock: bool = False, validate: bool = True) -> TieredMatch:
+        """Longest cached prefix, promoted to HOT (all or nothing) when ``promote``.
+
+        With ``lock`` the returned node is locked before anything else can run,
+        so its extents stay valid until ``unlock``.
+        """
+        self.poll()
+        t0 = time.perf_counter()
+        m = self.tree.match_prefix(tokens, namespace, validate=validate)
+        tier_lengths = list(m.tier_lengths)
+        # Wait for moves that own nodes on the path (e.g. a prefetch still copying).
+        waiting = [n for n in m.nodes if n.busy and (n.busy.kind == "promote" or n.tier != HOT)]
+        if waiting:
+            for n in waiting:
+                if n.busy:
+                    self._wait_move(n.busy)
+            m = self.tree.match_prefix(tokens, namespace, validate=False)
+        promoted = 0
+        if promote and m.length and m.nodes[-1].tier != HOT:
+            promoted = self._promote_sync([n for n in m.nodes if n.tier != HOT])
+        hot_nodes = [n for n in m.nodes if n.tier == HOT]
+        length = sum(len(n.key) for n in hot_nodes)
+        last = hot_nodes[-1] if hot_nodes else self.tree.root(namespace)
+        extents = [e for n in hot_nodes for e in n.extents]
+        if lock:
+            self.tree.lock(last)
+        return TieredMatch(length, last, extents, tier_lengths, promoted, time.perf_counter() - t0)
+
+    def allocate(self, num_tokens: int) -> list[Extent]:
+        """HOT extents for new KV; demotes (or drops) to make room, all or nothing."""
+        return self._allocate(HOT, num_tokens, private_tail=False)
+
+    def append(self, extents: list[Extent], num_tokens: int) -> tuple[list[Extent], list[Extent]]:
+        """Grow a request's private HOT sequence (copy-on-write of a shared tail)."""
+        while True:
+            try:
+                out = self.hot.append(extents, num_tokens)
+                self.enforce_watermarks()
+                return out
+            except PoolExhaustedError as exc:
+                if not self._make_room(HOT, max(1, exc.needed_blocks - exc.free_blocks)):
+                    raise
+
+    def insert(self, tokens: Sequence[int], extents: Sequence[Extent], namespace: Hashable = None, *,
+               start: int = 0, validate: bool = True):
+        res = self.tree.insert(tokens, extents, namespace, start=start, validate=validate)
+        self.enforce_watermarks()
+        return res
+
+    def lock(self, node: TreeNode) -> None:
+        self.tree.lock(node)
+
+    def unlock(self, node: TreeNode) -> None:
+        self.tree.unlock(node)
+
+    def free(self, extents: Sequence[Extent]) -> None:
+        self.hot.allocator.free(extents)
+
+    def read(self, extents: Sequence[Extent]) -> torch.Tensor:
+        return self.hot.read(extents)
+
+    def write(self, extents: Sequence[Extent], kv: torch.Tensor) -> None:
+        self.hot.write(extents, kv)
+
+    # --------------------------------------------------------------- sessions
+    def note_session(self, session_id: Any, tokens: Sequence[int], namespace: Hashable = None) -> None:
+        """Remember a session's latest sequence, for predictive swap-in."""
+        self._sessions[session_id] = (namespace, list(tokens))
+        self._sessions.move_to_end(session_id)
+        while len(self._sessions) > self.config.max_sessions:
+            self._sessions.popitem(last=False)
+
+    def prefetch(self, session_id: Any = None, tokens: Sequence[int] | None = None,
+                 namespace: Hashable = None) -> int:
+        """Start promoting a session's WARM/COLD path; returns the tokens being
+        brought up (0 when already HOT). Returns at once."""
+        if tokens is None:
+            if session_id not in self._sessions:
+                self.stats["prefetch_unknown_session"] += 1
+                raise UnknownSessionError(f"unknown session {session_id!r}: nothing to prefetch")
+            namespace, tokens = self._sessions[session_id]
+        self.poll()
+        m = self.tree.match_prefix(tokens, namespace)
+        cold = [n for n in m.nodes if n.tier != HOT]
+        if not cold or any(n.busy for n in cold):
+            return 0
+        self.stats["prefetches"] += 1
+        move = self._start_promotion(cold)
+        return 0 if move is None else sum(len(n.key) for n in cold)
+
+    # ------------------------------------------------------------- watermarks
+    def usage(self, tier: int) -> float:
+        alloc = self.pools[tier].allocator
+        return (alloc.used_tokens - self._pending_out[tier]) / alloc.capacity_tokens
+
+    def enforce_watermarks(self) -> None:
+        """Demote LRU frontier nodes of each tier above the high watermark until
+        its usage falls below the low watermark (asynchronously)."""
+        self.poll()
+        cfg = self.config
+        for tier in range(self.num_tiers - 1):
+            if self.usage(tier) <= cfg.high_watermark:
+                continue
+            alloc = self.pools[tier].allocator
+            target = cfg.low_watermark * alloc.capacity_tokens
+            batch, leaving = [], alloc.used_tokens - self._pending_out[tier]
+            while leaving > target:
+                node = self.tree.pop_candidate(tier, leaves_only=False)
+                if node is None:
+                    break
+                batch.append(node)
+                leaving -= len(node.key)
+            if batch:
+                move = self._start_demotion(batch)
+                for node in batch:
+                    if not node.busy:  # no room below for it: offer it again later
+                        self.tree.requeue(node)
+
+    # ------------------------------------------------------------ completions
+    def poll(self) -> int:
+        done = 0
+        for engine in filter(None, (self.copier, self.disk_io)):
+            for c in engine.poll():
+                move = self._moves.pop((id(engine), c.op_id), None)
+                if move is not None:
+                    self._complete(move, c.error)
+                    done += 1
+        return done
+
+    def wait_all(self) -> None:
+        while self._moves:
+            move = next(iter(self._moves.values()))
+            self._wait_move(move)
+
+    def in_flight(self) -> int:
+        return len(self._moves)
+
+    def close(self) -> None:
+        self.wait_all()
+        self.copier.close()
+        if self.disk_io is not None:
+            self.disk_io.close()
+        if self.num_tiers > COLD:
+            self.pools[COLD].close()
+
+    # ---------------------------------------------------------------- internals
+    def _wait_move(self, move: _Move) -> None:
+        try:
+            move.engine.wait(move.op_id)
+        except BaseException:
+            pass  # the error arrives through poll
+        while (id(move.engine), move.op_id) in self._moves:
+            if not self.poll():
+                time.sleep(0.0005)
+
+    def _allocate(self, tier: int, num_tokens: int, *, private_tail: bool) -> list[Extent]:
+        alloc = self.pools[tier].allocator
+        while True:
+            try:
+                ext = alloc.allocate(num_tokens, private_tail=private_tail)
+                if tier == HOT:
+                    self.enforce_watermarks()
+                return ext
+            except PoolExhaustedError as exc:
+                if not self._make_room(tier, max(1, exc.needed_blocks - exc.free_blocks)):
+                    raise
+
+    def _make_room(self, tier: int, blocks: int) -> bool:
+        """Synchronously free ``blocks`` in ``tier``: demote (wait) or drop. False if stuck."""
+        alloc = self.pools[tier].allocator
+        target = alloc.free_blocks + blocks
+        self.stats["stalls"] += 1
+        passed_over: list[TreeNode] = []
+        try:
+            return self._free_blocks_until(tier, target, passed_over)
+        finally:
+            for node in passed_over:
+                self.tree.requeue(node)
+
+    def _free_blocks_until(self, tier: int, target: int, passed_over: list[TreeNode]) -> bool:
+        alloc = self.pools[tier].allocator
+        while alloc.free_blocks < target:
+            self.poll()
+            last_tier = tier == self.num_tiers - 1
+            node = self.tree.pop_candidate(tier, leaves_only=last_tier)
+            if node is None:
+                pending = [m for m in self._moves.values() if tier in m.src_tiers]
+                if not pending:
+                    return alloc.free_blocks >= target
+                self._wait_move(pending[0])
+                continue
+            if last_tier:
+                self.stats["dropped_tokens"] += self.tree.drop(node)
+            else:
+                move = self._start_demotion(node)
+                if move is None:
+                    if not node.children:  # the next tier is stuck too: drop instead of failing
+                        self.stats["dropped_tokens"] += self.tree.drop(node)
+                    else:
+                        passed_over.append(node)
+                    continue
+                self._wait_move(move)
+        return True
+
+    def _start_demotion(self, nodes: TreeNode | list[TreeNode]) -> _Move | None:
+        """Move nodes of one tier one tier down, as a single asynchronous copy
+        (consecutive whole blocks coalesce). Nodes whose room cannot be found
+        below stay where they are; None when none could start."""
+        nodes = [nodes] if isinstance(nodes, TreeNode) else list(nodes)
+        src = nodes[0].tier
+        dst = src + 1
+        move = _Move("demote", [], [], dst, [], None)
+        for node in nodes:
+            assert node.tier == src and not node.busy, "a batch demotes idle nodes of one tier"
+            node.busy = move  # reserved: making room below may merge or drop idle nodes
+        taken, dst_exts = [], []
+        for node in nodes:
+            try:
+                dst_exts.append(self._allocate(dst, len(node.key), private_tail=False))
+                taken.append(node)
+            except PoolExhaustedError:
+                break
+        for node in nodes[len(taken):]:
+            node.busy = False
+        if not taken:
+            return None
+        move.nodes, move.src_tiers, move.dst_extents = taken, [src] * len(taken), dst_exts
+        if dst == WARM:
+            pairs = []
+            for node, ext in zip(taken, dst_exts):
+                pairs.extend(self._copy_pairs(self.pools[src], node.extents, self.pools[dst], ext))
+            move.engine = self.copier
+            move.op_id = self.copier.submit_copies(pairs)
+        else:
+            warm, cold = self.pools[src], self.pools[dst]
+            jobs = [(list(node.extents), ext) for node, ext in zip(taken, dst_exts)]
+
+            def write_all() -> None:
+                for src_ext, dst_ext in jobs:
+                    cold.write(dst_ext, warm.read(src_ext))
+
+            move.engine = self.disk_io
+            move.op_id = self.disk_io.submit(write_all)
+        for node in taken:
+            self._pending_out[src] += len(node.key)
+        self._moves[(id(move.engine), move.op_id)] = move
+        return move
+
+    def _start_promotion(self, nodes: list[TreeNode]) -> _Move | None:
+        """Bring ``nodes`` up to HOT in one asynchronous copy: a root-ward-first
+        run of one path, or several such runs, parents before children."""
+        for n in nodes:
+            self.tree.lock(n)  # nothing on these paths may move or go meanwhile
+        dst_exts: list[list[Extent]] = []
+        try:
+            for n in nodes:
+                dst_exts.append(self._allocate(HOT, len(n.key), private_tail=False))
+        except PoolExhaustedError:
+            for ext in dst_exts:
+                self.hot.allocator.free(ext)
+            for n in nodes:
+                self.tree.unlock(n)
+            self.stats["promotion_skipped_no_room"] += 1
+            return None
+        move = _Move("promote", list(nodes), [n.tier for n in nodes], HOT, dst_exts, None)
+        if all(n.tier == WARM for n in nodes):
+            pairs = []
+            for n, ext in zip(nodes, dst_exts):
+                pairs.extend(self._copy_pairs(self.pools[WARM], n.extents, self.hot, ext))
+            move.engine = self.copier
+            move.op_id = self.copier.submit_copies(pairs)
+        else:
+            jobs = [(self.pools[n.tier], list(n.extents), ext) for n, ext in zip(nodes, dst_exts)]
+            hot, failed = self.hot, move.failed_index
+
+            def bring_up() -> None:
+                for i, (pool, src, dst) in enumerate(jobs):
+                    try:
+                        kv = pool.read(src)
+                    except ChecksumError:
+                        failed.append(i)
+                        raise
+                    hot.write(dst, kv.to(hot.device))
+                if hot.device.type == "cuda":
+                    torch.cuda.current_stream(hot.device).synchronize()
+
+            move.engine = self.disk_io
+            move.op_id = self.disk_io.submit(bring_up)
+        for n in nodes:
+            n.busy = move
+        self._moves[(id(move.engine), move.op_id)] = move
+        return move
+
+    def _promote_sync(self, nodes: list[TreeNode]) -> int:
+        move = self._start_promotion(nodes)
+        if move is None:
+            return 0
+        self._wait_move(move)
+        return sum(len(n.key) for n in nodes if n.alive and n.tier == HOT)
+
+    def _complete(self, move: _Move, error: BaseException | None) -> None:
+        for n in move.nodes:
+            n.busy = False
+        if move.kind == "demote":
+            src, dst = move.src_tiers[0], move.dst_tier
+            for node, dst_ext in zip(move.nodes, move.dst_extents):
+                self._pending_out[src] -= len(node.key)
+                if error is not None or node.lock_ref:
+                    # Failed copy, or the source got locked meanwhile: keep the source.
+                    self.pools[dst].allocator.free(dst_ext)
+                    self.stats["demotions_abandoned"] += 1
+                    self.tree.requeue(node)
+                    continue
+                self.pools[src].allocator.free(node.extents)
+                self.tree.retier(node, dst, dst_ext)
+                self.stats["demoted_to_warm" if dst == WARM else "demoted_to_cold"] += 1
+            return
+        # Promotion: apply root-ward first so tiers stay monotone along the path.
+        for n in move.nodes:
+            self.tree.unlock(n)
+        bad = move.failed_index[0] if move.failed_index else (0 if error is not None else len(move.nodes))
+        for i, (node, ext) in enumerate(zip(move.nodes, move.dst_extents)):
+            if i < bad:
+                self.pools[node.tier].allocator.free(node.extents)
+                self.tree.retier(node, HOT, ext)
+                self.stats["promoted_tokens"] += len(node.key)
+            else:
+                self.hot.allocator.free(ext)
+        self.stats["promotions"] += 1
+        if bad < len(move.nodes):
+            if isinstance(error, ChecksumError):
+                self.stats["checksum_failures"] += 1
+            self.stats["dropped_tokens"] += self.tree.drop_subtree(move.nodes[bad])
+
+    @staticmethod
+    def _copy_pairs(src_pool, src_ext: Sequence[Extent], dst_pool, dst_ext: Sequence[Extent]):
+        """(dst view, src view) pairs covering the same tokens, cut at both sides'
+        boundaries; runs of whole blocks consecutive on both sides become one copy."""
+        runs: list[list[int]] = []   # [dst block, dst off, src block, src off, tokens, whole blocks]
+        si = di = s_off = d_off = 0
+        bt = dst_pool.block_tokens
+        while si < len(src_ext) and di < len(dst_ext):
+            sb, so, sl = src_ext[si]
+            db, do, dl = dst_ext[di]
+            k = min(sl - s_off, dl - d_off)
+            whole = k == bt and so + s_off == 0 and do + d_off == 0
+            last = runs[-1] if runs else None
+            if whole and last and last[5] and last[0] + last[5] == db and last[2] + last[5] == sb:
+                last[5] += 1
+            else:
+                runs.append([db, do + d_off, sb, so + s_off, k, 1 if whole else 0])
+            s_off += k
+            d_off += k
+            if s_off == sl:
+                si, s_off = si + 1, 0
+            if d_off == dl:
+                di, d_off = di + 1, 0
+        st, dt = src_pool.tensor, dst_pool.tensor
+        for db, do, sb, so, k, nblocks in runs:
+            if nblocks:
+                yield dt[db:db + nblocks], st[sb:sb + nblocks]
+            else:
+                yield dt[db, :, :, do:do + k], st[sb, :, :, so:so + k]
+
+    def tier_summary(self) -> dict[str, dict[str, int]]:
+        out = {}
+        for tier, pool in enumerate(self.pools):
+            a = pool.allocator
+            out[TIER_NAMES[tier]] = {"used_tokens": a.used_tokens, "capacity_tokens": a.capacity_tokens,
+                                     "used_blocks": a.used_blocks, "num_blocks": a.num_blocks}
+        return out
+
+    def check_invariants(self) -> None:
+        self.tree.check_invariants()
+        for node in self.tree.iter_nodes():
+            if node.busy:
+                assert (id(node.busy.engine), node.busy.op_id) in self._moves, "busy node without a move"
+        for tier in range(self.num_tiers):
+            assert self._pending_out[tier] == sum(
+                len(n.key) for m in self._moves.values() if m.kind == "demote" and m.src_tiers[0] == tier
+                for n in m.nodes), "in-flight token count drifted"

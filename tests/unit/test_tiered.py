@@ -1,0 +1,246 @@
+import os
+
+import pytest
+import torch
+
+from cluster.cache.kv_pool import KVLayout
+from cluster.cache.radix_tree import COLD, HOT, WARM
+from cluster.cache.tiered import TierConfig, TieredCache, UnknownSessionError
+from cluster.errors import DiskTierError, InvalidInputError
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=4)
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        self.t += 1.0
+        return self.t
+
+
+def kv_for(tokens):
+    """Deterministic KV per (prefix) position, so content checks are exact."""
+    g = torch.Generator().manual_seed(hash(tuple(tokens)) % (2 ** 31))
+    return torch.randn(LAYOUT.num_layers, 2, len(tokens), 1, 4, generator=g)
+
+
+def make(tmp_path, hot=8, warm=8, cold=16, **kw):
+    cfg = TierConfig(hot_blocks=hot, warm_blocks=warm, cold_blocks=cold, block_tokens=4,
+                     disk_dir=str(tmp_path) if cold else None, device="cpu", **kw)
+    return TieredCache(cfg, LAYOUT, clock=Clock())
+
+
+def put(cache, tokens, namespace=None):
+    m = cache.match(tokens, namespace, lock=True)
+    try:
+        rest = len(tokens) - m.length
+        if rest:
+            ext = cache.allocate(rest)
+            cache.write(ext, kv_for(tokens)[:, :, m.length:])
+            return cache.insert(tokens, ext, namespace, start=m.length).node
+        return m.last_node
+    finally:
+        cache.unlock(m.last_node)
+
+
+def demote(cache, node, to):
+    while node.tier < to:
+        move = cache._start_demotion(node)
+        assert move is not None
+        cache._wait_move(move)
+
+
+def test_round_trip_hot_warm_cold_hot_is_bit_exact(tmp_path):
+    cache = make(tmp_path)
+    toks = list(range(10))
+    node = put(cache, toks)
+    expected = kv_for(toks)
+    demote(cache, node, WARM)
+    assert node.tier == WARM and cache.pools[WARM].allocator.used_tokens == 10
+    assert torch.equal(cache.pools[WARM].read(node.extents), expected)
+    demote(cache, node, COLD)
+    assert node.tier == COLD and cache.pools[WARM].allocator.used_tokens == 0
+    m = cache.match(toks)
+    assert m.tier_lengths == [0, 0, 10] and m.length == 10 and m.promoted_tokens == 10
+    assert node.tier == HOT
+    assert torch.equal(cache.read(m.extents), expected)
+    cache.check_invariants()
+    cache.close()
+
+
+def test_disk_corruption_is_detected_and_the_subtree_dropped(tmp_path):
+    cache = make(tmp_path)
+    parent = put(cache, list(range(8)))
+    child = put(cache, list(range(8)) + [50, 51, 52])
+    for n in (child, parent):
+        demote(cache, n, COLD)
+    cache.pools[COLD].corrupt_block_for_test(parent.extents[0].block_id)
+    m = cache.match(list(range(8)) + [50, 51, 52])
+    assert m.length == 0 and m.extents == []
+    assert not parent.alive and not child.alive
+    assert cache.stats["checksum_failures"] == 1
+    cache.check_invariants()
+    # The cache still works: the same tokens can be inserted again and read back.
+    put(cache, list(range(8)))
+    m = cache.match(list(range(8)))
+    assert torch.equal(cache.read(m.extents), kv_for(list(range(8))))
+    cache.close()
+
+
+def test_watermark_demotes_lru_first_and_never_locked(tmp_path):
+    # 8 HOT blocks of 4 tokens = 32 tokens; high 0.9 -> demote above 28.8 tokens, down to < 22.4.
+    cache = make(tmp_path, hot=8, warm=16, cold=0)
+    nodes = [put(cache, [100 + i] * 4) for i in range(6)]   # 24 tokens, under the mark
+    cache.match([100] * 4)                                   # node 0 becomes most recent
+    cache.lock(nodes[1])
+    nodes.append(put(cache, [200] * 4))                      # 28 tokens
+    assert all(n.tier == HOT for n in nodes)
+    nodes.append(put(cache, [201] * 4))                      # 32 tokens > 28.8: demote to below 22.4
+    cache.wait_all()
+    cache.poll()
+    tiers = [n.tier for n in nodes]
+    # LRU order skips 0 (touched) and 1 (locked): 2, 3, 4 go, leaving 20 < 22.4 tokens HOT.
+    assert tiers == [HOT, HOT, WARM, WARM, WARM, HOT, HOT, HOT]
+    assert cache.stats["demoted_to_warm"] == 3
+    cache.check_invariants()
+    cache.close()
+
+
+def test_demotion_is_abandoned_when_the_node_gets_locked(tmp_path):
+    cache = make(tmp_path, cold=0)
+    node = put(cache, list(range(6)))
+    move = cache._start_demotion(node)
+    cache.lock(node)
+    cache._wait_move(move)
+    assert node.tier == HOT and cache.stats["demotions_abandoned"] == 1
+    assert cache.pools[WARM].allocator.used_tokens == 0
+    cache.unlock(node)
+    cache.check_invariants()
+    cache.close()
+
+
+def test_promotion_brings_the_whole_path(tmp_path):
+    cache = make(tmp_path)
+    a = put(cache, [1, 2, 3, 4, 5])
+    b = put(cache, [1, 2, 3, 4, 5, 6, 7])
+    c = put(cache, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10])
+    demote(cache, c, COLD)
+    demote(cache, b, WARM)
+    demote(cache, a, WARM)
+    m = cache.match([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11])
+    assert m.tier_lengths == [0, 7, 3]
+    assert [a.tier, b.tier, c.tier] == [HOT, HOT, HOT] and m.length == 10
+    assert torch.equal(cache.read(m.extents)[:, :, 7:], kv_for([1, 2, 3, 4, 5, 6, 7, 8, 9, 10])[:, :, 7:])
+    cache.check_invariants()
+    cache.close()
+
+
+def test_promotion_without_room_reports_only_the_hot_part(tmp_path):
+    cache = make(tmp_path, hot=2, warm=8, cold=0, high_watermark=1.0, low_watermark=0.5)
+    a = put(cache, [1, 2, 3, 4])
+    b = put(cache, [1, 2, 3, 4, 5, 6, 7, 8])
+    demote(cache, b, WARM)
+    cache.lock(a)
+    filler = put(cache, [9, 9, 9, 9])
+    cache.lock(filler)
+    m = cache.match([1, 2, 3, 4, 5, 6, 7, 8])
+    assert m.length == 4 and m.tier_lengths == [4, 4, 0] and b.tier == WARM
+    assert cache.stats["promotion_skipped_no_room"] == 1
+    cache.check_invariants()
+    cache.close()
+
+
+def test_prefetch_runs_in_the_background(tmp_path):
+    cache = make(tmp_path)
+    toks = list(range(12))
+    node = put(cache, toks)
+    cache.note_session("s1", toks)
+    demote(cache, node, COLD)
+    started = cache.prefetch("s1")
+    assert started == 12 and node.busy  # returned before the copy finished
+    cache.wait_all()
+    assert node.tier == HOT
+    m = cache.match(toks)
+    assert m.promoted_tokens == 0 and m.length == 12
+    assert torch.equal(cache.read(m.extents), kv_for(toks))
+    with pytest.raises(UnknownSessionError, match="unknown session 'nope'"):
+        cache.prefetch("nope")
+    assert cache.stats["prefetch_unknown_session"] == 1
+    cache.check_invariants()
+    cache.close()
+
+
+def test_match_waits_for_a_prefetch_in_flight(tmp_path):
+    cache = make(tmp_path)
+    toks = list(range(9))
+    node = put(cache, toks)
+    demote(cache, node, COLD)
+    cache.prefetch(tokens=toks)
+    m = cache.match(toks)           # no second promotion: it waits for the first
+    assert m.length == 9 and m.promoted_tokens == 0 and cache.stats["promotions"] == 1
+    cache.close()
+
+
+def test_disk_full_drops_the_coldest(tmp_path):
+    cache = make(tmp_path, hot=8, warm=2, cold=2)
+    nodes = [put(cache, [i] * 8) for i in range(3)]
+    demote(cache, nodes[0], COLD)
+    cache.match([1] * 8)
+    demote(cache, nodes[1], WARM)
+    # COLD is full (2 blocks): moving node 1 down drops node 0, the coldest.
+    demote(cache, nodes[1], COLD)
+    assert not nodes[0].alive and nodes[1].tier == COLD
+    assert cache.stats["dropped_tokens"] == 8
+    cache.check_invariants()
+    cache.close()
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(high_watermark=0.5, low_watermark=0.7), "watermarks out of order"),
+    (dict(high_watermark=1.5), "watermarks out of order"),
+    (dict(hot_blocks=0), "hot_blocks"),
+    (dict(cold_blocks=4, disk_dir=None), "needs disk_dir"),
+    (dict(warm_blocks=0, cold_blocks=4, disk_dir="/tmp"), "needs warm_blocks"),
+])
+def test_bad_config_is_rejected(kw, message):
+    base = dict(hot_blocks=4, warm_blocks=4, device="cpu")
+    with pytest.raises(InvalidInputError, match=message):
+        TierConfig(**{**base, **kw})
+
+
+def test_missing_or_unwritable_disk_directory(tmp_path):
+    with pytest.raises(DiskTierError, match="does not exist"):
+        make(tmp_path / "missing")
+    if os.geteuid() != 0:  # root may write anywhere
+        ro = tmp_path / "ro"
+        ro.mkdir()
+        ro.chmod(0o500)
+        with pytest.raises(DiskTierError, match="not writable"):
+            make(ro)
+
+
+def test_truncated_disk_file_is_a_checksum_failure(tmp_path):
+    cache = make(tmp_path)
+    node = put(cache, list(range(8)))
+    demote(cache, node, COLD)
+    os.truncate(cache.pools[COLD].path, 0)
+    m = cache.match(list(range(8)))
+    assert m.length == 0 and cache.stats["checksum_failures"] == 1
+    cache.check_invariants()
+    cache.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_round_trip_through_pinned_host(tmp_path):
+    cfg = TierConfig(hot_blocks=8, warm_blocks=8, cold_blocks=8, block_tokens=4, disk_dir=str(tmp_path))
+    cache = TieredCache(cfg, LAYOUT, clock=Clock())
+    assert cache.hot.tensor.is_cuda and cache.pools[WARM].tensor.is_pinned()
+    toks = list(range(10))
+    node = put(cache, toks)
+    demote(cache, node, COLD)
+    m = cache.match(toks)
+    assert torch.equal(cache.read(m.extents).cpu(), kv_for(toks))
+    cache.close()
