@@ -119,7 +119,11 @@ class BlockAllocator:
         return 0.0 if allocated == 0 else (allocated - self.used_tokens) / allocated
 
     def owner_of(self, extent: Extent) -> Any:
-        return self._lookup(extent)[1]
+        b, off, length = extent
+        entry = self.live[b].get(off) if type(b) is int and 0 <= b < self.num_blocks else None
+        if entry is None or entry[0] != length:
+            entry = self._lookup(extent)
+        return entry[1]
 
     # --------------------------------------------------------------- allocation
     def blocks_needed(self, num_tokens: int) -> int:
@@ -149,10 +153,19 @@ class BlockAllocator:
                 f"pool exhausted: {num_tokens} tokens need {needed} free blocks, {len(self._free)} left",
                 needed_blocks=needed, free_blocks=len(self._free))
         out = []
-        for _ in range(full):
-            b = self._free.pop()
-            self._place(b, 0, bt, owner)
-            out.append(Extent(b, 0, bt))
+        if full:
+            # Whole blocks: no gaps, no slot index; set the bookkeeping directly.
+            free, live, refcount, used, gap, tail = self._free, self.live, self.refcount, self.used, self.gap, self.tail
+            entry = (bt, owner)
+            for _ in range(full):
+                b = free.pop()
+                live[b][0] = entry
+                refcount[b] = 1
+                used[b] = bt
+                gap[b] = 0
+                tail[b] = bt
+                out.append(Extent(b, 0, bt))
+            self.used_tokens += full * bt
         if rest:
             if slot_block is None:
                 b = self._free.pop()
@@ -197,23 +210,38 @@ class BlockAllocator:
     def free(self, extents: Iterable[Extent]) -> None:
         """Free extents. Validates all of them first, so a bad one frees nothing."""
         extents = list(extents)
-        seen = set()
+        live, n = self.live, self.num_blocks
         for e in extents:
-            self._lookup(e)
-            if (e.block_id, e.offset) in seen:
-                raise InvalidInputError(f"extent {tuple(e)} listed twice in one free")
-            seen.add((e.block_id, e.offset))
+            b, off, length = e
+            entry = live[b].get(off) if type(b) is int and 0 <= b < n else None
+            if entry is None or entry[0] != length:
+                self._lookup(e)  # raises with the precise message
+        if len({(e[0], e[1]) for e in extents}) != len(extents):
+            seen = set()
+            for e in extents:
+                if (e[0], e[1]) in seen:
+                    raise InvalidInputError(f"extent {tuple(e)} listed twice in one free")
+                seen.add((e[0], e[1]))
         # Reverse order: the tail of a sequence goes back first (nano-vllm habit),
         # so the next allocation reuses the hottest blocks.
+        bt = self.block_tokens
         for b, off, length in reversed(extents):
+            if length == bt:  # a whole block: nothing else lives on it
+                del live[b][off]
+                self.refcount[b] = self.used[b] = self.tail[b] = self.inner_gap[b] = 0
+                self.gap[b] = bt
+                self._open[b] = False
+                self._free.append(b)
+                self.used_tokens -= bt
+                continue
             self._unbucket(b)
-            del self.live[b][off]
+            del live[b][off]
             self.refcount[b] -= 1
             self.used[b] -= length
             self.used_tokens -= length
             if self.refcount[b] == 0:
                 self._open[b] = False
-                self.gap[b] = self.block_tokens
+                self.gap[b] = bt
                 self.tail[b] = self.inner_gap[b] = 0
                 self._free.append(b)
             else:
@@ -228,8 +256,11 @@ class BlockAllocator:
         self.set_open(extent.block_id, True)
 
     def set_owner(self, extent: Extent, owner: Any) -> None:
-        length, _ = self._lookup(extent)
-        self.live[extent.block_id][extent.offset] = (length, owner)
+        b, off, length = extent
+        entry = self.live[b].get(off) if 0 <= b < self.num_blocks else None
+        if entry is None or entry[0] != length:
+            self._lookup(extent)
+        self.live[b][off] = (length, owner)
 
     # -------------------------------------------------------- split and merge
     def split(self, extent: Extent, at: int) -> tuple[Extent, Extent]:

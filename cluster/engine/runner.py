@@ -1,0 +1,283 @@
+"""Model runner on the tiered radix cache, with continuous batching.
+
+Per request: match the prompt's prefix (promoting WARM/COLD parts to HOT) and
+lock it, compute only the uncached suffix reading the cached KV from the pool,
+write the new KV into the request's own extents, decode (appending, with
+copy-on-write when the tail extent shares a block), and at the end insert the
+whole sequence into the tree and release the lock, also on failure or cancel.
+
+Each ``step`` runs one batch under a token budget: decodes of every running
+request plus as many waiting prefills as fit (a prompt longer than the budget
+runs alone). The model sees one packed forward per step.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Hashable, Sequence
+
+import torch
+
+from cluster.cache.allocator import Extent
+from cluster.cache.tiered import TieredCache
+from cluster.engine.model import sample
+from cluster.errors import CacheError, InvalidInputError, PoolExhaustedError
+from cluster.tokens import as_token_list
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise InvalidInputError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.temperature, (int, float)) or not 0.0 <= self.temperature <= 2.0:
+            raise InvalidInputError(f"temperature must be in [0, 2], got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+            raise InvalidInputError(f"top_p must be in (0, 1], got {self.top_p!r}")
+
+
+@dataclass
+class Request:
+    prompt: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    namespace: Hashable = None
+    session_id: Any = None
+    request_id: int = 0
+    # Filled in by the engine.
+    output: list[int] = field(default_factory=list)
+    cached_tokens: int = 0          # prompt tokens served from the cache
+    tier_hits: list[int] = field(default_factory=lambda: [0, 0, 0])
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+    submitted_at: float = 0.0
+    first_token_at: float | None = None
+    logits: list[torch.Tensor] = field(default_factory=list)   # kept when keep_logits
+    # Private state.
+    _node: Any = None               # locked prefix node
+    _prefix_ext: list[Extent] = field(default_factory=list)
+    _seq_ext: list[Extent] = field(default_factory=list)   # this request's own KV (after the prefix)
+    _kv: torch.Tensor | None = None  # working copy [L, 2, capacity, H, D]
+    _len: int = 0                    # tokens whose KV is computed
+    _generator: torch.Generator | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+
+@dataclass(slots=True)
+class TokenEvent:
+    request: Request
+    token: int
+    finished: bool
+
+
+class Engine:
+    def __init__(self, model: Any, cache: TieredCache, *, max_batch_tokens: int = 4096, max_running: int = 64,
+                 keep_logits: bool = False, cache_final_token: bool = True, clock=time.perf_counter):
+        cfg = model.config
+        lay = cache.layout
+        if lay is None or (lay.num_layers, lay.num_kv_heads, lay.head_dim) != (
+                cfg.num_layers, cfg.num_kv_heads, cfg.head_dim):
+            raise InvalidInputError("the cache's KV layout does not match the model's")
+        if max_batch_tokens < 1 or max_running < 1:
+            raise InvalidInputError("max_batch_tokens and max_running must be >= 1")
+        self.model = model
+        self.cache = cache
+        self.max_batch_tokens = max_batch_tokens
+        self.max_running = max_running
+        self.keep_logits = keep_logits
+        self.cache_final_token = cache_final_token
+        self.clock = clock
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._ids = itertools.count(1)
+        self.stats = {"prompt_tokens": 0, "cached_tokens": 0, "computed_tokens": 0, "steps": 0,
+                      "requests_finished": 0, "requests_failed": 0}
+
+    # ------------------------------------------------------------------ API
+    def submit(self, request: Request) -> Request:
+        request.prompt = as_token_list(request.prompt, self.model.config.vocab_size)
+        limit = self.model.config.max_position
+        if len(request.prompt) + request.params.max_tokens > limit:
+            raise InvalidInputError(
+                f"prompt ({len(request.prompt)} tokens) + max_tokens ({request.params.max_tokens}) "
+                f"exceeds the model's context of {limit}")
+        request.request_id = request.request_id or next(self._ids)
+        request.submitted_at = self.clock()
+        if request.params.seed is not None:
+            request._generator = torch.Generator().manual_seed(request.params.seed)
+        self.waiting.append(request)
+        return request
+
+    def cancel(self, request: Request, reason: str = "cancelled") -> None:
+        if request in self.waiting:
+            self.waiting.remove(request)
+            request.finished, request.finish_reason = True, reason
+        elif request in self.running:
+            self._finish(request, reason, keep=True)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def generate(self, prompt: Sequence[int], params: SamplingParams | None = None, **kw) -> Request:
+        """Run one request to completion (convenience for tests and tools)."""
+        req = self.submit(Request(list(prompt), params or SamplingParams(), **kw))
+        while not req.finished:
+            self.step()
+        if req.error:
+            raise CacheError(req.error)
+        return req
+
+    # ------------------------------------------------------------------ steps
+    def step(self) -> list[TokenEvent]:
+        """One scheduler iteration: admit prefills, run one batch, sample."""
+        self.cache.poll()
+        batch: list[tuple[Request, torch.Tensor, int]] = []   # (request, new tokens, start position)
+        budget = self.max_batch_tokens
+        for req in self.running:
+            batch.append((req, torch.tensor(req.tokens[-1:]), req._len))
+            budget -= 1
+        while self.waiting and len(self.running) < self.max_running:
+            req = self.waiting[0]
+            suffix = self._admit(req)
+            if suffix is None:
+                self.waiting.popleft()
+                continue
+            if suffix > budget and batch:
+                self._release_prefix(req)   # try again next step, with a fresh match
+                break
+            self.waiting.popleft()
+            self.running.append(req)
+            self.stats["prompt_tokens"] += len(req.prompt)
+            self.stats["cached_tokens"] += req.cached_tokens
+            batch.append((req, torch.tensor(req.prompt[req._len:]), req._len))
+            budget -= suffix
+        if not batch:
+            return []
+        items = [(toks, start, req._kv[:, :, :start] if start else None) for req, toks, start in batch]
+        try:
+            outputs = self.model.forward_batch(items)
+        except Exception as exc:  # a failed step fails its requests, never the cache
+            for req, _, _ in batch:
+                self._finish(req, "error", keep=False, error=f"model forward failed: {exc}")
+            return []
+        self.stats["steps"] += 1
+        events = []
+        for (req, toks, start), (logits, new_kv) in zip(batch, outputs):
+            try:
+                self._store_kv(req, start, new_kv)
+            except PoolExhaustedError as exc:
+                self._finish(req, "error", keep=False, error=f"KV cache full: {exc}")
+                continue
+            self.stats["computed_tokens"] += len(toks)
+            if self.keep_logits:
+                req.logits.append(logits)
+            token = sample(logits[-1], req.params.temperature, req.params.top_p, req._generator)
+            req.output.append(token)
+            if req.first_token_at is None:
+                req.first_token_at = self.clock()
+            reason = None
+            if token in req.params.stop_token_ids:
+                reason = "stop"
+            elif len(req.output) >= req.params.max_tokens:
+                reason = "length"
+            if reason:
+                self._finish(req, reason, keep=True)
+            events.append(TokenEvent(req, token, req.finished))
+        return events
+
+    # -------------------------------------------------------------- internals
+    def _admit(self, req: Request) -> int | None:
+        """Match and lock the prompt's prefix; returns the suffix length to compute."""
+        cache = self.cache
+        try:
+            m = cache.match(req.prompt, req.namespace, lock=True, validate=False)
+        except CacheError as exc:
+            req.finished, req.finish_reason, req.error = True, "error", str(exc)
+            return None
+        req._node = m.last_node
+        # At least the last prompt token is computed: its logits start the output.
+        usable = min(m.length, len(req.prompt) - 1)
+        req._prefix_ext = _take(m.extents, usable)
+        req.cached_tokens = usable
+        req.tier_hits = [min(usable, m.tier_lengths[0]), 0, 0]
+        rest = usable - req.tier_hits[0]
+        for t in (1, 2):
+            req.tier_hits[t] = min(rest, m.tier_lengths[t])
+            rest -= req.tier_hits[t]
+        cfg = self.model.config
+        cap = len(req.prompt) + req.params.max_tokens + 1
+        dtype = cache.hot.tensor.dtype
+        req._kv = torch.empty((cfg.num_layers, 2, cap, cfg.num_kv_heads, cfg.head_dim), dtype=dtype,
+                              device=cache.hot.tensor.device)
+        if usable:
+            req._kv[:, :, :usable] = cache.read(req._prefix_ext)
+        req._len = usable
+        return len(req.prompt) - usable
+
+    def _store_kv(self, req: Request, start: int, new_kv: torch.Tensor) -> None:
+        n = new_kv.shape[2]
+        req._kv[:, :, start:start + n] = new_kv
+        if not req._seq_ext:
+            ext = self.cache.allocate(n)             # a prompt's tail may share a block as a slot
+        else:
+            req._seq_ext, ext = self.cache.append(req._seq_ext, n)   # copy-on-write if shared
+        if not req._seq_ext:
+            req._seq_ext = ext
+        self.cache.write(ext, new_kv)
+        req._len = start + n
+
+    def _finish(self, req: Request, reason: str, *, keep: bool, error: str | None = None) -> None:
+        """End a request: cache its KV (when ``keep``), free what is private, unlock."""
+        req.finished, req.finish_reason, req.error = True, reason, error
+        if req in self.running:
+            self.running.remove(req)
+        try:
+            if keep and self.cache_final_token and req.output and req._len < len(req.tokens):
+                # Compute the last sampled token's KV too, so the whole sequence
+                # (prompt and output) is cached for the next turn.
+                start = req._len
+                _, kv = self.model.forward_one(torch.tensor(req.tokens[start:]), start, req._kv[:, :, :start])
+                self._store_kv(req, start, kv)
+            if keep and req._seq_ext:
+                tokens = req.tokens[:req._len]
+                self.cache.hot.allocator.seal(req._seq_ext[-1])
+                self.cache.insert(tokens, req._seq_ext, req.namespace, start=req.cached_tokens, validate=False)
+                if req.session_id is not None:
+                    self.cache.note_session(req.session_id, tokens, req.namespace)
+            elif req._seq_ext:
+                self.cache.free(req._seq_ext)
+        finally:
+            req._seq_ext = []
+            self._release_prefix(req)
+            req._kv = None
+            self.stats["requests_finished" if error is None else "requests_failed"] += 1
+
+    def _release_prefix(self, req: Request) -> None:
+        if req._node is not None:
+            self.cache.unlock(req._node)
+            req._node = None
+        req._prefix_ext = []
+
+
+def _take(extents: list[Extent], ntokens: int) -> list[Extent]:
+    """The leading extents covering ``ntokens`` (the last one cut, as a view only)."""
+    out, covered = [], 0
+    for e in extents:
+        if covered >= ntokens:
+            break
+        k = min(e.length, ntokens - covered)
+        out.append(e if k == e.length else Extent(e.block_id, e.offset, k))
+        covered += k
+    return out

@@ -1,0 +1,194 @@
+"""The runner on the tiered cache: cached KV gives the logits of a full prefill."""
+
+import pytest
+import torch
+
+from cluster.cache.kv_pool import KVLayout
+from cluster.cache.radix_tree import COLD, HOT, WARM
+from cluster.cache.tiered import TierConfig, TieredCache
+from cluster.engine.model import DecoderModel, ModelConfig
+from cluster.engine.runner import Engine, Request, SamplingParams
+from cluster.errors import InvalidInputError
+
+TOL = 1e-4
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return DecoderModel(ModelConfig(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
+                                    intermediate_size=128, seed=3))
+
+
+def make_engine(model, tmp_path, hot=64, warm=64, cold=64, block_tokens=8, **kw):
+    c = model.config
+    cfg = TierConfig(hot_blocks=hot, warm_blocks=warm, cold_blocks=cold, block_tokens=block_tokens,
+                     disk_dir=str(tmp_path) if cold else None, device="cpu", **kw)
+    cache = TieredCache(cfg, KVLayout(c.num_layers, c.num_kv_heads, c.head_dim))
+    return Engine(model, cache, keep_logits=True)
+
+
+def full_logits(model, tokens):
+    return model.forward_one(torch.tensor(tokens), 0, None)[0]
+
+
+def assert_exact(model, req):
+    """Every position computed after the cache hit equals a full prefill."""
+    tokens = req.prompt + req.output
+    ref = full_logits(model, tokens)
+    got = torch.cat(req.logits, dim=0)
+    start = req.cached_tokens
+    assert got.shape[0] == len(req.prompt) - start + len(req.output) - 1
+    assert torch.allclose(got, ref[start:start + got.shape[0]], atol=TOL, rtol=0)
+    plain = greedy_without_cache(model, req.prompt, len(req.output))
+    assert req.output == plain
+
+
+def greedy_without_cache(model, prompt, n):
+    toks = list(prompt)
+    for _ in range(n):
+        toks.append(int(full_logits(model, toks)[-1].argmax()))
+    return toks[len(prompt):]
+
+
+def test_second_turn_hits_and_matches_full_prefill(model, tmp_path):
+    eng = make_engine(model, tmp_path)
+    first = eng.generate(list(range(40)), SamplingParams(max_tokens=4))
+    assert first.cached_tokens == 0
+    assert_exact(model, first)
+    follow = eng.generate(first.prompt + first.output + [7, 8, 9], SamplingParams(max_tokens=4))
+    assert follow.cached_tokens == 44     # the whole first turn, its output included
+    assert_exact(model, follow)
+    assert eng.cache.tree.protected_tokens == 0
+    eng.cache.check_invariants()
+
+
+def test_exact_after_a_node_split(model, tmp_path):
+    eng = make_engine(model, tmp_path)
+    eng.generate(list(range(30)), SamplingParams(max_tokens=2))
+    branch = eng.generate(list(range(13)) + [99, 98, 97], SamplingParams(max_tokens=3))
+    assert branch.cached_tokens == 13 and eng.cache.tree.stats["splits"] >= 1
+    assert_exact(model, branch)
+
+
+def test_exact_after_copy_on_write(model, tmp_path):
+    eng = make_engine(model, tmp_path)
+    eng.generate([5] * 3, SamplingParams(max_tokens=1))   # leaves a short slot in an open block
+    req = eng.generate([6] * 11, SamplingParams(max_tokens=6))
+    assert eng.cache.hot.cow_copies >= 1
+    assert_exact(model, req)
+    again = eng.generate(req.prompt + req.output + [1], SamplingParams(max_tokens=2))
+    assert again.cached_tokens == 17
+    assert_exact(model, again)
+
+
+def test_exact_after_compaction(model, tmp_path):
+    eng = make_engine(model, tmp_path)
+    reqs = [eng.generate([i] * 2, SamplingParams(max_tokens=1)) for i in range(10, 20)]
+    for r in reqs[::2]:
+        eng.cache.tree.drop(eng.cache.tree.match_prefix(r.prompt + r.output).last_node)
+    moved = eng.cache.hot.compact(8, can_move=lambda n: n is not None and n.lock_ref == 0)
+    assert moved >= 1 and eng.cache.hot.moved_tokens > 0
+    for r in reqs[1::2]:
+        again = eng.generate(r.prompt + r.output + [3], SamplingParams(max_tokens=2))
+        assert again.cached_tokens == 3
+        assert_exact(model, again)
+    eng.cache.check_invariants()
+
+
+@pytest.mark.parametrize("tier", [WARM, COLD])
+def test_exact_after_demotion_and_promotion(model, tmp_path, tier):
+    eng = make_engine(model, tmp_path)
+    first = eng.generate(list(range(50, 90)), SamplingParams(max_tokens=3))
+    node = eng.cache.tree.match_prefix(first.prompt + first.output).last_node
+    while node.tier < tier:
+        eng.cache._wait_move(eng.cache._start_demotion(node))
+    assert node.tier == tier
+    follow = eng.generate(first.prompt + first.output + [1, 2], SamplingParams(max_tokens=3))
+    assert follow.cached_tokens == 43 and follow.tier_hits[tier] == 43
+    assert node.tier == HOT
+    assert_exact(model, follow)
+    eng.cache.check_invariants()
+
+
+def test_batched_requests_equal_one_at_a_time(model, tmp_path):
+    prompts = [list(range(i, i + 20 + 3 * i)) for i in range(5)]
+    solo = [make_engine(model, tmp_path / f"s{i}", cold=0).generate(p, SamplingParams(max_tokens=5)).output
+            for i, p in enumerate(prompts)]
+    eng = make_engine(model, tmp_path, cold=0)
+    reqs = [eng.submit(Request(p, SamplingParams(max_tokens=5))) for p in prompts]
+    steps = 0
+    while eng.has_work():
+        eng.step()
+        steps += 1
+    assert [r.output for r in reqs] == solo
+    assert steps == 5   # one step prefills all five prompts together, then four shared decode steps
+    for r in reqs:
+        assert_exact(model, r)
+
+
+def test_seeded_sampling_is_reproducible(model, tmp_path):
+    eng = make_engine(model, tmp_path, cold=0)
+    p = SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=11)
+    a = eng.generate(list(range(12)), p).output
+    b = eng.generate(list(range(12)), p).output
+    assert a == b
+
+
+def test_stop_tokens_and_cancel_release_locks(model, tmp_path):
+    eng = make_engine(model, tmp_path, cold=0)
+    ref = eng.generate(list(range(25)), SamplingParams(max_tokens=6)).output
+    stopped = eng.generate(list(range(25)), SamplingParams(max_tokens=6, stop_token_ids=(ref[2],)))
+    assert stopped.output == ref[:3] and stopped.finish_reason == "stop"
+    prompt = list(range(25)) + list(range(100, 115))
+    req = eng.submit(Request(prompt, SamplingParams(max_tokens=50)))
+    eng.step()
+    eng.step()
+    assert eng.cache.tree.protected_tokens > 0
+    eng.cancel(req)
+    assert req.finished and req.finish_reason == "cancelled"
+    assert eng.cache.tree.protected_tokens == 0
+    # What was computed before the cancel is cached.
+    assert len(req.output) == 2
+    assert eng.cache.tree.match_prefix(prompt + req.output).length == 42
+    eng.cache.check_invariants()
+
+
+def test_bad_requests_are_rejected(model, tmp_path):
+    eng = make_engine(model, tmp_path, cold=0)
+    with pytest.raises(InvalidInputError, match="vocab_size"):
+        eng.submit(Request([1, 2, 9999]))
+    with pytest.raises(InvalidInputError, match="must not be empty"):
+        eng.submit(Request([]))
+    with pytest.raises(InvalidInputError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(InvalidInputError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(InvalidInputError, match="exceeds the model's context"):
+        eng.submit(Request([1] * 10, SamplingParams(max_tokens=model.config.max_position)))
+    assert not eng.has_work()
+
+
+def test_hf_adapter_reuse_through_the_engine(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from cluster.engine.hf_adapter import HFCausalLM
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                   rms_norm_eps=1e-6, tie_word_embeddings=False)
+    hf = HFCausalLM(transformers.LlamaForCausalLM(cfg).eval())
+    eng = make_engine(hf, tmp_path)
+    first = eng.generate(list(range(30)), SamplingParams(max_tokens=3))
+    node = eng.cache.tree.match_prefix(first.prompt + first.output).last_node
+    eng.cache._wait_move(eng.cache._start_demotion(node))
+    follow = eng.generate(first.prompt + first.output + [200, 201], SamplingParams(max_tokens=3))
+    assert follow.cached_tokens == 33 and follow.tier_hits[WARM] == 33
+    assert_exact(hf, follow)
