@@ -156,6 +156,35 @@ class CudaStreamEngine:
         self.stream.synchronize()
 
 
+class ImmediateEngine:
+    """For caches without KV payload (simulation): every move completes at once."""
+
+    def __init__(self):
+        self._ids = itertools.count(1)
+        self._done: list[Completion] = []
+
+    def submit(self, job: Callable[[], None]) -> int:
+        op_id = next(self._ids)
+        self._done.append(Completion(op_id, None))
+        return op_id
+
+    def submit_copies(self, pairs) -> int:
+        return self.submit(lambda: None)
+
+    def poll(self) -> list[Completion]:
+        out, self._done = self._done, []
+        return out
+
+    def wait(self, op_id: int) -> None:
+        pass
+
+    def in_flight(self) -> int:
+        return len(self._done)
+
+    def close(self) -> None:
+        pass
+
+
 def make_copy_engine(device: torch.device, *, deterministic: bool = False):
     if device.type == "cuda":
         return CudaStreamEngine(device)

@@ -107,6 +107,10 @@ class RadixTree:
         self._heaps: list[list] = [[] for _ in range(ntiers)]
         self._seq = itertools.count()
         self.stats = {"splits": 0, "merges": 0, "evicted_tokens": 0, "evicted_nodes": 0}
+        # Observers of what the tree holds (KV event publishers): each gets
+        # on_stored(node), on_tier(node, old_tier), on_removed(node), called after
+        # the change, from the owner thread. Split and merge change no content.
+        self.listeners: list[Any] = []
 
     # ----------------------------------------------------------------- queries
     @property
@@ -128,6 +132,7 @@ class RadixTree:
                 raise InvalidInputError(f"namespace must be a str, an int or None, got {type(namespace).__name__}")
             node = TreeNode([], [], None)
             node.lock_ref = 1  # the root is never evicted
+            node.session = ("namespace", namespace)
             self.roots[namespace] = node
         return node
 
@@ -264,6 +269,8 @@ class RadixTree:
         node.children[leaf.key[0]] = leaf
         self.evictable[HOT] += len(leaf.key)
         self._consider(leaf)
+        for listener in self.listeners:
+            listener.on_stored(leaf)
         self._consider_parent_after_child_change(node)
         return InsertResult(present, leaf, freed)
 
@@ -375,6 +382,8 @@ class RadixTree:
         if node.children or node.lock_ref or node.parent is None or node.busy:
             raise InvalidInputError("only an unlocked, idle leaf can be dropped")
         n = len(node.key)
+        for listener in self.listeners:  # before the node leaves: they need its path
+            listener.on_removed(node)
         self.allocators[node.tier].free(node.extents)
         self.evictable[node.tier] -= n
         parent = node.parent
@@ -456,6 +465,8 @@ class RadixTree:
         self._consider(node)
         if node.parent is not None and node.parent.parent is not None and node.parent.tier == old_tier:
             self._consider(node.parent)
+        for listener in self.listeners:
+            listener.on_tier(node, old_tier)
 
     # -------------------------------------------------------------- iteration
     def iter_nodes(self, namespace: Hashable = ...):
@@ -473,6 +484,12 @@ class RadixTree:
             parts.append(node.key)
             node = node.parent
         return [t for part in reversed(parts) for t in part]
+
+    @staticmethod
+    def namespace_of(node: TreeNode) -> Hashable:
+        while node.parent is not None:
+            node = node.parent
+        return node.session[1]
 
     # -------------------------------------------------------------- invariants
     def check_invariants(self) -> None:

@@ -24,7 +24,7 @@ import torch
 from cluster.cache.allocator import AllocatorConfig, Extent
 from cluster.cache.disk import DiskPool
 from cluster.cache.kv_pool import KVLayout, KVPool, cuda_available
-from cluster.cache.offload import ThreadEngine, make_copy_engine
+from cluster.cache.offload import ImmediateEngine, ThreadEngine, make_copy_engine
 from cluster.cache.radix_tree import COLD, HOT, TIER_NAMES, WARM, MatchResult, RadixTree, TreeNode
 from cluster.errors import CacheError, ChecksumError, InvalidInputError, PoolExhaustedError
 
@@ -59,8 +59,6 @@ class TierConfig:
                 raise InvalidInputError(f"{name} must be a non-negative integer, got {v!r}")
         if self.cold_blocks and not self.warm_blocks:
             raise InvalidInputError("cold_blocks needs warm_blocks > 0 (COLD is reached through WARM)")
-        if self.cold_blocks and not self.disk_dir:
-            raise InvalidInputError("cold_blocks > 0 needs disk_dir")
         if not 0.0 < self.low_watermark < self.high_watermark <= 1.0:
             raise InvalidInputError(
                 f"watermarks out of order: need 0 < low_watermark ({self.low_watermark}) < "
@@ -108,14 +106,20 @@ class TieredCache:
         if config.warm_blocks:
             self.pools.append(KVPool(AllocatorConfig(config.warm_blocks, bt, mode), layout,
                                      device="cpu", pin_memory=self.device.type == "cuda", name="warm"))
-        if config.cold_blocks:
-            if layout is None:
-                raise InvalidInputError("a disk tier needs a KV layout")
+        if config.cold_blocks and layout is None:  # simulation: bookkeeping only, no file
+            self.pools.append(KVPool(AllocatorConfig(config.cold_blocks, bt, mode), None, name="cold"))
+        elif config.cold_blocks:
+            if not config.disk_dir:
+                raise InvalidInputError("cold_blocks > 0 needs disk_dir (the COLD tier's directory)")
             self.pools.append(DiskPool(AllocatorConfig(config.cold_blocks, bt, mode), layout, config.disk_dir))
         self.tree = RadixTree([p.allocator for p in self.pools], policy=config.policy, clock=clock,
                               vocab_size=vocab_size)
-        self.copier = make_copy_engine(self.device, deterministic=deterministic_io)
-        self.disk_io = ThreadEngine("kv-disk", drain_on_poll=deterministic_io) if config.cold_blocks else None
+        if layout is None:  # no KV payload: moves are bookkeeping and complete at once
+            self.copier = ImmediateEngine()
+            self.disk_io = ImmediateEngine() if config.cold_blocks else None
+        else:
+            self.copier = make_copy_engine(self.device, deterministic=deterministic_io)
+            self.disk_io = ThreadEngine("kv-disk", drain_on_poll=deterministic_io) if config.cold_blocks else None
         self._moves: dict[tuple[int, int], _Move] = {}
         self._pending_out = [0, 0, 0]   # tokens leaving each tier in flight
         self._sessions: OrderedDict[Any, tuple[Hashable, list[int]]] = OrderedDict()
@@ -275,7 +279,7 @@ class TieredCache:
         self.copier.close()
         if self.disk_io is not None:
             self.disk_io.close()
-        if self.num_tiers > COLD:
+        if self.num_tiers > COLD and isinstance(self.pools[COLD], DiskPool):
             self.pools[COLD].close()
 
     # ---------------------------------------------------------------- internals
@@ -360,7 +364,10 @@ class TieredCache:
         if not taken:
             return None
         move.nodes, move.src_tiers, move.dst_extents = taken, [src] * len(taken), dst_exts
-        if dst == WARM:
+        if self.layout is None:
+            move.engine = self.copier
+            move.op_id = self.copier.submit(lambda: None)
+        elif dst == WARM:
             pairs = []
             for node, ext in zip(taken, dst_exts):
                 pairs.extend(self._copy_pairs(self.pools[src], node.extents, self.pools[dst], ext))
@@ -398,7 +405,10 @@ class TieredCache:
             self.stats["promotion_skipped_no_room"] += 1
             return None
         move = _Move("promote", list(nodes), [n.tier for n in nodes], HOT, dst_exts, None)
-        if all(n.tier == WARM for n in nodes):
+        if self.layout is None:
+            move.engine = self.copier
+            move.op_id = self.copier.submit(lambda: None)
+        elif all(n.tier == WARM for n in nodes):
             pairs = []
             for n, ext in zip(nodes, dst_exts):
                 pairs.extend(self._copy_pairs(self.pools[WARM], n.extents, self.hot, ext))

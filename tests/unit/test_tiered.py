@@ -201,13 +201,17 @@ def test_disk_full_drops_the_coldest(tmp_path):
     (dict(high_watermark=0.5, low_watermark=0.7), "watermarks out of order"),
     (dict(high_watermark=1.5), "watermarks out of order"),
     (dict(hot_blocks=0), "hot_blocks"),
-    (dict(cold_blocks=4, disk_dir=None), "needs disk_dir"),
     (dict(warm_blocks=0, cold_blocks=4, disk_dir="/tmp"), "needs warm_blocks"),
 ])
 def test_bad_config_is_rejected(kw, message):
     base = dict(hot_blocks=4, warm_blocks=4, device="cpu")
     with pytest.raises(InvalidInputError, match=message):
         TierConfig(**{**base, **kw})
+
+
+def test_cold_tier_needs_a_directory():
+    with pytest.raises(InvalidInputError, match="needs disk_dir"):
+        TieredCache(TierConfig(hot_blocks=4, warm_blocks=4, cold_blocks=4, device="cpu"), LAYOUT)
 
 
 def test_missing_or_unwritable_disk_directory(tmp_path):
@@ -244,3 +248,46 @@ def test_cuda_round_trip_through_pinned_host(tmp_path):
     m = cache.match(toks)
     assert torch.equal(cache.read(m.extents).cpu(), kv_for(toks))
     cache.close()
+
+
+def test_simulation_mode_without_payload_moves_at_once():
+    cfg = TierConfig(hot_blocks=4, warm_blocks=4, cold_blocks=4, block_tokens=1, device="cpu")
+    cache = TieredCache(cfg, None, clock=Clock())
+    for i in range(3):
+        m = cache.match([i, i], lock=True)
+        ext = cache.allocate(2)
+        cache.insert([i, i], ext)
+        cache.unlock(m.last_node)
+    cache.poll()
+    # 6 of 4 HOT slots wanted: the watermark moved the LRU ones down, no copies involved.
+    tiers = [cache.tree.match_prefix([i, i]).nodes[-1].tier for i in range(3)]
+    assert tiers.count(HOT) <= 2 and set(tiers) <= {HOT, WARM, COLD}
+    m = cache.match([0, 0])
+    assert m.length == 2 and cache.tree.match_prefix([0, 0]).nodes[-1].tier == HOT
+    cache.check_invariants()
+
+
+class Recorder:
+    def __init__(self):
+        self.events = []
+
+    def on_stored(self, node):
+        self.events.append(("stored", len(node.key), node.tier))
+
+    def on_tier(self, node, old):
+        self.events.append(("tier", old, node.tier))
+
+    def on_removed(self, node):
+        self.events.append(("removed", len(node.key), node.tier))
+
+
+def test_listeners_see_stored_tier_changes_and_removals(tmp_path):
+    cache = make(tmp_path, cold=0)
+    rec = Recorder()
+    cache.tree.listeners.append(rec)
+    node = put(cache, list(range(6)))
+    demote(cache, node, WARM)
+    cache.match(list(range(6)))
+    cache.tree.drop(node)
+    assert rec.events == [("stored", 6, HOT), ("tier", HOT, WARM), ("tier", WARM, HOT), ("removed", 6, HOT)]
+    assert cache.tree.namespace_of(cache.tree.root("t")) == "t"

@@ -1,0 +1,236 @@
+"""``prefix-cache bench multiturn``: what tiering buys a multi-turn chat fleet.
+
+S sessions in groups that share a long system prompt; each turn sends the
+whole conversation plus a new user message and gets a reply; users think
+30 to 120 s between turns. The device pool holds about a quarter of the
+sessions' KV; the host pool and the disk hold the rest. Policies, in one run:
+
+- ``drop``: HOT only, LRU eviction destroys KV;
+- ``tiered``: HOT -> WARM -> COLD, promotion on a hit;
+- ``tiered+prefetch``: as tiered, and a returning session's prefix starts
+  coming back ``--prefetch-lead-s`` before its request.
+
+Time is simulated, compute is real: a discrete-event loop advances the clock
+by the measured wall time of each engine step (so queueing is real), and jumps
+over idle gaps (background copies are let finish, as they would in that time).
+TTFT is the simulated time from a request's arrival to its first token,
+promotion and queueing included. Each reply decodes ``--decode-tokens`` for
+real; the rest of the reply is teacher-forced in one batched forward right
+after, so its KV is cached exactly as decoding would have left it, at a
+fraction of the time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import random
+import tempfile
+import time
+
+import torch
+
+from cluster.bench.common import emit, percentile, rounded
+from cluster.cache.kv_pool import KVLayout
+from cluster.cache.tiered import TierConfig, TieredCache, UnknownSessionError
+from cluster.engine.model import DecoderModel, ModelConfig
+from cluster.engine.runner import Engine, Request, SamplingParams
+
+POLICIES = ("drop", "tiered", "tiered+prefetch")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sessions", type=int, default=64)
+    p.add_argument("--turns", type=int, default=4, help="turns per session (default 4)")
+    p.add_argument("--group-size", type=int, default=8, help="sessions sharing one system prompt")
+    p.add_argument("--system-tokens", default="1000,2000", help="system prompt length range")
+    p.add_argument("--message-tokens", default="50,300", help="user message and reply length range")
+    p.add_argument("--think-s", default="30,120", help="think time between turns, seconds (simulated)")
+    p.add_argument("--hot-fraction", type=float, default=0.25, help="device pool / sessions' KV (default 0.25)")
+    p.add_argument("--decode-tokens", type=int, default=16, help="reply tokens decoded for real per turn")
+    p.add_argument("--prefetch-lead-s", type=float, default=2.0)
+    p.add_argument("--block-tokens", type=int, default=16)
+    p.add_argument("--max-batch-tokens", type=int, default=4096)
+    p.add_argument("--threads", type=int, default=1, help="torch threads for the model (default 1)")
+    p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--plot", default=None, help="write TTFT distributions per policy to this PNG")
+
+
+def _range(text: str) -> tuple[float, float]:
+    lo, hi = (float(x) for x in text.split(","))
+    if lo > hi or lo < 0:
+        raise ValueError(f"bad range {text!r}: want LOW,HIGH with 0 <= LOW <= HIGH")
+    return lo, hi
+
+
+class Workload:
+    """The scripted part of every session, identical for every policy."""
+
+    def __init__(self, args: argparse.Namespace, vocab: int):
+        rng = random.Random(args.seed)
+        s_lo, s_hi = _range(args.system_tokens)
+        m_lo, m_hi = _range(args.message_tokens)
+        t_lo, t_hi = _range(args.think_s)
+        groups = -(-args.sessions // args.group_size)
+        self.system = [[rng.randrange(vocab) for _ in range(rng.randint(int(s_lo), int(s_hi)))]
+                       for _ in range(groups)]
+        self.user = [[[rng.randrange(vocab) for _ in range(rng.randint(int(m_lo), int(m_hi)))]
+                      for _ in range(args.turns)] for _ in range(args.sessions)]
+        self.reply_len = [[rng.randint(int(m_lo), int(m_hi)) for _ in range(args.turns)] for _ in range(args.sessions)]
+        self.reply_rest = [[[rng.randrange(vocab) for _ in range(max(0, n - args.decode_tokens))] for n in row]
+                           for row in self.reply_len]
+        self.start = [rng.uniform(0, t_hi) for _ in range(args.sessions)]
+        self.think = [[rng.uniform(t_lo, t_hi) for _ in range(args.turns)] for _ in range(args.sessions)]
+        self.group = [i // args.group_size for i in range(args.sessions)]
+
+    def total_tokens(self) -> int:
+        per_session = [sum(len(u) for u in self.user[s]) + sum(self.reply_len[s]) for s in range(len(self.user))]
+        return sum(len(p) for p in self.system) + sum(per_session)
+
+
+def _make_cache(policy: str, hot_tokens: int, total: int, args, layout, disk_dir) -> TieredCache:
+    bt = args.block_tokens
+    hot = max(8, hot_tokens // bt)
+    if policy == "drop":
+        cfg = TierConfig(hot_blocks=hot, block_tokens=bt, device="cpu")
+    else:
+        cfg = TierConfig(hot_blocks=hot, warm_blocks=max(8, total // (2 * bt)), cold_blocks=max(8, 2 * total // bt),
+                         block_tokens=bt, disk_dir=disk_dir, device="cpu")
+    return TieredCache(cfg, layout)
+
+
+def run_policy(policy: str, model, work: Workload, args, disk_dir: str, prefill_tok_s: float) -> dict:
+    c = model.config
+    layout = KVLayout(c.num_layers, c.num_kv_heads, c.head_dim)
+    total = work.total_tokens()
+    cache = _make_cache(policy, int(args.hot_fraction * total), total, args, layout, disk_dir)
+    engine = Engine(model, cache, max_batch_tokens=args.max_batch_tokens)
+    history = [list(work.system[work.group[s]]) for s in range(args.sessions)]
+    events: list[tuple[float, int, str, int, int]] = []   # (time, seq, kind, session, turn)
+    seq = 0
+    for s in range(args.sessions):
+        events.append((work.start[s], seq, "arrive", s, 0))
+        seq += 1
+        if policy == "tiered+prefetch":
+            events.append((work.start[s] - args.prefetch_lead_s, seq, "prefetch", s, 0))
+            seq += 1
+    heapq.heapify(events)
+    now = 0.0
+    meta: dict[int, tuple[int, int, float, str]] = {}   # request id -> (session, turn, arrival, kind)
+    ttft, hits, prompt_tokens, recomputed = [], 0, 0, 0
+    windows: dict[int, int] = {}
+    decode_idle, decode_busy = [], []
+    wall0 = time.perf_counter()
+    while events or engine.has_work():
+        if not engine.has_work() and events and events[0][0] > now:
+            cache.wait_all()            # copies finish within any real idle gap
+            now = events[0][0]
+        while events and events[0][0] <= now:
+            _, _, kind, s, turn = heapq.heappop(events)
+            if kind == "prefetch":
+                try:
+                    cache.prefetch(session_id=s)
+                except UnknownSessionError:
+                    pass                # first turn: nothing cached yet
+                continue
+            prompt = history[s] + work.user[s][turn]
+            req = engine.submit(Request(prompt, SamplingParams(max_tokens=args.decode_tokens), session_id=s))
+            meta[req.request_id] = (s, turn, now, "turn")
+        offload = cache.in_flight() > 0
+        decode_only = not engine.waiting
+        t0 = time.perf_counter()
+        step_events = engine.step()
+        dt = time.perf_counter() - t0
+        now += dt
+        if decode_only and engine.running:
+            (decode_busy if offload else decode_idle).append(dt * 1e3)
+        for ev in step_events:
+            req = ev.request
+            s, turn, arrival, kind = meta[req.request_id]
+            if kind == "turn" and len(req.output) == 1:
+                ttft.append((now - arrival) * 1e3)
+                prompt_tokens += len(req.prompt)
+                hits += req.cached_tokens
+                recomputed += len(req.prompt) - req.cached_tokens
+                w = int(now // 10)
+                windows[w] = windows.get(w, 0) + len(req.prompt) - req.cached_tokens
+            if not ev.finished:
+                continue
+            if kind == "turn":
+                rest = work.reply_rest[s][turn]
+                history[s] = req.prompt + req.output + rest
+                if rest:  # teacher-force the rest of the reply (see module docstring)
+                    cont = engine.submit(Request(history[s], SamplingParams(max_tokens=1), session_id=s))
+                    meta[cont.request_id] = (s, turn, now, "reply")
+                if turn + 1 < args.turns:
+                    at = now + work.think[s][turn]
+                    heapq.heappush(events, (at, seq, "arrive", s, turn + 1))
+                    seq += 1
+                    if policy == "tiered+prefetch":
+                        heapq.heappush(events, (at - args.prefetch_lead_s, seq, "prefetch", s, turn + 1))
+                        seq += 1
+    wall = time.perf_counter() - wall0
+    storms = sum(1 for tokens in windows.values() if tokens > prefill_tok_s * 10)
+    stats = cache.stats
+    cache.close()
+    return {"bench": "multiturn", "policy": policy, "requests": len(ttft),
+            "hit_rate": rounded(hits / prompt_tokens if prompt_tokens else 0.0),
+            "ttft_ms_mean": rounded(sum(ttft) / len(ttft), 2), "ttft_ms_p50": rounded(percentile(ttft, 50), 2),
+            "ttft_ms_p99": rounded(percentile(ttft, 99), 2), "recomputed_tokens": recomputed,
+            "prefill_storms": storms, "decode_step_ms_p50": rounded(percentile(decode_idle, 50), 3),
+            "decode_step_ms_p50_offload": rounded(percentile(decode_busy, 50), 3),
+            "decode_steps_with_offload": len(decode_busy), "promoted_tokens": stats["promoted_tokens"],
+            "demoted_to_warm": stats["demoted_to_warm"], "demoted_to_cold": stats["demoted_to_cold"],
+            "prefetches": stats["prefetches"], "hot_tokens": cache.hot.allocator.capacity_tokens,
+            "session_tokens": total, "sim_seconds": rounded(now, 1), "wall_seconds": rounded(wall, 1),
+            "_ttft": ttft}
+
+
+def measure_prefill(model, tokens: int = 2000) -> float:
+    x = torch.randint(0, model.config.vocab_size, (tokens,))
+    model.forward_one(x, 0, None)
+    t0 = time.perf_counter()
+    model.forward_one(x, 0, None)
+    return tokens / (time.perf_counter() - t0)
+
+
+def run(args: argparse.Namespace) -> int:
+    policies = args.policies.split(",")
+    for p in policies:
+        if p not in POLICIES:
+            raise ValueError(f"unknown policy {p!r}; choose from {', '.join(POLICIES)}")
+    torch.set_num_threads(args.threads)
+    model = DecoderModel(ModelConfig(seed=args.seed))
+    work = Workload(args, model.config.vocab_size)
+    prefill_tok_s = measure_prefill(model)
+    results = []
+    with tempfile.TemporaryDirectory() as disk_dir:
+        for policy in policies:
+            res = run_policy(policy, model, work, args, disk_dir, prefill_tok_s)
+            results.append(res)
+            emit({k: v for k, v in res.items() if not k.startswith("_")} | {"prefill_tokens_per_s": round(prefill_tok_s)})
+    if args.plot:
+        plot(results, args.plot)
+    return 0
+
+
+def plot(results: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for res in results:
+        xs = sorted(res["_ttft"])
+        ys = [(i + 1) / len(xs) for i in range(len(xs))]
+        ax.plot(xs, ys, label=f"{res['policy']} (p50 {res['ttft_ms_p50']:.0f} ms, hit {res['hit_rate']:.0%})")
+    ax.set_xscale("log")
+    ax.set_xlabel("time to first token (ms, log scale)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title("Multi-turn TTFT by cache policy")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
