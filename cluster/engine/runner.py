@@ -78,7 +78,7 @@ class Request:
 @dataclass(slots=True)
 class TokenEvent:
     request: Request
-    token: int
+    token: int | None      # None: the request ended without a new token (error, cancel)
     finished: bool
 
 
@@ -100,6 +100,7 @@ class Engine:
         self.cache_final_token = cache_final_token
         self.clock = clock
         self.waiting: deque[Request] = deque()
+        self._ended: list[TokenEvent] = []   # requests that ended outside a sampled token
         self.running: list[Request] = []
         self._ids = itertools.count(1)
         self.stats = {"prompt_tokens": 0, "cached_tokens": 0, "computed_tokens": 0, "steps": 0,
@@ -124,11 +125,12 @@ class Engine:
         if request in self.waiting:
             self.waiting.remove(request)
             request.finished, request.finish_reason = True, reason
+            self._ended.append(TokenEvent(request, None, True))
         elif request in self.running:
             self._finish(request, reason, keep=True)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._ended)
 
     def generate(self, prompt: Sequence[int], params: SamplingParams | None = None, **kw) -> Request:
         """Run one request to completion (convenience for tests and tools)."""
@@ -154,7 +156,7 @@ class Engine:
             if suffix is None:
                 self.waiting.popleft()
                 continue
-            if suffix > budget and batch:
+            if batch and (suffix > budget or not self._fits(req, suffix)):
                 self._release_prefix(req)   # try again next step, with a fresh match
                 break
             self.waiting.popleft()
@@ -163,17 +165,17 @@ class Engine:
             self.stats["cached_tokens"] += req.cached_tokens
             batch.append((req, torch.tensor(req.prompt[req._len:]), req._len))
             budget -= suffix
+        events, self._ended = self._ended, []
         if not batch:
-            return []
+            return events
         items = [(toks, start, req._kv[:, :, :start] if start else None) for req, toks, start in batch]
         try:
             outputs = self.model.forward_batch(items)
         except Exception as exc:  # a failed step fails its requests, never the cache
             for req, _, _ in batch:
                 self._finish(req, "error", keep=False, error=f"model forward failed: {exc}")
-            return []
+            return events + self._drain_ended()
         self.stats["steps"] += 1
-        events = []
         for (req, toks, start), (logits, new_kv) in zip(batch, outputs):
             try:
                 self._store_kv(req, start, new_kv)
@@ -195,7 +197,21 @@ class Engine:
             if reason:
                 self._finish(req, reason, keep=True)
             events.append(TokenEvent(req, token, req.finished))
-        return events
+        return events + self._drain_ended()
+
+    def _fits(self, req: Request, suffix: int) -> bool:
+        """Admission control: the HOT pool must be able to take this request's new
+        KV (its prompt suffix and every token it may decode) once unlocked
+        prefixes are evicted or demoted; otherwise it waits for running requests
+        to finish rather than failing midway."""
+        hot = self.cache.hot.allocator
+        room = hot.free_blocks * hot.block_tokens + self.cache.tree.evictable[0]
+        reserved = sum(r.params.max_tokens - len(r.output) for r in self.running)
+        return suffix + req.params.max_tokens + reserved <= room
+
+    def _drain_ended(self) -> list[TokenEvent]:
+        out, self._ended = self._ended, []
+        return out
 
     # -------------------------------------------------------------- internals
     def _admit(self, req: Request) -> int | None:
@@ -205,6 +221,7 @@ class Engine:
             m = cache.match(req.prompt, req.namespace, lock=True, validate=False)
         except CacheError as exc:
             req.finished, req.finish_reason, req.error = True, "error", str(exc)
+            self._ended.append(TokenEvent(req, None, True))
             return None
         req._node = m.last_node
         # At least the last prompt token is computed: its logits start the output.
@@ -241,6 +258,8 @@ class Engine:
     def _finish(self, req: Request, reason: str, *, keep: bool, error: str | None = None) -> None:
         """End a request: cache its KV (when ``keep``), free what is private, unlock."""
         req.finished, req.finish_reason, req.error = True, reason, error
+        if error is not None or reason == "cancelled" or reason == "client_disconnected":
+            self._ended.append(TokenEvent(req, None, True))
         if req in self.running:
             self.running.remove(req)
         try:

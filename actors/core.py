@@ -1,0 +1,347 @@
+"""WorkerCore: one model runner + tiered cache + NIXL endpoint, driven by one thread.
+
+The cache has exactly one owner: the engine thread. Everything else (async
+request handlers, migration, snapshots, stats) reaches the cache by submitting
+a command that the engine thread runs between two batches, so no lock guards
+the tree and the forward pass never waits on a caller.
+
+This class has no Ray dependency of its own: ``actors.worker.CacheWorker`` (a
+Ray actor) and the Serve replica deployment both wrap it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import logging
+import queue
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, AsyncIterator, Callable
+
+import numpy as np
+import torch
+import xxhash
+
+from cluster.cache.kv_pool import KVLayout
+from cluster.cache.radix_tree import HOT, WARM
+from cluster.cache.tiered import TierConfig, TieredCache
+from cluster.engine.model import DecoderModel, ModelConfig
+from cluster.engine.runner import Engine, Request, SamplingParams
+from cluster.errors import CacheError, InvalidInputError
+from cluster.routing.events import KVEventPublisher
+from cluster.transfer.nixl_transport import NixlEndpoint, TransferError, nixl_available, recommended_ucx_env
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Everything a worker needs; plain values so it crosses Ray and YAML."""
+
+    model: dict = field(default_factory=dict)          # ModelConfig fields
+    hot_blocks: int = 2048
+    warm_blocks: int = 4096
+    cold_blocks: int = 0
+    block_tokens: int = 16
+    disk_dir: str | None = None
+    max_batch_tokens: int = 4096
+    max_running: int = 64
+    max_queued_requests: int = 256
+    use_nixl: bool = True
+    torch_threads: int = 1
+    device: str = "auto"
+
+    def tier_config(self) -> TierConfig:
+        return TierConfig(hot_blocks=self.hot_blocks, warm_blocks=self.warm_blocks, cold_blocks=self.cold_blocks,
+                          block_tokens=self.block_tokens, disk_dir=self.disk_dir, device=self.device)
+
+    @classmethod
+    def from_dict(cls, data: dict | None) -> "WorkerConfig":
+        data = dict(data or {})
+        unknown = set(data) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise InvalidInputError(f"unknown worker config keys: {sorted(unknown)}")
+        return cls(**data)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class QueueFullError(CacheError):
+    """The worker's queue bound is reached; the caller should retry later (HTTP 429)."""
+
+
+class WorkerCore:
+    def __init__(self, worker_id: str, config: WorkerConfig, publish: Callable[[bytes | None, dict], None] | None = None):
+        self.worker_id = worker_id
+        self.config = config
+        torch.set_num_threads(config.torch_threads)
+        self.model = DecoderModel(ModelConfig(**config.model))
+        mc = self.model.config
+        self.layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, mc.dtype)
+        self.cache = TieredCache(config.tier_config(), self.layout, vocab_size=mc.vocab_size)
+        self.engine = Engine(self.model, self.cache, max_batch_tokens=config.max_batch_tokens,
+                             max_running=config.max_running)
+        self.publisher = KVEventPublisher(worker_id, self.cache.tree, config.block_tokens)
+        self.cache.tree.listeners.append(self.publisher)
+        self._publish = publish
+        self._last_report = 0.0
+        self.nixl: NixlEndpoint | None = None
+        if config.use_nixl and config.warm_blocks and nixl_available():
+            try:
+                self.nixl = NixlEndpoint(f"{worker_id}-{id(self):x}", self.cache.pools[WARM].tensor,
+                                         ucx_env=recommended_ucx_env())
+            except TransferError as exc:
+                log.warning("NIXL disabled on %s: %s", worker_id, exc)
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._leases: dict[int, tuple[list, float]] = {}
+        self._lease_ids = iter(range(1, 1 << 62))
+        self.stats = {"migrations_in": 0, "migrations_out": 0, "migrated_tokens": 0, "migration_bytes": 0,
+                      "nixl_failures": 0, "object_store_fallbacks": 0, "recomputed_after_failed_migration": 0,
+                      "rejected_queue_full": 0}
+        self.cost = self._measure_costs()
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=f"engine-{worker_id}", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ engine thread
+    def _loop(self) -> None:
+        last_publish = 0.0
+        while not self._stop.is_set():
+            self._run_commands()
+            if self.engine.has_work():
+                for ev in self.engine.step():
+                    self._deliver(ev.request, ev.token, ev.finished)
+            else:
+                self.cache.enforce_watermarks()
+                self._wake.wait(0.01)
+                self._wake.clear()
+            now = time.monotonic()
+            if now - last_publish > 0.02:
+                self._flush_events()
+                last_publish = now
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                fn, fut = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn())
+                except BaseException as exc:
+                    fut.set_exception(exc)
+
+    def call(self, fn: Callable[[], Any]) -> cf.Future:
+        """Run ``fn`` on the engine thread; returns a future for its result."""
+        fut: cf.Future = cf.Future()
+        self._commands.put((fn, fut))
+        self._wake.set()
+        return fut
+
+    def _deliver(self, req: Request, token: int | None, finished: bool) -> None:
+        entry = self._streams.get(req.request_id)
+        if entry is None:
+            return
+        loop, q = entry
+        item = {"token": token, "finished": finished, "finish_reason": req.finish_reason, "error": req.error,
+                "cached_tokens": req.cached_tokens, "tier_hits": list(req.tier_hits),
+                "prompt_tokens": len(req.prompt)}
+        loop.call_soon_threadsafe(q.put_nowait, item)
+        if finished:
+            self._streams.pop(req.request_id, None)
+
+    def _flush_events(self) -> None:
+        """Send pending KV events with the current load; with no events, the load
+        alone every 100 ms, so the directory's view of queues stays fresh."""
+        if self._publish is None:
+            return
+        batch = self.publisher.drain()
+        now = time.monotonic()
+        if batch is None and now - self._last_report < 0.1:
+            return
+        self._last_report = now
+        try:
+            self._publish(batch.encode() if batch is not None else None, self.load())
+        except Exception as exc:  # the directory may be restarting: resync later
+            log.warning("event publish from %s failed: %s", self.worker_id, exc)
+            self.publisher.needs_resync = True
+
+    # --------------------------------------------------------------- requests
+    def load(self) -> dict:
+        waiting = sum(len(r.prompt) - r.cached_tokens for r in self.engine.waiting)
+        running = sum(r.params.max_tokens - len(r.output) for r in self.engine.running)
+        return {"queued_tokens": waiting + running, "running": len(self.engine.running),
+                "waiting": len(self.engine.waiting)}
+
+    async def generate(self, prompt: list[int], params: dict | None = None, namespace: Any = None,
+                       session_id: Any = None) -> AsyncIterator[dict]:
+        """Stream ``{"token", "finished", ...}`` dicts; cancelling the iterator cancels the request."""
+        if len(self.engine.waiting) >= self.config.max_queued_requests:
+            self.stats["rejected_queue_full"] += 1
+            raise QueueFullError(f"worker {self.worker_id} has {len(self.engine.waiting)} requests queued")
+        sp = SamplingParams(**(params or {}))
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        req = Request(list(prompt), sp, namespace=namespace, session_id=session_id)
+
+        def submit():
+            self.engine.submit(req)
+            self._streams[req.request_id] = (loop, q)
+            return req.request_id
+
+        await asyncio.wrap_future(self.call(submit))
+        try:
+            while True:
+                item = await q.get()
+                if item["error"]:
+                    raise CacheError(item["error"])
+                yield item
+                if item["finished"]:
+                    return
+        finally:
+            if not req.finished:  # the consumer went away: stop generating, release locks
+                self.call(lambda: self.engine.cancel(req, "client_disconnected"))
+
+    async def prefetch(self, session_id: Any = None, tokens: list[int] | None = None, namespace: Any = None) -> int:
+        return await asyncio.wrap_future(self.call(lambda: self.cache.prefetch(session_id, tokens, namespace)))
+
+    # -------------------------------------------------------------- migration
+    def export_prefix(self, tokens: list[int], namespace: Any = None, max_tokens: int | None = None) -> dict:
+        """(engine thread) Stage the cached prefix of ``tokens`` in whole host blocks.
+
+        Returns block ids of the host pool (for a NIXL READ), their checksums,
+        and a lease id; the blocks stay reserved until ``release`` or expiry.
+        """
+        m = self.cache.match(tokens, namespace, lock=True)
+        try:
+            n = m.length if max_tokens is None else min(m.length, max_tokens)
+            if n == 0 or self.cache.num_tiers < 2:
+                return {"tokens": 0}
+            kv = self.cache.read(m.extents)[:, :, :n].to("cpu")
+            warm = self.cache.pools[WARM]
+            ext = warm.allocator.allocate(n, private_tail=True)
+            warm.write(ext, kv)
+        finally:
+            self.cache.unlock(m.last_node)
+        blocks = [e.block_id for e in ext]
+        sums = [xxhash.xxh3_64_intdigest(warm.tensor[b].numpy().tobytes()) for b in blocks]
+        lease = next(self._lease_ids)
+        self._leases[lease] = (ext, time.monotonic() + 60.0)
+        self.stats["migrations_out"] += 1
+        return {"tokens": n, "blocks": blocks, "checksums": sums, "lease": lease,
+                "block_tokens": self.config.block_tokens}
+
+    def export_array(self, lease: int) -> tuple[np.ndarray, str]:
+        """(engine thread) The staged KV of a lease for the object-store fallback.
+
+        A numpy array (Ray moves it zero-copy through plasma; torch tensors take
+        a slow pickling path) and the torch dtype name to view it back."""
+        ext, _ = self._leases[lease]
+        kv = self.cache.pools[WARM].read(ext).contiguous()
+        dtype = str(kv.dtype).removeprefix("torch.")
+        if kv.dtype == torch.bfloat16:
+            kv = kv.view(torch.int16)
+        return kv.numpy().copy(), dtype
+
+    def release(self, lease: int) -> None:
+        """(engine thread) Free a lease's staging blocks."""
+        entry = self._leases.pop(lease, None)
+        if entry is not None:
+            self.cache.pools[WARM].allocator.free(entry[0])
+        now = time.monotonic()
+        for stale in [k for k, (_, exp) in self._leases.items() if exp < now]:
+            self.cache.pools[WARM].allocator.free(self._leases.pop(stale)[0])
+
+    def install_prefix(self, tokens: list[int], namespace: Any, kv: torch.Tensor) -> int:
+        """(engine thread) Insert migrated KV for ``tokens[:n]`` into this worker's tree."""
+        n = kv.shape[2]
+        m = self.cache.match(tokens[:n], namespace, lock=True)
+        try:
+            if m.length >= n:
+                return 0
+            ext = self.cache.allocate(n - m.length)
+            self.cache.write(ext, kv[:, :, m.length:n].to(self.cache.hot.tensor.device))
+            self.cache.insert(tokens[:n], ext, namespace, start=m.length)
+        finally:
+            self.cache.unlock(m.last_node)
+        self.stats["migrations_in"] += 1
+        self.stats["migrated_tokens"] += n - m.length
+        return n - m.length
+
+    def pull_blocks_nixl(self, peer: str, staged: dict) -> torch.Tensor:
+        """Read staged blocks from a peer over NIXL into local staging; verify; return KV."""
+        if self.nixl is None:
+            raise TransferError("NIXL is not available on this worker")
+        warm = self.cache.pools[WARM]
+        nblocks = len(staged["blocks"])
+        local = self.call(lambda: warm.allocator.allocate(nblocks * self.config.block_tokens,
+                                                          private_tail=True)).result()
+        try:
+            local_ids = [e.block_id for e in local]
+            nbytes = self.nixl.read_blocks(peer, staged["blocks"], local_ids)
+            for b, want in zip(local_ids, staged["checksums"]):
+                got = xxhash.xxh3_64_intdigest(warm.tensor[b].numpy().tobytes())
+                if got != want:
+                    raise TransferError(f"block checksum mismatch after NIXL read (local block {b})")
+            self.stats["migration_bytes"] += nbytes
+            kv = torch.cat([warm.tensor[b] for b in local_ids], dim=2)[:, :, :staged["tokens"]].clone()
+            return kv
+        finally:
+            self.call(lambda: warm.allocator.free(local))
+
+    # ------------------------------------------------------------- inspection
+    def info(self) -> dict:
+        return {"worker_id": self.worker_id, "nixl": self.nixl.metadata() if self.nixl else None,
+                "nixl_name": self.nixl.name if self.nixl else None, "block_tokens": self.config.block_tokens,
+                "cost": self.cost, "vocab_size": self.model.config.vocab_size}
+
+    def collect_stats(self) -> dict:
+        """(engine thread) Tier occupancy, hit counters, migrations, fragmentation."""
+        c = self.cache
+        return {"worker_id": self.worker_id, "tiers": c.tier_summary(), "cache": dict(c.stats),
+                "tree": dict(c.tree.stats), "engine": dict(self.engine.stats), "worker": dict(self.stats),
+                "load": self.load(), "fragmentation": c.hot.allocator.internal_fragmentation()}
+
+    def drop_all(self) -> int:
+        """(engine thread) Drop every unlocked cached prefix, coldest tier first."""
+        freed = 0
+        for tier in reversed(range(self.cache.num_tiers)):
+            while True:
+                n = self.cache.tree.evict(1 << 40, tier)
+                freed += n
+                if not n:
+                    break
+        return freed
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=5)
+        self.cache.close()
+        if self.nixl is not None:
+            self.nixl.close()
+
+    # ---------------------------------------------------------------- costs
+    def _measure_costs(self) -> dict:
+        """Measure, not guess: prefill tokens/s and host->device promotion rate."""
+        n = 256
+        x = torch.randint(0, self.model.config.vocab_size, (n,))
+        self.model.forward_one(x, 0, None)
+        t0 = time.perf_counter()
+        self.model.forward_one(x, 0, None)
+        prefill = n / (time.perf_counter() - t0)
+        src = torch.empty(4 << 20, dtype=torch.uint8)
+        dst = torch.empty_like(src, device=self.cache.hot.tensor.device)
+        t0 = time.perf_counter()
+        for _ in range(4):
+            dst.copy_(src)
+        gbps = 16 * (1 << 20) / (time.perf_counter() - t0) / 1e9
+        bpt = self.layout.bytes_per_token()
+        return {"prefill_tokens_per_s": prefill, "promote_tokens_per_s": gbps * 1e9 / bpt,
+                "bytes_per_token": bpt}

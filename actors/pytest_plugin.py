@@ -1,0 +1,133 @@
+"""Pytest fixtures that start a real multi-node Ray cluster on loopback.
+
+Registered through the ``pytest11`` entry point, so any project that installs
+``prefix-cache-cluster`` can use them:
+
+- ``ray_loopback_cluster``: a head and ``--pc-worker-nodes`` worker nodes
+  (default 2) of ``ray.cluster_utils.Cluster``, every node on 127.0.0.1, each
+  with a custom resource ``pc_node_<i>`` so an actor can be pinned to it.
+- ``cache_cluster``: the directory plus one cache worker per node, small
+  built-in model; yields a ``LoopbackCacheCluster`` with handles and helpers.
+
+Both are session-scoped: starting Ray costs seconds, so the suite pays it once.
+Tests that kill actors restore what they killed (``cache_cluster.restart``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+TEST_MODEL = dict(num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32,
+                  intermediate_size=256, seed=7)
+TEST_WORKER_CONFIG = dict(model=TEST_MODEL, hot_blocks=256, warm_blocks=512, block_tokens=16,
+                          max_batch_tokens=2048, torch_threads=1)
+NAMESPACE = "prefix-cache-test"
+
+
+def pytest_configure(config):
+    # Ray reads this when it is imported and when nodes start: with it, every node
+    # of a ray.cluster_utils.Cluster binds to 127.0.0.1. It must be set before any
+    # test module imports ray, hence here and not in a fixture.
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("prefix-cache")
+    group.addoption("--pc-worker-nodes", type=int, default=2,
+                    help="worker nodes of the loopback Ray cluster (default 2, plus the head)")
+
+
+def node_resource(i: int) -> str:
+    return f"pc_node_{i}"
+
+
+@pytest.fixture(scope="session")
+def ray_loopback_cluster(request):
+    import ray
+    from ray.cluster_utils import Cluster
+
+    n = request.config.getoption("--pc-worker-nodes")
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 4, "resources": {node_resource(0): 1}, "include_dashboard": False})
+    for i in range(1, n + 1):
+        cluster.add_node(num_cpus=4, resources={node_resource(i): 1})
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()
+
+
+@dataclass
+class LoopbackCacheCluster:
+    cluster: Any
+    namespace: str
+    config: dict
+    directory: Any = None
+    workers: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def worker_ids(self) -> list[str]:
+        return sorted(self.workers)
+
+    def start_directory(self, policy: str = "cost"):
+        from actors.directory import get_or_create_directory
+
+        self.directory = get_or_create_directory(self.namespace, policy=policy,
+                                                 block_tokens=self.config["block_tokens"])
+        return self.directory
+
+    def start_worker(self, i: int):
+        from actors.worker import start_worker
+
+        wid = f"w{i}"
+        self.workers[wid] = start_worker(wid, self.config, namespace=self.namespace,
+                                         resources={node_resource(i): 0.01}, num_gpus=0)
+        return self.workers[wid]
+
+    def client(self, **kw):
+        from actors.client import ClusterClient
+
+        return ClusterClient(self.namespace, self.config["block_tokens"], **kw)
+
+    def wait_registered(self, timeout_s: float = 60.0) -> None:
+        import ray
+
+        deadline = time.monotonic() + timeout_s
+        for h in self.workers.values():
+            ray.get(h.ping.remote(), timeout=timeout_s)
+        while time.monotonic() < deadline:
+            if ray.get(self.directory.live_workers.remote()) == self.worker_ids:
+                return
+            time.sleep(0.1)
+        raise TimeoutError(f"workers {self.worker_ids} did not all register with the directory")
+
+    def flush_all(self) -> None:
+        import ray
+
+        ray.get([h.flush.remote() for h in self.workers.values()])
+
+
+@pytest.fixture(scope="session")
+def cache_cluster(ray_loopback_cluster, request):
+    import ray
+
+    n = request.config.getoption("--pc-worker-nodes")
+    cc = LoopbackCacheCluster(ray_loopback_cluster, NAMESPACE, dict(TEST_WORKER_CONFIG))
+    cc.start_directory()
+    for i in range(n + 1):
+        cc.start_worker(i)
+    cc.wait_registered()
+    yield cc
+    for h in cc.workers.values():
+        try:
+            ray.kill(h)
+        except Exception:
+            pass
+    if cc.directory is not None:
+        ray.kill(cc.directory, no_restart=True)

@@ -1,0 +1,188 @@
+"""CacheWorker: the Ray actor holding one GPU's tiered radix cache and model runner.
+
+Thin: it owns a ``WorkerCore`` and exposes it, plus the two things that need
+Ray: publishing KV events to the directory and pulling a prefix from another
+worker (NIXL READ first, the Ray object store if that fails, recompute last).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import ray
+import torch
+
+from actors.core import WorkerConfig, WorkerCore
+from actors.naming import DIRECTORY_NAME, worker_actor_name
+from cluster.transfer.nixl_transport import TransferError
+
+log = logging.getLogger(__name__)
+
+
+class CacheWorkerImpl:
+    """The actor body; kept as a plain class so it can also run in-process."""
+
+    def __init__(self, worker_id: str, config: dict | None = None, namespace: str = "prefix-cache",
+                 directory_name: str = DIRECTORY_NAME):
+        self.worker_id = worker_id
+        self.namespace = namespace
+        self.directory_name = directory_name
+        self._directory = None
+        self._faults: set[str] = set()
+        self._peers: dict[str, str] = {}     # worker id -> NIXL peer name
+        self.core = WorkerCore(worker_id, WorkerConfig.from_dict(config), publish=self._publish)
+        self._register()
+
+    # -------------------------------------------------------------- directory
+    def _dir(self):
+        if self._directory is None:
+            self._directory = ray.get_actor(self.directory_name, namespace=self.namespace)
+        return self._directory
+
+    def _register(self) -> None:
+        try:
+            self._dir().register_worker.remote(self.worker_id, self.core.info()["cost"])
+        except ValueError:
+            log.warning("directory %s not found yet; events will register this worker", self.directory_name)
+
+    def _publish(self, batch: bytes, load: dict) -> None:
+        # Fire and forget: publication never blocks the engine thread.
+        try:
+            self._dir().publish.remote(self.worker_id, batch, load)
+        except ValueError:
+            self._directory = None
+            raise
+
+    # --------------------------------------------------------------- serving
+    async def generate(self, prompt: list[int], params: dict | None = None, namespace: Any = None,
+                       session_id: Any = None, migrate_from: str | None = None):
+        """Stream result dicts; with ``migrate_from``, first pull that worker's prefix."""
+        migrated = None
+        if migrate_from and migrate_from != self.worker_id:
+            migrated = await self._migrate(migrate_from, prompt, namespace)
+        async for item in self.core.generate(prompt, params, namespace, session_id):
+            if migrated is not None:
+                item["migration"] = migrated
+            yield item
+
+    async def prefetch(self, session_id: Any = None, tokens: list[int] | None = None, namespace: Any = None) -> int:
+        return await self.core.prefetch(session_id, tokens, namespace)
+
+    # ------------------------------------------------------------- migration
+    async def export_prefix(self, tokens: list[int], namespace: Any = None, max_tokens: int | None = None) -> dict:
+        return await asyncio.wrap_future(self.core.call(lambda: self.core.export_prefix(tokens, namespace, max_tokens)))
+
+    async def export_array(self, lease: int):
+        if "object_store" in self._faults:
+            raise RuntimeError("injected fault: object store export")
+        return await asyncio.wrap_future(self.core.call(lambda: self.core.export_array(lease)))
+
+    async def release(self, lease: int) -> None:
+        await asyncio.wrap_future(self.core.call(lambda: self.core.release(lease)))
+
+    async def _migrate(self, holder_id: str, tokens: list[int], namespace: Any) -> dict:
+        """Pull ``holder_id``'s cached prefix of ``tokens``: NIXL, else object store, else nothing."""
+        holder = ray.get_actor(worker_actor_name(holder_id), namespace=self.namespace)
+        result = {"from": holder_id, "transport": None, "tokens": 0}
+        try:
+            staged = await holder.export_prefix.remote(tokens, namespace)
+        except Exception as exc:  # holder gone: recompute
+            log.warning("export from %s failed: %s", holder_id, exc)
+            self.core.stats["recomputed_after_failed_migration"] += 1
+            return result
+        if not staged.get("tokens"):
+            return result
+        kv = None
+        try:
+            kv = await self._pull_nixl(holder, holder_id, staged)
+            result["transport"] = "nixl"
+        except Exception as exc:
+            self.core.stats["nixl_failures"] += 1
+            log.warning("NIXL pull from %s failed (%s); using the object store", holder_id, exc)
+            try:
+                array, dtype = await holder.export_array.remote(staged["lease"])
+                kv = torch.from_numpy(array)
+                if dtype == "bfloat16":
+                    kv = kv.view(torch.bfloat16)
+                result["transport"] = "object_store"
+                self.core.stats["object_store_fallbacks"] += 1
+            except Exception as exc2:
+                log.warning("object-store pull from %s failed too (%s); recomputing", holder_id, exc2)
+                self.core.stats["recomputed_after_failed_migration"] += 1
+        finally:
+            holder.release.remote(staged["lease"])
+        if kv is not None:
+            result["tokens"] = await asyncio.wrap_future(
+                self.core.call(lambda: self.core.install_prefix(tokens, namespace, kv)))
+        return result
+
+    async def _pull_nixl(self, holder, holder_id: str, staged: dict):
+        if "nixl" in self._faults:
+            raise TransferError("injected fault: NIXL read")
+        if self.core.nixl is None:
+            raise TransferError("NIXL is not available on this worker")
+        if holder_id not in self._peers:
+            info = await holder.info.remote()
+            if info["nixl"] is None:
+                raise TransferError(f"worker {holder_id} has no NIXL endpoint")
+            self._peers[holder_id] = self.core.nixl.connect(info["nixl"])
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, self.core.pull_blocks_nixl, self._peers[holder_id], staged)
+
+    async def nixl_read(self, holder_id: str, tokens: list[int], namespace: Any = None) -> dict:
+        """Pull a prefix over NIXL only and report checksums (tests and benchmarks)."""
+        holder = ray.get_actor(worker_actor_name(holder_id), namespace=self.namespace)
+        staged = await holder.export_prefix.remote(tokens, namespace)
+        try:
+            kv = await self._pull_nixl(holder, holder_id, staged)
+        finally:
+            holder.release.remote(staged["lease"])
+        return {"tokens": staged["tokens"], "checksums": staged["checksums"], "kv": kv}
+
+    # ------------------------------------------------------------ inspection
+    def inject_fault(self, kind: str, on: bool = True) -> None:
+        """Fault injection for drills and tests: 'nixl' or 'object_store'."""
+        if kind not in ("nixl", "object_store"):
+            raise ValueError(f"unknown fault {kind!r}")
+        (self._faults.add if on else self._faults.discard)(kind)
+
+    def info(self) -> dict:
+        return self.core.info()
+
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    async def snapshot(self) -> tuple[int, dict]:
+        return await asyncio.wrap_future(self.core.call(self.core.publisher.snapshot))
+
+    async def stats(self) -> dict:
+        return await asyncio.wrap_future(self.core.call(self.core.collect_stats))
+
+    def load(self) -> dict:
+        return self.core.load()
+
+    async def flush(self) -> int:
+        return await asyncio.wrap_future(self.core.call(self.core.drop_all))
+
+    def ping(self) -> str:
+        return self.worker_id
+
+
+CacheWorker = ray.remote(CacheWorkerImpl)
+
+
+def start_worker(worker_id: str, config: dict | None = None, *, namespace: str = "prefix-cache",
+                 resources: dict | None = None, num_gpus: float | None = None,
+                 directory_name: str = DIRECTORY_NAME):
+    """Create (or get) the named worker actor; one per GPU where there are GPUs."""
+    opts: dict[str, Any] = {"name": worker_actor_name(worker_id), "namespace": namespace,
+                            "get_if_exists": True, "max_concurrency": 64, "lifetime": None}
+    if num_gpus is None:
+        num_gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
+    opts["num_gpus"] = num_gpus
+    opts["num_cpus"] = 0 if num_gpus else 1
+    if resources:
+        opts["resources"] = resources
+    return CacheWorker.options(**opts).remote(worker_id, config, namespace, directory_name)

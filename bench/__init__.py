@@ -1,0 +1,1 @@
+"""Benchmark drivers that need Ray (the pure ones live in cluster/bench)."""

@@ -1,0 +1,198 @@
+"""The cluster on a real multi-node Ray cluster on loopback (fixtures: actors.pytest_plugin)."""
+
+import asyncio
+import time
+
+import pytest
+import ray
+import torch
+
+from actors.pytest_plugin import TEST_MODEL
+from cluster.engine.model import DecoderModel, ModelConfig
+from cluster.hashing import block_hashes
+
+pytestmark = pytest.mark.distributed
+
+
+@pytest.fixture(scope="module")
+def reference():
+    model = DecoderModel(ModelConfig(**TEST_MODEL))
+    torch.set_num_threads(1)
+
+    def greedy(prompt, n):
+        toks = list(prompt)
+        for _ in range(n):
+            toks.append(int(model.forward_one(torch.tensor(toks), 0, None)[0][-1].argmax()))
+        return toks[len(prompt):]
+
+    greedy.model = model
+    return greedy
+
+
+def prompt_of(seed, n):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), generator=g).tolist()
+
+
+def complete(cc, prompt, max_tokens=4, **kw):
+    client = cc.client()
+    return asyncio.run(client.complete(prompt, {"max_tokens": max_tokens}, **kw))
+
+
+def wait_for_route(cc, prompt, predicate, timeout_s=20.0):
+    hashes = block_hashes(prompt, cc.config["block_tokens"])
+    deadline = time.monotonic() + timeout_s
+    while True:
+        d = ray.get(cc.directory.route.remote(hashes, len(prompt), None, False))
+        if predicate(d):
+            return d
+        if time.monotonic() > deadline:
+            raise AssertionError(f"directory never converged: last decision {d}")
+        time.sleep(0.1)
+
+
+def test_follow_up_lands_on_the_worker_holding_its_prefix(cache_cluster, reference):
+    cc = cache_cluster
+    prompt = prompt_of(1, 300)
+    first = complete(cc, prompt)
+    holder = first["worker_id"]
+    assert first["tokens"] == reference(prompt, 4)
+    # The holder's KV events reach the directory, which now sends the prefix there.
+    wait_for_route(cc, prompt, lambda d: d["worker_id"] == holder and d["cached_tokens"] >= 288)
+    follow_prompt = prompt + first["tokens"] + prompt_of(2, 40)
+    follow = complete(cc, follow_prompt)
+    assert (follow["worker_id"], follow["reason"]) == (holder, "local"), ray.get(cc.directory.get_stats.remote())
+    assert follow["cached_tokens"] == len(prompt) + 4
+    assert follow["tokens"] == reference(follow_prompt, 4)
+
+
+def test_migration_output_equals_full_prefill(cache_cluster, reference):
+    cc = cache_cluster
+    holder, target = cc.worker_ids[0], cc.worker_ids[1]
+    prompt = prompt_of(3, 400)
+    complete(cc, prompt, worker_id=holder)
+    follow_prompt = prompt + prompt_of(4, 30)
+    items = []
+
+    async def run():
+        stream = cc.workers[target].generate.options(num_returns="streaming").remote(
+            follow_prompt, {"max_tokens": 5}, None, None, holder)
+        async for ref in stream:
+            items.append(await ref)
+
+    asyncio.run(run())
+    tokens = [i["token"] for i in items if i["token"] is not None]
+    assert items[0]["migration"]["transport"] == "nixl"
+    assert items[0]["migration"]["tokens"] >= 400
+    assert items[0]["cached_tokens"] >= 400
+    assert tokens == reference(follow_prompt, 5)
+
+
+def test_saturated_holder_leads_to_a_migration_decision(cache_cluster):
+    cc = cache_cluster
+    holder = cc.worker_ids[0]
+    prompt = prompt_of(5, 640)
+    complete(cc, prompt, worker_id=holder)
+    wait_for_route(cc, prompt, lambda d: d["worker_id"] == holder)
+    # Saturate the holder with a long queue of long requests it has never seen.
+    hogs = []
+
+    async def hog():
+        client = cc.client()
+        await asyncio.gather(*[client.complete(prompt_of(100 + i, 1500), {"max_tokens": 64}, worker_id=holder)
+                               for i in range(6)])
+
+    import threading
+    t = threading.Thread(target=lambda: asyncio.run(hog()))
+    t.start()
+    try:
+        d = wait_for_route(cc, prompt, lambda d: d["migrate_from"] == holder, timeout_s=30)
+        assert d["worker_id"] != holder and d["reason"] == "migrate"
+    finally:
+        t.join()
+
+
+def test_nixl_moves_real_bytes_between_nodes(cache_cluster, reference):
+    cc = cache_cluster
+    holder, target = cc.worker_ids[0], cc.worker_ids[2]
+    nodes = ray.get([cc.workers[holder].node_id.remote(), cc.workers[target].node_id.remote()])
+    assert nodes[0] != nodes[1]
+    prompt = prompt_of(6, 256)
+    complete(cc, prompt, max_tokens=1, worker_id=holder)
+    got = ray.get(cc.workers[target].nixl_read.remote(holder, prompt))
+    assert got["tokens"] == 256
+    _, kv = reference.model.forward_one(torch.tensor(prompt), 0, None)
+    assert torch.allclose(got["kv"][:, :, :256], kv, atol=1e-5)
+    stats = ray.get(cc.workers[target].stats.remote())
+    assert stats["worker"]["migration_bytes"] > 0
+
+
+def test_forced_nixl_failure_falls_back_to_the_object_store(cache_cluster, reference):
+    cc = cache_cluster
+    holder, target = cc.worker_ids[1], cc.worker_ids[2]
+    prompt = prompt_of(7, 200)
+    complete(cc, prompt, worker_id=holder)
+    ray.get(cc.workers[target].inject_fault.remote("nixl"))
+    try:
+        items = []
+
+        async def run():
+            stream = cc.workers[target].generate.options(num_returns="streaming").remote(
+                prompt + [1, 2, 3], {"max_tokens": 3}, None, None, holder)
+            async for ref in stream:
+                items.append(await ref)
+
+        asyncio.run(run())
+    finally:
+        ray.get(cc.workers[target].inject_fault.remote("nixl", False))
+    assert items[0]["migration"]["transport"] == "object_store"
+    assert [i["token"] for i in items] == reference(prompt + [1, 2, 3], 3)
+    stats = ray.get(cc.workers[target].stats.remote())
+    assert stats["worker"]["object_store_fallbacks"] >= 1 and stats["worker"]["nixl_failures"] >= 1
+
+
+def test_killing_a_worker_mid_request_loses_no_request(cache_cluster, reference):
+    cc = cache_cluster
+    victim = cc.worker_ids[1]
+    prompt = prompt_of(8, 100)
+    received = []
+
+    async def run():
+        client = cc.client()
+        async for item in client.generate(prompt, {"max_tokens": 40}, worker_id=victim):
+            received.append(item)
+            if len(received) == 5:
+                ray.kill(cc.workers[victim], no_restart=True)
+
+    asyncio.run(run())
+    tokens = [i["token"] for i in received if i["token"] is not None]
+    assert tokens == reference(prompt, 40)
+    assert received[-1]["worker_id"] != victim and received[-1]["attempt"] >= 1
+    deadline = time.monotonic() + 20
+    while victim in ray.get(cc.directory.live_workers.remote()):
+        assert time.monotonic() < deadline, "directory never dropped the dead worker"
+        time.sleep(0.1)
+    # Restore the worker for the rest of the session.
+    cc.workers[victim] = cc.start_worker(int(victim[1:]))
+    cc.wait_registered()
+
+
+def test_directory_restart_rebuilds_the_index(cache_cluster):
+    cc = cache_cluster
+    holder = cc.worker_ids[2]
+    prompt = prompt_of(9, 320)
+    complete(cc, prompt, worker_id=holder)
+    wait_for_route(cc, prompt, lambda d: d["worker_id"] == holder and d["cached_tokens"] >= 320)
+    ray.kill(cc.directory, no_restart=False)   # Ray restarts it, empty
+    d = wait_for_route(cc, prompt, lambda d: d["worker_id"] == holder and d["cached_tokens"] >= 320,
+                       timeout_s=60)
+    assert d["worker_id"] == holder
+    stats = ray.get(cc.directory.get_stats.remote())
+    assert stats["resyncs"] >= 1 and sorted(stats["workers"]) == cc.worker_ids
+
+
+def test_malformed_and_unknown_batches_are_counted(cache_cluster):
+    cc = cache_cluster
+    assert ray.get(cc.directory.publish.remote(cc.worker_ids[0], b"\xc1garbage")) == "malformed"
+    stats = ray.get(cc.directory.get_stats.remote())
+    assert stats["malformed_batches"] >= 1
