@@ -1,33 +1,34 @@
 """Block transport between KV pools over NIXL (UCX backend).
 
-Why this exists: when the replica that holds a prefix is busy, another replica
-pulls the WARM blocks from it instead of recomputing them (DESIGN.md). Pools
-are laid out block first, so one block is one contiguous byte range and a run
-of consecutive block ids is one contiguous range too. Each endpoint registers
-its whole pool once; a peer turns block ids into (address, length) ranges from
-the pool layout carried in ``metadata()`` and issues one one-sided READ, so the
-owner of the data does nothing per transfer (its NIXL progress thread serves
-the request when the transport is not truly one-sided, e.g. TCP).
+Why: when the replica holding a prefix is busy, another replica pulls the WARM
+blocks from it instead of recomputing them (DESIGN.md). Pools are block first,
+so a run of consecutive block ids is one contiguous byte range. Each endpoint
+registers its whole pool once; a peer turns block ids into address ranges from
+the layout carried in ``metadata()`` and posts one READ. The data owner runs no
+code per transfer, but its NIXL progress thread must be alive (wireup and, on
+TCP/shared memory, the GET itself need the target to make progress).
 
-Pure library: no Ray. The caller ships ``metadata()`` bytes to the peer by any
-channel (a Ray call, a pipe) and calls ``connect`` there.
+Pure library, no Ray: ship ``metadata()`` to the peer by any channel and call
+``connect`` there.
 
-UCX settings. UCX reads them from the environment when an agent's backend is
-created, so set them before constructing a ``NixlEndpoint`` (or pass
-``ucx_env=recommended_ucx_env()``, which only fills keys the user left unset).
+UCX settings are read from the environment when the backend is created: set
+them before building an endpoint, or pass ``ucx_env=recommended_ucx_env()``
+(fills only keys the user left unset).
 
-* One machine, no GPU (loopback, measured in this repo's CI container, 2 cores,
-  READ of 64 KiB..256 MiB between two processes): ``UCX_TLS=sm,self`` (shared
-  memory: posix/sysv for small messages, CMA single-copy for large ones) was
-  the best or tied for best at every size; ``tcp,self`` is 2-6x slower. The
-  UCX default selects the same transports as ``sm,self`` on a host without
-  RDMA NICs, but also opens TCP interfaces, so we pin it. See
-  ``recommended_ucx_env`` and the numbers in the module's report.
-* A real cluster with RDMA NICs: ``UCX_TLS=rc,ud,sm,self`` (add ``cuda_copy,
-  cuda_ipc`` when pools are on GPUs, ``gdr_copy`` if installed) and
-  ``UCX_NET_DEVICES=mlx5_0:1`` (the HCA port nearest the GPU/CPU of the
-  worker; list with ``ibv_devinfo``). Do not apply the loopback settings
-  there: ``sm,self`` cannot reach another host.
+* One host, no GPU: ``UCX_TLS=tcp,sm,self``. Measured (two processes, 2-core
+  VM, one READ of 64 KiB..256 MiB, best of 5): ~1.1 GB/s at 64 KiB, 3.3 at
+  256 KiB, 7 at 1 MiB, 9.5 at 4 MiB, 5-6 beyond (out of cache); the same as
+  the UCX default here and as ``tcp,cma,self``. The bulk data goes by CMA
+  (``process_vm_readv``, one copy; needs ptrace rights and one PID namespace);
+  without CMA (``tcp,self``, ``tcp,posix,self``) it is ~1 GB/s at best. ``sm,self`` alone cannot create
+  the backend: NIXL asks UCX for peer-failure handling, which shared memory
+  lacks, so TCP must stay in the list; it is also what makes a dead peer fail
+  a READ at once (NIXL_ERR_REMOTE_DISCONNECT) instead of at the timeout.
+* Cluster with RDMA: ``UCX_TLS=rc,ud,tcp,sm,self`` (plus ``cuda_copy,cuda_ipc``
+  for GPU pools, ``gdr_copy`` if installed) and ``UCX_NET_DEVICES=mlx5_0:1``
+  (the HCA port nearest the worker's GPU/CPU; ``ibv_devinfo`` lists them).
+  With GPU pools keep ``cuda_copy`` in the list: without it UCX is reported
+  to treat VRAM as host memory and crash in NIXL's progress thread.
 """
 
 from __future__ import annotations
@@ -45,17 +46,11 @@ import msgpack
 import numpy as np
 import torch
 
-__all__ = [
-    "NixlEndpoint",
-    "TransferError",
-    "nixl_available",
-    "recommended_ucx_env",
-]
+__all__ = ["NixlEndpoint", "TransferError", "nixl_available", "recommended_ucx_env"]
 
-_METADATA_VERSION = 1
 _BACKEND = "UCX"
-# Measured best on loopback without a GPU (see module docstring).
-_LOOPBACK_UCX_ENV: dict[str, str] = {"UCX_TLS": "sm,self"}
+_METADATA_VERSION = 1
+_LOOPBACK_UCX_ENV = {"UCX_TLS": "tcp,sm,self"}  # measured, see module docstring
 
 
 class TransferError(RuntimeError):
@@ -63,16 +58,13 @@ class TransferError(RuntimeError):
 
 
 def recommended_ucx_env() -> dict[str, str]:
-    """UCX settings measured best for two processes on one host without GPU."""
+    """UCX settings measured best for processes on one host without a GPU."""
     return dict(_LOOPBACK_UCX_ENV)
 
 
 @functools.lru_cache(maxsize=1)
 def nixl_available() -> bool:
-    """True when nixl imports and an agent with a UCX backend can be created.
-
-    Cached: probing creates a UCX context, which costs ~1 s.
-    """
+    """True when nixl imports and an agent with a UCX backend can be created (cached)."""
     try:
         from nixl._api import nixl_agent, nixl_agent_config
 
@@ -80,72 +72,18 @@ def nixl_available() -> bool:
             f"probe-{os.getpid()}-{uuid.uuid4().hex[:8]}",
             nixl_agent_config(enable_prog_thread=False, backends=[_BACKEND]),
         )
-        ok = _BACKEND in probe.backends
-        del probe
-        return ok
-    except Exception:  # ImportError, missing plugin, UCX init failure
+        return _BACKEND in probe.backends
+    except Exception:  # ImportError, no UCX plugin, UCX init failure
         return False
 
 
-@dataclass(frozen=True)
-class _PoolLayout:
-    """What a peer needs to address blocks in a pool and check compatibility."""
-
-    name: str
-    base_addr: int
-    num_blocks: int
-    block_bytes: int
-    mem_type: str  # "DRAM" or "VRAM"
-    dev_id: int
-    dtype: str
-    block_shape: tuple[int, ...]
-
-
-def _layout_of(name: str, pool: torch.Tensor) -> _PoolLayout:
-    if pool.dim() < 1 or pool.shape[0] < 1:
-        raise ValueError(f"pool must be shaped [num_blocks>=1, ...], got {tuple(pool.shape)}")
-    if not pool.is_contiguous():
-        raise ValueError("pool must be contiguous so that one block is one byte range")
-    if pool.device.type == "cpu":
-        mem_type, dev_id = "DRAM", 0  # NIXL uses device id 0 for host memory
-    elif pool.device.type == "cuda":
-        mem_type, dev_id = "VRAM", pool.device.index or 0
-    else:
-        raise ValueError(f"unsupported pool device {pool.device}")
-    return _PoolLayout(
-        name=name,
-        base_addr=pool.data_ptr(),
-        num_blocks=pool.shape[0],
-        block_bytes=pool[0].numel() * pool.element_size(),
-        mem_type=mem_type,
-        dev_id=dev_id,
-        dtype=str(pool.dtype),
-        block_shape=tuple(pool.shape[1:]),
-    )
-
-
-def _runs(remote: np.ndarray, local: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Split paired block ids into runs consecutive on both sides.
-
-    Returns (remote_start, local_start, length) arrays; each run becomes one
-    descriptor, so a contiguous prefix costs one descriptor, not one per block.
-    """
-    breaks = (np.diff(remote) != 1) | (np.diff(local) != 1)
-    starts = np.concatenate(([0], np.flatnonzero(breaks) + 1))
-    lengths = np.diff(np.concatenate((starts, [len(remote)])))
-    return remote[starts], local[starts], lengths
-
-
 def _make_agent(name: str, progress_delay_us: int | None) -> Any:
-    """Create a ``nixl_agent`` with no backend yet and a progress thread that sleeps.
+    """A ``nixl_agent`` without backends whose progress thread sleeps between polls.
 
-    The owner of the data must make UCX progress for a peer's READ to finish
-    (wireup, and the GET itself on TCP/shared-memory AM paths), so the agent
-    needs its progress thread. ``nixl_agent`` hard-codes the thread's delay
-    to 0, which busy-spins one core per agent forever (measured: 3.0 CPU-s per
-    3 s idle; 0.05 with 100 us). The wrapper keeps its C++ agent in ``.agent``
-    and only reads it after construction, so we swap in one built from our own
-    config before any backend exists.
+    ``nixl_agent`` hard-codes the progress thread's delay to 0, which spins a
+    whole core per agent forever (measured 3.0 CPU-s per idle 3 s; 0.05 with
+    100 us, bandwidth unchanged). The wrapper only touches its C++ agent via
+    ``.agent``, so swap in one built from our config before any backend exists.
     """
     from nixl import _bindings
     from nixl._api import nixl_agent, nixl_agent_config
@@ -162,11 +100,64 @@ def _make_agent(name: str, progress_delay_us: int | None) -> Any:
     return agent
 
 
-class NixlEndpoint:
-    """One NIXL agent owning one registered KV pool; pulls blocks from peers.
+@dataclass(frozen=True)
+class _PoolLayout:
+    """What a peer needs to address our blocks and check they match its own."""
 
-    Not thread-safe for concurrent transfers by design: calls are serialized by
-    an internal lock (one READ already saturates the link).
+    name: str
+    base_addr: int
+    num_blocks: int
+    block_bytes: int
+    mem_type: str  # "DRAM" or "VRAM"
+    dev_id: int
+    dtype: str
+    block_shape: tuple[int, ...]
+
+    @classmethod
+    def of(cls, name: str, pool: torch.Tensor) -> _PoolLayout:
+        if pool.dim() < 1 or pool.shape[0] < 1:
+            raise ValueError(f"pool must be shaped [num_blocks>=1, ...], got {tuple(pool.shape)}")
+        if not pool.is_contiguous():
+            raise ValueError("pool must be contiguous so that each block is one byte range")
+        if pool.device.type == "cpu":
+            mem_type, dev_id = "DRAM", 0  # NIXL's device id for host memory
+        elif pool.device.type == "cuda":
+            mem_type, dev_id = "VRAM", pool.device.index or 0
+        else:
+            raise ValueError(f"unsupported pool device {pool.device}")
+        return cls(name, pool.data_ptr(), pool.shape[0], pool[0].numel() * pool.element_size(),
+                   mem_type, dev_id, str(pool.dtype), tuple(pool.shape[1:]))
+
+    def descs(self, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """Nx3 uint64 (address, bytes, device id) rows for runs of blocks."""
+        nbytes = lengths.astype(np.uint64) * np.uint64(self.block_bytes)
+        addr = np.uint64(self.base_addr) + starts.astype(np.uint64) * np.uint64(self.block_bytes)
+        return np.stack([addr, nbytes, np.full_like(nbytes, self.dev_id)], axis=1)
+
+
+def _runs(remote: np.ndarray, local: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Split paired ids into runs consecutive on both sides: (remote_start, local_start, length).
+
+    One descriptor per run: 16 contiguous 4 KiB blocks read in 55 us instead of 86 us.
+    """
+    breaks = (np.diff(remote) != 1) | (np.diff(local) != 1)
+    starts = np.concatenate(([0], np.flatnonzero(breaks) + 1))
+    return remote[starts], local[starts], np.diff(np.append(starts, len(remote)))
+
+
+def _check_range(side: str, ids: np.ndarray, num_blocks: int, owner: str) -> None:
+    bad = ids[(ids < 0) | (ids >= num_blocks)]
+    if bad.size:
+        raise TransferError(
+            f"{side} block id {int(bad[0])} out of range [0, {num_blocks}) of {owner!r}"
+        )
+
+
+class NixlEndpoint:
+    """One NIXL agent and one registered KV pool; pulls blocks from connected peers.
+
+    Calls are serialized by a lock: one READ already saturates the link, and
+    NIXL's agent is created without internal locking.
     """
 
     def __init__(
@@ -178,33 +169,31 @@ class NixlEndpoint:
         ucx_params: Mapping[str, str] | None = None,
         progress_delay_us: int | None = 100,
     ) -> None:
-        self._layout = _layout_of(name, pool)
+        """``ucx_params`` go to the UCX backend (e.g. ``num_workers``); ``progress_delay_us=None``
+        disables the progress thread, which leaves peers unable to read from us."""
+        self._layout = _PoolLayout.of(name, pool)
         self._pool = pool  # keep the registered memory alive
-        for key, value in (ucx_env or {}).items():
-            os.environ.setdefault(key, value)  # the user's own settings win
         self._lock = threading.RLock()
-        self._peers: dict[str, _PoolLayout] = {}
-        self._peer_md: dict[str, bytes] = {}
-        self._unreleased: list[Any] = []  # xfer handles whose release failed
+        self._peers: dict[str, tuple[_PoolLayout, bytes]] = {}
+        self._unreleased: list[Any] = []  # xfer handles NIXL refused to release yet
         self._closed = False
-        # The progress thread lets this agent serve peers' READs on transports
-        # that need the target to make progress (TCP, AM-based shared memory).
+        for key, value in (ucx_env or {}).items():
+            os.environ.setdefault(key, value)
         self._agent = _make_agent(name, progress_delay_us)
+        mem = self._layout.mem_type
         try:
             self._agent.create_backend(_BACKEND, dict(ucx_params or {}))
+            region = [(self._layout.base_addr, self._layout.num_blocks * self._layout.block_bytes,
+                       self._layout.dev_id, "")]
+            if mem == "VRAM":  # register with the pool's device current
+                with torch.cuda.device(self._layout.dev_id):
+                    self._reg = self._agent.register_memory(region, mem, backends=[_BACKEND])
+            else:
+                self._reg = self._agent.register_memory(region, mem, backends=[_BACKEND])
         except Exception as e:
-            raise TransferError(
-                f"cannot create NIXL UCX backend (UCX_TLS={os.environ.get('UCX_TLS')!r}): {e!r}"
-            ) from e
-        lay = self._layout
-        region = [(lay.base_addr, lay.num_blocks * lay.block_bytes, lay.dev_id, "")]
-        if lay.mem_type == "VRAM":
-            with torch.cuda.device(lay.dev_id):  # register under the pool's CUDA context
-                self._reg = self._agent.register_memory(region, "VRAM", backends=[_BACKEND])
-        else:
-            self._reg = self._agent.register_memory(region, "DRAM", backends=[_BACKEND])
+            raise TransferError(f"cannot set up NIXL UCX for a {mem} pool "
+                                f"(UCX_TLS={os.environ.get('UCX_TLS')!r}): {e!r}") from e
 
-    # -- introspection -------------------------------------------------------
     @property
     def name(self) -> str:
         return self._layout.name
@@ -222,81 +211,72 @@ class NixlEndpoint:
         return list(self._peers)
 
     def metadata(self) -> bytes:
-        """Agent metadata plus pool layout, msgpack-encoded, for ``connect``."""
+        """msgpack: NIXL agent metadata plus our pool layout, for a peer's ``connect``."""
         self._check_open()
         lay = self._layout
-        return msgpack.packb(
-            {
-                "version": _METADATA_VERSION,
-                "name": lay.name,
-                "agent_metadata": self._agent.get_agent_metadata(),
-                "base_addr": lay.base_addr,
-                "num_blocks": lay.num_blocks,
-                "block_bytes": lay.block_bytes,
-                "mem_type": lay.mem_type,
-                "dev_id": lay.dev_id,
-                "dtype": lay.dtype,
-                "block_shape": list(lay.block_shape),
-            },
-            use_bin_type=True,
-        )
+        return msgpack.packb({
+            "version": _METADATA_VERSION, "name": lay.name,
+            "agent_metadata": self._agent.get_agent_metadata(),
+            "base_addr": lay.base_addr, "num_blocks": lay.num_blocks,
+            "block_bytes": lay.block_bytes,
+            "mem_type": lay.mem_type, "dev_id": lay.dev_id, "dtype": lay.dtype,
+            "block_shape": list(lay.block_shape),
+        }, use_bin_type=True)
 
-    # -- peers ---------------------------------------------------------------
     def connect(self, peer_metadata: bytes) -> str:
-        """Load a peer's agent and pool layout; return its name. Idempotent.
+        """Load a peer's agent and pool layout; return its name. Idempotent; a restarted
+        peer (same name, new metadata) replaces the stale one.
 
-        Raises ``ValueError`` if the peer's blocks are not byte-compatible with
-        ours (copying them would silently corrupt KV).
+        Raises ``ValueError`` if the peer's blocks are not byte-compatible with ours:
+        copying them would silently corrupt KV.
         """
         with self._lock:
             self._check_open()
             try:
                 md = msgpack.unpackb(peer_metadata, raw=False)
                 peer = _PoolLayout(
-                    name=md["name"], base_addr=md["base_addr"], num_blocks=md["num_blocks"],
-                    block_bytes=md["block_bytes"], mem_type=md["mem_type"], dev_id=md["dev_id"],
-                    dtype=md["dtype"], block_shape=tuple(md["block_shape"]),
+                    md["name"], md["base_addr"], md["num_blocks"], md["block_bytes"],
+                    md["mem_type"], md["dev_id"], md["dtype"], tuple(md["block_shape"]),
                 )
                 agent_md: bytes = md["agent_metadata"]
             except Exception as e:
                 raise ValueError(f"malformed peer metadata: {e!r}") from e
             if md.get("version") != _METADATA_VERSION:
-                raise ValueError(f"peer metadata version {md.get('version')} != {_METADATA_VERSION}")
+                raise ValueError(
+                    f"peer metadata version {md.get('version')!r} != {_METADATA_VERSION}"
+                )
             if peer.name == self.name:
-                raise ValueError(f"peer has our own agent name {peer.name!r}")
-            mine = self._layout
-            diffs = [
-                f"{field}: ours={getattr(mine, field)!r} peer={getattr(peer, field)!r}"
-                for field in ("block_bytes", "dtype", "block_shape")
-                if getattr(mine, field) != getattr(peer, field)
-            ]
+                raise ValueError(f"peer uses our own agent name {peer.name!r}")
+            diffs = [f"{f}: ours={getattr(self._layout, f)!r} peer={getattr(peer, f)!r}"
+                     for f in ("block_bytes", "dtype", "block_shape")
+                     if getattr(self._layout, f) != getattr(peer, f)]
             if diffs:
-                raise ValueError(f"incompatible pool layout with peer {peer.name!r}: " + "; ".join(diffs))
-            if self._peer_md.get(peer.name) == agent_md:
+                raise ValueError(
+                    f"incompatible pool layout with peer {peer.name!r}: " + "; ".join(diffs)
+                )
+            known = self._peers.get(peer.name)
+            if known is not None and known[1] == agent_md:
                 return peer.name
-            if peer.name in self._peers:  # the peer restarted: replace stale state
-                self.disconnect(peer.name)
+            self.disconnect(peer.name)
             loaded = self._agent.add_remote_agent(agent_md)
-            name = loaded.decode() if isinstance(loaded, bytes) else loaded
-            if name != peer.name:
-                self._agent.remove_remote_agent(name)
-                raise ValueError(f"agent metadata names {name!r} but layout names {peer.name!r}")
-            self._peers[name] = peer
-            self._peer_md[name] = agent_md
-            return name
+            loaded = loaded.decode() if isinstance(loaded, bytes) else loaded
+            if loaded != peer.name:
+                self._agent.remove_remote_agent(loaded)
+                raise ValueError(
+                    f"agent metadata names {loaded!r} but the layout names {peer.name!r}"
+                )
+            self._peers[peer.name] = (peer, agent_md)
+            return peer.name
 
     def disconnect(self, peer: str) -> None:
         """Forget a peer (no-op when unknown)."""
         with self._lock:
-            if self._peers.pop(peer, None) is None:
-                return
-            self._peer_md.pop(peer, None)
-            try:
-                self._agent.remove_remote_agent(peer)
-            except Exception:
-                pass  # the peer's metadata is gone either way
+            if self._peers.pop(peer, None) is not None:
+                try:
+                    self._agent.remove_remote_agent(peer)
+                except Exception:
+                    pass  # already gone on the NIXL side
 
-    # -- transfer ------------------------------------------------------------
     def read_blocks(
         self,
         peer: str,
@@ -304,63 +284,52 @@ class NixlEndpoint:
         local_block_ids: Sequence[int],
         timeout_s: float = 10.0,
     ) -> int:
-        """Copy peer blocks ``remote_block_ids[i]`` into our ``local_block_ids[i]``.
+        """Copy the peer's ``remote_block_ids[i]`` into our ``local_block_ids[i]``.
 
-        One READ request; runs consecutive on both sides are coalesced into one
-        descriptor each. Blocks until done or ``timeout_s``; returns bytes
-        moved. The caller must ensure the peer's blocks are written (and, on a
-        GPU, the producing stream synchronized) before calling.
+        One READ request, one descriptor per run of ids consecutive on both
+        sides; blocks until done or ``timeout_s`` and returns the bytes moved.
+        The peer's blocks must be complete (GPU producer stream synchronized)
+        before the call.
         """
         with self._lock:
             self._check_open()
             self._retry_releases()
-            layout = self._peers.get(peer)
-            if layout is None:
+            entry = self._peers.get(peer)
+            if entry is None:
                 raise TransferError(f"unknown peer {peer!r}; call connect() first")
+            layout = entry[0]
             remote = np.asarray(remote_block_ids, dtype=np.int64).reshape(-1)
             local = np.asarray(local_block_ids, dtype=np.int64).reshape(-1)
             if remote.shape != local.shape:
-                raise ValueError(f"{len(remote)} remote block ids but {len(local)} local ones")
+                raise ValueError(f"{remote.size} remote block ids but {local.size} local ones")
             if remote.size == 0:
                 return 0
             _check_range("remote", remote, layout.num_blocks, peer)
             _check_range("local", local, self.num_blocks, self.name)
             if np.unique(local).size != local.size:
                 raise ValueError("local_block_ids has duplicates: two blocks would race into one")
-            bb = self.block_bytes
             r_start, l_start, length = _runs(remote, local)
-            nbytes = (length * bb).astype(np.uint64)
-            local_descs = np.stack(
-                [self._layout.base_addr + (l_start * bb).astype(np.uint64), nbytes,
-                 np.full_like(nbytes, self._layout.dev_id)], axis=1)
-            remote_descs = np.stack(
-                [layout.base_addr + (r_start * bb).astype(np.uint64), nbytes,
-                 np.full_like(nbytes, layout.dev_id)], axis=1)
-            self._transfer(peer, layout.mem_type, local_descs, remote_descs, timeout_s)
-            return int(remote.size) * bb
+            local_descs = self._layout.descs(l_start, length)
+            self._read(peer, layout, local_descs, layout.descs(r_start, length), timeout_s)
+            return int(remote.size) * self.block_bytes
 
-    def _transfer(
-        self, peer: str, remote_mem: str, local_descs: np.ndarray, remote_descs: np.ndarray, timeout_s: float
+    def _read(
+        self, peer: str, layout: _PoolLayout, local: np.ndarray, remote: np.ndarray, timeout_s: float
     ) -> None:
         agent = self._agent
         try:
             handle = agent.initialize_xfer(
-                "READ",
-                agent.get_xfer_descs(local_descs, self._layout.mem_type),
-                agent.get_xfer_descs(remote_descs, remote_mem),
-                peer,
-                backends=[_BACKEND],
-            )
+                "READ", agent.get_xfer_descs(local, self._layout.mem_type),
+                agent.get_xfer_descs(remote, layout.mem_type), peer, backends=[_BACKEND])
         except Exception as e:
             raise TransferError(f"cannot create READ from {peer!r}: {e!r}") from e
         deadline = time.monotonic() + timeout_s
         try:
-            state = agent.transfer(handle)
-            delay = 0.0
+            state, delay = agent.transfer(handle), 0.0
             while state == "PROC":
                 if time.monotonic() > deadline:
                     raise TransferError(f"READ from {peer!r} timed out after {timeout_s} s")
-                time.sleep(delay)  # sleep(0) first: yield, keep latency low
+                time.sleep(delay)  # yield first, then back off to 1 ms
                 delay = min(delay * 2 or 1e-5, 1e-3)
                 state = agent.check_xfer_state(handle)
             if state != "DONE":
@@ -373,7 +342,7 @@ class NixlEndpoint:
             self._release(handle)
 
     def _release(self, handle: Any) -> None:
-        """Release a handle; if NIXL refuses (transfer still active), keep it and retry later."""
+        """Release (aborting if still active); if NIXL refuses, keep it and retry later."""
         try:
             handle.release()
         except Exception:
@@ -384,27 +353,32 @@ class NixlEndpoint:
         for handle in pending:
             self._release(handle)
 
-    # -- lifetime ------------------------------------------------------------
     def _check_open(self) -> None:
         if self._closed:
             raise TransferError(f"endpoint {self.name!r} is closed")
 
     def close(self) -> None:
-        """Release handles, forget peers, deregister the pool. Idempotent."""
+        """Release handles, forget peers, deregister the pool, drop the agent. Idempotent."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            for _ in range(100):  # let aborted transfers drain before deregistering
+            for _ in range(100):  # give aborted transfers up to 1 s to drain
                 self._retry_releases()
                 if not self._unreleased:
                     break
                 time.sleep(0.01)
             for peer in list(self._peers):
                 self.disconnect(peer)
-            if not self._unreleased:  # never pull memory from under a live transfer
-                self._agent.deregister_memory(self._reg, backends=[_BACKEND])
-            del self._agent
+            if self._unreleased:
+                return  # a transfer may still write our pool: keep agent and memory alive
+            reg = getattr(self, "_reg", None)
+            if reg is not None:
+                try:
+                    self._agent.deregister_memory(reg, backends=[_BACKEND])
+                except Exception:
+                    pass
+            self._agent = None
 
     def __enter__(self) -> NixlEndpoint:
         return self
@@ -417,11 +391,3 @@ class NixlEndpoint:
             self.close()
         except Exception:
             pass
-
-
-def _check_range(side: str, ids: np.ndarray, num_blocks: int, owner: str) -> None:
-    bad = ids[(ids < 0) | (ids >= num_blocks)]
-    if bad.size:
-        raise TransferError(
-            f"{side} block id {int(bad[0])} out of range [0, {num_blocks}) for {owner!r}"
-        )
