@@ -1,0 +1,118 @@
+"""The Serve application: ``serve run serve_app.app:build_app`` or ``serve deploy serve_app/config.yaml``.
+
+Two deployments: ``Ingress`` (FastAPI, OpenAI-compatible) and ``CacheReplica``
+(one per GPU, autoscaled), with ``DirectoryRouter`` choosing the replica of
+every request from the directory's decision.
+
+``build_app(args)`` takes the application's ``args`` (from the config file or
+``serve run ... key=value``):
+
+- ``model_name``: the served model id (default ``prefix-cache-byte``)
+- ``namespace``: Ray namespace of the directory (default ``prefix-cache``)
+- ``policy``: routing policy of the directory (default ``cost``)
+- ``worker``: ``actors.core.WorkerConfig`` fields (model size, tier sizes, ...)
+- ``limits``: ``max_prompt_tokens``, ``max_tokens``, ``max_body_bytes``
+- ``api_keys``: ``"key=tenant,..."`` (else env ``PREFIX_CACHE_API_KEYS``; none: auth off)
+- ``admin_keys``: comma-separated (else env ``PREFIX_CACHE_ADMIN_KEYS``)
+- ``num_replicas`` or ``autoscaling_config`` for the cache replicas,
+  ``gpus_per_replica`` (default 0: CPU), ``max_ongoing_requests``,
+  ``max_queued_requests``
+"""
+
+
+
+from typing import Any
+
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+
+from fastapi import Request
+
+from serve_app.ingress import IngressCore, handle_generation, make_fastapi
+from serve_app.replica import CacheReplica as CacheReplicaImpl
+from serve_app.router import DirectoryRouter
+
+APP_NAME = "prefix-cache"
+CacheReplica = serve.deployment(name="CacheReplica")(CacheReplicaImpl)
+fastapi_app = make_fastapi()
+
+
+@serve.deployment(name="Ingress", num_replicas=1, ray_actor_options={"num_cpus": 0})
+@serve.ingress(fastapi_app)
+class Ingress:
+    """HTTP front door; the logic lives in ``serve_app.ingress.IngressCore``."""
+
+    def __init__(self, workers, settings: dict):
+        self.core = IngressCore(workers, **settings)
+
+    @fastapi_app.post("/v1/completions")
+    async def completions(self, request: Request):
+        return await handle_generation(self.core, request, "completions", chat=False)
+
+    @fastapi_app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        return await handle_generation(self.core, request, "chat", chat=True)
+
+    @fastapi_app.get("/v1/models")
+    async def models(self, request: Request):
+        self.core.authenticate(request)
+        return {"object": "list", "data": [{"id": self.core.model_name, "object": "model", "created": 0,
+                                            "owned_by": "prefix-cache-cluster"}]}
+
+    @fastapi_app.get("/healthz")
+    async def healthz(self):
+        return {"status": "ok"}
+
+    @fastapi_app.post("/v1/sessions/{session_id}/prefetch")
+    async def prefetch(self, session_id: str, request: Request):
+        tenant = self.core.authenticate(request)
+        return await self.core.prefetch(tenant, session_id)
+
+    @fastapi_app.get("/v1/cache/stats")
+    async def cache_stats(self, request: Request):
+        self.core.authenticate(request, admin=True)
+        return await self.core.cache_stats()
+
+    @fastapi_app.post("/v1/cache/flush")
+    async def flush(self, request: Request):
+        self.core.authenticate(request, admin=True)
+        return await self.core.flush()
+
+    @fastapi_app.post("/v1/admin/policy")
+    async def set_policy(self, request: Request):
+        self.core.authenticate(request, admin=True)
+        body = await self.core.body(request)
+        return await self.core.set_policy(body.get("policy"))
+
+
+def build_app(args: dict[str, Any] | None = None):
+    args = dict(args or {})
+    namespace = args.pop("namespace", "prefix-cache")
+    policy = args.pop("policy", "cost")
+    app_name = args.pop("app_name", APP_NAME)
+    worker = dict(args.pop("worker", {}) or {})
+    block_tokens = worker.get("block_tokens", 16)
+    gpus = float(args.pop("gpus_per_replica", 0))
+    replica_opts: dict[str, Any] = {
+        "ray_actor_options": {"num_gpus": gpus, "num_cpus": 0 if gpus else 1},
+        "max_ongoing_requests": int(args.pop("max_ongoing_requests", 64)),
+        "max_queued_requests": int(args.pop("max_queued_requests", 256)),
+        "request_router_config": RequestRouterConfig(
+            request_router_class=DirectoryRouter,
+            request_router_kwargs={"namespace": namespace, "block_tokens": block_tokens}),
+    }
+    autoscaling = args.pop("autoscaling_config", None)
+    num_replicas = args.pop("num_replicas", None)
+    if autoscaling is not None:
+        replica_opts["autoscaling_config"] = autoscaling
+    else:
+        replica_opts["num_replicas"] = int(num_replicas or 1)
+    settings = {"model_name": args.pop("model_name", "prefix-cache-byte"), "namespace": namespace,
+                "api_keys": args.pop("api_keys", None), "admin_keys": args.pop("admin_keys", None),
+                "limits": args.pop("limits", None)}
+    if args:
+        raise ValueError(f"unknown application args: {sorted(args)}")
+    replicas = CacheReplica.options(name="CacheReplica", **replica_opts).bind(
+        worker, namespace, policy, app_name)
+    return Ingress.bind(replicas, settings)
+

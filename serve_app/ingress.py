@@ -1,0 +1,304 @@
+"""HTTP ingress: OpenAI-compatible API, auth, tenants, limits, streaming, admin.
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions (both with
+``stream``), GET /v1/models, GET /healthz, POST /v1/sessions/{id}/prefetch,
+GET /v1/cache/stats and POST /v1/cache/flush (admin).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import os
+import time
+import uuid
+from collections import OrderedDict
+from typing import Any, AsyncIterator
+
+import ray
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from actors.core import QueueFullError
+from actors.naming import DIRECTORY_NAME
+from cluster.engine.tokenizer import ByteTokenizer
+from serve_app import metrics
+from serve_app.protocol import APIError, GenerationRequest, Limits, parse_chat, parse_completion, parse_json
+
+log = logging.getLogger("ray.serve")
+
+TIER_NAMES = ("hot", "warm", "cold")
+
+
+def parse_keys(spec: str | dict | None) -> dict[str, str]:
+    """``"key1=tenantA,key2=tenantB"`` or a mapping -> {key: tenant}."""
+    if not spec:
+        return {}
+    if isinstance(spec, dict):
+        return {str(k): str(v) for k, v in spec.items()}
+    out = {}
+    for part in spec.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        key, _, tenant = part.partition("=")
+        out[key.strip()] = tenant.strip() or key.strip()[:8]
+    return out
+
+
+class IngressCore:
+    """Everything but the Serve wiring, so it can be tested and reused."""
+
+    def __init__(self, workers: Any, model_name: str = "prefix-cache-byte", namespace: str = "prefix-cache",
+                 api_keys: str | dict | None = None, admin_keys: str | list | None = None,
+                 limits: dict | None = None, retry_after_s: int = 1):
+        self.workers = workers
+        self.model_name = model_name
+        self.namespace = namespace
+        self.tokenizer = ByteTokenizer()
+        self.limits = Limits(**(limits or {}))
+        self.api_keys = parse_keys(api_keys or os.environ.get("PREFIX_CACHE_API_KEYS"))
+        admin = admin_keys if admin_keys is not None else os.environ.get("PREFIX_CACHE_ADMIN_KEYS", "")
+        self.admin_keys = set(admin if isinstance(admin, list) else [k for k in admin.split(",") if k])
+        self.retry_after_s = retry_after_s
+        self._sessions: OrderedDict[tuple, str] = OrderedDict()   # (tenant, session) -> worker id
+        self._directory = None
+
+    # -------------------------------------------------------------------- auth
+    def authenticate(self, request: Request, admin: bool = False) -> str | None:
+        """The caller's tenant (None when auth is off); raises 401/403."""
+        if not self.api_keys and not self.admin_keys:
+            return None
+        header = request.headers.get("authorization", "")
+        scheme, _, key = header.partition(" ")
+        key = key.strip() if scheme.lower() == "bearer" else ""
+        if admin:
+            if any(hmac.compare_digest(key, k) for k in self.admin_keys):
+                return "admin"
+            if key and any(hmac.compare_digest(key, k) for k in self.api_keys):
+                raise APIError(403, "this endpoint needs an admin key", type_="permission_error",
+                               code="admin_required")
+            raise APIError(401, "invalid or missing API key", type_="authentication_error", code="invalid_api_key")
+        for k, tenant in self.api_keys.items():
+            if key and hmac.compare_digest(key, k):
+                return tenant
+        if key and any(hmac.compare_digest(key, k) for k in self.admin_keys):
+            return "admin"
+        raise APIError(401, "invalid or missing API key", type_="authentication_error", code="invalid_api_key")
+
+    async def body(self, request: Request) -> dict:
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > self.limits.max_body_bytes:
+            raise APIError(413, f"request body of {declared} bytes exceeds the limit of "
+                                f"{self.limits.max_body_bytes}", code="request_too_large")
+        raw = b""
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > self.limits.max_body_bytes:
+                raise APIError(413, f"request body exceeds the limit of {self.limits.max_body_bytes} bytes",
+                               code="request_too_large")
+        return parse_json(raw, self.limits)
+
+    # -------------------------------------------------------------- generation
+    def _session_key(self, tenant, session_id):
+        return None if session_id is None else f"{tenant}:{session_id}"
+
+    async def stream_items(self, gen: GenerationRequest, tenant: str | None, endpoint: str) -> AsyncIterator[dict]:
+        payload = {"prompt": gen.prompt, "params": gen.params(), "tenant": tenant,
+                   "session_id": self._session_key(tenant, gen.session_id)}
+        metrics.prompt_tokens.inc(len(gen.prompt))
+        start = time.perf_counter()
+        last = None
+        stream = self.workers.options(stream=True).generate.remote(payload)
+        try:
+            async for item in stream:
+                now = time.perf_counter()
+                if last is None:
+                    metrics.ttft.observe(now - start, tags={"endpoint": endpoint})
+                    hits = item.get("tier_hits") or [0, 0, 0]
+                    for tier, n in zip(TIER_NAMES, hits):
+                        if n:
+                            metrics.cached_tokens.inc(n, tags={"tier": tier})
+                    if gen.session_id is not None:
+                        self._sessions[(tenant, gen.session_id)] = item["worker_id"]
+                        self._sessions.move_to_end((tenant, gen.session_id))
+                        while len(self._sessions) > 100_000:
+                            self._sessions.popitem(last=False)
+                else:
+                    metrics.inter_token.observe(now - last, tags={"endpoint": endpoint})
+                last = now
+                yield item
+        except asyncio.CancelledError:
+            stream.cancel()  # the client went away: stop generating, release the prefix locks
+            raise
+        except Exception as exc:
+            cause = _root_cause(exc)
+            if isinstance(cause, QueueFullError) or type(exc).__name__ == "BackPressureError":
+                raise APIError(429, "the server is at capacity; retry later", type_="rate_limit_error",
+                               code="queue_full", headers={"Retry-After": str(self.retry_after_s)}) from None
+            raise
+
+    async def complete(self, gen: GenerationRequest, tenant: str | None, endpoint: str, chat: bool):
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        if gen.stream:
+            return await self._streaming(gen, tenant, endpoint, chat, rid, created)
+        tokens, last = [], {}
+        async for item in self.stream_items(gen, tenant, endpoint):
+            if item["token"] is not None:
+                tokens.append(item["token"])
+            last = item
+        text = self.tokenizer.decode(tokens)
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "finish_reason": _finish(last)}
+        else:
+            choice = {"index": 0, "text": text, "token_ids": tokens, "logprobs": None, "finish_reason": _finish(last)}
+        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+                "model": self.model_name, "choices": [choice], "usage": _usage(gen, tokens, last),
+                "prefix_cache": _cache_info(last)}
+
+    async def _streaming(self, gen, tenant, endpoint, chat, rid, created):
+        items = self.stream_items(gen, tenant, endpoint)
+        try:
+            first = await items.__anext__()  # errors before the first token become HTTP errors
+        except StopAsyncIteration:
+            first = None
+        kind = "chat.completion.chunk" if chat else "text_completion"
+
+        async def sse():
+            tokens, last = [], {}
+            item = first
+            try:
+                while item is not None:
+                    last = item
+                    if item["token"] is not None:
+                        tokens.append(item["token"])
+                        piece = self.tokenizer.decode([item["token"]])
+                        choice = ({"index": 0, "delta": {"content": piece}, "finish_reason": None} if chat else
+                                  {"index": 0, "text": piece, "token_ids": [item["token"]], "finish_reason": None})
+                        if chat and len(tokens) == 1:
+                            choice["delta"]["role"] = "assistant"
+                        yield _sse({"id": rid, "object": kind, "created": created, "model": self.model_name,
+                                    "choices": [choice]})
+                    item = await items.__anext__()
+            except StopAsyncIteration:
+                pass
+            except APIError as exc:
+                yield _sse(exc.body())
+                return
+            final = {"index": 0, "finish_reason": _finish(last)}
+            final.update({"delta": {}} if chat else {"text": ""})
+            end = {"id": rid, "object": kind, "created": created, "model": self.model_name, "choices": [final]}
+            if gen.include_usage:
+                end["usage"] = _usage(gen, tokens, last)
+                end["prefix_cache"] = _cache_info(last)
+            yield _sse(end)
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(sse(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    # ------------------------------------------------------------------ admin
+    async def directory(self):
+        if self._directory is None:
+            self._directory = await asyncio.to_thread(ray.get_actor, DIRECTORY_NAME, namespace=self.namespace)
+        return self._directory
+
+    async def cache_stats(self) -> dict:
+        d = await self.directory()
+        workers = await d.live_workers.remote()
+        per_worker = await asyncio.gather(*[self.workers.stats.remote({"target_worker": w}) for w in workers],
+                                          return_exceptions=True)
+        return {"directory": await d.get_stats.remote(),
+                "workers": {w: (s if not isinstance(s, Exception) else {"error": str(s)})
+                            for w, s in zip(workers, per_worker)}}
+
+    async def flush(self) -> dict:
+        d = await self.directory()
+        workers = await d.live_workers.remote()
+        freed = await asyncio.gather(*[self.workers.flush.remote({"target_worker": w}) for w in workers])
+        return {"flushed_tokens": int(sum(freed)), "workers": workers}
+
+    async def set_policy(self, policy) -> dict:
+        if not isinstance(policy, str):
+            raise APIError(422, "'policy' must be a string", param="policy")
+        d = await self.directory()
+        try:
+            await d.set_policy.remote(policy)
+        except Exception as exc:
+            raise APIError(422, str(_root_cause(exc)), param="policy") from None
+        return {"policy": policy}
+
+    async def prefetch(self, tenant, session_id: str) -> dict:
+        wid = self._sessions.get((tenant, session_id))
+        if wid is None:
+            raise APIError(404, f"unknown session '{session_id}'", param="session_id", code="session_not_found")
+        try:
+            n = await self.workers.prefetch.remote({"target_worker": wid, "tenant": tenant,
+                                                    "session_id": self._session_key(tenant, session_id)})
+        except Exception as exc:
+            if "unknown session" in str(exc):
+                raise APIError(404, f"unknown session '{session_id}'", param="session_id",
+                               code="session_not_found") from None
+            raise
+        return {"session_id": session_id, "worker_id": wid, "prefetching_tokens": n}
+
+
+def _root_cause(exc: BaseException) -> BaseException:
+    cause = getattr(exc, "cause", None) or exc.__cause__
+    return _root_cause(cause) if cause is not None and cause is not exc else exc
+
+
+def _finish(item: dict) -> str:
+    reason = (item or {}).get("finish_reason") or "length"
+    return {"stop": "stop", "length": "length"}.get(reason, reason)
+
+
+def _usage(gen: GenerationRequest, tokens: list[int], last: dict) -> dict:
+    cached = (last or {}).get("cached_tokens", 0)
+    return {"prompt_tokens": len(gen.prompt), "completion_tokens": len(tokens),
+            "total_tokens": len(gen.prompt) + len(tokens), "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _cache_info(last: dict) -> dict:
+    last = last or {}
+    hits = last.get("tier_hits") or [0, 0, 0]
+    return {"worker_id": last.get("worker_id"), "reason": last.get("reason"),
+            "cached_tokens_by_tier": dict(zip(TIER_NAMES, hits)), "migration": last.get("migration")}
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+def make_fastapi() -> FastAPI:
+    """The FastAPI app with the error handlers; routes are the Ingress methods."""
+    app = FastAPI(title="prefix-cache-cluster", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError):
+        metrics.requests.inc(tags={"endpoint": "error", "status": str(exc.status)})
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, exc: Exception):
+        log.exception("unhandled error")
+        return JSONResponse(APIError(500, "internal error", type_="server_error").body(), status_code=500)
+
+    return app
+
+
+async def handle_generation(core: IngressCore, request: Request, endpoint: str, chat: bool) -> Response:
+    tenant = core.authenticate(request)
+    body = await core.body(request)
+    parse = parse_chat if chat else parse_completion
+    gen = parse(body, core.limits, core.model_name, core.tokenizer)
+    header_session = request.headers.get("x-session-id")
+    if gen.session_id is None and header_session:
+        gen.session_id = header_session[:128]
+    result = await core.complete(gen, tenant, endpoint, chat)
+    metrics.requests.inc(tags={"endpoint": endpoint, "status": "200"})
+    return result if isinstance(result, Response) else JSONResponse(result)

@@ -1,0 +1,66 @@
+"""Prometheus metrics through ``ray.util.metrics`` (exported by each Ray node's agent).
+
+Names and labels (the README lists them too):
+
+| name | type | labels |
+| --- | --- | --- |
+| prefix_cache_requests_total | counter | endpoint, status |
+| prefix_cache_ttft_seconds | histogram | endpoint |
+| prefix_cache_inter_token_seconds | histogram | endpoint |
+| prefix_cache_cached_tokens_total | counter | tier |
+| prefix_cache_prompt_tokens_total | counter | |
+| prefix_cache_migrations_total | counter | transport |
+| prefix_cache_migrated_bytes_total | counter | transport |
+| prefix_cache_tier_moves_total | counter | worker, kind (demoted_to_warm, demoted_to_cold, promoted, dropped) |
+| prefix_cache_tier_used_tokens | gauge | worker, tier |
+| prefix_cache_router_decisions_total | counter | reason |
+"""
+
+from __future__ import annotations
+
+from ray.util.metrics import Counter, Gauge, Histogram
+
+_LATENCY_BOUNDARIES = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
+
+requests = Counter("prefix_cache_requests_total", "HTTP requests by endpoint and status code",
+                   tag_keys=("endpoint", "status"))
+ttft = Histogram("prefix_cache_ttft_seconds", "Time to first token", boundaries=_LATENCY_BOUNDARIES,
+                 tag_keys=("endpoint",))
+inter_token = Histogram("prefix_cache_inter_token_seconds", "Time between streamed tokens",
+                        boundaries=_LATENCY_BOUNDARIES, tag_keys=("endpoint",))
+cached_tokens = Counter("prefix_cache_cached_tokens_total", "Prompt tokens served from the cache, by tier",
+                        tag_keys=("tier",))
+prompt_tokens = Counter("prefix_cache_prompt_tokens_total", "Prompt tokens received")
+migrations = Counter("prefix_cache_migrations_total", "Prefix migrations between replicas",
+                     tag_keys=("transport",))
+migrated_bytes = Counter("prefix_cache_migrated_bytes_total", "KV bytes moved between replicas",
+                         tag_keys=("transport",))
+tier_moves = Counter("prefix_cache_tier_moves_total", "Tier moves (demotions, promotions, drops)",
+                     tag_keys=("worker", "kind"))
+tier_used = Gauge("prefix_cache_tier_used_tokens", "Tokens held per tier", tag_keys=("worker", "tier"))
+router_decisions = Counter("prefix_cache_router_decisions_total", "Router decisions by reason",
+                           tag_keys=("reason",))
+
+_last_moves: dict[str, dict[str, int]] = {}
+
+
+def replica_started(worker_id: str) -> None:
+    _last_moves[worker_id] = {}
+
+
+def report_tiers(worker_id: str, summary: dict) -> None:
+    for tier, info in summary.items():
+        tier_used.set(info["used_tokens"], tags={"worker": worker_id, "tier": tier})
+
+
+def report_moves(worker_id: str, stats: dict) -> None:
+    """Turn the cache's cumulative counters into counter increments."""
+    last = _last_moves.setdefault(worker_id, {})
+    kinds = {"demoted_to_warm": "demoted_to_warm", "demoted_to_cold": "demoted_to_cold",
+             "promotions": "promoted", "dropped_tokens": "dropped"}
+    for key, kind in kinds.items():
+        value = stats.get(key, 0)
+        delta = value - last.get(key, 0)
+        if delta > 0:
+            tier_moves.inc(delta, tags={"worker": worker_id, "kind": kind})
+        last[key] = value

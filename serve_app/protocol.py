@@ -1,0 +1,174 @@
+"""Request parsing and OpenAI-shaped errors for the HTTP ingress.
+
+Parsing is explicit (not FastAPI's model binding) so every 4xx names the
+field at fault, in the OpenAI error body ``{"error": {message, type, param,
+code}}``, and nothing malformed reaches a replica.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from cluster.engine.tokenizer import Tokenizer
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type_: str = "invalid_request_error", headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_prompt_tokens: int = 4096
+    max_tokens: int = 1024
+    max_body_bytes: int = 1 << 20
+
+
+@dataclass
+class GenerationRequest:
+    prompt: list[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int | None
+    stop_token_ids: list[int]
+    stream: bool
+    include_usage: bool
+    session_id: str | None
+    model: str
+    extra: dict = field(default_factory=dict)
+
+    def params(self) -> dict:
+        return {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
+                "seed": self.seed, "stop_token_ids": tuple(self.stop_token_ids)}
+
+
+def parse_json(raw: bytes, limits: Limits) -> dict:
+    if len(raw) > limits.max_body_bytes:
+        raise APIError(413, f"request body of {len(raw)} bytes exceeds the limit of {limits.max_body_bytes}",
+                       code="request_too_large")
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"malformed JSON body: {exc}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+    return body
+
+
+def _int(body: dict, name: str, default: int | None, lo: int | None = None, hi: int | None = None) -> int | None:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise APIError(422, f"'{name}' must be an integer, got {type(value).__name__}", param=name)
+    if lo is not None and value < lo:
+        raise APIError(422, f"'{name}' must be >= {lo}, got {value}", param=name)
+    if hi is not None and value > hi:
+        raise APIError(422, f"'{name}' must be <= {hi}, got {value}", param=name, code="limit_exceeded")
+    return value
+
+
+def _float(body: dict, name: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise APIError(422, f"'{name}' must be a number, got {type(value).__name__}", param=name)
+    if value > hi or value < lo or (lo_open and value == lo):
+        bound = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
+        raise APIError(422, f"'{name}' must be in {bound}, got {value}", param=name)
+    return float(value)
+
+
+def _common(body: dict, prompt: list[int], limits: Limits, served_model: str, tokenizer: Tokenizer) -> GenerationRequest:
+    model = body.get("model")
+    if model is None:
+        raise APIError(422, "'model' is required", param="model")
+    if not isinstance(model, str):
+        raise APIError(422, f"'model' must be a string, got {type(model).__name__}", param="model")
+    if model != served_model:
+        raise APIError(404, f"model '{model}' does not exist; this server serves '{served_model}'",
+                       param="model", code="model_not_found")
+    if len(prompt) > limits.max_prompt_tokens:
+        raise APIError(413, f"prompt has {len(prompt)} tokens; the limit is {limits.max_prompt_tokens}",
+                       param="prompt", code="context_length_exceeded")
+    max_tokens = _int(body, "max_tokens", 16, lo=1, hi=limits.max_tokens)
+    if "max_completion_tokens" in body:
+        max_tokens = _int(body, "max_completion_tokens", 16, lo=1, hi=limits.max_tokens)
+    n = _int(body, "n", 1, lo=1, hi=1)
+    del n
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise APIError(422, f"'stream' must be a boolean, got {type(stream).__name__}", param="stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise APIError(422, "'stream_options' must be an object", param="stream_options")
+    stop_ids = body.get("stop_token_ids") or []
+    if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
+        raise APIError(422, "'stop_token_ids' must be a list of integers", param="stop_token_ids")
+    if body.get("stop") not in (None, [], ""):
+        raise APIError(422, "'stop' strings are not supported; use 'stop_token_ids'", param="stop")
+    session = body.get("session_id")
+    if session is not None and (not isinstance(session, str) or not 0 < len(session) <= 128):
+        raise APIError(422, "'session_id' must be a string of 1 to 128 characters", param="session_id")
+    return GenerationRequest(
+        prompt=prompt, max_tokens=max_tokens,
+        temperature=_float(body, "temperature", 0.0, 0.0, 2.0),   # default greedy: reproducible
+        top_p=_float(body, "top_p", 1.0, 0.0, 1.0, lo_open=True), seed=_int(body, "seed", None),
+        stop_token_ids=stop_ids, stream=stream, include_usage=bool(options.get("include_usage", True)),
+        session_id=session, model=model)
+
+
+def parse_completion(body: dict, limits: Limits, served_model: str, tokenizer: Tokenizer) -> GenerationRequest:
+    if "prompt" not in body:
+        raise APIError(422, "'prompt' is required", param="prompt")
+    prompt = body["prompt"]
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise APIError(422, "'prompt' must not be empty", param="prompt")
+        ids = tokenizer.encode(prompt)
+    elif isinstance(prompt, list):
+        if not prompt:
+            raise APIError(422, "'prompt' must not be empty", param="prompt")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise APIError(422, "'prompt' must be a string or a list of integer token ids", param="prompt")
+        bad = next((t for t in prompt if not 0 <= t < tokenizer.vocab_size), None)
+        if bad is not None:
+            raise APIError(422, f"'prompt' has token id {bad} outside [0, {tokenizer.vocab_size})", param="prompt")
+        ids = list(prompt)
+    else:
+        raise APIError(422, f"'prompt' must be a string or a list of token ids, got {type(prompt).__name__}",
+                       param="prompt")
+    return _common(body, ids, limits, served_model, tokenizer)
+
+
+ROLES = ("system", "user", "assistant")
+
+
+def parse_chat(body: dict, limits: Limits, served_model: str, tokenizer: Tokenizer) -> GenerationRequest:
+    messages = body.get("messages")
+    if messages is None:
+        raise APIError(422, "'messages' is required", param="messages")
+    if not isinstance(messages, list) or not messages:
+        raise APIError(422, "'messages' must be a non-empty list", param="messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise APIError(422, f"'messages[{i}]' must be an object", param=f"messages[{i}]")
+        if m.get("role") not in ROLES:
+            raise APIError(422, f"'messages[{i}].role' must be one of {list(ROLES)}, got {m.get('role')!r}",
+                           param=f"messages[{i}].role")
+        if not isinstance(m.get("content"), str):
+            raise APIError(422, f"'messages[{i}].content' must be a string", param=f"messages[{i}].content")
+    ids = tokenizer.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in messages])
+    return _common(body, ids, limits, served_model, tokenizer)
