@@ -74,7 +74,12 @@ class QueueFullError(CacheError):
 
 
 class WorkerCore:
-    def __init__(self, worker_id: str, config: WorkerConfig, publish: Callable[[bytes | None, dict], None] | None = None):
+    def __init__(self, worker_id: str, config: WorkerConfig,
+                 publish: Callable[[bytes | None, dict], Any] | None = None,
+                 push_snapshot: Callable[[int, dict], Any] | None = None):
+        """``publish(batch, load)`` sends events and load to the directory and may
+        return a future of its status; ``push_snapshot(seq, entries)`` sends the
+        whole index when the directory asks for it."""
         self.worker_id = worker_id
         self.config = config
         torch.set_num_threads(config.torch_threads)
@@ -87,6 +92,8 @@ class WorkerCore:
         self.publisher = KVEventPublisher(worker_id, self.cache.tree, config.block_tokens)
         self.cache.tree.listeners.append(self.publisher)
         self._publish = publish
+        self._push_snapshot = push_snapshot
+        self._snapshot_wanted = False
         self._last_report = 0.0
         self.nixl: NixlEndpoint | None = None
         if config.use_nixl and config.warm_blocks and nixl_available():
@@ -124,6 +131,8 @@ class WorkerCore:
             if now - last_publish > 0.02:
                 self._flush_events()
                 last_publish = now
+            if self._snapshot_wanted:
+                self._send_snapshot()
 
     def _run_commands(self) -> None:
         while True:
@@ -167,10 +176,34 @@ class WorkerCore:
             return
         self._last_report = now
         try:
-            self._publish(batch.encode() if batch is not None else None, self.load())
+            status = self._publish(batch.encode() if batch is not None else None, self.load())
         except Exception as exc:  # the directory may be restarting: resync later
             log.warning("event publish from %s failed: %s", self.worker_id, exc)
-            self.publisher.needs_resync = True
+            self._snapshot_wanted = True
+            return
+        if hasattr(status, "add_done_callback"):
+            status.add_done_callback(self._on_publish_status)
+
+    def _on_publish_status(self, fut) -> None:
+        # Runs on whatever thread completes the future: only set a flag.
+        try:
+            status = fut.result()
+        except Exception:
+            status = "failed"
+        if status != "ok":
+            self._snapshot_wanted = True
+            self._wake.set()
+
+    def _send_snapshot(self) -> None:
+        self._snapshot_wanted = False
+        if self._push_snapshot is None:
+            return
+        seq, entries = self.publisher.snapshot()
+        try:
+            self._push_snapshot(seq, entries)
+        except Exception as exc:
+            log.warning("snapshot push from %s failed: %s", self.worker_id, exc)
+            self._snapshot_wanted = True
 
     # --------------------------------------------------------------- requests
     def load(self) -> dict:

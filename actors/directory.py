@@ -3,9 +3,10 @@
 It owns a ``cluster.routing.GlobalIndex`` (block hash -> workers and tiers)
 and a routing policy, both plain ``cluster/`` code. Workers publish KV event
 batches (msgpack, per-worker sequence numbers); a gap, a resync flag or an
-unknown worker triggers a snapshot pull from that worker. After a restart
-(Ray restarts it: ``max_restarts=-1``) the index starts empty and is rebuilt
-from the workers' snapshots as their next batches arrive.
+unknown worker is answered with a status that makes the worker push a full
+snapshot. After a restart (Ray restarts it: ``max_restarts=-1``) the index
+starts empty and is rebuilt from the workers' snapshots within one report
+interval.
 """
 
 from __future__ import annotations
@@ -16,20 +17,24 @@ import time
 from typing import Any
 
 import ray
-from ray.exceptions import ActorDiedError, ActorUnavailableError
 
-from actors.naming import DIRECTORY_NAME, WORKER_PREFIX, worker_actor_name
+from actors.naming import DIRECTORY_NAME
 from cluster.errors import InvalidInputError
 from cluster.routing.events import EventBatch, MalformedBatchError
 from cluster.routing.index import GlobalIndex
-from cluster.routing.policy import CostModel, WorkerState, make_policy
+from cluster.routing.policy import CostModel, NoLiveWorkerError, WorkerState, make_policy
 
 log = logging.getLogger(__name__)
 
 
 class DirectoryImpl:
+    """Push-based: workers send event batches with their load (every ~100 ms, so
+    they double as heartbeats) and, when told, a full snapshot. The directory
+    never calls a worker, so it works the same whether workers are plain actors
+    or Serve replicas, and a dead worker costs it nothing but a timeout."""
+
     def __init__(self, policy: str = "cost", block_tokens: int = 16, namespace: str = "prefix-cache",
-                 policy_kwargs: dict | None = None, health_interval_s: float = 1.0):
+                 policy_kwargs: dict | None = None, heartbeat_timeout_s: float = 3.0, clock=time.monotonic):
         self.namespace = namespace
         self.block_tokens = block_tokens
         self.index = GlobalIndex()
@@ -37,18 +42,16 @@ class DirectoryImpl:
         self.policy_kwargs = dict(policy_kwargs or {})
         self.workers: dict[str, WorkerState] = {}
         self.costs: dict[str, dict] = {}
-        self.handles: dict[str, Any] = {}
+        self.last_seen: dict[str, float] = {}
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.clock = clock
         self.policy = self._make_policy()
-        self.health_interval_s = health_interval_s
-        self._resyncing: set[str] = set()
         self._health_task = None
-        self.stats = {"decisions": 0, "by_reason": {}, "resyncs": 0, "malformed_batches": 0,
-                      "unknown_worker_batches": 0, "dropped_workers": 0, "stale_decisions": 0,
-                      "started_at": time.time()}
+        self.stats = {"decisions": 0, "by_reason": {}, "resyncs": 0, "snapshots": 0, "malformed_batches": 0,
+                      "unknown_worker_batches": 0, "gaps": 0, "dropped_workers": 0, "started_at": time.time()}
 
     def _make_policy(self):
-        cost = self._cost_model()
-        return make_policy(self.policy_name, cost=cost, **self.policy_kwargs)
+        return make_policy(self.policy_name, cost=self._cost_model(), **self.policy_kwargs)
 
     def _cost_model(self) -> CostModel:
         """Cluster-wide constants from what the workers measured at start-up."""
@@ -64,84 +67,72 @@ class DirectoryImpl:
 
     # ---------------------------------------------------------------- workers
     async def register_worker(self, worker_id: str, cost: dict | None = None) -> None:
-        first = worker_id not in self.workers
-        self.index.register_worker(worker_id)
-        self.workers.setdefault(worker_id, WorkerState(worker_id, 0, 0))
+        if not isinstance(worker_id, str) or not worker_id:
+            raise InvalidInputError(f"worker_id must be a non-empty string, got {worker_id!r}")
+        if worker_id not in self.workers:
+            self.index.register_worker(worker_id)
+            self.workers[worker_id] = WorkerState(worker_id, 0, 0)
+            log.info("worker %s registered", worker_id)
+        self.last_seen[worker_id] = self.clock()
         if cost:
             self.costs[worker_id] = cost
             self.policy = self._make_policy()
-        if first:
-            log.info("worker %s registered", worker_id)
         self._ensure_health_task()
-
-    def _handle(self, worker_id: str):
-        h = self.handles.get(worker_id)
-        if h is None:
-            h = ray.get_actor(worker_actor_name(worker_id), namespace=self.namespace)
-            self.handles[worker_id] = h
-        return h
 
     async def drop_worker(self, worker_id: str, reason: str = "failed") -> bool:
         """Forget a worker and every block it held, at once."""
         if worker_id not in self.workers:
             return False
         self.index.drop_worker(worker_id)
-        self.workers.pop(worker_id, None)
-        self.costs.pop(worker_id, None)
-        self.handles.pop(worker_id, None)
+        for table in (self.workers, self.costs, self.last_seen):
+            table.pop(worker_id, None)
+        if hasattr(self.policy, "forget_worker"):
+            self.policy.forget_worker(worker_id)
         self.stats["dropped_workers"] += 1
         log.warning("worker %s dropped (%s)", worker_id, reason)
         return True
 
     async def publish(self, worker_id: str, data: bytes | None, load: dict | None = None) -> str:
-        """A worker's KV event batch (msgpack) and/or its current load."""
+        """A worker's KV event batch (msgpack) and/or its current load.
+
+        Returns "ok", or what the worker must do: "unknown_worker", "gap",
+        "resync" or "malformed" all mean "send a snapshot" (``load_snapshot``).
+        """
+        if worker_id not in self.workers:  # new, or this directory just restarted
+            self.stats["unknown_worker_batches"] += 1
+            await self.register_worker(worker_id)
+            self._set_load(worker_id, load)
+            return "unknown_worker"
+        self.last_seen[worker_id] = self.clock()
+        self._set_load(worker_id, load)
         if data is None:
-            return await self._report_load(worker_id, load or {})
+            return "ok"
         try:
             batch = EventBatch.decode(data)
+            if batch.worker_id != worker_id:
+                raise MalformedBatchError(f"batch names worker {batch.worker_id!r}, sent by {worker_id!r}")
         except MalformedBatchError as exc:
             self.stats["malformed_batches"] += 1
             log.warning("malformed event batch from %s: %s", worker_id, exc)
-            await self._resync(worker_id)
             return "malformed"
-        if batch.worker_id != worker_id:
-            self.stats["malformed_batches"] += 1
-            return "malformed"
-        if worker_id not in self.workers:
-            self.stats["unknown_worker_batches"] += 1
-            await self.register_worker(worker_id)
-            await self._resync(worker_id)
-            return "unknown_worker"
-        if load:
-            st = self.workers[worker_id]
-            st.queued_tokens, st.running = load.get("queued_tokens", 0), load.get("running", 0)
         status = self.index.apply(batch)
+        if status == "gap":
+            self.stats["gaps"] += 1
         if status in ("gap", "resync"):
-            await self._resync(worker_id)
+            self.stats["resyncs"] += 1
         return status
 
-    async def _report_load(self, worker_id: str, load: dict) -> str:
-        if worker_id not in self.workers:  # e.g. this directory just restarted
-            self.stats["unknown_worker_batches"] += 1
+    async def load_snapshot(self, worker_id: str, seq: int, entries: dict) -> str:
+        if worker_id not in self.workers:
             await self.register_worker(worker_id)
-            await self._resync(worker_id)
-            return "unknown_worker"
-        st = self.workers[worker_id]
-        st.queued_tokens, st.running = load.get("queued_tokens", 0), load.get("running", 0)
+        self.index.load_snapshot(worker_id, seq, entries)
+        self.stats["snapshots"] += 1
         return "ok"
 
-    async def _resync(self, worker_id: str) -> None:
-        if worker_id in self._resyncing:
-            return
-        self._resyncing.add(worker_id)
-        try:
-            seq, entries = await self._handle(worker_id).snapshot.remote()
-            self.index.load_snapshot(worker_id, seq, entries)
-            self.stats["resyncs"] += 1
-        except (ActorDiedError, ActorUnavailableError, ValueError) as exc:
-            await self.drop_worker(worker_id, f"snapshot failed: {exc}")
-        finally:
-            self._resyncing.discard(worker_id)
+    def _set_load(self, worker_id: str, load: dict | None) -> None:
+        if load:
+            st = self.workers[worker_id]
+            st.queued_tokens, st.running = int(load.get("queued_tokens", 0)), int(load.get("running", 0))
 
     # ---------------------------------------------------------------- routing
     async def route(self, hashes: list[int], num_tokens: int, exclude: list[str] | None = None,
@@ -155,23 +146,20 @@ class DirectoryImpl:
             raise InvalidInputError(f"num_tokens must be a non-negative integer, got {num_tokens!r}")
         candidates = [w for wid, w in self.workers.items() if not exclude or wid not in exclude]
         if not candidates:
-            raise RuntimeError("no live cache workers registered with the directory")
+            raise NoLiveWorkerError("no live cache workers registered with the directory")
         decision = self.policy.choose(hashes, num_tokens, candidates, self.index)
         self.stats["decisions"] += 1
         reason = decision.reason
         self.stats["by_reason"][reason] = self.stats["by_reason"].get(reason, 0) + 1
-        if reserve:  # counted as queued until the worker's next load report
+        if reserve:
             self.workers[decision.worker_id].queued_tokens += num_tokens - decision.cached_tokens
         return {"worker_id": decision.worker_id, "reason": reason, "expected_ttft_s": decision.expected_ttft_s,
                 "cached_tokens": decision.cached_tokens, "migrate_from": decision.migrate_from}
 
     async def report_failure(self, worker_id: str) -> bool:
-        """A client saw this worker die: drop it now rather than at the next health check."""
-        try:
-            await asyncio.wait_for(self._handle(worker_id).ping.remote(), timeout=2.0)
-            return False
-        except Exception:
-            return await self.drop_worker(worker_id, "reported dead by a client")
+        """A client saw this worker fail. Drop it now; if it is in fact alive,
+        its next report re-registers it with a fresh snapshot."""
+        return await self.drop_worker(worker_id, "reported by a client")
 
     def live_workers(self) -> list[str]:
         return sorted(self.workers)
@@ -182,12 +170,13 @@ class DirectoryImpl:
                 "index": dict(getattr(self.index, "stats", {})), "policy": self.policy_name}
 
     async def set_policy(self, name: str) -> None:
+        make_policy(name)  # validate first
         self.policy_name = name
         self.policy = self._make_policy()
 
     # ---------------------------------------------------------------- health
     def _ensure_health_task(self) -> None:
-        if self._health_task is None and self.health_interval_s > 0:
+        if self._health_task is None and self.heartbeat_timeout_s > 0:
             try:
                 self._health_task = asyncio.get_running_loop().create_task(self._health_loop())
             except RuntimeError:
@@ -195,27 +184,15 @@ class DirectoryImpl:
 
     async def _health_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.health_interval_s)
-            for wid in list(self.workers):
-                try:
-                    await asyncio.wait_for(self._handle(wid).ping.remote(), timeout=5 * self.health_interval_s)
-                except (ActorDiedError, ActorUnavailableError, ValueError, asyncio.TimeoutError) as exc:
-                    await self.drop_worker(wid, f"health check: {type(exc).__name__}")
-                except Exception as exc:  # keep the loop alive whatever happens
-                    log.warning("health check of %s: %s", wid, exc)
+            await asyncio.sleep(self.heartbeat_timeout_s / 3)
+            await self.expire_silent_workers()
 
-    async def rediscover(self) -> int:
-        """After a restart: find live named workers and pull their snapshots."""
-        found = 0
-        for info in ray.util.list_named_actors(all_namespaces=True):
-            name = info["name"] if isinstance(info, dict) else info
-            ns = info.get("namespace") if isinstance(info, dict) else self.namespace
-            if ns == self.namespace and name.startswith(WORKER_PREFIX):
-                wid = name[len(WORKER_PREFIX):]
-                await self.register_worker(wid)
-                await self._resync(wid)
-                found += 1
-        return found
+    async def expire_silent_workers(self) -> list[str]:
+        now = self.clock()
+        silent = [w for w, t in self.last_seen.items() if now - t > self.heartbeat_timeout_s]
+        for w in silent:
+            await self.drop_worker(w, f"no report for {self.heartbeat_timeout_s:.1f}s")
+        return silent
 
 
 DirectoryActor = ray.remote(DirectoryImpl)

@@ -32,7 +32,8 @@ class CacheWorkerImpl:
         self._directory = None
         self._faults: set[str] = set()
         self._peers: dict[str, str] = {}     # worker id -> NIXL peer name
-        self.core = WorkerCore(worker_id, WorkerConfig.from_dict(config), publish=self._publish)
+        self.core = WorkerCore(worker_id, WorkerConfig.from_dict(config), publish=self._publish,
+                               push_snapshot=self._push_snapshot)
         self._register()
 
     # -------------------------------------------------------------- directory
@@ -47,13 +48,16 @@ class CacheWorkerImpl:
         except ValueError:
             log.warning("directory %s not found yet; events will register this worker", self.directory_name)
 
-    def _publish(self, batch: bytes, load: dict) -> None:
-        # Fire and forget: publication never blocks the engine thread.
+    def _publish(self, batch: bytes | None, load: dict):
+        # Never blocks the engine thread: the status comes back as a future.
         try:
-            self._dir().publish.remote(self.worker_id, batch, load)
+            return self._dir().publish.remote(self.worker_id, batch, load).future()
         except ValueError:
             self._directory = None
             raise
+
+    def _push_snapshot(self, seq: int, entries: dict) -> None:
+        self._dir().load_snapshot.remote(self.worker_id, seq, entries)
 
     # --------------------------------------------------------------- serving
     async def generate(self, prompt: list[int], params: dict | None = None, namespace: Any = None,

@@ -188,7 +188,7 @@ def test_directory_restart_rebuilds_the_index(cache_cluster):
                        timeout_s=60)
     assert d["worker_id"] == holder
     stats = ray.get(cc.directory.get_stats.remote())
-    assert stats["resyncs"] >= 1 and sorted(stats["workers"]) == cc.worker_ids
+    assert stats["snapshots"] >= 1 and sorted(stats["workers"]) == cc.worker_ids
 
 
 def test_malformed_and_unknown_batches_are_counted(cache_cluster):
