@@ -1,0 +1,62 @@
+"""``prefix-cache serve``: run the app in the foreground on 127.0.0.1:8000.
+
+Without ``--address`` it starts the embedded default (a head and two worker
+nodes on loopback); with ``--address`` it deploys onto that Ray cluster.
+Ctrl-C tears down what it started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import threading
+
+from serve_app.local import DEMO_WORKER, LocalCluster
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--address", default=None, help="existing Ray cluster address (default: start one locally)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--replicas", type=int, default=3, help="cache replicas (default 3)")
+    p.add_argument("--worker-nodes", type=int, default=2, help="local cluster worker nodes (default 2)")
+    p.add_argument("--policy", default="cost")
+    p.add_argument("--args", default=None, help="extra application args as JSON (merged over the defaults)")
+
+
+def run(args: argparse.Namespace) -> int:
+    app_args = {"num_replicas": args.replicas, "policy": args.policy, "worker": dict(DEMO_WORKER)}
+    if args.args:
+        app_args.update(json.loads(args.args))
+    if args.address:
+        import ray
+        from ray import serve
+
+        from serve_app.app import APP_NAME, build_app
+
+        ray.init(address=args.address)
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(build_app(app_args), name=APP_NAME, route_prefix="/", blocking=False)
+        LocalCluster.wait_ready(args.host, args.port, 300)
+        local = None
+    else:
+        local = LocalCluster(worker_nodes=args.worker_nodes)
+        local.deploy(app_args, port=args.port, host=args.host)
+    print(f"serving on http://{args.host}:{args.port}  (Ctrl-C to stop)", flush=True)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        while not stop.wait(0.5):
+            pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        print("shutting down...", flush=True)
+        if local is not None:
+            local.shutdown()
+        else:
+            from ray import serve
+
+            serve.delete("prefix-cache")
+    return 0

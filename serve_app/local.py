@@ -1,0 +1,69 @@
+"""The embedded default: a local multi-node Ray cluster on 127.0.0.1 running the app."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from typing import Any
+
+DEMO_WORKER = {"block_tokens": 16, "hot_blocks": 512, "warm_blocks": 2048, "max_batch_tokens": 4096,
+               "torch_threads": 1}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalCluster:
+    """A head and ``worker_nodes`` Ray nodes, every one on loopback, plus Serve."""
+
+    def __init__(self, worker_nodes: int = 2, cpus_per_node: int = 2, namespace: str = "prefix-cache"):
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # before Ray starts: bind 127.0.0.1
+        import ray
+        from ray.cluster_utils import Cluster
+
+        self.cluster = Cluster(initialize_head=True, head_node_args={
+            "num_cpus": cpus_per_node, "include_dashboard": False})
+        for _ in range(worker_nodes):
+            self.cluster.add_node(num_cpus=cpus_per_node)
+        self.cluster.wait_for_nodes()
+        ray.init(address=self.cluster.address, namespace=namespace, log_to_driver=False)
+        self.port: int | None = None
+
+    def deploy(self, args: dict[str, Any], port: int = 8000, host: str = "127.0.0.1", timeout_s: float = 180):
+        from ray import serve
+
+        from serve_app.app import APP_NAME, build_app
+
+        serve.start(http_options={"host": host, "port": port})
+        serve.run(build_app(args), name=APP_NAME, route_prefix="/", blocking=False)
+        self.port = port
+        self.wait_ready(host, port, timeout_s)
+
+    @staticmethod
+    def wait_ready(host: str, port: int, timeout_s: float) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout_s
+        last = None
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://{host}:{port}/healthz", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError as exc:
+                last = exc
+            time.sleep(0.5)
+        raise TimeoutError(f"the app did not answer /healthz on {host}:{port} within {timeout_s}s ({last})")
+
+    def shutdown(self) -> None:
+        import ray
+        from ray import serve
+
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+            self.cluster.shutdown()
