@@ -339,7 +339,8 @@ class WorkerCore:
         c = self.cache
         return {"worker_id": self.worker_id, "tiers": c.tier_summary(), "cache": dict(c.stats),
                 "tree": dict(c.tree.stats), "engine": dict(self.engine.stats), "worker": dict(self.stats),
-                "load": self.load(), "fragmentation": c.hot.allocator.internal_fragmentation()}
+                "load": self.load(), "fragmentation": c.hot.allocator.internal_fragmentation(),
+                "protected_tokens": c.tree.protected_tokens, "evictable_tokens": c.tree.evictable_tokens}
 
     def drop_all(self) -> int:
         """(engine thread) Drop every unlocked cached prefix, coldest tier first."""

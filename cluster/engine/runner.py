@@ -104,7 +104,7 @@ class Engine:
         self.running: list[Request] = []
         self._ids = itertools.count(1)
         self.stats = {"prompt_tokens": 0, "cached_tokens": 0, "computed_tokens": 0, "steps": 0,
-                      "requests_finished": 0, "requests_failed": 0}
+                      "requests_finished": 0, "requests_failed": 0, "requests_cancelled": 0}
 
     # ------------------------------------------------------------------ API
     def submit(self, request: Request) -> Request:
@@ -260,6 +260,8 @@ class Engine:
         req.finished, req.finish_reason, req.error = True, reason, error
         if error is not None or reason == "cancelled" or reason == "client_disconnected":
             self._ended.append(TokenEvent(req, None, True))
+        if reason in ("cancelled", "client_disconnected"):
+            self.stats["requests_cancelled"] += 1
         if req in self.running:
             self.running.remove(req)
         try:

@@ -1,0 +1,34 @@
+"""serve_app/config.yaml is a complete, valid Serve config whose app builds."""
+
+from pathlib import Path
+
+import yaml
+from ray.serve.config import AutoscalingConfig
+from ray.serve.schema import ServeDeploySchema
+
+CONFIG = Path(__file__).resolve().parents[2] / "serve_app" / "config.yaml"
+
+
+def test_config_validates_with_serve_schema():
+    cfg = yaml.safe_load(CONFIG.read_text())
+    schema = ServeDeploySchema.model_validate(cfg)
+    (app,) = schema.applications
+    assert app.import_path == "serve_app.app:build_app" and app.route_prefix == "/"
+    AutoscalingConfig.model_validate(app.args["autoscaling_config"])
+
+
+def test_config_args_build_the_application():
+    from serve_app.app import build_app
+
+    cfg = yaml.safe_load(CONFIG.read_text())
+    app = build_app(cfg["applications"][0]["args"])
+    assert type(app).__name__ == "Application"
+
+
+def test_unknown_args_are_rejected():
+    import pytest
+
+    from serve_app.app import build_app
+
+    with pytest.raises(ValueError, match="unknown application args: \\['colour'\\]"):
+        build_app({"colour": "blue"})

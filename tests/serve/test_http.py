@@ -1,0 +1,228 @@
+"""End to end over HTTP: the Serve app on the loopback multi-node Ray cluster."""
+
+import json
+import time
+
+import httpx
+import pytest
+import ray
+
+pytestmark = pytest.mark.distributed
+
+KEYS = {"a": "key-tenant-a", "b": "key-tenant-b", "admin": "key-admin"}
+MODEL = "prefix-cache-byte"
+
+
+@pytest.fixture(scope="module")
+def base_url(ray_loopback_cluster):
+    from ray import serve
+
+    from actors.pytest_plugin import TEST_MODEL
+    from serve_app.app import build_app
+    from serve_app.local import free_port
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    args = {"num_replicas": 2, "namespace": "prefix-cache-serve-test",
+            "api_keys": f"{KEYS['a']}=tenant-a,{KEYS['b']}=tenant-b", "admin_keys": KEYS["admin"],
+            "limits": {"max_prompt_tokens": 2048, "max_tokens": 64, "max_body_bytes": 65536},
+            "worker": {"model": TEST_MODEL, "hot_blocks": 256, "warm_blocks": 256, "block_tokens": 16}}
+    serve.run(build_app(args), name="prefix-cache", route_prefix="/")
+    url = f"http://127.0.0.1:{port}"
+    yield url
+    serve.shutdown()
+
+
+def post(url, path, body, key="a", **kw):
+    headers = {"Authorization": f"Bearer {KEYS[key]}"} if key else {}
+    return httpx.post(url + path, json=body, headers=headers, timeout=60, **kw)
+
+
+def tokens(seed, n):
+    import random
+    rng = random.Random(seed)
+    return [rng.randrange(256) for _ in range(n)]
+
+
+def sse_events(resp):
+    out = []
+    for line in resp.iter_lines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            out.append(json.loads(line[6:]))
+    return out
+
+
+def test_completion_text_and_tokens(base_url):
+    r = post(base_url, "/v1/completions", {"model": MODEL, "prompt": "hello there", "max_tokens": 5})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "text_completion" and len(body["choices"][0]["token_ids"]) == 5
+    assert body["usage"]["prompt_tokens"] == 11 and body["usage"]["completion_tokens"] == 5
+    assert body["choices"][0]["finish_reason"] == "length"
+    r = post(base_url, "/v1/completions", {"model": MODEL, "prompt": tokens(1, 40), "max_tokens": 3})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 40
+
+
+def test_streaming_completion_equals_non_streaming(base_url):
+    prompt = tokens(2, 64)
+    plain = post(base_url, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 6}).json()
+    headers = {"Authorization": f"Bearer {KEYS['a']}"}
+    with httpx.stream("POST", base_url + "/v1/completions", headers=headers, timeout=60,
+                      json={"model": MODEL, "prompt": prompt, "max_tokens": 6, "stream": True}) as resp:
+        assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(resp)
+    streamed = [t for e in events for c in e["choices"] for t in c.get("token_ids", [])]
+    assert streamed == plain["choices"][0]["token_ids"]
+    assert events[-1]["usage"]["completion_tokens"] == 6
+
+
+def test_chat_streamed_and_not(base_url):
+    msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi!"}]
+    r = post(base_url, "/v1/chat/completions", {"model": MODEL, "messages": msgs, "max_tokens": 4})
+    assert r.status_code == 200
+    body = r.json()
+    assert body["object"] == "chat.completion" and body["choices"][0]["message"]["role"] == "assistant"
+    headers = {"Authorization": f"Bearer {KEYS['a']}"}
+    with httpx.stream("POST", base_url + "/v1/chat/completions", headers=headers, timeout=60,
+                      json={"model": MODEL, "messages": msgs, "max_tokens": 4, "stream": True}) as resp:
+        events = sse_events(resp)
+    assert events[0]["object"] == "chat.completion.chunk" and events[0]["choices"][0]["delta"]["role"] == "assistant"
+    text = "".join(c["delta"].get("content", "") for e in events for c in e["choices"])
+    assert text == body["choices"][0]["message"]["content"]
+
+
+def test_follow_up_turn_hits_and_matches_a_cold_run(base_url):
+    first_prompt = tokens(3, 300)
+    first = post(base_url, "/v1/completions", {"model": MODEL, "prompt": first_prompt, "max_tokens": 4}).json()
+    follow_prompt = first_prompt + first["choices"][0]["token_ids"] + tokens(4, 20)
+    time.sleep(0.5)  # let the KV events reach the directory
+    follow = post(base_url, "/v1/completions", {"model": MODEL, "prompt": follow_prompt, "max_tokens": 4}).json()
+    assert follow["usage"]["prompt_tokens_details"]["cached_tokens"] >= 300
+    cold = post(base_url, "/v1/completions", {"model": MODEL, "prompt": follow_prompt, "max_tokens": 4},
+                key="b").json()   # another tenant: nothing cached for it
+    assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert follow["choices"][0]["token_ids"] == cold["choices"][0]["token_ids"]
+
+
+def test_tenants_never_share_cached_prefixes(base_url):
+    prompt = tokens(5, 200)
+    post(base_url, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 2}, key="a")
+    time.sleep(0.5)
+    b = post(base_url, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 2}, key="b").json()
+    assert b["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    a = post(base_url, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 2}, key="a").json()
+    assert a["usage"]["prompt_tokens_details"]["cached_tokens"] >= 192
+
+
+def test_auth(base_url):
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 1}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEYS["a"]}):
+        r = httpx.post(base_url + "/v1/completions", json=body, headers=headers, timeout=30)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert "tenant" not in r.text
+    assert httpx.get(base_url + "/v1/models", timeout=30).status_code == 401
+    assert httpx.get(base_url + "/healthz", timeout=30).json() == {"status": "ok"}
+    r = httpx.get(base_url + "/v1/cache/stats", headers={"Authorization": f"Bearer {KEYS['a']}"}, timeout=30)
+    assert r.status_code == 403 and r.json()["error"]["code"] == "admin_required"
+    r = httpx.get(base_url + "/v1/cache/stats", headers={"Authorization": f"Bearer {KEYS['admin']}"}, timeout=30)
+    assert r.status_code == 200 and len(r.json()["workers"]) == 2
+    r = httpx.get(base_url + "/v1/models", headers={"Authorization": f"Bearer {KEYS['b']}"}, timeout=30)
+    assert r.json()["data"][0]["id"] == MODEL
+
+
+BAD = [
+    # (body or raw bytes, path, status, message fragment)
+    (b"{not json", "/v1/completions", 400, "malformed JSON"),
+    (b"[1, 2]", "/v1/completions", 400, "must be a JSON object"),
+    ({"prompt": "x"}, "/v1/completions", 422, "'model' is required"),
+    ({"model": 7, "prompt": "x"}, "/v1/completions", 422, "'model' must be a string"),
+    ({"model": "gpt-4", "prompt": "x"}, "/v1/completions", 404, "does not exist"),
+    ({"model": MODEL}, "/v1/completions", 422, "'prompt' is required"),
+    ({"model": MODEL, "prompt": ""}, "/v1/completions", 422, "must not be empty"),
+    ({"model": MODEL, "prompt": []}, "/v1/completions", 422, "must not be empty"),
+    ({"model": MODEL, "prompt": [1, 999]}, "/v1/completions", 422, "token id 999 outside [0, 259)"),
+    ({"model": MODEL, "prompt": [-1]}, "/v1/completions", 422, "token id -1 outside"),
+    ({"model": MODEL, "prompt": 12}, "/v1/completions", 422, "'prompt' must be a string or a list"),
+    ({"model": MODEL, "prompt": [1.5]}, "/v1/completions", 422, "list of integer token ids"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": -3}, "/v1/completions", 422, "'max_tokens' must be >= 1"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": 10**9}, "/v1/completions", 422, "'max_tokens' must be <= 64"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": "5"}, "/v1/completions", 422, "'max_tokens' must be an integer"),
+    ({"model": MODEL, "prompt": "x", "temperature": 5}, "/v1/completions", 422, "'temperature' must be in"),
+    ({"model": MODEL, "prompt": "x", "temperature": "hot"}, "/v1/completions", 422, "'temperature' must be a number"),
+    ({"model": MODEL, "prompt": "x", "top_p": 0}, "/v1/completions", 422, "'top_p' must be in"),
+    ({"model": MODEL, "prompt": "x", "stream": "yes"}, "/v1/completions", 422, "'stream' must be a boolean"),
+    ({"model": MODEL, "prompt": "x", "n": 2}, "/v1/completions", 422, "'n' must be <= 1"),
+    ({"model": MODEL, "prompt": "x", "stop_token_ids": "x"}, "/v1/completions", 422, "'stop_token_ids'"),
+    ({"model": MODEL, "prompt": "x", "stop": ["\n"]}, "/v1/completions", 422, "'stop' strings are not supported"),
+    ({"model": MODEL, "prompt": [1] * 3000}, "/v1/completions", 413, "prompt has 3000 tokens; the limit is 2048"),
+    ({"model": MODEL, "prompt": "y" * 70000}, "/v1/completions", 413, "exceeds the limit of 65536"),
+    ({"model": MODEL, "prompt": "x", "session_id": "s" * 500}, "/v1/completions", 422, "'session_id'"),
+    ({"model": MODEL}, "/v1/chat/completions", 422, "'messages' is required"),
+    ({"model": MODEL, "messages": []}, "/v1/chat/completions", 422, "non-empty list"),
+    ({"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, "/v1/chat/completions", 422,
+     "'messages[0].role' must be one of"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": 5}]}, "/v1/chat/completions", 422,
+     "'messages[0].content' must be a string"),
+    ({"model": MODEL, "messages": ["hi"]}, "/v1/chat/completions", 422, "'messages[0]' must be an object"),
+]
+
+
+@pytest.mark.parametrize("body, path, status, fragment", BAD, ids=[f"{i}-{b[3][:24]}" for i, b in enumerate(BAD)])
+def test_malformed_requests_get_the_right_4xx(base_url, body, path, status, fragment):
+    headers = {"Authorization": f"Bearer {KEYS['a']}", "content-type": "application/json"}
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(base_url + path, content=data, headers=headers, timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert fragment in err["message"] and set(err) == {"message", "type", "param", "code"}
+
+
+def test_client_disconnect_stops_generation_and_releases_locks(base_url):
+    admin = {"Authorization": f"Bearer {KEYS['admin']}"}
+    before = httpx.get(base_url + "/v1/cache/stats", headers=admin, timeout=30).json()
+    cancelled_before = sum(w["engine"]["requests_cancelled"] for w in before["workers"].values())
+    headers = {"Authorization": f"Bearer {KEYS['a']}"}
+    with httpx.stream("POST", base_url + "/v1/completions", headers=headers, timeout=60,
+                      json={"model": MODEL, "prompt": tokens(6, 1500), "max_tokens": 64, "stream": True}) as resp:
+        lines = resp.iter_lines()
+        next(lines)
+    deadline = time.monotonic() + 15
+    while True:
+        stats = httpx.get(base_url + "/v1/cache/stats", headers=admin, timeout=30).json()["workers"]
+        cancelled = sum(w["engine"]["requests_cancelled"] for w in stats.values())
+        running = sum(w["load"]["running"] for w in stats.values())
+        protected = sum(w["protected_tokens"] for w in stats.values())
+        if cancelled > cancelled_before and running == 0 and protected == 0:
+            break
+        assert time.monotonic() < deadline, f"generation not stopped: {stats}"
+        time.sleep(0.2)
+
+
+def test_prefetch_endpoint(base_url):
+    prompt = tokens(7, 100)
+    r = post(base_url, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 2, "session_id": "chat-1"})
+    assert r.status_code == 200
+    r = post(base_url, "/v1/sessions/chat-1/prefetch", {})
+    assert r.status_code == 200 and r.json()["prefetching_tokens"] == 0   # still HOT: nothing to bring up
+    r = post(base_url, "/v1/sessions/nope/prefetch", {})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "session_not_found"
+    r = post(base_url, "/v1/sessions/chat-1/prefetch", {}, key="b")   # another tenant's session
+    assert r.status_code == 404
+
+
+def test_metrics_are_exported(base_url):
+    post(base_url, "/v1/completions", {"model": MODEL, "prompt": "metrics", "max_tokens": 1})
+    ports = {n["MetricsExportPort"] for n in ray.nodes() if n["Alive"]}
+    deadline = time.monotonic() + 40
+    wanted = ("prefix_cache_requests_total", "prefix_cache_ttft_seconds", "prefix_cache_tier_used_tokens")
+    while True:
+        text = ""
+        for port in ports:
+            try:
+                text += httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+            except httpx.HTTPError:
+                pass
+        if all(name in text for name in wanted):
+            break
+        assert time.monotonic() < deadline, f"metrics not exported: {[w for w in wanted if w not in text]}"
+        time.sleep(1)
