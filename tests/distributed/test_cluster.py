@@ -43,8 +43,11 @@ def wait_for_route(cc, prompt, predicate, timeout_s=20.0):
     hashes = block_hashes(prompt, cc.config["block_tokens"])
     deadline = time.monotonic() + timeout_s
     while True:
-        d = ray.get(cc.directory.route.remote(hashes, len(prompt), None, False))
-        if predicate(d):
+        try:
+            d = ray.get(cc.directory.route.remote(hashes, len(prompt), None, False))
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
+            d = exc   # restarting, or no worker registered yet
+        if not isinstance(d, Exception) and predicate(d):
             return d
         if time.monotonic() > deadline:
             raise AssertionError(f"directory never converged: last decision {d}")
