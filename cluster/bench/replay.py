@@ -1,0 +1,394 @@
+"""``prefix-cache replay``: routing policies on a request trace, side by side.
+
+Drives the real routing layer (``GlobalIndex``, the policies, one
+``TieredCache`` per replica in payload-free simulation mode, KV events through
+``KVEventPublisher``) through a Mooncake-format trace in simulated time, once
+per policy, and prints one JSON line per policy.
+
+Model of a replica. Its cache is a block-level radix tree: each trace hash id
+is one "token" of a tree with ``block_tokens=1``, so capacities are in blocks
+(``--hot-blocks`` device, ``--warm-blocks`` host, ``--cold-blocks`` disk,
+watermark demotion HOT -> WARM -> COLD as in production). Its compute is one
+FIFO server: a request starts when the previous one is done and takes
+
+    promotion of its WARM/COLD hit blocks + pull of migrated blocks
+    + prefill of the tokens not cached (at least one)
+
+Latency constants (flags; defaults for Llama-3-8B in bf16 on one H100-class GPU):
+- prefill 10,000 tokens/s per replica (``--prefill-tokens-per-s``);
+- KV bytes per token 131,072 = 32 layers x 2 (K, V) x 8 KV heads x 128 dims
+  x 2 bytes (``--kv-bytes-per-token``);
+- host -> device 20 GB/s (``--h2d-gbps``): WARM promotion ~152,600 tokens/s;
+- disk read 3 GB/s then host -> device (``--disk-gbps``): COLD ~19,900 tokens/s;
+- replica -> replica transfer 10 GB/s (``--transfer-gbps``, NIXL/RDMA): ~76,300 tokens/s.
+Decode is not modeled (the server does prefill only), so TTFT = queueing +
+promotion + transfer + prefill. The cost policy is given these same constants
+(in production it measures them with ``CostModel.measure``).
+
+Model of the directory. After each request the chosen replica drains its
+publisher (one batch per request) and the batch reaches the index
+``--event-delay-ms`` later; a gap or resync reloads the replica's snapshot.
+The cache effects of a request (match, promotion, pull, insert of its blocks)
+are applied when it is routed: its KV is reserved at once, as a real engine
+reserves a running request's blocks. Only the policies' ``choose`` calls are
+timed for ``decisions_per_s``.
+
+Metrics:
+- ``hit_rate``: input tokens served from any cache tier, local or pulled, over
+  all input tokens; ``hot_hit_rate``/``warm_hit_rate``/``cold_hit_rate`` split
+  the local hits, ``migrated_rate`` is the pulled part;
+- ``load_imbalance``: max over replicas of the *time-averaged* queued work
+  (tokens of prefill-equivalent waiting or running) divided by its mean over
+  replicas; ``busy_imbalance`` the same for total service time;
+- TTFT percentiles over all requests.
+
+``ideal`` (upper bound): one global cache of R x (H, W, C) blocks that every
+replica reads for free, each request served on the least loaded replica.
+
+Without ``--trace`` the trace is synthetic (``synthetic_chat_trace``): many
+chat sessions over a few dozen system prompts of Zipf popularity.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from cluster.bench.common import emit, percentile, rounded
+from cluster.cache.radix_tree import COLD, HOT, WARM
+from cluster.cache.tiered import TierConfig, TieredCache
+from cluster.errors import InvalidInputError
+from cluster.hashing import block_hashes
+from cluster.routing.events import KVEventPublisher
+from cluster.routing.index import GlobalIndex
+from cluster.routing.policy import POLICIES, CostModel, WorkerState, make_policy
+from cluster.trace import MOONCAKE_BLOCK_TOKENS, TraceRecord, load_trace
+
+ORDER = ("round_robin", "least_loaded", "prefix", "approx_tree", "cost", "ideal")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trace", default=None, help="Mooncake JSONL trace (default: a synthetic chat trace)")
+    p.add_argument("--format", default="mooncake", choices=["mooncake"])
+    p.add_argument("--block-tokens", type=int, default=MOONCAKE_BLOCK_TOKENS, help="tokens per hash id (512)")
+    p.add_argument("--replicas", type=int, default=8)
+    p.add_argument("--hot-blocks", type=int, default=256, help="device blocks per replica")
+    p.add_argument("--warm-blocks", type=int, default=768, help="host blocks per replica")
+    p.add_argument("--cold-blocks", type=int, default=0, help="disk blocks per replica")
+    p.add_argument("--records", type=int, default=None, help="replay the first N records (synthetic: 100,000)")
+    p.add_argument("--policy", default="all", help=f"one of {', '.join(ORDER)}, or a comma list, or all")
+    p.add_argument("--rate", type=float, default=30.0, help="synthetic trace: requests per second")
+    p.add_argument("--time-scale", type=float, default=1.0, help="multiply arrival times (< 1: more load)")
+    p.add_argument("--event-delay-ms", type=float, default=20.0, help="worker -> directory event latency")
+    p.add_argument("--prefill-tokens-per-s", type=float, default=10_000.0)
+    p.add_argument("--kv-bytes-per-token", type=int, default=131_072)
+    p.add_argument("--h2d-gbps", type=float, default=20.0)
+    p.add_argument("--disk-gbps", type=float, default=3.0)
+    p.add_argument("--transfer-gbps", type=float, default=10.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--policy-arg", action="append", metavar="[POLICY.]NAME=VALUE",
+                   help="override a policy parameter, e.g. cost.dup_weight=0.5 (repeatable)")
+    p.add_argument("--plot", default=None, help="write hit rate and p99 TTFT per policy to this PNG")
+
+
+# ---------------------------------------------------------------- the trace
+def synthetic_chat_trace(num_records: int = 100_000, *, seed: int = 0, block_tokens: int = 512,
+                         rate: float = 30.0, num_system_prompts: int = 40, zipf_s: float = 1.0,
+                         system_tokens: tuple[int, int] = (500, 3000), mean_turns: float = 8.0,
+                         single_shot: float = 0.2, message_median: int = 250, reply_median: int = 450,
+                         think_mean_s: float = 60.0) -> list[TraceRecord]:
+    """Chat sessions in Mooncake format, ``rate`` requests per second on average.
+
+    Sessions start as a Poisson process; each picks a system prompt by Zipf
+    popularity; a fraction are single requests, the rest have a geometric
+    number of turns. Each turn resends the conversation (system prompt, all
+    messages and replies so far) plus a new message; users think for an
+    exponential time between turns. Hash ids follow the tokens: a block wholly
+    inside a shared system prompt has that prompt's id, every other full block
+    of a session its own id, and a partial last block a fresh id per request.
+    """
+    if num_records <= 0 or block_tokens <= 0 or rate <= 0:
+        raise InvalidInputError("num_records, block_tokens and rate must be positive")
+    rng = random.Random(seed)
+    next_id = 0
+
+    def fresh() -> int:
+        nonlocal next_id
+        next_id += 1
+        return next_id - 1
+
+    systems = []
+    for _ in range(num_system_prompts):
+        length = rng.randint(*system_tokens)
+        systems.append((length, [fresh() for _ in range(length // block_tokens)]))
+    weights = [1.0 / (k + 1) ** zipf_s for k in range(num_system_prompts)]
+    multi_turns = max(1.0, (mean_turns - single_shot) / (1 - single_shot))  # overall mean = mean_turns
+    session_rate = rate / mean_turns
+
+    def lognormal(median: int, lo: int, hi: int) -> int:
+        return int(min(hi, max(lo, rng.lognormvariate(math.log(median), 0.8))))
+
+    records: list[tuple[float, int, TraceRecord]] = []
+    start, session = 0.0, 0
+    while True:
+        start += rng.expovariate(session_rate)
+        if session % 2000 == 0 and len(records) >= num_records:
+            records.sort(key=lambda r: (r[0], r[1]))
+            if records[num_records - 1][0] < start:
+                break
+        sys_len, sys_ids = rng.choices(systems, weights)[0]
+        turns = 1 if rng.random() < single_shot else min(64, 1 + int(rng.expovariate(1 / (multi_turns - 1 + 1e-9))))
+        length, full = sys_len, list(sys_ids)
+        t = start
+        for turn in range(turns):
+            length += lognormal(message_median, 20, 4000)
+            while len(full) < length // block_tokens:
+                full.append(fresh())
+            ids = full + ([fresh()] if length % block_tokens else [])
+            reply = lognormal(reply_median, 10, 2000)
+            records.append((t, len(records), TraceRecord(round(t * 1000, 3), length, reply, ids, session)))
+            length += reply
+            while len(full) < length // block_tokens:
+                full.append(fresh())
+            t += rng.expovariate(1 / think_mean_s)
+        session += 1
+    return [r for _, _, r in records[:num_records]]
+
+
+# ------------------------------------------------------------ the simulation
+@dataclass(frozen=True)
+class LatencyModel:
+    prefill_tokens_per_s: float
+    kv_bytes_per_token: int
+    h2d_gbps: float
+    disk_gbps: float
+    transfer_gbps: float
+
+    def cost_model(self, block_tokens: int) -> CostModel:
+        per_tok = self.kv_bytes_per_token
+        cold_s_per_tok = per_tok / (self.disk_gbps * 1e9) + per_tok / (self.h2d_gbps * 1e9)
+        return CostModel(prefill_tokens_per_s=self.prefill_tokens_per_s,
+                         warm_promote_tokens_per_s=self.h2d_gbps * 1e9 / per_tok,
+                         cold_promote_tokens_per_s=1.0 / cold_s_per_tok,
+                         transfer_tokens_per_s=self.transfer_gbps * 1e9 / per_tok, block_tokens=block_tokens)
+
+
+class Replica:
+    """One replica's cache, publisher and FIFO server."""
+
+    def __init__(self, worker_id: str, config: TierConfig):
+        self.worker_id = worker_id
+        self.cache = TieredCache(config, None, clock=_LogicalClock())
+        self.publisher = KVEventPublisher(worker_id, self.cache.tree, block_tokens=1)
+        self.cache.tree.listeners.append(self.publisher)
+        self.free_at = 0.0          # when the server finishes its queue
+        self.finishes: deque[float] = deque()
+        self.area = 0.0             # integral of outstanding work (s) over time
+        self.last_t = 0.0
+        self.busy_s = 0.0
+
+    def advance(self, now: float) -> None:
+        a, d = max(0.0, self.free_at - self.last_t), now - self.last_t
+        self.area += a * a / 2 if a <= d else d * (a - d / 2)
+        self.last_t = now
+        while self.finishes and self.finishes[0] <= now:
+            self.finishes.popleft()
+
+
+class _LogicalClock:
+    """Access order for LRU: the simulation has no meaningful wall clock."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        self.t += 1.0
+        return self.t
+
+
+def _tiers_between(match_nodes, start: int, end: int) -> list[int]:
+    """Blocks of [start, end) on a matched path, by tier."""
+    out, pos = [0, 0, 0], 0
+    for n in match_nodes:
+        lo, hi = max(pos, start), min(pos + len(n.key), end)
+        if hi > lo:
+            out[n.tier] += hi - lo
+        pos += len(n.key)
+    return out
+
+
+def run_policy(name: str, records: list[TraceRecord], hash_chains: list[list[int]], args,
+               latency: LatencyModel) -> dict:
+    """Replay ``records`` (``hash_chains[i]``: the routing hashes of record i) under one policy."""
+    bt, R = args.block_tokens, args.replicas
+    cost = latency.cost_model(bt)
+    ideal = name == "ideal"
+    per = TierConfig(hot_blocks=args.hot_blocks, warm_blocks=args.warm_blocks, cold_blocks=args.cold_blocks,
+                     block_tokens=1, device="cpu")
+    if ideal:
+        shared = Replica("global", TierConfig(hot_blocks=R * args.hot_blocks, warm_blocks=R * args.warm_blocks,
+                                              cold_blocks=R * args.cold_blocks, block_tokens=1, device="cpu"))
+    servers = [Replica(f"r{i}", per) for i in range(R)]
+    by_id = {r.worker_id: r for r in servers}
+    caches = [shared] if ideal else servers
+    index = GlobalIndex()
+    for r in caches:
+        index.register_worker(r.worker_id)
+    kw = {"cost": cost} | _policy_overrides(args, name)
+    if name == "approx_tree":
+        kw["max_blocks_per_worker"] = args.hot_blocks + args.warm_blocks + args.cold_blocks
+    policy = make_policy(name, **kw)
+    states = [WorkerState(r.worker_id, 0, 0) for r in servers]
+    deliveries: deque = deque()
+    delay = args.event_delay_ms / 1e3
+    prefill_rate = cost.prefill_tokens_per_s
+    ttft: list[float] = []
+    tot = hit = migrated = 0
+    tier_hits = [0, 0, 0]
+    choose_s = 0.0
+    reasons: dict[str, int] = {}
+    wall0 = time.perf_counter()
+    now = 0.0
+    for rec, hashes in zip(records, hash_chains):
+        ids = rec.hash_ids
+        now = rec.timestamp / 1e3 * args.time_scale
+        while deliveries and deliveries[0][0] <= now:
+            _, rep, batch = deliveries.popleft()
+            if index.apply(batch) in ("gap", "resync"):
+                index.load_snapshot(rep.worker_id, *rep.publisher.snapshot())
+        for r, st in zip(servers, states):
+            r.advance(now)
+            st.queued_tokens = int(max(0.0, r.free_at - now) * prefill_rate)
+            st.running = len(r.finishes)
+        t0 = time.perf_counter()
+        d = policy.choose(hashes, rec.input_length, states, index)
+        choose_s += time.perf_counter() - t0
+        reasons[d.reason] = reasons.get(d.reason, 0) + 1
+        server = by_id[d.worker_id]
+        rep = shared if ideal else server
+        cache = rep.cache
+        m = cache.match(ids, lock=True, validate=False)
+        usable = m.length                       # HOT after promotion
+        # Tiers before promotion; a promotion that found no room leaves only the HOT part usable.
+        local_tiers = list(m.tier_lengths) if usable == sum(m.tier_lengths) else [usable, 0, 0]
+        pulled, pulled_cold = 0, 0
+        if d.migrate_from is not None and not ideal and usable < len(ids):
+            src = by_id[d.migrate_from].cache
+            sm = src.tree.match_prefix(ids, validate=False)
+            pulled = max(0, min(sm.length, usable + d.migrate_blocks) - usable)
+            if pulled:
+                pulled_cold = _tiers_between(sm.nodes, usable, usable + pulled)[COLD]
+        n_new = len(ids) - usable
+        if n_new:
+            cache.insert(ids, cache.allocate(n_new), start=usable, validate=False)
+        cache.unlock(m.last_node)
+        batch = rep.publisher.drain()
+        if batch is not None:
+            deliveries.append((now + delay, rep, batch))
+        cached_tok = min((usable + pulled) * bt, rec.input_length)
+        local_tok = min(usable * bt, rec.input_length)
+        service = (cost.promote_s(local_tiers[WARM], local_tiers[COLD]) + cost.transfer_s(pulled, pulled_cold)
+                   + cost.prefill_s(max(1, rec.input_length - cached_tok)))
+        start = max(now, server.free_at)
+        server.free_at = start + service
+        server.finishes.append(server.free_at)
+        server.busy_s += service
+        ttft.append((server.free_at - now) * 1e3)
+        tot += rec.input_length
+        hit += cached_tok
+        migrated += cached_tok - local_tok
+        hot_tok = min(local_tiers[HOT] * bt, local_tok)
+        warm_tok = min((local_tiers[HOT] + local_tiers[WARM]) * bt, local_tok) - hot_tok
+        tier_hits[HOT] += hot_tok
+        tier_hits[WARM] += warm_tok
+        tier_hits[COLD] += local_tok - hot_tok - warm_tok
+    end = max([now] + [r.free_at for r in servers])
+    for r in servers:
+        r.advance(end)
+    areas = [r.area for r in servers]
+    busy = [r.busy_s for r in servers]
+    n = len(ttft)
+    out = {"bench": "replay", "policy": name, "records": n, "replicas": R,
+           "hit_rate": rounded(hit / tot if tot else 0.0),
+           "hot_hit_rate": rounded(tier_hits[HOT] / tot if tot else 0.0),
+           "warm_hit_rate": rounded(tier_hits[WARM] / tot if tot else 0.0),
+           "migrated_rate": rounded(migrated / tot if tot else 0.0),
+           "load_imbalance": rounded(max(areas) / (sum(areas) / R)) if sum(areas) else 1.0,
+           "ttft_ms_p50": rounded(percentile(ttft, 50), 1), "ttft_ms_p99": rounded(percentile(ttft, 99), 1),
+           "decisions_per_s": round(n / choose_s) if choose_s else 0}
+    if args.cold_blocks:
+        out["cold_hit_rate"] = rounded(tier_hits[COLD] / tot if tot else 0.0)
+    out |= {"ttft_ms_mean": rounded(sum(ttft) / n if n else 0.0, 1),
+            "busy_imbalance": rounded(max(busy) / (sum(busy) / R)) if sum(busy) else 1.0,
+            "utilization": rounded(sum(busy) / (R * end)) if end else 0.0,
+            "reasons": reasons, "index": {k: index.stats[k] for k in ("batches", "gaps", "resyncs")},
+            "sim_seconds": rounded(end, 1), "wall_seconds": rounded(time.perf_counter() - wall0, 1)}
+    return out
+
+
+def _policy_overrides(args, name: str) -> dict:
+    out = {}
+    for item in getattr(args, "policy_arg", None) or []:
+        key, _, value = item.partition("=")
+        pol, _, param = key.rpartition(".")
+        if pol in ("", name):
+            out[param] = float(value) if "." in value or "e" in value else int(value)
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.replicas <= 0 or args.block_tokens <= 0:
+        raise InvalidInputError("--replicas and --block-tokens must be positive")
+    if args.time_scale <= 0:
+        raise InvalidInputError("--time-scale must be positive")
+    names = list(ORDER) if args.policy == "all" else args.policy.split(",")
+    for name in names:
+        if name not in POLICIES:
+            raise InvalidInputError(f"unknown policy {name!r}; choose from {', '.join(ORDER)} or all")
+    if args.trace:
+        records = load_trace(args.trace, limit=args.records)
+    else:
+        records = synthetic_chat_trace(args.records or 100_000, seed=args.seed, block_tokens=args.block_tokens,
+                                       rate=args.rate)
+    if not records:
+        raise InvalidInputError("the trace has no records")
+    records.sort(key=lambda r: r.timestamp)
+    # Routing hashes: the chain over hash ids, as the replicas' publishers compute it (block of 1 id).
+    hash_chains = [block_hashes(r.hash_ids, 1) for r in records]
+    latency = LatencyModel(args.prefill_tokens_per_s, args.kv_bytes_per_token, args.h2d_gbps, args.disk_gbps,
+                           args.transfer_gbps)
+    results = []
+    for name in names:
+        res = run_policy(name, records, hash_chains, args, latency)
+        results.append(res)
+        emit(res)
+    if args.plot:
+        plot(results, args.plot)
+    return 0
+
+
+def plot(results: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["policy"] for r in results]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    ax1.bar(names, [r["hit_rate"] for r in results], color="tab:blue")
+    ax1.set_ylabel("prefix hit rate (cached input tokens / input tokens)")
+    ax1.set_ylim(0, 1)
+    ax2.bar(names, [r["ttft_ms_p99"] for r in results], color="tab:red")
+    ax2.set_ylabel("p99 TTFT (ms, log scale)")
+    ax2.set_yscale("log")
+    for ax in (ax1, ax2):
+        ax.tick_params(axis="x", rotation=30)
+        ax.grid(True, axis="y", alpha=0.3)
+    r0 = results[0]
+    fig.suptitle(f"Routing policies: {r0['records']:,} requests, {r0['replicas']} replicas")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

@@ -1,0 +1,211 @@
+"""KV events: how a worker tells the directory what its cache holds.
+
+A worker's tree is described by chained block hashes
+(``cluster.hashing.block_hashes`` over the node's path tokens, block size =
+the cache's ``block_tokens``, salt = the tree namespace), so the directory
+can match a request's hash chain without ever seeing tokens.
+
+Block ``i`` (tokens ``[i*B, (i+1)*B)`` of a path) belongs to the node holding
+its *last* token: that node's tier is the block's tier, and the block appears
+with the node and goes with it. Splits and merges change no content and emit
+nothing.
+
+Wire format (msgpack): ``{"v": 1, "w": worker_id, "s": seq, "r": resync,
+"e": [[kind, tier, [hash, ...]], ...]}`` with ``kind`` one of ``stored``,
+``tier``, ``removed``. Sequence numbers start at 1 and grow by one per batch,
+so the directory sees a lost or reordered batch as a gap.
+
+Back-pressure: the publisher never blocks the worker and never grows without
+bound. When its buffer would pass ``max_buffer_events`` it drops what it holds
+and raises ``needs_resync``; the next batch carries ``resync=True`` and no
+events, and the directory reloads the worker from ``snapshot()``. Replaying
+events on top of a snapshot that already reflects them is harmless (each event
+sets the state of its hashes, last writer wins), so a snapshot never needs to
+be coordinated with batches in flight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from cluster.cache.radix_tree import COLD, HOT, RadixTree, TreeNode
+from cluster.errors import InvalidInputError
+from cluster.hashing import block_hashes
+
+KINDS = ("stored", "tier", "removed")
+WIRE_VERSION = 1
+_U64 = 1 << 64
+
+
+class MalformedBatchError(InvalidInputError):
+    """Bytes that are not a valid KV event batch (corrupt, foreign or from a buggy peer)."""
+
+
+@dataclass(slots=True)
+class KVEvent:
+    kind: str            # "stored" | "tier" | "removed"
+    hashes: list[int]    # chained block hashes, root-ward first
+    tier: int            # HOT=0, WARM=1, COLD=2 (for "removed": the tier it left from)
+
+
+@dataclass(slots=True)
+class EventBatch:
+    worker_id: str
+    seq: int
+    events: list[KVEvent] = field(default_factory=list)
+    resync: bool = False
+
+    def encode(self) -> bytes:
+        return msgpack.packb({"v": WIRE_VERSION, "w": self.worker_id, "s": self.seq, "r": self.resync,
+                              "e": [[e.kind, e.tier, e.hashes] for e in self.events]}, use_bin_type=True)
+
+    @classmethod
+    def decode(cls, data: Any) -> "EventBatch":
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise MalformedBatchError(f"event batch must be bytes, got {type(data).__name__}")
+        try:
+            obj = msgpack.unpackb(data, raw=False, strict_map_key=True)
+        except Exception as exc:  # msgpack raises several unrelated types
+            raise MalformedBatchError(f"event batch is not msgpack ({type(exc).__name__}: {exc})") from None
+        if not isinstance(obj, dict):
+            raise MalformedBatchError(f"event batch must be a map, got {type(obj).__name__}")
+        missing = [k for k in ("v", "w", "s", "r", "e") if k not in obj]
+        if missing:
+            raise MalformedBatchError(f"event batch lacks field(s) {', '.join(missing)}")
+        if obj["v"] != WIRE_VERSION:
+            raise MalformedBatchError(f"event batch version {obj['v']!r} is not supported (want {WIRE_VERSION})")
+        worker, seq, resync, raw_events = obj["w"], obj["s"], obj["r"], obj["e"]
+        if not isinstance(worker, str) or not worker:
+            raise MalformedBatchError(f"worker id must be a non-empty string, got {worker!r}")
+        if type(seq) is not int or seq < 0:
+            raise MalformedBatchError(f"seq must be a non-negative integer, got {seq!r}")
+        if not isinstance(resync, bool):
+            raise MalformedBatchError(f"resync must be a boolean, got {resync!r}")
+        if not isinstance(raw_events, list):
+            raise MalformedBatchError(f"events must be a list, got {type(raw_events).__name__}")
+        events = []
+        for i, raw in enumerate(raw_events):
+            if not isinstance(raw, list) or len(raw) != 3:
+                raise MalformedBatchError(f"event {i} must be [kind, tier, hashes], got {raw!r:.80}")
+            kind, tier, hashes = raw
+            if kind not in KINDS:
+                raise MalformedBatchError(f"event {i}: unknown kind {kind!r} (want one of {', '.join(KINDS)})")
+            if type(tier) is not int or not HOT <= tier <= COLD:
+                raise MalformedBatchError(f"event {i}: tier {tier!r} out of range [{HOT}, {COLD}]")
+            if not isinstance(hashes, list):
+                raise MalformedBatchError(f"event {i}: hashes must be a list, got {type(hashes).__name__}")
+            for h in hashes:
+                if type(h) is not int or not 0 <= h < _U64:
+                    raise MalformedBatchError(f"event {i}: hash {h!r:.40} is not an unsigned 64-bit integer")
+            events.append(KVEvent(kind, hashes, tier))
+        return cls(worker, seq, events, resync)
+
+
+class KVEventPublisher:
+    """Turns a tree's listener callbacks into event batches (one owner thread).
+
+    Append it to ``tree.listeners``; the worker calls ``drain()`` when it wants
+    to publish (after each step, or on a timer) and ships the batch.
+    """
+
+    def __init__(self, worker_id: str, tree: RadixTree, block_tokens: int, max_buffer_events: int = 10_000):
+        if not isinstance(worker_id, str) or not worker_id:
+            raise InvalidInputError(f"worker_id must be a non-empty string, got {worker_id!r}")
+        if not isinstance(block_tokens, int) or block_tokens <= 0:
+            raise InvalidInputError(f"block_tokens must be a positive integer, got {block_tokens!r}")
+        if not isinstance(max_buffer_events, int) or max_buffer_events <= 0:
+            raise InvalidInputError(f"max_buffer_events must be a positive integer, got {max_buffer_events!r}")
+        self.worker_id = worker_id
+        self.tree = tree
+        self.block_tokens = block_tokens
+        self.max_buffer_events = max_buffer_events
+        self.needs_resync = False
+        self._pending: list[KVEvent] = []
+        self._seq = 0   # last sequence number handed out
+        self.stats = {"events": 0, "batches": 0, "overflows": 0, "dropped_events": 0}
+
+    # ------------------------------------------------------- tree listener API
+    def on_stored(self, node: TreeNode) -> None:
+        self._emit("stored", node, node.tier)
+
+    def on_tier(self, node: TreeNode, old_tier: int) -> None:
+        self._emit("tier", node, node.tier)
+
+    def on_removed(self, node: TreeNode) -> None:
+        self._emit("removed", node, node.tier)
+
+    def node_hashes(self, node: TreeNode) -> list[int]:
+        """Hashes of the full blocks whose last token lies in ``node``."""
+        bt = self.block_tokens
+        path = self.tree.path_tokens(node)
+        end = len(path)
+        first, last = (end - len(node.key)) // bt, end // bt
+        if first >= last:
+            return []
+        return block_hashes(path[:last * bt], bt, self.tree.namespace_of(node))[first:]
+
+    def _emit(self, kind: str, node: TreeNode, tier: int) -> None:
+        if self.needs_resync:   # the snapshot will cover it
+            self.stats["dropped_events"] += 1
+            return
+        hashes = self.node_hashes(node)
+        if not hashes:
+            return
+        if len(self._pending) >= self.max_buffer_events:
+            self.stats["overflows"] += 1
+            self.stats["dropped_events"] += len(self._pending) + 1
+            self._pending = []
+            self.needs_resync = True
+            return
+        self._pending.append(KVEvent(kind, hashes, tier))
+        self.stats["events"] += 1
+
+    # ------------------------------------------------------------ publishing
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    @property
+    def seq(self) -> int:
+        """The last sequence number handed out (0 before the first batch)."""
+        return self._seq
+
+    def drain(self) -> EventBatch | None:
+        """The pending events as one batch, or None when there is nothing to say."""
+        if self.needs_resync:
+            self.needs_resync = False
+            self._seq += 1
+            self.stats["batches"] += 1
+            return EventBatch(self.worker_id, self._seq, [], resync=True)
+        if not self._pending:
+            return None
+        events, self._pending = self._pending, []
+        self._seq += 1
+        self.stats["batches"] += 1
+        return EventBatch(self.worker_id, self._seq, events)
+
+    def snapshot(self) -> tuple[int, dict[int, int]]:
+        """``(seq, {hash: tier})``: the tree's full content as of batch ``seq``.
+
+        Events still pending get later sequence numbers; applying them on top
+        is harmless (see the module docstring).
+        """
+        bt = self.block_tokens
+        entries: dict[int, int] = {}
+        for root_ns, root in self.tree.roots.items():
+            # Depth-first, carrying each node's path down to its children.
+            stack = [(child, []) for child in root.children.values()]
+            while stack:
+                node, prefix = stack.pop()
+                path = prefix + node.key
+                start, end = len(prefix), len(path)
+                first, last = start // bt, end // bt
+                if last > first:
+                    hashes = block_hashes(path[:last * bt], bt, root_ns)
+                    for h in hashes[first:]:
+                        entries[h] = node.tier
+                stack.extend((child, path) for child in node.children.values())
+        return self._seq, entries

@@ -1,0 +1,69 @@
+import json
+
+import pytest
+
+from cluster.bench.replay import ORDER, synthetic_chat_trace
+from cluster.cli import main
+from cluster.trace import write_trace
+
+KEYS = {"bench", "policy", "records", "hit_rate", "hot_hit_rate", "warm_hit_rate", "migrated_rate",
+        "load_imbalance", "ttft_ms_p50", "ttft_ms_p99", "decisions_per_s"}
+
+
+def replay(capsys, *argv):
+    assert main(["replay", *argv]) == 0
+    return {r["policy"]: r for r in map(json.loads, capsys.readouterr().out.splitlines())}
+
+
+def test_replay_all_policies_small(capsys, tmp_path):
+    out = replay(capsys, "--records", "2000", "--replicas", "4", "--hot-blocks", "48", "--warm-blocks", "96",
+                 "--policy", "all", "--plot", str(tmp_path / "replay.png"))
+    assert list(out) == list(ORDER)
+    for res in out.values():
+        assert KEYS <= set(res)
+        assert res["bench"] == "replay" and res["records"] == 2000
+        assert 0.0 <= res["hot_hit_rate"] + res["warm_hit_rate"] + res["migrated_rate"] <= res["hit_rate"] + 1e-3
+        assert res["hit_rate"] <= 1.0 and res["load_imbalance"] >= 1.0
+        assert res["ttft_ms_p50"] <= res["ttft_ms_p99"]
+        assert res["decisions_per_s"] > 0
+        assert res["index"]["gaps"] == 0
+    assert out["ideal"]["hit_rate"] >= out["cost"]["hit_rate"] > out["round_robin"]["hit_rate"]
+    assert out["cost"]["hit_rate"] > out["least_loaded"]["hit_rate"]
+    assert out["round_robin"]["migrated_rate"] == 0.0
+    assert (tmp_path / "replay.png").stat().st_size > 0
+
+
+def test_replay_reads_a_mooncake_trace(capsys, tmp_path):
+    path = tmp_path / "trace.jsonl"
+    write_trace(synthetic_chat_trace(300, seed=3), path)
+    out = replay(capsys, "--trace", str(path), "--format", "mooncake", "--records", "200", "--replicas", "2",
+                 "--policy", "cost,round_robin")
+    assert list(out) == ["cost", "round_robin"] and out["cost"]["records"] == 200
+
+
+def test_replay_rejects_an_unknown_policy(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["replay", "--records", "10", "--policy", "random"])
+    assert info.value.code == 2
+    assert "unknown policy 'random'" in capsys.readouterr().err
+
+
+def test_synthetic_trace_shape():
+    recs = synthetic_chat_trace(3000, seed=1)
+    assert len(recs) == 3000
+    assert all(a.timestamp <= b.timestamp for a, b in zip(recs, recs[1:]))
+    for r in recs:
+        assert len(r.hash_ids) == -(-r.input_length // 512)
+    # Turns of one session extend its previous turn's full blocks.
+    by_session = {}
+    for r in recs:
+        prev = by_session.get(r.session)
+        if prev is not None:
+            full = prev.input_length // 512
+            assert r.hash_ids[:full] == prev.hash_ids[:full]
+        by_session[r.session] = r
+    # Skewed popularity: the most common first block opens many requests.
+    firsts = {}
+    for r in recs:
+        firsts[r.hash_ids[0]] = firsts.get(r.hash_ids[0], 0) + 1
+    assert max(firsts.values()) > 0.1 * len(recs)
