@@ -16,7 +16,7 @@ import json
 import random
 import time
 
-from cluster.bench.common import percentile
+from cluster.bench.common import percentile, plot_cdfs
 from serve_app.local import DEMO_WORKER, LocalCluster, free_port
 
 
@@ -91,24 +91,9 @@ def summarize(policy: str, results: list[dict]) -> dict:
 
 
 def plot(rows: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    for row in rows:
-        xs = sorted(row["_ttfts"])
-        ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))],
-                label=f"{row['policy']} (hit {row['hit_rate']:.0%}, p50 {row['ttft_ms_p50']:.0f} ms)")
-    ax.set_xscale("log")
-    ax.set_xlabel("time to first token over HTTP (ms, log scale)")
-    ax.set_ylabel("fraction of requests")
-    ax.set_title("prefix-cache demo: cost router vs round robin")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    plot_cdfs([(f"{r['policy']} (hit {r['hit_rate']:.0%}, p50 {r['ttft_ms_p50']:.0f} ms)", r["_ttfts"]) for r in rows],
+              path, title="prefix-cache demo: cost router vs round robin",
+              xlabel="time to first token over HTTP (ms, log scale)")
 
 
 def run(args: argparse.Namespace) -> int:

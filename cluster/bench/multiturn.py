@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from cluster.bench.common import emit, percentile, rounded
+from cluster.bench.common import emit, percentile, plot_cdfs, rounded
 from cluster.cache.kv_pool import KVLayout
 from cluster.cache.tiered import TierConfig, TieredCache, UnknownSessionError
 from cluster.engine.model import DecoderModel, ModelConfig
@@ -84,6 +84,10 @@ class Workload:
         self.think = [[rng.uniform(t_lo, t_hi) for _ in range(args.turns)] for _ in range(args.sessions)]
         self.group = [i // args.group_size for i in range(args.sessions)]
 
+    def longest_prompt(self) -> int:
+        return max(len(self.system[self.group[s]]) + sum(len(u) for u in self.user[s]) + sum(self.reply_len[s])
+                   for s in range(len(self.user)))
+
     def total_tokens(self) -> int:
         per_session = [sum(len(u) for u in self.user[s]) + sum(self.reply_len[s]) for s in range(len(self.user))]
         return sum(len(p) for p in self.system) + sum(per_session)
@@ -104,7 +108,9 @@ def run_policy(policy: str, model, work: Workload, args, disk_dir: str, prefill_
     c = model.config
     layout = KVLayout(c.num_layers, c.num_kv_heads, c.head_dim)
     total = work.total_tokens()
-    cache = _make_cache(policy, int(args.hot_fraction * total), total, args, layout, disk_dir)
+    # HOT must at least hold one whole conversation plus its decode, or nothing runs.
+    hot_tokens = max(int(args.hot_fraction * total), 2 * work.longest_prompt())
+    cache = _make_cache(policy, hot_tokens, total, args, layout, disk_dir)
     engine = Engine(model, cache, max_batch_tokens=args.max_batch_tokens)
     history = [list(work.system[work.group[s]]) for s in range(args.sessions)]
     events: list[tuple[float, int, str, int, int]] = []   # (time, seq, kind, session, turn)
@@ -118,7 +124,7 @@ def run_policy(policy: str, model, work: Workload, args, disk_dir: str, prefill_
     heapq.heapify(events)
     now = 0.0
     meta: dict[int, tuple[int, int, float, str]] = {}   # request id -> (session, turn, arrival, kind)
-    ttft, hits, prompt_tokens, recomputed = [], 0, 0, 0
+    ttft, hits, prompt_tokens, recomputed, failed = [], 0, 0, 0, 0
     windows: dict[int, int] = {}
     decode_idle, decode_busy = [], []
     wall0 = time.perf_counter()
@@ -148,6 +154,9 @@ def run_policy(policy: str, model, work: Workload, args, disk_dir: str, prefill_
         for ev in step_events:
             req = ev.request
             s, turn, arrival, kind = meta[req.request_id]
+            if req.error:
+                failed += 1
+                continue
             if kind == "turn" and len(req.output) == 1:
                 ttft.append((now - arrival) * 1e3)
                 prompt_tokens += len(req.prompt)
@@ -174,7 +183,9 @@ def run_policy(policy: str, model, work: Workload, args, disk_dir: str, prefill_
     storms = sum(1 for tokens in windows.values() if tokens > prefill_tok_s * 10)
     stats = cache.stats
     cache.close()
-    return {"bench": "multiturn", "policy": policy, "requests": len(ttft),
+    if not ttft:
+        raise RuntimeError(f"policy {policy}: no request completed ({failed} failed); enlarge the pools")
+    return {"bench": "multiturn", "policy": policy, "requests": len(ttft), "failed_requests": failed,
             "hit_rate": rounded(hits / prompt_tokens if prompt_tokens else 0.0),
             "ttft_ms_mean": rounded(sum(ttft) / len(ttft), 2), "ttft_ms_p50": rounded(percentile(ttft, 50), 2),
             "ttft_ms_p99": rounded(percentile(ttft, 99), 2), "recomputed_tokens": recomputed,
@@ -216,21 +227,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def plot(results: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    for res in results:
-        xs = sorted(res["_ttft"])
-        ys = [(i + 1) / len(xs) for i in range(len(xs))]
-        ax.plot(xs, ys, label=f"{res['policy']} (p50 {res['ttft_ms_p50']:.0f} ms, hit {res['hit_rate']:.0%})")
-    ax.set_xscale("log")
-    ax.set_xlabel("time to first token (ms, log scale)")
-    ax.set_ylabel("fraction of requests")
-    ax.set_title("Multi-turn TTFT by cache policy")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    plot_cdfs([(f"{r['policy']} (p50 {r['ttft_ms_p50']:.0f} ms, hit {r['hit_rate']:.0%})", r["_ttft"])
+               for r in results], path, title="Multi-turn TTFT by cache policy",
+              xlabel="time to first token (ms, log scale)")

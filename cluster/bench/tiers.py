@@ -59,21 +59,22 @@ def _fill(cache: TieredCache, nblocks: int, bt: int) -> list:
     return nodes
 
 
-def _move_all(cache: TieredCache, nodes: list) -> float:
-    """Demote every node one tier down (all in flight at once)."""
+def _timed(cache: TieredCache, start_move, nodes: list) -> float:
+    """Run one batched move of ``nodes`` to completion; returns its seconds."""
     t0 = time.perf_counter()
-    cache._start_demotion(nodes)
+    start_move(nodes)
     cache.wait_all()
     _sync(cache.device)
     return time.perf_counter() - t0
+
+
+def _move_all(cache: TieredCache, nodes: list) -> float:
+    """Demote every node one tier down (all in flight at once)."""
+    return _timed(cache, cache._start_demotion, nodes)
 
 
 def _promote_all(cache: TieredCache, nodes: list) -> float:
-    t0 = time.perf_counter()
-    cache._start_promotion(nodes)
-    cache.wait_all()
-    _sync(cache.device)
-    return time.perf_counter() - t0
+    return _timed(cache, cache._start_promotion, nodes)
 
 
 def bandwidth(args: argparse.Namespace, disk_dir: str) -> None:
