@@ -37,7 +37,8 @@ CacheReplica = serve.deployment(name="CacheReplica")(CacheReplicaImpl)
 fastapi_app = make_fastapi()
 
 
-@serve.deployment(name="Ingress", num_replicas=1, ray_actor_options={"num_cpus": 0})
+# The ingress only parses and streams: let it hold many requests (Serve's default is 5).
+@serve.deployment(name="Ingress", num_replicas=1, max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0})
 @serve.ingress(fastapi_app)
 class Ingress:
     """HTTP front door; the logic lives in ``serve_app.ingress.IngressCore``."""

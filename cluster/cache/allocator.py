@@ -213,8 +213,7 @@ class BlockAllocator:
         live, n = self.live, self.num_blocks
         for e in extents:
             b, off, length = e
-            entry = live[b].get(off) if type(b) is int and 0 <= b < n else None
-            if entry is None or entry[0] != length:
+            if type(b) is not int or not 0 <= b < n or (live[b].get(off) or (None,))[0] != length:
                 self._lookup(e)  # raises with the precise message
         if len({(e[0], e[1]) for e in extents}) != len(extents):
             seen = set()
@@ -225,35 +224,49 @@ class BlockAllocator:
         # Reverse order: the tail of a sequence goes back first (nano-vllm habit),
         # so the next allocation reuses the hottest blocks.
         bt = self.block_tokens
+        refcount, used, tail, inner, gap, is_open = (self.refcount, self.used, self.tail, self.inner_gap,
+                                                     self.gap, self._open)
+        push = self._free.append
+        freed_tokens = 0
         for b, off, length in reversed(extents):
+            freed_tokens += length
             if length == bt:  # a whole block: nothing else lives on it
                 del live[b][off]
-                self.refcount[b] = self.used[b] = self.tail[b] = self.inner_gap[b] = 0
-                self.gap[b] = bt
-                self._open[b] = False
-                self._free.append(b)
-                self.used_tokens -= bt
+                refcount[b] = used[b] = tail[b] = inner[b] = 0
+                gap[b] = bt
+                is_open[b] = False
+                push(b)
                 continue
             self._unbucket(b)
             del live[b][off]
-            self.refcount[b] -= 1
-            self.used[b] -= length
-            self.used_tokens -= length
-            if self.refcount[b] == 0:
-                self._open[b] = False
-                self.gap[b] = bt
-                self.tail[b] = self.inner_gap[b] = 0
-                self._free.append(b)
+            refcount[b] -= 1
+            used[b] -= length
+            if refcount[b] == 0:
+                is_open[b] = False
+                gap[b] = bt
+                tail[b] = inner[b] = 0
+                push(b)
             else:
                 self._refresh_gap(b)
                 # The freed slots are room again: in slotted mode others may use them.
-                self._open[b] = self._open[b] or self.slotted
+                is_open[b] = is_open[b] or self.slotted
                 self._bucket(b)
+        self.used_tokens -= freed_tokens
 
     def seal(self, extent: Extent) -> None:
         """Open a private tail block to slots of others (the owner stopped appending)."""
         self._lookup(extent)
         self.set_open(extent.block_id, True)
+
+    def set_owners(self, extents: Iterable[Extent], owner: Any) -> None:
+        """``set_owner`` for many extents (the tree hands whole nodes over)."""
+        live, n = self.live, self.num_blocks
+        for e in extents:
+            b, off, length = e
+            entry = live[b].get(off) if 0 <= b < n else None
+            if entry is None or entry[0] != length:
+                self._lookup(e)
+            live[b][off] = (length, owner)
 
     def set_owner(self, extent: Extent, owner: Any) -> None:
         b, off, length = extent

@@ -203,8 +203,7 @@ class RadixTree:
         head.lock_ref = node.lock_ref
         head.hit_count = node.hit_count
         head.session = node.session
-        for e in head_ext:
-            alloc.set_owner(e, head)
+        alloc.set_owners(head_ext, head)
         node.key = node.key[at:]
         node.extents = tail_ext
         node.parent = head
@@ -233,9 +232,10 @@ class RadixTree:
         if sum(e.length for e in extents) != len(tokens) - start:
             raise InvalidInputError(
                 f"extents cover {sum(e.length for e in extents)} tokens but tokens[{start}:] has {len(tokens) - start}")
-        for e in extents:
-            if alloc.owner_of(e) is not None:
-                raise InvalidInputError(f"extent {tuple(e)} is already owned by the tree")
+        if validate:
+            for e in extents:
+                if alloc.owner_of(e) is not None:
+                    raise InvalidInputError(f"extent {tuple(e)} is already owned by the tree")
         node, present, path = self._walk(tokens, self.root(namespace), split=True)
         if present < start:
             raise InvalidInputError(
@@ -264,8 +264,7 @@ class RadixTree:
             alloc.free(cursor)
             return InsertResult(present, node, freed + len(tokens) - present)
         leaf = TreeNode(tokens[present:], cursor, node, HOT, now)
-        for e in cursor:
-            alloc.set_owner(e, leaf)
+        alloc.set_owners(cursor, leaf)
         node.children[leaf.key[0]] = leaf
         self.evictable[HOT] += len(leaf.key)
         self._consider(leaf)
@@ -433,8 +432,7 @@ class RadixTree:
         grand = parent.parent
         child.key = parent.key + child.key
         child.extents = merged
-        for e in merged:
-            alloc.set_owner(e, child)
+        alloc.set_owners(merged, child)
         child.parent = grand
         child.last_access = max(child.last_access, parent.last_access)
         child.hit_count = max(child.hit_count, parent.hit_count)
@@ -460,8 +458,7 @@ class RadixTree:
         old_tier = node.tier
         node.tier = tier
         node.extents = extents
-        for e in extents:
-            self.allocators[tier].set_owner(e, node)
+        self.allocators[tier].set_owners(extents, node)
         self._consider(node)
         if node.parent is not None and node.parent.parent is not None and node.parent.tier == old_tier:
             self._consider(node.parent)
