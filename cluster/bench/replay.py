@@ -76,12 +76,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", default="mooncake", choices=["mooncake"])
     p.add_argument("--block-tokens", type=int, default=MOONCAKE_BLOCK_TOKENS, help="tokens per hash id (512)")
     p.add_argument("--replicas", type=int, default=8)
-    p.add_argument("--hot-blocks", type=int, default=256, help="device blocks per replica")
-    p.add_argument("--warm-blocks", type=int, default=768, help="host blocks per replica")
+    p.add_argument("--hot-blocks", type=int, default=512, help="device blocks per replica (512)")
+    p.add_argument("--warm-blocks", type=int, default=2560, help="host blocks per replica (2,560)")
     p.add_argument("--cold-blocks", type=int, default=0, help="disk blocks per replica")
     p.add_argument("--records", type=int, default=None, help="replay the first N records (synthetic: 100,000)")
     p.add_argument("--policy", default="all", help=f"one of {', '.join(ORDER)}, or a comma list, or all")
-    p.add_argument("--rate", type=float, default=30.0, help="synthetic trace: requests per second")
+    p.add_argument("--rate", type=float, default=20.0, help="synthetic trace: requests per second (20)")
     p.add_argument("--time-scale", type=float, default=1.0, help="multiply arrival times (< 1: more load)")
     p.add_argument("--event-delay-ms", type=float, default=20.0, help="worker -> directory event latency")
     p.add_argument("--prefill-tokens-per-s", type=float, default=10_000.0)
@@ -97,7 +97,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 # ---------------------------------------------------------------- the trace
 def synthetic_chat_trace(num_records: int = 100_000, *, seed: int = 0, block_tokens: int = 512,
-                         rate: float = 30.0, num_system_prompts: int = 40, zipf_s: float = 1.0,
+                         rate: float = 20.0, num_system_prompts: int = 40, zipf_s: float = 1.0,
                          system_tokens: tuple[int, int] = (500, 3000), mean_turns: float = 8.0,
                          single_shot: float = 0.2, message_median: int = 250, reply_median: int = 450,
                          think_mean_s: float = 60.0) -> list[TraceRecord]:

@@ -32,9 +32,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
+    p.add_argument("--repeats", type=int, default=3, help="round trips per memory direction; the best is reported")
     p.add_argument("--disk-dir", default=None, help="directory for the disk tier (default: a temp dir)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--stall-steps", type=int, default=60, help="compute steps per stall measurement")
+    p.add_argument("--paced-gb-per-s", type=float, default=1.0,
+                   help="also measure the stall with host copies paced to this rate (CPU only; 0: skip)")
 
 
 def _gbps(nbytes: int, seconds: float) -> float:
@@ -95,10 +98,15 @@ def bandwidth(args: argparse.Namespace, disk_dir: str) -> None:
         _sync(cache.device)
         return time.perf_counter() - t0
 
-    t_d2h = _move_all(cache, nodes)
-    p_d2h = plain(warm.tensor, hot.tensor)
-    t_h2d_src = [n for n in nodes]
-    t_h2c = _move_all(cache, nodes)
+    # Memory tiers: best of --repeats round trips, each side (short copies are noisy).
+    t_d2h = t_h2d = p_d2h = p_h2d = float("inf")
+    for _ in range(args.repeats):
+        t_d2h = min(t_d2h, _move_all(cache, nodes))
+        t_h2d = min(t_h2d, _promote_all(cache, nodes))
+        p_d2h = min(p_d2h, plain(warm.tensor, hot.tensor))
+        p_h2d = min(p_h2d, plain(hot.tensor, warm.tensor))
+    _move_all(cache, nodes)                     # HOT -> WARM
+    t_h2c = _move_all(cache, nodes)             # WARM -> COLD
     path = os.path.join(disk_dir, "plain-copy.bin")
     data = warm.tensor.numpy() if warm.tensor.dtype != torch.bfloat16 else warm.tensor.view(torch.int16).numpy()
     t0 = time.perf_counter()
@@ -107,17 +115,13 @@ def bandwidth(args: argparse.Namespace, disk_dir: str) -> None:
     p_h2c = time.perf_counter() - t0
     # Disk reads: drop the page cache where we may, so neither side reads from memory.
     _drop_caches()
-    t_c2h = _promote_all(cache, t_h2d_src)  # disk -> device (through host on CUDA)
+    t_c2h = _promote_all(cache, nodes)          # COLD -> HOT (through host on CUDA)
     _drop_caches()
     t0 = time.perf_counter()
     with open(path, "rb") as fh:
         buf = bytearray(nbytes)
         fh.readinto(buf)
     p_c2h = time.perf_counter() - t0
-    # h2d: demote to WARM again, then promote from WARM.
-    _move_all(cache, nodes)
-    t_h2d = _promote_all(cache, nodes)
-    p_h2d = plain(hot.tensor, warm.tensor)
     for direction, ours, base in (("d2h", t_d2h, p_d2h), ("h2d", t_h2d, p_h2d),
                                   ("host_to_disk", t_h2c, p_h2c), ("disk_to_host", t_c2h, p_c2h)):
         gb, pgb = _gbps(nbytes, ours), _gbps(nbytes, base)
@@ -149,12 +153,12 @@ def _compute_steps(n: int, size: int = 384) -> list[float]:
     return times
 
 
-def stall(args: argparse.Namespace, disk_dir: str) -> None:
+def stall(args: argparse.Namespace, disk_dir: str, paced_gb_per_s: float | None = None) -> None:
     layout = KVLayout(args.layers, args.kv_heads, args.head_dim, args.dtype)
     block_bytes = layout.bytes_per_token() * args.block_tokens
     nblocks = max(1, int(args.gib * 2**30) // block_bytes)
     cfg = TierConfig(hot_blocks=nblocks, warm_blocks=nblocks, block_tokens=args.block_tokens, device=args.device,
-                     high_watermark=1.0, low_watermark=0.99)
+                     high_watermark=1.0, low_watermark=0.99, copy_gb_per_s=paced_gb_per_s)
     cache = TieredCache(cfg, layout)
     nodes = _fill(cache, nblocks, args.block_tokens)
     threads = torch.get_num_threads()
@@ -180,7 +184,8 @@ def stall(args: argparse.Namespace, disk_dir: str) -> None:
     step_idle, step_busy = idle[mid] * 1e3, busy[mid] * 1e3
     emit({"bench": "tiers", "step_ms_idle": rounded(step_idle, 3), "step_ms_offload": rounded(step_busy, 3),
           "stall_pct": rounded(100 * (step_busy - step_idle) / step_idle, 2),
-          "offload_bytes_during_loop": moved, "steps_measured": len(busy), "device": str(cache.device)})
+          "copy_pacing_gb_per_s": paced_gb_per_s, "offload_bytes_during_loop": moved,
+          "steps_measured": len(busy), "device": str(cache.device)})
     cache.close()
 
 
@@ -188,4 +193,7 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(dir=args.disk_dir) as tmp:
         bandwidth(args, tmp)
         stall(args, tmp)
+        if args.paced_gb_per_s and torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
+                                                 else args.device if args.device != "auto" else "cpu").type == "cpu":
+            stall(args, tmp, args.paced_gb_per_s)
     return 0

@@ -65,6 +65,10 @@ class KVPool:
                      layout.num_kv_heads, layout.head_dim)
             pin = pin_memory and self.device.type == "cpu" and cuda_available()
             self.tensor = torch.zeros(shape, dtype=layout.torch_dtype, device=self.device, pin_memory=pin)
+            if self.device.type == "cpu" and not pin:
+                # zeros() maps pages lazily: touch them now, so the first copy into the
+                # pool does not pay page faults in the middle of serving.
+                self.tensor.fill_(0)
 
     @property
     def block_bytes(self) -> int:

@@ -49,6 +49,7 @@ class TierConfig:
     device: str = "auto"
     policy: str = "lru"
     max_sessions: int = 100_000
+    copy_gb_per_s: float | None = None   # pace host copies on CPU-only hosts (see offload.ThreadEngine)
 
     def __post_init__(self) -> None:
         if not isinstance(self.hot_blocks, int) or self.hot_blocks <= 0:
@@ -59,6 +60,9 @@ class TierConfig:
                 raise InvalidInputError(f"{name} must be a non-negative integer, got {v!r}")
         if self.cold_blocks and not self.warm_blocks:
             raise InvalidInputError("cold_blocks needs warm_blocks > 0 (COLD is reached through WARM)")
+        if self.copy_gb_per_s is not None and not (isinstance(self.copy_gb_per_s, (int, float))
+                                                   and self.copy_gb_per_s > 0):
+            raise InvalidInputError(f"copy_gb_per_s must be a positive number or None, got {self.copy_gb_per_s!r}")
         if not 0.0 < self.low_watermark < self.high_watermark <= 1.0:
             raise InvalidInputError(
                 f"watermarks out of order: need 0 < low_watermark ({self.low_watermark}) < "
@@ -118,7 +122,8 @@ class TieredCache:
             self.copier = ImmediateEngine()
             self.disk_io = ImmediateEngine() if config.cold_blocks else None
         else:
-            self.copier = make_copy_engine(self.device, deterministic=deterministic_io)
+            pace = config.copy_gb_per_s * 1e9 if config.copy_gb_per_s else None
+            self.copier = make_copy_engine(self.device, deterministic=deterministic_io, max_bytes_per_s=pace)
             self.disk_io = ThreadEngine("kv-disk", drain_on_poll=deterministic_io) if config.cold_blocks else None
         self._moves: dict[tuple[int, int], _Move] = {}
         self._pending_out = [0, 0, 0]   # tokens leaving each tier in flight

@@ -237,6 +237,49 @@ class PrefixPolicy(Policy):
         return self._decide(best, "prefix", best_hit, num_tokens)
 
 
+class _BranchMemory:
+    """Which blocks are shared prefixes: a block seen followed by two different
+    blocks is a branch point (a system prompt, a few-shot header), so every
+    block up to a request's last branch point is shared by several requests.
+
+    Bounded: two generations of ``max_entries`` each; when the current one is
+    full the older is forgotten (a prefix unused that long is likely gone from
+    the caches too).
+    """
+    __slots__ = ("max_entries", "_cur", "_old")
+    BRANCH = -1
+
+    def __init__(self, max_entries: int):
+        self.max_entries = max_entries
+        self._cur: dict[int, int] = {}
+        self._old: dict[int, int] = {}
+
+    def observe(self, hashes: Sequence[int], full_blocks: int) -> int:
+        """Record the chain's first ``full_blocks`` blocks; returns how many
+        leading blocks are shared (up to the last branch point). A partial
+        last block is left out: its id changes with every turn of a
+        conversation, which would make every turn look like a branch."""
+        cur, old, branch = self._cur, self._old, self.BRANCH
+        shared = 0
+        for i in range(min(len(hashes), full_blocks) - 1):
+            h, nxt = hashes[i], hashes[i + 1]
+            seen = cur.get(h)
+            if seen is None:
+                seen = old.get(h)
+            if seen == branch:
+                shared = i + 1
+            elif seen is None:
+                cur[h] = nxt
+            elif seen != nxt:
+                cur[h] = branch
+                shared = i + 1
+            elif h not in cur:
+                cur[h] = seen
+        if len(cur) > self.max_entries:
+            self._old, self._cur = cur, {}
+        return shared
+
+
 class CostPolicy(Policy):
     """Cheapest expected TTFT over every option.
 
@@ -244,69 +287,111 @@ class CostPolicy(Policy):
     worker): queue wait + promotion of its WARM/COLD hit blocks + prefill of
     the tokens it lacks. And for each candidate that holds less than the best
     holder: the same worker pulling the best holder's extra blocks at the
-    transfer rate (reason "migrate"). Workers holding nothing all cost the
-    same but for their queue, so only the least loaded of them is a candidate.
+    transfer rate (reason "migrate"). Workers with the same hit cost the same
+    but for their queue, so only the least loaded of each such group is priced.
 
     Two terms price what an option costs the requests that come after it:
 
+    - ``dup_weight`` x the prefill time of the *private* blocks it copies.
+      Pulling or recomputing a conversation's history elsewhere leaves two
+      copies: the new one evicts a block on the target, the old one sits dead
+      on the holder until it ages out. Each copied block thus costs about two
+      blocks of capacity, each of which would likely have been hit again:
+      hence the default of 2. Blocks up to the request's last *branch point*
+      (a prefix the router has seen continued in two different ways: a system
+      prompt) are exempt: a second copy of a shared prefix is replication
+      that future requests use, not waste.
     - ``work_weight`` x the option's service time (prefill, promotion,
-      transfer): the capacity it takes from the requests queued behind it;
-    - ``dup_weight`` x the prefill time of the blocks it *copies*: pulling or
-      recomputing on another worker a prefix that the best holder keeps leaves
-      two copies, and the copy evicts something else that would have been hit
-      with some probability (``dup_weight`` is that probability).
+      transfer): the capacity it takes from the requests queued behind it
+      (default 0: the queue wait already prices load).
 
-    With both at 0 the policy is pure TTFT greed; it then migrates or
-    recomputes at the slightest queue difference and the cluster fills with
-    duplicates.
+    With both at 0 the policy is pure TTFT greed: it migrates or recomputes at
+    the slightest queue difference and the cluster fills with duplicates.
     """
     name = "cost"
 
-    def __init__(self, cost: CostModel | None = None, work_weight: float = 0.0, dup_weight: float = 0.0):
+    def __init__(self, cost: CostModel | None = None, work_weight: float = 0.0, dup_weight: float = 2.0,
+                 tie_s: float = 0.05, half_life: int = 2000, branch_memory: int = 1 << 20):
         super().__init__(cost)
-        if work_weight < 0 or dup_weight < 0:
-            raise InvalidInputError(f"work_weight and dup_weight must be >= 0, got {work_weight!r}, {dup_weight!r}")
+        if work_weight < 0 or dup_weight < 0 or tie_s < 0:
+            raise InvalidInputError(f"work_weight, dup_weight and tie_s must be >= 0, got "
+                                    f"{work_weight!r}, {dup_weight!r}, {tie_s!r}")
+        if branch_memory <= 0 or half_life <= 0:
+            raise InvalidInputError(f"branch_memory and half_life must be positive, got {branch_memory!r}, {half_life!r}")
         self.work_weight = work_weight
         self.dup_weight = dup_weight
+        self.tie_s = tie_s
+        self._branches = _BranchMemory(branch_memory)
+        self._recent = _DecayedWork(half_life)
+
+    def recent_work_s(self, worker_id: str) -> float:
+        """Service seconds this router sent to ``worker_id`` lately (decayed)."""
+        return self._recent.get(worker_id)
 
     def choose(self, hashes, num_tokens, workers, index):
         alive = _alive(workers)
         cost, ww = self.cost, self.work_weight
         hits = index.match(hashes)
+        shared = self._branches.observe(hashes, num_tokens // cost.block_tokens)
+        recent = self._recent
         n, turn = len(alive), self._turn
         self._turn += 1
-        # Workers with the same hit differ only by their queue: keep the least
-        # loaded of each group (exact ties rotate), so the options to price are
-        # few even when every worker holds the shared system prompt.
+        # Workers with the same hit differ only by their load: keep the least
+        # loaded of each group, so the options to price are few even when
+        # every worker holds the shared system prompt.
         groups: dict[PrefixHit, tuple] = {}
         for i, w in enumerate(alive):
             h = hits.get(w.worker_id, NO_HIT)
-            tie = (w.queued_tokens, w.running, (i - turn) % n)
+            tie = (w.queued_tokens, recent.get(w.worker_id), w.running, (i - turn) % n)
             g = groups.get(h)
             if g is None or tie < g[0]:
                 groups[h] = (tie, w)
         source = max(groups, key=lambda h: (h.hot + h.warm + h.cold, h.hot))
         source_w = groups[source][1]
         source_blocks = source.hot + source.warm + source.cold
-        # Prefill seconds per block copied away from the best holder.
+        # Prefill seconds per private block copied away from the best holder.
         dup_s = self.dup_weight * cost.prefill_s(cost.cached_tokens(1, num_tokens))
-        best_key, best = None, None
+        options = []   # (score, tie, worker, reason, blocks, ttft, source id, pulled)
         for h, (tie, w) in groups.items():
             blocks = h.hot + h.warm + h.cold
             wait = cost.wait_s(w)
+            dup = dup_s * max(0, source_blocks - max(blocks, shared))
             service = cost.service_s(h, num_tokens)
-            dup = dup_s * (source_blocks - blocks)
-            key = (wait + service * (1.0 + ww) + dup, *tie)
-            if best_key is None or key < best_key:
-                best_key, best = key, (w, "local" if blocks else "recompute", blocks, wait + service, None, 0)
+            options.append((wait + service * (1.0 + ww) + dup, tie, w, "local" if blocks else "recompute",
+                            blocks, wait + service, None, 0))
             if blocks < source_blocks:
                 service = cost.migrate_service_s(h, source, num_tokens)
-                key = (wait + service * (1.0 + ww) + dup, *tie)
-                if key < best_key:
-                    best_key, best = key, (w, "migrate", source_blocks, wait + service, source_w.worker_id,
-                                           source_blocks - blocks)
-        w, reason, blocks, ttft, source_id, pulled = best
+                options.append((wait + service * (1.0 + ww) + dup, tie, w, "migrate", source_blocks, wait + service,
+                                source_w.worker_id, source_blocks - blocks))
+        # Options within tie_s of the cheapest are equally good for this
+        # request; among them, the worker sent the least work lately (where
+        # this request's conversation will keep coming back) wins.
+        cheapest = min(o[0] for o in options)
+        _, _, w, reason, blocks, ttft, source_id, pulled = min(
+            (o for o in options if o[0] <= cheapest + self.tie_s), key=lambda o: (o[1][1], o[0], o[1]))
+        recent.add(w.worker_id, ttft - cost.wait_s(w))
         return Decision(w.worker_id, reason, ttft, cost.cached_tokens(blocks, num_tokens), source_id, pulled)
+
+
+class _DecayedWork:
+    """Per-worker sum of service seconds, halved every ``half_life`` decisions
+    (stored scaled up by a growing factor, so one decision costs O(1))."""
+    __slots__ = ("_gain", "_scale", "_values")
+
+    def __init__(self, half_life: int):
+        self._gain = 2.0 ** (1.0 / half_life)
+        self._scale = 1.0
+        self._values: dict[str, float] = {}
+
+    def get(self, worker_id: str) -> float:
+        return self._values.get(worker_id, 0.0) / self._scale
+
+    def add(self, worker_id: str, seconds: float) -> None:
+        self._scale *= self._gain            # one decision passed: everything decays
+        self._values[worker_id] = self._values.get(worker_id, 0.0) + seconds * self._scale
+        if self._scale > 1e150:
+            self._values = {w: v / self._scale for w, v in self._values.items()}
+            self._scale = 1.0
 
 
 class ApproxTreePolicy(Policy):
