@@ -50,6 +50,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-tokens", type=int, default=16, help="reply tokens decoded for real per turn")
     p.add_argument("--prefetch-lead-s", type=float, default=2.0)
     p.add_argument("--block-tokens", type=int, default=16)
+    p.add_argument("--copy-gb-per-s", type=float, default=1.0,
+                   help="pace background demotions to this rate (CPU-only hosts share DRAM bandwidth with "
+                        "the forward pass; 0: unpaced)")
     p.add_argument("--max-batch-tokens", type=int, default=4096)
     p.add_argument("--threads", type=int, default=1, help="torch threads for the model (default 1)")
     p.add_argument("--policies", default=",".join(POLICIES))
@@ -100,7 +103,8 @@ def _make_cache(policy: str, hot_tokens: int, total: int, args, layout, disk_dir
         cfg = TierConfig(hot_blocks=hot, block_tokens=bt, device="cpu")
     else:
         cfg = TierConfig(hot_blocks=hot, warm_blocks=max(8, total // (2 * bt)), cold_blocks=max(8, 2 * total // bt),
-                         block_tokens=bt, disk_dir=disk_dir, device="cpu")
+                         block_tokens=bt, disk_dir=disk_dir, device="cpu",
+                         copy_gb_per_s=args.copy_gb_per_s or None)
     return TieredCache(cfg, layout)
 
 

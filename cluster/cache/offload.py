@@ -27,6 +27,26 @@ from typing import Callable, Sequence
 import torch
 
 
+class Pacer:
+    """Keeps a background stream of copies at or under ``bytes_per_s``
+    (``account`` sleeps when the stream runs ahead). None: no limit."""
+
+    def __init__(self, bytes_per_s: float | None):
+        self.bytes_per_s = bytes_per_s
+        self._start = time.perf_counter()
+        self._budget_t = self._start
+
+    def account(self, nbytes: int) -> None:
+        if not self.bytes_per_s:
+            return
+        now = time.perf_counter()
+        # Idle time is not banked: a burst after a pause still goes at the rate.
+        self._budget_t = max(self._budget_t, now) + nbytes / self.bytes_per_s
+        ahead = self._budget_t - time.perf_counter()
+        if ahead > 0:
+            time.sleep(ahead)
+
+
 @dataclass(slots=True)
 class Completion:
     op_id: int
@@ -51,6 +71,7 @@ class ThreadEngine:
             raise ValueError(f"max_bytes_per_s must be positive, got {max_bytes_per_s}")
         self.drain_on_poll = drain_on_poll
         self.max_bytes_per_s = max_bytes_per_s
+        self.pacer = Pacer(max_bytes_per_s)   # used by jobs on this engine's single thread
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
         self._ids = itertools.count(1)
         self._done: queue.SimpleQueue[Completion] = queue.SimpleQueue()
@@ -71,21 +92,20 @@ class ThreadEngine:
         self._futures[op_id] = self._pool.submit(run)
         return op_id
 
-    def submit_copies(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> int:
-        limit = self.max_bytes_per_s
+    def submit_copies(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, paced: bool = True) -> int:
+        """Copy ``dst.copy_(src)`` for each pair on the worker thread. ``paced``
+        applies ``max_bytes_per_s`` (background demotions); a promotion that a
+        request waits for passes False."""
+        pace = paced and self.max_bytes_per_s is not None
 
         def copy_all() -> None:
-            start, moved = time.perf_counter(), 0
             for dst, src in pairs:
                 # Runs of whole blocks are copied a block at a time when paced.
-                chunks = zip(dst, src) if limit and dst.dim() == 6 and dst.shape[0] > 1 else [(dst, src)]
+                chunks = zip(dst, src) if pace and dst.dim() == 6 and dst.shape[0] > 1 else [(dst, src)]
                 for d, s in chunks:
                     d.copy_(s)
-                    if limit:
-                        moved += d.numel() * d.element_size()
-                        ahead = moved / limit - (time.perf_counter() - start)
-                        if ahead > 0:
-                            time.sleep(ahead)
+                    if pace:
+                        self.pacer.account(d.numel() * d.element_size())
         return self.submit(copy_all)
 
     def poll(self) -> list[Completion]:
@@ -123,7 +143,7 @@ class CudaStreamEngine:
         self._events: dict[int, torch.cuda.Event] = {}
         self._keepalive: dict[int, list] = {}
 
-    def submit_copies(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> int:
+    def submit_copies(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, paced: bool = True) -> int:
         op_id = next(self._ids)
         producer = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self.stream):
@@ -187,7 +207,7 @@ class ImmediateEngine:
         self._done.append(Completion(op_id, None))
         return op_id
 
-    def submit_copies(self, pairs) -> int:
+    def submit_copies(self, pairs, *, paced: bool = True) -> int:
         return self.submit(lambda: None)
 
     def poll(self) -> list[Completion]:

@@ -124,7 +124,8 @@ class TieredCache:
         else:
             pace = config.copy_gb_per_s * 1e9 if config.copy_gb_per_s else None
             self.copier = make_copy_engine(self.device, deterministic=deterministic_io, max_bytes_per_s=pace)
-            self.disk_io = ThreadEngine("kv-disk", drain_on_poll=deterministic_io) if config.cold_blocks else None
+            self.disk_io = ThreadEngine("kv-disk", drain_on_poll=deterministic_io,
+                                        max_bytes_per_s=pace) if config.cold_blocks else None
         self._moves: dict[tuple[int, int], _Move] = {}
         self._pending_out = [0, 0, 0]   # tokens leaving each tier in flight
         self._sessions: OrderedDict[Any, tuple[Hashable, list[int]]] = OrderedDict()
@@ -229,7 +230,7 @@ class TieredCache:
         if not cold or any(n.busy for n in cold):
             return 0
         self.stats["prefetches"] += 1
-        move = self._start_promotion(cold)
+        move = self._start_promotion(cold, background=True)
         return 0 if move is None else sum(len(n.key) for n in cold)
 
     # ------------------------------------------------------------- watermarks
@@ -381,10 +382,13 @@ class TieredCache:
         else:
             warm, cold = self.pools[src], self.pools[dst]
             jobs = [(list(node.extents), ext) for node, ext in zip(taken, dst_exts)]
+            pacer = self.disk_io.pacer
 
             def write_all() -> None:
                 for src_ext, dst_ext in jobs:
-                    cold.write(dst_ext, warm.read(src_ext))
+                    kv = warm.read(src_ext)
+                    cold.write(dst_ext, kv)
+                    pacer.account(kv.numel() * kv.element_size())
 
             move.engine = self.disk_io
             move.op_id = self.disk_io.submit(write_all)
@@ -393,7 +397,7 @@ class TieredCache:
         self._moves[(id(move.engine), move.op_id)] = move
         return move
 
-    def _start_promotion(self, nodes: list[TreeNode]) -> _Move | None:
+    def _start_promotion(self, nodes: list[TreeNode], *, background: bool = False) -> _Move | None:
         """Bring ``nodes`` up to HOT in one asynchronous copy: a root-ward-first
         run of one path, or several such runs, parents before children."""
         for n in nodes:
@@ -418,10 +422,12 @@ class TieredCache:
             for n, ext in zip(nodes, dst_exts):
                 pairs.extend(self._copy_pairs(self.pools[WARM], n.extents, self.hot, ext))
             move.engine = self.copier
-            move.op_id = self.copier.submit_copies(pairs)
+            # A request waits for a synchronous promotion: only prefetches are paced.
+            move.op_id = self.copier.submit_copies(pairs, paced=background)
         else:
             jobs = [(self.pools[n.tier], list(n.extents), ext) for n, ext in zip(nodes, dst_exts)]
             hot, failed = self.hot, move.failed_index
+            pacer = self.disk_io.pacer if background else None
 
             def bring_up() -> None:
                 for i, (pool, src, dst) in enumerate(jobs):
@@ -431,6 +437,8 @@ class TieredCache:
                         failed.append(i)
                         raise
                     hot.write(dst, kv.to(hot.device))
+                    if pacer is not None:
+                        pacer.account(kv.numel() * kv.element_size())
                 if hot.device.type == "cuda":
                     torch.cuda.current_stream(hot.device).synchronize()
 
