@@ -108,7 +108,7 @@ class WorkerCore:
         self._lease_ids = iter(range(1, 1 << 62))
         self.stats = {"migrations_in": 0, "migrations_out": 0, "migrated_tokens": 0, "migration_bytes": 0,
                       "nixl_failures": 0, "object_store_fallbacks": 0, "recomputed_after_failed_migration": 0,
-                      "rejected_queue_full": 0}
+                      "rejected_queue_full": 0, "stale_migrations": 0}
         self.cost = self._measure_costs()
         self._stop = threading.Event()
         self._wake = threading.Event()

@@ -96,7 +96,9 @@ class CacheWorkerImpl:
             log.warning("export from %s failed: %s", holder_id, exc)
             self.core.stats["recomputed_after_failed_migration"] += 1
             return result
-        if not staged.get("tokens"):
+        if not staged.get("tokens"):  # stale decision: the holder evicted it meanwhile
+            self.core.stats["stale_migrations"] += 1
+            log.info("migration from %s found nothing cached (stale decision); recomputing", holder_id)
             return result
         kv = None
         try:

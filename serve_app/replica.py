@@ -94,7 +94,8 @@ class CacheReplica:
         except Exception as exc:
             log.warning("export from %s failed: %s", holder, exc)
             return result
-        if not staged.get("tokens"):
+        if not staged.get("tokens"):  # stale decision: the holder evicted it meanwhile
+            self.core.stats["stale_migrations"] += 1
             return result
         kv = None
         try:
