@@ -33,6 +33,9 @@ from cluster.errors import InvalidInputError, PoolExhaustedError
 ALLOC_MODES = ("slotted", "flat", "token")
 
 
+_NONE: dict = {}  # read-only stand-in for a free block's (absent) extent table
+
+
 class Extent(NamedTuple):
     """``length`` tokens of KV at token ``offset`` inside block ``block_id``."""
 
@@ -75,7 +78,9 @@ class BlockAllocator:
         self.gap = [self.block_tokens] * n   # largest free run per block
         self.tail = [0] * n                  # end of the last extent: slots go here first
         self.inner_gap = [0] * n             # largest free run below ``tail``
-        self.live: list[dict[int, tuple[int, Any]]] = [{} for _ in range(n)]
+        # None for a free block: a dict per block only while it is in use keeps
+        # the garbage collector's work proportional to what is cached.
+        self.live: list[dict[int, tuple[int, Any]] | None] = [None] * n
         # Blocks that accept new slots, bucketed by free room (1 .. block_tokens-1).
         self._open = [False] * n
         self._room_buckets: list[dict[int, None]] = [{} for _ in range(self.block_tokens)]
@@ -120,7 +125,7 @@ class BlockAllocator:
 
     def owner_of(self, extent: Extent) -> Any:
         b, off, length = extent
-        entry = self.live[b].get(off) if type(b) is int and 0 <= b < self.num_blocks else None
+        entry = (self.live[b] or _NONE).get(off) if type(b) is int and 0 <= b < self.num_blocks else None
         if entry is None or entry[0] != length:
             entry = self._lookup(extent)
         return entry[1]
@@ -159,7 +164,7 @@ class BlockAllocator:
             entry = (bt, owner)
             for _ in range(full):
                 b = free.pop()
-                live[b][0] = entry
+                live[b] = {0: entry}
                 refcount[b] = 1
                 used[b] = bt
                 gap[b] = 0
@@ -213,7 +218,7 @@ class BlockAllocator:
         live, n = self.live, self.num_blocks
         for e in extents:
             b, off, length = e
-            if type(b) is not int or not 0 <= b < n or (live[b].get(off) or (None,))[0] != length:
+            if type(b) is not int or not 0 <= b < n or ((live[b] or _NONE).get(off) or (None,))[0] != length:
                 self._lookup(e)  # raises with the precise message
         if len({(e[0], e[1]) for e in extents}) != len(extents):
             seen = set()
@@ -231,7 +236,7 @@ class BlockAllocator:
         for b, off, length in reversed(extents):
             freed_tokens += length
             if length == bt:  # a whole block: nothing else lives on it
-                del live[b][off]
+                live[b] = None
                 refcount[b] = used[b] = tail[b] = inner[b] = 0
                 gap[b] = bt
                 is_open[b] = False
@@ -242,6 +247,7 @@ class BlockAllocator:
             refcount[b] -= 1
             used[b] -= length
             if refcount[b] == 0:
+                live[b] = None
                 is_open[b] = False
                 gap[b] = bt
                 tail[b] = inner[b] = 0
@@ -263,14 +269,14 @@ class BlockAllocator:
         live, n = self.live, self.num_blocks
         for e in extents:
             b, off, length = e
-            entry = live[b].get(off) if 0 <= b < n else None
+            entry = (live[b] or _NONE).get(off) if 0 <= b < n else None
             if entry is None or entry[0] != length:
                 self._lookup(e)
             live[b][off] = (length, owner)
 
     def set_owner(self, extent: Extent, owner: Any) -> None:
         b, off, length = extent
-        entry = self.live[b].get(off) if 0 <= b < self.num_blocks else None
+        entry = (self.live[b] or _NONE).get(off) if 0 <= b < self.num_blocks else None
         if entry is None or entry[0] != length:
             self._lookup(extent)
         self.live[b][off] = (length, owner)
@@ -338,12 +344,14 @@ class BlockAllocator:
             raise InvalidInputError(f"not an extent (block_id, offset, length): {extent!r}") from None
         if not (isinstance(b, int) and 0 <= b < self.num_blocks):
             raise InvalidInputError(f"extent {tuple(extent)}: block_id outside [0, {self.num_blocks})")
-        entry = self.live[b].get(off)
+        entry = (self.live[b] or _NONE).get(off)
         if entry is None or entry[0] != length:
             raise InvalidInputError(f"extent {tuple(extent)} is not allocated (double free or stale extent?)")
         return entry
 
     def _place(self, b: int, off: int, length: int, owner: Any) -> None:
+        if self.live[b] is None:
+            self.live[b] = {}
         self.live[b][off] = (length, owner)
         self.refcount[b] += 1
         self.used[b] += length
@@ -428,7 +436,8 @@ class BlockAllocator:
         assert len(free) == len(self._free), "a block is on the free list twice"
         total_used = 0
         for b in range(self.num_blocks):
-            live = self.live[b]
+            live = self.live[b] or {}
+            assert (self.live[b] is None) == (b in free), f"block {b}: extent table out of step with the free list"
             assert self.refcount[b] == len(live), f"block {b}: refcount {self.refcount[b]} != {len(live)} extents"
             assert self.used[b] == sum(ln for ln, _ in live.values()), f"block {b}: used count drifted"
             total_used += self.used[b]

@@ -520,6 +520,6 @@ class RadixTree:
         for tier, alloc in enumerate(self.allocators):
             alloc.check_invariants()
             for b in range(alloc.num_blocks):
-                for off, (_, owner) in alloc.live[b].items():
+                for off, (_, owner) in (alloc.live[b] or {}).items():
                     if isinstance(owner, TreeNode):
                         assert (b, off) in owned[tier], f"extent ({b},{off}) owned by a node not in the tree"
