@@ -66,10 +66,12 @@ class DirectoryImpl:
                          block_tokens=self.block_tokens)
 
     # ---------------------------------------------------------------- workers
-    async def register_worker(self, worker_id: str, cost: dict | None = None) -> None:
+    async def register_worker(self, worker_id: str, cost: dict | None = None, fresh: bool = True) -> None:
+        """A worker (re)starting: ``fresh`` forgets what an earlier process of the
+        same id held, since the new one numbers its batches from 1 again."""
         if not isinstance(worker_id, str) or not worker_id:
             raise InvalidInputError(f"worker_id must be a non-empty string, got {worker_id!r}")
-        if worker_id not in self.workers:
+        if fresh or worker_id not in self.workers:
             self.index.register_worker(worker_id)
             self.workers[worker_id] = WorkerState(worker_id, 0, 0)
             log.info("worker %s registered", worker_id)
@@ -100,7 +102,7 @@ class DirectoryImpl:
         """
         if worker_id not in self.workers:  # new, or this directory just restarted
             self.stats["unknown_worker_batches"] += 1
-            await self.register_worker(worker_id)
+            await self.register_worker(worker_id, fresh=False)
             self._set_load(worker_id, load)
             return "unknown_worker"
         self.last_seen[worker_id] = self.clock()
@@ -124,7 +126,7 @@ class DirectoryImpl:
 
     async def load_snapshot(self, worker_id: str, seq: int, entries: dict) -> str:
         if worker_id not in self.workers:
-            await self.register_worker(worker_id)
+            await self.register_worker(worker_id, fresh=False)
         self.index.load_snapshot(worker_id, seq, entries)
         self.stats["snapshots"] += 1
         return "ok"

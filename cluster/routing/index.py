@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import NamedTuple, Sequence
 
-from cluster.cache.radix_tree import COLD, HOT, WARM
+from cluster.cache.radix_tree import COLD, HOT
 from cluster.errors import InvalidInputError
 from cluster.routing.events import EventBatch, MalformedBatchError
 
@@ -202,38 +202,67 @@ class GlobalIndex:
     def match(self, hashes: Sequence[int]) -> dict[str, PrefixHit]:
         """Per worker, the consecutive leading blocks of ``hashes`` it holds, by tier.
 
-        Workers holding no leading block are absent. The chain is walked once;
-        per-worker work happens only where the holder set changes (a worker
-        drops out or changes tier), so a long prefix held by the same workers
-        costs one dict lookup and one dict comparison per block.
+        Workers holding no leading block are absent.
+        """
+        return {w: hit for hit, workers in self.match_cohorts(hashes) for w in workers}
+
+    def match_cohorts(self, hashes: Sequence[int]) -> list[tuple[PrefixHit, list[str]]]:
+        """``match`` grouped: each distinct hit with the workers that have it.
+
+        The chain is walked once. Workers are handled in cohorts that have
+        held the same blocks at the same tiers so far; per-worker work happens
+        only where the holder set changes (workers drop out or change tier),
+        so a long prefix held by every worker costs one dict lookup and one
+        dict comparison per block, and the answer has few entries to price.
         """
         self.stats["matches"] += 1
         holders = self._holders
         n = len(hashes)
-        if not n:
-            return {}
-        prev = holders.get(hashes[0])
+        prev = holders.get(hashes[0]) if n else None
         if not prev:
-            return {}
-        active = dict(prev)                     # worker -> tier of its current run
-        counts = {w: [0, 0, 0] for w in active}
+            return []
+        by_tier: dict[int, list[str]] = {}
+        for w, tier in prev.items():
+            by_tier.setdefault(tier, []).append(w)
+        active = [(ws, tier, [0, 0, 0]) for tier, ws in by_tier.items()]   # (workers, current tier, counts)
+        done: list[tuple[PrefixHit, list[str]]] = []
         run_start, i = 0, 1
         while i < n:
             cur = holders.get(hashes[i])
             if cur is None:
                 break
             if cur != prev:
-                for w, tier in active.items():
-                    counts[w][tier] += i - run_start
-                active = {w: cur[w] for w in active if w in cur}
-                run_start = i
+                moved = []
+                for ws, tier, counts in active:
+                    counts[tier] += i - run_start
+                    split: dict[int | None, list[str]] = {}
+                    for w in ws:
+                        split.setdefault(cur.get(w), []).append(w)
+                    for new_tier, part in split.items():
+                        if new_tier is None:
+                            done.append((PrefixHit(*counts), part))
+                        else:
+                            moved.append((part, new_tier, list(counts)))
+                active, run_start, prev = moved, i, cur
                 if not active:
                     break
-                prev = cur
             i += 1
-        for w, tier in active.items():
-            counts[w][tier] += i - run_start
-        return {w: PrefixHit(c[HOT], c[WARM], c[COLD]) for w, c in counts.items()}
+        for ws, tier, counts in active:
+            counts[tier] += i - run_start
+            done.append((PrefixHit(*counts), ws))
+        return done
+
+    def hit(self, hashes: Sequence[int], worker_id: str) -> PrefixHit:
+        """``match(hashes).get(worker_id, PrefixHit())`` for one worker, without the others."""
+        holders = self._holders
+        counts = [0, 0, 0]
+        for h in hashes:
+            d = holders.get(h)
+            tier = None if d is None else d.get(worker_id)
+            if tier is None:
+                break
+            counts[tier] += 1
+        return PrefixHit(*counts)
 
     # ------------------------------------------------------------ invariants
     def check_invariants(self) -> None:

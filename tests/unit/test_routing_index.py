@@ -36,8 +36,11 @@ def test_match_splits_by_tier_per_worker(index):
 
 def test_match_stops_at_the_first_block_a_worker_lacks(index):
     index.apply(batch("a", 1, ("stored", [1, 3, 4], HOT)))
-    index.apply(batch("b", 1, ("stored", [1, 2, 3], HOT)))
-    assert index.match([1, 2, 3, 4]) == {"a": PrefixHit(1, 0, 0), "b": PrefixHit(3, 0, 0)}
+    index.apply(batch("b", 1, ("stored", [1, 2, 3], HOT), ("tier", [3], WARM)))
+    assert index.match([1, 2, 3, 4]) == {"a": PrefixHit(1, 0, 0), "b": PrefixHit(2, 1, 0)}
+    assert index.hit([1, 2, 3, 4], "a") == PrefixHit(1, 0, 0)
+    assert index.hit([1, 2, 3, 4], "b") == PrefixHit(2, 1, 0)
+    assert index.hit([1, 2, 3, 4], "zz") == PrefixHit() == (0, 0, 0)
 
 
 def test_removed_and_tier_events(index):

@@ -111,10 +111,24 @@ def test_cost_migration_pulls_only_what_the_target_lacks():
 
 def test_cost_duplication_weight_keeps_a_short_wait_local():
     ix = index_with(a=(5, HOT), b=(0, HOT))
-    ws = workers(a=300, b=0)            # 0.3 s of queue on the holder
-    assert make_policy("cost", cost=COST).choose(CHAIN, 600, ws, ix).reason == "migrate"   # 0.2 < 0.4
+    ws = workers(a=300, b=0)            # 0.3 s of queue on the holder: local costs 0.4 s, a pull 0.2 s
+    d = make_policy("cost", cost=COST, dup_weight=0).choose(CHAIN, 600, ws, ix)
+    assert (d.worker_id, d.reason) == ("b", "migrate")
     d = make_policy("cost", cost=COST, dup_weight=0.5).choose(CHAIN, 600, ws, ix)
-    assert (d.worker_id, d.reason) == ("a", "local")   # pull 0.2 + 5 copied blocks x 0.1 s x 0.5 > 0.4
+    assert (d.worker_id, d.reason) == ("a", "local")   # + 5 copied blocks x 0.1 s x 0.5 = 0.45 s > 0.4 s
+
+
+def test_cost_copies_a_shared_prefix_freely():
+    ix = index_with(a=(3, HOT), b=(0, HOT))
+    ws = workers(a=300, b=0)            # local: 0.3 + 0.3 s; pull 3 blocks: 0.06 + 0.3 s
+    fresh = make_policy("cost", cost=COST, dup_weight=2)
+    assert fresh.choose(CHAIN, 600, ws, ix).reason == "local"         # 3 private blocks x 0.2 s
+    seen = make_policy("cost", cost=COST, dup_weight=2)
+    for other in ([11, 12, 13, 90], [11, 12, 13, 91]):                # 13 continued two ways
+        seen.choose(other, 400, ws, ix)
+    d = seen.choose(CHAIN, 600, ws, ix)
+    assert (d.worker_id, d.reason, d.migrate_from, d.migrate_blocks) == ("b", "migrate", "a", 3)
+    assert d.expected_ttft_s == pytest.approx(0.36)
 
 
 def test_cost_spreads_requests_nobody_holds_over_idle_workers():
@@ -122,6 +136,18 @@ def test_cost_spreads_requests_nobody_holds_over_idle_workers():
     ix = index_with(a=(0, HOT), b=(0, HOT), c=(0, HOT))
     picks = [policy.choose(CHAIN, 600, workers(a=0, b=0, c=0), ix).worker_id for _ in range(4)]
     assert picks == ["a", "b", "c", "a"]
+
+
+def test_cost_places_near_ties_by_recent_work():
+    ix = index_with(a=(5, HOT), b=(5, WARM))          # a: 0.1 s, b: 0.15 s (WARM promotion)
+    policy = make_policy("cost", cost=COST, tie_s=0.1)
+    first = policy.choose(CHAIN, 600, workers(a=0, b=0), ix)
+    assert (first.worker_id, first.reason) == ("a", "local")
+    assert policy.recent_work_s("a") == pytest.approx(0.1) and policy.recent_work_s("b") == 0.0
+    second = policy.choose(CHAIN, 600, workers(a=0, b=0), ix)
+    assert (second.worker_id, second.expected_ttft_s) == ("b", pytest.approx(0.15))
+    strict = make_policy("cost", cost=COST, tie_s=0.0)
+    assert [strict.choose(CHAIN, 600, workers(a=0, b=0), ix).worker_id for _ in range(2)] == ["a", "a"]
 
 
 # ------------------------------------------------------------------ baselines
