@@ -18,7 +18,7 @@ import queue
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Protocol
 
 import numpy as np
 import torch
@@ -69,6 +69,20 @@ class WorkerConfig:
         return asdict(self)
 
 
+class PeerLink(Protocol):
+    """How one worker reaches another (a Ray actor handle, a Serve handle with
+    ``target_worker``, or in-process for tests). All calls are awaitable but
+    ``release``, which is fire and forget."""
+
+    async def export_prefix(self, tokens: list[int], tenant: Any) -> dict: ...
+
+    async def info(self) -> dict: ...
+
+    async def export_array(self, lease: int) -> tuple[np.ndarray, str]: ...
+
+    def release(self, lease: int) -> None: ...
+
+
 class QueueFullError(CacheError):
     """The worker's queue bound is reached; the caller should retry later (HTTP 429)."""
 
@@ -106,6 +120,8 @@ class WorkerCore:
         self._streams: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._leases: dict[int, tuple[list, float]] = {}
         self._lease_ids = iter(range(1, 1 << 62))
+        self._nixl_peers: dict[str, str] = {}      # worker id -> NIXL agent name
+        self.faults: set[str] = set()              # injected faults: "nixl", "object_store"
         self.stats = {"migrations_in": 0, "migrations_out": 0, "migrated_tokens": 0, "migration_bytes": 0,
                       "nixl_failures": 0, "object_store_fallbacks": 0, "recomputed_after_failed_migration": 0,
                       "rejected_queue_full": 0, "stale_migrations": 0}
@@ -275,6 +291,8 @@ class WorkerCore:
 
         A numpy array (Ray moves it zero-copy through plasma; torch tensors take
         a slow pickling path) and the torch dtype name to view it back."""
+        if "object_store" in self.faults:
+            raise RuntimeError("injected fault: object store export")
         ext, _ = self._leases[lease]
         kv = self.cache.pools[WARM].read(ext).contiguous()
         dtype = str(kv.dtype).removeprefix("torch.")
@@ -306,6 +324,58 @@ class WorkerCore:
         self.stats["migrations_in"] += 1
         self.stats["migrated_tokens"] += n - m.length
         return n - m.length
+
+    async def migrate_from(self, holder_id: str, link: PeerLink, tokens: list[int], tenant: Any) -> dict:
+        """Pull ``holder_id``'s cached prefix of ``tokens`` into this worker:
+        NIXL READ first, the object store if that fails, nothing (recompute) last.
+        Never raises: a failed migration only costs the prefill it would have saved."""
+        result = {"from": holder_id, "transport": None, "tokens": 0, "bytes": 0}
+        try:
+            staged = await link.export_prefix(tokens, tenant)
+        except Exception as exc:  # holder gone
+            log.warning("export from %s failed: %s", holder_id, exc)
+            self.stats["recomputed_after_failed_migration"] += 1
+            return result
+        if not staged.get("tokens"):  # stale decision: the holder evicted it meanwhile
+            self.stats["stale_migrations"] += 1
+            log.info("migration from %s found nothing cached (stale decision); recomputing", holder_id)
+            return result
+        kv = None
+        try:
+            kv = await self.pull_nixl(holder_id, link, staged)
+            result["transport"] = "nixl"
+        except Exception as exc:
+            self.stats["nixl_failures"] += 1
+            log.warning("NIXL pull from %s failed (%s); using the object store", holder_id, exc)
+            try:
+                array, dtype = await link.export_array(staged["lease"])
+                kv = torch.from_numpy(array)
+                kv = kv.view(torch.bfloat16) if dtype == "bfloat16" else kv
+                result["transport"] = "object_store"
+                self.stats["object_store_fallbacks"] += 1
+            except Exception as exc2:
+                log.warning("object-store pull from %s failed too (%s); recomputing", holder_id, exc2)
+                self.stats["recomputed_after_failed_migration"] += 1
+        finally:
+            link.release(staged["lease"])
+        if kv is not None:
+            result["tokens"] = await asyncio.wrap_future(self.call(lambda: self.install_prefix(tokens, tenant, kv)))
+            result["bytes"] = kv.numel() * kv.element_size()
+        return result
+
+    async def pull_nixl(self, holder_id: str, link: PeerLink, staged: dict) -> torch.Tensor:
+        """Connect to the holder's NIXL agent once, then READ and verify the staged blocks."""
+        if "nixl" in self.faults:
+            raise TransferError("injected fault: NIXL read")
+        if self.nixl is None:
+            raise TransferError("NIXL is not available on this worker")
+        if holder_id not in self._nixl_peers:
+            info = await link.info()
+            if info["nixl"] is None:
+                raise TransferError(f"worker {holder_id} has no NIXL endpoint")
+            self._nixl_peers[holder_id] = self.nixl.connect(info["nixl"])
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, self.pull_blocks_nixl, self._nixl_peers[holder_id], staged)
 
     def pull_blocks_nixl(self, peer: str, staged: dict) -> torch.Tensor:
         """Read staged blocks from a peer over NIXL into local staging; verify; return KV."""

@@ -12,11 +12,9 @@ import logging
 from typing import Any
 
 import ray
-import torch
 
 from actors.core import WorkerConfig, WorkerCore
 from actors.naming import DIRECTORY_NAME, worker_actor_name
-from cluster.transfer.nixl_transport import TransferError
 
 log = logging.getLogger(__name__)
 
@@ -30,8 +28,6 @@ class CacheWorkerImpl:
         self.namespace = namespace
         self.directory_name = directory_name
         self._directory = None
-        self._faults: set[str] = set()
-        self._peers: dict[str, str] = {}     # worker id -> NIXL peer name
         self.core = WorkerCore(worker_id, WorkerConfig.from_dict(config), publish=self._publish,
                                push_snapshot=self._push_snapshot)
         self._register()
@@ -79,72 +75,30 @@ class CacheWorkerImpl:
         return await asyncio.wrap_future(self.core.call(lambda: self.core.export_prefix(tokens, namespace, max_tokens)))
 
     async def export_array(self, lease: int):
-        if "object_store" in self._faults:
-            raise RuntimeError("injected fault: object store export")
         return await asyncio.wrap_future(self.core.call(lambda: self.core.export_array(lease)))
 
     async def release(self, lease: int) -> None:
         await asyncio.wrap_future(self.core.call(lambda: self.core.release(lease)))
 
-    async def _migrate(self, holder_id: str, tokens: list[int], namespace: Any) -> dict:
-        """Pull ``holder_id``'s cached prefix of ``tokens``: NIXL, else object store, else nothing."""
-        holder = ray.get_actor(worker_actor_name(holder_id), namespace=self.namespace)
-        result = {"from": holder_id, "transport": None, "tokens": 0}
-        try:
-            staged = await holder.export_prefix.remote(tokens, namespace)
-        except Exception as exc:  # holder gone: recompute
-            log.warning("export from %s failed: %s", holder_id, exc)
-            self.core.stats["recomputed_after_failed_migration"] += 1
-            return result
-        if not staged.get("tokens"):  # stale decision: the holder evicted it meanwhile
-            self.core.stats["stale_migrations"] += 1
-            log.info("migration from %s found nothing cached (stale decision); recomputing", holder_id)
-            return result
-        kv = None
-        try:
-            kv = await self._pull_nixl(holder, holder_id, staged)
-            result["transport"] = "nixl"
-        except Exception as exc:
-            self.core.stats["nixl_failures"] += 1
-            log.warning("NIXL pull from %s failed (%s); using the object store", holder_id, exc)
-            try:
-                array, dtype = await holder.export_array.remote(staged["lease"])
-                kv = torch.from_numpy(array)
-                if dtype == "bfloat16":
-                    kv = kv.view(torch.bfloat16)
-                result["transport"] = "object_store"
-                self.core.stats["object_store_fallbacks"] += 1
-            except Exception as exc2:
-                log.warning("object-store pull from %s failed too (%s); recomputing", holder_id, exc2)
-                self.core.stats["recomputed_after_failed_migration"] += 1
-        finally:
-            holder.release.remote(staged["lease"])
-        if kv is not None:
-            result["tokens"] = await asyncio.wrap_future(
-                self.core.call(lambda: self.core.install_prefix(tokens, namespace, kv)))
-        return result
+    def _link(self, holder_id: str) -> "ActorLink":
+        return ActorLink(ray.get_actor(worker_actor_name(holder_id), namespace=self.namespace))
 
-    async def _pull_nixl(self, holder, holder_id: str, staged: dict):
-        if "nixl" in self._faults:
-            raise TransferError("injected fault: NIXL read")
-        if self.core.nixl is None:
-            raise TransferError("NIXL is not available on this worker")
-        if holder_id not in self._peers:
-            info = await holder.info.remote()
-            if info["nixl"] is None:
-                raise TransferError(f"worker {holder_id} has no NIXL endpoint")
-            self._peers[holder_id] = self.core.nixl.connect(info["nixl"])
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(None, self.core.pull_blocks_nixl, self._peers[holder_id], staged)
+    async def _migrate(self, holder_id: str, tokens: list[int], namespace: Any) -> dict:
+        try:
+            link = self._link(holder_id)
+        except ValueError:  # the holder is gone: recompute
+            self.core.stats["recomputed_after_failed_migration"] += 1
+            return {"from": holder_id, "transport": None, "tokens": 0}
+        return await self.core.migrate_from(holder_id, link, tokens, namespace)
 
     async def nixl_read(self, holder_id: str, tokens: list[int], namespace: Any = None) -> dict:
-        """Pull a prefix over NIXL only and report checksums (tests and benchmarks)."""
-        holder = ray.get_actor(worker_actor_name(holder_id), namespace=self.namespace)
-        staged = await holder.export_prefix.remote(tokens, namespace)
+        """Pull a prefix over NIXL only, without installing it (tests and drills)."""
+        link = self._link(holder_id)
+        staged = await link.export_prefix(tokens, namespace)
         try:
-            kv = await self._pull_nixl(holder, holder_id, staged)
+            kv = await self.core.pull_nixl(holder_id, link, staged)
         finally:
-            holder.release.remote(staged["lease"])
+            link.release(staged["lease"])
         return {"tokens": staged["tokens"], "checksums": staged["checksums"], "kv": kv}
 
     # ------------------------------------------------------------ inspection
@@ -152,7 +106,7 @@ class CacheWorkerImpl:
         """Fault injection for drills and tests: 'nixl' or 'object_store'."""
         if kind not in ("nixl", "object_store"):
             raise ValueError(f"unknown fault {kind!r}")
-        (self._faults.add if on else self._faults.discard)(kind)
+        (self.core.faults.add if on else self.core.faults.discard)(kind)
 
     def info(self) -> dict:
         return self.core.info()
@@ -174,6 +128,25 @@ class CacheWorkerImpl:
 
     def ping(self) -> str:
         return self.worker_id
+
+
+class ActorLink:
+    """``actors.core.PeerLink`` over another CacheWorker actor."""
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    async def export_prefix(self, tokens, tenant):
+        return await self.handle.export_prefix.remote(tokens, tenant)
+
+    async def info(self):
+        return await self.handle.info.remote()
+
+    async def export_array(self, lease):
+        return await self.handle.export_array.remote(lease)
+
+    def release(self, lease):
+        self.handle.release.remote(lease)
 
 
 CacheWorker = ray.remote(CacheWorkerImpl)

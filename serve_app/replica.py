@@ -14,15 +14,34 @@ import logging
 from typing import Any
 
 import ray
-import torch
 from ray import serve
 
 from actors.core import WorkerConfig, WorkerCore
 from actors.directory import get_or_create_directory
-from cluster.transfer.nixl_transport import TransferError
 from serve_app import metrics
 
 log = logging.getLogger("ray.serve")
+
+
+class ReplicaLink:
+    """``actors.core.PeerLink`` to one replica, through the deployment handle:
+    ``target_worker`` makes ``DirectoryRouter`` send the call to that replica."""
+
+    def __init__(self, handle, worker_id: str):
+        self.handle, self.worker_id = handle, worker_id
+
+    async def export_prefix(self, tokens, tenant):
+        return await self.handle.export_prefix.remote({"target_worker": self.worker_id, "tokens": tokens,
+                                                       "tenant": tenant})
+
+    async def info(self):
+        return await self.handle.info.remote({"target_worker": self.worker_id})
+
+    async def export_array(self, lease):
+        return await self.handle.export_array.remote({"target_worker": self.worker_id, "lease": lease})
+
+    def release(self, lease):
+        self.handle.release.remote({"target_worker": self.worker_id, "lease": lease})
 
 
 class CacheReplica:
@@ -35,7 +54,6 @@ class CacheReplica:
         cfg = WorkerConfig.from_dict(worker_config)
         self.directory = get_or_create_directory(namespace, policy=policy, block_tokens=cfg.block_tokens)
         self.core = WorkerCore(self.worker_id, cfg, publish=self._publish, push_snapshot=self._push_snapshot)
-        self._peers: dict[str, str] = {}
         self._self_handle = None
         self.directory.register_worker.remote(self.worker_id, self.core.cost)
         metrics.replica_started(self.worker_id)
@@ -87,46 +105,10 @@ class CacheReplica:
         return self.core.info()
 
     async def _migrate(self, holder: str, tokens: list[int], tenant: Any) -> dict:
-        h = self._handle()
-        result = {"from": holder, "transport": None, "tokens": 0}
-        try:
-            staged = await h.export_prefix.remote({"target_worker": holder, "tokens": tokens, "tenant": tenant})
-        except Exception as exc:
-            log.warning("export from %s failed: %s", holder, exc)
-            return result
-        if not staged.get("tokens"):  # stale decision: the holder evicted it meanwhile
-            self.core.stats["stale_migrations"] += 1
-            return result
-        kv = None
-        try:
-            if self.core.nixl is None:
-                raise TransferError("NIXL not available")
-            if holder not in self._peers:
-                info = await h.info.remote({"target_worker": holder})
-                if info["nixl"] is None:
-                    raise TransferError(f"replica {holder} has no NIXL endpoint")
-                self._peers[holder] = self.core.nixl.connect(info["nixl"])
-            loop = asyncio.get_running_loop()
-            kv = await loop.run_in_executor(None, self.core.pull_blocks_nixl, self._peers[holder], staged)
-            result["transport"] = "nixl"
-        except Exception as exc:
-            self.core.stats["nixl_failures"] += 1
-            log.warning("NIXL pull from %s failed (%s); using the object store", holder, exc)
-            try:
-                array, dtype = await h.export_array.remote({"target_worker": holder, "lease": staged["lease"]})
-                kv = torch.from_numpy(array)
-                kv = kv.view(torch.bfloat16) if dtype == "bfloat16" else kv
-                result["transport"] = "object_store"
-                self.core.stats["object_store_fallbacks"] += 1
-            except Exception as exc2:
-                log.warning("object-store pull failed too (%s); recomputing", exc2)
-        finally:
-            h.release.remote({"target_worker": holder, "lease": staged["lease"]})
-        if kv is not None:
-            result["tokens"] = await asyncio.wrap_future(
-                self.core.call(lambda: self.core.install_prefix(tokens, tenant, kv)))
+        result = await self.core.migrate_from(holder, ReplicaLink(self._handle(), holder), tokens, tenant)
+        if result["transport"]:
             metrics.migrations.inc(tags={"transport": result["transport"]})
-            metrics.migrated_bytes.inc(kv.numel() * kv.element_size(), tags={"transport": result["transport"]})
+            metrics.migrated_bytes.inc(result["bytes"], tags={"transport": result["transport"]})
         return result
 
     # ------------------------------------------------------------------- admin

@@ -81,3 +81,51 @@ def test_prefix_moves_between_workers_over_nixl():
     finally:
         holder.close()
         target.close()
+
+
+class InProcessLink:
+    """PeerLink to another WorkerCore in this process (what the Ray and Serve links wrap)."""
+
+    def __init__(self, core):
+        self.core = core
+
+    async def export_prefix(self, tokens, tenant):
+        return await asyncio.wrap_future(self.core.call(lambda: self.core.export_prefix(tokens, tenant)))
+
+    async def info(self):
+        return self.core.info()
+
+    async def export_array(self, lease):
+        return await asyncio.wrap_future(self.core.call(lambda: self.core.export_array(lease)))
+
+    def release(self, lease):
+        self.core.call(lambda: self.core.release(lease))
+
+
+@pytest.mark.skipif(not nixl_available(), reason="nixl cannot create a UCX backend here")
+def test_migration_falls_back_from_nixl_to_the_object_store_to_recompute():
+    holder, target = make("m-holder"), make("m-target")
+    try:
+        link = InProcessLink(holder)
+        prompts = [list(range(10, 74)), list(range(80, 144)), list(range(150, 214))]
+        for p in prompts:
+            run(holder, p, max_tokens=1)
+        got = asyncio.run(target.migrate_from("m-holder", link, prompts[0], None))
+        assert (got["transport"], got["tokens"]) == ("nixl", 64)
+        target.faults.add("nixl")
+        got = asyncio.run(target.migrate_from("m-holder", link, prompts[1], None))
+        assert (got["transport"], got["tokens"]) == ("object_store", 64)
+        holder.faults.add("object_store")
+        got = asyncio.run(target.migrate_from("m-holder", link, prompts[2], None))
+        assert (got["transport"], got["tokens"]) == (None, 0)
+        got = asyncio.run(target.migrate_from("m-holder", link, [250, 251, 252], None))
+        assert got["transport"] is None and target.stats["stale_migrations"] == 1
+        for p in prompts[:2]:   # what arrived is used, and equals a full prefill
+            items = run(target, p + [1])
+            assert items[0]["cached_tokens"] == 64 and [i["token"] for i in items] == greedy(p + [1], 4)
+        assert target.stats["object_store_fallbacks"] == 1 and target.stats["recomputed_after_failed_migration"] == 1
+        # Every lease was released: the holder's host pool holds no staging blocks.
+        assert holder.call(lambda: holder.cache.pools[1].allocator.used_tokens).result() == 0
+    finally:
+        holder.close()
+        target.close()
