@@ -45,7 +45,9 @@ def run(args: argparse.Namespace) -> int:
         local.deploy(app_args, port=args.port, host=args.host)
     print(f"serving on http://{args.host}:{args.port}  (Ctrl-C to stop)", flush=True)
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    # Both explicitly: a shell that starts us in the background ignores SIGINT.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
     try:
         while not stop.wait(0.5):
             pass

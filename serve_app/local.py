@@ -62,8 +62,12 @@ class LocalCluster:
         import ray
         from ray import serve
 
+        from serve_app.app import APP_NAME
+
         try:
-            serve.shutdown()
+            # Delete the app (replicas drain and exit); the cluster's processes go
+            # with cluster.shutdown, so the Serve controller needs no separate kill.
+            serve.delete(APP_NAME)
         finally:
             ray.shutdown()
             self.cluster.shutdown()
