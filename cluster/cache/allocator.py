@@ -385,19 +385,24 @@ class BlockAllocator:
         fits (O(1), the common case), else into the best-fitting inner gap."""
         bt = self.block_tokens
         self._unbucket(b)
-        start = self.tail[b]
-        at_tail = bt - start >= size
-        if at_tail:
-            self.tail[b] = start + size
-            self.gap[b] = max(self.inner_gap[b], bt - start - size)
+        start = tail = self.tail[b]
+        if bt - tail >= size:
+            self.tail[b] = tail + size
+            self.gap[b] = max(self.inner_gap[b], bt - tail - size)
         else:
-            start = min((g, s0) for s0, g in self._gaps(b) if g >= size)[1]
+            # One pass over the block's gaps: take the best fit, and the largest
+            # inner gap left is the new inner gap (the tail does not move).
+            gaps = self._gaps(b)
+            g, i = min((g, i) for i, (_, g) in enumerate(gaps) if g >= size)
+            start = gaps[i][0]
+            gaps[i] = (start + size, g - size)
+            inner = max((g2 for s0, g2 in gaps if s0 < tail), default=0)
+            self.inner_gap[b] = inner
+            self.gap[b] = max(inner, bt - tail)
         self.live[b][start] = (size, owner)
         self.refcount[b] += 1
         self.used[b] += size
         self.used_tokens += size
-        if not at_tail:
-            self._refresh_gap(b)
         self._bucket(b)
         return start
 
