@@ -226,7 +226,8 @@ class WorkerCore:
         waiting = sum(len(r.prompt) - r.cached_tokens for r in self.engine.waiting)
         running = sum(r.params.max_tokens - len(r.output) for r in self.engine.running)
         return {"queued_tokens": waiting + running, "running": len(self.engine.running),
-                "waiting": len(self.engine.waiting)}
+                "waiting": len(self.engine.waiting),
+                "transfer_tokens_per_s": self.cost.get("transfer_tokens_per_s")}
 
     async def generate(self, prompt: list[int], params: dict | None = None, namespace: Any = None,
                        session_id: Any = None) -> AsyncIterator[dict]:
@@ -375,7 +376,10 @@ class WorkerCore:
                 raise TransferError(f"worker {holder_id} has no NIXL endpoint")
             self._nixl_peers[holder_id] = self.nixl.connect(info["nixl"])
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(None, self.pull_blocks_nixl, self._nixl_peers[holder_id], staged)
+        t0 = time.perf_counter()
+        kv = await loop.run_in_executor(None, self.pull_blocks_nixl, self._nixl_peers[holder_id], staged)
+        self.note_transfer(kv.numel() * kv.element_size(), time.perf_counter() - t0)
+        return kv
 
     def pull_blocks_nixl(self, peer: str, staged: dict) -> torch.Tensor:
         """Read staged blocks from a peer over NIXL into local staging; verify; return KV."""
@@ -433,19 +437,63 @@ class WorkerCore:
 
     # ---------------------------------------------------------------- costs
     def _measure_costs(self) -> dict:
-        """Measure, not guess: prefill tokens/s and host->device promotion rate."""
+        """Measure, not guess: prefill tokens/s, host->device promotion and
+        block transfer rates, in tokens/s, for the directory's cost model."""
         n = 256
         x = torch.randint(0, self.model.config.vocab_size, (n,))
         self.model.forward_one(x, 0, None)
         t0 = time.perf_counter()
         self.model.forward_one(x, 0, None)
         prefill = n / (time.perf_counter() - t0)
-        src = torch.empty(4 << 20, dtype=torch.uint8)
-        dst = torch.empty_like(src, device=self.cache.hot.tensor.device)
+        src = torch.ones(4 << 20, dtype=torch.uint8)
+        dst = torch.zeros_like(src, device=self.cache.hot.tensor.device)
         t0 = time.perf_counter()
         for _ in range(4):
             dst.copy_(src)
         gbps = 16 * (1 << 20) / (time.perf_counter() - t0) / 1e9
         bpt = self.layout.bytes_per_token()
-        return {"prefill_tokens_per_s": prefill, "promote_tokens_per_s": gbps * 1e9 / bpt,
-                "bytes_per_token": bpt}
+        cost = {"prefill_tokens_per_s": prefill, "promote_tokens_per_s": gbps * 1e9 / bpt, "bytes_per_token": bpt}
+        transfer = self._measure_nixl_bytes_per_s() if self.nixl is not None else None
+        if transfer:
+            cost["transfer_tokens_per_s"] = transfer / bpt
+        if self.cache.num_tiers > 2:   # COLD: a checksummed read of a few written blocks
+            disk = self.cache.pools[2]
+            ext = disk.allocator.allocate(4 * disk.block_tokens)
+            try:
+                disk.write(ext, torch.zeros((*self.layout_shape(4 * disk.block_tokens),), dtype=self.layout.torch_dtype))
+                t0 = time.perf_counter()
+                disk.read(ext)
+                cost["cold_promote_tokens_per_s"] = 4 * disk.block_tokens / (time.perf_counter() - t0)
+            finally:
+                disk.allocator.free(ext)
+        return cost
+
+    def layout_shape(self, ntokens: int) -> tuple[int, ...]:
+        lay = self.layout
+        return (lay.num_layers, 2, ntokens, lay.num_kv_heads, lay.head_dim)
+
+    @staticmethod
+    def _measure_nixl_bytes_per_s(nbytes: int = 8 << 20) -> float | None:
+        """One NIXL READ between two scratch agents of this process: the local
+        transport's rate (migrations then refine it, see ``note_transfer``)."""
+        a = torch.ones(nbytes // (64 << 10), 64 << 10, dtype=torch.uint8)
+        b = torch.zeros_like(a)
+        try:
+            with NixlEndpoint(f"probe-a-{id(a):x}", a, ucx_env=recommended_ucx_env()) as ea, \
+                    NixlEndpoint(f"probe-b-{id(b):x}", b, ucx_env=recommended_ucx_env()) as eb:
+                peer = eb.connect(ea.metadata())
+                ids = list(range(a.shape[0]))
+                eb.read_blocks(peer, ids, ids)            # connection set-up
+                t0 = time.perf_counter()
+                moved = eb.read_blocks(peer, ids, ids)
+                return moved / (time.perf_counter() - t0)
+        except Exception as exc:  # measuring must never stop a worker from starting
+            log.warning("could not measure the NIXL transfer rate: %s", exc)
+            return None
+
+    def note_transfer(self, nbytes: int, seconds: float) -> None:
+        """Fold an observed migration into the transfer rate reported with the load."""
+        if seconds > 0 and nbytes > (1 << 20):
+            rate = nbytes / seconds / self.layout.bytes_per_token()
+            old = self.cost.get("transfer_tokens_per_s")
+            self.cost["transfer_tokens_per_s"] = rate if old is None else 0.8 * old + 0.2 * rate

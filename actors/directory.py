@@ -58,11 +58,14 @@ class DirectoryImpl:
         if self.costs:
             prefill = min(c["prefill_tokens_per_s"] for c in self.costs.values())
             promote = min(c["promote_tokens_per_s"] for c in self.costs.values())
-            transfer = min(c.get("transfer_tokens_per_s", promote / 4) for c in self.costs.values())
-        else:
-            prefill, promote, transfer = 5_000.0, 1e6, 2.5e5
+            # Without NIXL on a worker (object store only), a quarter of its
+            # promotion rate stands in until a migration measures the real one.
+            transfer = min(c.get("transfer_tokens_per_s", c["promote_tokens_per_s"] / 4) for c in self.costs.values())
+            cold = min(c.get("cold_promote_tokens_per_s", c["promote_tokens_per_s"] / 10) for c in self.costs.values())
+        else:  # nobody measured yet: conservative placeholders, replaced at the first registration
+            prefill, promote, transfer, cold = 5_000.0, 1e6, 2.5e5, 1e5
         return CostModel(prefill_tokens_per_s=prefill, warm_promote_tokens_per_s=promote,
-                         cold_promote_tokens_per_s=promote / 10, transfer_tokens_per_s=transfer,
+                         cold_promote_tokens_per_s=cold, transfer_tokens_per_s=transfer,
                          block_tokens=self.block_tokens)
 
     # ---------------------------------------------------------------- workers
@@ -135,6 +138,13 @@ class DirectoryImpl:
         if load:
             st = self.workers[worker_id]
             st.queued_tokens, st.running = int(load.get("queued_tokens", 0)), int(load.get("running", 0))
+            rate = load.get("transfer_tokens_per_s")
+            cost = self.costs.get(worker_id)
+            if rate and cost is not None:
+                old = cost.get("transfer_tokens_per_s")
+                if not old or abs(rate - old) > 0.2 * old:   # re-price only on a real change
+                    cost["transfer_tokens_per_s"] = rate
+                    self.policy = self._make_policy()
 
     # ---------------------------------------------------------------- routing
     async def route(self, hashes: list[int], num_tokens: int, exclude: list[str] | None = None,

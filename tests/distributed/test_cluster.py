@@ -186,12 +186,21 @@ def test_directory_restart_rebuilds_the_index(cache_cluster):
     prompt = prompt_of(9, 320)
     complete(cc, prompt, worker_id=holder)
     wait_for_route(cc, prompt, lambda d: d["worker_id"] == holder and d["cached_tokens"] >= 320)
+    started = ray.get(cc.directory.get_stats.remote())["started_at"]
     ray.kill(cc.directory, no_restart=False)   # Ray restarts it, empty
-    d = wait_for_route(cc, prompt, lambda d: d["worker_id"] == holder and d["cached_tokens"] >= 320,
-                       timeout_s=60)
+    deadline = time.monotonic() + 60
+    while True:   # the new instance hears from every worker, which push their snapshots
+        try:
+            stats = ray.get(cc.directory.get_stats.remote())
+        except ray.exceptions.RayActorError:
+            stats = None
+        if stats and stats["started_at"] != started and sorted(stats["workers"]) == cc.worker_ids \
+                and stats["snapshots"] >= len(cc.worker_ids):
+            break
+        assert time.monotonic() < deadline, f"directory not rebuilt: {stats}"
+        time.sleep(0.2)
+    d = wait_for_route(cc, prompt, lambda d: d["worker_id"] == holder and d["cached_tokens"] >= 320)
     assert d["worker_id"] == holder
-    stats = ray.get(cc.directory.get_stats.remote())
-    assert stats["snapshots"] >= 1 and sorted(stats["workers"]) == cc.worker_ids
 
 
 def test_malformed_and_unknown_batches_are_counted(cache_cluster):
