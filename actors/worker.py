@@ -12,8 +12,10 @@ import logging
 from typing import Any
 
 import ray
+from ray.exceptions import RayActorError
 
 from actors.core import WorkerConfig, WorkerCore
+from actors.directory import get_or_create_directory
 from actors.naming import DIRECTORY_NAME, worker_actor_name
 
 log = logging.getLogger(__name__)
@@ -35,22 +37,22 @@ class CacheWorkerImpl:
     # -------------------------------------------------------------- directory
     def _dir(self):
         if self._directory is None:
-            self._directory = ray.get_actor(self.directory_name, namespace=self.namespace)
+            # Get it, or recreate it if it is gone for good (killed without restart).
+            self._directory = get_or_create_directory(self.namespace, name=self.directory_name)
         return self._directory
 
+    def _watch(self, fut) -> None:
+        if isinstance(fut.exception(), RayActorError):
+            self._directory = None
+
     def _register(self) -> None:
-        try:
-            self._dir().register_worker.remote(self.worker_id, self.core.info()["cost"])
-        except ValueError:
-            log.warning("directory %s not found yet; events will register this worker", self.directory_name)
+        self._dir().register_worker.remote(self.worker_id, self.core.info()["cost"])
 
     def _publish(self, batch: bytes | None, load: dict):
         # Never blocks the engine thread: the status comes back as a future.
-        try:
-            return self._dir().publish.remote(self.worker_id, batch, load).future()
-        except ValueError:
-            self._directory = None
-            raise
+        fut = self._dir().publish.remote(self.worker_id, batch, load).future()
+        fut.add_done_callback(self._watch)
+        return fut
 
     def _push_snapshot(self, seq: int, entries: dict) -> None:
         self._dir().load_snapshot.remote(self.worker_id, seq, entries)

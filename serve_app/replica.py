@@ -15,6 +15,7 @@ from typing import Any
 
 import ray
 from ray import serve
+from ray.exceptions import RayActorError
 
 from actors.core import WorkerConfig, WorkerCore
 from actors.directory import get_or_create_directory
@@ -52,19 +53,33 @@ class CacheReplica:
         self.app_name = app_name
         self.namespace = namespace
         cfg = WorkerConfig.from_dict(worker_config)
-        self.directory = get_or_create_directory(namespace, policy=policy, block_tokens=cfg.block_tokens)
+        self._directory_args = dict(policy=policy, block_tokens=cfg.block_tokens)
+        self.directory = get_or_create_directory(namespace, **self._directory_args)
+        self._directory_lost = False
         self.core = WorkerCore(self.worker_id, cfg, publish=self._publish, push_snapshot=self._push_snapshot)
         self._self_handle = None
         self.directory.register_worker.remote(self.worker_id, self.core.cost)
         metrics.replica_started(self.worker_id)
 
+    def _dir(self):
+        if self._directory_lost:  # gone for good (not restarting): whoever notices first recreates it
+            self._directory_lost = False
+            self.directory = get_or_create_directory(self.namespace, **self._directory_args)
+        return self.directory
+
+    def _watch(self, fut):
+        if isinstance(fut.exception(), RayActorError):
+            self._directory_lost = True
+
     def _publish(self, batch: bytes | None, load: dict):
         metrics.report_tiers(self.worker_id, self.core.cache.tier_summary())
         metrics.report_moves(self.worker_id, self.core.cache.stats)
-        return self.directory.publish.remote(self.worker_id, batch, load).future()
+        fut = self._dir().publish.remote(self.worker_id, batch, load).future()
+        fut.add_done_callback(self._watch)
+        return fut
 
     def _push_snapshot(self, seq: int, entries: dict) -> None:
-        self.directory.load_snapshot.remote(self.worker_id, seq, entries)
+        self._dir().load_snapshot.remote(self.worker_id, seq, entries)
 
     def _handle(self):
         if self._self_handle is None:

@@ -226,3 +226,21 @@ def test_metrics_are_exported(base_url):
             break
         assert time.monotonic() < deadline, f"metrics not exported: {[w for w in wanted if w not in text]}"
         time.sleep(1)
+
+
+def test_router_falls_back_when_the_directory_is_gone(base_url):
+    directory = ray.get_actor("prefix-cache-directory", namespace="prefix-cache-serve-test")
+    prompt = tokens(8, 120)
+    post(base_url, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 1})
+    ray.kill(directory, no_restart=True)   # gone for good: the router cannot ask it
+    r = post(base_url, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    assert r.json()["prefix_cache"]["reason"] == "fallback_least_loaded"
+    # A replica recreates the directory and every replica re-feeds it: prefix routing resumes.
+    deadline = time.monotonic() + 60
+    while True:
+        time.sleep(0.5)
+        r = post(base_url, "/v1/completions", {"model": MODEL, "prompt": prompt + [1], "max_tokens": 1}).json()
+        if r["prefix_cache"]["reason"] == "local" and r["usage"]["prompt_tokens_details"]["cached_tokens"] >= 112:
+            break
+        assert time.monotonic() < deadline, f"routing did not recover: {r['prefix_cache']}"
