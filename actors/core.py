@@ -25,7 +25,7 @@ import torch
 import xxhash
 
 from cluster.cache.kv_pool import KVLayout
-from cluster.cache.radix_tree import HOT, WARM
+from cluster.cache.radix_tree import WARM
 from cluster.cache.tiered import TierConfig, TieredCache
 from cluster.engine.model import DecoderModel, ModelConfig
 from cluster.engine.runner import Engine, Request, SamplingParams
@@ -139,8 +139,9 @@ class WorkerCore:
             if self.engine.has_work():
                 for ev in self.engine.step():
                     self._deliver(ev.request, ev.token, ev.finished)
-            else:
+            else:  # idle gap: housekeeping that must never delay a batch
                 self.cache.enforce_watermarks()
+                self.cache.compact_idle()
                 self._wake.wait(0.01)
                 self._wake.clear()
             now = time.monotonic()

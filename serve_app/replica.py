@@ -13,7 +13,6 @@ import asyncio
 import logging
 from typing import Any
 
-import ray
 from ray import serve
 from ray.exceptions import RayActorError
 
@@ -138,8 +137,8 @@ class CacheReplica:
             raise RuntimeError("engine thread died")
 
     def __del__(self):
+        # Serve calls this when it stops the replica: finish in-flight copies, free the disk file.
         try:
             self.core.close()
-            ray.get_actor  # noqa: B018 - keep ray imported for the actor's lifetime
         except Exception:
             pass

@@ -21,7 +21,6 @@ import torch
 
 from cluster.bench.common import emit, rounded
 from cluster.cache.kv_pool import KVLayout
-from cluster.cache.radix_tree import COLD, HOT, WARM
 from cluster.cache.tiered import TierConfig, TieredCache
 
 

@@ -25,7 +25,7 @@ from cluster.cache.allocator import AllocatorConfig, Extent
 from cluster.cache.disk import DiskPool
 from cluster.cache.kv_pool import KVLayout, KVPool, cuda_available
 from cluster.cache.offload import ImmediateEngine, ThreadEngine, make_copy_engine
-from cluster.cache.radix_tree import COLD, HOT, TIER_NAMES, WARM, MatchResult, RadixTree, TreeNode
+from cluster.cache.radix_tree import COLD, HOT, TIER_NAMES, WARM, RadixTree, TreeNode
 from cluster.errors import CacheError, ChecksumError, InvalidInputError, PoolExhaustedError
 
 
@@ -131,7 +131,7 @@ class TieredCache:
         self._sessions: OrderedDict[Any, tuple[Hashable, list[int]]] = OrderedDict()
         self.stats = {"demoted_to_warm": 0, "demoted_to_cold": 0, "promoted_tokens": 0, "promotions": 0,
                       "dropped_tokens": 0, "checksum_failures": 0, "demotions_abandoned": 0, "prefetches": 0,
-                      "prefetch_unknown_session": 0, "stalls": 0, "promotion_skipped_no_room": 0}
+                      "prefetch_unknown_session": 0, "stalls": 0, "promotion_skipped_no_room": 0, "compacted_blocks": 0}
 
     @property
     def num_tiers(self) -> int:
@@ -256,10 +256,21 @@ class TieredCache:
                 batch.append(node)
                 leaving -= len(node.key)
             if batch:
-                move = self._start_demotion(batch)
+                self._start_demotion(batch)
                 for node in batch:
                     if not node.busy:  # no room below for it: offer it again later
                         self.tree.requeue(node)
+
+    def compact_idle(self, max_blocks_moved: int = 4) -> int:
+        """Online compaction for idle gaps: evacuate a few sparse HOT and WARM
+        blocks of idle, unlocked nodes into fewer blocks. Returns blocks freed."""
+        movable = lambda n: isinstance(n, TreeNode) and not n.lock_ref and not n.busy  # noqa: E731
+        freed = 0
+        for pool in self.pools[:2]:
+            if pool.tensor is not None:
+                freed += pool.compact(max_blocks_moved, can_move=movable)
+        self.stats["compacted_blocks"] += freed
+        return freed
 
     # ------------------------------------------------------------ completions
     def poll(self) -> int:

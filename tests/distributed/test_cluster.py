@@ -98,7 +98,6 @@ def test_saturated_holder_leads_to_a_migration_decision(cache_cluster):
     complete(cc, prompt, worker_id=holder)
     wait_for_route(cc, prompt, lambda d: d["worker_id"] == holder)
     # Saturate the holder with a long queue of long requests it has never seen.
-    hogs = []
 
     async def hog():
         client = cc.client()

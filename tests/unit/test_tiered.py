@@ -291,3 +291,23 @@ def test_listeners_see_stored_tier_changes_and_removals(tmp_path):
     cache.tree.drop(node)
     assert rec.events == [("stored", 6, HOT), ("tier", HOT, WARM), ("tier", WARM, HOT), ("removed", 6, HOT)]
     assert cache.tree.namespace_of(cache.tree.root("t")) == "t"
+
+
+def test_idle_compaction_moves_only_idle_nodes_and_keeps_kv(tmp_path):
+    cache = make(tmp_path, hot=8, warm=8, cold=0, high_watermark=1.0, low_watermark=0.5)
+    nodes = [put(cache, [50 + i, 1]) for i in range(8)]     # 2-token nodes packed as slots
+    for n in nodes[::2]:
+        cache.tree.drop(n)
+    locked = nodes[1]
+    cache.lock(locked)
+    before = list(locked.extents)
+    freed = cache.compact_idle(8)
+    assert freed >= 1 and cache.stats["compacted_blocks"] == freed
+    assert locked.extents == before
+    for n in nodes[1::2]:
+        toks = cache.tree.path_tokens(n)
+        m = cache.match(toks)
+        assert torch.equal(cache.read(m.extents), kv_for(toks))
+    cache.unlock(locked)
+    cache.check_invariants()
+    cache.close()
