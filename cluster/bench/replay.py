@@ -71,7 +71,7 @@ from dataclasses import dataclass
 from cluster.bench.common import emit, percentile, rounded
 from cluster.cache.radix_tree import COLD, HOT, WARM
 from cluster.cache.tiered import TierConfig, TieredCache
-from cluster.errors import InvalidInputError
+from cluster.errors import InvalidInputError, PoolExhaustedError
 from cluster.hashing import block_hashes
 from cluster.routing.events import KVEventPublisher
 from cluster.routing.index import GlobalIndex
@@ -261,6 +261,7 @@ def run_policy(name: str, records: list[TraceRecord], hash_chains: list[list[int
     tier_hits = [0, 0, 0]
     choose_s = 0.0
     reasons: dict[str, int] = {}
+    uncacheable = 0
     wall0 = time.perf_counter()
     now = 0.0
     # The simulated replicas' trees make a big heap: automatic collections
@@ -300,7 +301,10 @@ def run_policy(name: str, records: list[TraceRecord], hash_chains: list[list[int
                 pulled_cold = _tiers_between(sm.nodes, usable, usable + pulled)[COLD]
         n_new = len(ids) - usable
         if n_new:
-            cache.insert(ids, cache.allocate(n_new), start=usable, validate=False)
+            try:
+                cache.insert(ids, cache.allocate(n_new), start=usable, validate=False)
+            except PoolExhaustedError:
+                uncacheable += 1   # longer than what the HOT tier can hold: served, not cached
         cache.unlock(m.last_node)
         batch = rep.publisher.drain()
         if batch is not None:
@@ -343,7 +347,7 @@ def run_policy(name: str, records: list[TraceRecord], hash_chains: list[list[int
     out |= {"ttft_ms_mean": rounded(sum(ttft) / n if n else 0.0, 1),
             "busy_imbalance": rounded(max(busy) / (sum(busy) / R)) if sum(busy) else 1.0,
             "utilization": rounded(sum(busy) / (R * end)) if end else 0.0,
-            "reasons": reasons, "index": {k: index.stats[k] for k in ("batches", "gaps", "resyncs")},
+            "reasons": reasons, "uncacheable_requests": uncacheable, "index": {k: index.stats[k] for k in ("batches", "gaps", "resyncs")},
             "sim_seconds": rounded(end, 1), "wall_seconds": rounded(time.perf_counter() - wall0, 1)}
     return out
 

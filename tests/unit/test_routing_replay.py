@@ -67,3 +67,14 @@ def test_synthetic_trace_shape():
     for r in recs:
         firsts[r.hash_ids[0]] = firsts.get(r.hash_ids[0], 0) + 1
     assert max(firsts.values()) > 0.1 * len(recs)
+
+
+def test_a_request_longer_than_the_hot_tier_is_served_uncached(capsys, tmp_path):
+    from cluster.trace import TraceRecord
+
+    path = tmp_path / "long.jsonl"
+    long_ids = list(range(1000, 1040))   # 40 blocks, the HOT tier holds 16
+    write_trace([TraceRecord(0.0, 40 * 512, 10, long_ids), TraceRecord(10.0, 2 * 512, 10, [1, 2])], path)
+    out = replay(capsys, "--trace", str(path), "--format", "mooncake", "--replicas", "2",
+                 "--hot-blocks", "16", "--warm-blocks", "32", "--policy", "cost")
+    assert out["cost"]["records"] == 2 and out["cost"]["uncacheable_requests"] == 1
