@@ -22,6 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from actors.core import QueueFullError
+from cluster.errors import CacheError
 from actors.naming import DIRECTORY_NAME
 from cluster.engine.tokenizer import ByteTokenizer
 from serve_app import metrics
@@ -138,6 +139,9 @@ class IngressCore:
             if isinstance(cause, QueueFullError) or type(exc).__name__ == "BackPressureError":
                 raise APIError(429, "the server is at capacity; retry later", type_="rate_limit_error",
                                code="queue_full", headers={"Retry-After": str(self.retry_after_s)}) from None
+            if isinstance(cause, CacheError):   # e.g. a prompt the KV cache can never hold
+                raise APIError(503, f"the request could not be served: {cause}", type_="server_error",
+                               code="kv_cache_unavailable", headers={"Retry-After": str(self.retry_after_s)}) from None
             raise
 
     async def complete(self, gen: GenerationRequest, tenant: str | None, endpoint: str, chat: bool):
