@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from cluster.engine.model import DTYPES, BatchItem, kv_shape, validate_item
+from cluster.engine.model import DTYPES, BatchItem, kv_shape, validate_item, validate_items
 from cluster.engine.tokenizer import validate_messages
 
 _DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
@@ -127,15 +127,7 @@ class HFCausalLM:
         against forward_one; this adapter exists for correctness on real
         checkpoints, and DecoderModel is the packed path.
         """
-        checked = []
-        for index, item in enumerate(items):
-            if not isinstance(item, tuple) or len(item) != 3:
-                raise TypeError(f"items[{index}] must be a (tokens, start_pos, past_kv) tuple")
-            tokens, start_pos, past_kv = item
-            where = f"items[{index}]: " if len(items) > 1 else ""
-            tokens = validate_item(self.config, tokens, start_pos, past_kv, where)
-            checked.append((tokens, start_pos, past_kv))
-        return [self._forward(*item) for item in checked]
+        return [self._forward(*item) for item in validate_items(self.config, items)]
 
     @torch.no_grad()
     def _forward(

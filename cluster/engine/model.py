@@ -119,6 +119,19 @@ class CausalLM(Protocol):
     ) -> list[tuple[torch.Tensor, torch.Tensor]]: ...
 
 
+def validate_items(config: "CausalLMConfig", items: Sequence["BatchItem"]) -> list["BatchItem"]:
+    """Validate every (tokens, start_pos, past_kv) of a batch before any runs;
+    returns them with tokens as checked tensors."""
+    checked = []
+    for index, item in enumerate(items):
+        if not isinstance(item, tuple) or len(item) != 3:
+            raise TypeError(f"items[{index}] must be a (tokens, start_pos, past_kv) tuple")
+        tokens, start_pos, past_kv = item
+        where = f"items[{index}]: " if len(items) > 1 else ""
+        checked.append((validate_item(config, tokens, start_pos, past_kv, where), start_pos, past_kv))
+    return checked
+
+
 def validate_item(
     config: CausalLMConfig, tokens: object, start_pos: object, past_kv: object, where: str = ""
 ) -> torch.Tensor:
@@ -248,16 +261,8 @@ class DecoderModel(nn.Module):
     def forward_batch(self, items: Sequence[BatchItem]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """forward_one for each item; the token-wise work runs once on all tokens packed."""
         c = self.config
-        checked = []
-        for index, item in enumerate(items):
-            if not isinstance(item, tuple) or len(item) != 3:
-                raise TypeError(f"items[{index}] must be a (tokens, start_pos, past_kv) tuple")
-            tokens, start_pos, past_kv = item
-            where = f"items[{index}]: " if len(items) > 1 else ""
-            tokens = validate_item(c, tokens, start_pos, past_kv, where)
-            if past_kv is not None:
-                past_kv = past_kv.to(self.device)
-            checked.append((tokens.to(self.device), start_pos, past_kv))
+        checked = [(tokens.to(self.device), start_pos, None if past_kv is None else past_kv.to(self.device))
+                   for tokens, start_pos, past_kv in validate_items(c, items)]
         if not checked:
             return []
 

@@ -24,13 +24,7 @@ def tiny_llama_config(**overrides) -> "transformers.LlamaConfig":
     return transformers.LlamaConfig(**fields)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # The models here are tiny: extra threads only add spin-wait stalls on a busy machine.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

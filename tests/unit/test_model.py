@@ -19,13 +19,7 @@ SMALL = ModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, h
                     intermediate_size=128, max_position=512, seed=7)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # The models here are tiny: extra threads only add spin-wait stalls on a busy machine.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -3,22 +3,14 @@ import pytest
 from cluster.cache.allocator import AllocatorConfig, BlockAllocator, Extent
 from cluster.cache.radix_tree import RadixTree
 from cluster.errors import InvalidInputError
+from tests.unit.helpers import TickClock
 
 
-class FakeClock:
-    """Injectable time, so LRU order in tests is exact."""
-
-    def __init__(self):
-        self.t = 0.0
-
-    def __call__(self):
-        self.t += 1.0
-        return self.t
 
 
 def make_tree(num_blocks=64, block_tokens=4, policy="lru", vocab_size=None):
     alloc = BlockAllocator(AllocatorConfig(num_blocks=num_blocks, block_tokens=block_tokens))
-    return RadixTree(alloc, policy=policy, clock=FakeClock(), vocab_size=vocab_size), alloc
+    return RadixTree(alloc, policy=policy, clock=TickClock(), vocab_size=vocab_size), alloc
 
 
 def put(tree, alloc, tokens, namespace=None):

@@ -9,22 +9,16 @@ from cluster.errors import InvalidInputError
 from cluster.hashing import block_hashes
 from cluster.routing.events import EventBatch, KVEvent, KVEventPublisher, MalformedBatchError
 from cluster.routing.index import GlobalIndex
+from tests.unit.helpers import TickClock
 
 B = 4
 
 
-class Clock:
-    def __init__(self):
-        self.t = 0.0
-
-    def __call__(self):
-        self.t += 1.0
-        return self.t
 
 
 def make(hot=4, warm=4, cold=0, max_buffer_events=10_000):
     cache = TieredCache(TierConfig(hot_blocks=hot, warm_blocks=warm, cold_blocks=cold, block_tokens=B, device="cpu"),
-                        None, clock=Clock())
+                        None, clock=TickClock())
     pub = KVEventPublisher("w0", cache.tree, B, max_buffer_events=max_buffer_events)
     cache.tree.listeners.append(pub)
     return cache, pub

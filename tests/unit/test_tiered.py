@@ -7,17 +7,11 @@ from cluster.cache.kv_pool import KVLayout
 from cluster.cache.radix_tree import COLD, HOT, WARM
 from cluster.cache.tiered import TierConfig, TieredCache, UnknownSessionError
 from cluster.errors import DiskTierError, InvalidInputError
+from tests.unit.helpers import TickClock
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=4)
 
 
-class Clock:
-    def __init__(self):
-        self.t = 0.0
-
-    def __call__(self):
-        self.t += 1.0
-        return self.t
 
 
 def kv_for(tokens):
@@ -29,7 +23,7 @@ def kv_for(tokens):
 def make(tmp_path, hot=8, warm=8, cold=16, **kw):
     cfg = TierConfig(hot_blocks=hot, warm_blocks=warm, cold_blocks=cold, block_tokens=4,
                      disk_dir=str(tmp_path) if cold else None, device="cpu", **kw)
-    return TieredCache(cfg, LAYOUT, clock=Clock())
+    return TieredCache(cfg, LAYOUT, clock=TickClock())
 
 
 def put(cache, tokens, namespace=None):
@@ -240,7 +234,7 @@ def test_truncated_disk_file_is_a_checksum_failure(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_round_trip_through_pinned_host(tmp_path):
     cfg = TierConfig(hot_blocks=8, warm_blocks=8, cold_blocks=8, block_tokens=4, disk_dir=str(tmp_path))
-    cache = TieredCache(cfg, LAYOUT, clock=Clock())
+    cache = TieredCache(cfg, LAYOUT, clock=TickClock())
     assert cache.hot.tensor.is_cuda and cache.pools[WARM].tensor.is_pinned()
     toks = list(range(10))
     node = put(cache, toks)
@@ -252,7 +246,7 @@ def test_cuda_round_trip_through_pinned_host(tmp_path):
 
 def test_simulation_mode_without_payload_moves_at_once():
     cfg = TierConfig(hot_blocks=4, warm_blocks=4, cold_blocks=4, block_tokens=1, device="cpu")
-    cache = TieredCache(cfg, None, clock=Clock())
+    cache = TieredCache(cfg, None, clock=TickClock())
     for i in range(3):
         m = cache.match([i, i], lock=True)
         ext = cache.allocate(2)
