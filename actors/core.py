@@ -17,7 +17,7 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any, AsyncIterator, Callable, Protocol
 
 import numpy as np
@@ -27,7 +27,7 @@ import xxhash
 from cluster.cache.kv_pool import KVLayout
 from cluster.cache.radix_tree import WARM
 from cluster.cache.tiered import TierConfig, TieredCache
-from cluster.engine.model import DecoderModel, ModelConfig
+from cluster.engine.checkpoint import ModelSpec, load_model
 from cluster.engine.runner import Engine, Request, SamplingParams
 from cluster.errors import CacheError, InvalidInputError
 from cluster.routing.events import KVEventPublisher
@@ -40,7 +40,10 @@ log = logging.getLogger(__name__)
 class WorkerConfig:
     """Everything a worker needs; plain values so it crosses Ray and YAML."""
 
-    model: dict = field(default_factory=dict)          # ModelConfig fields
+    # A model spec (cluster.engine.checkpoint.ModelSpec): None for the embedded
+    # default (SmolLM2-135M-Instruct), "builtin" or a dict of ModelConfig fields for
+    # the seeded test model, a local checkpoint directory, a .gguf file or a hub id.
+    model: str | dict | None = None
     hot_blocks: int = 2048
     warm_blocks: int = 4096
     cold_blocks: int = 0
@@ -63,7 +66,12 @@ class WorkerConfig:
         unknown = set(data) - set(cls.__dataclass_fields__)
         if unknown:
             raise InvalidInputError(f"unknown worker config keys: {sorted(unknown)}")
-        return cls(**data)
+        config = cls(**data)
+        config.model_spec()   # a bad spec fails here, naming the key, not in a replica
+        return config
+
+    def model_spec(self) -> ModelSpec:
+        return ModelSpec.parse(self.model)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -97,7 +105,9 @@ class WorkerCore:
         self.worker_id = worker_id
         self.config = config
         torch.set_num_threads(config.torch_threads)
-        self.model = DecoderModel(ModelConfig(**config.model))
+        # A model that cannot load raises here, so the actor or replica never reports ready.
+        self.loaded = load_model(config.model_spec(), device=str(config.tier_config().resolved_device()))
+        self.model = self.loaded.model
         mc = self.model.config
         self.layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, mc.dtype)
         self.cache = TieredCache(config.tier_config(), self.layout, vocab_size=mc.vocab_size)
@@ -124,7 +134,7 @@ class WorkerCore:
         self.faults: set[str] = set()              # injected faults: "nixl", "object_store"
         self.stats = {"migrations_in": 0, "migrations_out": 0, "migrated_tokens": 0, "migration_bytes": 0,
                       "nixl_failures": 0, "object_store_fallbacks": 0, "recomputed_after_failed_migration": 0,
-                      "rejected_queue_full": 0, "stale_migrations": 0}
+                      "rejected_queue_full": 0, "stale_migrations": 0, "engine_step_failures": 0}
         self.cost = self._measure_costs()
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -137,7 +147,14 @@ class WorkerCore:
         while not self._stop.is_set():
             self._run_commands()
             if self.engine.has_work():
-                for ev in self.engine.step():
+                try:
+                    events = self.engine.step()
+                except Exception as exc:   # never let the engine thread die: fail the step's requests
+                    log.exception("engine step failed on %s", self.worker_id)
+                    self.stats["engine_step_failures"] += 1
+                    self.engine.fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
+                    events = self.engine.drain_ended()
+                for ev in events:
                     self._deliver(ev.request, ev.token, ev.finished)
             else:  # idle gap: housekeeping that must never delay a batch
                 self.cache.enforce_watermarks()
@@ -407,7 +424,7 @@ class WorkerCore:
     def info(self) -> dict:
         return {"worker_id": self.worker_id, "nixl": self.nixl.metadata() if self.nixl else None,
                 "nixl_name": self.nixl.name if self.nixl else None, "block_tokens": self.config.block_tokens,
-                "cost": self.cost, "vocab_size": self.model.config.vocab_size}
+                "cost": self.cost, "vocab_size": self.model.config.vocab_size, "model_id": self.loaded.model_id}
 
     def collect_stats(self) -> dict:
         """(engine thread) Tier occupancy, hit counters, migrations, fragmentation."""

@@ -21,6 +21,8 @@ BUILTIN = {
     ("bench", "fragmentation"): "cluster.bench.fragmentation",
     ("bench", "tiers"): "cluster.bench.tiers",
     ("bench", "multiturn"): "cluster.bench.multiturn",
+    ("bench", "engine"): "cluster.bench.engine",
+    ("bench", "chat"): "cluster.bench.chat",
     ("replay",): "cluster.bench.replay",
 }
 ENTRY_POINT_GROUP = "prefix_cache.commands"

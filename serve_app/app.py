@@ -7,10 +7,13 @@ every request from the directory's decision.
 ``build_app(args)`` takes the application's ``args`` (from the config file or
 ``serve run ... key=value``):
 
-- ``model_name``: the served model id (default ``prefix-cache-byte``)
+- ``model_name``: the model id clients send and ``/v1/models`` lists (default:
+  the model's own id, e.g. ``SmolLM2-135M-Instruct``)
 - ``namespace``: Ray namespace of the directory (default ``prefix-cache``)
 - ``policy``: routing policy of the directory (default ``cost``)
-- ``worker``: ``actors.core.WorkerConfig`` fields (model size, tier sizes, ...)
+- ``worker``: ``actors.core.WorkerConfig`` fields: ``model`` (a model spec: omitted
+  for the embedded SmolLM2-135M-Instruct, a hub id, a checkpoint directory, a
+  .gguf file, or ``builtin`` for the seeded test model), tier sizes, ...
 - ``limits``: ``max_prompt_tokens``, ``max_tokens``, ``max_body_bytes``
 - ``api_keys``: ``"key=tenant,..."`` (else env ``PREFIX_CACHE_API_KEYS``; none: auth off)
 - ``admin_keys``: comma-separated (else env ``PREFIX_CACHE_ADMIN_KEYS``)
@@ -28,6 +31,7 @@ from ray.serve.config import RequestRouterConfig
 
 from fastapi import Request
 
+from actors.core import WorkerConfig
 from serve_app.ingress import IngressCore, handle_generation, make_fastapi
 from serve_app.replica import CacheReplica as CacheReplicaImpl
 from serve_app.router import DirectoryRouter
@@ -92,7 +96,8 @@ def build_app(args: dict[str, Any] | None = None):
     policy = args.pop("policy", "cost")
     app_name = args.pop("app_name", APP_NAME)
     worker = dict(args.pop("worker", {}) or {})
-    block_tokens = worker.get("block_tokens", 16)
+    worker_config = WorkerConfig.from_dict(worker)   # a bad worker config or model spec fails here
+    block_tokens = worker_config.block_tokens
     gpus = float(args.pop("gpus_per_replica", 0))
     replica_opts: dict[str, Any] = {
         "ray_actor_options": {"num_gpus": gpus, "num_cpus": 0 if gpus else 1},
@@ -108,7 +113,7 @@ def build_app(args: dict[str, Any] | None = None):
         replica_opts["autoscaling_config"] = autoscaling
     else:
         replica_opts["num_replicas"] = int(num_replicas or 1)
-    settings = {"model_name": args.pop("model_name", "prefix-cache-byte"), "namespace": namespace,
+    settings = {"model": worker_config.model, "model_name": args.pop("model_name", None), "namespace": namespace,
                 "api_keys": args.pop("api_keys", None), "admin_keys": args.pop("admin_keys", None),
                 "limits": args.pop("limits", None)}
     if args:

@@ -12,7 +12,7 @@ import json
 import signal
 import threading
 
-from serve_app.local import DEMO_WORKER, LocalCluster
+from serve_app.local import DEMO_WORKER, LocalCluster, prepare_model
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -22,13 +22,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replicas", type=int, default=3, help="cache replicas (default 3)")
     p.add_argument("--worker-nodes", type=int, default=2, help="local cluster worker nodes (default 2)")
     p.add_argument("--policy", default="cost")
+    p.add_argument("--model", default=None, help="model spec (default: the embedded SmolLM2-135M-Instruct; "
+                                                  "a hub id, a checkpoint directory, a .gguf file, or 'builtin')")
     p.add_argument("--args", default=None, help="extra application args as JSON (merged over the defaults)")
 
 
 def run(args: argparse.Namespace) -> int:
     app_args = {"num_replicas": args.replicas, "policy": args.policy, "worker": dict(DEMO_WORKER)}
+    if args.model is not None:
+        app_args["worker"]["model"] = args.model
     if args.args:
         app_args.update(json.loads(args.args))
+    if not args.address:   # on a cluster of its own, each replica gets the model where it runs
+        print("preparing the model (the first run converts the embedded GGUF once, ~30 s)...", flush=True)
+    model = prepare_model(app_args["worker"].get("model"), resolve=not args.address)
     if args.address:
         import ray
         from ray import serve
@@ -43,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         local = LocalCluster(worker_nodes=args.worker_nodes)
         local.deploy(app_args, port=args.port, host=args.host)
-    print(f"serving on http://{args.host}:{args.port}  (Ctrl-C to stop)", flush=True)
+    print(f"serving {model} on http://{args.host}:{args.port}  (Ctrl-C to stop)", flush=True)
     stop = threading.Event()
     # Both explicitly: a shell that starts us in the background ignores SIGINT.
     for sig in (signal.SIGINT, signal.SIGTERM):

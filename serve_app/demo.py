@@ -1,11 +1,13 @@
 """``prefix-cache demo``: the whole system on this machine, measured.
 
 Starts a local Ray cluster of a head and two worker nodes on 127.0.0.1,
-deploys the app with the built-in model (one cache replica per node), drives
-a multi-turn chat workload through HTTP (streaming, so TTFT is the first
-chunk), once with the ``cost`` router and once with ``round_robin`` (caches
-flushed in between), prints hit rate and TTFT p50/p99 side by side, writes a
-PNG of the TTFT distributions, and shuts everything down.
+deploys the app with a real model (the embedded SmolLM2-135M-Instruct unless
+``--model`` names another; one cache replica per node), asks it one question
+and prints the answer, then drives a multi-turn chat workload through HTTP
+(streaming, so TTFT is the first chunk; each turn sends the model's real
+replies back), once with the ``cost`` router and once with ``round_robin``
+(caches flushed in between), prints hit rate and TTFT p50/p99 side by side,
+writes a PNG of the TTFT distributions, and shuts everything down.
 """
 
 from __future__ import annotations
@@ -17,32 +19,66 @@ import random
 import time
 
 from cluster.bench.common import percentile, plot_cdfs
-from serve_app.local import DEMO_WORKER, LocalCluster, free_port
+from serve_app.local import DEMO_WORKER, LocalCluster, free_port, prepare_model
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sessions", type=int, default=12)
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--concurrency", type=int, default=4)
-    p.add_argument("--system-chars", type=int, default=1200, help="shared system prompt length (bytes)")
-    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--model", default=None, help="model spec (default: the embedded SmolLM2-135M-Instruct; "
+                                                  "'builtin' for the seeded test model)")
+    p.add_argument("--max-tokens", type=int, default=12, help="reply tokens per turn of the workload")
     p.add_argument("--policies", default="cost,round_robin")
     p.add_argument("--plot", default="prefix-cache-demo.png")
     p.add_argument("--port", type=int, default=0, help="HTTP port (default: a free one)")
     p.add_argument("--seed", type=int, default=0)
 
 
+SYSTEM_PROMPTS = [
+    "You are the support assistant of a company that runs a large LLM serving platform. Answer briefly and "
+    "precisely. The platform keeps the KV cache of earlier requests in GPU memory, host memory and local "
+    "disk, and a router sends each request to the replica that already holds the longest prefix of its "
+    "prompt, weighing that against how busy each replica is. Customers ask about latency, cost, cache hit "
+    "rates, tokens, context windows and how multi-turn chats are billed. Never invent prices; when you do "
+    "not know, say so and point to the documentation.",
+    "You are a friendly cooking assistant. Suggest simple recipes with common ingredients, give quantities "
+    "in grams and millilitres, keep every answer under five sentences, and mention one tip that saves time. "
+    "If a question is not about food or cooking, politely steer the conversation back to the kitchen. "
+    "Prefer seasonal vegetables, explain any technique a beginner may not know, and warn about allergens "
+    "such as nuts, gluten, milk and eggs whenever a recipe contains them.",
+    "You are a travel assistant for trips in Europe. Recommend places, transport and budgets for travellers "
+    "who move by train. Mention the best season to visit, one local dish to try and one museum or park. "
+    "Keep answers short and practical, give prices as ranges in euros, and remind travellers to check "
+    "timetables before they leave, because night trains and regional lines change every December.",
+]
+QUESTIONS = [
+    "What is a prefix cache?", "How do I make a quick tomato soup?", "Where should I go in Italy in spring?",
+    "Why is the second turn of a chat faster?", "Can you suggest a vegetarian dinner?",
+    "How long is the train from Paris to Lyon?", "What does time to first token mean?",
+    "What can I bake with apples?", "Is Vienna expensive?", "How do replicas share KV blocks?",
+    "What is a good breakfast for a busy morning?", "Which city has the best museums?",
+    "Tell me more.", "Can you give an example?", "Why?", "And what else should I know?",
+]
+
+
 def make_sessions(args) -> list[dict]:
     rng = random.Random(args.seed)
-    words = "cache prefix radix tier block token replica route latency throughput memory host disk".split()
-    systems = [" ".join(rng.choice(words) for _ in range(args.system_chars // 6))[:args.system_chars]
-               for _ in range(3)]
-    return [{"id": f"s{i}", "system": systems[i % len(systems)],
-             "questions": [" ".join(rng.choice(words) for _ in range(rng.randint(8, 30))) + "?"
-                           for _ in range(args.turns)]} for i in range(args.sessions)]
+    return [{"id": f"s{i}", "system": SYSTEM_PROMPTS[i % len(SYSTEM_PROMPTS)],
+             "questions": [rng.choice(QUESTIONS) for _ in range(args.turns)]} for i in range(args.sessions)]
 
 
-async def run_policy(base: str, policy: str, sessions: list[dict], args, progress) -> list[dict]:
+def ask_once(base: str, model: str, question: str, max_tokens: int = 48) -> str:
+    """One chat completion over HTTP: the answer a user would see."""
+    import httpx
+
+    r = httpx.post(base + "/v1/chat/completions", timeout=300, json={
+        "model": model, "max_tokens": max_tokens, "messages": [{"role": "user", "content": question}]})
+    r.raise_for_status()
+    return r.json()["choices"][0]["message"]["content"]
+
+
+async def run_policy(base: str, model: str, policy: str, sessions: list[dict], args, progress) -> list[dict]:
     import httpx
 
     results: list[dict] = []
@@ -54,13 +90,14 @@ async def run_policy(base: str, policy: str, sessions: list[dict], args, progres
 
         async def chat(sess: dict) -> None:
             messages = [{"role": "system", "content": sess["system"]}]
+            previous = 0   # tokens of the last turn's prompt and reply, which this prompt starts with
             for q in sess["questions"]:
                 messages.append({"role": "user", "content": q})
                 async with sem:
                     t0 = time.perf_counter()
                     ttft, text, usage = None, [], {}
                     async with client.stream("POST", "/v1/chat/completions", json={
-                            "model": "prefix-cache-byte", "messages": messages, "max_tokens": args.max_tokens,
+                            "model": model, "messages": messages, "max_tokens": args.max_tokens,
                             "stream": True, "session_id": sess["id"]}) as resp:
                         resp.raise_for_status()
                         async for line in resp.aiter_lines():
@@ -72,8 +109,10 @@ async def run_policy(base: str, policy: str, sessions: list[dict], args, progres
                             for ch in chunk.get("choices", []):
                                 text.append(ch.get("delta", {}).get("content", ""))
                             usage = chunk.get("usage") or usage
+                cached = usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
                 results.append({"ttft_ms": ttft * 1e3, "prompt_tokens": usage.get("prompt_tokens", 0),
-                                "cached_tokens": usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)})
+                                "cached_tokens": cached, "previous_tokens": previous})
+                previous = usage.get("prompt_tokens", 0) + usage.get("completion_tokens", 0)
                 messages.append({"role": "assistant", "content": "".join(text)})
                 progress.update(1)
                 await asyncio.sleep(0)
@@ -85,8 +124,13 @@ async def run_policy(base: str, policy: str, sessions: list[dict], args, progres
 def summarize(policy: str, results: list[dict]) -> dict:
     ttfts = [r["ttft_ms"] for r in results]
     prompt = sum(r["prompt_tokens"] for r in results)
+    follow_ups = [r for r in results if r["previous_tokens"]]
+    previous = sum(r["previous_tokens"] for r in follow_ups)
     return {"policy": policy, "requests": len(results),
             "hit_rate": sum(r["cached_tokens"] for r in results) / prompt if prompt else 0.0,
+            # cached tokens / the previous turn's prompt + reply (which the new prompt starts with)
+            "reuse_ratio": min(1.0, sum(min(r["cached_tokens"], r["previous_tokens"]) for r in follow_ups)
+                               / previous) if previous else 0.0,
             "ttft_ms_p50": percentile(ttfts, 50), "ttft_ms_p99": percentile(ttfts, 99), "_ttfts": ttfts}
 
 
@@ -101,21 +145,29 @@ def run(args: argparse.Namespace) -> int:
 
     policies = args.policies.split(",")
     port = args.port or free_port()
+    print("preparing the model (the first run converts the embedded GGUF once, ~30 s)...", flush=True)
+    model = prepare_model(args.model)
     print("starting a local Ray cluster (head + 2 worker nodes on 127.0.0.1)...", flush=True)
     local = LocalCluster(worker_nodes=2)
     try:
-        print(f"deploying the app (3 cache replicas, built-in model) on http://127.0.0.1:{port} ...", flush=True)
-        local.deploy({"num_replicas": 3, "worker": dict(DEMO_WORKER)}, port=port)
+        print(f"deploying the app (3 cache replicas, {model}) on http://127.0.0.1:{port} ...", flush=True)
+        worker = dict(DEMO_WORKER)
+        if args.model is not None:
+            worker["model"] = args.model
+        local.deploy({"num_replicas": 3, "worker": worker}, port=port)
+        base = f"http://127.0.0.1:{port}"
+        question = "What is the capital of France? Answer in one sentence."
+        print(f"\nQ: {question}\nA: {ask_once(base, model, question).strip()}\n", flush=True)
         sessions = make_sessions(args)
         rows = []
         for policy in policies:
             with tqdm(total=args.sessions * args.turns, desc=f"{policy:>12}", unit="req") as bar:
-                results = asyncio.run(run_policy(f"http://127.0.0.1:{port}", policy, sessions, args, bar))
+                results = asyncio.run(run_policy(base, model, policy, sessions, args, bar))
             rows.append(summarize(policy, results))
         print()
-        print(f"{'policy':<14}{'requests':>9}{'hit rate':>10}{'TTFT p50 ms':>13}{'TTFT p99 ms':>13}")
+        print(f"{'policy':<14}{'requests':>9}{'hit rate':>10}{'reuse':>8}{'TTFT p50 ms':>13}{'TTFT p99 ms':>13}")
         for row in rows:
-            print(f"{row['policy']:<14}{row['requests']:>9}{row['hit_rate']:>10.1%}"
+            print(f"{row['policy']:<14}{row['requests']:>9}{row['hit_rate']:>10.1%}{row['reuse_ratio']:>8.1%}"
                   f"{row['ttft_ms_p50']:>13.1f}{row['ttft_ms_p99']:>13.1f}")
         for row in rows:
             print(json.dumps({"demo": "multiturn_http", **{k: (round(v, 4) if isinstance(v, float) else v)

@@ -15,6 +15,7 @@ import os
 import time
 import uuid
 from collections import OrderedDict
+from contextlib import aclosing
 from typing import Any, AsyncIterator
 
 import ray
@@ -22,10 +23,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from actors.core import QueueFullError
-from cluster.errors import CacheError
+from cluster.errors import CacheError, InvalidInputError
 from actors.naming import DIRECTORY_NAME
-from cluster.engine.tokenizer import ByteTokenizer
+from cluster.engine.checkpoint import ModelSpec, load_tokenizer, model_id
+from cluster.engine.text import ChatPromptBuilder, ReplyMemory
 from serve_app import metrics
+from serve_app.output import TextStream
 from serve_app.protocol import APIError, GenerationRequest, Limits, parse_chat, parse_completion, parse_json
 
 log = logging.getLogger("ray.serve")
@@ -52,13 +55,19 @@ def parse_keys(spec: str | dict | None) -> dict[str, str]:
 class IngressCore:
     """Everything but the Serve wiring, so it can be tested and reused."""
 
-    def __init__(self, workers: Any, model_name: str = "prefix-cache-byte", namespace: str = "prefix-cache",
-                 api_keys: str | dict | None = None, admin_keys: str | list | None = None,
-                 limits: dict | None = None, retry_after_s: int = 1):
+    def __init__(self, workers: Any, model: str | dict | None = None, model_name: str | None = None,
+                 namespace: str = "prefix-cache", api_keys: str | dict | None = None,
+                 admin_keys: str | list | None = None, limits: dict | None = None, retry_after_s: int = 1):
+        """``model`` is the replicas' model spec (``WorkerConfig.model``): the ingress
+        loads only its tokenizer and chat template. ``model_name`` is the id clients
+        send and ``/v1/models`` lists (default: the model's own id)."""
         self.workers = workers
-        self.model_name = model_name
+        spec = ModelSpec.parse(model)
+        self.model_name = model_name or model_id(spec)
         self.namespace = namespace
-        self.tokenizer = ByteTokenizer()
+        self.tokenizer = load_tokenizer(spec)
+        self.replies = ReplyMemory()
+        self.prompts = ChatPromptBuilder(self.tokenizer, self.replies)
         self.limits = Limits(**(limits or {}))
         self.api_keys = parse_keys(api_keys or os.environ.get("PREFIX_CACHE_API_KEYS"))
         admin = admin_keys if admin_keys is not None else os.environ.get("PREFIX_CACHE_ADMIN_KEYS", "")
@@ -66,6 +75,16 @@ class IngressCore:
         self.retry_after_s = retry_after_s
         self._sessions: OrderedDict[tuple, str] = OrderedDict()   # (tenant, session) -> worker id
         self._directory = None
+
+    def render_chat(self, tenant: str | None):
+        """The chat renderer for one tenant: its reply memory is the tenant's own."""
+        return lambda messages: self.prompts.build(messages, tenant or "").ids
+
+    def stop_token_ids(self, gen: GenerationRequest) -> tuple[int, ...]:
+        """The client's stop ids, plus EOS and the model's generation-config stop ids
+        unless the client asked to ignore EOS."""
+        own = () if gen.ignore_eos else tuple(self.tokenizer.stop_token_ids)
+        return tuple(dict.fromkeys((*gen.stop_token_ids, *own)))
 
     # -------------------------------------------------------------------- auth
     def authenticate(self, request: Request, admin: bool = False) -> str | None:
@@ -107,11 +126,16 @@ class IngressCore:
         return None if session_id is None else f"{tenant}:{session_id}"
 
     async def stream_items(self, gen: GenerationRequest, tenant: str | None, endpoint: str) -> AsyncIterator[dict]:
-        payload = {"prompt": gen.prompt, "params": gen.params(), "tenant": tenant,
+        """The worker's items for one request. Leaving early (a stop string, a client
+        that went away) cancels the request on the worker, which caches what it
+        computed and releases its locks."""
+        params = {**gen.params(), "stop_token_ids": self.stop_token_ids(gen)}
+        payload = {"prompt": gen.prompt, "params": params, "tenant": tenant,
                    "session_id": self._session_key(tenant, gen.session_id)}
         metrics.prompt_tokens.inc(len(gen.prompt))
         start = time.perf_counter()
         last = None
+        finished = False
         stream = self.workers.options(stream=True).generate.remote(payload)
         try:
             async for item in stream:
@@ -130,38 +154,55 @@ class IngressCore:
                 else:
                     metrics.inter_token.observe(now - last, tags={"endpoint": endpoint})
                 last = now
+                finished = bool(item.get("finished"))
                 yield item
-        except asyncio.CancelledError:
-            stream.cancel()  # the client went away: stop generating, release the prefix locks
-            raise
         except Exception as exc:
             cause = _root_cause(exc)
             if isinstance(cause, QueueFullError) or type(exc).__name__ == "BackPressureError":
                 raise APIError(429, "the server is at capacity; retry later", type_="rate_limit_error",
                                code="queue_full", headers={"Retry-After": str(self.retry_after_s)}) from None
+            if isinstance(cause, InvalidInputError):   # a parameter the worker refused: the client's to fix
+                raise APIError(400, f"invalid request: {cause}", code="invalid_request") from None
             if isinstance(cause, CacheError):   # e.g. a prompt the KV cache can never hold
                 raise APIError(503, f"the request could not be served: {cause}", type_="server_error",
                                code="kv_cache_unavailable", headers={"Retry-After": str(self.retry_after_s)}) from None
             raise
+        finally:
+            if not finished:   # stop string, client gone, or an error: stop generating
+                stream.cancel()
+
+    def _text(self, gen: GenerationRequest) -> TextStream:
+        return TextStream(self.tokenizer, gen.stop, self.stop_token_ids(gen))
+
+    def _remember(self, tenant: str | None, text: str, out: TextStream) -> None:
+        """Keep the ids behind a reply, so the client's next turn reuses their KV."""
+        ids = out.reply_ids()
+        if ids is not None:   # remember_reply keeps them only if they decode to exactly ``text``
+            self.prompts.remember_reply(tenant or "", text, ids)
 
     async def complete(self, gen: GenerationRequest, tenant: str | None, endpoint: str, chat: bool):
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         if gen.stream:
             return await self._streaming(gen, tenant, endpoint, chat, rid, created)
-        tokens, last = [], {}
-        async for item in self.stream_items(gen, tenant, endpoint):
-            if item["token"] is not None:
-                tokens.append(item["token"])
-            last = item
-        text = self.tokenizer.decode(tokens)
+        out, last, pieces = self._text(gen), {}, []
+        async with aclosing(self.stream_items(gen, tenant, endpoint)) as items:
+            async for item in items:
+                last = item
+                if item["token"] is not None:
+                    pieces.append(out.push(item["token"]))
+                    if out.stopped:
+                        break
+        pieces.append(out.finish())
+        text = "".join(pieces)
+        finish = out.finish_reason(last)
         if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "finish_reason": _finish(last)}
+            self._remember(tenant, text, out)
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": text, "token_ids": tokens, "logprobs": None, "finish_reason": _finish(last)}
+            choice = {"index": 0, "text": text, "token_ids": out.ids, "logprobs": None, "finish_reason": finish}
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-                "model": self.model_name, "choices": [choice], "usage": _usage(gen, tokens, last),
+                "model": self.model_name, "choices": [choice], "usage": _usage(gen, out.ids, last),
                 "prefix_cache": _cache_info(last)}
 
     async def _streaming(self, gen, tenant, endpoint, chat, rid, created):
@@ -170,34 +211,55 @@ class IngressCore:
             first = await items.__anext__()  # errors before the first token become HTTP errors
         except StopAsyncIteration:
             first = None
+        except BaseException:
+            await items.aclose()
+            raise
         kind = "chat.completion.chunk" if chat else "text_completion"
 
+        role_sent = False
+
+        def chunk(text: str, ids: list[int], finish: str | None = None) -> dict:
+            nonlocal role_sent
+            if not chat:
+                choice = {"index": 0, "text": text, "token_ids": ids, "finish_reason": finish}
+            else:
+                delta = {"content": text} if text else {}
+                if not role_sent:
+                    delta["role"], role_sent = "assistant", True
+                choice = {"index": 0, "delta": delta, "finish_reason": finish}
+            return {"id": rid, "object": kind, "created": created, "model": self.model_name, "choices": [choice]}
+
         async def sse():
-            tokens, last = [], {}
+            out, last, unsent = self._text(gen), {}, []
             item = first
             try:
                 while item is not None:
                     last = item
                     if item["token"] is not None:
-                        tokens.append(item["token"])
-                        piece = self.tokenizer.decode([item["token"]])
-                        choice = ({"index": 0, "delta": {"content": piece}, "finish_reason": None} if chat else
-                                  {"index": 0, "text": piece, "token_ids": [item["token"]], "finish_reason": None})
-                        if chat and len(tokens) == 1:
-                            choice["delta"]["role"] = "assistant"
-                        yield _sse({"id": rid, "object": kind, "created": created, "model": self.model_name,
-                                    "choices": [choice]})
+                        unsent.append(item["token"])
+                        piece = out.push(item["token"])
+                        if piece:   # text held back (a partial character or stop string) waits
+                            yield _sse(chunk(piece, unsent))
+                            unsent = []
+                        if out.stopped:
+                            break
                     item = await items.__anext__()
             except StopAsyncIteration:
                 pass
             except APIError as exc:
                 yield _sse(exc.body())
+                yield "data: [DONE]\n\n"
                 return
-            final = {"index": 0, "finish_reason": _finish(last)}
-            final.update({"delta": {}} if chat else {"text": ""})
-            end = {"id": rid, "object": kind, "created": created, "model": self.model_name, "choices": [final]}
+            finally:
+                await items.aclose()
+            rest = out.finish()
+            if rest or unsent:
+                yield _sse(chunk(rest, unsent))
+            if chat:
+                self._remember(tenant, out.text, out)
+            end = chunk("", [], out.finish_reason(last))
             if gen.include_usage:
-                end["usage"] = _usage(gen, tokens, last)
+                end["usage"] = _usage(gen, out.ids, last)
                 end["prefix_cache"] = _cache_info(last)
             yield _sse(end)
             yield "data: [DONE]\n\n"
@@ -256,11 +318,6 @@ def _root_cause(exc: BaseException) -> BaseException:
     return _root_cause(cause) if cause is not None and cause is not exc else exc
 
 
-def _finish(item: dict) -> str:
-    reason = (item or {}).get("finish_reason") or "length"
-    return {"stop": "stop", "length": "length"}.get(reason, reason)
-
-
 def _usage(gen: GenerationRequest, tokens: list[int], last: dict) -> dict:
     cached = (last or {}).get("cached_tokens", 0)
     return {"prompt_tokens": len(gen.prompt), "completion_tokens": len(tokens),
@@ -298,8 +355,10 @@ def make_fastapi() -> FastAPI:
 async def handle_generation(core: IngressCore, request: Request, endpoint: str, chat: bool) -> Response:
     tenant = core.authenticate(request)
     body = await core.body(request)
-    parse = parse_chat if chat else parse_completion
-    gen = parse(body, core.limits, core.model_name, core.tokenizer)
+    if chat:
+        gen = parse_chat(body, core.limits, core.model_name, core.tokenizer, core.render_chat(tenant))
+    else:
+        gen = parse_completion(body, core.limits, core.model_name, core.tokenizer)
     header_session = request.headers.get("x-session-id")
     if gen.session_id is None and header_session:
         gen.session_id = header_session[:128]

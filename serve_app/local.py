@@ -7,8 +7,21 @@ import socket
 import time
 from typing import Any
 
-DEMO_WORKER = {"block_tokens": 16, "hot_blocks": 512, "warm_blocks": 2048, "max_batch_tokens": 4096,
+# Sized for the embedded SmolLM2-135M-Instruct in float32 (45 KiB of KV per token):
+# 8k tokens HOT (360 MiB) and 16k WARM (720 MiB) per replica.
+DEMO_WORKER = {"block_tokens": 16, "hot_blocks": 512, "warm_blocks": 1024, "max_batch_tokens": 4096,
                "torch_threads": 1}
+
+
+def prepare_model(spec=None, resolve: bool = True) -> str:
+    """Resolve (download or convert) the model once, here, before replicas start,
+    so three replicas do not wait on one another's conversion; returns its id."""
+    from cluster.engine.checkpoint import ModelSpec, model_id, resolve_checkpoint
+
+    parsed = ModelSpec.parse(spec)
+    if resolve:
+        resolve_checkpoint(parsed)
+    return model_id(parsed)
 
 
 def free_port() -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from typing import Callable
 
 from cluster.engine.tokenizer import Tokenizer
 
@@ -39,6 +40,8 @@ class GenerationRequest:
     top_p: float
     seed: int | None
     stop_token_ids: list[int]
+    stop: list[str]
+    ignore_eos: bool
     stream: bool
     include_usage: bool
     session_id: str | None
@@ -55,12 +58,30 @@ def parse_json(raw: bytes, limits: Limits) -> dict:
         raise APIError(413, f"request body of {len(raw)} bytes exceeds the limit of {limits.max_body_bytes}",
                        code="request_too_large")
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_constant=_reject_constant)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise APIError(400, f"malformed JSON body: {exc}", code="invalid_json") from None
+    except RecursionError:
+        raise APIError(400, "the JSON body is nested too deeply", code="invalid_json") from None
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object", code="invalid_json")
     return body
+
+
+def _reject_constant(name: str):
+    # Python's json accepts NaN and Infinity, which are not JSON and which no parameter takes.
+    raise APIError(400, f"malformed JSON body: {name} is not a JSON value", code="invalid_json")
+
+
+def _text(value: str, param: str) -> str:
+    """A string the tokenizer can take: valid Unicode, no lone surrogate (JSON's
+    \\ud800 escapes decode to one)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise APIError(400, f"'{param}' contains an invalid Unicode character (a lone surrogate)",
+                       param=param, code="invalid_unicode") from None
+    return value
 
 
 def _int(body: dict, name: str, default: int | None, lo: int | None = None, hi: int | None = None) -> int | None:
@@ -114,17 +135,39 @@ def _common(body: dict, prompt: list[int], limits: Limits, served_model: str, to
     stop_ids = body.get("stop_token_ids") or []
     if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
         raise APIError(422, "'stop_token_ids' must be a list of integers", param="stop_token_ids")
-    if body.get("stop") not in (None, [], ""):
-        raise APIError(422, "'stop' strings are not supported; use 'stop_token_ids'", param="stop")
+    stop = _stop_strings(body.get("stop"))
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise APIError(422, f"'ignore_eos' must be a boolean, got {type(ignore_eos).__name__}", param="ignore_eos")
     session = body.get("session_id")
     if session is not None and (not isinstance(session, str) or not 0 < len(session) <= 128):
         raise APIError(422, "'session_id' must be a string of 1 to 128 characters", param="session_id")
     return GenerationRequest(
         prompt=prompt, max_tokens=max_tokens,
         temperature=_float(body, "temperature", 0.0, 0.0, 2.0),   # default greedy: reproducible
-        top_p=_float(body, "top_p", 1.0, 0.0, 1.0, lo_open=True), seed=_int(body, "seed", None),
-        stop_token_ids=stop_ids, stream=stream, include_usage=bool(options.get("include_usage", True)),
+        top_p=_float(body, "top_p", 1.0, 0.0, 1.0, lo_open=True), seed=_int(body, "seed", None, lo=-(1 << 63), hi=(1 << 64) - 1),
+        stop_token_ids=stop_ids, stop=stop, ignore_eos=ignore_eos, stream=stream, include_usage=bool(options.get("include_usage", True)),
         session_id=session, model=model)
+
+
+MAX_STOP_STRINGS = 4
+MAX_STOP_CHARS = 256
+
+
+def _stop_strings(value) -> list[str]:
+    """OpenAI's ``stop``: a string or up to 4 strings; generation ends before the first match."""
+    if value is None:
+        return []
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise APIError(422, "'stop' must be a string or a list of strings", param="stop")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise APIError(422, f"'stop' takes at most {MAX_STOP_STRINGS} strings, got {len(stops)}", param="stop")
+    for s in stops:
+        if not 0 < len(s) <= MAX_STOP_CHARS:
+            raise APIError(422, f"each 'stop' string must have 1 to {MAX_STOP_CHARS} characters", param="stop")
+        _text(s, "stop")
+    return list(dict.fromkeys(stops))
 
 
 def parse_completion(body: dict, limits: Limits, served_model: str, tokenizer: Tokenizer) -> GenerationRequest:
@@ -136,7 +179,7 @@ def parse_completion(body: dict, limits: Limits, served_model: str, tokenizer: T
     if isinstance(prompt, str):
         if not prompt:
             raise APIError(422, "'prompt' must not be empty", param="prompt")
-        ids = tokenizer.encode(prompt)
+        ids = tokenizer.encode(_text(prompt, "prompt"))
     elif isinstance(prompt, list):
         if not prompt:
             raise APIError(422, "'prompt' must not be empty", param="prompt")
@@ -155,7 +198,10 @@ def parse_completion(body: dict, limits: Limits, served_model: str, tokenizer: T
 ROLES = ("system", "user", "assistant")
 
 
-def parse_chat(body: dict, limits: Limits, served_model: str, tokenizer: Tokenizer) -> GenerationRequest:
+def parse_chat(body: dict, limits: Limits, served_model: str, tokenizer: Tokenizer,
+               render: Callable[[list[dict]], list[int]] | None = None) -> GenerationRequest:
+    """``render`` turns the validated messages into prompt ids (default: the
+    tokenizer's chat template; the ingress passes its ChatPromptBuilder)."""
     messages = body.get("messages")
     if messages is None:
         raise APIError(422, "'messages' is required", param="messages")
@@ -169,5 +215,11 @@ def parse_chat(body: dict, limits: Limits, served_model: str, tokenizer: Tokeniz
                            param=f"messages[{i}].role")
         if not isinstance(m.get("content"), str):
             raise APIError(422, f"'messages[{i}].content' must be a string", param=f"messages[{i}].content")
-    ids = tokenizer.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in messages])
+        _text(m["content"], f"messages[{i}].content")
+    plain = [{"role": m["role"], "content": m["content"]} for m in messages]
+    try:
+        ids = (render or tokenizer.apply_chat_template)(plain)
+    except Exception as exc:   # the template's own checks (jinja's raise_exception), e.g. roles out of order
+        raise APIError(422, f"'messages' cannot be rendered with the model's chat template: {exc}",
+                       param="messages") from None
     return _common(body, ids, limits, served_model, tokenizer)

@@ -23,6 +23,7 @@ fraction of the time.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import heapq
 import random
 import tempfile
@@ -33,13 +34,18 @@ import torch
 from cluster.bench.common import emit, percentile, plot_cdfs, rounded
 from cluster.cache.kv_pool import KVLayout
 from cluster.cache.tiered import TierConfig, TieredCache, UnknownSessionError
-from cluster.engine.model import DecoderModel, ModelConfig
+from cluster.engine.checkpoint import ModelSpec, load_model
 from cluster.engine.runner import Engine, Request, SamplingParams
 
 POLICIES = ("drop", "tiered", "tiered+prefetch")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="builtin",
+                   help="model spec (default: the seeded built-in model; 'smollm2-135m-instruct' for the "
+                        "embedded real model, or a checkpoint directory, .gguf file or hub id)")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="cpu", help="cpu | cuda: where the model and the HOT pool live")
     p.add_argument("--sessions", type=int, default=64)
     p.add_argument("--turns", type=int, default=4, help="turns per session (default 4)")
     p.add_argument("--group-size", type=int, default=8, help="sessions sharing one system prompt")
@@ -100,17 +106,17 @@ def _make_cache(policy: str, hot_tokens: int, total: int, args, layout, disk_dir
     bt = args.block_tokens
     hot = max(8, hot_tokens // bt)
     if policy == "drop":
-        cfg = TierConfig(hot_blocks=hot, block_tokens=bt, device="cpu")
+        cfg = TierConfig(hot_blocks=hot, block_tokens=bt, device=args.device)
     else:
         cfg = TierConfig(hot_blocks=hot, warm_blocks=max(8, total // (2 * bt)), cold_blocks=max(8, 2 * total // bt),
-                         block_tokens=bt, disk_dir=disk_dir, device="cpu",
+                         block_tokens=bt, disk_dir=disk_dir, device=args.device,
                          copy_gb_per_s=args.copy_gb_per_s or None)
     return TieredCache(cfg, layout)
 
 
 def run_policy(policy: str, model, work: Workload, args, disk_dir: str, prefill_tok_s: float) -> dict:
     c = model.config
-    layout = KVLayout(c.num_layers, c.num_kv_heads, c.head_dim)
+    layout = KVLayout(c.num_layers, c.num_kv_heads, c.head_dim, c.dtype)
     total = work.total_tokens()
     # HOT must at least hold one whole conversation plus its decode, or nothing runs.
     hot_tokens = max(int(args.hot_fraction * total), 2 * work.longest_prompt())
@@ -203,7 +209,7 @@ def run_policy(policy: str, model, work: Workload, args, disk_dir: str, prefill_
 
 
 def measure_prefill(model, tokens: int = 2000) -> float:
-    x = torch.randint(0, model.config.vocab_size, (tokens,))
+    x = torch.randint(0, model.config.vocab_size, (tokens,), device=model.device)
     model.forward_one(x, 0, None)
     t0 = time.perf_counter()
     model.forward_one(x, 0, None)
@@ -216,7 +222,10 @@ def run(args: argparse.Namespace) -> int:
         if p not in POLICIES:
             raise ValueError(f"unknown policy {p!r}; choose from {', '.join(POLICIES)}")
     torch.set_num_threads(args.threads)
-    model = DecoderModel(ModelConfig(seed=args.seed))
+    spec = ModelSpec.parse(args.model)
+    if spec.source == "builtin" and not spec.builtin:
+        spec = dataclasses.replace(spec, builtin={"seed": args.seed})
+    model = load_model(dataclasses.replace(spec, dtype=args.dtype), device=args.device).model
     work = Workload(args, model.config.vocab_size)
     prefill_tok_s = measure_prefill(model)
     results = []

@@ -9,9 +9,12 @@ cached prefix is reused as is: `forward_one(tokens[p:], p, kv_of(tokens[:p]))`
 gives the same logits and KV as a full prefill, which is the whole point of a
 prefix cache and is what the tests check.
 
-Weights are random but deterministic (`ModelConfig.seed`): the model computes
-real attention over real KV, so cache hits and misses are checked for equality,
-not for meaning.
+By default the weights are random but deterministic (`ModelConfig.seed`): the
+model computes real attention over real KV, so cache hits and misses are checked
+for equality, not for meaning. `cluster.engine.checkpoint` loads real Llama,
+Mistral, SmolLM and Qwen2/Qwen3 checkpoints into the same packed parameters; the
+config flags below (biases, tied embeddings, q/k norm, rope scaling) cover what
+those families add to the plain Llama block.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from cluster.engine.tokenizer import BYTE_VOCAB_SIZE
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 INIT_STD = 0.02
 QUERY_CHUNK = 256  # queries per attention call when a cached prefix precedes them
+ROPE_TYPES = ("default", "linear", "llama3")
 
 BatchItem = tuple[torch.Tensor, int, "torch.Tensor | None"]
 
@@ -49,6 +53,20 @@ class ModelConfig:
     max_position: int = 8192
     seed: int = 0
     dtype: str = "float32"
+    # Architecture variants of real checkpoints; the defaults are the plain Llama block.
+    tie_word_embeddings: bool = False   # lm_head shares the embedding matrix (SmolLM, small Qwen)
+    qkv_bias: bool = False              # Qwen2; Llama/Qwen3 attention_bias sets qkv_bias and o_bias
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False               # Qwen3: RMSNorm over head_dim on q and k, before RoPE
+    rope_type: str = "default"          # one of ROPE_TYPES
+    rope_factor: float = 1.0            # linear and llama3
+    rope_low_freq_factor: float = 1.0   # llama3
+    rope_high_freq_factor: float = 4.0  # llama3
+    rope_original_max_position: int = 8192  # llama3
+    # Rotary angles in float32 exactly as transformers computes them (checkpoint loads set it, so
+    # logits match transformers bit for bit); the float64 default is more accurate at far positions.
+    rope_in_float32: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
@@ -74,6 +92,24 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.seed must be an int in [0, 2**63), got {self.seed!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"ModelConfig.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        for name in ("tie_word_embeddings", "qkv_bias", "o_bias", "mlp_bias", "qk_norm", "rope_in_float32"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"ModelConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"ModelConfig.rope_type must be one of {list(ROPE_TYPES)}, got {self.rope_type!r}")
+        for name in ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"ModelConfig.{name} must be a positive finite number, got {value!r}")
+        if self.rope_type == "llama3" and self.rope_high_freq_factor <= self.rope_low_freq_factor:
+            raise ValueError(
+                f"ModelConfig.rope_high_freq_factor ({self.rope_high_freq_factor}) must exceed "
+                f"rope_low_freq_factor ({self.rope_low_freq_factor}) for llama3 rope scaling"
+            )
+        value = self.rope_original_max_position
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"ModelConfig.rope_original_max_position must be a positive int, got {value!r}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -168,13 +204,34 @@ def validate_item(
     return tokens.long()
 
 
-def rope_tables(config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [max_position, head_dim], rotate-half layout (frequencies repeated twice)."""
-    # float64 so that large positions keep their angle; the table is indexed, never recomputed,
-    # so a token gets bit-identical rotations whatever split its sequence was prefilled in.
-    exponents = torch.arange(0, config.head_dim, 2, dtype=torch.float64) / config.head_dim
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Rotary frequencies [head_dim / 2] with the config's scaling applied, in the order of
+    operations of transformers' `_compute_default_rope_parameters`, `_compute_linear_scaling_
+    rope_parameters` and `_compute_llama3_parameters` (float64 unless `rope_in_float32`)."""
+    dtype = torch.float32 if config.rope_in_float32 else torch.float64
+    exponents = torch.arange(0, config.head_dim, 2, dtype=torch.int64).to(dtype) / config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** exponents)
-    angles = torch.outer(torch.arange(config.max_position, dtype=torch.float64), inv_freq)
+    if config.rope_type == "linear":
+        inv_freq = inv_freq / config.rope_factor
+    elif config.rope_type == "llama3":
+        factor, low, high = config.rope_factor, config.rope_low_freq_factor, config.rope_high_freq_factor
+        old_context = config.rope_original_max_position
+        wavelen = 2 * math.pi / inv_freq
+        # Long wavelengths are slowed down by `factor`, short ones kept, the band between blended.
+        scaled = torch.where(wavelen > old_context / low, inv_freq / factor, inv_freq)
+        smooth = (old_context / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old_context / high) & ~(wavelen > old_context / low)
+        inv_freq = torch.where(medium, blended, scaled)
+    return inv_freq
+
+
+def rope_tables(config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [max_position, head_dim] in float32, rotate-half layout (frequencies twice)."""
+    # The table is indexed, never recomputed, so a token gets bit-identical rotations whatever
+    # split its sequence was prefilled in.
+    inv_freq = rope_inv_freq(config)
+    angles = torch.outer(torch.arange(config.max_position, dtype=inv_freq.dtype), inv_freq)
     angles = torch.cat((angles, angles), dim=-1)
     return angles.cos().float(), angles.sin().float()
 
@@ -191,6 +248,8 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # The order of transformers' LlamaRMSNorm (normalize in float32, cast, then scale), so a
+    # checkpoint gives its reference logits in every dtype.
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)
@@ -202,32 +261,51 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         c = config
+
+        def param(*shape: int) -> nn.Parameter:
+            return nn.Parameter(torch.empty(shape, dtype=c.torch_dtype))
+
         qkv_rows = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
-        # Fused projections: one matmul for q/k/v and one for gate/up.
-        self.attn_norm = nn.Parameter(torch.empty(c.hidden_size))
-        self.qkv_proj = nn.Parameter(torch.empty(qkv_rows, c.hidden_size))
-        self.o_proj = nn.Parameter(torch.empty(c.hidden_size, c.num_heads * c.head_dim))
-        self.mlp_norm = nn.Parameter(torch.empty(c.hidden_size))
-        self.gate_up_proj = nn.Parameter(torch.empty(2 * c.intermediate_size, c.hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(c.hidden_size, c.intermediate_size))
+        # Fused projections: one matmul for q/k/v and one for gate/up (a loader concatenates
+        # the separate q, k, v and gate, up matrices of a checkpoint into these).
+        self.attn_norm = param(c.hidden_size)
+        self.qkv_proj = param(qkv_rows, c.hidden_size)
+        self.o_proj = param(c.hidden_size, c.num_heads * c.head_dim)
+        self.mlp_norm = param(c.hidden_size)
+        self.gate_up_proj = param(2 * c.intermediate_size, c.hidden_size)
+        self.down_proj = param(c.hidden_size, c.intermediate_size)
+        # Optional parameters come after the plain ones, so the seeded draws of a plain
+        # config are the same as before they existed.
+        self.qkv_bias = param(qkv_rows) if c.qkv_bias else None
+        self.o_bias = param(c.hidden_size) if c.o_bias else None
+        self.gate_up_bias = param(2 * c.intermediate_size) if c.mlp_bias else None
+        self.down_bias = param(c.hidden_size) if c.mlp_bias else None
+        # q_norm (num_heads copies) then k_norm (num_kv_heads copies) of the per-head weight:
+        # q and k are normalized together in one call, over their [heads + kv_heads, head_dim] view.
+        self.qk_norm = param(c.num_heads + c.num_kv_heads, c.head_dim) if c.qk_norm else None
 
 
 class DecoderModel(nn.Module):
-    """Llama-style decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU."""
+    """Llama-style decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU.
 
-    def __init__(self, config: ModelConfig | None = None) -> None:
+    `init_weights=False` leaves the parameters uninitialized, for a loader that
+    overwrites every one of them (see `cluster.engine.checkpoint`).
+    """
+
+    def __init__(self, config: ModelConfig | None = None, *, init_weights: bool = True) -> None:
         super().__init__()
         self.config = config = config if config is not None else ModelConfig()
-        self.embed = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
+        dtype = config.torch_dtype
+        self.embed = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size, dtype=dtype))
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
-        self.final_norm = nn.Parameter(torch.empty(config.hidden_size))
-        self.lm_head = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
-        cos, sin = rope_tables(config)
+        self.final_norm = nn.Parameter(torch.empty(config.hidden_size, dtype=dtype))
+        self.lm_head = None if config.tie_word_embeddings else \
+            nn.Parameter(torch.empty(config.vocab_size, config.hidden_size, dtype=dtype))
+        cos, sin = rope_tables(config)   # float32, whatever the model dtype
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self._init_weights()
-        self.to(config.torch_dtype)
-        self.rope_cos.data, self.rope_sin.data = cos, sin  # keep the tables in float32
+        if init_weights:
+            self._init_weights()
         self.eval()
         self.requires_grad_(False)
 
@@ -246,27 +324,41 @@ class DecoderModel(nn.Module):
     def device(self) -> torch.device:
         return self.embed.device
 
+    @property
+    def output_weight(self) -> torch.Tensor:
+        """The lm_head matrix [vocab, hidden] (the embedding when tied)."""
+        return self.embed if self.lm_head is None else self.lm_head
+
     def forward_one(
-        self, tokens: torch.Tensor, start_pos: int = 0, past_kv: torch.Tensor | None = None
+        self, tokens: torch.Tensor, start_pos: int = 0, past_kv: torch.Tensor | None = None,
+        last_logits_only: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits [T, vocab] (float32) and the new tokens' KV [layers, 2, T, kv_heads, head_dim].
+        """Logits [T, vocab] (float32; [1, vocab] with `last_logits_only`) and the new
+        tokens' KV [layers, 2, T, kv_heads, head_dim].
 
         `past_kv` is the KV of the `start_pos` tokens before `tokens` (None when 0).
         """
-        return self.forward_batch([(tokens, start_pos, past_kv)])[0]
+        return self.forward_batch([(tokens, start_pos, past_kv)], last_logits_only=last_logits_only)[0]
 
     forward = forward_one
 
     @torch.no_grad()
-    def forward_batch(self, items: Sequence[BatchItem]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """forward_one for each item; the token-wise work runs once on all tokens packed."""
+    def forward_batch(
+        self, items: Sequence[BatchItem], last_logits_only: bool = False
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """forward_one for each item; the token-wise work runs once on all tokens packed.
+
+        With `last_logits_only` each item's logits are those of its last position only,
+        [1, vocab]: a prefill then skips the output projection of every other token
+        (for a 49k vocabulary that is a fifth of a small model's work).
+        """
         c = self.config
         checked = [(tokens.to(self.device), start_pos, None if past_kv is None else past_kv.to(self.device))
                    for tokens, start_pos, past_kv in validate_items(c, items)]
         if not checked:
             return []
 
-        tokens = torch.cat([t for t, _, _ in checked])
+        tokens = torch.cat([t for t, _, _ in checked]) if len(checked) > 1 else checked[0][0]
         positions = torch.cat([torch.arange(p, p + t.numel(), device=self.device) for t, p, _ in checked])
         bounds, offset = [], 0
         for t, _, _ in checked:
@@ -278,17 +370,21 @@ class DecoderModel(nn.Module):
         ]
         cos = self.rope_cos[positions].unsqueeze(1)
         sin = self.rope_sin[positions].unsqueeze(1)
+        q_width = c.num_heads * c.head_dim
+        kv_width = c.num_kv_heads * c.head_dim
 
         hidden = self.embed[tokens]
         for layer_index, layer in enumerate(self.layers):
             attn_in = _rms_norm(hidden, layer.attn_norm, c.rms_norm_eps)
-            q, k, v = F.linear(attn_in, layer.qkv_proj).split(
-                [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim], dim=-1
-            )
-            q = _apply_rope(q.view(-1, c.num_heads, c.head_dim), cos, sin)
-            k = _apply_rope(k.view(-1, c.num_kv_heads, c.head_dim), cos, sin)
-            v = v.view(-1, c.num_kv_heads, c.head_dim)
-            attn_out = torch.empty_like(q)
+            qkv = F.linear(attn_in, layer.qkv_proj, layer.qkv_bias)
+            # q and k side by side as [N, heads + kv_heads, head_dim]: one norm and one rotation.
+            qk = qkv[:, :q_width + kv_width].view(-1, c.num_heads + c.num_kv_heads, c.head_dim)
+            if layer.qk_norm is not None:
+                qk = _rms_norm(qk, layer.qk_norm, c.rms_norm_eps)
+            qk = _apply_rope(qk, cos, sin)
+            q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
+            v = qkv[:, q_width + kv_width:].view(-1, c.num_kv_heads, c.head_dim)
+            attn_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
             for (begin, end), (_, start_pos, past_kv), new_kv in zip(bounds, checked, new_kvs):
                 new_kv[layer_index, 0] = k[begin:end]
                 new_kv[layer_index, 1] = v[begin:end]
@@ -297,12 +393,15 @@ class DecoderModel(nn.Module):
                     keys = torch.cat((past_kv[layer_index, 0], keys))
                     values = torch.cat((past_kv[layer_index, 1], values))
                 attn_out[begin:end] = self._attend(q[begin:end], keys, values, start_pos)
-            hidden = hidden + F.linear(attn_out.flatten(1), layer.o_proj)
+            hidden = hidden + F.linear(attn_out.view(-1, q_width), layer.o_proj, layer.o_bias)
             mlp_in = _rms_norm(hidden, layer.mlp_norm, c.rms_norm_eps)
-            gate, up = F.linear(mlp_in, layer.gate_up_proj).chunk(2, dim=-1)
-            hidden = hidden + F.linear(F.silu(gate) * up, layer.down_proj)
+            gate, up = F.linear(mlp_in, layer.gate_up_proj, layer.gate_up_bias).chunk(2, dim=-1)
+            hidden = hidden + F.linear(F.silu(gate) * up, layer.down_proj, layer.down_bias)
 
-        logits = F.linear(_rms_norm(hidden, self.final_norm, c.rms_norm_eps), self.lm_head).float()
+        if last_logits_only:
+            hidden = hidden[[end - 1 for _, end in bounds]]
+            bounds = [(i, i + 1) for i in range(len(bounds))]
+        logits = F.linear(_rms_norm(hidden, self.final_norm, c.rms_norm_eps), self.output_weight).float()
         return [(logits[begin:end], new_kv) for (begin, end), new_kv in zip(bounds, new_kvs)]
 
     def _attend(
@@ -310,16 +409,24 @@ class DecoderModel(nn.Module):
     ) -> torch.Tensor:
         """q [T, heads, hd] at positions start_pos.., keys/values [start_pos + T, kv_heads, hd]."""
         num_new = q.shape[0]
-        group = self.config.num_heads // self.config.num_kv_heads
+        c = self.config
+        if num_new == 1 and start_pos:
+            # Decode: one query sees every key. Plain matmuls on the [S, kv_heads, hd] layout,
+            # query heads grouped by their KV head, skip SDPA's transposed-input copies.
+            group = c.num_heads // c.num_kv_heads
+            grouped = q.view(c.num_kv_heads, group, c.head_dim)
+            scores = torch.matmul(grouped, keys.permute(1, 2, 0)) * (c.head_dim ** -0.5)
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
+            return torch.matmul(probs, values.transpose(0, 1)).view(1, c.num_heads, c.head_dim)
         q = q.transpose(0, 1).unsqueeze(0)
-        # Expanding K/V per query head costs a copy of S x heads x hd, small next to the scores,
-        # and works on every torch (SDPA's enable_gqa needs torch >= 2.5).
-        keys = keys.transpose(0, 1).repeat_interleave(group, dim=0).unsqueeze(0)
-        values = values.transpose(0, 1).repeat_interleave(group, dim=0).unsqueeze(0)
+        # SDPA's enable_gqa lets query head h read K/V head h // group without a per-head copy.
+        keys = keys.transpose(0, 1).unsqueeze(0)
+        values = values.transpose(0, 1).unsqueeze(0)
+        gqa = c.num_heads != c.num_kv_heads
         if start_pos == 0:
             # No past: SDPA's top-left causal mask is exact, and its fused kernel skips the
             # masked half (twice as fast as an explicit mask for a long prefill).
-            out = F.scaled_dot_product_attention(q, keys, values, is_causal=True)
+            out = F.scaled_dot_product_attention(q, keys, values, is_causal=num_new > 1, enable_gqa=gqa)
         else:
             # New token i sits at absolute position start_pos + i and sees keys 0..start_pos + i.
             # With an explicit mask the kernel computes every score, so queries go in chunks that
@@ -331,7 +438,8 @@ class DecoderModel(nn.Module):
                 query_pos = torch.arange(start_pos + begin, visible, device=q.device)
                 mask = torch.arange(visible, device=q.device)[None, :] <= query_pos[:, None]
                 out[:, :, begin:end] = F.scaled_dot_product_attention(
-                    q[:, :, begin:end], keys[:, :, :visible], values[:, :, :visible], attn_mask=mask
+                    q[:, :, begin:end], keys[:, :, :visible], values[:, :, :visible], attn_mask=mask,
+                    enable_gqa=gqa,
                 )
         return out[0].transpose(0, 1)
 

@@ -13,7 +13,10 @@ runs alone). The model sees one packed forward per step.
 
 from __future__ import annotations
 
+import inspect
 import itertools
+import logging
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -27,6 +30,13 @@ from cluster.engine.model import sample
 from cluster.errors import CacheError, InvalidInputError, PoolExhaustedError
 from cluster.tokens import as_token_list
 
+log = logging.getLogger(__name__)
+
+
+# Below this temperature sampling is greedy (as in vLLM): dividing logits by a
+# tiny temperature overflows to inf and softmax turns that into NaN.
+GREEDY_TEMPERATURE = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -37,12 +47,24 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise InvalidInputError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or not 0.0 <= self.temperature <= 2.0:
-            raise InvalidInputError(f"temperature must be in [0, 2], got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
-            raise InvalidInputError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
+                or not math.isfinite(self.temperature) or not 0.0 <= self.temperature <= 2.0:
+            raise InvalidInputError(f"temperature must be a number in [0, 2], got {self.temperature!r}")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) \
+                or not math.isfinite(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise InvalidInputError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not -(1 << 63) <= self.seed < (1 << 64)):
+            raise InvalidInputError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
+        ids = self.stop_token_ids
+        if not isinstance(ids, tuple) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise InvalidInputError(f"stop_token_ids must be a tuple of ints, got {ids!r:.80}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 @dataclass
@@ -103,8 +125,10 @@ class Engine:
         self._ended: list[TokenEvent] = []   # requests that ended outside a sampled token
         self.running: list[Request] = []
         self._ids = itertools.count(1)
+        self._last_logits_only = "last_logits_only" in inspect.signature(model.forward_batch).parameters
         self.stats = {"prompt_tokens": 0, "cached_tokens": 0, "computed_tokens": 0, "steps": 0,
-                      "requests_finished": 0, "requests_failed": 0, "requests_cancelled": 0}
+                      "requests_finished": 0, "requests_failed": 0, "requests_cancelled": 0,
+                      "finish_failures": 0}
 
     # ------------------------------------------------------------------ API
     def submit(self, request: Request) -> Request:
@@ -116,8 +140,8 @@ class Engine:
                 f"exceeds the model's context of {limit}")
         request.request_id = request.request_id or next(self._ids)
         request.submitted_at = self.clock()
-        if request.params.seed is not None:
-            request._generator = torch.Generator().manual_seed(request.params.seed)
+        if request.params.seed is not None and not request.params.greedy:
+            request._generator = torch.Generator().manual_seed(request.params.seed % (1 << 64))
         self.waiting.append(request)
         return request
 
@@ -170,23 +194,22 @@ class Engine:
             return events
         items = [(toks, start, req._kv[:, :, :start] if start else None) for req, toks, start in batch]
         try:
-            outputs = self.model.forward_batch(items)
+            outputs = (self.model.forward_batch(items) if self.keep_logits or not self._last_logits_only
+                       else self.model.forward_batch(items, last_logits_only=True))
         except Exception as exc:  # a failed step fails its requests, never the cache
             for req, _, _ in batch:
                 self._finish(req, "error", keep=False, error=f"model forward failed: {exc}")
-            return events + self._drain_ended()
+            return events + self.drain_ended()
         self.stats["steps"] += 1
         for (req, toks, start), (logits, new_kv) in zip(batch, outputs):
             try:
-                self._store_kv(req, start, new_kv)
+                token = self._advance(req, toks, start, logits, new_kv)
             except PoolExhaustedError as exc:
                 self._finish(req, "error", keep=False, error=f"KV cache full: {exc}")
                 continue
-            self.stats["computed_tokens"] += len(toks)
-            if self.keep_logits:
-                req.logits.append(logits)
-            token = sample(logits[-1], req.params.temperature, req.params.top_p, req._generator)
-            req.output.append(token)
+            except Exception as exc:  # this request fails; the batch, the engine and the cache go on
+                self._finish(req, "error", keep=False, error=f"{type(exc).__name__}: {exc}")
+                continue
             if req.first_token_at is None:
                 req.first_token_at = self.clock()
             reason = None
@@ -195,9 +218,36 @@ class Engine:
             elif len(req.output) >= req.params.max_tokens:
                 reason = "length"
             if reason:
-                self._finish(req, reason, keep=True)
+                try:
+                    self._finish(req, reason, keep=True)
+                except Exception as exc:   # caching the finished sequence failed: the answer stands
+                    self.stats["finish_failures"] += 1
+                    log.warning("could not cache request %s after it finished: %s", req.request_id, exc)
             events.append(TokenEvent(req, token, req.finished))
-        return events + self._drain_ended()
+        return events + self.drain_ended()
+
+    def _advance(self, req: Request, toks: torch.Tensor, start: int, logits: torch.Tensor,
+                 new_kv: torch.Tensor) -> int:
+        """Store one request's new KV and sample its next token."""
+        self._store_kv(req, start, new_kv)
+        self.stats["computed_tokens"] += len(toks)
+        if self.keep_logits:
+            req.logits.append(logits)
+        temperature = 0.0 if req.params.greedy else req.params.temperature
+        token = sample(logits[-1], temperature, req.params.top_p, req._generator)
+        req.output.append(token)
+        return token
+
+    def fail_all(self, error: str) -> None:
+        """End every queued and running request with ``error`` (their KV is not
+        kept; the cache's other contents are untouched)."""
+        for req in list(self.waiting):
+            self.waiting.remove(req)
+            req.finished, req.finish_reason, req.error = True, "error", error
+            self._ended.append(TokenEvent(req, None, True))
+            self.stats["requests_failed"] += 1
+        for req in list(self.running):
+            self._finish(req, "error", keep=False, error=error)
 
     def _fits(self, req: Request, suffix: int) -> bool:
         """Admission control: the HOT pool must be able to take this request's new
@@ -209,7 +259,7 @@ class Engine:
         reserved = sum(r.params.max_tokens - len(r.output) for r in self.running)
         return suffix + req.params.max_tokens + reserved <= room
 
-    def _drain_ended(self) -> list[TokenEvent]:
+    def drain_ended(self) -> list[TokenEvent]:
         out, self._ended = self._ended, []
         return out
 

@@ -34,6 +34,11 @@ class Tokenizer(Protocol):
     @property
     def eos_id(self) -> int: ...
 
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """Ids that end generation: EOS first, then any other end-of-turn ids of the model."""
+        ...
+
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, without special tokens."""
         ...
@@ -44,6 +49,36 @@ class Tokenizer(Protocol):
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         """Prompt ids for a chat, ending with the header of the assistant's turn."""
+        ...
+
+
+@runtime_checkable
+class SegmentedChatTokenizer(Tokenizer, Protocol):
+    """A tokenizer whose chat template can be tokenized piece by piece.
+
+    `cluster.engine.text.ChatPromptBuilder` renders the template as text and
+    tokenizes the template's own pieces and each message content separately, so
+    a message's ids do not depend on its neighbours (multi-turn prefix reuse) and
+    control tokens typed by a user stay text.
+    """
+
+    @property
+    def special_token_ids(self) -> frozenset[int]: ...
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The template's text for validated `messages`."""
+        ...
+
+    def encode_control_text(self, text: str) -> list[int]:
+        """Template text: special-token strings become control tokens."""
+        ...
+
+    def encode_plain_text(self, text: str) -> list[int]:
+        """Message content: never produces a special token."""
+        ...
+
+    def decode_exact(self, ids: Sequence[int]) -> str:
+        """Inverse of the two encoders: special tokens kept, no clean-up."""
         ...
 
 
@@ -83,6 +118,7 @@ class ByteTokenizer:
     bos_id = BYTE_BOS_ID
     eos_id = BYTE_EOS_ID
     pad_id = BYTE_PAD_ID
+    stop_token_ids = (BYTE_EOS_ID,)
 
     def encode(self, text: str) -> list[int]:
         if not isinstance(text, str):

@@ -87,7 +87,7 @@ def test_cache_node_values():
     assert (group["minReplicas"], group["maxReplicas"]) == (args["autoscaling_config"]["min_replicas"],
                                                             args["autoscaling_config"]["max_replicas"])
     assert args["worker"]["disk_dir"] in [m["mountPath"] for m in container["volumeMounts"]]
-    assert v.cold_tier_bytes(args["worker"]) == 524288 * 32 * 1024   # 16 GiB at 32 KiB a block
+    assert v.cold_tier_bytes(args["worker"]) == 46000 * 360 * 1024   # 15.8 GiB at 360 KiB a block (bf16)
     assert {e["name"]: e.get("value") for e in container["env"]}["UCX_TLS"] == "rc,ud,tcp,sm,self,cuda_copy,cuda_ipc"
 
 
@@ -144,7 +144,8 @@ def test_serve_config_is_config_yaml_plus_documented_overrides():
     assert sorted(c.split(":")[0] for c in changes) == [
         "applications[prefix-cache].args.gpus_per_replica",
         "applications[prefix-cache].args.worker.cold_blocks",
-        "applications[prefix-cache].args.worker.disk_dir"]
+        "applications[prefix-cache].args.worker.disk_dir",
+        "applications[prefix-cache].args.worker.model.dtype"]
 
 
 @pytest.mark.parametrize("overrides,message", [

@@ -266,12 +266,25 @@ def cold_tier_bytes(worker: dict) -> int:
     """Bytes of the COLD tier file the worker preallocates for ``worker`` (WorkerConfig args)."""
     from actors.core import WorkerConfig
     from cluster.cache.kv_pool import KVLayout
-    from cluster.engine.model import ModelConfig
 
     cfg = WorkerConfig.from_dict(worker)
-    mc = ModelConfig(**cfg.model)
-    layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, mc.dtype)
+    spec = cfg.model_spec()
+    if spec.source == "builtin":
+        mc = spec.builtin_config()
+        shape = (mc.num_layers, mc.num_kv_heads, mc.head_dim)
+    elif spec.source in KNOWN_KV_SHAPES:   # offline: the manifest's hub model cannot be fetched here
+        shape = KNOWN_KV_SHAPES[spec.source]
+    else:
+        raise ValueError(f"add the KV shape of model {spec.source!r} to KNOWN_KV_SHAPES to size its tiers")
+    layout = KVLayout(*shape, spec.dtype)
     return cfg.cold_blocks * cfg.block_tokens * layout.bytes_per_token()
+
+
+# (num_layers, num_kv_heads, head_dim) of the models the manifests name, from their config.json.
+KNOWN_KV_SHAPES = {
+    "HuggingFaceTB/SmolLM2-135M-Instruct": (30, 3, 64),
+    "smollm2-135m-instruct": (30, 3, 64),
+}
 
 
 API_KEY_ENV = ("PREFIX_CACHE_API_KEYS", "PREFIX_CACHE_ADMIN_KEYS")

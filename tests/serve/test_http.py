@@ -153,7 +153,18 @@ BAD = [
     ({"model": MODEL, "prompt": "x", "stream": "yes"}, "/v1/completions", 422, "'stream' must be a boolean"),
     ({"model": MODEL, "prompt": "x", "n": 2}, "/v1/completions", 422, "'n' must be <= 1"),
     ({"model": MODEL, "prompt": "x", "stop_token_ids": "x"}, "/v1/completions", 422, "'stop_token_ids'"),
-    ({"model": MODEL, "prompt": "x", "stop": ["\n"]}, "/v1/completions", 422, "'stop' strings are not supported"),
+    ({"model": MODEL, "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "/v1/completions", 422,
+     "'stop' takes at most 4 strings"),
+    ({"model": MODEL, "prompt": "x", "stop": [""]}, "/v1/completions", 422, "each 'stop' string must have"),
+    ({"model": MODEL, "prompt": "x", "stop": 5}, "/v1/completions", 422, "'stop' must be a string or a list"),
+    ({"model": MODEL, "prompt": "x", "seed": 1 << 64}, "/v1/completions", 422, "'seed' must be <="),
+    (b'{"model": "prefix-cache-byte", "prompt": "x", "temperature": NaN}', "/v1/completions", 400,
+     "NaN is not a JSON value"),
+    (b'{"model": "prefix-cache-byte", "prompt": "\\ud800x"}', "/v1/completions", 400, "lone surrogate"),
+    (b'{"model": "prefix-cache-byte", "messages": [{"role": "user", "content": "\\udfff"}]}',
+     "/v1/chat/completions", 400, "lone surrogate"),
+    (b'{"model": "prefix-cache-byte", "prompt": ' + b"[" * 30000 + b"]" * 30000 + b"}", "/v1/completions", 400,
+     "nested too deeply"),
     ({"model": MODEL, "prompt": [1] * 3000}, "/v1/completions", 413, "prompt has 3000 tokens; the limit is 2048"),
     ({"model": MODEL, "prompt": "y" * 70000}, "/v1/completions", 413, "exceeds the limit of 65536"),
     ({"model": MODEL, "prompt": "x", "session_id": "s" * 500}, "/v1/completions", 422, "'session_id'"),
@@ -244,3 +255,13 @@ def test_router_falls_back_when_the_directory_is_gone(base_url):
         if r["prefix_cache"]["reason"] == "local" and r["usage"]["prompt_tokens_details"]["cached_tokens"] >= 112:
             break
         assert time.monotonic() < deadline, f"routing did not recover: {r['prefix_cache']}"
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-320, 5e-324])
+def test_tiny_temperature_is_greedy_and_the_replica_lives(base_url, temperature):
+    prompt = tokens(9, 30)
+    greedy = post(base_url, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 4}).json()
+    r = post(base_url, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 4,
+                                            "temperature": temperature, "seed": 3})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["token_ids"] == greedy["choices"][0]["token_ids"]

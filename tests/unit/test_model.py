@@ -49,6 +49,11 @@ def tokens_of(length: int, seed: int = 0, vocab: int = SMALL.vocab_size) -> torc
         ({"max_position": 0}, "max_position"),
         ({"seed": -1}, "seed"),
         ({"dtype": "float64"}, "dtype"),
+        ({"qkv_bias": 1}, "qkv_bias"),
+        ({"rope_type": "yarn"}, "rope_type"),
+        ({"rope_factor": 0.0}, "rope_factor"),
+        ({"rope_type": "llama3", "rope_low_freq_factor": 4.0}, "rope_high_freq_factor"),
+        ({"rope_original_max_position": 0}, "rope_original_max_position"),
     ],
 )
 def test_config_rejects_bad_field_and_names_it(overrides: dict, field: str) -> None:
@@ -179,6 +184,57 @@ def test_forward_batch_equals_forward_one_per_item(model: DecoderModel) -> None:
         torch.testing.assert_close(logits, one_logits, atol=1e-5, rtol=0)
         torch.testing.assert_close(kv, one_kv, atol=1e-5, rtol=0)
     assert model.forward_batch([]) == []
+
+
+def test_last_logits_only_gives_each_items_last_row(model: DecoderModel) -> None:
+    history = tokens_of(30, seed=14)
+    history_kv = model.forward_one(history, 0, None)[1]
+    items = [(tokens_of(9, seed=15), 0, None), (history[20:], 20, history_kv[:, :, :20]),
+             (tokens_of(1, seed=16), 30, history_kv)]
+    full = model.forward_batch(items)
+    last = model.forward_batch(items, last_logits_only=True)
+    for (logits, kv), (last_logits, last_kv) in zip(full, last):
+        assert last_logits.shape == (1, SMALL.vocab_size)
+        torch.testing.assert_close(last_logits, logits[-1:], atol=1e-5, rtol=0)
+        assert torch.equal(kv, last_kv)
+    one_logits, _ = model.forward_one(history, last_logits_only=True)
+    torch.testing.assert_close(one_logits, full_logits_of(model, history)[-1:], atol=1e-5, rtol=0)
+
+
+def full_logits_of(model: DecoderModel, tokens: torch.Tensor) -> torch.Tensor:
+    return model.forward_one(tokens, 0, None)[0]
+
+
+VARIANT = ModelConfig(**{**SMALL.__dict__, "head_dim": 24, "tie_word_embeddings": True, "qkv_bias": True,
+                         "o_bias": True, "mlp_bias": True, "qk_norm": True, "rope_type": "llama3",
+                         "rope_factor": 8.0, "rope_original_max_position": 32})
+
+
+@pytest.mark.parametrize("split", [1, 13, 39])
+def test_every_variant_flag_keeps_prefix_splits_exact(split: int) -> None:
+    variant = DecoderModel(VARIANT)
+    assert variant.lm_head is None and variant.output_weight is variant.embed
+    assert variant.layers[0].qk_norm.shape == (SMALL.num_heads + SMALL.num_kv_heads, 24)
+    tokens = tokens_of(40, seed=17)
+    full_logits, full_kv = variant.forward_one(tokens, 0, None)
+    logits, kv = variant.forward_one(tokens[split:], split, full_kv[:, :, :split])
+    torch.testing.assert_close(logits, full_logits[split:], atol=1e-4, rtol=0)
+    torch.testing.assert_close(kv, full_kv[:, :, split:], atol=1e-4, rtol=0)
+
+
+def test_rope_scaling_follows_transformers_formulas() -> None:
+    base = model_module.rope_inv_freq(ModelConfig(head_dim=64))
+    linear = model_module.rope_inv_freq(ModelConfig(head_dim=64, rope_type="linear", rope_factor=4.0))
+    torch.testing.assert_close(linear, base / 4.0)
+    llama3 = model_module.rope_inv_freq(ModelConfig(head_dim=64, rope_theta=500000.0, rope_type="llama3",
+                                                    rope_factor=8.0, rope_original_max_position=8192))
+    plain = model_module.rope_inv_freq(ModelConfig(head_dim=64, rope_theta=500000.0))
+    wavelen = 2 * torch.pi / plain
+    assert torch.equal(llama3[wavelen < 8192 / 4], plain[wavelen < 8192 / 4])    # high frequencies kept
+    torch.testing.assert_close(llama3[wavelen > 8192], plain[wavelen > 8192] / 8)  # low ones slowed
+    # The default tables are float64-accurate; rope_in_float32 reproduces transformers' float32 angles.
+    hf_like = DecoderModel(ModelConfig(**{**SMALL.__dict__, "rope_in_float32": True}))
+    assert 0 < (hf_like.rope_cos - DecoderModel(SMALL).rope_cos).abs().max() < 1e-3
 
 
 # ---- input validation ---------------------------------------------------------------------------

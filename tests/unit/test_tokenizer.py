@@ -78,3 +78,7 @@ def test_chat_template_is_append_only_across_turns() -> None:
 def test_bad_input_raises_clear_errors(call, error: type, message: str) -> None:
     with pytest.raises(error, match=message):
         call()
+
+
+def test_stop_token_ids_are_eos() -> None:
+    assert tok.stop_token_ids == (tok.eos_id,) == (257,)

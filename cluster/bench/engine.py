@@ -1,0 +1,250 @@
+"""``prefix-cache bench engine``: the packed engine against transformers on one model.
+
+Both arms load the same checkpoint (the same safetensors files), run on the
+same device, dtype and number of torch threads, and see the same prompts
+(deterministic token ids drawn from the vocabulary, no special tokens). One
+JSON row per arm:
+
+- ``ttft_ms_cold``: a fresh prompt of ``--prompt-tokens``, prefill to first
+  token (median of ``--repeats``).
+- ``ttft_ms_cached``: a prompt whose first ``prompt_tokens - suffix_tokens``
+  tokens were served before (a multi-turn follow-up). The engine matches them
+  in its radix tree; transformers reuses a copy of the prefix's
+  ``DynamicCache``, the prompt-reuse recipe of its documentation.
+  ``cached_speedup_vs_transformers_prefill`` compares it with transformers'
+  full prefill (its cold TTFT), which is what a transformers server without
+  prefix reuse pays.
+- ``decode_tokens_per_s``: batch 1, ``--max-tokens`` greedy tokens after the
+  first.
+- ``throughput_tokens_per_s``: ``--concurrency`` distinct prompts, generated
+  tokens / wall time, prefill included. The engine runs them concurrently
+  (continuous batching); transformers runs them one after another
+  (``throughput_tokens_per_s``) and, in the same run, as one batched
+  ``generate`` call (``throughput_tokens_per_s_batched``: equal prompt lengths
+  need no padding, so this is transformers' best case).
+- ``greedy_match``: the fraction of the concurrency prompts on which the
+  engine's greedy tokens equal ``transformers`` ``generate``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import random
+import statistics
+import time
+
+import torch
+
+from cluster.bench.common import emit, rounded
+from cluster.cache.kv_pool import KVLayout
+from cluster.cache.tiered import TierConfig, TieredCache
+from cluster.engine.checkpoint import ModelSpec, load_model
+from cluster.engine.runner import Engine, Request, SamplingParams
+from cluster.errors import InvalidInputError
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="model spec (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: the spec's, float32)")
+    p.add_argument("--device", default="cpu", help="cpu | cuda (default cpu)")
+    p.add_argument("--prompt-tokens", type=int, default=1000)
+    p.add_argument("--suffix-tokens", type=int, default=32,
+                   help="new tokens after the cached prefix for ttft_ms_cached (default 32)")
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3, help="TTFT samples per arm (median reported)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads for both arms (default 1)")
+    p.add_argument("--block-tokens", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _prompts(vocab: int, count: int, length: int, seed: int, low: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(low, vocab) for _ in range(length)] for _ in range(count)]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ------------------------------------------------------------------ the engine arm
+class EngineArm:
+    def __init__(self, loaded, args, device: torch.device):
+        model = loaded.model
+        c = model.config
+        per_request = args.prompt_tokens + args.max_tokens + 1
+        # HOT holds every concurrent request plus the cached prefixes of the TTFT runs.
+        hot_tokens = per_request * (args.concurrency + 2 * args.repeats + 4)
+        cfg = TierConfig(hot_blocks=-(-hot_tokens // args.block_tokens) + 16, block_tokens=args.block_tokens,
+                         device=str(device))
+        cache = TieredCache(cfg, KVLayout(c.num_layers, c.num_kv_heads, c.head_dim, c.dtype), vocab_size=c.vocab_size)
+        self.engine = Engine(model, cache, max_batch_tokens=max(4096, args.prompt_tokens),
+                             max_running=max(64, args.concurrency))
+        self.device = device
+
+    def run(self, prompts: list[list[int]], max_tokens: int) -> list[Request]:
+        reqs = [self.engine.submit(Request(list(p), SamplingParams(max_tokens=max_tokens))) for p in prompts]
+        while not all(r.finished for r in reqs):
+            self.engine.step()
+        _sync(self.device)
+        for r in reqs:
+            if r.error:
+                raise RuntimeError(f"engine request failed: {r.error}")
+        return reqs
+
+    def ttft_s(self, prompt: list[int]) -> tuple[float, int]:
+        req = self.run([prompt], 1)[0]
+        return req.first_token_at - req.submitted_at, req.cached_tokens
+
+    def decode_tokens_per_s(self, prompt: list[int], max_tokens: int) -> float:
+        req = self.engine.submit(Request(list(prompt), SamplingParams(max_tokens=max_tokens)))
+        first = None
+        while not req.finished:
+            self.engine.step()
+            if first is None and req.output:
+                _sync(self.device)
+                first = time.perf_counter()
+        _sync(self.device)
+        return (len(req.output) - 1) / (time.perf_counter() - first)
+
+
+# ------------------------------------------------------------- the transformers arm
+class TransformersArm:
+    def __init__(self, checkpoint_dir, dtype: torch.dtype, device: torch.device):
+        import transformers
+
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(checkpoint_dir), dtype=dtype, local_files_only=True).to(device).eval()
+        self.device = device
+        self.cache_class = transformers.DynamicCache
+
+    @torch.no_grad()
+    def prefill(self, ids: list[int], cache=None, start: int = 0):
+        x = torch.tensor([ids[start:]], device=self.device)
+        out = self.model(input_ids=x, past_key_values=cache if cache is not None else self.cache_class(),
+                         use_cache=True, logits_to_keep=1)
+        token = int(out.logits[0, -1].argmax())
+        _sync(self.device)
+        return token, out.past_key_values
+
+    @torch.no_grad()
+    def generate(self, batch: list[list[int]], max_tokens: int) -> list[list[int]]:
+        x = torch.tensor(batch, device=self.device)
+        out = self.model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                                  max_new_tokens=max_tokens, min_new_tokens=max_tokens, pad_token_id=0)
+        _sync(self.device)
+        return [row[len(batch[0]):].tolist() for row in out]
+
+    def ttft_s(self, ids: list[int]) -> float:
+        t0 = time.perf_counter()
+        self.prefill(ids)
+        return time.perf_counter() - t0
+
+    def cached_ttft_s(self, prefix_cache, ids: list[int], prefix_len: int) -> float:
+        t0 = time.perf_counter()
+        self.prefill(ids, copy.deepcopy(prefix_cache), start=prefix_len)
+        return time.perf_counter() - t0
+
+    @torch.no_grad()
+    def decode_tokens_per_s(self, ids: list[int], max_tokens: int) -> float:
+        token, cache = self.prefill(ids)
+        t0 = time.perf_counter()
+        for _ in range(max_tokens - 1):
+            out = self.model(input_ids=torch.tensor([[token]], device=self.device), past_key_values=cache,
+                             use_cache=True)
+            token, cache = int(out.logits[0, -1].argmax()), out.past_key_values
+        _sync(self.device)
+        return (max_tokens - 1) / (time.perf_counter() - t0)
+
+
+def run(args: argparse.Namespace) -> int:
+    for name in ("prompt_tokens", "concurrency", "max_tokens", "repeats", "threads", "block_tokens"):
+        if getattr(args, name) < 1:
+            raise InvalidInputError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.max_tokens < 2:
+        raise InvalidInputError("--max-tokens must be >= 2 (decode speed is measured after the first token)")
+    if not 0 < args.suffix_tokens < args.prompt_tokens:
+        raise InvalidInputError("--suffix-tokens must be in [1, --prompt-tokens)")
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    spec = ModelSpec.parse(args.model)
+    if args.dtype:
+        spec = dataclasses.replace(spec, dtype=args.dtype)
+    loaded = load_model(spec, device=str(device))
+    if loaded.checkpoint_dir is None:
+        raise InvalidInputError("bench engine compares against transformers: give --model a real checkpoint "
+                                "(the default, a local directory, a GGUF file or a hub id), not 'builtin'")
+    c = loaded.model.config
+    low = 1 + max(loaded.eos_token_ids, default=0)   # keep special tokens out of the prompts
+    n_ttft = args.repeats
+    prompts = _prompts(c.vocab_size, 2 * n_ttft + args.concurrency + 1, args.prompt_tokens, args.seed, low)
+    cold_prompts, cached_prompts = prompts[:n_ttft], prompts[n_ttft:2 * n_ttft]
+    batch_prompts, decode_prompt = prompts[2 * n_ttft:-1], prompts[-1]
+    prefix_len = args.prompt_tokens - args.suffix_tokens
+    common = {"bench": "engine", "model": loaded.model_id, "dtype": c.dtype, "device": str(device),
+              "threads": args.threads, "prompt_tokens": args.prompt_tokens, "cached_prefix_tokens": prefix_len,
+              "concurrency": args.concurrency, "max_tokens": args.max_tokens}
+
+    ours = EngineArm(loaded, args, device)
+    ours.run([_prompts(c.vocab_size, 1, 64, args.seed + 1, low)[0]], 2)   # warm-up
+    cold = [ours.ttft_s(p)[0] for p in cold_prompts]
+    cached = []
+    for p in cached_prompts:
+        ours.run([p[:prefix_len]], 1)                   # an earlier turn leaves the prefix cached
+        seconds, hit = ours.ttft_s(p)
+        if hit < prefix_len - args.block_tokens:
+            raise RuntimeError(f"expected a cache hit of ~{prefix_len} tokens, got {hit}")
+        cached.append(seconds)
+    decode = ours.decode_tokens_per_s(decode_prompt, args.max_tokens)
+    t0 = time.perf_counter()
+    reqs = ours.run(batch_prompts, args.max_tokens)
+    ours_throughput = sum(len(r.output) for r in reqs) / (time.perf_counter() - t0)
+    ours_outputs = [r.output for r in reqs]
+    del ours
+
+    hf = TransformersArm(loaded.checkpoint_dir, loaded.model.config.torch_dtype, device)
+    hf.prefill(_prompts(c.vocab_size, 1, 64, args.seed + 1, low)[0])   # warm-up
+    hf_cold = [hf.ttft_s(p) for p in cold_prompts]
+    hf_cached = []
+    for p in cached_prompts:
+        _, prefix_cache = hf.prefill(p[:prefix_len])
+        hf_cached.append(hf.cached_ttft_s(prefix_cache, p, prefix_len))
+    hf_decode = hf.decode_tokens_per_s(decode_prompt, args.max_tokens)
+    t0 = time.perf_counter()
+    hf_outputs = [hf.generate([p], args.max_tokens)[0] for p in batch_prompts]
+    hf_sequential = args.concurrency * args.max_tokens / (time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    hf.generate(batch_prompts, args.max_tokens)
+    hf_batched = args.concurrency * args.max_tokens / (time.perf_counter() - t0)
+
+    matches = sum(a == b for a, b in zip(ours_outputs, hf_outputs))
+    hf_cold_ms = statistics.median(hf_cold) * 1e3
+    ours_row = {**common, "impl": "prefix-cache",
+                "ttft_ms_cold": rounded(statistics.median(cold) * 1e3, 1),
+                "ttft_ms_cached": rounded(statistics.median(cached) * 1e3, 1),
+                "decode_tokens_per_s": rounded(decode, 2),
+                "throughput_tokens_per_s": rounded(ours_throughput, 2),
+                "greedy_match": rounded(matches / len(batch_prompts), 4)}
+    ours_row["cold_ttft_vs_transformers"] = rounded(ours_row["ttft_ms_cold"] / hf_cold_ms, 3)
+    ours_row["decode_vs_transformers"] = rounded(decode / hf_decode, 3)
+    ours_row["throughput_vs_transformers_sequential"] = rounded(ours_throughput / hf_sequential, 2)
+    ours_row["throughput_vs_transformers_batched"] = rounded(ours_throughput / hf_batched, 2)
+    ours_row["cached_speedup_vs_transformers_prefill"] = rounded(hf_cold_ms / ours_row["ttft_ms_cached"], 1)
+    emit(ours_row)
+    emit({**common, "impl": "transformers", "version": _transformers_version(),
+          "ttft_ms_cold": rounded(hf_cold_ms, 1),
+          "ttft_ms_cached": rounded(statistics.median(hf_cached) * 1e3, 1),
+          "decode_tokens_per_s": rounded(hf_decode, 2),
+          "throughput_tokens_per_s": rounded(hf_sequential, 2),
+          "throughput_tokens_per_s_batched": rounded(hf_batched, 2),
+          "greedy_match": 1.0})
+    return 0
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__

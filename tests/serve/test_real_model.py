@@ -1,0 +1,124 @@
+"""The real default model over HTTP: its id, its answers, its text, its multi-turn reuse.
+
+One replica of the embedded SmolLM2-135M-Instruct (converted once into the
+local safetensors cache) behind the real ingress on the loopback cluster.
+Greedy decoding, so every answer is reproducible.
+"""
+
+import json
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.distributed
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="module")
+def base_url(ray_loopback_cluster):
+    from ray import serve
+
+    from serve_app.app import build_app
+    from serve_app.local import free_port, prepare_model
+
+    assert prepare_model(None) == MODEL   # converts the GGUF once, before the replica starts
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    args = {"num_replicas": 1, "namespace": "prefix-cache-real-model-test",
+            "limits": {"max_prompt_tokens": 2048, "max_tokens": 64},
+            "worker": {"hot_blocks": 256, "warm_blocks": 128, "block_tokens": 16, "torch_threads": 2}}
+    serve.run(build_app(args), name="prefix-cache-real", route_prefix="/real")
+    yield f"http://127.0.0.1:{port}/real"
+    serve.delete("prefix-cache-real")
+
+
+def chat(url, messages, **kw):
+    r = httpx.post(url + "/v1/chat/completions", timeout=120,
+                   json={"model": MODEL, "messages": messages, "max_tokens": 24, **kw})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def stream_chat(url, messages, **kw):
+    chunks = []
+    with httpx.stream("POST", url + "/v1/chat/completions", timeout=120,
+                      json={"model": MODEL, "messages": messages, "max_tokens": 24, "stream": True, **kw}) as r:
+        assert r.status_code == 200, r.read()
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    for line in lines[:-1]:
+        chunks.append(json.loads(line[6:]))
+    return chunks
+
+
+def test_models_lists_the_real_model(base_url):
+    r = httpx.get(base_url + "/v1/models", timeout=30)
+    assert r.status_code == 200 and [m["id"] for m in r.json()["data"]] == [MODEL]
+
+
+def test_real_answer_and_eos_ends_it(base_url):
+    body = chat(base_url, [{"role": "user", "content": "What is the capital of France?"}], max_tokens=48)
+    text = body["choices"][0]["message"]["content"]
+    assert "Paris" in text
+    # The model ends its turn with <|im_end|> (EOS) before 48 tokens: finish_reason "stop",
+    # and the control token is not part of the text.
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert body["usage"]["completion_tokens"] < 48 and "<|im_end|>" not in text
+
+
+def test_length_finish_reason(base_url):
+    body = chat(base_url, [{"role": "user", "content": "Write a long story about a dragon."}], max_tokens=5)
+    assert body["choices"][0]["finish_reason"] == "length" and body["usage"]["completion_tokens"] == 5
+
+
+def test_stop_string_cuts_before_it(base_url):
+    messages = [{"role": "user", "content": "Describe the city of Lyon in two sentences."}]
+    full = chat(base_url, messages, max_tokens=40)["choices"][0]["message"]["content"]
+    assert len(full) > 20, full
+    stop = full[len(full) // 2:len(full) // 2 + 4]        # a string the model will write again
+    cut_at = full.index(stop)
+    body = chat(base_url, messages, max_tokens=40, stop=[stop, "zzz-never"])
+    assert body["choices"][0]["message"]["content"] == full[:cut_at]
+    assert body["choices"][0]["finish_reason"] == "stop"
+    streamed = stream_chat(base_url, messages, max_tokens=40, stop=stop)
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in streamed) == full[:cut_at]
+    assert streamed[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize("prompt", [
+    "Répète exactement: « Noël à Zürich, déjà vu, garçon, façade ».",
+    "请用中文回答：日本的首都是哪里？",
+    "Reply with three emoji about cooking 🍳👩‍🍳🔥 and the flag 🇫🇷.",
+])
+def test_streamed_text_equals_non_streamed_multibyte(base_url, prompt):
+    messages = [{"role": "user", "content": prompt}]
+    plain = chat(base_url, messages, max_tokens=32)["choices"][0]["message"]["content"]
+    chunks = stream_chat(base_url, messages, max_tokens=32)
+    pieces = [c["choices"][0]["delta"].get("content", "") for c in chunks]
+    assert "".join(pieces) == plain
+    # No partial character is ever streamed. Only when max_tokens cuts the last character
+    # in half does the end carry U+FFFD, as in the non-streamed text.
+    texts = [p for p in pieces if p]
+    if plain.endswith("\ufffd"):
+        texts[-1] = texts[-1].rstrip("\ufffd")
+    assert all("\ufffd" not in p for p in texts), pieces
+    assert any(ord(ch) > 127 for ch in plain), plain          # the model did answer with non-ASCII text
+
+
+def test_six_turn_chat_reuses_prompt_and_reply(base_url):
+    """The client appends the reply text and a new message each turn: the new
+    prompt's cached tokens cover the previous prompt and reply."""
+    questions = ["Hi! Who are you?", "What is a prefix cache?", "Give me an example with numbers.",
+                 "How does that help a chat like ours?", "Say it in one sentence.", "Thanks, bye!"]
+    messages = [{"role": "system", "content": "You are a concise assistant."}]
+    previous, ratios = 0, []
+    for question in questions:
+        messages.append({"role": "user", "content": question})
+        body = chat(base_url, messages, max_tokens=32)
+        usage = body["usage"]
+        if previous:
+            ratios.append(min(usage["prompt_tokens_details"]["cached_tokens"], previous) / previous)
+        previous = usage["prompt_tokens"] + usage["completion_tokens"]
+        messages.append({"role": "assistant", "content": body["choices"][0]["message"]["content"]})
+    assert len(ratios) == 5 and min(ratios) >= 0.95, ratios
