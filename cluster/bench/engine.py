@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import inspect
 import random
 import statistics
 import time
@@ -120,15 +121,21 @@ class TransformersArm:
             str(checkpoint_dir), dtype=dtype, local_files_only=True).to(device).eval()
         self.device = device
         self.cache_class = transformers.DynamicCache
+        # transformers 5.x names the cache argument `cache`, 4.x `past_key_values`.
+        self.cache_kwarg = "cache" if "cache" in inspect.signature(self.model.forward).parameters \
+            else "past_key_values"
+
+    def _forward(self, ids: torch.Tensor, cache, **kw):
+        out = self.model(input_ids=ids, use_cache=True, **{self.cache_kwarg: cache}, **kw)
+        return out, getattr(out, self.cache_kwarg)
 
     @torch.no_grad()
     def prefill(self, ids: list[int], cache=None, start: int = 0):
         x = torch.tensor([ids[start:]], device=self.device)
-        out = self.model(input_ids=x, past_key_values=cache if cache is not None else self.cache_class(),
-                         use_cache=True, logits_to_keep=1)
+        out, cache = self._forward(x, cache if cache is not None else self.cache_class(), logits_to_keep=1)
         token = int(out.logits[0, -1].argmax())
         _sync(self.device)
-        return token, out.past_key_values
+        return token, cache
 
     @torch.no_grad()
     def generate(self, batch: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -153,9 +160,8 @@ class TransformersArm:
         token, cache = self.prefill(ids)
         t0 = time.perf_counter()
         for _ in range(max_tokens - 1):
-            out = self.model(input_ids=torch.tensor([[token]], device=self.device), past_key_values=cache,
-                             use_cache=True)
-            token, cache = int(out.logits[0, -1].argmax()), out.past_key_values
+            out, cache = self._forward(torch.tensor([[token]], device=self.device), cache)
+            token = int(out.logits[0, -1].argmax())
         _sync(self.device)
         return (max_tokens - 1) / (time.perf_counter() - t0)
 

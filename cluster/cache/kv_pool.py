@@ -97,6 +97,19 @@ class KVPool:
         # Advanced indexing on dims 0 and 3 puts the token dim first: [T, L, 2, H, D].
         return self.tensor[bidx, :, :, oidx].permute(1, 2, 0, 3, 4)
 
+    def read_into(self, extents: Sequence[Extent], out: torch.Tensor) -> None:
+        """Copy the KV of ``extents`` into ``out`` (``[num_layers, 2, T, kv_heads, head_dim]``),
+        one copy per extent: no gather index and no intermediate tensor."""
+        if self.tensor is None:
+            raise InvalidInputError(f"pool {self.name!r} has no tensor (built without a layout)")
+        total = sum(e.length for e in extents)
+        if out.dim() != 5 or out.shape[2] != total:
+            raise InvalidInputError(f"out of shape {tuple(out.shape)} does not fit extents covering {total} tokens")
+        pos = 0
+        for b, off, length in extents:
+            out[:, :, pos:pos + length].copy_(self.tensor[b, :, :, off:off + length])
+            pos += length
+
     def write(self, extents: Sequence[Extent], kv: torch.Tensor) -> None:
         """Scatter ``kv`` (``[num_layers, 2, T, kv_heads, head_dim]``) into ``extents``."""
         if self.tensor is None:

@@ -204,6 +204,9 @@ class TieredCache:
     def read(self, extents: Sequence[Extent]) -> torch.Tensor:
         return self.hot.read(extents)
 
+    def read_into(self, extents: Sequence[Extent], out: torch.Tensor) -> None:
+        self.hot.read_into(extents, out)
+
     def write(self, extents: Sequence[Extent], kv: torch.Tensor) -> None:
         self.hot.write(extents, kv)
 

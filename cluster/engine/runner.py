@@ -289,7 +289,7 @@ class Engine:
         req._kv = torch.empty((cfg.num_layers, 2, cap, cfg.num_kv_heads, cfg.head_dim), dtype=dtype,
                               device=cache.hot.tensor.device)
         if usable:
-            req._kv[:, :, :usable] = cache.read(req._prefix_ext)
+            cache.read_into(req._prefix_ext, req._kv[:, :, :usable])
         req._len = usable
         return len(req.prompt) - usable
 
