@@ -17,6 +17,8 @@ every request from the directory's decision.
 - ``limits``: ``max_prompt_tokens``, ``max_tokens``, ``max_body_bytes``
 - ``api_keys``: ``"key=tenant,..."`` (else env ``PREFIX_CACHE_API_KEYS``; none: auth off)
 - ``admin_keys``: comma-separated (else env ``PREFIX_CACHE_ADMIN_KEYS``)
+- ``admin_without_keys``: with no key configured at all, admin endpoints are
+  off (403) unless this is true (the local demo sets it)
 - ``num_replicas`` or ``autoscaling_config`` for the cache replicas,
   ``gpus_per_replica`` (default 0: CPU), ``max_ongoing_requests``,
   ``max_queued_requests``
@@ -71,6 +73,7 @@ class Ingress:
     @fastapi_app.post("/v1/sessions/{session_id}/prefetch")
     async def prefetch(self, session_id: str, request: Request):
         tenant = self.core.authenticate(request)
+        await self.core.body(request, empty_ok=True)   # JSON only: no cross-site form POSTs
         return await self.core.prefetch(tenant, session_id)
 
     @fastapi_app.get("/v1/cache/stats")
@@ -81,6 +84,7 @@ class Ingress:
     @fastapi_app.post("/v1/cache/flush")
     async def flush(self, request: Request):
         self.core.authenticate(request, admin=True)
+        await self.core.body(request, empty_ok=True)   # JSON only: no cross-site form POSTs
         return await self.core.flush()
 
     @fastapi_app.post("/v1/admin/policy")
@@ -115,6 +119,7 @@ def build_app(args: dict[str, Any] | None = None):
         replica_opts["num_replicas"] = int(num_replicas or 1)
     settings = {"model": worker_config.model, "model_name": args.pop("model_name", None), "namespace": namespace,
                 "api_keys": args.pop("api_keys", None), "admin_keys": args.pop("admin_keys", None),
+                "admin_without_keys": bool(args.pop("admin_without_keys", False)),
                 "limits": args.pop("limits", None)}
     if args:
         raise ValueError(f"unknown application args: {sorted(args)}")

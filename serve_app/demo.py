@@ -85,7 +85,7 @@ async def run_policy(base: str, model: str, policy: str, sessions: list[dict], a
     async with httpx.AsyncClient(base_url=base, timeout=300) as client:
         r = await client.post("/v1/admin/policy", json={"policy": policy})
         r.raise_for_status()
-        (await client.post("/v1/cache/flush")).raise_for_status()
+        (await client.post("/v1/cache/flush", json={})).raise_for_status()
         sem = asyncio.Semaphore(args.concurrency)
 
         async def chat(sess: dict) -> None:
@@ -154,7 +154,8 @@ def run(args: argparse.Namespace) -> int:
         worker = dict(DEMO_WORKER)
         if args.model is not None:
             worker["model"] = args.model
-        local.deploy({"num_replicas": 3, "worker": worker}, port=port)
+        # The demo flushes caches and switches policies between runs: admin endpoints on, on loopback.
+        local.deploy({"num_replicas": 3, "worker": worker, "admin_without_keys": True}, port=port)
         base = f"http://127.0.0.1:{port}"
         question = "What is the capital of France? Answer in one sentence."
         print(f"\nQ: {question}\nA: {ask_once(base, model, question).strip()}\n", flush=True)

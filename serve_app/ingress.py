@@ -8,6 +8,7 @@ GET /v1/cache/stats and POST /v1/cache/flush (admin).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import json
 import logging
@@ -21,6 +22,7 @@ from typing import Any, AsyncIterator
 import ray
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from actors.core import QueueFullError
 from cluster.errors import CacheError, InvalidInputError
@@ -36,8 +38,15 @@ log = logging.getLogger("ray.serve")
 TIER_NAMES = ("hot", "warm", "cold")
 
 
+def key_tenant(key: str) -> str:
+    """The tenant of a key configured without one: derived from the whole key
+    (never a prefix, which two keys may share), and not reversible to it."""
+    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
 def parse_keys(spec: str | dict | None) -> dict[str, str]:
-    """``"key1=tenantA,key2=tenantB"`` or a mapping -> {key: tenant}."""
+    """``"key1=tenantA,key2=tenantB"`` or a mapping -> {key: tenant}; a key
+    without ``=tenant`` gets a namespace of its own (``key_tenant``)."""
     if not spec:
         return {}
     if isinstance(spec, dict):
@@ -48,7 +57,7 @@ def parse_keys(spec: str | dict | None) -> dict[str, str]:
         if not part:
             continue
         key, _, tenant = part.partition("=")
-        out[key.strip()] = tenant.strip() or key.strip()[:8]
+        out[key.strip()] = tenant.strip() or key_tenant(key.strip())
     return out
 
 
@@ -57,7 +66,8 @@ class IngressCore:
 
     def __init__(self, workers: Any, model: str | dict | None = None, model_name: str | None = None,
                  namespace: str = "prefix-cache", api_keys: str | dict | None = None,
-                 admin_keys: str | list | None = None, limits: dict | None = None, retry_after_s: int = 1):
+                 admin_keys: str | list | None = None, limits: dict | None = None, retry_after_s: int = 1,
+                 admin_without_keys: bool = False):
         """``model`` is the replicas' model spec (``WorkerConfig.model``): the ingress
         loads only its tokenizer and chat template. ``model_name`` is the id clients
         send and ``/v1/models`` lists (default: the model's own id)."""
@@ -73,8 +83,11 @@ class IngressCore:
         admin = admin_keys if admin_keys is not None else os.environ.get("PREFIX_CACHE_ADMIN_KEYS", "")
         self.admin_keys = set(admin if isinstance(admin, list) else [k for k in admin.split(",") if k])
         self.retry_after_s = retry_after_s
+        # Admin endpoints (flush, policy, stats) with no key configured at all: off unless
+        # explicitly enabled (a local demo), so a cross-site POST cannot flush the cache.
+        self.admin_without_keys = bool(admin_without_keys) or \
+            os.environ.get("PREFIX_CACHE_ADMIN_WITHOUT_KEYS", "").lower() in ("1", "true", "yes")
         self._sessions: OrderedDict[tuple, str] = OrderedDict()   # (tenant, session) -> worker id
-        self._directory = None
 
     def render_chat(self, tenant: str | None):
         """The chat renderer for one tenant: its reply memory is the tenant's own."""
@@ -90,6 +103,10 @@ class IngressCore:
     def authenticate(self, request: Request, admin: bool = False) -> str | None:
         """The caller's tenant (None when auth is off); raises 401/403."""
         if not self.api_keys and not self.admin_keys:
+            if admin and not self.admin_without_keys:
+                raise APIError(403, "admin endpoints are disabled: configure admin_keys (or, on a trusted "
+                                    "local setup, set admin_without_keys)", type_="permission_error",
+                               code="admin_disabled")
             return None
         header = request.headers.get("authorization", "")
         scheme, _, key = header.partition(" ")
@@ -108,18 +125,31 @@ class IngressCore:
             return "admin"
         raise APIError(401, "invalid or missing API key", type_="authentication_error", code="invalid_api_key")
 
-    async def body(self, request: Request) -> dict:
+    async def body(self, request: Request, empty_ok: bool = False) -> dict:
+        """The JSON object of a request body (``{}`` for an empty one when ``empty_ok``)."""
+        media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if media_type != "application/json":
+            # Also what keeps a cross-site form or text/plain POST from reaching an endpoint.
+            raise APIError(415, f"the request body must be JSON with Content-Type: application/json, "
+                                f"got {media_type or 'none'!r}", code="unsupported_media_type")
         declared = request.headers.get("content-length")
         if declared and declared.isdigit() and int(declared) > self.limits.max_body_bytes:
             raise APIError(413, f"request body of {declared} bytes exceeds the limit of "
                                 f"{self.limits.max_body_bytes}", code="request_too_large")
-        raw = b""
-        async for chunk in request.stream():
-            raw += chunk
-            if len(raw) > self.limits.max_body_bytes:
-                raise APIError(413, f"request body exceeds the limit of {self.limits.max_body_bytes} bytes",
-                               code="request_too_large")
-        return parse_json(raw, self.limits)
+        chunks, size = [], 0
+        try:
+            async with asyncio.timeout(self.limits.body_timeout_s):
+                async for chunk in request.stream():
+                    chunks.append(chunk)
+                    size += len(chunk)
+                    if size > self.limits.max_body_bytes:
+                        raise APIError(413, f"request body exceeds the limit of {self.limits.max_body_bytes} "
+                                            f"bytes", code="request_too_large")
+        except TimeoutError:
+            raise APIError(408, f"the request body did not arrive within {self.limits.body_timeout_s} s",
+                           code="request_timeout") from None
+        raw = b"".join(chunks)
+        return {} if empty_ok and not raw.strip() else parse_json(raw, self.limits)
 
     # -------------------------------------------------------------- generation
     def _session_key(self, tenant, session_id):
@@ -269,9 +299,9 @@ class IngressCore:
 
     # ------------------------------------------------------------------ admin
     async def directory(self):
-        if self._directory is None:
-            self._directory = await asyncio.to_thread(ray.get_actor, DIRECTORY_NAME, namespace=self.namespace)
-        return self._directory
+        # Looked up per call (admin endpoints only): a handle kept across a directory that was
+        # killed and recreated would point at the dead actor.
+        return await asyncio.to_thread(ray.get_actor, DIRECTORY_NAME, namespace=self.namespace)
 
     async def cache_stats(self) -> dict:
         d = await self.directory()
@@ -343,6 +373,15 @@ def make_fastapi() -> FastAPI:
     async def api_error(_: Request, exc: APIError):
         metrics.requests.inc(tags={"endpoint": "error", "status": str(exc.status)})
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        # Unknown paths (404) and methods (405) answer in the OpenAI error shape too.
+        codes = {404: "not_found", 405: "method_not_allowed"}
+        message = {404: f"no endpoint {request.url.path}",
+                   405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
+        error = APIError(exc.status_code, message, code=codes.get(exc.status_code))
+        return JSONResponse(error.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def internal_error(_: Request, exc: Exception):

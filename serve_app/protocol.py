@@ -30,6 +30,7 @@ class Limits:
     max_prompt_tokens: int = 4096
     max_tokens: int = 1024
     max_body_bytes: int = 1 << 20
+    body_timeout_s: float = 10.0     # a body that stalls longer gets 408
 
 
 @dataclass
@@ -132,6 +133,10 @@ def _common(body: dict, prompt: list[int], limits: Limits, served_model: str, to
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise APIError(422, "'stream_options' must be an object", param="stream_options")
+    include_usage = options.get("include_usage", True)
+    if not isinstance(include_usage, bool):
+        raise APIError(422, f"'stream_options.include_usage' must be a boolean, got {type(include_usage).__name__}",
+                       param="stream_options.include_usage")
     stop_ids = body.get("stop_token_ids") or []
     if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
         raise APIError(422, "'stop_token_ids' must be a list of integers", param="stop_token_ids")
@@ -146,7 +151,7 @@ def _common(body: dict, prompt: list[int], limits: Limits, served_model: str, to
         prompt=prompt, max_tokens=max_tokens,
         temperature=_float(body, "temperature", 0.0, 0.0, 2.0),   # default greedy: reproducible
         top_p=_float(body, "top_p", 1.0, 0.0, 1.0, lo_open=True), seed=_int(body, "seed", None, lo=-(1 << 63), hi=(1 << 64) - 1),
-        stop_token_ids=stop_ids, stop=stop, ignore_eos=ignore_eos, stream=stream, include_usage=bool(options.get("include_usage", True)),
+        stop_token_ids=stop_ids, stop=stop, ignore_eos=ignore_eos, stream=stream, include_usage=include_usage,
         session_id=session, model=model)
 
 

@@ -28,6 +28,8 @@ from cluster.cache.allocator import Extent
 from cluster.cache.tiered import TieredCache
 from cluster.engine.model import sample
 from cluster.errors import CacheError, InvalidInputError, PoolExhaustedError
+from cluster.ownership import ThreadOwner
+from cluster.protocol import FinishReason
 from cluster.tokens import as_token_list
 
 log = logging.getLogger(__name__)
@@ -79,7 +81,7 @@ class Request:
     cached_tokens: int = 0          # prompt tokens served from the cache
     tier_hits: list[int] = field(default_factory=lambda: [0, 0, 0])
     finished: bool = False
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     error: str | None = None
     submitted_at: float = 0.0
     first_token_at: float | None = None
@@ -125,6 +127,7 @@ class Engine:
         self._ended: list[TokenEvent] = []   # requests that ended outside a sampled token
         self.running: list[Request] = []
         self._ids = itertools.count(1)
+        self.owner: ThreadOwner | None = None   # the worker's engine thread, when ownership checks are on
         self._last_logits_only = "last_logits_only" in inspect.signature(model.forward_batch).parameters
         self.stats = {"prompt_tokens": 0, "cached_tokens": 0, "computed_tokens": 0, "steps": 0,
                       "requests_finished": 0, "requests_failed": 0, "requests_cancelled": 0,
@@ -132,6 +135,8 @@ class Engine:
 
     # ------------------------------------------------------------------ API
     def submit(self, request: Request) -> Request:
+        if self.owner is not None:
+            self.owner.check("Engine.submit")
         request.prompt = as_token_list(request.prompt, self.model.config.vocab_size)
         limit = self.model.config.max_position
         if len(request.prompt) + request.params.max_tokens > limit:
@@ -145,11 +150,15 @@ class Engine:
         self.waiting.append(request)
         return request
 
-    def cancel(self, request: Request, reason: str = "cancelled") -> None:
+    def cancel(self, request: Request, reason: FinishReason = FinishReason.CANCELLED) -> None:
+        if self.owner is not None:
+            self.owner.check("Engine.cancel")
+        reason = FinishReason(reason)
         if request in self.waiting:
             self.waiting.remove(request)
             request.finished, request.finish_reason = True, reason
             self._ended.append(TokenEvent(request, None, True))
+            self.stats["requests_cancelled"] += 1
         elif request in self.running:
             self._finish(request, reason, keep=True)
 
@@ -168,6 +177,8 @@ class Engine:
     # ------------------------------------------------------------------ steps
     def step(self) -> list[TokenEvent]:
         """One scheduler iteration: admit prefills, run one batch, sample."""
+        if self.owner is not None:
+            self.owner.check("Engine.step")
         self.cache.poll()
         batch: list[tuple[Request, torch.Tensor, int]] = []   # (request, new tokens, start position)
         budget = self.max_batch_tokens
@@ -198,25 +209,25 @@ class Engine:
                        else self.model.forward_batch(items, last_logits_only=True))
         except Exception as exc:  # a failed step fails its requests, never the cache
             for req, _, _ in batch:
-                self._finish(req, "error", keep=False, error=f"model forward failed: {exc}")
+                self._finish(req, FinishReason.ERROR, keep=False, error=f"model forward failed: {exc}")
             return events + self.drain_ended()
         self.stats["steps"] += 1
         for (req, toks, start), (logits, new_kv) in zip(batch, outputs):
             try:
                 token = self._advance(req, toks, start, logits, new_kv)
             except PoolExhaustedError as exc:
-                self._finish(req, "error", keep=False, error=f"KV cache full: {exc}")
+                self._finish(req, FinishReason.ERROR, keep=False, error=f"KV cache full: {exc}")
                 continue
             except Exception as exc:  # this request fails; the batch, the engine and the cache go on
-                self._finish(req, "error", keep=False, error=f"{type(exc).__name__}: {exc}")
+                self._finish(req, FinishReason.ERROR, keep=False, error=f"{type(exc).__name__}: {exc}")
                 continue
             if req.first_token_at is None:
                 req.first_token_at = self.clock()
             reason = None
             if token in req.params.stop_token_ids:
-                reason = "stop"
+                reason = FinishReason.STOP
             elif len(req.output) >= req.params.max_tokens:
-                reason = "length"
+                reason = FinishReason.LENGTH
             if reason:
                 try:
                     self._finish(req, reason, keep=True)
@@ -243,19 +254,18 @@ class Engine:
         kept; the cache's other contents are untouched)."""
         for req in list(self.waiting):
             self.waiting.remove(req)
-            req.finished, req.finish_reason, req.error = True, "error", error
+            req.finished, req.finish_reason, req.error = True, FinishReason.ERROR, error
             self._ended.append(TokenEvent(req, None, True))
             self.stats["requests_failed"] += 1
         for req in list(self.running):
-            self._finish(req, "error", keep=False, error=error)
+            self._finish(req, FinishReason.ERROR, keep=False, error=error)
 
     def _fits(self, req: Request, suffix: int) -> bool:
         """Admission control: the HOT pool must be able to take this request's new
         KV (its prompt suffix and every token it may decode) once unlocked
         prefixes are evicted or demoted; otherwise it waits for running requests
         to finish rather than failing midway."""
-        hot = self.cache.hot.allocator
-        room = hot.free_blocks * hot.block_tokens + self.cache.tree.evictable[0]
+        room = self.cache.room_tokens()
         reserved = sum(r.params.max_tokens - len(r.output) for r in self.running)
         return suffix + req.params.max_tokens + reserved <= room
 
@@ -270,7 +280,7 @@ class Engine:
         try:
             m = cache.match(req.prompt, req.namespace, lock=True, validate=False)
         except CacheError as exc:
-            req.finished, req.finish_reason, req.error = True, "error", str(exc)
+            req.finished, req.finish_reason, req.error = True, FinishReason.ERROR, str(exc)
             self._ended.append(TokenEvent(req, None, True))
             return None
         req._node = m.last_node
@@ -285,9 +295,8 @@ class Engine:
             rest -= req.tier_hits[t]
         cfg = self.model.config
         cap = len(req.prompt) + req.params.max_tokens + 1
-        dtype = cache.hot.tensor.dtype
-        req._kv = torch.empty((cfg.num_layers, 2, cap, cfg.num_kv_heads, cfg.head_dim), dtype=dtype,
-                              device=cache.hot.tensor.device)
+        req._kv = torch.empty((cfg.num_layers, 2, cap, cfg.num_kv_heads, cfg.head_dim), dtype=cache.kv_dtype,
+                              device=cache.kv_device)
         if usable:
             cache.read_into(req._prefix_ext, req._kv[:, :, :usable])
         req._len = usable
@@ -305,12 +314,13 @@ class Engine:
         self.cache.write(ext, new_kv)
         req._len = start + n
 
-    def _finish(self, req: Request, reason: str, *, keep: bool, error: str | None = None) -> None:
+    def _finish(self, req: Request, reason: FinishReason, *, keep: bool, error: str | None = None) -> None:
         """End a request: cache its KV (when ``keep``), free what is private, unlock."""
         req.finished, req.finish_reason, req.error = True, reason, error
-        if error is not None or reason == "cancelled" or reason == "client_disconnected":
+        cancelled = reason in (FinishReason.CANCELLED, FinishReason.CLIENT_DISCONNECTED)
+        if error is not None or cancelled:
             self._ended.append(TokenEvent(req, None, True))
-        if reason in ("cancelled", "client_disconnected"):
+        if cancelled:
             self.stats["requests_cancelled"] += 1
         if req in self.running:
             self.running.remove(req)
@@ -323,7 +333,7 @@ class Engine:
                 self._store_kv(req, start, kv)
             if keep and req._seq_ext:
                 tokens = req.tokens[:req._len]
-                self.cache.hot.allocator.seal(req._seq_ext[-1])
+                self.cache.seal(req._seq_ext[-1])
                 self.cache.insert(tokens, req._seq_ext, req.namespace, start=req.cached_tokens, validate=False)
                 if req.session_id is not None:
                     self.cache.note_session(req.session_id, tokens, req.namespace)

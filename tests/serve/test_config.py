@@ -32,3 +32,13 @@ def test_unknown_args_are_rejected():
 
     with pytest.raises(ValueError, match="unknown application args: \\['colour'\\]"):
         build_app({"colour": "blue"})
+
+
+def test_keys_without_tenant_get_namespaces_of_their_own():
+    from serve_app.ingress import key_tenant, parse_keys
+
+    keys = parse_keys("sk-shared-prefix-aaaa,sk-shared-prefix-bbbb,sk-other=team-x")
+    assert keys["sk-other"] == "team-x"
+    a, b = keys["sk-shared-prefix-aaaa"], keys["sk-shared-prefix-bbbb"]
+    assert a != b and a == key_tenant("sk-shared-prefix-aaaa")
+    assert "sk-shared" not in a   # derived from the whole key, and not the key itself

@@ -168,6 +168,8 @@ BAD = [
     ({"model": MODEL, "prompt": [1] * 3000}, "/v1/completions", 413, "prompt has 3000 tokens; the limit is 2048"),
     ({"model": MODEL, "prompt": "y" * 70000}, "/v1/completions", 413, "exceeds the limit of 65536"),
     ({"model": MODEL, "prompt": "x", "session_id": "s" * 500}, "/v1/completions", 422, "'session_id'"),
+    ({"model": MODEL, "prompt": "x", "stream": True, "stream_options": {"include_usage": "no"}}, "/v1/completions",
+     422, "'stream_options.include_usage' must be a boolean"),
     ({"model": MODEL}, "/v1/chat/completions", 422, "'messages' is required"),
     ({"model": MODEL, "messages": []}, "/v1/chat/completions", 422, "non-empty list"),
     ({"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, "/v1/chat/completions", 422,
@@ -265,3 +267,21 @@ def test_tiny_temperature_is_greedy_and_the_replica_lives(base_url, temperature)
                                             "temperature": temperature, "seed": 3})
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["token_ids"] == greedy["choices"][0]["token_ids"]
+
+
+def test_json_bodies_only(base_url):
+    admin = {"Authorization": f"Bearer {KEYS['admin']}", "content-type": "text/plain"}
+    # A cross-site form or text/plain POST never reaches an endpoint, admin ones included.
+    r = httpx.post(base_url + "/v1/cache/flush", content=b"{}", headers=admin, timeout=30)
+    assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type"
+    r = httpx.post(base_url + "/v1/completions", content=json.dumps({"model": MODEL, "prompt": "x"}).encode(),
+                   headers={**admin, "Authorization": f"Bearer {KEYS['a']}"}, timeout=30)
+    assert r.status_code == 415 and "application/json" in r.json()["error"]["message"]
+
+
+def test_unknown_path_and_method_are_openai_shaped(base_url):
+    r = httpx.get(base_url + "/v1/nope", timeout=30)
+    assert r.status_code == 404 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    assert r.json()["error"]["code"] == "not_found"
+    r = httpx.get(base_url + "/v1/completions", timeout=30)
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"

@@ -122,3 +122,10 @@ def test_six_turn_chat_reuses_prompt_and_reply(base_url):
         previous = usage["prompt_tokens"] + usage["completion_tokens"]
         messages.append({"role": "assistant", "content": body["choices"][0]["message"]["content"]})
     assert len(ratios) == 5 and min(ratios) >= 0.95, ratios
+
+
+def test_admin_endpoints_are_off_without_keys(base_url):
+    """No key configured and admin_without_keys not set: flush and policy refuse everyone."""
+    for path, body in (("/v1/cache/flush", {}), ("/v1/admin/policy", {"policy": "round_robin"})):
+        r = httpx.post(base_url + path, json=body, timeout=30)
+        assert r.status_code == 403 and r.json()["error"]["code"] == "admin_disabled", r.text
