@@ -54,6 +54,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--suffix-tokens", type=int, default=32,
                    help="new tokens after the cached prefix for ttft_ms_cached (default 32)")
     p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--shared-prefix-tokens", type=int, default=0,
+                   help="the concurrent prompts start with the same N tokens (a system prompt), computed "
+                        "once beforehand by both arms: the engine holds it in its cache, transformers "
+                        "copies its DynamicCache into each request (default 0: distinct prompts)")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3, help="TTFT samples per arm (median reported)")
     p.add_argument("--threads", type=int, default=1, help="torch threads for both arms (default 1)")
@@ -138,10 +142,13 @@ class TransformersArm:
         return token, cache
 
     @torch.no_grad()
-    def generate(self, batch: list[list[int]], max_tokens: int) -> list[list[int]]:
+    def generate(self, batch: list[list[int]], max_tokens: int, prefix_cache=None) -> list[list[int]]:
         x = torch.tensor(batch, device=self.device)
+        extra = {}
+        if prefix_cache is not None:   # the documented prompt-reuse recipe: a copy per request
+            extra[self.cache_kwarg] = copy.deepcopy(prefix_cache)
         out = self.model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
-                                  max_new_tokens=max_tokens, min_new_tokens=max_tokens, pad_token_id=0)
+                                  max_new_tokens=max_tokens, min_new_tokens=max_tokens, pad_token_id=0, **extra)
         _sync(self.device)
         return [row[len(batch[0]):].tolist() for row in out]
 
@@ -172,6 +179,8 @@ def run(args: argparse.Namespace) -> int:
             raise InvalidInputError(f"--{name.replace('_', '-')} must be >= 1")
     if args.max_tokens < 2:
         raise InvalidInputError("--max-tokens must be >= 2 (decode speed is measured after the first token)")
+    if not 0 <= args.shared_prefix_tokens < args.prompt_tokens:
+        raise InvalidInputError("--shared-prefix-tokens must be in [0, --prompt-tokens)")
     if not 0 < args.suffix_tokens < args.prompt_tokens:
         raise InvalidInputError("--suffix-tokens must be in [1, --prompt-tokens)")
     torch.set_num_threads(args.threads)
@@ -189,9 +198,13 @@ def run(args: argparse.Namespace) -> int:
     prompts = _prompts(c.vocab_size, 2 * n_ttft + args.concurrency + 1, args.prompt_tokens, args.seed, low)
     cold_prompts, cached_prompts = prompts[:n_ttft], prompts[n_ttft:2 * n_ttft]
     batch_prompts, decode_prompt = prompts[2 * n_ttft:-1], prompts[-1]
+    shared = args.shared_prefix_tokens
+    if shared:
+        batch_prompts = [batch_prompts[0][:shared] + p[shared:] for p in batch_prompts]
     prefix_len = args.prompt_tokens - args.suffix_tokens
     common = {"bench": "engine", "model": loaded.model_id, "dtype": c.dtype, "device": str(device),
               "threads": args.threads, "prompt_tokens": args.prompt_tokens, "cached_prefix_tokens": prefix_len,
+              "shared_prefix_tokens": shared,
               "concurrency": args.concurrency, "max_tokens": args.max_tokens}
 
     ours = EngineArm(loaded, args, device)
@@ -205,6 +218,8 @@ def run(args: argparse.Namespace) -> int:
             raise RuntimeError(f"expected a cache hit of ~{prefix_len} tokens, got {hit}")
         cached.append(seconds)
     decode = ours.decode_tokens_per_s(decode_prompt, args.max_tokens)
+    if shared:
+        ours.run([batch_prompts[0][:shared]], 1)       # the system prompt, served before
     t0 = time.perf_counter()
     reqs = ours.run(batch_prompts, args.max_tokens)
     ours_throughput = sum(len(r.output) for r in reqs) / (time.perf_counter() - t0)
@@ -219,11 +234,12 @@ def run(args: argparse.Namespace) -> int:
         _, prefix_cache = hf.prefill(p[:prefix_len])
         hf_cached.append(hf.cached_ttft_s(prefix_cache, p, prefix_len))
     hf_decode = hf.decode_tokens_per_s(decode_prompt, args.max_tokens)
+    prefix_cache = hf.prefill(batch_prompts[0][:shared])[1] if shared else None
     t0 = time.perf_counter()
-    hf_outputs = [hf.generate([p], args.max_tokens)[0] for p in batch_prompts]
+    hf_outputs = [hf.generate([p], args.max_tokens, prefix_cache)[0] for p in batch_prompts]
     hf_sequential = args.concurrency * args.max_tokens / (time.perf_counter() - t0)
     t0 = time.perf_counter()
-    hf.generate(batch_prompts, args.max_tokens)
+    hf.generate(batch_prompts, args.max_tokens, _batched(prefix_cache, args.concurrency))
     hf_batched = args.concurrency * args.max_tokens / (time.perf_counter() - t0)
 
     matches = sum(a == b for a, b in zip(ours_outputs, hf_outputs))
@@ -248,6 +264,15 @@ def run(args: argparse.Namespace) -> int:
           "throughput_tokens_per_s_batched": rounded(hf_batched, 2),
           "greedy_match": 1.0})
     return 0
+
+
+def _batched(cache, batch: int):
+    """A prefix cache repeated along the batch dimension, for batched generate."""
+    if cache is None:
+        return None
+    cache = copy.deepcopy(cache)
+    cache.batch_repeat_interleave(batch)
+    return cache
 
 
 def _transformers_version() -> str:
