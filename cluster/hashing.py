@@ -12,6 +12,7 @@ from __future__ import annotations
 from array import array
 from typing import Sequence
 
+import numpy as np
 import xxhash
 
 _SEED_DOMAIN = b"prefix-cache-cluster/v1"
@@ -26,11 +27,27 @@ def block_hashes(tokens: Sequence[int], block_tokens: int, salt: str | int | Non
     """Hashes of every *full* block of ``tokens`` (a partial last block is not hashed)."""
     if block_tokens <= 0:
         raise ValueError(f"block_tokens must be positive, got {block_tokens}")
-    prev = salt_seed(salt)
+    return chain_hashes(array("q", tokens).tobytes(), block_tokens, salt_seed(salt))
+
+
+def chain_hashes(int64_bytes: bytes, block_tokens: int, prev: int) -> list[int]:
+    """Continue a chain from ``prev`` over the full blocks of ``int64_bytes``
+    (tokens as native int64, the encoding ``block_hashes`` hashes)."""
     out = []
-    buf = array("q", tokens).tobytes()
     step = block_tokens * 8
-    for start in range(0, (len(tokens) // block_tokens) * step, step):
-        prev = xxhash.xxh3_64_intdigest(buf[start:start + step], seed=prev)
+    digest = xxhash.xxh3_64_intdigest
+    for start in range(0, (len(int64_bytes) // step) * step, step):
+        prev = digest(int64_bytes[start:start + step], seed=prev)
         out.append(prev)
     return out
+
+
+def chain_hashes_u32(u32_bytes: bytes, first_token: int, end_token: int, block_tokens: int, prev: int) -> list[int]:
+    """``chain_hashes`` over tokens ``[first_token, end_token)`` of a packed
+    uint32 sequence (the radix tree's key format), equal to ``block_hashes``
+    of the same ids; ``first_token`` must start a block."""
+    count = end_token - first_token
+    if count < block_tokens:
+        return []
+    ids = np.frombuffer(u32_bytes, dtype=np.uint32, count=count, offset=first_token * 4)
+    return chain_hashes(ids.astype(np.int64).tobytes(), block_tokens, prev)

@@ -17,6 +17,14 @@ pool of the node's tier. Children are keyed by their first token.
   merged, so lookups take fewer hops.
 - Namespaces (tenant cache salt, LoRA id) get separate roots: a tenant can
   never match another tenant's KV.
+- Keys are ``array('I')`` and requests packed uint32 bytes
+  (``cluster.cache.token_key``): an edge compare is one memcmp, and the
+  garbage collector never walks per-token objects.
+- With ``hash_block_tokens`` set, each node carries the chained block hashes
+  (``cluster.hashing``) of the blocks whose last token it holds, computed
+  once for the new tokens at insert and cut or joined at split and merge, so
+  KV events and snapshots never re-hash a path from the root. A root holds
+  its namespace's chain seed as its one "hash".
 
 Tiers are numbered HOT=0, WARM=1, COLD=2; along any root-to-leaf path a
 node's tier is never hotter than its parent's. The tiered layer
@@ -28,13 +36,15 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
+from array import array
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Sequence
 
 from cluster.cache.allocator import BlockAllocator, Extent
 from cluster.cache.eviction import make_policy
+from cluster.cache.token_key import TOKEN_BYTES, encode_tokens, key_array
 from cluster.errors import InvalidInputError
-from cluster.tokens import as_token_list
+from cluster.hashing import block_hashes, chain_hashes_u32, salt_seed
 
 HOT, WARM, COLD = 0, 1, 2
 TIER_NAMES = ("hot", "warm", "cold")
@@ -42,9 +52,9 @@ TIER_NAMES = ("hot", "warm", "cold")
 
 class TreeNode:
     __slots__ = ("children", "parent", "key", "extents", "lock_ref", "last_access",
-                 "hit_count", "tier", "stamp", "busy", "session")
+                 "hit_count", "tier", "stamp", "busy", "session", "hashes")
 
-    def __init__(self, key: list[int], extents: list[Extent], parent: "TreeNode | None",
+    def __init__(self, key: array, extents: list[Extent], parent: "TreeNode | None",
                  tier: int = HOT, now: float = 0.0):
         self.children: dict[int, TreeNode] = {}
         self.parent = parent
@@ -57,6 +67,7 @@ class TreeNode:
         self.stamp = 0          # heap entry generation: only the newest entry is valid
         self.busy = False       # an asynchronous tier move owns this node's storage
         self.session = None
+        self.hashes: list[int] | None = None  # block hashes ending in this node (see the module doc)
 
     @property
     def alive(self) -> bool:
@@ -93,7 +104,8 @@ class InsertResult:
 
 class RadixTree:
     def __init__(self, allocators: BlockAllocator | Sequence[BlockAllocator], *, policy: str | Any = "lru",
-                 clock: Callable[[], float] = time.monotonic, vocab_size: int | None = None):
+                 clock: Callable[[], float] = time.monotonic, vocab_size: int | None = None,
+                 hash_block_tokens: int | None = None):
         self.allocators = [allocators] if isinstance(allocators, BlockAllocator) else list(allocators)
         if not 1 <= len(self.allocators) <= 3:
             raise InvalidInputError("a tree needs one allocator per tier (1 to 3)")
@@ -111,6 +123,9 @@ class RadixTree:
         # on_stored(node), on_tier(node, old_tier), on_removed(node), called after
         # the change, from the owner thread. Split and merge change no content.
         self.listeners: list[Any] = []
+        self.hash_block_tokens: int | None = None
+        if hash_block_tokens is not None:
+            self.enable_block_hashes(hash_block_tokens)
 
     # ----------------------------------------------------------------- queries
     @property
@@ -130,22 +145,24 @@ class RadixTree:
         if node is None:
             if namespace is not None and not isinstance(namespace, (str, int)):
                 raise InvalidInputError(f"namespace must be a str, an int or None, got {type(namespace).__name__}")
-            node = TreeNode([], [], None)
+            node = TreeNode(array("I"), [], None)
             node.lock_ref = 1  # the root is never evicted
             node.session = ("namespace", namespace)
+            if self.hash_block_tokens is not None:
+                node.hashes = [salt_seed(namespace)]
             self.roots[namespace] = node
         return node
 
     # ------------------------------------------------------------------- match
-    def match_prefix(self, tokens: Sequence[int], namespace: Hashable = None, *,
+    def match_prefix(self, tokens: Sequence[int] | bytes, namespace: Hashable = None, *,
                      validate: bool = True) -> MatchResult:
         """Longest cached prefix of ``tokens``; splits the node the match ends in.
 
-        ``validate=False`` skips the token checks for callers that validated
-        the request once at ingress (``cluster.tokens.as_token_list``).
+        ``tokens`` may be already encoded (``encode_tokens``: pass the same
+        bytes to ``insert``). ``validate=False`` skips the vocabulary check
+        for callers that validated the request once at ingress.
         """
-        if validate:
-            tokens = as_token_list(tokens, self.vocab_size)
+        tokens = encode_tokens(tokens, self.vocab_size, validate=validate)
         node, pos, path = self._walk(tokens, self.root(namespace), split=True)
         now = self.clock()
         extents: list[Extent] = []
@@ -157,33 +174,44 @@ class RadixTree:
             tier_lengths[n.tier] += len(n.key)
         return MatchResult(pos, node, extents, tier_lengths, path)
 
-    def _walk(self, tokens: list[int], node: TreeNode, split: bool) -> tuple[TreeNode, int, list[TreeNode]]:
-        pos, n, path = 0, len(tokens), []
+    def _walk(self, data: bytes, node: TreeNode, split: bool) -> tuple[TreeNode, int, list[TreeNode]]:
+        """Follow ``data`` (encoded tokens) down from ``node``; returns the last
+        node reached, the tokens matched and the path (root excluded)."""
+        ids = memoryview(data).cast("I")
+        pos, n, path = 0, len(ids), []
+        startswith = data.startswith
         while pos < n:
-            child = node.children.get(tokens[pos])
+            child = node.children.get(ids[pos])
             if child is None:
                 break
             key = child.key
-            klen = len(key)
-            if tokens[pos:pos + klen] == key:
-                pos += klen
+            if startswith(key, pos * TOKEN_BYTES):  # one memcmp, no slice
+                pos += len(key)
                 node = child
                 path.append(child)
                 continue
-            common = 1
-            limit = min(klen, n - pos)
-            while common < limit and key[common] == tokens[pos + common]:
-                common += 1
+            # Diverges inside the edge: binary search for the common length
+            # (the first token matched through the child's dict key).
+            lo, hi = 1, min(len(key), n - pos)
+            if hi > lo and startswith(key[:hi], pos * TOKEN_BYTES):
+                lo = hi
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                if startswith(key[:mid], pos * TOKEN_BYTES):
+                    lo = mid
+                else:
+                    hi = mid
             if split and not child.busy:
-                child = self._split(child, common)
-                pos += common
+                child = self._split(child, lo, pos)
+                pos += lo
                 node = child
                 path.append(child)
             break
         return node, pos, path
 
-    def _split(self, node: TreeNode, at: int) -> TreeNode:
-        """Cut ``node`` after ``at`` tokens; returns the new parent holding the head."""
+    def _split(self, node: TreeNode, at: int, start: int) -> TreeNode:
+        """Cut ``node`` (whose first token is token ``start`` of its path) after
+        ``at`` tokens; returns the new parent holding the head."""
         alloc = self.allocators[node.tier]
         head_ext: list[Extent] = []
         tail_ext: list[Extent] = []
@@ -203,6 +231,10 @@ class RadixTree:
         head.lock_ref = node.lock_ref
         head.hit_count = node.hit_count
         head.session = node.session
+        if node.hashes is not None:
+            bt = self.hash_block_tokens
+            k = (start + at) // bt - start // bt  # blocks whose last token is in the head
+            head.hashes, node.hashes = node.hashes[:k], node.hashes[k:]
         alloc.set_owners(head_ext, head)
         node.key = node.key[at:]
         node.extents = tail_ext
@@ -213,7 +245,7 @@ class RadixTree:
         return head
 
     # ------------------------------------------------------------------ insert
-    def insert(self, tokens: Sequence[int], extents: Sequence[Extent], namespace: Hashable = None, *,
+    def insert(self, tokens: Sequence[int] | bytes, extents: Sequence[Extent], namespace: Hashable = None, *,
                start: int = 0, validate: bool = True) -> InsertResult:
         """Add the KV of ``tokens``; ``extents`` (in the HOT pool) cover ``tokens[start:]``.
 
@@ -223,20 +255,23 @@ class RadixTree:
         and their count is returned. Cached parts that are WARM or COLD are
         re-homed onto the caller's HOT extents, keeping tiers monotone.
         """
-        if validate:
-            tokens = as_token_list(tokens, self.vocab_size)
+        data = encode_tokens(tokens, self.vocab_size, validate=validate)
+        ntokens = len(data) // TOKEN_BYTES
         extents = list(extents)
         alloc = self.allocators[HOT]
-        if not 0 <= start <= len(tokens):
-            raise InvalidInputError(f"start={start} outside [0, {len(tokens)}]")
-        if sum(e.length for e in extents) != len(tokens) - start:
+        if not 0 <= start <= ntokens:
+            raise InvalidInputError(f"start={start} outside [0, {ntokens}]")
+        covered = 0
+        for e in extents:
+            covered += e[2]
+        if covered != ntokens - start:
             raise InvalidInputError(
-                f"extents cover {sum(e.length for e in extents)} tokens but tokens[{start}:] has {len(tokens) - start}")
+                f"extents cover {covered} tokens but tokens[{start}:] has {ntokens - start}")
         if validate:
             for e in extents:
                 if alloc.owner_of(e) is not None:
                     raise InvalidInputError(f"extent {tuple(e)} is already owned by the tree")
-        node, present, path = self._walk(tokens, self.root(namespace), split=True)
+        node, present, path = self._walk(data, self.root(namespace), split=True)
         if present < start:
             raise InvalidInputError(
                 f"tokens[:{start}] must be cached before inserting from start={start}; only {present} are")
@@ -256,14 +291,17 @@ class RadixTree:
                     alloc.free(mine)
             n.last_access = now
             pos = end
-        if present == len(tokens):
+        if present == ntokens:
             return InsertResult(present, node, freed)
-        if node.tier != HOT or node.busy or tokens[present] in node.children:
+        key = key_array(memoryview(data)[present * TOKEN_BYTES:])
+        if node.tier != HOT or node.busy or key[0] in node.children:
             # Cannot hang HOT KV below a colder (or moving) node, nor beside a child
             # that a move keeps from being split: keep the cache as it was.
             alloc.free(cursor)
-            return InsertResult(present, node, freed + len(tokens) - present)
-        leaf = TreeNode(tokens[present:], cursor, node, HOT, now)
+            return InsertResult(present, node, freed + ntokens - present)
+        leaf = TreeNode(key, cursor, node, HOT, now)
+        if self.hash_block_tokens is not None:
+            leaf.hashes = self._new_hashes(data, present, ntokens, node)
         alloc.set_owners(cursor, leaf)
         node.children[leaf.key[0]] = leaf
         self.evictable[HOT] += len(leaf.key)
@@ -272,6 +310,37 @@ class RadixTree:
             listener.on_stored(leaf)
         self._consider_parent_after_child_change(node)
         return InsertResult(present, leaf, freed)
+
+    def _new_hashes(self, data: bytes, start: int, end: int, parent: TreeNode) -> list[int]:
+        """Hashes of the blocks ending in tokens ``[start, end)`` of ``data``,
+        chained from the last block hash above ``parent`` (or the seed)."""
+        bt = self.hash_block_tokens
+        first = start // bt
+        if end // bt <= first:
+            return []
+        holder = parent
+        while not holder.hashes:  # the root always has its seed
+            holder = holder.parent
+        return chain_hashes_u32(data, first * bt, (end // bt) * bt, bt, holder.hashes[-1])
+
+    def enable_block_hashes(self, block_tokens: int) -> None:
+        """Start keeping block hashes on every node (computed now for what is cached)."""
+        if not isinstance(block_tokens, int) or block_tokens <= 0:
+            raise InvalidInputError(f"hash block_tokens must be a positive integer, got {block_tokens!r}")
+        if self.hash_block_tokens is not None:
+            if self.hash_block_tokens != block_tokens:
+                raise InvalidInputError(
+                    f"this tree already keeps {self.hash_block_tokens}-token block hashes, not {block_tokens}")
+            return
+        self.hash_block_tokens = block_tokens
+        for namespace, root in self.roots.items():
+            root.hashes = [salt_seed(namespace)]
+            stack = [(c, array("I")) for c in root.children.values()]
+            while stack:
+                node, prefix = stack.pop()
+                path = prefix + node.key
+                node.hashes = self._new_hashes(path.tobytes(), len(prefix), len(path), node.parent)
+                stack.extend((c, path) for c in node.children.values())
 
     def _cut(self, extents: list[Extent], ntokens: int) -> tuple[list[Extent], list[Extent]]:
         """Split an extent list after ``ntokens`` tokens (cutting an extent on its block)."""
@@ -431,6 +500,8 @@ class RadixTree:
                 merged[-1] = joined
         grand = parent.parent
         child.key = parent.key + child.key
+        if child.hashes is not None:
+            child.hashes = parent.hashes + child.hashes
         child.extents = merged
         alloc.set_owners(merged, child)
         child.parent = grand
@@ -480,7 +551,10 @@ class RadixTree:
         while node.parent is not None:
             parts.append(node.key)
             node = node.parent
-        return [t for part in reversed(parts) for t in part]
+        path = array("I")
+        for part in reversed(parts):
+            path += part
+        return path.tolist()
 
     @staticmethod
     def namespace_of(node: TreeNode) -> Hashable:
@@ -495,18 +569,23 @@ class RadixTree:
         owned = [set() for _ in range(ntiers)]
         for root in self.roots.values():
             assert root.lock_ref >= 1 and root.parent is None and not root.key
-            stack = [(root, 0)]
+            stack = [(root, array("I"))]
             while stack:
-                node, _ = stack.pop()
+                node, path = stack.pop()
                 child_locks = 0
                 for first, child in node.children.items():
                     assert child.parent is node, "child's parent pointer is wrong"
                     assert child.key and child.key[0] == first, "child not keyed by its first token"
                     assert child.tier >= node.tier or node.parent is None, "child hotter than its parent"
                     child_locks += child.lock_ref
-                    stack.append((child, 0))
+                    stack.append((child, path + child.key))
                 if node.parent is None:
                     continue
+                if self.hash_block_tokens is not None:
+                    bt = self.hash_block_tokens
+                    start = len(path) - len(node.key)
+                    want = block_hashes(path[:len(path) // bt * bt], bt, self.namespace_of(node))[start // bt:]
+                    assert node.hashes == want, "cached block hashes differ from the path's"
                 assert node.lock_ref >= child_locks, "lock count below the sum of the children's"
                 assert sum(e.length for e in node.extents) == len(node.key), (
                     f"extents cover {sum(e.length for e in node.extents)} tokens, key has {len(node.key)}")

@@ -33,7 +33,6 @@ import msgpack
 
 from cluster.cache.radix_tree import COLD, HOT, RadixTree, TreeNode
 from cluster.errors import InvalidInputError
-from cluster.hashing import block_hashes
 
 KINDS = ("stored", "tier", "removed")
 WIRE_VERSION = 1
@@ -121,6 +120,9 @@ class KVEventPublisher:
         self.worker_id = worker_id
         self.tree = tree
         self.block_tokens = block_tokens
+        # The tree keeps each node's hashes current through insert, split and
+        # merge, so events and snapshots read them instead of re-hashing paths.
+        tree.enable_block_hashes(block_tokens)
         self.max_buffer_events = max_buffer_events
         self.needs_resync = False
         self._pending: list[KVEvent] = []
@@ -138,20 +140,14 @@ class KVEventPublisher:
         self._emit("removed", node, node.tier)
 
     def node_hashes(self, node: TreeNode) -> list[int]:
-        """Hashes of the full blocks whose last token lies in ``node``."""
-        bt = self.block_tokens
-        path = self.tree.path_tokens(node)
-        end = len(path)
-        first, last = (end - len(node.key)) // bt, end // bt
-        if first >= last:
-            return []
-        return block_hashes(path[:last * bt], bt, self.tree.namespace_of(node))[first:]
+        """Hashes of the full blocks whose last token lies in ``node`` (cached on the node)."""
+        return node.hashes
 
     def _emit(self, kind: str, node: TreeNode, tier: int) -> None:
         if self.needs_resync:   # the snapshot will cover it
             self.stats["dropped_events"] += 1
             return
-        hashes = self.node_hashes(node)
+        hashes = node.hashes
         if not hashes:
             return
         if len(self._pending) >= self.max_buffer_events:
@@ -193,19 +189,9 @@ class KVEventPublisher:
         Events still pending get later sequence numbers; applying them on top
         is harmless (see the module docstring).
         """
-        bt = self.block_tokens
         entries: dict[int, int] = {}
-        for root_ns, root in self.tree.roots.items():
-            # Depth-first, carrying each node's path down to its children.
-            stack = [(child, []) for child in root.children.values()]
-            while stack:
-                node, prefix = stack.pop()
-                path = prefix + node.key
-                start, end = len(prefix), len(path)
-                first, last = start // bt, end // bt
-                if last > first:
-                    hashes = block_hashes(path[:last * bt], bt, root_ns)
-                    for h in hashes[first:]:
-                        entries[h] = node.tier
-                stack.extend((child, path) for child in node.children.values())
+        for node in self.tree.iter_nodes():
+            tier = node.tier
+            for h in node.hashes:
+                entries[h] = tier
         return self._seq, entries

@@ -39,7 +39,7 @@ def test_match_inside_a_node_splits_it_without_copy():
     m = tree.match_prefix([1, 2, 3, 9])
     assert m.length == 3 and m.extents == [Extent(0, 0, 3)]
     head = m.last_node
-    assert head.key == [1, 2, 3] and leaf.key == [4, 5, 6] and leaf.parent is head
+    assert head.key.tolist() == [1, 2, 3] and leaf.key.tolist() == [4, 5, 6] and leaf.parent is head
     # The head inherits the lock count; the split extent stays on block 0.
     assert head.lock_ref == 1
     assert leaf.extents == [Extent(0, 3, 1), Extent(1, 0, 2)]
@@ -151,7 +151,7 @@ def test_eviction_merges_single_child_chains():
     tree.match_prefix([1, 2, 3, 4, 5, 6, 7, 8])  # [9] is now the LRU leaf
     assert tree.evict(1) == 1
     (only,) = tree.root().children.values()
-    assert only.key == [1, 2, 3, 4, 5, 6, 7, 8] and not only.children
+    assert only.key.tolist() == [1, 2, 3, 4, 5, 6, 7, 8] and not only.children
     # The two extents on block 0 were joined back into one.
     assert only.extents == [Extent(0, 0, 4), Extent(1, 0, 4)]
     assert tree.stats["merges"] == 1
