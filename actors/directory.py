@@ -45,12 +45,18 @@ class DirectoryImpl:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.clock = clock
         self.policy = self._make_policy()
+        self._candidates: list[WorkerState] | None = None   # reused by route() until membership changes
         self._health_task = None
         self.stats = {"decisions": 0, "by_reason": {}, "resyncs": 0, "snapshots": 0, "malformed_batches": 0,
                       "unknown_worker_batches": 0, "gaps": 0, "dropped_workers": 0, "started_at": time.time()}
 
     def _make_policy(self):
         return make_policy(self.policy_name, cost=self._cost_model(), **self.policy_kwargs)
+
+    def _reprice(self) -> None:
+        """New measured rates: the policy is updated in place, so what it learned
+        (branch points, recent work, approximate trees) survives."""
+        self.policy.set_cost(self._cost_model())
 
     def _cost_model(self) -> CostModel:
         """Cluster-wide constants from what the workers measured at start-up."""
@@ -75,12 +81,15 @@ class DirectoryImpl:
             raise InvalidInputError(f"worker_id must be a non-empty string, got {worker_id!r}")
         if fresh or worker_id not in self.workers:
             self.index.register_worker(worker_id)
+            if worker_id in self.workers:       # a restarted process: what the policy knew of it is stale
+                self.policy.forget_worker(worker_id)
             self.workers[worker_id] = WorkerState(worker_id, 0, 0)
+            self._candidates = None
             log.info("worker %s registered", worker_id)
         self.last_seen[worker_id] = self.clock()
         if cost:
             self.costs[worker_id] = cost
-            self.policy = self._make_policy()
+            self._reprice()
         self._ensure_health_task()
 
     async def drop_worker(self, worker_id: str, reason: str = "failed") -> bool:
@@ -90,8 +99,8 @@ class DirectoryImpl:
         self.index.drop_worker(worker_id)
         for table in (self.workers, self.costs, self.last_seen):
             table.pop(worker_id, None)
-        if hasattr(self.policy, "forget_worker"):
-            self.policy.forget_worker(worker_id)
+        self._candidates = None
+        self.policy.forget_worker(worker_id)
         self.stats["dropped_workers"] += 1
         log.warning("worker %s dropped (%s)", worker_id, reason)
         return True
@@ -143,7 +152,7 @@ class DirectoryImpl:
                 old = cost.get("transfer_tokens_per_s")
                 if not old or abs(rate - old) > 0.2 * old:   # re-price only on a real change
                     cost["transfer_tokens_per_s"] = rate
-                    self.policy = self._make_policy()
+                    self._reprice()
 
     # ---------------------------------------------------------------- routing
     async def route(self, hashes: list[int], num_tokens: int, exclude: list[str] | None = None,
@@ -155,7 +164,12 @@ class DirectoryImpl:
         what-if query passes False."""
         if not isinstance(num_tokens, int) or num_tokens < 0:
             raise InvalidInputError(f"num_tokens must be a non-negative integer, got {num_tokens!r}")
-        candidates = [w for wid, w in self.workers.items() if not exclude or wid not in exclude]
+        if exclude:
+            candidates = [w for wid, w in self.workers.items() if wid not in exclude]
+        else:   # the same list object until membership changes: the policy caches per-list state
+            if self._candidates is None:
+                self._candidates = list(self.workers.values())
+            candidates = self._candidates
         if not candidates:
             raise NoLiveWorkerError("no live cache workers registered with the directory")
         decision = self.policy.choose(hashes, num_tokens, candidates, self.index)

@@ -75,10 +75,12 @@ from cluster.errors import InvalidInputError, PoolExhaustedError
 from cluster.hashing import block_hashes
 from cluster.routing.events import KVEventPublisher
 from cluster.routing.index import GlobalIndex
-from cluster.routing.policy import POLICIES, CostModel, WorkerState, make_policy
+from cluster.bench.traces import SHAPES, shape_trace
+from cluster.routing.policy import POLICIES, RATE_FIELDS, CostModel, WorkerState, make_policy
 from cluster.trace import MOONCAKE_BLOCK_TOKENS, TraceRecord, load_trace
 
-ORDER = ("round_robin", "least_loaded", "prefix", "approx_tree", "cost", "ideal")
+ORDER = ("round_robin", "least_loaded", "prefix", "approx_tree", "ray_prefix", "cost", "ideal")
+_CLOCKED = ("approx_tree", "ray_prefix", "cost")   # policies that take the simulated clock
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -103,6 +105,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy-arg", action="append", metavar="[POLICY.]NAME=VALUE",
                    help="override a policy parameter, e.g. cost.dup_weight=0.5 (repeatable)")
     p.add_argument("--plot", default=None, help="write hit rate and p99 TTFT per policy to this PNG")
+    p.add_argument("--shape", default=None, choices=[*SHAPES, "mixed"],
+                   help="synthetic trace of this shape (cluster/bench/traces.py) instead of the default chat trace")
+    p.add_argument("--misestimate", default=None, metavar="F[,F...]",
+                   help="also run cost with each of its rate constants (and all of them) multiplied by each "
+                        "factor, e.g. 0.5,2; the simulator keeps the true rates")
 
 
 # ---------------------------------------------------------------- the trace
@@ -232,8 +239,11 @@ def _tiers_between(match_nodes, start: int, end: int) -> list[int]:
 
 
 def run_policy(name: str, records: list[TraceRecord], hash_chains: list[list[int]], args,
-               latency: LatencyModel) -> dict:
-    """Replay ``records`` (``hash_chains[i]``: the routing hashes of record i) under one policy."""
+               latency: LatencyModel, believed: CostModel | None = None) -> dict:
+    """Replay ``records`` (``hash_chains[i]``: the routing hashes of record i) under one policy.
+
+    ``believed``: the cost model the policy is given (default: the true one the
+    simulator uses), to measure what misestimated constants cost."""
     bt, R = args.block_tokens, args.replicas
     cost = latency.cost_model(bt)
     ideal = name == "ideal"
@@ -248,9 +258,10 @@ def run_policy(name: str, records: list[TraceRecord], hash_chains: list[list[int
     index = GlobalIndex()
     for r in caches:
         index.register_worker(r.worker_id)
-    kw = {"cost": cost} | _policy_overrides(args, name)
-    if name == "approx_tree":
-        kw["max_blocks_per_worker"] = args.hot_blocks + args.warm_blocks + args.cold_blocks
+    sim_now = [0.0]
+    kw = {"cost": believed or cost} | _policy_overrides(args, name)
+    if name in _CLOCKED:
+        kw["clock"] = lambda: sim_now[0]
     policy = make_policy(name, **kw)
     states = [WorkerState(r.worker_id, 0, 0) for r in servers]
     deliveries: deque = deque()
@@ -259,7 +270,9 @@ def run_policy(name: str, records: list[TraceRecord], hash_chains: list[list[int
     ttft: list[float] = []
     tot = hit = migrated = 0
     tier_hits = [0, 0, 0]
-    choose_s = 0.0
+    choose_s = apply_s = 0.0
+    lat_us: list[float] = []
+    staged_s = 0.0
     reasons: dict[str, int] = {}
     uncacheable = 0
     wall0 = time.perf_counter()
@@ -272,18 +285,23 @@ def run_policy(name: str, records: list[TraceRecord], hash_chains: list[list[int
         if k % 20_000 == 19_999:
             gc.collect()
         ids = rec.hash_ids
-        now = rec.timestamp / 1e3 * args.time_scale
+        now = sim_now[0] = rec.timestamp / 1e3 * args.time_scale
+        t0 = time.perf_counter()
         while deliveries and deliveries[0][0] <= now:
             _, rep, batch = deliveries.popleft()
             if index.apply(batch) in ("gap", "resync"):
                 index.load_snapshot(rep.worker_id, *rep.publisher.snapshot())
+        applied = time.perf_counter() - t0
         for r, st in zip(servers, states):
             r.advance(now)
             st.queued_tokens = int(max(0.0, r.free_at - now) * prefill_rate)
             st.running = len(r.finishes)
         t0 = time.perf_counter()
         d = policy.choose(hashes, rec.input_length, states, index)
-        choose_s += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        choose_s += dt
+        apply_s += applied
+        lat_us.append((dt + applied) * 1e6)
         reasons[d.reason] = reasons.get(d.reason, 0) + 1
         server = by_id[d.worker_id]
         rep = shared if ideal else server
@@ -292,13 +310,22 @@ def run_policy(name: str, records: list[TraceRecord], hash_chains: list[list[int
         usable = m.length                       # HOT after promotion
         # Tiers before promotion; a promotion that found no room leaves only the HOT part usable.
         local_tiers = list(m.tier_lengths) if usable == sum(m.tier_lengths) else [usable, 0, 0]
-        pulled, pulled_cold = 0, 0
+        pulled, pulled_cold, stage = 0, 0, 0.0
         if d.migrate_from is not None and not ideal and usable < len(ids):
-            src = by_id[d.migrate_from].cache
-            sm = src.tree.match_prefix(ids, validate=False)
+            holder = by_id[d.migrate_from]
+            sm = holder.cache.tree.match_prefix(ids, validate=False)
             pulled = max(0, min(sm.length, usable + d.migrate_blocks) - usable)
             if pulled:
-                pulled_cold = _tiers_between(sm.nodes, usable, usable + pulled)[COLD]
+                tiers = _tiers_between(sm.nodes, usable, usable + pulled)
+                pulled_cold = tiers[COLD]
+                # The holder stages its HOT blocks into host blocks first, between its
+                # own batches: its queue is delayed by that, and the target waits for it.
+                stage = cost.stage_s(tiers[HOT])
+                if stage:
+                    holder.advance(now)
+                    holder.free_at = max(holder.free_at, now) + stage
+                    holder.busy_s += stage
+                    staged_s += stage
         n_new = len(ids) - usable
         if n_new:
             try:
@@ -311,7 +338,7 @@ def run_policy(name: str, records: list[TraceRecord], hash_chains: list[list[int
             deliveries.append((now + delay, rep, batch))
         cached_tok = min((usable + pulled) * bt, rec.input_length)
         local_tok = min(usable * bt, rec.input_length)
-        service = (cost.promote_s(local_tiers[WARM], local_tiers[COLD]) + cost.transfer_s(pulled, pulled_cold)
+        service = (cost.promote_s(local_tiers[WARM], local_tiers[COLD]) + stage + cost.transfer_s(pulled, pulled_cold)
                    + cost.prefill_s(max(1, rec.input_length - cached_tok)))
         start = max(now, server.free_at)
         server.free_at = start + service
@@ -341,13 +368,15 @@ def run_policy(name: str, records: list[TraceRecord], hash_chains: list[list[int
            "migrated_rate": rounded(migrated / tot if tot else 0.0),
            "load_imbalance": rounded(max(areas) / (sum(areas) / R)) if sum(areas) else 1.0,
            "ttft_ms_p50": rounded(percentile(ttft, 50), 1), "ttft_ms_p99": rounded(percentile(ttft, 99), 1),
-           "decisions_per_s": round(n / choose_s) if choose_s else 0}
+           "decisions_per_s": round(n / choose_s) if choose_s else 0,
+           "directory_decisions_per_s": round(n / (choose_s + apply_s)) if choose_s + apply_s else 0,
+           "decision_us_p99": rounded(percentile(lat_us, 99), 1)}
     if args.cold_blocks:
         out["cold_hit_rate"] = rounded(tier_hits[COLD] / tot if tot else 0.0)
     out |= {"ttft_ms_mean": rounded(sum(ttft) / n if n else 0.0, 1),
             "busy_imbalance": rounded(max(busy) / (sum(busy) / R)) if sum(busy) else 1.0,
             "utilization": rounded(sum(busy) / (R * end)) if end else 0.0,
-            "reasons": reasons, "uncacheable_requests": uncacheable, "index": {k: index.stats[k] for k in ("batches", "gaps", "resyncs")},
+            "reasons": reasons, "uncacheable_requests": uncacheable, "staging_s": rounded(staged_s, 2), "index": {k: index.stats[k] for k in ("batches", "gaps", "resyncs")},
             "sim_seconds": rounded(end, 1), "wall_seconds": rounded(time.perf_counter() - wall0, 1)}
     return out
 
@@ -373,6 +402,9 @@ def run(args: argparse.Namespace) -> int:
             raise InvalidInputError(f"unknown policy {name!r}; choose from {', '.join(ORDER)} or all")
     if args.trace:
         records = load_trace(args.trace, limit=args.records)
+    elif args.shape:
+        records = shape_trace(args.shape, args.records or 100_000, seed=args.seed, block_tokens=args.block_tokens,
+                              rate=args.rate)
     else:
         records = synthetic_chat_trace(args.records or 100_000, seed=args.seed, block_tokens=args.block_tokens,
                                        rate=args.rate)
@@ -386,8 +418,12 @@ def run(args: argparse.Namespace) -> int:
     results = []
     for name in names:
         res = run_policy(name, records, hash_chains, args, latency)
+        if args.shape:
+            res["shape"] = args.shape
         results.append(res)
         emit(res)
+    if args.misestimate:
+        misestimate_sweep(records, hash_chains, args, latency, results)
     if args.plot:
         plot(results, args.plot)
     return 0
@@ -414,3 +450,32 @@ def plot(results: list[dict], path: str) -> None:
     fig.suptitle(f"Routing policies: {r0['records']:,} requests, {r0['replicas']} replicas")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def misestimate_sweep(records, hash_chains, args, latency: LatencyModel, results: list[dict]) -> None:
+    """``cost`` given wrong rate constants (each alone, then all together, times each
+    factor) while the simulator keeps the true ones; one line per run and a summary."""
+    try:
+        factors = [float(f) for f in args.misestimate.split(",")]
+    except ValueError:
+        raise InvalidInputError(f"--misestimate takes factors like 0.5,2, got {args.misestimate!r}") from None
+    if not factors or any(f <= 0 for f in factors):
+        raise InvalidInputError("--misestimate factors must be positive")
+    true = latency.cost_model(args.block_tokens)
+    base = next((r for r in results if r["policy"] == "cost"), None)
+    if base is None:
+        base = run_policy("cost", records, hash_chains, args, latency)
+    runs = []
+    for f in factors:
+        for fields in [(name,) for name in RATE_FIELDS] + [RATE_FIELDS]:
+            res = run_policy("cost", records, hash_chains, args, latency, believed=true.scaled(**dict.fromkeys(fields, f)))
+            res["misestimate"] = {"factor": f, "constants": "all" if len(fields) > 1 else fields[0]}
+            runs.append(res)
+            emit(res)
+    worst = min(runs, key=lambda r: r["hit_rate"])
+    others = {r["policy"]: r["hit_rate"] for r in results if r["policy"] in ("approx_tree", "ray_prefix", "prefix")}
+    emit({"bench": "replay_misestimate", "factors": factors, "runs": len(runs), "cost_hit_rate": base["hit_rate"],
+          "worst_hit_rate": worst["hit_rate"], "worst": worst["misestimate"],
+          "max_loss_points": rounded(100 * (base["hit_rate"] - worst["hit_rate"]), 2),
+          "worst_ttft_ms_p99": max(r["ttft_ms_p99"] for r in runs), "baselines_hit_rate": others,
+          "above_baselines": all(worst["hit_rate"] > v for k, v in others.items() if k != "prefix")})

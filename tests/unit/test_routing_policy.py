@@ -4,8 +4,8 @@ from cluster.cache.radix_tree import HOT, WARM
 from cluster.errors import InvalidInputError
 from cluster.routing.events import EventBatch, KVEvent
 from cluster.routing.index import GlobalIndex, PrefixHit
-from cluster.routing.policy import (POLICIES, ApproxTreePolicy, CostModel, Decision, NoLiveWorkerError,
-                                    WorkerState, make_policy)
+from cluster.routing.policy import (POLICIES, CostModel, CostOptions, Decision, NoLiveWorkerError, WorkerState,
+                                    make_policy)
 
 # Round numbers: 100-token blocks, prefill 1,000 tokens/s, WARM promotion 10x, transfer 5x faster.
 COST = CostModel(prefill_tokens_per_s=1000, warm_promote_tokens_per_s=10_000, cold_promote_tokens_per_s=2000,
@@ -23,6 +23,11 @@ def index_with(**holdings):
     return ix
 
 
+def cost_policy(**kw):
+    """The cost policy without its in-flight memory (tested on its own below)."""
+    return make_policy("cost", cost=kw.pop("cost", COST), inflight_s=0, **kw)
+
+
 def workers(**queued):
     return [WorkerState(w, q, 1 if q else 0) for w, q in queued.items()]
 
@@ -36,9 +41,11 @@ def test_cost_model_components():
     assert COST.transfer_s(5) == pytest.approx(0.1)
     assert COST.cached_tokens(7, 600) == 600
     assert COST.ttft_s(w, PrefixHit(2, 3, 0), 600) == pytest.approx(2.0 + 0.03 + 0.1)
-    # Pull blocks 2..5 from a holder whose last one is COLD: transfer 4, disk-read 1.
+    # Pull blocks 2..5 from a holder whose last one is COLD: it stages its one HOT block
+    # among them (device -> host at the promotion rate), transfer 4, disk-read 1.
+    assert COST.stage_s(1) == pytest.approx(0.01)
     assert COST.migrate_ttft_s(w, PrefixHit(2, 0, 0), PrefixHit(3, 2, 1), 600) == pytest.approx(
-        2.0 + 400 / 5000 + 100 / 2000 + 0.0)
+        2.0 + 100 / 10_000 + 400 / 5000 + 100 / 2000 + 0.0)
 
 
 def test_cost_model_validates():
@@ -97,16 +104,16 @@ def test_cost_recomputes_on_an_idle_worker_when_the_holder_is_busy_and_transfer_
 def test_cost_migrates_when_transfer_beats_waiting_and_recomputing():
     ix = index_with(a=(5, HOT), b=(0, HOT))
     d = make_policy("cost", cost=COST).choose(CHAIN, 600, workers(a=10_000, b=0), ix)
-    # pull 5 blocks at 5,000 tokens/s = 0.1 s, then prefill 100 tokens = 0.1 s
-    assert d == Decision("b", "migrate", pytest.approx(0.2), 500, migrate_from="a", migrate_blocks=5)
+    # a stages 5 HOT blocks (0.05 s), b pulls them at 5,000 tokens/s (0.1 s), then prefills 100 tokens (0.1 s)
+    assert d == Decision("b", "migrate", pytest.approx(0.25), 500, migrate_from="a", migrate_blocks=5)
 
 
 def test_cost_migration_pulls_only_what_the_target_lacks():
     ix = index_with(a=(6, HOT), b=(2, HOT), c=(0, HOT))
     d = make_policy("cost", cost=COST).choose(CHAIN, 600, workers(a=10_000, b=10, c=0), ix)
-    # b: 0.01 s wait + pull 4 blocks (0.08 s); c: pull all 6 (0.12 s)
+    # b: 0.01 s wait + stage and pull 4 blocks (0.04 + 0.08 s); c: all 6 (0.06 + 0.12 s)
     assert (d.worker_id, d.reason, d.migrate_from, d.migrate_blocks) == ("b", "migrate", "a", 4)
-    assert d.expected_ttft_s == pytest.approx(0.01 + 400 / 5000)
+    assert d.expected_ttft_s == pytest.approx(0.01 + 0.04 + 400 / 5000)
 
 
 def test_cost_duplication_weight_keeps_a_short_wait_local():
@@ -120,19 +127,19 @@ def test_cost_duplication_weight_keeps_a_short_wait_local():
 
 def test_cost_copies_a_shared_prefix_freely():
     ix = index_with(a=(3, HOT), b=(0, HOT))
-    ws = workers(a=300, b=0)            # local: 0.3 + 0.3 s; pull 3 blocks: 0.06 + 0.3 s
-    fresh = make_policy("cost", cost=COST, dup_weight=2)
+    ws = workers(a=300, b=0)            # local: 0.3 + 0.3 s; stage and pull 3 blocks: 0.03 + 0.06 + 0.3 s
+    fresh = cost_policy(dup_weight=2)
     assert fresh.choose(CHAIN, 600, ws, ix).reason == "local"         # 3 private blocks x 0.2 s
-    seen = make_policy("cost", cost=COST, dup_weight=2)
+    seen = cost_policy(dup_weight=2)
     for other in ([11, 12, 13, 90], [11, 12, 13, 91]):                # 13 continued two ways
         seen.choose(other, 400, ws, ix)
     d = seen.choose(CHAIN, 600, ws, ix)
     assert (d.worker_id, d.reason, d.migrate_from, d.migrate_blocks) == ("b", "migrate", "a", 3)
-    assert d.expected_ttft_s == pytest.approx(0.36)
+    assert d.expected_ttft_s == pytest.approx(0.39)
 
 
 def test_cost_spreads_requests_nobody_holds_over_idle_workers():
-    policy = make_policy("cost", cost=COST)
+    policy = cost_policy()
     ix = index_with(a=(0, HOT), b=(0, HOT), c=(0, HOT))
     picks = [policy.choose(CHAIN, 600, workers(a=0, b=0, c=0), ix).worker_id for _ in range(4)]
     assert picks == ["a", "b", "c", "a"]
@@ -140,13 +147,13 @@ def test_cost_spreads_requests_nobody_holds_over_idle_workers():
 
 def test_cost_places_near_ties_by_recent_work():
     ix = index_with(a=(5, HOT), b=(5, WARM))          # a: 0.1 s, b: 0.15 s (WARM promotion)
-    policy = make_policy("cost", cost=COST, tie_s=0.1)
+    policy = cost_policy(tie_s=0.1)
     first = policy.choose(CHAIN, 600, workers(a=0, b=0), ix)
     assert (first.worker_id, first.reason) == ("a", "local")
     assert policy.recent_work_s("a") == pytest.approx(0.1) and policy.recent_work_s("b") == 0.0
     second = policy.choose(CHAIN, 600, workers(a=0, b=0), ix)
     assert (second.worker_id, second.expected_ttft_s) == ("b", pytest.approx(0.15))
-    strict = make_policy("cost", cost=COST, tie_s=0.0)
+    strict = cost_policy(tie_s=0.0)
     assert [strict.choose(CHAIN, 600, workers(a=0, b=0), ix).worker_id for _ in range(2)] == ["a", "a"]
 
 
@@ -184,32 +191,98 @@ def test_prefix_ties_go_to_the_less_loaded():
     assert d.worker_id == "b"
 
 
-def test_approx_tree_sticks_then_balances():
-    policy = make_policy("approx_tree", cost=COST, balance_abs_tokens=1000, balance_rel=1.5)
-    ix = GlobalIndex()
-    first = policy.choose(CHAIN, 600, workers(a=0, b=0, c=0), ix)
-    assert (first.worker_id, first.reason, first.cached_tokens) == ("a", "capacity", 0)
-    again = policy.choose(CHAIN, 600, workers(a=900, b=0, c=0), ix)      # within the balance bound
-    assert (again.worker_id, again.reason, again.cached_tokens) == ("a", "prefix", 600)
-    other = policy.choose([77, 78], 200, workers(a=900, b=0, c=0), ix)   # no match: the emptiest tree
-    assert (other.worker_id, other.reason) == ("b", "capacity")
-    moved = policy.choose(CHAIN, 600, workers(a=1200, b=10, c=0), ix)    # 1200 - 0 > 1000 and > 1.5 x 0
-    assert (moved.worker_id, moved.reason) == ("c", "balance")
-    assert policy.matched_blocks(CHAIN) == {"a": 6, "c": 6}
+def running(**counts):
+    return [WorkerState(w, 0, n) for w, n in counts.items()]
 
 
-def test_approx_tree_match_rate_threshold_and_lru_bound():
-    policy = ApproxTreePolicy(COST, match_rate_threshold=0.5, max_blocks_per_worker=4)
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_approx_tree_is_sglangs_cache_aware_policy():
+    policy = make_policy("approx_tree", cost=COST, balance_abs_threshold=2)
     ix = GlobalIndex()
-    policy.choose([1, 2], 200, workers(a=0, b=0), ix)                    # a: {1, 2}
-    d = policy.choose([1, 5, 6, 7], 400, workers(a=0, b=0), ix)          # 1 of 4 matched < 50%
-    assert (d.worker_id, d.reason) == ("b", "capacity")
-    d = policy.choose([1, 2, 8, 9], 400, workers(a=0, b=0), ix)          # 2 of 4 on a
+    d = policy.choose(CHAIN, 600, running(a=0, b=0, c=0), ix)             # empty tree: smallest tenant
+    assert (d.worker_id, d.reason, d.cached_tokens) == ("a", "capacity", 0)
+    d = policy.choose(CHAIN, 600, running(a=2, b=0, c=0), ix)             # spread 2, not > 2: balanced
+    assert (d.worker_id, d.reason, d.cached_tokens) == ("a", "prefix", 600)
+    d = policy.choose([11, 12, 13, 90], 400, running(a=2, b=0, c=0), ix)  # 3/4 matched > 0.5
     assert (d.worker_id, d.reason) == ("a", "prefix")
-    assert policy.tree_size("a") == 4 and policy.tree_size("b") == 4
-    d = policy.choose([3], 100, workers(a=0, b=0), ix)                   # equal trees: a; its LRU drops 9
-    assert d.worker_id == "a" and policy.tree_size("a") == 4
-    assert policy.matched_blocks([1, 2, 8, 9]) == {"a": 3, "b": 1}
+    d = policy.choose([11, 50, 51, 52], 400, running(a=2, b=0, c=0), ix)  # 1/4 <= 0.5: smallest tree
+    assert (d.worker_id, d.reason) == ("b", "capacity")
+    d = policy.choose(CHAIN, 600, running(a=3, b=0, c=1), ix)             # 3 - 0 > 2 and 3 > 1.0001 x 0
+    assert (d.worker_id, d.reason) == ("b", "balance")
+    assert policy.tree.deepest(CHAIN) == (6, ["a", "b"])                  # the first tenant is a
+    assert policy.tree_size("a") == 7 and policy.tree_size("b") == 9 and policy.tree_size("c") == 0
+
+
+def test_approx_tree_evicts_lru_leaves_every_interval():
+    clock = Clock()
+    policy = make_policy("approx_tree", cost=COST, max_tree_size=300, eviction_interval_s=10, clock=clock)
+    ix = GlobalIndex()
+    policy.choose(CHAIN, 600, running(a=0), ix)
+    assert policy.tree_size("a") == 6                 # evicted only at the next interval
+    clock.t = 10.0
+    policy.choose([77], 100, running(a=0), ix)        # evicts down to 3 blocks first, leaves first
+    assert policy.tree.matched("a", CHAIN) == 3 and policy.tree_size("a") == 4
+
+
+def test_ray_prefix_is_rays_prefix_cache_affinity_router():
+    policy = make_policy("ray_prefix", cost=COST, imbalanced_threshold=1, seed=0)
+    ix = GlobalIndex()
+    d = policy.choose(CHAIN, 600, running(a=0, b=0, c=0), ix)             # no match: smallest trees, shortest queue
+    assert (d.worker_id, d.reason) == ("a", "capacity")
+    d = policy.choose(CHAIN, 600, running(a=1, b=0, c=0), ix)             # spread 1: balanced
+    assert (d.worker_id, d.reason, d.cached_tokens) == ("a", "prefix", 600)
+    d = policy.choose([11, 12, 13, 90], 400, running(a=1, b=0, c=1), ix)
+    assert (d.worker_id, d.reason) == ("a", "prefix")
+    d = policy.choose([60, 61], 200, running(a=1, b=1, c=0), ix)          # 0 matched < 10%: c's tree is empty
+    assert (d.worker_id, d.reason) == ("c", "capacity")
+    d = policy.choose(CHAIN, 600, running(a=3, b=0, c=1), ix)             # imbalanced: power of two (seeded: b, c)
+    assert (d.worker_id, d.reason) == ("b", "pow2")
+    policy.forget_worker("a")
+    assert policy.tree.deepest(CHAIN) == (6, ["b"])
+
+
+def test_cost_routes_a_burst_of_siblings_together():
+    clock = Clock()
+    ix = index_with(a=(0, HOT), b=(0, HOT), c=(0, HOT))
+    doc = [21, 22, 23, 24, 25]
+    policy = make_policy("cost", cost=COST, clock=clock)
+    first = policy.choose(doc + [31], 600, workers(a=0, b=0, c=0), ix)
+    assert (first.worker_id, first.reason) == ("a", "recompute")
+    # No KV event yet; a is computing the document (0.6 s queued). Recomputing it on b
+    # would be 0.6 s too, but it is a copy of a prefix in flight: 5 blocks x 0.3 s.
+    second = policy.choose(doc + [32], 600, workers(a=600, b=0, c=0), ix)
+    assert (second.worker_id, second.reason, second.cached_tokens) == ("a", "local", 500)
+    assert second.expected_ttft_s == pytest.approx(0.6 + 0.1)
+    clock.t = 1.5                                      # past inflight_s: only the index counts
+    third = policy.choose(doc + [33], 600, workers(a=600, b=0, c=0), ix)
+    assert (third.worker_id, third.reason) == ("b", "recompute")
+    blind = cost_policy()
+    blind.choose(doc + [31], 600, workers(a=0, b=0, c=0), ix)
+    assert blind.choose(doc + [32], 600, workers(a=600, b=0, c=0), ix).worker_id == "b"
+
+
+def test_cost_options_and_in_place_updates():
+    policy = make_policy("cost", cost=COST, dup_weight=1.5)
+    assert policy.options == CostOptions(dup_weight=1.5) and policy.dup_weight == 1.5
+    with pytest.raises(InvalidInputError, match="unknown cost policy option"):
+        make_policy("cost", dup_wieght=1)
+    with pytest.raises(InvalidInputError, match="tie_s"):
+        CostOptions(tie_s=-1)
+    ix = index_with(a=(0, HOT), b=(0, HOT))
+    policy.choose(CHAIN, 600, workers(a=0, b=0), ix)
+    learned = policy.recent_work_s("a")
+    assert learned == pytest.approx(0.6)
+    policy.set_cost(COST.scaled(prefill_tokens_per_s=2))
+    assert policy.cost.prefill_tokens_per_s == 2000 and policy.recent_work_s("a") == learned
+    policy.forget_worker("a")
+    assert policy.recent_work_s("a") == 0.0
 
 
 def test_ideal_serves_the_best_hit_anywhere_on_the_least_loaded():
@@ -220,7 +293,7 @@ def test_ideal_serves_the_best_hit_anywhere_on_the_least_loaded():
 
 # ------------------------------------------------------------------- plumbing
 def test_make_policy_and_dead_workers():
-    assert set(POLICIES) == {"round_robin", "least_loaded", "prefix", "cost", "approx_tree", "ideal"}
+    assert set(POLICIES) == {"round_robin", "least_loaded", "prefix", "cost", "approx_tree", "ray_prefix", "ideal"}
     assert make_policy().name == "cost"
     with pytest.raises(InvalidInputError, match="unknown routing policy 'nope'"):
         make_policy("nope")

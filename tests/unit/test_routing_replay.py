@@ -78,3 +78,32 @@ def test_a_request_longer_than_the_hot_tier_is_served_uncached(capsys, tmp_path)
     out = replay(capsys, "--trace", str(path), "--format", "mooncake", "--replicas", "2",
                  "--hot-blocks", "16", "--warm-blocks", "32", "--policy", "cost")
     assert out["cost"]["records"] == 2 and out["cost"]["uncacheable_requests"] == 1
+
+
+def test_trace_shapes_are_mooncake_chains():
+    from cluster.bench.traces import SHAPES, shape_trace
+
+    for name in [*SHAPES, "mixed"]:
+        recs = shape_trace(name, 400, seed=2)
+        assert len(recs) == 400 and all(a.timestamp <= b.timestamp for a, b in zip(recs, recs[1:]))
+        for r in recs:
+            assert len(r.hash_ids) == -(-r.input_length // 512)
+    bursts = shape_trace("bursts", 400, seed=2)
+    first = bursts[0]
+    siblings = [r for r in bursts if r.timestamp == first.timestamp]
+    assert 4 <= len(siblings) <= 16
+    shared = min(r.input_length // 512 for r in siblings)
+    assert all(r.hash_ids[:shared - 1] == first.hash_ids[:shared - 1] for r in siblings)
+
+
+def test_replay_shape_and_misestimate_sweep(capsys):
+    assert main(["replay", "--records", "600", "--replicas", "2", "--hot-blocks", "48", "--warm-blocks", "96",
+                 "--shape", "bursts", "--policy", "approx_tree,ray_prefix,cost", "--misestimate", "0.5"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [x["policy"] for x in lines[:3]] == ["approx_tree", "ray_prefix", "cost"]
+    assert all(x["shape"] == "bursts" for x in lines[:3])
+    sweep = [x for x in lines if "misestimate" in x]
+    assert len(sweep) == 5 and {x["misestimate"]["constants"] for x in sweep} >= {"all", "prefill_tokens_per_s"}
+    summary = lines[-1]
+    assert summary["bench"] == "replay_misestimate" and summary["runs"] == 5
+    assert set(summary["baselines_hit_rate"]) == {"approx_tree", "ray_prefix"}

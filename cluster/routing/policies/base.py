@@ -1,0 +1,263 @@
+"""Shared vocabulary of the routing policies and the simple ones.
+
+``WorkerState`` (what the directory knows of a replica's load), ``Decision``
+(what a policy answers), ``CostModel`` (throughputs that turn blocks into
+seconds), the ``Policy`` base class and the policies that need no memory of
+their own: ``round_robin``, ``least_loaded``, ``prefix`` and ``ideal``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from operator import attrgetter
+from typing import Callable, Sequence
+
+from cluster.errors import CacheError, InvalidInputError
+from cluster.routing.index import NO_HIT, GlobalIndex, PrefixHit
+
+
+class NoLiveWorkerError(CacheError):
+    """Every worker is dead (or none was given): there is nowhere to route."""
+
+
+@dataclass(slots=True)
+class WorkerState:
+    worker_id: str
+    queued_tokens: int     # prefill work waiting or running, in tokens
+    running: int = 0       # requests in the worker (queued or in service)
+    alive: bool = True
+
+
+@dataclass(slots=True)
+class Decision:
+    worker_id: str
+    reason: str                      # which rule decided ("prefix", "balance", "migrate", ...)
+    expected_ttft_s: float
+    cached_tokens: int               # tokens the chosen worker will not prefill (its own + pulled)
+    migrate_from: str | None = None  # pull blocks from this worker first
+    migrate_blocks: int = 0          # how many (after the chosen worker's own prefix)
+
+
+RATE_FIELDS = ("prefill_tokens_per_s", "warm_promote_tokens_per_s", "cold_promote_tokens_per_s",
+               "transfer_tokens_per_s")
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Throughputs of one worker, in tokens per second, and its block size.
+
+    ``decode_step_s``: a worker that is running requests finishes its current
+    decode step before a new prefill starts (0 where decode is not modeled).
+    """
+    prefill_tokens_per_s: float = 10_000.0
+    warm_promote_tokens_per_s: float = 150_000.0
+    cold_promote_tokens_per_s: float = 20_000.0
+    transfer_tokens_per_s: float = 75_000.0
+    block_tokens: int = 16
+    decode_step_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_tokens_per_s", "warm_promote_tokens_per_s", "cold_promote_tokens_per_s",
+                     "transfer_tokens_per_s"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not v > 0:
+                raise InvalidInputError(f"{name} must be a positive number, got {v!r}")
+        if not isinstance(self.block_tokens, int) or self.block_tokens <= 0:
+            raise InvalidInputError(f"block_tokens must be a positive integer, got {self.block_tokens!r}")
+        if not isinstance(self.decode_step_s, (int, float)) or self.decode_step_s < 0:
+            raise InvalidInputError(f"decode_step_s must be >= 0, got {self.decode_step_s!r}")
+
+    # ------------------------------------------------------------ components
+    def wait_s(self, worker: WorkerState) -> float:
+        wait = worker.queued_tokens / self.prefill_tokens_per_s
+        return wait + self.decode_step_s if worker.running else wait
+
+    def prefill_s(self, tokens: int) -> float:
+        return max(tokens, 0) / self.prefill_tokens_per_s
+
+    def promote_s(self, warm_blocks: int, cold_blocks: int = 0) -> float:
+        bt = self.block_tokens
+        return warm_blocks * bt / self.warm_promote_tokens_per_s + cold_blocks * bt / self.cold_promote_tokens_per_s
+
+    def transfer_s(self, blocks: int, cold_blocks: int = 0) -> float:
+        """Pull ``blocks`` from another worker; ``cold_blocks`` of them are read from its disk first."""
+        bt = self.block_tokens
+        return blocks * bt / self.transfer_tokens_per_s + cold_blocks * bt / self.cold_promote_tokens_per_s
+
+    def cached_tokens(self, blocks: int, num_tokens: int) -> int:
+        return min(blocks * self.block_tokens, num_tokens)
+
+    # ---------------------------------------------------------------- totals
+    def service_s(self, hit: PrefixHit, num_tokens: int) -> float:
+        """Time the worker spends on the request once it starts: promotion + prefill."""
+        uncached = num_tokens - self.cached_tokens(hit.blocks, num_tokens)
+        return self.promote_s(hit.warm, hit.cold) + self.prefill_s(uncached)
+
+    def ttft_s(self, worker: WorkerState, hit: PrefixHit, num_tokens: int) -> float:
+        return self.wait_s(worker) + self.service_s(hit, num_tokens)
+
+    def stage_s(self, hot_blocks: int) -> float:
+        """The holder copying ``hot_blocks`` from the device into host staging
+        blocks before a peer can pull them (device -> host at the promotion rate)."""
+        return hot_blocks * self.block_tokens / self.warm_promote_tokens_per_s
+
+    def migrate_service_s(self, own: PrefixHit, source: PrefixHit, num_tokens: int) -> float:
+        """Service time when the worker pulls ``source``'s blocks beyond its own prefix
+        first: the holder stages its HOT ones, COLD ones are read from its disk."""
+        pulled = source.blocks - own.blocks
+        pulled_cold = max(0, source.blocks - max(own.blocks, source.hot + source.warm))
+        return (self.promote_s(own.warm, own.cold) + self.stage_s(max(0, source.hot - own.blocks))
+                + self.transfer_s(pulled, pulled_cold)
+                + self.prefill_s(num_tokens - self.cached_tokens(source.blocks, num_tokens)))
+
+    def scaled(self, **factors: float) -> "CostModel":
+        """This model with some throughputs multiplied (a misestimate, for robustness sweeps)."""
+        kw = {f: getattr(self, f) * factors.get(f, 1.0) for f in RATE_FIELDS}
+        return CostModel(**kw, block_tokens=self.block_tokens, decode_step_s=self.decode_step_s)
+
+    def migrate_ttft_s(self, worker: WorkerState, own: PrefixHit, source: PrefixHit, num_tokens: int) -> float:
+        return self.wait_s(worker) + self.migrate_service_s(own, source, num_tokens)
+
+    # ------------------------------------------------------------- measuring
+    @classmethod
+    def measure(cls, *, block_tokens: int, prefill: Callable[[], int],
+                warm_promote: Callable[[], int] | None = None, cold_promote: Callable[[], int] | None = None,
+                transfer: Callable[[], int] | None = None, repeats: int = 3, decode_step_s: float = 0.0,
+                clock: Callable[[], float] = time.perf_counter) -> "CostModel":
+        """Measure throughputs on the real thing.
+
+        Each callable performs the operation once (a prefill of N tokens, a
+        promotion, a pull from a peer) and returns the tokens it processed.
+        One warm-up call, then the best of ``repeats`` timed calls. Operations
+        not given keep this class's default rate.
+        """
+        if not isinstance(repeats, int) or repeats < 1:
+            raise InvalidInputError(f"repeats must be a positive integer, got {repeats!r}")
+        defaults = cls(block_tokens=block_tokens)
+
+        def rate(fn: Callable[[], int] | None, default: float, what: str) -> float:
+            if fn is None:
+                return default
+            fn()
+            best = None
+            for _ in range(repeats):
+                t0 = clock()
+                tokens = fn()
+                dt = clock() - t0
+                if not isinstance(tokens, int) or tokens <= 0:
+                    raise InvalidInputError(
+                        f"{what} callable must return the tokens it processed (> 0), got {tokens!r}")
+                if dt <= 0:
+                    raise InvalidInputError(f"{what} took no measurable time; give it more tokens")
+                r = tokens / dt
+                best = r if best is None else max(best, r)
+            return best
+
+        return cls(prefill_tokens_per_s=rate(prefill, defaults.prefill_tokens_per_s, "prefill"),
+                   warm_promote_tokens_per_s=rate(warm_promote, defaults.warm_promote_tokens_per_s, "warm_promote"),
+                   cold_promote_tokens_per_s=rate(cold_promote, defaults.cold_promote_tokens_per_s, "cold_promote"),
+                   transfer_tokens_per_s=rate(transfer, defaults.transfer_tokens_per_s, "transfer"),
+                   block_tokens=block_tokens, decode_step_s=decode_step_s)
+
+
+_QUEUED = attrgetter("queued_tokens")
+
+
+def _least_loaded(alive: list[WorkerState], turn: int) -> WorkerState:
+    """Fewest queued tokens, then fewest running; exact ties rotate with ``turn``
+    (an idle cluster must not send every request to the first worker)."""
+    n = len(alive)
+    i = min(range(n), key=lambda i: (alive[i].queued_tokens, alive[i].running, (i - turn) % n))
+    return alive[i]
+
+
+_ALIVE = attrgetter("alive")
+
+
+def _alive(workers: Sequence[WorkerState]) -> list[WorkerState]:
+    if workers and all(map(_ALIVE, workers)):     # the common case, without a Python-level loop
+        return workers if isinstance(workers, list) else list(workers)
+    alive = [w for w in workers if w.alive]
+    if not alive:
+        raise NoLiveWorkerError("no live worker to route to")
+    return alive
+
+
+class Policy:
+    name = "policy"
+
+    def __init__(self, cost: CostModel | None = None):
+        self.cost = cost if cost is not None else CostModel()
+        self._turn = 0   # decisions made: rotates exact ties
+
+    def choose(self, hashes: Sequence[int], num_tokens: int, workers: Sequence[WorkerState],
+               index: GlobalIndex) -> Decision:
+        raise NotImplementedError
+
+    def set_cost(self, cost: CostModel) -> None:
+        """New throughputs (a worker measured again): what the policy learned stays."""
+        if not isinstance(cost, CostModel):
+            raise InvalidInputError(f"cost must be a CostModel, got {type(cost).__name__}")
+        self.cost = cost
+
+    def forget_worker(self, worker_id: str) -> None:
+        """A worker left (or restarted): drop what the policy remembers of it, nothing else."""
+
+    def _decide(self, worker: WorkerState, reason: str, hit: PrefixHit, num_tokens: int) -> Decision:
+        return Decision(worker.worker_id, reason, self.cost.ttft_s(worker, hit, num_tokens),
+                        self.cost.cached_tokens(hit.blocks, num_tokens))
+
+
+class RoundRobinPolicy(Policy):
+    name = "round_robin"
+
+    def choose(self, hashes, num_tokens, workers, index):
+        alive = _alive(workers)
+        worker = alive[self._turn % len(alive)]
+        self._turn += 1
+        return self._decide(worker, "round_robin", index.hit(hashes, worker.worker_id), num_tokens)
+
+
+class LeastLoadedPolicy(Policy):
+    name = "least_loaded"
+
+    def choose(self, hashes, num_tokens, workers, index):
+        worker = _least_loaded(_alive(workers), self._turn)
+        self._turn += 1
+        return self._decide(worker, "load", index.hit(hashes, worker.worker_id), num_tokens)
+
+
+class PrefixPolicy(Policy):
+    name = "prefix"
+
+    def __init__(self, cost: CostModel | None = None, imbalance_tokens: int = 8192):
+        super().__init__(cost)
+        if imbalance_tokens < 0:
+            raise InvalidInputError(f"imbalance_tokens must be >= 0, got {imbalance_tokens!r}")
+        self.imbalance_tokens = imbalance_tokens
+
+    def choose(self, hashes, num_tokens, workers, index):
+        alive = _alive(workers)
+        hits = index.match(hashes)
+        least = _least_loaded(alive, self._turn)
+        self._turn += 1
+        best = min(alive, key=lambda w: (-hits.get(w.worker_id, NO_HIT).blocks, w.queued_tokens, w.running))
+        best_hit = hits.get(best.worker_id, NO_HIT)
+        if not best_hit.blocks:
+            return self._decide(least, "load", NO_HIT, num_tokens)
+        if best.queued_tokens - least.queued_tokens > self.imbalance_tokens:
+            return self._decide(least, "balance", hits.get(least.worker_id, NO_HIT), num_tokens)
+        return self._decide(best, "prefix", best_hit, num_tokens)
+
+
+class IdealPolicy(Policy):
+    """Upper bound for simulation: the best hit anywhere, served on the least loaded worker."""
+    name = "ideal"
+
+    def choose(self, hashes, num_tokens, workers, index):
+        least = _least_loaded(_alive(workers), self._turn)
+        self._turn += 1
+        hits = index.match(hashes)
+        best = max(hits.values(), key=lambda h: (h.blocks, h.hot), default=NO_HIT)
+        return self._decide(least, "ideal", best, num_tokens)
