@@ -135,6 +135,7 @@ def run_policy(policy: str, model, work: Workload, args, disk_dir: str, prefill_
     now = 0.0
     meta: dict[int, tuple[int, int, float, str]] = {}   # request id -> (session, turn, arrival, kind)
     ttft, hits, prompt_tokens, recomputed, failed = [], 0, 0, 0, 0
+    errors: dict[str, int] = {}
     windows: dict[int, int] = {}
     decode_idle, decode_busy = [], []
     wall0 = time.perf_counter()
@@ -166,6 +167,7 @@ def run_policy(policy: str, model, work: Workload, args, disk_dir: str, prefill_
             s, turn, arrival, kind = meta[req.request_id]
             if req.error:
                 failed += 1
+                errors[req.error.split(":")[0]] = errors.get(req.error.split(":")[0], 0) + 1
                 continue
             if kind == "turn" and len(req.output) == 1:
                 ttft.append((now - arrival) * 1e3)
@@ -196,6 +198,7 @@ def run_policy(policy: str, model, work: Workload, args, disk_dir: str, prefill_
     if not ttft:
         raise RuntimeError(f"policy {policy}: no request completed ({failed} failed); enlarge the pools")
     return {"bench": "multiturn", "policy": policy, "requests": len(ttft), "failed_requests": failed,
+            "failures": errors,
             "hit_rate": rounded(hits / prompt_tokens if prompt_tokens else 0.0),
             "ttft_ms_mean": rounded(sum(ttft) / len(ttft), 2), "ttft_ms_p50": rounded(percentile(ttft, 50), 2),
             "ttft_ms_p99": rounded(percentile(ttft, 99), 2), "recomputed_tokens": recomputed,

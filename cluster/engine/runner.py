@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import struct
 import logging
 import math
 import time
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Hashable, Sequence
 
 import torch
+import xxhash
 
 from cluster.cache.allocator import Extent
 from cluster.cache.tiered import TieredCache
@@ -92,7 +94,7 @@ class Request:
     _seq_ext: list[Extent] = field(default_factory=list)   # this request's own KV (after the prefix)
     _kv: torch.Tensor | None = None  # working copy [L, 2, capacity, H, D]
     _len: int = 0                    # tokens whose KV is computed
-    _generator: torch.Generator | None = None
+    _generator: torch.Generator | None = None   # reseeded per position (see position_seed)
 
     @property
     def tokens(self) -> list[int]:
@@ -146,7 +148,7 @@ class Engine:
         request.request_id = request.request_id or next(self._ids)
         request.submitted_at = self.clock()
         if request.params.seed is not None and not request.params.greedy:
-            request._generator = torch.Generator().manual_seed(request.params.seed % (1 << 64))
+            request._generator = torch.Generator()
         self.waiting.append(request)
         return request
 
@@ -245,7 +247,10 @@ class Engine:
         if self.keep_logits:
             req.logits.append(logits)
         temperature = 0.0 if req.params.greedy else req.params.temperature
-        token = sample(logits[-1], temperature, req.params.top_p, req._generator)
+        generator = req._generator
+        if generator is not None:   # the token at position p depends on (seed, p) only
+            generator.manual_seed(position_seed(req.params.seed, len(req.tokens)))
+        token = sample(logits[-1], temperature, req.params.top_p, generator)
         req.output.append(token)
         return token
 
@@ -350,6 +355,16 @@ class Engine:
             self.cache.unlock(req._node)
             req._node = None
         req._prefix_ext = []
+
+
+def position_seed(seed: int, position: int) -> int:
+    """The sampling seed of the token at ``position`` of a sequence (prompt included).
+
+    A function of (seed, position) only, not of how many tokens this engine
+    sampled before: a request resumed elsewhere with the tokens already sent
+    appended to its prompt samples exactly the tokens the first run would have.
+    """
+    return xxhash.xxh3_64_intdigest(struct.pack("<QQ", seed % (1 << 64), position))
 
 
 def _take(extents: list[Extent], ntokens: int) -> list[Extent]:

@@ -187,3 +187,20 @@ def test_hf_adapter_reuse_through_the_engine(tmp_path):
     follow = eng.generate(first.prompt + first.output + [200, 201], SamplingParams(max_tokens=3))
     assert follow.cached_tokens == 33 and follow.tier_hits[WARM] == 33
     assert_exact(hf, follow)
+
+
+def test_seeded_sampling_resumes_exactly_from_the_tokens_already_sent(model, tmp_path):
+    """A request cut after k tokens and resumed with them appended to its prompt
+    (a replica died mid-stream) samples exactly what the first run sampled."""
+    params = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=1234)
+    prompt = list(range(10, 50))
+    for name in "abc":
+        (tmp_path / name).mkdir()
+    whole = make_engine(model, tmp_path / "a").generate(prompt, params).output
+    k = 5
+    rest = make_engine(model, tmp_path / "b").generate(
+        prompt + whole[:k], SamplingParams(max_tokens=12 - k, temperature=1.0, top_p=0.9, seed=1234)).output
+    assert whole[:k] + rest == whole
+    other = make_engine(model, tmp_path / "c").generate(
+        prompt, SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=1235)).output
+    assert other != whole    # the seed matters
