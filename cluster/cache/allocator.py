@@ -20,11 +20,14 @@ Bookkeeping per block (plain lists indexed by block id, cheap in CPython):
 
 Open partial blocks are indexed by their largest gap (one bucket per size,
 plus a bitmask of non-empty buckets), so finding a slot is O(1), never a walk
-over blocks. The free list is a LIFO stack: O(1) allocate and free.
+over blocks; placing it behind the block's last extent is O(1), into an inner
+gap one pass over that block's extents. The free list is a LIFO stack: O(1)
+allocate and free.
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any, Iterable, NamedTuple
 
@@ -137,27 +140,51 @@ class BlockAllocator:
             full += 1
         return full
 
-    def allocate(self, num_tokens: int, owner: Any = None, *, private_tail: bool = False) -> list[Extent]:
+    def allocate(self, num_tokens: int, owner: Any = None, *, private_tail: bool = False,
+                 after: Extent | None = None) -> list[Extent]:
         """Allocate ``num_tokens`` token slots, all or nothing.
 
-        Whole blocks for the block-sized part; the remainder goes to a slot in
-        an open partial block (slotted mode) or to a block of its own. With
-        ``private_tail`` the remainder always gets its own block, kept closed
-        to others, because the caller will append to it (decode).
+        With ``after`` (the last extent of the sequence being continued), the
+        free slots right behind it in its block are used first, as a paged
+        allocator grows a sequence's own tail block. Then whole blocks for the
+        block-sized part; the remainder goes to a slot in an open partial block
+        (slotted mode) or to a block of its own. With ``private_tail`` the
+        remainder always gets its own block, kept closed to others, because
+        the caller will append to it (decode).
         """
         if not isinstance(num_tokens, int) or num_tokens <= 0:
             raise InvalidInputError(f"num_tokens must be a positive integer, got {num_tokens!r}")
         bt = self.block_tokens
-        full, rest = divmod(num_tokens, bt)
+        grow = 0
+        if after is not None:
+            self._lookup(after)
+            grow = min(num_tokens, self.room_after(after))
+        full, rest = divmod(num_tokens - grow, bt)
         slot_block = None
         if rest and self.slotted and not private_tail:
             slot_block = self._find_open(rest)
+            if grow and slot_block == after[0]:
+                slot_block = None  # its room is the one the grow takes
         needed = full + (1 if rest and slot_block is None else 0)
         if needed > len(self._free):
             raise PoolExhaustedError(
                 f"pool exhausted: {num_tokens} tokens need {needed} free blocks, {len(self._free)} left",
                 needed_blocks=needed, free_blocks=len(self._free))
         out = []
+        if grow:
+            b, start = after[0], after[1] + after[2]
+            self._unbucket(b)
+            self.live[b][start] = (grow, owner)
+            self.refcount[b] += 1
+            self.used[b] += grow
+            self.used_tokens += grow
+            if start == self.tail[b]:  # behind the last extent: no gap changes but the tail room
+                self.tail[b] = end = start + grow
+                self.gap[b] = max(self.inner_gap[b], bt - end)
+            else:
+                self._refresh_gap(b)
+            self._bucket(b)
+            out.append(Extent(b, start, grow))
         if full:
             # Whole blocks: no gaps, no slot index; set the bookkeeping directly.
             free, live, refcount, used, gap, tail = self._free, self.live, self.refcount, self.used, self.gap, self.tail
@@ -205,8 +232,13 @@ class BlockAllocator:
         """Free slots directly after ``extent`` in its block."""
         b, off, length = extent
         end = off + length
-        nxt = min((o for o in self.live[b] if o >= end), default=self.block_tokens)
-        return nxt - end
+        tail = self.tail[b]
+        if end >= tail:  # the block's last extent: everything behind it is free
+            return self.block_tokens - end
+        live = self.live[b]
+        if end in live:  # packed: another extent starts right behind it
+            return 0
+        return min(o for o in live if o > end) - end
 
     def is_shared(self, extent: Extent) -> bool:
         """True when other extents live on the same block (append must copy first)."""
@@ -390,13 +422,21 @@ class BlockAllocator:
             self.tail[b] = tail + size
             self.gap[b] = max(self.inner_gap[b], bt - tail - size)
         else:
-            # One pass over the block's gaps: take the best fit, and the largest
-            # inner gap left is the new inner gap (the tail does not move).
-            gaps = self._gaps(b)
-            g, i = min((g, i) for i, (_, g) in enumerate(gaps) if g >= size)
-            start = gaps[i][0]
-            gaps[i] = (start + size, g - size)
-            inner = max((g2 for s0, g2 in gaps if s0 < tail), default=0)
+            # One pass over the block's extents: the best-fitting inner gap, and
+            # the largest inner gap left is the new inner gap (the tail does not move).
+            live = self.live[b]
+            best = bt + 1
+            second = cursor = 0
+            for off in sorted(live):
+                g = off - cursor
+                if g >= size and g < best:
+                    if best <= bt:
+                        second = max(second, best)
+                    best, start = g, cursor
+                elif g > second:
+                    second = g
+                cursor = off + live[off][0]
+            inner = max(second, best - size)
             self.inner_gap[b] = inner
             self.gap[b] = max(inner, bt - tail)
         self.live[b][start] = (size, owner)
@@ -423,16 +463,26 @@ class BlockAllocator:
     def _bucket(self, b: int) -> None:
         room = self.gap[b]
         if self._open[b] and 0 < room < self.block_tokens:
-            bucket = self._room_buckets[room]
-            bucket[b] = None
+            self._room_buckets[room][b] = None
             self._room_mask |= 1 << room
 
     def _unbucket(self, b: int) -> None:
+        # Only open blocks are ever bucketed (``_set_open`` unbuckets before closing).
+        if not self._open[b]:
+            return
         room = self.gap[b]
         if 0 < room < self.block_tokens:
             bucket = self._room_buckets[room]
             if bucket.pop(b, 0) is None and not bucket:
                 self._room_mask &= ~(1 << room)
+
+    # ------------------------------------------------------------------ sizing
+    def metadata_bytes(self, *extra: Any) -> int:
+        """Bytes of this allocator's bookkeeping as CPython holds it (``sys.getsizeof``
+        of every list, dict, tuple and int it references; owners excluded), plus
+        the containers in ``extra`` (e.g. the tree nodes' extent lists)."""
+        return deep_sizeof([self.refcount, self.used, self.gap, self.tail, self.inner_gap, self.live,
+                            self._open, self._room_buckets, self._free, *extra])
 
     # --------------------------------------------------------------- invariants
     def check_invariants(self) -> None:
@@ -463,3 +513,29 @@ class BlockAllocator:
         assert self._room_mask == sum(1 << r for r, d in enumerate(self._room_buckets) if d), "room mask stale"
         assert sum(len(d) for d in self._room_buckets) == sum(
             1 for b in range(self.num_blocks) if self._open[b] and 0 < self.gap[b] < bt), "stale bucket entry"
+
+
+def deep_sizeof(roots: list[Any]) -> int:
+    """Total ``sys.getsizeof`` of ``roots`` and the lists, dicts, tuples and ints
+    they hold, each object once (cached small ints included: they cost a
+    pointer, counted in their container)."""
+    seen: set[int] = set()
+    stack = list(roots)
+    total = 0
+    while stack:
+        obj = stack.pop()
+        t = type(obj)
+        if id(obj) in seen or not (t in (list, dict, tuple, int) or issubclass(t, tuple)):
+            continue
+        seen.add(id(obj))
+        if t is int:
+            if not -5 <= obj <= 256:  # small ints are shared by the whole interpreter
+                total += sys.getsizeof(obj)
+            continue
+        total += sys.getsizeof(obj)
+        if t is dict:
+            stack.extend(obj.keys())
+            stack.extend(obj.values())
+        else:
+            stack.extend(obj)
+    return total

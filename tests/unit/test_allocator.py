@@ -130,3 +130,49 @@ def test_token_mode_has_no_internal_fragmentation():
     assert [e.length for e in ext] == [1] * 5
     assert a.internal_fragmentation() == 0.0
     a.check_invariants()
+
+
+@pytest.mark.parametrize("mode", ["slotted", "flat"])
+def test_allocate_after_grows_the_sequence_tail_block_first(mode):
+    a = make(mode=mode)
+    (tail,) = a.allocate(3)                              # block 0, 5 slots free behind it
+    assert a.allocate(7, after=tail) == [Extent(0, 3, 5), Extent(1, 0, 2)]
+    assert a.refcount[0] == 2 and a.used_blocks == 2
+    a.check_invariants()
+
+
+def test_flat_remainder_without_after_takes_a_block_of_its_own():
+    a = make(mode="flat")
+    a.allocate(3)
+    assert a.allocate(3) == [Extent(1, 0, 3)]            # flat never shares a block between sequences
+    a.check_invariants()
+
+
+def test_allocate_after_a_packed_extent_takes_nothing_behind_it():
+    a = make()
+    (first,) = a.allocate(3)
+    a.allocate(2)                                        # a slot packed right behind `first`
+    assert a.room_after(first) == 0
+    assert a.allocate(2, after=first) == [Extent(0, 5, 2)]   # best fit elsewhere: the same block's tail
+    a.check_invariants()
+
+
+def test_inner_gap_placement_takes_the_best_fit_and_keeps_the_largest_gap_left():
+    a = make(num_blocks=2, block_tokens=16)
+    exts = [a.allocate(n)[0] for n in (2, 3, 2, 4, 2, 3)]   # block 0: [0,2) [2,5) [5,7) [7,11) [11,13) [13,16)
+    a.free([exts[1], exts[3]])                           # inner gaps of 3 (at 2) and 4 (at 7)
+    assert a.allocate(3) == [Extent(0, 2, 3)]            # best fit: the 3-gap, not the 4-gap
+    assert a.inner_gap[0] == 4 and a.gap[0] == 4
+    assert a.allocate(2) == [Extent(0, 7, 2)]
+    assert a.inner_gap[0] == 2
+    a.check_invariants()
+
+
+def test_metadata_bytes_counts_the_real_tables():
+    a = make(num_blocks=4)
+    empty = a.metadata_bytes()
+    a.allocate(12)
+    used = a.metadata_bytes()
+    assert used > empty                                  # the live tables of two blocks appeared
+    exts = [Extent(0, 0, 8)]
+    assert a.metadata_bytes(exts) > used                 # a node's extent list counts when passed
