@@ -2,8 +2,13 @@
 
 Bandwidth, per direction, through the real tiered cache (tree bookkeeping,
 copy engine, disk checksums), against a plain copy of the same bytes between
-the same pools in the same run (disk: a plain write/read of the same bytes to
-a file in the same directory). Stall: a compute loop on one thread, timed idle
+the same pools in the same run (disk: a plain write of the same bytes to a
+file in the same directory, and a plain read of it into a buffer allocated
+before the clock starts). Before each disk read, of either arm, the page
+cache is dropped (``/proc/sys/vm/drop_caches``, else ``posix_fadvise``
+DONTNEED on both files); the disk rows say which worked in ``page_cache``,
+or that nothing did, in which case the reads may have come from memory.
+Writes are not fsynced in either arm (the tier does not fsync). Stall: a compute loop on one thread, timed idle
 and while demotions of ``--gib`` run beside it.
 
 The KV layout defaults to a Llama-3-8B-like one (32 layers, 8 KV heads,
@@ -112,32 +117,66 @@ def bandwidth(args: argparse.Namespace, disk_dir: str) -> None:
     with open(path, "wb") as fh:
         fh.write(memoryview(data).cast("B"))
     p_h2c = time.perf_counter() - t0
-    # Disk reads: drop the page cache where we may, so neither side reads from memory.
-    _drop_caches()
+    # Disk reads: the page cache is dropped before each arm, so neither reads from memory.
+    files = [path, str(cold.path)]
+    drop_ours = drop_page_cache(files)
     t_c2h = _promote_all(cache, nodes)          # COLD -> HOT (through host on CUDA)
-    _drop_caches()
+    buf = bytearray(nbytes)                     # the plain read's destination exists before the clock starts
+    memoryview(buf)[::4096] = bytes(len(range(0, nbytes, 4096)))  # and its pages are mapped
+    drop_plain = drop_page_cache(files)
     t0 = time.perf_counter()
-    with open(path, "rb") as fh:
-        buf = bytearray(nbytes)
-        fh.readinto(buf)
+    read_exactly(path, buf)
     p_c2h = time.perf_counter() - t0
+    page_cache = drop_ours if drop_ours == drop_plain else f"ours: {drop_ours}; plain: {drop_plain}"
     for direction, ours, base in (("d2h", t_d2h, p_d2h), ("h2d", t_h2d, p_h2d),
                                   ("host_to_disk", t_h2c, p_h2c), ("disk_to_host", t_c2h, p_c2h)):
         gb, pgb = _gbps(nbytes, ours), _gbps(nbytes, base)
-        emit({"bench": "tiers", "direction": direction, "bytes": nbytes, "gb_per_s": rounded(gb, 3),
-              "plain_gb_per_s": rounded(pgb, 3), "ratio": rounded(gb / pgb if pgb else 0.0, 3),
-              "blocks": nblocks, "block_bytes": block_bytes, "device": str(cache.device)})
+        row = {"bench": "tiers", "direction": direction, "bytes": nbytes, "gb_per_s": rounded(gb, 3),
+               "plain_gb_per_s": rounded(pgb, 3), "ratio": rounded(gb / pgb if pgb else 0.0, 3),
+               "blocks": nblocks, "block_bytes": block_bytes, "device": str(cache.device)}
+        if direction == "disk_to_host":
+            row.update(page_cache=page_cache, plain_read="preallocated buffer, readinto")
+        elif direction == "host_to_disk":
+            row.update(fsync=False)
+        emit(row)
     os.unlink(path)
     cache.close()
 
 
-def _drop_caches() -> None:
+def drop_page_cache(paths: list[str]) -> str:
+    """Evict ``paths`` from the page cache; returns how, or why it could not."""
+    os.sync()
     try:
-        os.sync()
         with open("/proc/sys/vm/drop_caches", "w") as fh:
             fh.write("1\n")
-    except OSError:
-        pass
+        return "dropped (drop_caches)"
+    except OSError as exc:
+        why = f"drop_caches: {exc.strerror}"
+    if not hasattr(os, "posix_fadvise"):
+        return f"not dropped ({why}; no posix_fadvise): reads may come from memory"
+    try:
+        for p in paths:
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.fsync(fd)  # dirty pages cannot be evicted
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+        return "dropped (fadvise DONTNEED)"
+    except OSError as exc:
+        return f"not dropped ({why}; fadvise: {exc.strerror}): reads may come from memory"
+
+
+def read_exactly(path: str, buf: bytearray) -> None:
+    """Read the file's first ``len(buf)`` bytes into ``buf`` (no intermediate copy)."""
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as fh:
+        got = 0
+        while got < len(buf):
+            n = fh.readinto(view[got:])
+            if not n:
+                raise OSError(f"{path}: short read ({got} of {len(buf)} bytes)")
+            got += n
 
 
 def _compute_steps(n: int, size: int = 384) -> list[float]:
