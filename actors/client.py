@@ -1,27 +1,67 @@
-"""ClusterClient: route a request through the directory and stream it from a worker.
+"""Route a request through the directory and stream it, retrying on a dead worker.
 
-Used by the Serve ingress and by tests. A worker that dies mid-request is
-reported to the directory and the request is retried on another worker; the
-tokens the caller already received are not sent twice (greedy decoding gives
-the same prefix again; sampled requests carry a seed for the same reason).
+``stream_with_retry`` is the one route-and-retry path: it asks a
+``DirectoryLink`` for a decision, opens the stream on the chosen worker, and
+when that worker dies mid-request, reports it, excludes it and goes on from
+another worker without repeating the items already delivered (greedy decoding
+gives the same prefix again; sampled requests carry a seed for the same
+reason). It takes the way to open a stream as a function, so any transport
+can use it.
+
+``ClusterClient`` is that path over ``CacheWorker`` actors (tests, tools, the
+``bench`` commands). The Serve ingress does not use it: its requests reach a
+replica through Serve's handle and ``serve_app.router.DirectoryRouter``, which
+asks the directory through the same ``DirectoryLink``.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
+from actors.directory_link import DirectoryLink
 from actors.naming import DIRECTORY_NAME, worker_actor_name
-from cluster.hashing import block_hashes
+from cluster.protocol import RouteDecision, StreamItem
 
 log = logging.getLogger(__name__)
+
+WORKER_DIED = (ActorDiedError, ActorUnavailableError, RayActorError)
 
 
 class NoWorkerError(RuntimeError):
     """No live worker could serve the request."""
+
+
+async def stream_with_retry(directory: DirectoryLink, prompt: list[int], tenant: Any,
+                            open_stream: Callable[[RouteDecision], AsyncIterator[StreamItem]], *,
+                            max_attempts: int = 3, first: RouteDecision | None = None,
+                            died: tuple[type[BaseException], ...] = WORKER_DIED) -> AsyncIterator[StreamItem]:
+    """Yield the request's items, each stamped with the worker, reason and attempt that produced it."""
+    sent = 0
+    failed: list[str] = []
+    for attempt in range(max_attempts):
+        decision = first if (first is not None and attempt == 0) else \
+            await directory.route(prompt, tenant, failed)
+        seen = 0
+        try:
+            async for item in open_stream(decision):
+                seen += 1
+                if seen <= sent and not item.finished:
+                    continue  # already delivered before the retry
+                sent = max(sent, seen)
+                item.worker_id, item.reason, item.attempt = decision.worker_id, decision.reason, attempt
+                yield item
+                if item.finished:
+                    return
+            return
+        except died as exc:
+            log.warning("worker %s failed mid-request (%s); retrying", decision.worker_id, type(exc).__name__)
+            failed.append(decision.worker_id)
+            await directory.report_failure(decision.worker_id)
+    raise NoWorkerError(f"request failed on {max_attempts} workers: {failed}")
 
 
 class ClusterClient:
@@ -30,7 +70,8 @@ class ClusterClient:
         self.namespace = namespace
         self.block_tokens = block_tokens
         self.max_attempts = max_attempts
-        self.directory = ray.get_actor(directory_name, namespace=namespace)
+        self.directory = DirectoryLink(namespace, name=directory_name, block_tokens=block_tokens)
+        self.directory.handle()   # fail now if there is no directory
         self._handles: dict[str, Any] = {}
 
     def worker(self, worker_id: str):
@@ -40,52 +81,36 @@ class ClusterClient:
             self._handles[worker_id] = h
         return h
 
-    async def route(self, prompt: list[int], tenant: Any = None, exclude: list[str] | None = None) -> dict:
-        hashes = block_hashes(prompt, self.block_tokens, tenant)
-        return await self.directory.route.remote(hashes, len(prompt), exclude)
+    async def route(self, prompt: list[int], tenant: Any = None, exclude: list[str] | None = None) -> RouteDecision:
+        return await self.directory.route(prompt, tenant, exclude)
 
     async def generate(self, prompt: list[int], params: dict | None = None, tenant: Any = None,
-                       session_id: Any = None, worker_id: str | None = None) -> AsyncIterator[dict]:
-        """Yield result dicts (token, finished, cached_tokens, ...), each with the
-        ``worker_id`` and routing ``reason`` that served it."""
-        sent = 0
-        failed: list[str] = []
-        for attempt in range(self.max_attempts):
-            if worker_id is not None and attempt == 0:
-                decision = {"worker_id": worker_id, "reason": "pinned", "migrate_from": None}
-            else:
-                decision = await self.route(prompt, tenant, failed)
-            wid = decision["worker_id"]
-            seen = 0
+                       session_id: Any = None, worker_id: str | None = None) -> AsyncIterator[StreamItem]:
+        """Yield ``StreamItem``s, each with the ``worker_id``, routing ``reason``
+        and ``attempt`` that served it; ``worker_id`` pins the first attempt."""
+
+        async def open_stream(decision: RouteDecision):
             try:
-                stream = self.worker(wid).generate.options(num_returns="streaming").remote(
-                    prompt, params, tenant, session_id, decision.get("migrate_from"))
+                stream = self.worker(decision.worker_id).generate.options(num_returns="streaming").remote(
+                    prompt, params, tenant, session_id, decision.migrate_from)
                 async for ref in stream:
-                    item = await ref
-                    seen += 1
-                    if seen <= sent and not item["finished"]:
-                        continue  # already delivered before the retry
-                    sent = max(sent, seen)
-                    item["worker_id"], item["reason"], item["attempt"] = wid, decision["reason"], attempt
-                    yield item
-                    if item["finished"]:
-                        return
-                return
-            except (ActorDiedError, ActorUnavailableError, RayActorError) as exc:
-                log.warning("worker %s failed mid-request (%s); retrying", wid, type(exc).__name__)
-                failed.append(wid)
-                self._handles.pop(wid, None)
-                try:
-                    await self.directory.report_failure.remote(wid)
-                except Exception:
-                    pass
-        raise NoWorkerError(f"request failed on {self.max_attempts} workers: {failed}")
+                    yield await ref
+            except WORKER_DIED:
+                self._handles.pop(decision.worker_id, None)
+                raise
+
+        first = RouteDecision.pinned(worker_id) if worker_id is not None else None
+        async for item in stream_with_retry(self.directory, prompt, tenant, open_stream,
+                                            max_attempts=self.max_attempts, first=first):
+            yield item
 
     async def complete(self, prompt: list[int], params: dict | None = None, **kw) -> dict:
-        """Run to the end; returns tokens and the final item's metadata."""
+        """Run to the end; returns the tokens and the final item."""
         tokens, last = [], None
         async for item in self.generate(prompt, params, **kw):
-            if item["token"] is not None:
-                tokens.append(item["token"])
+            if item.token is not None:
+                tokens.append(item.token)
             last = item
-        return {**(last or {}), "tokens": tokens}
+        return {"tokens": tokens, "last": last, "worker_id": last.worker_id if last else None,
+                "reason": last.reason if last else None, "cached_tokens": last.cached_tokens if last else 0,
+                "attempt": last.attempt if last else 0}

@@ -1,8 +1,5 @@
-"""Names of the cluster's actors, shared by every layer that looks them up."""
+"""Names of the cluster's actors (defined once, in ``cluster.names``)."""
 
-DIRECTORY_NAME = "prefix-cache-directory"
-WORKER_PREFIX = "prefix-cache-worker:"
+from cluster.names import DEFAULT_NAMESPACE, DIRECTORY_NAME, WORKER_PREFIX, worker_actor_name
 
-
-def worker_actor_name(worker_id: str) -> str:
-    return WORKER_PREFIX + worker_id
+__all__ = ["DEFAULT_NAMESPACE", "DIRECTORY_NAME", "WORKER_PREFIX", "worker_actor_name"]

@@ -9,6 +9,9 @@ Registered through the ``pytest11`` entry point, so any project that installs
 - ``cache_cluster``: the directory plus one cache worker per node, small
   built-in model; yields a ``LoopbackCacheCluster`` with handles and helpers.
 
+The plugin turns on the thread-ownership check (``PREFIX_CACHE_CHECK_THREADS``)
+for the whole session, before Ray starts, so every worker runs with it.
+
 Both are session-scoped: starting Ray costs seconds, so the suite pays it once.
 Tests that kill actors restore what they killed (``cache_cluster.restart``).
 """
@@ -22,6 +25,8 @@ from typing import Any
 
 import pytest
 
+from cluster.ownership import ENV_VAR as OWNERSHIP_ENV_VAR
+
 TEST_MODEL = dict(num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32,
                   intermediate_size=256, seed=7)
 TEST_WORKER_CONFIG = dict(model=TEST_MODEL, hot_blocks=256, warm_blocks=512, block_tokens=16,
@@ -34,6 +39,10 @@ def pytest_configure(config):
     # of a ray.cluster_utils.Cluster binds to 127.0.0.1. It must be set before any
     # test module imports ray, hence here and not in a fixture.
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    # Debug mode for engine-owned state (cluster.ownership): every worker and Serve
+    # replica the tests start inherits it, so a cache touched off its engine thread
+    # fails the test that did it.
+    os.environ.setdefault(OWNERSHIP_ENV_VAR, "1")
 
 
 def pytest_addoption(parser):

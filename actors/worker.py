@@ -1,22 +1,24 @@
 """CacheWorker: the Ray actor holding one GPU's tiered radix cache and model runner.
 
-Thin: it owns a ``WorkerCore`` and exposes it, plus the two things that need
-Ray: publishing KV events to the directory and pulling a prefix from another
-worker (NIXL READ first, the Ray object store if that fails, recompute last).
+A thin shell: a ``WorkerCore`` does the work, a ``DirectoryLink`` reaches the
+directory (the same two the Serve replica uses); this file adds what is
+particular to a named actor: positional-argument methods, and reaching a peer
+worker by its actor name (``ActorLink``).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Any
 
 import ray
-from ray.exceptions import RayActorError
 
-from actors.core import WorkerConfig, WorkerCore
-from actors.directory import get_or_create_directory
+from actors.config import WorkerConfig
+from actors.core import WorkerCore
+from actors.directory_link import DirectoryLink
+from actors.migration import PeerLink
 from actors.naming import DIRECTORY_NAME, worker_actor_name
+from cluster.protocol import GenerateRequest, RouteDecision
 
 log = logging.getLogger(__name__)
 
@@ -28,45 +30,17 @@ class CacheWorkerImpl:
                  directory_name: str = DIRECTORY_NAME):
         self.worker_id = worker_id
         self.namespace = namespace
-        self.directory_name = directory_name
-        self._directory = None
-        self.core = WorkerCore(worker_id, WorkerConfig.from_dict(config), publish=self._publish,
-                               push_snapshot=self._push_snapshot)
-        self._register()
-
-    # -------------------------------------------------------------- directory
-    def _dir(self):
-        if self._directory is None:
-            # Get it, or recreate it if it is gone for good (killed without restart).
-            self._directory = get_or_create_directory(self.namespace, name=self.directory_name)
-        return self._directory
-
-    def _watch(self, fut) -> None:
-        if isinstance(fut.exception(), RayActorError):
-            self._directory = None
-
-    def _register(self) -> None:
-        self._dir().register_worker.remote(self.worker_id, self.core.info()["cost"])
-
-    def _publish(self, batch: bytes | None, load: dict):
-        # Never blocks the engine thread: the status comes back as a future.
-        fut = self._dir().publish.remote(self.worker_id, batch, load).future()
-        fut.add_done_callback(self._watch)
-        return fut
-
-    def _push_snapshot(self, seq: int, entries: dict) -> None:
-        self._dir().load_snapshot.remote(self.worker_id, seq, entries)
+        cfg = WorkerConfig.from_dict(config)
+        self.directory = DirectoryLink(namespace, name=directory_name, create=True, block_tokens=cfg.block_tokens)
+        self.core = WorkerCore(worker_id, cfg, directory=self.directory)
 
     # --------------------------------------------------------------- serving
     async def generate(self, prompt: list[int], params: dict | None = None, namespace: Any = None,
                        session_id: Any = None, migrate_from: str | None = None):
-        """Stream result dicts; with ``migrate_from``, first pull that worker's prefix."""
-        migrated = None
-        if migrate_from and migrate_from != self.worker_id:
-            migrated = await self._migrate(migrate_from, prompt, namespace)
-        async for item in self.core.generate(prompt, params, namespace, session_id):
-            if migrated is not None:
-                item["migration"] = migrated
+        """Stream ``StreamItem``s; with ``migrate_from``, first pull that worker's prefix."""
+        routing = RouteDecision(self.worker_id, "direct", migrate_from=migrate_from)
+        request = GenerateRequest(prompt, params, namespace, session_id, routing)
+        async for item in self.core.generate(request, self._link):
             yield item
 
     async def prefetch(self, session_id: Any = None, tokens: list[int] | None = None, namespace: Any = None) -> int:
@@ -74,31 +48,26 @@ class CacheWorkerImpl:
 
     # ------------------------------------------------------------- migration
     async def export_prefix(self, tokens: list[int], namespace: Any = None, max_tokens: int | None = None) -> dict:
-        return await asyncio.wrap_future(self.core.call(lambda: self.core.export_prefix(tokens, namespace, max_tokens)))
+        return await self.core.export_prefix(tokens, namespace, max_tokens)
 
     async def export_array(self, lease: int):
-        return await asyncio.wrap_future(self.core.call(lambda: self.core.export_array(lease)))
+        return await self.core.export_array(lease)
 
     async def release(self, lease: int) -> None:
-        await asyncio.wrap_future(self.core.call(lambda: self.core.release(lease)))
+        await self.core.release(lease)
 
-    def _link(self, holder_id: str) -> "ActorLink":
-        return ActorLink(ray.get_actor(worker_actor_name(holder_id), namespace=self.namespace))
-
-    async def _migrate(self, holder_id: str, tokens: list[int], namespace: Any) -> dict:
+    def _link(self, holder_id: str) -> PeerLink | None:
         try:
-            link = self._link(holder_id)
+            return ActorLink(ray.get_actor(worker_actor_name(holder_id), namespace=self.namespace))
         except ValueError:  # the holder is gone: recompute
-            self.core.stats["recomputed_after_failed_migration"] += 1
-            return {"from": holder_id, "transport": None, "tokens": 0}
-        return await self.core.migrate_from(holder_id, link, tokens, namespace)
+            return None
 
     async def nixl_read(self, holder_id: str, tokens: list[int], namespace: Any = None) -> dict:
         """Pull a prefix over NIXL only, without installing it (tests and drills)."""
         link = self._link(holder_id)
         staged = await link.export_prefix(tokens, namespace)
         try:
-            kv = await self.core.pull_nixl(holder_id, link, staged)
+            kv = await self.core.migration.pull_nixl(holder_id, link, staged)
         finally:
             link.release(staged["lease"])
         return {"tokens": staged["tokens"], "checksums": staged["checksums"], "kv": kv}
@@ -106,9 +75,7 @@ class CacheWorkerImpl:
     # ------------------------------------------------------------ inspection
     def inject_fault(self, kind: str, on: bool = True) -> None:
         """Fault injection for drills and tests: 'nixl' or 'object_store'."""
-        if kind not in ("nixl", "object_store"):
-            raise ValueError(f"unknown fault {kind!r}")
-        (self.core.faults.add if on else self.core.faults.discard)(kind)
+        self.core.migration.inject_fault(kind, on)
 
     def info(self) -> dict:
         return self.core.info()
@@ -117,23 +84,23 @@ class CacheWorkerImpl:
         return ray.get_runtime_context().get_node_id()
 
     async def snapshot(self) -> tuple[int, dict]:
-        return await asyncio.wrap_future(self.core.call(self.core.publisher.snapshot))
+        return await self.core.snapshot()
 
     async def stats(self) -> dict:
-        return await asyncio.wrap_future(self.core.call(self.core.collect_stats))
+        return await self.core.stats()
 
     def load(self) -> dict:
-        return self.core.load()
+        return self.core.load().to_wire()
 
     async def flush(self) -> int:
-        return await asyncio.wrap_future(self.core.call(self.core.drop_all))
+        return await self.core.flush()
 
     def ping(self) -> str:
         return self.worker_id
 
 
 class ActorLink:
-    """``actors.core.PeerLink`` over another CacheWorker actor."""
+    """``PeerLink`` over another CacheWorker actor."""
 
     def __init__(self, handle):
         self.handle = handle

@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from actors.core import QueueFullError
 from cluster.errors import CacheError, InvalidInputError
+from cluster.protocol import StreamItem
 from actors.naming import DIRECTORY_NAME
 from cluster.engine.checkpoint import ModelSpec, load_tokenizer, model_id
 from cluster.engine.text import ChatPromptBuilder, ReplyMemory
@@ -155,7 +156,7 @@ class IngressCore:
     def _session_key(self, tenant, session_id):
         return None if session_id is None else f"{tenant}:{session_id}"
 
-    async def stream_items(self, gen: GenerationRequest, tenant: str | None, endpoint: str) -> AsyncIterator[dict]:
+    async def stream_items(self, gen: GenerationRequest, tenant: str | None, endpoint: str) -> AsyncIterator[StreamItem]:
         """The worker's items for one request. Leaving early (a stop string, a client
         that went away) cancels the request on the worker, which caches what it
         computed and releases its locks."""
@@ -172,19 +173,19 @@ class IngressCore:
                 now = time.perf_counter()
                 if last is None:
                     metrics.ttft.observe(now - start, tags={"endpoint": endpoint})
-                    hits = item.get("tier_hits") or [0, 0, 0]
+                    hits = item.tier_hits
                     for tier, n in zip(TIER_NAMES, hits):
                         if n:
                             metrics.cached_tokens.inc(n, tags={"tier": tier})
                     if gen.session_id is not None:
-                        self._sessions[(tenant, gen.session_id)] = item["worker_id"]
+                        self._sessions[(tenant, gen.session_id)] = item.worker_id
                         self._sessions.move_to_end((tenant, gen.session_id))
                         while len(self._sessions) > 100_000:
                             self._sessions.popitem(last=False)
                 else:
                     metrics.inter_token.observe(now - last, tags={"endpoint": endpoint})
                 last = now
-                finished = bool(item.get("finished"))
+                finished = item.finished
                 yield item
         except Exception as exc:
             cause = _root_cause(exc)
@@ -215,12 +216,12 @@ class IngressCore:
         created = int(time.time())
         if gen.stream:
             return await self._streaming(gen, tenant, endpoint, chat, rid, created)
-        out, last, pieces = self._text(gen), {}, []
+        out, last, pieces = self._text(gen), None, []
         async with aclosing(self.stream_items(gen, tenant, endpoint)) as items:
             async for item in items:
                 last = item
-                if item["token"] is not None:
-                    pieces.append(out.push(item["token"]))
+                if item.token is not None:
+                    pieces.append(out.push(item.token))
                     if out.stopped:
                         break
         pieces.append(out.finish())
@@ -260,14 +261,14 @@ class IngressCore:
             return {"id": rid, "object": kind, "created": created, "model": self.model_name, "choices": [choice]}
 
         async def sse():
-            out, last, unsent = self._text(gen), {}, []
+            out, last, unsent = self._text(gen), None, []
             item = first
             try:
                 while item is not None:
                     last = item
-                    if item["token"] is not None:
-                        unsent.append(item["token"])
-                        piece = out.push(item["token"])
+                    if item.token is not None:
+                        unsent.append(item.token)
+                        piece = out.push(item.token)
                         if piece:   # text held back (a partial character or stop string) waits
                             yield _sse(chunk(piece, unsent))
                             unsent = []
@@ -348,17 +349,17 @@ def _root_cause(exc: BaseException) -> BaseException:
     return _root_cause(cause) if cause is not None and cause is not exc else exc
 
 
-def _usage(gen: GenerationRequest, tokens: list[int], last: dict) -> dict:
-    cached = (last or {}).get("cached_tokens", 0)
+def _usage(gen: GenerationRequest, tokens: list[int], last: StreamItem | None) -> dict:
+    cached = last.cached_tokens if last is not None else 0
     return {"prompt_tokens": len(gen.prompt), "completion_tokens": len(tokens),
             "total_tokens": len(gen.prompt) + len(tokens), "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def _cache_info(last: dict) -> dict:
-    last = last or {}
-    hits = last.get("tier_hits") or [0, 0, 0]
-    return {"worker_id": last.get("worker_id"), "reason": last.get("reason"),
-            "cached_tokens_by_tier": dict(zip(TIER_NAMES, hits)), "migration": last.get("migration")}
+def _cache_info(last: StreamItem | None) -> dict:
+    last = last or StreamItem(None, True)
+    migration = last.migration.to_json() if last.migration is not None else None
+    return {"worker_id": last.worker_id, "reason": last.reason,
+            "cached_tokens_by_tier": dict(zip(TIER_NAMES, last.tier_hits)), "migration": migration}
 
 
 def _sse(obj: dict) -> str:

@@ -44,12 +44,13 @@ class TextStream:
         self.text += piece
         return piece
 
-    def finish_reason(self, last_item: dict | None) -> str:
+    def finish_reason(self, last_item) -> str:
         """OpenAI's finish_reason: "stop" for a stop string or a stop token, "length"
         at max_tokens; any other worker reason (an error, a cancel) as it is."""
         if self.stopped:
             return "stop"
-        return (last_item or {}).get("finish_reason") or "length"
+        reason = getattr(last_item, "finish_reason", None)   # a cluster.protocol.StreamItem
+        return str(reason) if reason else "length"
 
     def reply_ids(self) -> list[int] | None:
         """The generated ids that produce exactly ``text``, for the reply memory;

@@ -93,6 +93,13 @@ class DiskPool:
             parts.append(cache[b][:, :, off:off + length])
         return torch.cat(parts, dim=2)
 
+    def drop_page_cache(self) -> None:
+        """Ask the OS to forget this file's cached pages, so the next reads
+        measure the device (calibration); best effort where fadvise is missing."""
+        if hasattr(os, "posix_fadvise"):
+            os.fsync(self._fd)
+            os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
     def corrupt_block_for_test(self, block_id: int) -> None:
         """Flip bytes of one block on disk (fault injection for tests and drills)."""
         os.pwrite(self._fd, b"\xff" * 16, block_id * self.block_bytes)

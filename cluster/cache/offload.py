@@ -1,6 +1,6 @@
 """Asynchronous copy engines: tier moves that never stall the forward pass.
 
-Both engines share one small interface: ``submit`` returns an operation id at
+Every engine implements ``CopyEngine``: ``submit`` returns an operation id at
 once, ``poll`` returns the operations that finished (with their error, if
 any), ``wait`` blocks on one operation. Completions are applied by the owner
 of the cache when it polls: background threads never touch the tree.
@@ -22,7 +22,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -51,6 +51,27 @@ class Pacer:
 class Completion:
     op_id: int
     error: BaseException | None
+
+
+@runtime_checkable
+class CopyEngine(Protocol):
+    """What ``TieredCache`` needs from a copy engine (thread, CUDA stream, or immediate)."""
+
+    def submit(self, job: Callable[[], None]) -> int:
+        """Run ``job`` in the background; returns its operation id at once."""
+
+    def submit_copies(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, paced: bool = True) -> int:
+        """Copy each ``(dst, src)`` pair in the background, as one operation."""
+
+    def poll(self) -> list[Completion]:
+        """Operations finished since the last poll (never blocks)."""
+
+    def wait(self, op_id: int) -> None:
+        """Block until ``op_id`` finished (its completion still arrives through ``poll``)."""
+
+    def in_flight(self) -> int: ...
+
+    def close(self) -> None: ...
 
 
 class ThreadEngine:
@@ -224,7 +245,8 @@ class ImmediateEngine:
         pass
 
 
-def make_copy_engine(device: torch.device, *, deterministic: bool = False, max_bytes_per_s: float | None = None):
+def make_copy_engine(device: torch.device, *, deterministic: bool = False,
+                     max_bytes_per_s: float | None = None) -> CopyEngine:
     if device.type == "cuda":
         return CudaStreamEngine(device)  # DMA engines: no pacing needed
     return ThreadEngine("kv-copy", drain_on_poll=deterministic, max_bytes_per_s=max_bytes_per_s)

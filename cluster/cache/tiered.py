@@ -4,12 +4,17 @@ Under pressure a node is demoted, not destroyed; the tree keeps its topology,
 so ``match`` sees how much of a prefix is HOT, WARM and COLD, and a hit on a
 colder part promotes the whole path back to HOT before the caller reads it.
 
-Moves are asynchronous: a node being moved is marked ``busy`` (no split,
+Moves are asynchronous: a node being moved holds its ``Move`` in ``busy`` (no split,
 merge, drop or second move), its source KV stays valid until the copy
 completes, and completions are applied by the owner in ``poll``. A demotion
 that finds its node locked when it completes is abandoned (the HOT copy is in
 use); a promotion that fails (disk checksum) drops the bad node and its
 subtree, and the caller recomputes.
+
+Callers (the engine, the worker) use the methods below and nothing inside:
+``room_tokens``, ``seal``, the host staging area (``allocate_staging`` and
+friends, for migrations), ``drop_all``, ``add_listener``. Every public entry
+point checks its ``owner`` (``cluster.ownership``) when checks are on.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, Callable, Hashable, Sequence
 
 import torch
@@ -24,9 +30,11 @@ import torch
 from cluster.cache.allocator import AllocatorConfig, Extent
 from cluster.cache.disk import DiskPool
 from cluster.cache.kv_pool import KVLayout, KVPool, cuda_available
-from cluster.cache.offload import ImmediateEngine, ThreadEngine, make_copy_engine
-from cluster.cache.radix_tree import COLD, HOT, TIER_NAMES, WARM, RadixTree, TreeNode
+from cluster.cache.offload import CopyEngine, ImmediateEngine, ThreadEngine, make_copy_engine
+from cluster.cache.radix_tree import RadixTree, TreeNode
 from cluster.errors import CacheError, ChecksumError, InvalidInputError, PoolExhaustedError
+from cluster.names import COLD, HOT, TIER_NAMES, WARM
+from cluster.ownership import ThreadOwner
 
 
 class UnknownSessionError(CacheError, KeyError):
@@ -74,14 +82,22 @@ class TierConfig:
         return torch.device(self.device)
 
 
+class MoveKind(Enum):
+    DEMOTE = "demote"
+    PROMOTE = "promote"
+
+
 @dataclass(slots=True)
-class _Move:
-    kind: str                     # "demote" | "promote"
+class Move:
+    """One asynchronous tier move; each node it carries points to it through
+    ``node.busy`` until the owner applies its completion (then ``None``)."""
+
+    kind: MoveKind
     nodes: list[TreeNode]
     src_tiers: list[int]
     dst_tier: int
     dst_extents: list[list[Extent]]
-    engine: Any
+    engine: CopyEngine | None
     op_id: int = 0
     failed_index: list[int] = field(default_factory=list)
 
@@ -126,7 +142,8 @@ class TieredCache:
             self.copier = make_copy_engine(self.device, deterministic=deterministic_io, max_bytes_per_s=pace)
             self.disk_io = ThreadEngine("kv-disk", drain_on_poll=deterministic_io,
                                         max_bytes_per_s=pace) if config.cold_blocks else None
-        self._moves: dict[tuple[int, int], _Move] = {}
+        self._moves: dict[tuple[int, int], Move] = {}
+        self.owner: ThreadOwner | None = None   # set by the worker when ownership checks are on
         self._pending_out = [0, 0, 0]   # tokens leaving each tier in flight
         self._sessions: OrderedDict[Any, tuple[Hashable, list[int]]] = OrderedDict()
         self.stats = {"demoted_to_warm": 0, "demoted_to_cold": 0, "promoted_tokens": 0, "promotions": 0,
@@ -141,6 +158,107 @@ class TieredCache:
     def hot(self) -> KVPool:
         return self.pools[HOT]
 
+    def _check_owner(self, what: str) -> None:
+        if self.owner is not None:
+            self.owner.check(f"TieredCache.{what}")
+
+    # ------------------------------------------- what the engine and worker use
+    @property
+    def kv_device(self) -> torch.device:
+        return self.hot.tensor.device
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        return self.hot.tensor.dtype
+
+    def room_tokens(self) -> int:
+        """HOT tokens new KV can take now: free blocks plus unlocked HOT
+        prefixes that eviction or demotion would make room from."""
+        self._check_owner("room_tokens")
+        hot = self.hot.allocator
+        return hot.free_blocks * hot.block_tokens + self.tree.evictable[HOT]
+
+    def seal(self, extent: Extent) -> None:
+        """Close a sequence's tail block to later slots (it is about to enter the tree)."""
+        self.hot.allocator.seal(extent)
+
+    def add_listener(self, listener: Any) -> None:
+        """Tree callbacks (``on_stored``/``on_tier``/``on_removed``), e.g. a KV event publisher."""
+        self.tree.listeners.append(listener)
+
+    @property
+    def protected_tokens(self) -> int:
+        return self.tree.protected_tokens
+
+    @property
+    def evictable_tokens(self) -> int:
+        return self.tree.evictable_tokens
+
+    def fragmentation(self) -> float:
+        return self.hot.allocator.internal_fragmentation()
+
+    def drop_all(self) -> int:
+        """Drop every unlocked cached prefix, coldest tier first; returns tokens freed."""
+        self._check_owner("drop_all")
+        self.poll()
+        freed = 0
+        for tier in reversed(range(self.num_tiers)):
+            while True:
+                n = self.tree.evict(1 << 40, tier)
+                freed += n
+                if not n:
+                    break
+        return freed
+
+    # Host staging: whole private blocks of the WARM pool, outside the tree, that
+    # a migration fills or reads (a NIXL READ addresses them by block id).
+    @property
+    def host_tensor(self) -> torch.Tensor | None:
+        """The WARM pool's tensor (NIXL registers it); None without a WARM tier."""
+        return self.pools[WARM].tensor if self.num_tiers > WARM else None
+
+    def allocate_staging(self, num_tokens: int) -> list[Extent]:
+        """Whole host blocks for ``num_tokens``; never evicts (a full pool raises)."""
+        self._check_owner("allocate_staging")
+        if self.num_tiers <= WARM:
+            raise CacheError("staging needs a WARM tier (warm_blocks > 0)")
+        return self.pools[WARM].allocator.allocate(num_tokens, private_tail=True)
+
+    def free_staging(self, extents: Sequence[Extent]) -> None:
+        self._check_owner("free_staging")
+        self.pools[WARM].allocator.free(extents)
+
+    def write_staging(self, extents: Sequence[Extent], kv: torch.Tensor) -> None:
+        self.pools[WARM].write(extents, kv)
+
+    def read_staging(self, extents: Sequence[Extent]) -> torch.Tensor:
+        return self.pools[WARM].read(extents)
+
+    def staging_block(self, block_id: int) -> torch.Tensor:
+        """One staged host block (a view), e.g. to checksum it."""
+        return self.pools[WARM].tensor[block_id]
+
+    # ------------------------------------------------------ calibration hooks
+    def demote_path(self, tokens: Sequence[int], namespace: Hashable = None, tier: int = WARM) -> int:
+        """Move the cached path of ``tokens`` down to ``tier`` now (leaf first,
+        waiting for each copy); returns the tokens moved. For calibration and tests."""
+        self._check_owner("demote_path")
+        moved = 0
+        for _ in range(tier):
+            m = self.tree.match_prefix(tokens, namespace)
+            for node in reversed(m.nodes):
+                if node.tier < tier and not node.busy and not node.lock_ref:
+                    move = self._start_demotion(node)
+                    if move is not None:
+                        self._wait_move(move)
+                        moved += len(node.key)
+        return moved
+
+    def drop_page_cache(self) -> None:
+        """Make the next COLD reads come from the device, not the OS page cache."""
+        if self.num_tiers > COLD and isinstance(self.pools[COLD], DiskPool):
+            self.pools[COLD].drop_page_cache()
+
     # ------------------------------------------------------------ public API
     def match(self, tokens: Sequence[int], namespace: Hashable = None, *, promote: bool = True,
               lock: bool = False, validate: bool = True) -> TieredMatch:
@@ -149,12 +267,13 @@ class TieredCache:
         With ``lock`` the returned node is locked before anything else can run,
         so its extents stay valid until ``unlock``.
         """
+        self._check_owner("match")
         self.poll()
         t0 = time.perf_counter()
         m = self.tree.match_prefix(tokens, namespace, validate=validate)
         tier_lengths = list(m.tier_lengths)
         # Wait for moves that own nodes on the path (e.g. a prefetch still copying).
-        waiting = [n for n in m.nodes if n.busy and (n.busy.kind == "promote" or n.tier != HOT)]
+        waiting = [n for n in m.nodes if n.busy and (n.busy.kind is MoveKind.PROMOTE or n.tier != HOT)]
         if waiting:
             for n in waiting:
                 if n.busy:
@@ -173,6 +292,7 @@ class TieredCache:
 
     def allocate(self, num_tokens: int) -> list[Extent]:
         """HOT extents for new KV; demotes (or drops) to make room, all or nothing."""
+        self._check_owner("allocate")
         return self._allocate(HOT, num_tokens, private_tail=False)
 
     def append(self, extents: list[Extent], num_tokens: int) -> tuple[list[Extent], list[Extent]]:
@@ -188,6 +308,7 @@ class TieredCache:
 
     def insert(self, tokens: Sequence[int], extents: Sequence[Extent], namespace: Hashable = None, *,
                start: int = 0, validate: bool = True):
+        self._check_owner("insert")
         res = self.tree.insert(tokens, extents, namespace, start=start, validate=validate)
         self.enforce_watermarks()
         return res
@@ -277,6 +398,7 @@ class TieredCache:
 
     # ------------------------------------------------------------ completions
     def poll(self) -> int:
+        self._check_owner("poll")
         done = 0
         for engine in filter(None, (self.copier, self.disk_io)):
             for c in engine.poll():
@@ -303,7 +425,7 @@ class TieredCache:
             self.pools[COLD].close()
 
     # ---------------------------------------------------------------- internals
-    def _wait_move(self, move: _Move) -> None:
+    def _wait_move(self, move: Move) -> None:
         try:
             move.engine.wait(move.op_id)
         except BaseException:
@@ -361,14 +483,14 @@ class TieredCache:
                 self._wait_move(move)
         return True
 
-    def _start_demotion(self, nodes: TreeNode | list[TreeNode]) -> _Move | None:
+    def _start_demotion(self, nodes: TreeNode | list[TreeNode]) -> Move | None:
         """Move nodes of one tier one tier down, as a single asynchronous copy
         (consecutive whole blocks coalesce). Nodes whose room cannot be found
         below stay where they are; None when none could start."""
         nodes = [nodes] if isinstance(nodes, TreeNode) else list(nodes)
         src = nodes[0].tier
         dst = src + 1
-        move = _Move("demote", [], [], dst, [], None)
+        move = Move(MoveKind.DEMOTE, [], [], dst, [], None)
         for node in nodes:
             assert node.tier == src and not node.busy, "a batch demotes idle nodes of one tier"
             node.busy = move  # reserved: making room below may merge or drop idle nodes
@@ -380,7 +502,7 @@ class TieredCache:
             except PoolExhaustedError:
                 break
         for node in nodes[len(taken):]:
-            node.busy = False
+            node.busy = None
         if not taken:
             return None
         move.nodes, move.src_tiers, move.dst_extents = taken, [src] * len(taken), dst_exts
@@ -411,7 +533,7 @@ class TieredCache:
         self._moves[(id(move.engine), move.op_id)] = move
         return move
 
-    def _start_promotion(self, nodes: list[TreeNode], *, background: bool = False) -> _Move | None:
+    def _start_promotion(self, nodes: list[TreeNode], *, background: bool = False) -> Move | None:
         """Bring ``nodes`` up to HOT in one asynchronous copy: a root-ward-first
         run of one path, or several such runs, parents before children."""
         for n in nodes:
@@ -427,7 +549,7 @@ class TieredCache:
                 self.tree.unlock(n)
             self.stats["promotion_skipped_no_room"] += 1
             return None
-        move = _Move("promote", list(nodes), [n.tier for n in nodes], HOT, dst_exts, None)
+        move = Move(MoveKind.PROMOTE, list(nodes), [n.tier for n in nodes], HOT, dst_exts, None)
         if self.layout is None:
             move.engine = self.copier
             move.op_id = self.copier.submit(lambda: None)
@@ -470,10 +592,10 @@ class TieredCache:
         self._wait_move(move)
         return sum(len(n.key) for n in nodes if n.alive and n.tier == HOT)
 
-    def _complete(self, move: _Move, error: BaseException | None) -> None:
+    def _complete(self, move: Move, error: BaseException | None) -> None:
         for n in move.nodes:
-            n.busy = False
-        if move.kind == "demote":
+            n.busy = None
+        if move.kind is MoveKind.DEMOTE:
             src, dst = move.src_tiers[0], move.dst_tier
             for node, dst_ext in zip(move.nodes, move.dst_extents):
                 self._pending_out[src] -= len(node.key)
@@ -549,5 +671,5 @@ class TieredCache:
                 assert (id(node.busy.engine), node.busy.op_id) in self._moves, "busy node without a move"
         for tier in range(self.num_tiers):
             assert self._pending_out[tier] == sum(
-                len(n.key) for m in self._moves.values() if m.kind == "demote" and m.src_tiers[0] == tier
+                len(n.key) for m in self._moves.values() if m.kind is MoveKind.DEMOTE and m.src_tiers[0] == tier
                 for n in m.nodes), "in-flight token count drifted"

@@ -29,8 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cluster.engine.tokenizer import BYTE_VOCAB_SIZE
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from cluster.names import DTYPES
 INIT_STD = 0.02
 QUERY_CHUNK = 256  # queries per attention call when a cached prefix precedes them
 ROPE_TYPES = ("default", "linear", "llama3")

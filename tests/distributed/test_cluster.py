@@ -84,10 +84,10 @@ def test_migration_output_equals_full_prefill(cache_cluster, reference):
             items.append(await ref)
 
     asyncio.run(run())
-    tokens = [i["token"] for i in items if i["token"] is not None]
-    assert items[0]["migration"]["transport"] == "nixl"
-    assert items[0]["migration"]["tokens"] >= 400
-    assert items[0]["cached_tokens"] >= 400
+    tokens = [i.token for i in items if i.token is not None]
+    assert items[0].migration.transport == "nixl"
+    assert items[0].migration.tokens >= 400
+    assert items[0].cached_tokens >= 400
     assert tokens == reference(follow_prompt, 5)
 
 
@@ -147,8 +147,8 @@ def test_forced_nixl_failure_falls_back_to_the_object_store(cache_cluster, refer
         asyncio.run(run())
     finally:
         ray.get(cc.workers[target].inject_fault.remote("nixl", False))
-    assert items[0]["migration"]["transport"] == "object_store"
-    assert [i["token"] for i in items] == reference(prompt + [1, 2, 3], 3)
+    assert items[0].migration.transport == "object_store"
+    assert [i.token for i in items] == reference(prompt + [1, 2, 3], 3)
     stats = ray.get(cc.workers[target].stats.remote())
     assert stats["worker"]["object_store_fallbacks"] >= 1 and stats["worker"]["nixl_failures"] >= 1
 
@@ -167,9 +167,9 @@ def test_killing_a_worker_mid_request_loses_no_request(cache_cluster, reference)
                 ray.kill(cc.workers[victim], no_restart=True)
 
     asyncio.run(run())
-    tokens = [i["token"] for i in received if i["token"] is not None]
+    tokens = [i.token for i in received if i.token is not None]
     assert tokens == reference(prompt, 40)
-    assert received[-1]["worker_id"] != victim and received[-1]["attempt"] >= 1
+    assert received[-1].worker_id != victim and received[-1].attempt >= 1
     deadline = time.monotonic() + 20
     while victim in ray.get(cc.directory.live_workers.remote()):
         assert time.monotonic() < deadline, "directory never dropped the dead worker"
@@ -207,3 +207,12 @@ def test_malformed_and_unknown_batches_are_counted(cache_cluster):
     assert ray.get(cc.directory.publish.remote(cc.worker_ids[0], b"\xc1garbage")) == "malformed"
     stats = ray.get(cc.directory.get_stats.remote())
     assert stats["malformed_batches"] >= 1
+
+
+def test_engine_state_stayed_on_the_engine_threads(cache_cluster):
+    """The thread-ownership check is on in every worker process (the plugin sets
+    it before Ray starts) and nothing touched engine state from another thread."""
+    cc = cache_cluster
+    for wid, handle in cc.workers.items():
+        assert ray.get(handle.info.remote())["ownership_checks"], wid
+        assert ray.get(handle.stats.remote())["worker"]["ownership_violations"] == 0, wid

@@ -1,5 +1,5 @@
-"""WorkerCore without Ray: the engine thread, streaming, queue bound, and a
-prefix moving between two workers over a real NIXL READ."""
+"""WorkerCore without Ray: the engine thread, streaming, queue bound, thread
+ownership, and a prefix moving between two workers over a real NIXL READ."""
 
 import asyncio
 
@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from actors.core import QueueFullError, WorkerConfig, WorkerCore
+from cluster.ownership import ENV_VAR, OwnershipError
+from cluster.protocol import FinishReason, GenerateRequest, Transport
 from cluster.engine.model import DecoderModel, ModelConfig
 from cluster.transfer.nixl_transport import nixl_available
 
@@ -14,13 +16,13 @@ MODEL = dict(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim
 
 
 def make(worker_id, **kw):
-    cfg = WorkerConfig(model=MODEL, hot_blocks=128, warm_blocks=128, block_tokens=16, **kw)
+    cfg = WorkerConfig.from_dict(dict(model=MODEL, hot_blocks=128, warm_blocks=128, block_tokens=16, **kw))
     return WorkerCore(worker_id, cfg)
 
 
 def run(core, prompt, max_tokens=4):
     async def go():
-        return [item async for item in core.generate(prompt, {"max_tokens": max_tokens})]
+        return [item async for item in core.generate(GenerateRequest(prompt, {"max_tokens": max_tokens}))]
     return asyncio.run(go())
 
 
@@ -37,10 +39,11 @@ def test_streams_tokens_and_caches_the_turn():
     try:
         prompt = list(range(40))
         items = run(core, prompt)
-        assert [i["token"] for i in items] == greedy(prompt, 4) and items[-1]["finished"]
-        again = run(core, prompt + [i["token"] for i in items] + [1, 2])
-        assert again[0]["cached_tokens"] == 44
-        stats = core.call(core.collect_stats).result()
+        assert [i.token for i in items] == greedy(prompt, 4) and items[-1].finished
+        again = run(core, prompt + [i.token for i in items] + [1, 2])
+        assert again[0].cached_tokens == 44
+        assert items[-1].finish_reason is FinishReason.LENGTH and items[-1].worker_id == "w-a"
+        stats = asyncio.run(core.stats())
         assert stats["protected_tokens"] == 0 and stats["engine"]["requests_finished"] == 2
     finally:
         core.close()
@@ -51,7 +54,7 @@ def test_queue_bound_rejects_with_queue_full():
     try:
         with pytest.raises(QueueFullError, match="requests queued"):
             run(core, [1, 2, 3])
-        assert core.stats["rejected_queue_full"] == 1
+        assert asyncio.run(core.stats())["worker"]["rejected_queue_full"] == 1
     finally:
         core.close()
 
@@ -61,23 +64,63 @@ def test_unknown_worker_config_keys_are_rejected():
         WorkerConfig.from_dict({"hot_block": 3})
 
 
+def test_every_tier_setting_is_a_worker_key():
+    cfg = WorkerConfig.from_dict({"model": MODEL, "hot_blocks": 64, "high_watermark": 0.8, "low_watermark": 0.5,
+                                  "policy": "lfu", "max_sessions": 7, "copy_gb_per_s": 2.0})
+    assert (cfg.tiers.hot_blocks, cfg.tiers.high_watermark, cfg.tiers.policy, cfg.tiers.max_sessions,
+            cfg.tiers.copy_gb_per_s) == (64, 0.8, "lfu", 7, 2.0)
+    assert WorkerConfig.from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(ValueError, match="watermarks out of order"):
+        WorkerConfig.from_dict({"high_watermark": 0.5, "low_watermark": 0.6})
+
+
+def test_cache_touched_off_the_engine_thread_fails_in_debug_mode(monkeypatch):
+    monkeypatch.setenv(ENV_VAR, "1")
+    core = make("w-own")
+    try:
+        run(core, list(range(20)))   # through the engine thread: fine
+        with pytest.raises(OwnershipError, match="TieredCache.match .* engine-w-own"):
+            core.cache.match(list(range(20)))
+        with pytest.raises(OwnershipError, match="Engine.step"):
+            core.engine.step()
+        assert core.loop.call(lambda: core.cache.match([1, 2]).length).result() == 0
+        assert asyncio.run(core.stats())["worker"]["ownership_violations"] == 2
+    finally:
+        core.close()
+
+
+def test_calibration_measures_every_rate_through_the_worker():
+    core = make("w-cal")
+    try:
+        cost = core.cost
+        assert cost.prefill_tokens_per_s > 0 and cost.warm_promote_tokens_per_s > 0
+        assert cost.block_tokens == 16
+        rates = core.info()["cost"]
+        assert rates["warm_promote_tokens_per_s"] == rates["promote_tokens_per_s"] == cost.warm_promote_tokens_per_s
+        # Calibration leaves nothing behind.
+        assert asyncio.run(core.stats())["tiers"]["hot"]["used_tokens"] == 0
+    finally:
+        core.close()
+
+
 @pytest.mark.skipif(not nixl_available(), reason="nixl cannot create a UCX backend here")
 def test_prefix_moves_between_workers_over_nixl():
     holder, target = make("w-holder"), make("w-target")
     try:
         prompt = list(range(100, 180))
         run(holder, prompt, max_tokens=1)
-        staged = holder.call(lambda: holder.export_prefix(prompt)).result()
+        staged = asyncio.run(holder.export_prefix(prompt))
         assert staged["tokens"] == 80 and len(staged["blocks"]) == 5
         peer = target.nixl.connect(holder.nixl.metadata())
-        kv = target.pull_blocks_nixl(peer, staged)
-        holder.call(lambda: holder.release(staged["lease"])).result()
+        kv, nbytes = target.migration.pull_blocks_nixl(peer, staged)
+        assert nbytes == 5 * 16 * target.layout.bytes_per_token()
+        asyncio.run(holder.release(staged["lease"]))
         _, ref = DecoderModel(ModelConfig(**MODEL)).forward_one(torch.tensor(prompt), 0, None)
         assert torch.allclose(kv, ref, atol=1e-5)
-        assert target.call(lambda: target.install_prefix(prompt, None, kv)).result() == 80
+        assert target.loop.call(lambda: target.migration.install(prompt, None, kv)).result() == 80
         items = run(target, prompt + [7])
-        assert items[0]["cached_tokens"] == 80
-        assert [i["token"] for i in items] == greedy(prompt + [7], 4)
+        assert items[0].cached_tokens == 80
+        assert [i.token for i in items] == greedy(prompt + [7], 4)
     finally:
         holder.close()
         target.close()
@@ -90,16 +133,16 @@ class InProcessLink:
         self.core = core
 
     async def export_prefix(self, tokens, tenant):
-        return await asyncio.wrap_future(self.core.call(lambda: self.core.export_prefix(tokens, tenant)))
+        return await self.core.export_prefix(tokens, tenant)
 
     async def info(self):
         return self.core.info()
 
     async def export_array(self, lease):
-        return await asyncio.wrap_future(self.core.call(lambda: self.core.export_array(lease)))
+        return await self.core.export_array(lease)
 
     def release(self, lease):
-        self.core.call(lambda: self.core.release(lease))
+        self.core.loop.call(lambda: self.core.migration.release(lease))
 
 
 @pytest.mark.skipif(not nixl_available(), reason="nixl cannot create a UCX backend here")
@@ -111,21 +154,21 @@ def test_migration_falls_back_from_nixl_to_the_object_store_to_recompute():
         for p in prompts:
             run(holder, p, max_tokens=1)
         got = asyncio.run(target.migrate_from("m-holder", link, prompts[0], None))
-        assert (got["transport"], got["tokens"]) == ("nixl", 64)
-        target.faults.add("nixl")
+        assert (got.transport, got.tokens) == (Transport.NIXL, 64)
+        target.migration.inject_fault("nixl")
         got = asyncio.run(target.migrate_from("m-holder", link, prompts[1], None))
-        assert (got["transport"], got["tokens"]) == ("object_store", 64)
-        holder.faults.add("object_store")
+        assert (got.transport, got.tokens) == (Transport.OBJECT_STORE, 64)
+        holder.migration.inject_fault("object_store")
         got = asyncio.run(target.migrate_from("m-holder", link, prompts[2], None))
-        assert (got["transport"], got["tokens"]) == (None, 0)
+        assert (got.transport, got.tokens) == (None, 0)
         got = asyncio.run(target.migrate_from("m-holder", link, [250, 251, 252], None))
-        assert got["transport"] is None and target.stats["stale_migrations"] == 1
+        assert got.transport is None and target.migration.stats["stale_migrations"] == 1
         for p in prompts[:2]:   # what arrived is used, and equals a full prefill
             items = run(target, p + [1])
-            assert items[0]["cached_tokens"] == 64 and [i["token"] for i in items] == greedy(p + [1], 4)
-        assert target.stats["object_store_fallbacks"] == 1 and target.stats["recomputed_after_failed_migration"] == 1
+            assert items[0].cached_tokens == 64 and [i.token for i in items] == greedy(p + [1], 4)
+        assert target.migration.stats["object_store_fallbacks"] == 1 and target.migration.stats["recomputed_after_failed_migration"] == 1
         # Every lease was released: the holder's host pool holds no staging blocks.
-        assert holder.call(lambda: holder.cache.pools[1].allocator.used_tokens).result() == 0
+        assert asyncio.run(holder.stats())["tiers"]["warm"]["used_tokens"] == 0
     finally:
         holder.close()
         target.close()

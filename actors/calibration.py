@@ -1,0 +1,112 @@
+"""Calibration: a worker's ``CostModel``, measured through the paths requests take.
+
+- prefill: ``Engine.generate`` of fresh random prompts (match, admit, packed
+  forward, KV store, insert), tokens per second of prompt;
+- WARM promotion: a cached prefix demoted to the host tier, then brought
+  back by ``TieredCache.match`` (the copy engine a request waits on);
+- COLD promotion: the same from the disk tier, after dropping the file's
+  pages from the OS cache, so the read measures the device and the checksum;
+- transfer: a NIXL READ by this worker's own endpoint into its staging
+  blocks, with every block verified (``Migrator.pull_blocks_nixl``), from a
+  scratch agent holding blocks of the same size.
+
+It runs once at start-up, before the engine thread owns the cache, and leaves
+the cache empty and its counters as they were. Missing tiers or NIXL fall back to ratios of what was
+measured (transfer = WARM/4, COLD = WARM/10) so the model is complete.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+import torch
+
+from actors.migration import Migrator, block_checksum
+from cluster.cache.tiered import TieredCache
+from cluster.engine.runner import Engine, SamplingParams
+from cluster.names import COLD, WARM
+from cluster.routing.policy import CostModel
+from cluster.transfer.nixl_transport import NixlEndpoint, recommended_ucx_env
+
+log = logging.getLogger(__name__)
+
+
+def calibrate(engine: Engine, migrator: Migrator, *, repeats: int = 2, seed: int = 0) -> CostModel:
+    cache = engine.cache
+    bt = cache.config.block_tokens
+    cfg = engine.model.config
+    n = max(bt, min(256, cache.config.hot_blocks * bt // 4, cfg.max_position - 2) // bt * bt)
+    gen = torch.Generator().manual_seed(seed)
+
+    def fresh_prompt() -> list[int]:
+        return torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist()
+
+    counters = [(d, dict(d)) for d in (engine.stats, cache.stats, cache.tree.stats)]
+    try:
+        prefill = _best(lambda: _timed(lambda: engine.generate(fresh_prompt(), SamplingParams(max_tokens=1)), n),
+                        repeats)
+        warm = _best(lambda: _promotion(engine, fresh_prompt(), WARM), repeats) if cache.num_tiers > WARM else None
+        cold = _best(lambda: _promotion(engine, fresh_prompt(), COLD), repeats) if cache.num_tiers > COLD else None
+        transfer = _nixl_rate(migrator, cache) if migrator.nixl is not None else None
+    finally:
+        cache.drop_all()
+        for live, before in counters:   # the worker's counters start at zero for its requests
+            live.clear()
+            live.update(before)
+    warm = warm or prefill * 20
+    return CostModel(prefill_tokens_per_s=prefill, warm_promote_tokens_per_s=warm,
+                     cold_promote_tokens_per_s=cold or warm / 10, transfer_tokens_per_s=transfer or warm / 4,
+                     block_tokens=bt)
+
+
+def _timed(fn: Callable[[], object], tokens: int) -> tuple[int, float]:
+    t0 = time.perf_counter()
+    fn()
+    return tokens, time.perf_counter() - t0
+
+
+def _best(op: Callable[[], tuple[int, float] | None], repeats: int) -> float | None:
+    """One warm-up, then the best rate (tokens/s) of ``repeats`` runs."""
+    op()
+    best = None
+    for _ in range(repeats):
+        got = op()
+        if got is None or got[1] <= 0 or got[0] <= 0:
+            continue
+        rate = got[0] / got[1]
+        best = rate if best is None else max(best, rate)
+    return best
+
+
+def _promotion(engine: Engine, prompt: list[int], tier: int) -> tuple[int, float] | None:
+    cache = engine.cache
+    engine.generate(prompt, SamplingParams(max_tokens=1))
+    if cache.demote_path(prompt, None, tier) == 0:
+        return None
+    if tier == COLD:
+        cache.drop_page_cache()
+    t0 = time.perf_counter()
+    m = cache.match(prompt)
+    dt = time.perf_counter() - t0
+    return (m.promoted_tokens, dt) if m.promoted_tokens else None
+
+
+def _nixl_rate(migrator: Migrator, cache: TieredCache, nblocks: int = 8) -> float | None:
+    """READ ``nblocks`` host blocks from a scratch agent into our staging
+    blocks, verified: tokens per second of the real pull path."""
+    host = cache.host_tensor
+    nblocks = min(nblocks, host.shape[0] // 4)
+    if nblocks < 1:
+        return None
+    src = torch.randn((nblocks, *host.shape[1:])).to(host.dtype)
+    try:
+        with NixlEndpoint(f"probe-{migrator.worker_id}-{id(src):x}", src, ucx_env=recommended_ucx_env()) as scratch:
+            peer = migrator.nixl.connect(scratch.metadata())
+            staged = {"blocks": list(range(nblocks)), "checksums": [block_checksum(b) for b in src],
+                      "tokens": nblocks * migrator.block_tokens}
+            return _best(lambda: _timed(lambda: migrator.pull_blocks_nixl(peer, staged), staged["tokens"]), 2)
+    except Exception as exc:  # measuring must never stop a worker from starting
+        log.warning("could not measure the NIXL transfer rate: %s", exc)
+        return None

@@ -1,0 +1,79 @@
+"""WorkerConfig: everything one cache worker needs, from YAML, a dict or Ray args.
+
+The tier settings are a ``TierConfig`` embedded whole, so every one of them
+(sizes, watermarks, eviction policy, copy pacing, ``max_sessions``, ...) is a
+key of the worker config in ``serve_app/config.yaml``, written flat beside the
+worker's own keys::
+
+    worker: {model: builtin, hot_blocks: 4096, high_watermark: 0.85, policy: lfu, max_batch_tokens: 4096}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from cluster.cache.tiered import TierConfig
+from cluster.engine.checkpoint import ModelSpec
+from cluster.errors import InvalidInputError
+
+# A worker's tier sizes when the config names none (TierConfig itself has no default HOT size).
+DEFAULT_TIERS = {"hot_blocks": 2048, "warm_blocks": 4096}
+TIER_KEYS = tuple(f.name for f in dataclasses.fields(TierConfig))
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    # A model spec (cluster.engine.checkpoint.ModelSpec): None for the embedded
+    # default (SmolLM2-135M-Instruct), "builtin" or a dict of ModelConfig fields for
+    # the seeded test model, a local checkpoint directory, a .gguf file or a hub id.
+    model: str | dict | None = None
+    tiers: TierConfig = field(default_factory=lambda: TierConfig(**DEFAULT_TIERS))
+    max_batch_tokens: int = 4096
+    max_running: int = 64
+    max_queued_requests: int = 256
+    use_nixl: bool = True
+    torch_threads: int = 1
+
+    @classmethod
+    def from_dict(cls, data: dict | None) -> "WorkerConfig":
+        """Flat keys: the worker's own and every ``TierConfig`` field. An unknown
+        key, a bad value or a bad model spec fails here, naming it."""
+        data = dict(data or {})
+        own = {f.name for f in dataclasses.fields(cls)} - {"tiers"}
+        unknown = set(data) - own - set(TIER_KEYS)
+        if unknown:
+            raise InvalidInputError(f"unknown worker config keys: {sorted(unknown)} "
+                                    f"(worker keys: {sorted(own)}; tier keys: {sorted(TIER_KEYS)})")
+        tiers = TierConfig(**{**DEFAULT_TIERS, **{k: data.pop(k) for k in TIER_KEYS if k in data}})
+        config = cls(tiers=tiers, **data)
+        config.model_spec()   # a bad spec fails here, naming the key, not in a replica
+        return config
+
+    def model_spec(self) -> ModelSpec:
+        return ModelSpec.parse(self.model)
+
+    def tier_config(self) -> TierConfig:
+        return self.tiers
+
+    def to_dict(self) -> dict:
+        """The flat form ``from_dict`` reads."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "tiers"}
+        return {**out, **dataclasses.asdict(self.tiers)}
+
+    # The tier values the worker itself reads.
+    @property
+    def block_tokens(self) -> int:
+        return self.tiers.block_tokens
+
+    @property
+    def hot_blocks(self) -> int:
+        return self.tiers.hot_blocks
+
+    @property
+    def warm_blocks(self) -> int:
+        return self.tiers.warm_blocks
+
+    @property
+    def cold_blocks(self) -> int:
+        return self.tiers.cold_blocks

@@ -1,0 +1,101 @@
+"""DirectoryLink: the one way every process reaches the directory actor.
+
+Cache workers (the ``CacheWorker`` actor and the Serve replica alike) register,
+publish KV event batches with their load, and push snapshots through it;
+clients and the Serve router ask it for routing decisions. It never blocks
+the caller on the directory: publishes return a future, routes are awaited
+with a timeout (a fallback decision when the directory does not answer).
+
+A directory that is gone for good (killed without restart) is recreated by
+the first worker that notices (``create=True``); clients only look it up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError
+
+from cluster.hashing import block_hashes
+from cluster.names import DEFAULT_NAMESPACE, DIRECTORY_NAME
+from cluster.protocol import LoadReport, RouteDecision
+
+log = logging.getLogger(__name__)
+
+
+class DirectoryLink:
+    def __init__(self, namespace: str = DEFAULT_NAMESPACE, *, name: str = DIRECTORY_NAME, create: bool = False,
+                 policy: str = "cost", block_tokens: int = 16, route_timeout_s: float | None = None):
+        self.namespace, self.name, self.create = namespace, name, create
+        self.policy, self.block_tokens = policy, block_tokens
+        self.route_timeout_s = route_timeout_s
+        self._handle = None
+
+    # ------------------------------------------------------------ the handle
+    def handle(self):
+        """The directory actor (blocking GCS lookup: keep it off event loops, see ``ahandle``)."""
+        if self._handle is None:
+            if self.create:
+                from actors.directory import get_or_create_directory
+                self._handle = get_or_create_directory(self.namespace, policy=self.policy,
+                                                       block_tokens=self.block_tokens, name=self.name)
+            else:
+                self._handle = ray.get_actor(self.name, namespace=self.namespace)
+        return self._handle
+
+    async def ahandle(self):
+        if self._handle is None:
+            return await asyncio.to_thread(self.handle)
+        return self._handle
+
+    def forget(self) -> None:
+        """The next call looks the directory up again (it died, or did not answer)."""
+        self._handle = None
+
+    def _watch(self, fut) -> None:
+        # Runs on whichever thread completes the future: only drop the handle.
+        if isinstance(fut.exception(), RayActorError):
+            self.forget()
+
+    # --------------------------------------------------------------- workers
+    def register(self, worker_id: str, rates: dict) -> None:
+        self.handle().register_worker.remote(worker_id, rates)
+
+    def publish(self, worker_id: str, batch: bytes | None, load: LoadReport):
+        """Events and load; returns a future of the directory's status ("ok", or resend a snapshot)."""
+        fut = self.handle().publish.remote(worker_id, batch, load.to_wire()).future()
+        fut.add_done_callback(self._watch)
+        return fut
+
+    def push_snapshot(self, worker_id: str, seq: int, entries: dict) -> None:
+        self.handle().load_snapshot.remote(worker_id, seq, entries)
+
+    # --------------------------------------------------------------- clients
+    async def route(self, prompt: list[int], tenant: Any = None, exclude: list[str] | None = None) -> RouteDecision:
+        """The directory's decision for ``prompt``. With ``route_timeout_s``, a
+        directory that does not answer in time (restarting, no workers yet)
+        gives ``RouteDecision.fallback()``; without it, errors propagate."""
+        hashes = block_hashes(prompt, self.block_tokens, tenant)
+        try:
+            directory = await self.ahandle()
+            ref = directory.route.remote(hashes, len(prompt), exclude)
+            wire = await (ref if self.route_timeout_s is None else asyncio.wait_for(ref, self.route_timeout_s))
+            return RouteDecision.from_wire(wire)
+        except Exception as exc:
+            self.forget()
+            if self.route_timeout_s is None:
+                raise
+            log.warning("directory unavailable (%s); falling back to the least loaded replica", type(exc).__name__)
+            return RouteDecision.fallback()
+
+    async def report_failure(self, worker_id: str) -> None:
+        try:
+            await (await self.ahandle()).report_failure.remote(worker_id)
+        except Exception as exc:   # the directory will drop it on its own when heartbeats stop
+            log.warning("could not report %s as failed: %s", worker_id, exc)
+
+    async def live_workers(self) -> list[str]:
+        return await (await self.ahandle()).live_workers.remote()

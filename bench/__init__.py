@@ -1,1 +1,0 @@
-"""Benchmark drivers that need Ray (the pure ones live in cluster/bench)."""

@@ -1,0 +1,228 @@
+"""Wire types: every message that crosses a process, in one place.
+
+Ray pickles these between the ingress, the router, the cache replicas and
+the directory; the KV event batches keep their own msgpack format
+(``cluster.routing.events``, ``{"v": 1, ...}``). Messages the directory reads
+as plain dicts (load reports, measured rates) carry ``"v": WIRE_VERSION`` and
+are decoded with ``from_wire``, which names what is wrong.
+
+Nothing here imports Ray or the rest of the library: both layers use it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from cluster.errors import InvalidInputError
+from cluster.names import TIER_NAMES
+
+WIRE_VERSION = 1
+
+
+class MalformedMessageError(InvalidInputError):
+    """A message from another process that this version cannot read."""
+
+
+class FinishReason(StrEnum):
+    """Why a request ended. ``stop`` and ``length`` are the OpenAI values the
+    ingress returns; the others end a stream early."""
+
+    STOP = "stop"                    # EOS or a stop token id
+    LENGTH = "length"                # max_tokens reached
+    ERROR = "error"                  # the step, the cache or the model failed this request
+    CANCELLED = "cancelled"
+    CLIENT_DISCONNECTED = "client_disconnected"
+
+
+class Transport(StrEnum):
+    """How a migrated prefix arrived."""
+
+    NIXL = "nixl"
+    OBJECT_STORE = "object_store"
+
+
+@dataclass(slots=True)
+class MigrationResult:
+    """What ``migrate_from`` did: ``transport`` None means recompute."""
+
+    holder: str
+    transport: Transport | None = None
+    tokens: int = 0
+    bytes: int = 0
+
+    def to_json(self) -> dict:
+        """The ``prefix_cache.migration`` field of an HTTP response."""
+        return {"from": self.holder, "transport": None if self.transport is None else self.transport.value,
+                "tokens": self.tokens, "bytes": self.bytes}
+
+
+@dataclass(frozen=True, slots=True)
+class RouteDecision:
+    """Where one request goes: the directory's answer, or a fallback."""
+
+    worker_id: str | None
+    reason: str
+    expected_ttft_s: float | None = None
+    cached_tokens: int = 0
+    migrate_from: str | None = None
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> "RouteDecision":
+        if isinstance(obj, cls):
+            return obj
+        if isinstance(obj, dict):
+            try:
+                return cls(obj["worker_id"], obj["reason"], obj.get("expected_ttft_s"),
+                           int(obj.get("cached_tokens") or 0), obj.get("migrate_from"))
+            except KeyError as exc:
+                raise MalformedMessageError(f"route decision lacks {exc}") from None
+        raise MalformedMessageError(f"not a route decision: {type(obj).__name__}")
+
+    @classmethod
+    def pinned(cls, worker_id: str) -> "RouteDecision":
+        return cls(worker_id, "pinned")
+
+    @classmethod
+    def fallback(cls) -> "RouteDecision":
+        """No directory answer: the caller picks the least loaded worker."""
+        return cls(None, "fallback_least_loaded")
+
+
+@dataclass(slots=True)
+class GenerateRequest:
+    """One generation, from the ingress (or a client) to a cache worker.
+    ``routing`` is filled in once by whoever asked the directory."""
+
+    prompt: list[int]
+    params: dict | None = None
+    tenant: Any = None
+    session_id: Any = None
+    routing: RouteDecision | None = None
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> "GenerateRequest":
+        """The request itself, or its dict form ``{"prompt", "params", "tenant",
+        "session_id", "routing"}`` (what the ingress sends)."""
+        if isinstance(obj, cls):
+            return obj
+        if not isinstance(obj, dict) or "prompt" not in obj:
+            raise MalformedMessageError(f"not a generate request: {type(obj).__name__}")
+        routing = obj.get("routing")
+        return cls(obj["prompt"], obj.get("params"), obj.get("tenant"), obj.get("session_id"),
+                   None if routing is None else RouteDecision.from_wire(routing))
+
+
+@dataclass(frozen=True, slots=True)
+class PeerCall:
+    """A call aimed at one worker (migration, prefetch, admin): the router
+    sends it to ``target_worker`` and nowhere else."""
+
+    target_worker: str
+    tokens: list[int] | None = None
+    tenant: Any = None
+    lease: int | None = None
+    session_id: Any = None
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> "PeerCall | None":
+        """The call itself, its dict form (``{"target_worker": ..., ...}``), or
+        None for an untargeted call."""
+        if obj is None or isinstance(obj, cls):
+            return obj
+        if isinstance(obj, dict):
+            if obj.get("target_worker") is None:
+                return None
+            return cls(obj["target_worker"], obj.get("tokens"), obj.get("tenant"), obj.get("lease"),
+                       obj.get("session_id"))
+        raise MalformedMessageError(f"not a peer call: {type(obj).__name__}")
+
+
+def target_of(message: Any) -> str | None:
+    """The worker a message must reach, if it names one (routers read this)."""
+    if isinstance(message, PeerCall):
+        return message.target_worker
+    if isinstance(message, dict):
+        return message.get("target_worker")
+    return None
+
+
+@dataclass(slots=True)
+class StreamItem:
+    """One element of a generation stream: a token, or the end of the request."""
+
+    token: int | None
+    finished: bool
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    cached_tokens: int = 0
+    tier_hits: tuple[int, int, int] = (0, 0, 0)
+    prompt_tokens: int = 0
+    worker_id: str | None = None     # filled in by the shell that served it
+    reason: str | None = None        # the routing decision's reason
+    migration: MigrationResult | None = None
+    attempt: int = 0                 # retries before this item (ClusterClient)
+
+    def cached_by_tier(self) -> dict[str, int]:
+        return dict(zip(TIER_NAMES, self.tier_hits))
+
+
+@dataclass(frozen=True, slots=True)
+class LoadReport:
+    """A worker's load, sent with its KV events every 20-100 ms (a heartbeat)."""
+
+    queued_tokens: int
+    running: int
+    waiting: int
+    transfer_tokens_per_s: float | None = None
+
+    def to_wire(self) -> dict:
+        return {"v": WIRE_VERSION, **dataclasses.asdict(self)}
+
+    @classmethod
+    def from_wire(cls, data: Any) -> "LoadReport":
+        _check_version(data, "load report")
+        try:
+            return cls(int(data["queued_tokens"]), int(data["running"]), int(data.get("waiting", 0)),
+                       data.get("transfer_tokens_per_s"))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise MalformedMessageError(f"bad load report: {exc!r}") from None
+
+
+RATE_FIELDS = ("prefill_tokens_per_s", "warm_promote_tokens_per_s", "cold_promote_tokens_per_s",
+               "transfer_tokens_per_s")
+
+
+def rates_to_wire(cost: Any, *, bytes_per_token: int | None = None) -> dict:
+    """A measured ``CostModel`` as the dict a worker registers with. The field
+    names are ``CostModel``'s; ``promote_tokens_per_s`` repeats the WARM rate
+    for directories that still read the old name."""
+    out = {"v": WIRE_VERSION, **{name: float(getattr(cost, name)) for name in RATE_FIELDS},
+           "block_tokens": int(cost.block_tokens)}
+    out["promote_tokens_per_s"] = out["warm_promote_tokens_per_s"]
+    if bytes_per_token is not None:
+        out["bytes_per_token"] = int(bytes_per_token)
+    return out
+
+
+def rates_from_wire(data: Any) -> dict:
+    """``CostModel`` keyword arguments from ``rates_to_wire``'s dict."""
+    _check_version(data, "rates")
+    missing = [name for name in RATE_FIELDS if not isinstance(data.get(name), (int, float))]
+    if missing:
+        raise MalformedMessageError(f"rates lack {missing}")
+    return {**{name: float(data[name]) for name in RATE_FIELDS}, "block_tokens": int(data["block_tokens"])}
+
+
+def _check_version(data: Any, what: str) -> None:
+    if not isinstance(data, dict):
+        raise MalformedMessageError(f"{what} must be a dict, got {type(data).__name__}")
+    if data.get("v") != WIRE_VERSION:
+        raise MalformedMessageError(f"{what} has wire version {data.get('v')!r}; this build reads {WIRE_VERSION}")
+
+
+__all__ = ["WIRE_VERSION", "MalformedMessageError", "FinishReason", "Transport", "MigrationResult",
+           "RouteDecision", "GenerateRequest", "PeerCall", "target_of", "StreamItem", "LoadReport", "RATE_FIELDS",
+           "rates_to_wire", "rates_from_wire"]
