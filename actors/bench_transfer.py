@@ -4,20 +4,34 @@ Starts a loopback Ray cluster of two nodes (or joins ``--address``), puts one
 ``TransferPeer`` actor on each, each owning a preallocated block-first pool,
 and moves 64 KiB .. 256 MiB from one to the other:
 
-- ``nixl``: the receiver issues one NIXL READ (UCX backend) into its pool;
+- ``nixl``: the receiver issues one NIXL READ (UCX backend) into its pool
+  (``staging_rpc: false``: the bytes are already in the sender's registered
+  memory, the best case);
+- ``nixl_staged``: what every real pull does (``WorkerCore.migrate_from``):
+  one Ray call asks the sender to stage the blocks (copy them into whole
+  registered host blocks and checksum each), then one READ, then the receiver
+  verifies every block's checksum (``staging_rpc: true``);
 - ``object_store``: the sender returns the blocks from a Ray call, the
   receiver gets them through the object store and copies them into its pool;
 - ``plain_copy``: an in-process ``copy_`` of the same bytes (the ceiling).
 
 Every transfer is verified (checksum of the received bytes equals the
-sender's). UCX runs with ``UCX_TLS=sm,self`` on one machine (measured best,
-see cluster/transfer/nixl_transport.py) unless the environment sets it.
+sender's). UCX settings are the workers' own (``recommended_ucx_env`` unless
+the environment sets them); ``ucx_tls`` is what the receiving worker had, and
+``ucx_transports`` is what UCX actually chose for the READ, read from its
+protocol selection report (``UCX_PROTO_INFO=y``) in the receiving worker.
+
+This benchmark needs Ray, so it lives beside the actors; the pure benchmarks
+are in ``cluster/bench``.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
+import re
+import tempfile
 import time
 
 from cluster.bench.common import emit, rounded
@@ -42,11 +56,18 @@ def _peer_class():
         def __init__(self, num_blocks: int):
             from cluster.transfer.nixl_transport import NixlEndpoint, nixl_available, recommended_ucx_env
 
-            self.pool = torch.zeros(num_blocks, BLOCK_BYTES, dtype=torch.uint8)
+            # The second half of the pool is the staging area a real holder copies into.
+            self.num_blocks = num_blocks
+            self.pool = torch.zeros(2 * num_blocks, BLOCK_BYTES, dtype=torch.uint8)
             self.nixl = None
+            self.transports: list[str] | None = None
+            os.environ["UCX_PROTO_INFO"] = "y"  # UCX reports the protocols it selects (stdout)
             if nixl_available():
                 self.nixl = NixlEndpoint(f"peer-{os.getpid()}", self.pool, ucx_env=recommended_ucx_env())
             self.peer = None
+
+        def ucx_tls(self) -> str:
+            return os.environ.get("UCX_TLS", "(UCX default)")
 
         def node_id(self) -> str:
             return ray.get_runtime_context().get_node_id()
@@ -72,8 +93,32 @@ def _peer_class():
         def pull_nixl(self, nblocks: int) -> float:
             self.pool[:nblocks].zero_()
             ids = list(range(nblocks))
+            if self.transports is None:  # the first READ selects the protocol: capture the report
+                self.transports, secs = _capture_read_transports(lambda: self.nixl.read_blocks(self.peer, ids, ids))
+                return secs
             t0 = time.perf_counter()
             self.nixl.read_blocks(self.peer, ids, ids)
+            return time.perf_counter() - t0
+
+        def read_transports(self) -> list[str] | None:
+            return self.transports
+
+        def stage(self, nblocks: int) -> list[int]:
+            """The holder's side of a real pull: blocks into registered staging, checksummed."""
+            staged = self.pool[self.num_blocks:self.num_blocks + nblocks]
+            staged.copy_(self.pool[:nblocks])
+            return [xxhash.xxh3_64_intdigest(row.numpy()) for row in staged]
+
+        def pull_nixl_staged(self, sender, nblocks: int) -> float:
+            self.pool[:nblocks].zero_()
+            local = list(range(nblocks))
+            remote = [self.num_blocks + i for i in local]
+            t0 = time.perf_counter()
+            sums = ray.get(sender.stage.remote(nblocks))
+            self.nixl.read_blocks(self.peer, remote, local)
+            for i, row in enumerate(self.pool[:nblocks]):
+                if xxhash.xxh3_64_intdigest(row.numpy()) != sums[i]:
+                    raise RuntimeError(f"staged block {i} failed its checksum")
             return time.perf_counter() - t0
 
         def pull_object_store(self, sender, nblocks: int) -> float:
@@ -91,6 +136,51 @@ def _peer_class():
             return time.perf_counter() - t0
 
     return TransferPeer
+
+
+def _capture_read_transports(read) -> tuple[list[str], float]:
+    """Run ``read`` with fd 1 redirected; returns the UCX transports of the
+    remote-read protocol UCX reported selecting (e.g. ``cma/memory``) and the
+    read's seconds."""
+    libc = ctypes.CDLL(None)
+    with tempfile.TemporaryFile(mode="w+") as out:
+        libc.fflush(None)
+        saved = os.dup(1)
+        os.dup2(out.fileno(), 1)
+        try:
+            t0 = time.perf_counter()
+            read()
+            secs = time.perf_counter() - t0
+            libc.fflush(None)
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
+        out.seek(0)
+        return parse_read_transports(out.read()), secs
+
+
+def parse_read_transports(report: str) -> list[str]:
+    """Config cells of the "remote memory read" tables of a UCX_PROTO_INFO report."""
+    found: list[str] = []
+    borders = -1  # -1: outside a read table
+    for line in report.splitlines():
+        if "remote memory read" in line:
+            borders = 0
+            continue
+        if borders < 0:
+            continue
+        body = line.split("]", 2)[-1].strip()
+        if body.startswith("+"):
+            borders += 1
+            if borders == 3:
+                borders = -1
+            continue
+        cells = [c.strip() for c in body.strip("|").split("|")]
+        if borders == 2 and len(cells) >= 3:
+            for cfg in re.split(r"[,\s]+", cells[-1]):
+                if cfg and cfg not in found:
+                    found.append(cfg)
+    return found
 
 
 def run(args: argparse.Namespace) -> int:
@@ -116,6 +206,7 @@ def run(args: argparse.Namespace) -> int:
         nodes = ray.get([a.node_id.remote(), b.node_id.remote()])
         ray.get(a.fill.remote(1))
         md = ray.get(a.metadata.remote())
+        ucx_tls = ray.get(b.ucx_tls.remote())
         if md is not None:
             ray.get(b.connect.remote(md))
         size = args.min_bytes
@@ -123,13 +214,15 @@ def run(args: argparse.Namespace) -> int:
             n = max(1, size // BLOCK_BYTES)
             want = ray.get(a.checksum.remote(n))
             results = {}
-            for transport in ("nixl", "object_store", "plain_copy"):
-                if transport == "nixl" and md is None:
+            for transport in ("nixl", "nixl_staged", "object_store", "plain_copy"):
+                if transport.startswith("nixl") and md is None:
                     continue
                 best = float("inf")
                 for _ in range(args.repeats):
                     if transport == "nixl":
                         secs = ray.get(b.pull_nixl.remote(n))
+                    elif transport == "nixl_staged":
+                        secs = ray.get(b.pull_nixl_staged.remote(a, n))
                     elif transport == "object_store":
                         secs = ray.get(b.pull_object_store.remote(a, n))
                     else:
@@ -138,10 +231,14 @@ def run(args: argparse.Namespace) -> int:
                         raise RuntimeError(f"{transport} delivered corrupt bytes at {size} bytes")
                     best = min(best, secs)
                 results[transport] = best
+            transports = ray.get(b.read_transports.remote())
             for transport, secs in results.items():
-                emit({"bench": "transfer", "transport": transport, "bytes": n * BLOCK_BYTES,
-                      "gb_per_s": rounded(n * BLOCK_BYTES / secs / 1e9, 3), "seconds": rounded(secs, 6),
-                      "cross_node": nodes[0] != nodes[1], "ucx_tls": os.environ.get("UCX_TLS", "sm,self")})
+                row = {"bench": "transfer", "transport": transport, "bytes": n * BLOCK_BYTES,
+                       "gb_per_s": rounded(n * BLOCK_BYTES / secs / 1e9, 3), "seconds": rounded(secs, 6),
+                       "cross_node": nodes[0] != nodes[1], "staging_rpc": transport in ("nixl_staged", "object_store")}
+                if transport.startswith("nixl"):
+                    row.update(ucx_tls=ucx_tls, ucx_transports=transports)
+                emit(row)
             size *= 4
     finally:
         ray.shutdown()
