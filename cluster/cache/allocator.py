@@ -37,6 +37,7 @@ ALLOC_MODES = ("slotted", "flat", "token")
 
 
 _NONE: dict = {}  # read-only stand-in for a free block's (absent) extent table
+_new_tuple = tuple.__new__  # builds an Extent without NamedTuple's keyword-handling __new__ (hot loops)
 
 
 class Extent(NamedTuple):
@@ -189,6 +190,7 @@ class BlockAllocator:
             # Whole blocks: no gaps, no slot index; set the bookkeeping directly.
             free, live, refcount, used, gap, tail = self._free, self.live, self.refcount, self.used, self.gap, self.tail
             entry = (bt, owner)
+            append = out.append
             for _ in range(full):
                 b = free.pop()
                 live[b] = {0: entry}
@@ -196,7 +198,7 @@ class BlockAllocator:
                 used[b] = bt
                 gap[b] = 0
                 tail[b] = bt
-                out.append(Extent(b, 0, bt))
+                append(_new_tuple(Extent, (b, 0, bt)))
             self.used_tokens += full * bt
         if rest:
             if slot_block is None:
@@ -252,7 +254,8 @@ class BlockAllocator:
             b, off, length = e
             if type(b) is not int or not 0 <= b < n or ((live[b] or _NONE).get(off) or (None,))[0] != length:
                 self._lookup(e)  # raises with the precise message
-        if len({(e[0], e[1]) for e in extents}) != len(extents):
+        # Validated above, so two entries at one (block, offset) can only be equal.
+        if len(set(extents)) != len(extents):
             seen = set()
             for e in extents:
                 if (e[0], e[1]) in seen:
@@ -298,13 +301,15 @@ class BlockAllocator:
 
     def set_owners(self, extents: Iterable[Extent], owner: Any) -> None:
         """``set_owner`` for many extents (the tree hands whole nodes over)."""
-        live, n = self.live, self.num_blocks
+        live, n, bt = self.live, self.num_blocks, self.block_tokens
+        whole = (bt, owner)  # one shared entry for every whole-block extent
         for e in extents:
             b, off, length = e
-            entry = (live[b] or _NONE).get(off) if 0 <= b < n else None
+            table = live[b] if type(b) is int and 0 <= b < n else None
+            entry = table.get(off) if table is not None else None
             if entry is None or entry[0] != length:
                 self._lookup(e)
-            live[b][off] = (length, owner)
+            table[off] = whole if length == bt else (length, owner)
 
     def set_owner(self, extent: Extent, owner: Any) -> None:
         b, off, length = extent
