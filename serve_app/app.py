@@ -51,6 +51,7 @@ class Ingress:
 
     def __init__(self, workers, settings: dict):
         self.core = IngressCore(workers, **settings)
+        self.core.install_openapi(fastapi_app)
 
     @fastapi_app.post("/v1/completions")
     async def completions(self, request: Request):

@@ -8,11 +8,9 @@ GET /v1/cache/stats and POST /v1/cache/flush (admin).
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import json
 import logging
-import os
+import secrets
 import time
 import uuid
 from collections import OrderedDict
@@ -21,6 +19,7 @@ from typing import Any, AsyncIterator
 
 import ray
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -31,35 +30,14 @@ from actors.naming import DIRECTORY_NAME
 from cluster.engine.checkpoint import ModelSpec, load_tokenizer, model_id
 from cluster.engine.text import ChatPromptBuilder, ReplyMemory
 from serve_app import metrics
+from serve_app.auth import Auth, read_json_body
+from serve_app.openapi import add_request_bodies
 from serve_app.output import TextStream
-from serve_app.protocol import APIError, GenerationRequest, Limits, parse_chat, parse_completion, parse_json
+from serve_app.protocol import APIError, GenerationRequest, Limits, parse_chat, parse_completion
 
 log = logging.getLogger("ray.serve")
 
 TIER_NAMES = ("hot", "warm", "cold")
-
-
-def key_tenant(key: str) -> str:
-    """The tenant of a key configured without one: derived from the whole key
-    (never a prefix, which two keys may share), and not reversible to it."""
-    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:16]
-
-
-def parse_keys(spec: str | dict | None) -> dict[str, str]:
-    """``"key1=tenantA,key2=tenantB"`` or a mapping -> {key: tenant}; a key
-    without ``=tenant`` gets a namespace of its own (``key_tenant``)."""
-    if not spec:
-        return {}
-    if isinstance(spec, dict):
-        return {str(k): str(v) for k, v in spec.items()}
-    out = {}
-    for part in spec.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        key, _, tenant = part.partition("=")
-        out[key.strip()] = tenant.strip() or key_tenant(key.strip())
-    return out
 
 
 class IngressCore:
@@ -80,15 +58,19 @@ class IngressCore:
         self.replies = ReplyMemory()
         self.prompts = ChatPromptBuilder(self.tokenizer, self.replies)
         self.limits = Limits(**(limits or {}))
-        self.api_keys = parse_keys(api_keys or os.environ.get("PREFIX_CACHE_API_KEYS"))
-        admin = admin_keys if admin_keys is not None else os.environ.get("PREFIX_CACHE_ADMIN_KEYS", "")
-        self.admin_keys = set(admin if isinstance(admin, list) else [k for k in admin.split(",") if k])
+        self.auth = Auth(api_keys, admin_keys, admin_without_keys)
         self.retry_after_s = retry_after_s
-        # Admin endpoints (flush, policy, stats) with no key configured at all: off unless
-        # explicitly enabled (a local demo), so a cross-site POST cannot flush the cache.
-        self.admin_without_keys = bool(admin_without_keys) or \
-            os.environ.get("PREFIX_CACHE_ADMIN_WITHOUT_KEYS", "").lower() in ("1", "true", "yes")
         self._sessions: OrderedDict[tuple, str] = OrderedDict()   # (tenant, session) -> worker id
+
+    def install_openapi(self, app: FastAPI) -> None:
+        """Describe the hand-parsed request bodies in ``app``'s OpenAPI document."""
+        def openapi() -> dict:
+            if app.openapi_schema is None:
+                schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+                app.openapi_schema = add_request_bodies(schema, self.model_name, self.tokenizer.vocab_size)
+            return app.openapi_schema
+
+        app.openapi = openapi
 
     def render_chat(self, tenant: str | None):
         """The chat renderer for one tenant: its reply memory is the tenant's own."""
@@ -100,57 +82,11 @@ class IngressCore:
         own = () if gen.ignore_eos else tuple(self.tokenizer.stop_token_ids)
         return tuple(dict.fromkeys((*gen.stop_token_ids, *own)))
 
-    # -------------------------------------------------------------------- auth
     def authenticate(self, request: Request, admin: bool = False) -> str | None:
-        """The caller's tenant (None when auth is off); raises 401/403."""
-        if not self.api_keys and not self.admin_keys:
-            if admin and not self.admin_without_keys:
-                raise APIError(403, "admin endpoints are disabled: configure admin_keys (or, on a trusted "
-                                    "local setup, set admin_without_keys)", type_="permission_error",
-                               code="admin_disabled")
-            return None
-        header = request.headers.get("authorization", "")
-        scheme, _, key = header.partition(" ")
-        key = key.strip() if scheme.lower() == "bearer" else ""
-        if admin:
-            if any(hmac.compare_digest(key, k) for k in self.admin_keys):
-                return "admin"
-            if key and any(hmac.compare_digest(key, k) for k in self.api_keys):
-                raise APIError(403, "this endpoint needs an admin key", type_="permission_error",
-                               code="admin_required")
-            raise APIError(401, "invalid or missing API key", type_="authentication_error", code="invalid_api_key")
-        for k, tenant in self.api_keys.items():
-            if key and hmac.compare_digest(key, k):
-                return tenant
-        if key and any(hmac.compare_digest(key, k) for k in self.admin_keys):
-            return "admin"
-        raise APIError(401, "invalid or missing API key", type_="authentication_error", code="invalid_api_key")
+        return self.auth.authenticate(request, admin)
 
     async def body(self, request: Request, empty_ok: bool = False) -> dict:
-        """The JSON object of a request body (``{}`` for an empty one when ``empty_ok``)."""
-        media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
-        if media_type != "application/json":
-            # Also what keeps a cross-site form or text/plain POST from reaching an endpoint.
-            raise APIError(415, f"the request body must be JSON with Content-Type: application/json, "
-                                f"got {media_type or 'none'!r}", code="unsupported_media_type")
-        declared = request.headers.get("content-length")
-        if declared and declared.isdigit() and int(declared) > self.limits.max_body_bytes:
-            raise APIError(413, f"request body of {declared} bytes exceeds the limit of "
-                                f"{self.limits.max_body_bytes}", code="request_too_large")
-        chunks, size = [], 0
-        try:
-            async with asyncio.timeout(self.limits.body_timeout_s):
-                async for chunk in request.stream():
-                    chunks.append(chunk)
-                    size += len(chunk)
-                    if size > self.limits.max_body_bytes:
-                        raise APIError(413, f"request body exceeds the limit of {self.limits.max_body_bytes} "
-                                            f"bytes", code="request_too_large")
-        except TimeoutError:
-            raise APIError(408, f"the request body did not arrive within {self.limits.body_timeout_s} s",
-                           code="request_timeout") from None
-        raw = b"".join(chunks)
-        return {} if empty_ok and not raw.strip() else parse_json(raw, self.limits)
+        return await read_json_body(request, self.limits, empty_ok)
 
     # -------------------------------------------------------------- generation
     def _session_key(self, tenant, session_id):
@@ -399,6 +335,10 @@ async def handle_generation(core: IngressCore, request: Request, endpoint: str, 
         gen = parse_chat(body, core.limits, core.model_name, core.tokenizer, core.render_chat(tenant))
     else:
         gen = parse_completion(body, core.limits, core.model_name, core.tokenizer)
+    if gen.seed is None:
+        # Every request gets a seed: sampling is a function of (seed, position), so a request
+        # resumed on another replica continues exactly where the first one stopped.
+        gen.seed = secrets.randbits(63)
     header_session = request.headers.get("x-session-id")
     if gen.session_id is None and header_session:
         gen.session_id = header_session[:128]

@@ -471,7 +471,9 @@ def sample(
     if top_p < 1:
         sorted_probs, order = torch.sort(probs, descending=True, stable=True)
         before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-        sorted_probs = torch.where(before < top_p, sorted_probs, torch.zeros_like(sorted_probs))
+        keep = before < top_p
+        keep[0] = True   # the most likely token always: a top_p below float32's range compares as 0
+        sorted_probs = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
         choice = torch.multinomial(sorted_probs, 1, generator=generator)
         return int(order[choice])
     return int(torch.multinomial(probs, 1, generator=generator))

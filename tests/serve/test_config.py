@@ -35,7 +35,7 @@ def test_unknown_args_are_rejected():
 
 
 def test_keys_without_tenant_get_namespaces_of_their_own():
-    from serve_app.ingress import key_tenant, parse_keys
+    from serve_app.auth import key_tenant, parse_keys
 
     keys = parse_keys("sk-shared-prefix-aaaa,sk-shared-prefix-bbbb,sk-other=team-x")
     assert keys["sk-other"] == "team-x"

@@ -30,7 +30,7 @@ def base_url(ray_loopback_cluster):
             "worker": {"hot_blocks": 256, "warm_blocks": 128, "block_tokens": 16, "torch_threads": 2}}
     serve.run(build_app(args), name="prefix-cache-real", route_prefix="/real")
     yield f"http://127.0.0.1:{port}/real"
-    serve.delete("prefix-cache-real")
+    serve.shutdown()   # the next module starts Serve on a port of its own
 
 
 def chat(url, messages, **kw):

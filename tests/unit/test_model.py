@@ -273,6 +273,9 @@ def test_greedy_is_argmax_and_tiny_top_p_is_argmax() -> None:
     assert sample(logits, 0.0) == 1
     generator = torch.Generator().manual_seed(0)
     assert all(sample(logits, 1.0, 1e-6, generator) == 1 for _ in range(50))
+    # top_p below float32's range (found by the HTTP fuzz suite): still the most likely token
+    for tiny in (1e-300, 2.2250738585072014e-308, 5e-324):
+        assert sample(logits, 1.0, tiny, generator) == 1
 
 
 def test_seeded_sampling_is_reproducible_and_follows_the_distribution() -> None:
