@@ -6,7 +6,8 @@ same device, dtype and number of torch threads, and see the same prompts
 JSON row per arm:
 
 - ``ttft_ms_cold``: a fresh prompt of ``--prompt-tokens``, prefill to first
-  token (median of ``--repeats``).
+  token (best of ``--repeats``; the arms are measured in turns, so load from
+  elsewhere on the host hits both).
 - ``ttft_ms_cached``: a prompt whose first ``prompt_tokens - suffix_tokens``
   tokens were served before (a multi-turn follow-up). The engine matches them
   in its radix tree; transformers reuses a copy of the prefix's
@@ -33,7 +34,6 @@ import copy
 import dataclasses
 import inspect
 import random
-import statistics
 import time
 
 import torch
@@ -59,7 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "once beforehand by both arms: the engine holds it in its cache, transformers "
                         "copies its DynamicCache into each request (default 0: distinct prompts)")
     p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--repeats", type=int, default=3, help="TTFT samples per arm (median reported)")
+    p.add_argument("--repeats", type=int, default=3, help="TTFT samples per arm, taken in turns (best reported)")
     p.add_argument("--threads", type=int, default=1, help="torch threads for both arms (default 1)")
     p.add_argument("--block-tokens", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
@@ -207,33 +207,36 @@ def run(args: argparse.Namespace) -> int:
               "shared_prefix_tokens": shared,
               "concurrency": args.concurrency, "max_tokens": args.max_tokens}
 
+    # Both arms are loaded side by side and measured in turns (ours, then transformers, per
+    # sample), so a burst of other load on the machine hits both; TTFT is the best of the
+    # samples and decode the best of two runs, the usual way to time on a shared host.
     ours = EngineArm(loaded, args, device)
-    ours.run([_prompts(c.vocab_size, 1, 64, args.seed + 1, low)[0]], 2)   # warm-up
-    cold = [ours.ttft_s(p)[0] for p in cold_prompts]
-    cached = []
+    hf = TransformersArm(loaded.checkpoint_dir, loaded.model.config.torch_dtype, device)
+    warm = _prompts(c.vocab_size, 1, 64, args.seed + 1, low)[0]
+    ours.run([warm], 2)
+    hf.prefill(warm)
+    cold, hf_cold, cached, hf_cached = [], [], [], []
+    for p in cold_prompts:
+        cold.append(ours.ttft_s(p)[0])
+        hf_cold.append(hf.ttft_s(p))
     for p in cached_prompts:
         ours.run([p[:prefix_len]], 1)                   # an earlier turn leaves the prefix cached
         seconds, hit = ours.ttft_s(p)
         if hit < prefix_len - args.block_tokens:
             raise RuntimeError(f"expected a cache hit of ~{prefix_len} tokens, got {hit}")
         cached.append(seconds)
-    decode = ours.decode_tokens_per_s(decode_prompt, args.max_tokens)
+        _, prefix_cache = hf.prefill(p[:prefix_len])
+        hf_cached.append(hf.cached_ttft_s(prefix_cache, p, prefix_len))
+    decode = hf_decode = 0.0
+    for _ in range(2):
+        decode = max(decode, ours.decode_tokens_per_s(decode_prompt, args.max_tokens))
+        hf_decode = max(hf_decode, hf.decode_tokens_per_s(decode_prompt, args.max_tokens))
     if shared:
         ours.run([batch_prompts[0][:shared]], 1)       # the system prompt, served before
     t0 = time.perf_counter()
     reqs = ours.run(batch_prompts, args.max_tokens)
     ours_throughput = sum(len(r.output) for r in reqs) / (time.perf_counter() - t0)
     ours_outputs = [r.output for r in reqs]
-    del ours
-
-    hf = TransformersArm(loaded.checkpoint_dir, loaded.model.config.torch_dtype, device)
-    hf.prefill(_prompts(c.vocab_size, 1, 64, args.seed + 1, low)[0])   # warm-up
-    hf_cold = [hf.ttft_s(p) for p in cold_prompts]
-    hf_cached = []
-    for p in cached_prompts:
-        _, prefix_cache = hf.prefill(p[:prefix_len])
-        hf_cached.append(hf.cached_ttft_s(prefix_cache, p, prefix_len))
-    hf_decode = hf.decode_tokens_per_s(decode_prompt, args.max_tokens)
     prefix_cache = hf.prefill(batch_prompts[0][:shared])[1] if shared else None
     t0 = time.perf_counter()
     hf_outputs = [hf.generate([p], args.max_tokens, prefix_cache)[0] for p in batch_prompts]
@@ -243,10 +246,10 @@ def run(args: argparse.Namespace) -> int:
     hf_batched = args.concurrency * args.max_tokens / (time.perf_counter() - t0)
 
     matches = sum(a == b for a, b in zip(ours_outputs, hf_outputs))
-    hf_cold_ms = statistics.median(hf_cold) * 1e3
+    hf_cold_ms = min(hf_cold) * 1e3
     ours_row = {**common, "impl": "prefix-cache",
-                "ttft_ms_cold": rounded(statistics.median(cold) * 1e3, 1),
-                "ttft_ms_cached": rounded(statistics.median(cached) * 1e3, 1),
+                "ttft_ms_cold": rounded(min(cold) * 1e3, 1),
+                "ttft_ms_cached": rounded(min(cached) * 1e3, 1),
                 "decode_tokens_per_s": rounded(decode, 2),
                 "throughput_tokens_per_s": rounded(ours_throughput, 2),
                 "greedy_match": rounded(matches / len(batch_prompts), 4)}
@@ -258,7 +261,7 @@ def run(args: argparse.Namespace) -> int:
     emit(ours_row)
     emit({**common, "impl": "transformers", "version": _transformers_version(),
           "ttft_ms_cold": rounded(hf_cold_ms, 1),
-          "ttft_ms_cached": rounded(statistics.median(hf_cached) * 1e3, 1),
+          "ttft_ms_cached": rounded(min(hf_cached) * 1e3, 1),
           "decode_tokens_per_s": rounded(hf_decode, 2),
           "throughput_tokens_per_s": rounded(hf_sequential, 2),
           "throughput_tokens_per_s_batched": rounded(hf_batched, 2),
