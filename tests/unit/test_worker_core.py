@@ -172,3 +172,18 @@ def test_migration_falls_back_from_nixl_to_the_object_store_to_recompute():
     finally:
         holder.close()
         target.close()
+
+
+def test_a_model_that_cannot_load_stops_the_worker_before_it_starts(tmp_path):
+    """A replica that cannot load its model never reports ready: the worker's
+    constructor raises an error naming the problem (Serve marks the replica failed)."""
+    from cluster.engine.checkpoint import CheckpointError
+
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(CheckpointError, match="no-such-model"):
+        WorkerCore("w-bad", WorkerConfig.from_dict(dict(model=str(missing), hot_blocks=16, block_tokens=16)))
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text('{"model_type": "gpt2"}')
+    with pytest.raises(CheckpointError, match="gpt2"):
+        WorkerCore("w-bad", WorkerConfig.from_dict(dict(model=str(tmp_path / "broken"), hot_blocks=16,
+                                                        block_tokens=16)))
