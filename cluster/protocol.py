@@ -12,6 +12,8 @@ Nothing here imports Ray or the rest of the library: both layers use it.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -74,11 +76,19 @@ class RouteDecision:
         if isinstance(obj, cls):
             return obj
         if isinstance(obj, dict):
+            _check_optional_version(obj, "route decision")
             try:
-                return cls(obj["worker_id"], obj["reason"], obj.get("expected_ttft_s"),
-                           int(obj.get("cached_tokens") or 0), obj.get("migrate_from"))
+                worker_id, reason = obj["worker_id"], obj["reason"]
             except KeyError as exc:
                 raise MalformedMessageError(f"route decision lacks {exc}") from None
+            for name, value in (("worker_id", worker_id), ("migrate_from", obj.get("migrate_from"))):
+                if value is not None and not isinstance(value, str):
+                    raise MalformedMessageError(f"route decision {name} must be a string or None, got {value!r}")
+            if not isinstance(reason, str):
+                raise MalformedMessageError(f"route decision reason must be a string, got {reason!r}")
+            return cls(worker_id, reason,
+                       _number(obj.get("expected_ttft_s"), "route decision expected_ttft_s", optional=True),
+                       _count(obj.get("cached_tokens") or 0, "route decision cached_tokens"), obj.get("migrate_from"))
         raise MalformedMessageError(f"not a route decision: {type(obj).__name__}")
 
     @classmethod
@@ -110,6 +120,11 @@ class GenerateRequest:
             return obj
         if not isinstance(obj, dict) or "prompt" not in obj:
             raise MalformedMessageError(f"not a generate request: {type(obj).__name__}")
+        _check_optional_version(obj, "generate request")
+        _check_tokens(obj["prompt"], "generate request prompt")
+        if obj.get("params") is not None and not isinstance(obj["params"], dict):
+            raise MalformedMessageError(f"generate request params must be a dict or None, "
+                                        f"got {type(obj['params']).__name__}")
         routing = obj.get("routing")
         return cls(obj["prompt"], obj.get("params"), obj.get("tenant"), obj.get("session_id"),
                    None if routing is None else RouteDecision.from_wire(routing))
@@ -135,6 +150,11 @@ class PeerCall:
         if isinstance(obj, dict):
             if obj.get("target_worker") is None:
                 return None
+            _check_optional_version(obj, "peer call")
+            if not isinstance(obj["target_worker"], str):
+                raise MalformedMessageError(f"peer call target_worker must be a string, got {obj['target_worker']!r}")
+            if obj.get("tokens") is not None:
+                _check_tokens(obj["tokens"], "peer call tokens")
             return cls(obj["target_worker"], obj.get("tokens"), obj.get("tenant"), obj.get("lease"),
                        obj.get("session_id"))
         raise MalformedMessageError(f"not a peer call: {type(obj).__name__}")
@@ -184,11 +204,13 @@ class LoadReport:
     @classmethod
     def from_wire(cls, data: Any) -> "LoadReport":
         _check_version(data, "load report")
-        try:
-            return cls(int(data["queued_tokens"]), int(data["running"]), int(data.get("waiting", 0)),
-                       data.get("transfer_tokens_per_s"))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise MalformedMessageError(f"bad load report: {exc!r}") from None
+        missing = [name for name in ("queued_tokens", "running") if name not in data]
+        if missing:
+            raise MalformedMessageError(f"load report lacks {missing}")
+        return cls(_count(data["queued_tokens"], "load report queued_tokens"),
+                   _count(data["running"], "load report running"),
+                   _count(data.get("waiting", 0), "load report waiting"),
+                   _number(data.get("transfer_tokens_per_s"), "load report transfer_tokens_per_s", optional=True))
 
 
 RATE_FIELDS = ("prefill_tokens_per_s", "warm_promote_tokens_per_s", "cold_promote_tokens_per_s",
@@ -210,10 +232,48 @@ def rates_to_wire(cost: Any, *, bytes_per_token: int | None = None) -> dict:
 def rates_from_wire(data: Any) -> dict:
     """``CostModel`` keyword arguments from ``rates_to_wire``'s dict."""
     _check_version(data, "rates")
-    missing = [name for name in RATE_FIELDS if not isinstance(data.get(name), (int, float))]
+    missing = [name for name in RATE_FIELDS + ("block_tokens",) if name not in data]
     if missing:
         raise MalformedMessageError(f"rates lack {missing}")
-    return {**{name: float(data[name]) for name in RATE_FIELDS}, "block_tokens": int(data["block_tokens"])}
+    rates = {name: _number(data[name], f"rates {name}", positive=True) for name in RATE_FIELDS}
+    block_tokens = _count(data["block_tokens"], "rates block_tokens")
+    if block_tokens == 0:
+        raise MalformedMessageError("rates block_tokens must be positive, got 0")
+    return {**rates, "block_tokens": block_tokens}
+
+
+def _count(value: Any, what: str) -> int:
+    """A non-negative integer field; an integral float (3.0) is read as its integer."""
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value)
+            or value < 0 or int(value) != value):
+        raise MalformedMessageError(f"{what} must be a non-negative integer, got {value!r}")
+    return int(value)
+
+
+def _number(value: Any, what: str, *, optional: bool = False, positive: bool = False) -> float | None:
+    """A finite number >= 0 (> 0 with ``positive``), or None when ``optional``."""
+    if value is None and optional:
+        return None
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value)
+            or value < 0 or (positive and value == 0)):
+        kind = "a positive" if positive else "a non-negative"
+        raise MalformedMessageError(f"{what} must be {kind} finite number{' or None' if optional else ''}, "
+                                    f"got {value!r}")
+    return float(value)
+
+
+def _check_tokens(tokens: Any, what: str) -> None:
+    if not isinstance(tokens, (list, tuple)):
+        raise MalformedMessageError(f"{what} must be a list of token ids, got {type(tokens).__name__}")
+    for i, token in enumerate(tokens):
+        if isinstance(token, bool) or not isinstance(token, numbers.Integral) or token < 0:
+            raise MalformedMessageError(f"{what}[{i}] must be a non-negative integer token id, got {token!r}")
+
+
+def _check_optional_version(data: dict, what: str) -> None:
+    """Messages that travel as dicts without a version may carry one; a wrong one is refused."""
+    if "v" in data and data["v"] != WIRE_VERSION:
+        raise MalformedMessageError(f"{what} has wire version {data['v']!r}; this build reads {WIRE_VERSION}")
 
 
 def _check_version(data: Any, what: str) -> None:

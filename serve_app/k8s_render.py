@@ -1,27 +1,25 @@
-"""Render k8s/rayservice.yaml from its template and serve_app/config.yaml.
+"""Render k8s/base/serve-config.yaml (the RayService's serveConfigV2) from serve_app/config.yaml.
 
 serve_app/config.yaml is the one source of the Serve application; the
 RayService's ``serveConfigV2`` is that file with the few values a GPU cluster
-needs changed. The template has two YAML documents:
+needs changed, listed in k8s/render/serve-overrides.yaml (a render input, never
+applied)::
 
-1. render settings, never applied::
+    applications:
+      prefix-cache:            # the application of that name
+        args: {gpus_per_replica: 1, worker: {disk_dir: /mnt/nvme}}
 
-       render:
-         serveConfigOverrides:        # merged into config.yaml
-           applications:
-             prefix-cache:            # the application of that name
-               args: {gpus_per_replica: 1, worker: {disk_dir: /mnt/nvme}}
+Mappings merge key by key; any other value replaces the config's (a list too,
+whole). Naming an application the config lacks, or putting a scalar where the
+config has a mapping (or the reverse), is an error.
 
-   Mappings merge key by key; any other value replaces the config's (a list
-   too, whole). Naming an application the config lacks, or putting a scalar
-   where the config has a mapping (or the reverse), is an error.
-2. the RayService, with one line ``serveConfigV2: __SERVE_CONFIG_V2__``.
-
-The output is document 2 with that line replaced by the merged config dumped
-as a YAML block (keys in the config's order, new keys last), preceded by a
-comment listing every value that differs from config.yaml. Same inputs, same
-bytes. ``--check`` renders in memory and exits 1 with a unified diff when the
-file on disk differs (CI and tests run it).
+The output is the merged config dumped as YAML (keys in the config's order, new
+keys last) under a comment listing every value that differs from config.yaml.
+Kustomize does the rest: k8s/base/kustomization.yaml turns the file into a
+build-time ConfigMap and copies its text into the RayService's
+``spec.serveConfigV2`` (``kubectl kustomize k8s/`` shows the result). Same
+inputs, same bytes. ``--check`` renders in memory and exits 1 with a unified
+diff when the file on disk differs (CI and tests run it).
 """
 
 from __future__ import annotations
@@ -30,7 +28,6 @@ import argparse
 import copy
 import difflib
 import json
-import re
 import sys
 from pathlib import Path
 
@@ -38,10 +35,8 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = "serve_app/config.yaml"
-DEFAULT_TEMPLATE = "k8s/rayservice.template.yaml"
-DEFAULT_OUT = "k8s/rayservice.yaml"
-PLACEHOLDER = "__SERVE_CONFIG_V2__"
-_PLACEHOLDER_LINE = re.compile(rf"^(?P<indent>[ ]*)serveConfigV2: {PLACEHOLDER}[ ]*$", re.MULTILINE)
+DEFAULT_OVERRIDES = "k8s/render/serve-overrides.yaml"
+DEFAULT_OUT = "k8s/base/serve-config.yaml"
 _UNSET = object()
 
 
@@ -49,8 +44,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--check", action="store_true",
                    help="render in memory; exit 1 with a diff when --out differs")
     p.add_argument("--config", default=None, help=f"Serve config (default {DEFAULT_CONFIG})")
-    p.add_argument("--template", default=None, help=f"RayService template (default {DEFAULT_TEMPLATE})")
-    p.add_argument("--out", default=None, help=f"rendered RayService, '-' for stdout (default {DEFAULT_OUT})")
+    p.add_argument("--overrides", "--template", dest="overrides", default=None,
+                   help=f"the GPU cluster's changes to the Serve config (default {DEFAULT_OVERRIDES}; "
+                        f"--template is the old name of this option)")
+    p.add_argument("--out", default=None, help=f"rendered serveConfigV2, '-' for stdout (default {DEFAULT_OUT})")
 
 
 def _path(given: str | None, default: str) -> Path:
@@ -102,44 +99,39 @@ def apply_overrides(config: dict, overrides: dict) -> tuple[dict, list[str]]:
     return merged, changes
 
 
-def split_template(text: str) -> tuple[dict, str]:
-    """(render settings, RayService text) of a template."""
-    head, sep, body = text.partition("\n---\n")
-    settings = yaml.safe_load(head) if sep else None
-    if not isinstance(settings, dict) or not isinstance(settings.get("render"), dict):
-        raise ValueError("the template must start with a document holding 'render:', then '---' and the RayService")
-    return settings["render"], body
+def load_overrides(text: str, name: str = DEFAULT_OVERRIDES) -> dict:
+    """The overrides mapping of an overrides file (empty file: no changes)."""
+    overrides = yaml.safe_load(text)
+    if overrides is None:
+        return {}
+    if not isinstance(overrides, dict):
+        raise ValueError(f"{name} must be a mapping of Serve config overrides, not {type(overrides).__name__}")
+    if "render" in overrides:
+        raise ValueError(f"{name} has a 'render:' key: that is the old rayservice.template.yaml format; "
+                         f"the overrides file holds what was under render.serveConfigOverrides")
+    return overrides
 
 
-def render(config_text: str, template_text: str, config_name: str = DEFAULT_CONFIG,
-           template_name: str = DEFAULT_TEMPLATE) -> str:
+def render(config_text: str, overrides_text: str, config_name: str = DEFAULT_CONFIG,
+           overrides_name: str = DEFAULT_OVERRIDES) -> str:
     config = yaml.safe_load(config_text)
     if not isinstance(config, dict) or not isinstance(config.get("applications"), list):
         raise ValueError(f"{config_name} is not a Serve config (no 'applications' list)")
-    settings, body = split_template(template_text)
-    merged, changes = apply_overrides(config, settings.get("serveConfigOverrides") or {})
-    found = list(_PLACEHOLDER_LINE.finditer(body))
-    if len(found) != 1:
-        raise ValueError(f"{template_name} must have exactly one line 'serveConfigV2: {PLACEHOLDER}', "
-                         f"found {len(found)}")
-    indent = found[0]["indent"]
+    merged, changes = apply_overrides(config, load_overrides(overrides_text, overrides_name))
     dumped = yaml.safe_dump(merged, sort_keys=False, default_flow_style=False, width=1000)
-    lines = [f"{indent}# serveConfigV2 is {config_name} with these changes for the GPU cluster",
-             f"{indent}# (render.serveConfigOverrides in {template_name}):"]
-    lines += [f"{indent}#   {change}" for change in changes] or [f"{indent}#   (none)"]
-    lines.append(f"{indent}serveConfigV2: |")
-    lines += [f"{indent}  {line}" for line in dumped.splitlines()]
-    header = (f"# GENERATED by `prefix-cache k8s render` from {template_name} and {config_name}.\n"
-              f"# Do not edit: change those and rerun it; `prefix-cache k8s render --check` fails on drift.\n")
-    start, end = found[0].span()
-    return header + body[:start] + "\n".join(lines) + body[end:]
+    lines = [f"# GENERATED by `prefix-cache k8s render` from {config_name} and {overrides_name}.",
+             "# Do not edit: change those and rerun it; `prefix-cache k8s render --check` fails on drift.",
+             "# Kustomize copies this text into the RayService's serveConfigV2 (k8s/base/kustomization.yaml).",
+             f"# Changes from {config_name} for the GPU cluster:"]
+    lines += [f"#   {change}" for change in changes] or ["#   (none)"]
+    return "\n".join(lines) + "\n" + dumped
 
 
 def run(args: argparse.Namespace) -> int:
     config_path = _path(args.config, DEFAULT_CONFIG)
-    template_path = _path(args.template, DEFAULT_TEMPLATE)
-    text = render(config_path.read_text(), template_path.read_text(),
-                  _shown(config_path), _shown(template_path))
+    overrides_path = _path(args.overrides, DEFAULT_OVERRIDES)
+    text = render(config_path.read_text(), overrides_path.read_text(),
+                  _shown(config_path), _shown(overrides_path))
     if args.out == "-":
         if args.check:
             raise ValueError("--check needs a file to compare with, not --out -")
