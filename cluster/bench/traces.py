@@ -69,8 +69,9 @@ def shape_trace(shape: str | Shape, num_records: int, *, seed: int = 0, block_to
     if num_records <= 0 or block_tokens <= 0 or rate <= 0:
         raise InvalidInputError("num_records, block_tokens and rate must be positive")
     if shape == "mixed":
+        # Each shape numbers its ids from its own base, below 2**32 (the cache's uint32 keys).
         parts = [_sessions(SHAPES[name], -(-num_records // len(MIXED)), seed + k, block_tokens, rate / len(MIXED),
-                           (k + 1) << 40) for k, name in enumerate(MIXED)]
+                           (k + 1) << 28) for k, name in enumerate(MIXED)]
         merged = sorted((r for p in parts for r in p), key=lambda r: r.timestamp)
         return merged[:num_records]
     return _sessions(SHAPES[shape] if isinstance(shape, str) else shape, num_records, seed, block_tokens, rate, 0)

@@ -157,6 +157,20 @@ def test_cost_places_near_ties_by_recent_work():
     assert [strict.choose(CHAIN, 600, workers(a=0, b=0), ix).worker_id for _ in range(2)] == ["a", "a"]
 
 
+def test_cost_tie_window_widens_with_the_mean_queue():
+    # a holds the HOT prefix (0.1 s), b holds it WARM (0.15 s); both have
+    # 0.4 s of queue, c has 0.3 s and holds nothing (0.9 s). b is 0.05 s
+    # worse than a: past tie_s=0.01, but within the mean queue wait (0.367 s),
+    # which the next arrivals will change anyway, so the worker sent less
+    # work lately wins the second request.
+    ix = index_with(a=(5, HOT), b=(5, WARM), c=(0, HOT))
+    policy = cost_policy(tie_s=0.01)
+    picks = [policy.choose(CHAIN, 600, workers(a=400, b=400, c=300), ix) for _ in range(2)]
+    assert [(d.worker_id, d.reason) for d in picks] == [("a", "local"), ("b", "local")]
+    idle = cost_policy(tie_s=0.01)      # no queue anywhere: the window is tie_s alone
+    assert [idle.choose(CHAIN, 600, workers(a=0, b=0, c=0), ix).worker_id for _ in range(2)] == ["a", "a"]
+
+
 # ------------------------------------------------------------------ baselines
 def test_round_robin_cycles_over_live_workers():
     policy = make_policy("round_robin", cost=COST)

@@ -88,6 +88,8 @@ def test_trace_shapes_are_mooncake_chains():
         assert len(recs) == 400 and all(a.timestamp <= b.timestamp for a, b in zip(recs, recs[1:]))
         for r in recs:
             assert len(r.hash_ids) == -(-r.input_length // 512)
+    mixed = shape_trace("mixed", 2000, seed=2)
+    assert max(h for r in mixed for h in r.hash_ids) < 2 ** 32      # the cache's uint32 keys
     bursts = shape_trace("bursts", 400, seed=2)
     first = bursts[0]
     siblings = [r for r in bursts if r.timestamp == first.timestamp]
@@ -101,7 +103,7 @@ def test_replay_shape_and_misestimate_sweep(capsys):
                  "--shape", "bursts", "--policy", "approx_tree,ray_prefix,cost", "--misestimate", "0.5"]) == 0
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     assert [x["policy"] for x in lines[:3]] == ["approx_tree", "ray_prefix", "cost"]
-    assert all(x["shape"] == "bursts" for x in lines[:3])
+    assert all(x["shape"] == "bursts" and x["decision_clock"] == "thread_time" for x in lines[:3])
     sweep = [x for x in lines if "misestimate" in x]
     assert len(sweep) == 5 and {x["misestimate"]["constants"] for x in sweep} >= {"all", "prefill_tokens_per_s"}
     summary = lines[-1]

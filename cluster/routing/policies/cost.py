@@ -29,7 +29,8 @@ class CostOptions:
 
     - ``dup_weight``: x the prefill time of each private block an option copies.
     - ``work_weight``: x the option's service time (capacity taken from later requests).
-    - ``tie_s``: options within this of the cheapest, copying no private block, are equal.
+    - ``tie_s``: options within this of the cheapest (or within the mean queue
+      wait of the live workers, if longer), copying no private block, are equal.
     - ``half_life``: decisions over which the recent work sent to a worker halves.
     - ``branch_memory``: prefixes remembered to find branch points (two generations).
     - ``inflight_s``: how long a routed request's blocks count as held by its
@@ -215,9 +216,12 @@ class CostPolicy(Policy):
     - ``work_weight`` x the option's service time (default 0: the queue wait
       prices load).
     - Placement: options that copy no private block and cost within ``tie_s``
-      of the cheapest are equal for this request; among them the worker this
-      router sent the least work lately (decayed, ``half_life`` decisions)
-      wins, since a conversation keeps coming back where it is placed.
+      of the cheapest, or within the mean queue wait of the live workers when
+      that is longer, are equal for this request (a difference smaller than
+      the queues is changed by the next few arrivals anyway); among them the
+      worker this router sent the least work lately (decayed, ``half_life``
+      decisions) wins, since a conversation keeps coming back where it is
+      placed. At light load this is stickiness; under load, balance.
     """
     name = "cost"
 
@@ -234,6 +238,7 @@ class CostPolicy(Policy):
         self._recent = _DecayedWork(self.options.half_life)
         self._inflight = _InFlight(self.options.inflight_s)
         self._ids_of: tuple[list, list[str], dict[str, WorkerState]] | None = None
+        self._mean_wait = 0.0     # mean queue wait over live workers at the current decision
 
     # Old attribute names, kept for callers that read them.
     work_weight = property(lambda self: self.options.work_weight)
@@ -284,6 +289,7 @@ class CostPolicy(Policy):
         holding nothing) is priced, even when all 64 hold the system prompt."""
         alive = _alive(workers)
         ids, by_id = self._members(alive)
+        self._mean_wait = sum(map(_QUEUED, alive)) / (len(alive) * self.cost.prefill_tokens_per_s)
         recent = self._recent.scaled          # one scale for all: compares without unscaling
         cohorts = index.match_cohorts(hashes) if hashes else []
         inflight_blocks, inflight_w = (self._inflight.deepest(hashes, self.clock())
@@ -361,11 +367,12 @@ class CostPolicy(Policy):
         self._turn += 1
         options = self.price(cands, num_tokens, shared)
         best = min(options, key=lambda o: (o.score, o.load))
-        # Options that copy no private block and cost within tie_s of the
-        # cheapest are equally good for this request; among them the worker
-        # sent the least work lately wins: the conversation will keep coming
-        # back there, so this is where its future load is placed.
-        limit = best.score + self.options.tie_s
+        # Options that copy no private block and cost within tie_s (or the
+        # mean queue wait, if longer) of the cheapest are equally good for
+        # this request; among them the worker sent the least work lately
+        # wins: the conversation will keep coming back there, so this is
+        # where its future load is placed.
+        limit = best.score + max(self.options.tie_s, self._mean_wait)
         ties = [o for o in options if o.score <= limit and not o.dup]
         if len(ties) > 1:
             best = min(ties, key=lambda o: (o.load[1], o.score, o.load))
