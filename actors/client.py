@@ -23,12 +23,15 @@ import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from actors.directory_link import DirectoryLink
+from actors.engine_loop import EngineWedgedError
 from actors.naming import DIRECTORY_NAME, worker_actor_name
 from cluster.protocol import RouteDecision, StreamItem
 
 log = logging.getLogger(__name__)
 
-WORKER_DIED = (ActorDiedError, ActorUnavailableError, RayActorError)
+# A worker that died, or whose watchdog declared its engine wedged (it failed the
+# request; the worker is dropped from the directory and must not be asked again).
+WORKER_DIED = (ActorDiedError, ActorUnavailableError, RayActorError, EngineWedgedError)
 
 
 class NoWorkerError(RuntimeError):

@@ -34,6 +34,19 @@ class WorkerConfig:
     max_queued_requests: int = 256
     use_nixl: bool = True
     torch_threads: int = 1
+    # The engine may go this long without finishing an iteration while it has work
+    # before the watchdog declares it wedged (None: no watchdog). Above the longest
+    # legitimate step (a full max_batch_tokens prefill on this hardware).
+    watchdog_s: float | None = 10.0
+    # Bound on each remote call of a migration (export, info, object-store pull):
+    # a holder that is gone or slow costs at most this per call, then recompute.
+    migration_timeout_s: float = 2.0
+
+    def __post_init__(self):
+        if self.watchdog_s is not None and not self.watchdog_s > 0:
+            raise InvalidInputError(f"watchdog_s must be positive or null, got {self.watchdog_s!r}")
+        if not self.migration_timeout_s > 0:
+            raise InvalidInputError(f"migration_timeout_s must be positive, got {self.migration_timeout_s!r}")
 
     @classmethod
     def from_dict(cls, data: dict | None) -> "WorkerConfig":

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 from typing import Any, AsyncIterator, Callable
 
 import numpy as np
@@ -26,7 +27,7 @@ import torch
 
 from actors.calibration import calibrate
 from actors.config import WorkerConfig
-from actors.engine_loop import EngineLoop, QueueFullError
+from actors.engine_loop import EngineLoop, EngineWedgedError, QueueFullError
 from actors.migration import Migrator, PeerLink
 from actors.reporter import EventReporter
 from cluster.cache.kv_pool import KVLayout
@@ -39,16 +40,19 @@ from cluster.transfer.nixl_transport import NixlEndpoint, TransferError, nixl_av
 
 log = logging.getLogger(__name__)
 
-__all__ = ["WorkerCore", "WorkerConfig", "PeerLink", "QueueFullError"]
+__all__ = ["WorkerCore", "WorkerConfig", "PeerLink", "QueueFullError", "EngineWedgedError"]
 
 
 class WorkerCore:
     def __init__(self, worker_id: str, config: WorkerConfig, directory=None,
                  on_report: Callable[["WorkerCore"], None] | None = None,
-                 on_migration: Callable[[MigrationResult], None] | None = None):
+                 on_migration: Callable[[MigrationResult], None] | None = None,
+                 on_trip: Callable[[str], None] | None = None):
         """``directory``: a ``DirectoryLink`` (None: no reports, e.g. in-process
         tests); ``on_report(core)`` runs on the engine thread before each report;
-        ``on_migration(result)`` after each migration this worker ran (metrics)."""
+        ``on_migration(result)`` after each migration this worker ran (metrics);
+        ``on_trip(reason)`` when the watchdog declares the engine wedged (metrics),
+        after the directory was told to drop this worker."""
         self.worker_id = worker_id
         self.config = config
         torch.set_num_threads(config.torch_threads)
@@ -63,7 +67,8 @@ class WorkerCore:
                              max_running=config.max_running)
         self.nixl = self._open_nixl()
         self.migration = Migrator(worker_id, self.cache, self.nixl, block_tokens=tiers.block_tokens,
-                                  bytes_per_token=self.layout.bytes_per_token())
+                                  bytes_per_token=self.layout.bytes_per_token(),
+                                  call_timeout_s=config.migration_timeout_s)
         self.cost = calibrate(self.engine, self.migration)   # before the engine thread owns the cache
         if self.nixl is not None:
             self.migration.transfer_tokens_per_s = self.cost.transfer_tokens_per_s
@@ -76,9 +81,12 @@ class WorkerCore:
             self.reporter = EventReporter(worker_id, self.publisher, directory, lambda: self.loop.load_report,
                                           on_report=(lambda: on_report(self)) if on_report else None,
                                           wake=lambda: self.loop.wake())
+        self._on_trip = on_trip
+        self._wedge = threading.Event()
         self.loop = EngineLoop(worker_id, self.engine, max_queued_requests=config.max_queued_requests,
                                on_idle=self._idle, on_tick=self.reporter.tick if self.reporter else None,
-                               transfer_rate=lambda: self.migration.transfer_tokens_per_s)
+                               transfer_rate=lambda: self.migration.transfer_tokens_per_s,
+                               watchdog_s=config.watchdog_s, on_trip=self._tripped)
         self.migration.on_engine = lambda fn: self.loop.call(fn).result()
         if directory is not None:
             directory.register(worker_id, self.rates())
@@ -92,6 +100,30 @@ class WorkerCore:
         except TransferError as exc:
             log.warning("NIXL disabled on %s: %s", self.worker_id, exc)
             return None
+
+    def _tripped(self, reason: str) -> None:
+        # Watchdog thread: the directory drops this worker now, not after missed heartbeats.
+        if self.directory is not None:
+            self.directory.report_failure_nowait(self.worker_id)
+        if self._on_trip is not None:
+            self._on_trip(reason)
+
+    def inject_fault(self, kind: str, on: bool = True) -> None:
+        """Drills and tests: 'wedge' blocks the engine thread (until turned off:
+        the watchdog trips meanwhile); 'nixl' and 'object_store' break a transport."""
+        if kind != "wedge":
+            self.migration.inject_fault(kind, on)
+        elif on:
+            self._wedge.clear()
+            started = threading.Event()
+
+            def wedge():
+                started.set()
+                self._wedge.wait()
+            self.loop.call(wedge)
+            started.wait(10)   # returns once the engine thread is in it
+        else:
+            self._wedge.set()
 
     def _idle(self) -> None:
         self.cache.enforce_watermarks()
@@ -135,10 +167,10 @@ class WorkerCore:
             self.migration.stats["migrations_out"] += 1
         return staged
 
-    async def export_array(self, lease: int) -> tuple[np.ndarray, str]:
+    async def export_array(self, lease: str) -> tuple[np.ndarray, str]:
         return await self.loop.run(lambda: self.migration.export_array(lease))
 
-    async def release(self, lease: int) -> None:
+    async def release(self, lease: str) -> None:
         await self.loop.run(lambda: self.migration.release(lease))
 
     # ------------------------------------------------------------ inspection
@@ -162,7 +194,8 @@ class WorkerCore:
         c = self.cache
         return {"worker_id": self.worker_id, "tiers": c.tier_summary(), "cache": dict(c.stats),
                 "tree": dict(c.tree.stats), "engine": dict(self.engine.stats),
-                "worker": {**self.loop.stats, "ownership_violations": self.loop.owner.violations},
+                "worker": {**self.loop.stats, "ownership_violations": self.loop.owner.violations,
+                           "watchdog_trips": self.loop.watchdog_trips},
                 "load": dataclasses.asdict(self.loop.measure_load()), "fragmentation": c.fragmentation(),
                 "protected_tokens": c.protected_tokens, "evictable_tokens": c.evictable_tokens}
 
@@ -176,7 +209,16 @@ class WorkerCore:
     def healthy(self) -> bool:
         return self.loop.alive()
 
+    def health(self) -> None:
+        """Raise ``EngineWedgedError`` (or ``RuntimeError`` if the engine thread
+        died) when this worker must not get requests: what health checks call."""
+        if self.loop.wedged is not None:
+            raise EngineWedgedError(self.loop.wedged)
+        if not self.loop.alive():
+            raise RuntimeError(f"engine thread of {self.worker_id} died")
+
     def close(self) -> None:
+        self._wedge.set()
         self.loop.close()
         self.cache.close()
         if self.nixl is not None:

@@ -97,5 +97,12 @@ class DirectoryLink:
         except Exception as exc:   # the directory will drop it on its own when heartbeats stop
             log.warning("could not report %s as failed: %s", worker_id, exc)
 
+    def report_failure_nowait(self, worker_id: str) -> None:
+        """``report_failure`` from any thread, without waiting (the watchdog's way)."""
+        try:
+            self.handle().report_failure.remote(worker_id)
+        except Exception as exc:
+            log.warning("could not report %s as failed: %s", worker_id, exc)
+
     async def live_workers(self) -> list[str]:
         return await (await self.ahandle()).live_workers.remote()

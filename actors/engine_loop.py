@@ -10,6 +10,17 @@ streams table, ``stats``. Published for other threads: ``load_report`` (a
 frozen ``LoadReport`` replaced whole after each iteration). With ownership
 checks on (``cluster.ownership``), the engine and the cache raise
 ``OwnershipError`` when another thread touches them.
+
+The watchdog: a second thread that owns nothing of the engine's. The engine
+thread stamps ``_progress_at`` after every iteration (idle ones included,
+every 10 ms); when that stamp is older than ``watchdog_s`` while requests
+are in flight or commands wait, the engine is wedged (a step that never
+returns). The watchdog then trips once for good: every open stream ends
+with ``EngineWedgedError``, new requests and commands are refused, ``alive()``
+turns False (so the Serve health check fails and the actor's ``health``
+raises) and ``on_trip`` runs (the shell reports the worker to the directory,
+which drops it). A wedged thread cannot be stopped from outside, so the
+replica is not reused: it is replaced.
 """
 
 from __future__ import annotations
@@ -19,6 +30,7 @@ import concurrent.futures as cf
 import logging
 import queue
 import threading
+import time
 from typing import Any, AsyncIterator, Callable
 
 from cluster.engine.runner import Engine, Request
@@ -33,12 +45,23 @@ class QueueFullError(CacheError):
     """The worker's queue bound is reached; the caller should retry later (HTTP 429)."""
 
 
+class EngineWedgedError(CacheError):
+    """The worker's engine made no progress for ``watchdog_s`` with work queued;
+    its requests are failed and the worker is unhealthy for good. The request
+    itself is fine: it can be resumed on another worker."""
+
+
 class EngineLoop:
     def __init__(self, name: str, engine: Engine, *, max_queued_requests: int,
                  on_idle: Callable[[], None] | None = None, on_tick: Callable[[], None] | None = None,
-                 transfer_rate: Callable[[], float | None] = lambda: None):
+                 transfer_rate: Callable[[], float | None] = lambda: None,
+                 watchdog_s: float | None = 10.0, on_trip: Callable[[str], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         """``on_idle`` runs in idle gaps (housekeeping), ``on_tick`` after every
-        iteration (event reports); both on the engine thread."""
+        iteration (event reports); both on the engine thread. ``watchdog_s``:
+        the longest the engine may go without finishing an iteration while it
+        has work (None: no watchdog); ``on_trip(reason)`` runs on the watchdog
+        thread when it trips."""
         self.name = name
         self.engine = engine
         self.cache = engine.cache
@@ -49,12 +72,24 @@ class EngineLoop:
             engine.owner = self.cache.owner = self.owner
         self.stats = {"rejected_queue_full": 0, "engine_step_failures": 0}
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        # Open streams: written by the engine thread and by callers, read by the watchdog.
         self._streams: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams_lock = threading.Lock()
         self.load_report = LoadReport(0, 0, 0)
+        self.clock = clock
+        self.watchdog_s = watchdog_s
+        self._on_trip = on_trip
+        self._progress_at = clock()     # replaced whole by the engine thread after each iteration
+        self.wedged: str | None = None  # set once, by the watchdog: why the engine was declared wedged
+        self.watchdog_trips = 0
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"engine-{name}", daemon=True)
         self._thread.start()
+        self._watchdog = None
+        if watchdog_s is not None:
+            self._watchdog = threading.Thread(target=self._watch, name=f"watchdog-{name}", daemon=True)
+            self._watchdog.start()
 
     # ------------------------------------------------------------ engine thread
     def _loop(self) -> None:
@@ -77,7 +112,8 @@ class EngineLoop:
                 self._wake.wait(0.01)
                 self._wake.clear()
             self.load_report = self.measure_load()
-            if self._on_tick is not None:
+            self._progress_at = self.clock()
+            if self._on_tick is not None and self.wedged is None:   # a tripped worker stays dropped
                 self._on_tick()
 
     def _run_commands(self) -> None:
@@ -101,7 +137,55 @@ class EngineLoop:
                           tuple(req.tier_hits), len(req.prompt))
         loop.call_soon_threadsafe(q.put_nowait, item)
         if finished:
-            self._streams.pop(req.request_id, None)
+            with self._streams_lock:
+                self._streams.pop(req.request_id, None)
+
+    # --------------------------------------------------------- watchdog thread
+    def _watch(self) -> None:
+        period = min(0.25, self.watchdog_s / 4)
+        while not self._stop.wait(period):
+            if self.check_wedged():
+                return
+
+    def check_wedged(self) -> bool:
+        """(watchdog thread, or a test) Trip if the engine has work and made no
+        progress for ``watchdog_s``; True once tripped."""
+        if self.wedged is not None:
+            return True
+        stalled = self.clock() - self._progress_at
+        if stalled <= self.watchdog_s or not (self._streams or not self._commands.empty()):
+            return False
+        self.trip(f"engine of worker {self.name} made no progress for {stalled:.1f} s "
+                  f"(watchdog bound {self.watchdog_s:g} s) with work queued")
+        return True
+
+    def trip(self, reason: str) -> None:
+        """Declare the engine wedged: fail every open stream, refuse new work, report."""
+        if self.wedged is not None:
+            return
+        self.wedged = reason
+        self.watchdog_trips += 1
+        log.error("watchdog: %s; failing its requests and marking the worker unhealthy", reason)
+        with self._streams_lock:
+            streams, self._streams = list(self._streams.values()), {}
+        error = EngineWedgedError(reason)
+        for loop, q in streams:
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, error)
+            except RuntimeError:   # that caller's event loop is closed: nobody is waiting
+                pass
+        while True:   # commands that will never run: fail them instead of leaving callers waiting
+            try:
+                _, fut = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(EngineWedgedError(reason))
+        if self._on_trip is not None:
+            try:
+                self._on_trip(reason)
+            except Exception:   # reporting is best effort: the health check says it too
+                log.exception("watchdog on_trip failed on %s", self.name)
 
     def measure_load(self) -> LoadReport:
         """(engine thread) Queued work in prefill-token equivalents."""
@@ -118,6 +202,9 @@ class EngineLoop:
     def call(self, fn: Callable[[], Any]) -> cf.Future:
         """Run ``fn`` on the engine thread; returns a future for its result."""
         fut: cf.Future = cf.Future()
+        if self.wedged is not None:
+            fut.set_exception(EngineWedgedError(self.wedged))
+            return fut
         self._commands.put((fn, fut))
         self._wake.set()
         return fut
@@ -137,26 +224,32 @@ class EngineLoop:
                 self.stats["rejected_queue_full"] += 1
                 raise QueueFullError(f"worker {self.name} has {len(self.engine.waiting)} requests queued")
             self.engine.submit(req)
-            self._streams[req.request_id] = (loop, q)
+            with self._streams_lock:
+                self._streams[req.request_id] = (loop, q)
 
         await self.run(submit)
         try:
             while True:
                 item = await q.get()
+                if isinstance(item, EngineWedgedError):
+                    raise item
                 if item.error:
                     raise CacheError(item.error)
                 yield item
                 if item.finished:
                     return
         finally:
-            if not req.finished:  # the consumer went away: stop generating, release locks
+            if not req.finished and self.wedged is None:   # the consumer went away: stop, release locks
                 self.call(lambda: self.engine.cancel(req, FinishReason.CLIENT_DISCONNECTED))
 
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        """The engine thread runs and the watchdog has not declared it wedged."""
+        return self._thread.is_alive() and self.wedged is None
 
     def close(self) -> None:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=5)
+        if self._watchdog is not None:
+            self._watchdog.join(timeout=5)
         self.owner.release()   # shutdown (cache.close) runs on the caller's thread

@@ -5,7 +5,17 @@ the target READs them over NIXL into its own staging blocks, verifies every
 block, and installs them in its tree. If NIXL is missing or fails, the staged
 KV comes through the Ray object store; if that fails too, the target
 recomputes. A migration never raises: it only costs the prefill it would have
-saved.
+saved, and never more than a bounded time: every remote call of a migration
+(export, info, object-store pull) waits at most ``call_timeout_s``, and the
+NIXL READ as long, so a holder that is gone or slow means recompute after at
+most four of those bounds (``max_wait_s``).
+
+What is installed is what was asked for: leases are unique across workers
+(``<worker>/<process uuid>/<n>``; a lease this worker did not issue is
+refused), the export carries the hash of the tokens (and tenant) it covers,
+which the target compares with its own before installing (a mismatch is
+refused and counted), and every block is verified against the holder's
+checksum on both paths, NIXL and object store.
 
 Threads: ``export_prefix``, ``export_array``, ``release`` and ``install``
 run on the engine thread (they touch the cache; callers use ``EngineLoop.run``).
@@ -20,6 +30,7 @@ import asyncio
 import itertools
 import logging
 import time
+import uuid
 from typing import Any, Callable, Protocol
 
 import numpy as np
@@ -45,18 +56,32 @@ class PeerLink(Protocol):
 
     async def info(self) -> dict: ...
 
-    async def export_array(self, lease: int) -> tuple[np.ndarray, str]: ...
+    async def export_array(self, lease: str) -> tuple[np.ndarray, str]: ...
 
-    def release(self, lease: int) -> None: ...
+    def release(self, lease: str) -> None: ...
 
 
 def block_checksum(block: torch.Tensor) -> int:
+    block = block.contiguous()
+    if block.dtype == torch.bfloat16:   # numpy has no bfloat16: hash the same bytes as int16
+        block = block.view(torch.int16)
     return xxhash.xxh3_64_intdigest(block.numpy().tobytes())
+
+
+def tokens_hash(tokens: list[int], namespace: Any) -> int:
+    """What an export covers: its tokens and the tenant they belong to."""
+    h = xxhash.xxh3_64(repr(namespace).encode())
+    h.update(np.asarray(tokens, dtype=np.int64).tobytes())
+    return h.intdigest()
+
+
+class MigrationRefused(TransferError):
+    """What arrived is not what was asked for (a lease of another worker, other tokens, a bad block)."""
 
 
 class Migrator:
     def __init__(self, worker_id: str, cache: TieredCache, nixl: NixlEndpoint | None, *, block_tokens: int,
-                 bytes_per_token: int, transfer_tokens_per_s: float | None = None):
+                 bytes_per_token: int, transfer_tokens_per_s: float | None = None, call_timeout_s: float = 2.0):
         self.worker_id = worker_id
         self.cache = cache
         self.nixl = nixl
@@ -65,13 +90,16 @@ class Migrator:
         self.transfer_tokens_per_s = transfer_tokens_per_s   # replaced whole; read by the load reports
         # How the NIXL thread reaches the engine thread; direct until the loop starts (calibration).
         self.on_engine: Callable[[Callable[[], Any]], Any] = lambda fn: fn()
-        self._leases: dict[int, tuple[list, float]] = {}
+        self.call_timeout_s = call_timeout_s
+        self._leases: dict[str, tuple[list, float]] = {}
+        self._lease_prefix = f"{worker_id}/{uuid.uuid4().hex[:12]}/"
         self._lease_ids = itertools.count(1)
         self._nixl_peers: dict[str, str] = {}      # worker id -> NIXL agent name
         self.faults: set[str] = set()              # injected: "nixl", "object_store"
         self.stats = {"migrations_in": 0, "migrations_out": 0, "migrated_tokens": 0, "migration_bytes": 0,
                       "nixl_failures": 0, "object_store_fallbacks": 0, "recomputed_after_failed_migration": 0,
-                      "stale_migrations": 0}
+                      "stale_migrations": 0, "migration_timeouts": 0, "refused_installs": 0,
+                      "refused_lease_calls": 0}
 
     def inject_fault(self, kind: str, on: bool = True) -> None:
         if kind not in FAULTS:
@@ -94,27 +122,38 @@ class Migrator:
         finally:
             cache.unlock(m.last_node)
         blocks = [e.block_id for e in ext]
-        lease = next(self._lease_ids)
+        lease = f"{self._lease_prefix}{next(self._lease_ids)}"
         self._leases[lease] = (ext, time.monotonic() + LEASE_TTL_S)
         return {"tokens": n, "blocks": blocks, "checksums": [block_checksum(cache.staging_block(b)) for b in blocks],
-                "lease": lease, "block_tokens": self.block_tokens}
+                "lease": lease, "block_tokens": self.block_tokens, "holder": self.worker_id,
+                "tokens_hash": tokens_hash(list(tokens[:n]), namespace)}
 
-    def export_array(self, lease: int) -> tuple[np.ndarray, str]:
-        """A lease's staged KV for the object-store fallback: a numpy array (Ray
-        moves it zero-copy; torch tensors take a slow pickling path) and the
-        torch dtype name to view it back."""
+    def _own_lease(self, lease: str) -> tuple[list, float]:
+        entry = self._leases.get(lease) if isinstance(lease, str) else None
+        if entry is None:   # expired, or a call meant for another worker: never serve someone else's KV
+            self.stats["refused_lease_calls"] += 1
+            mine = isinstance(lease, str) and lease.startswith(self._lease_prefix)
+            raise MigrationRefused(f"worker {self.worker_id} holds no lease {lease!r}"
+                                   + ("" if mine else " (issued by another worker)"))
+        return entry
+
+    def export_array(self, lease: str) -> tuple[np.ndarray, str]:
+        """A lease's staged blocks, whole (so the target verifies each block's
+        checksum), for the object-store fallback: a numpy array (Ray moves it
+        zero-copy; torch tensors take a slow pickling path) and the torch dtype
+        name to view it back."""
         if "object_store" in self.faults:
             raise RuntimeError("injected fault: object store export")
-        ext, _ = self._leases[lease]
-        kv = self.cache.read_staging(ext).contiguous()
+        ext, _ = self._own_lease(lease)
+        kv = torch.cat([self.cache.staging_block(e.block_id) for e in ext], dim=2).contiguous()
         dtype = str(kv.dtype).removeprefix("torch.")
         if kv.dtype == torch.bfloat16:
             kv = kv.view(torch.int16)
         return kv.numpy().copy(), dtype
 
-    def release(self, lease: int) -> None:
+    def release(self, lease: str) -> None:
         """Free a lease's staging blocks, and any lease past its expiry."""
-        entry = self._leases.pop(lease, None)
+        entry = self._leases.pop(lease, None) if isinstance(lease, str) else None
         if entry is not None:
             self.cache.free_staging(entry[0])
         now = time.monotonic()
@@ -138,17 +177,39 @@ class Migrator:
         return n - m.length
 
     # ------------------------------------------------------- target, event loop
+    @property
+    def max_wait_s(self) -> float:
+        """The longest a migration can delay its request: export, info, the
+        READ and the object-store pull, each bounded by ``call_timeout_s``."""
+        return 4 * self.call_timeout_s
+
+    async def _bounded(self, what: str, holder_id: str, awaitable):
+        try:
+            return await asyncio.wait_for(awaitable, self.call_timeout_s)
+        except asyncio.TimeoutError:
+            self.stats["migration_timeouts"] += 1
+            raise TransferError(f"{what} from {holder_id} took longer than {self.call_timeout_s:g} s") from None
+
+    def _verify(self, staged: dict, kv_blocks: torch.Tensor) -> torch.Tensor:
+        """Each whole staged block against its checksum; the request's KV, ``tokens`` long."""
+        bt = self.block_tokens
+        for i, want in enumerate(staged["checksums"]):
+            if block_checksum(kv_blocks[:, :, i * bt:(i + 1) * bt]) != want:
+                raise MigrationRefused(f"block {i} of the staged prefix failed its checksum")
+        return kv_blocks[:, :, :staged["tokens"]]
+
     async def migrate_from(self, holder_id: str, link: PeerLink | None, tokens: list[int], tenant: Any,
                            run_on_engine: Callable[[Callable[[], Any]], Any]) -> MigrationResult:
         """Pull ``holder_id``'s prefix of ``tokens``: NIXL, else the object store,
-        else nothing (recompute). ``run_on_engine`` awaits a function on the engine thread."""
+        else nothing (recompute), within ``max_wait_s``. ``run_on_engine``
+        awaits a function on the engine thread."""
         result = MigrationResult(holder_id)
         if link is None:   # the holder is gone
             self.stats["recomputed_after_failed_migration"] += 1
             return result
         try:
-            staged = await link.export_prefix(tokens, tenant)
-        except Exception as exc:  # holder gone
+            staged = await self._bounded("export", holder_id, link.export_prefix(tokens, tenant))
+        except Exception as exc:  # holder gone, slow, or not reachable through the router
             log.warning("export from %s failed: %s", holder_id, exc)
             self.stats["recomputed_after_failed_migration"] += 1
             return result
@@ -156,20 +217,32 @@ class Migrator:
             self.stats["stale_migrations"] += 1
             log.info("migration from %s found nothing cached (stale decision); recomputing", holder_id)
             return result
+        n = staged["tokens"]
+        if (staged.get("holder") != holder_id or n > len(tokens)
+                or staged.get("tokens_hash") != tokens_hash(list(tokens[:n]), tenant)):
+            # Another worker answered, or for other tokens: its KV must never be installed.
+            self.stats["refused_installs"] += 1
+            log.error("export from %s answered by %s for other tokens; refused", holder_id, staged.get("holder"))
+            link.release(staged.get("lease"))
+            self.stats["recomputed_after_failed_migration"] += 1
+            return result
         kv = None
         try:
-            kv = await self.pull_nixl(holder_id, link, staged)
+            kv = await self._bounded("NIXL read", holder_id, self.pull_nixl(holder_id, link, staged))
             result.transport = Transport.NIXL
         except Exception as exc:
             self.stats["nixl_failures"] += 1
             log.warning("NIXL pull from %s failed (%s); using the object store", holder_id, exc)
             try:
-                array, dtype = await link.export_array(staged["lease"])
+                array, dtype = await self._bounded("object-store pull", holder_id, link.export_array(staged["lease"]))
                 kv = torch.from_numpy(array)
-                kv = kv.view(torch.bfloat16) if dtype == "bfloat16" else kv
+                kv = self._verify(staged, kv.view(torch.bfloat16) if dtype == "bfloat16" else kv)
                 result.transport = Transport.OBJECT_STORE
                 self.stats["object_store_fallbacks"] += 1
             except Exception as exc2:
+                if isinstance(exc2, MigrationRefused):
+                    self.stats["refused_installs"] += 1
+                kv = None
                 log.warning("object-store pull from %s failed too (%s); recomputing", holder_id, exc2)
                 self.stats["recomputed_after_failed_migration"] += 1
         finally:
@@ -188,7 +261,7 @@ class Migrator:
         if self.nixl is None:
             raise TransferError("NIXL is not available on this worker")
         if holder_id not in self._nixl_peers:
-            info = await link.info()
+            info = await self._bounded("info", holder_id, link.info())
             if info["nixl"] is None:
                 raise TransferError(f"worker {holder_id} has no NIXL endpoint")
             self._nixl_peers[holder_id] = self.nixl.connect(info["nixl"])
@@ -212,7 +285,7 @@ class Migrator:
             nbytes = self.nixl.read_blocks(peer, staged["blocks"], local_ids)
             for b, want in zip(local_ids, staged["checksums"]):
                 if block_checksum(cache.staging_block(b)) != want:
-                    raise TransferError(f"block checksum mismatch after NIXL read (local block {b})")
+                    raise MigrationRefused(f"block checksum mismatch after NIXL read (local block {b})")
             kv = torch.cat([cache.staging_block(b) for b in local_ids], dim=2)[:, :, :staged["tokens"]].clone()
             return kv, nbytes
         finally:

@@ -50,10 +50,10 @@ class CacheWorkerImpl:
     async def export_prefix(self, tokens: list[int], namespace: Any = None, max_tokens: int | None = None) -> dict:
         return await self.core.export_prefix(tokens, namespace, max_tokens)
 
-    async def export_array(self, lease: int):
+    async def export_array(self, lease: str):
         return await self.core.export_array(lease)
 
-    async def release(self, lease: int) -> None:
+    async def release(self, lease: str) -> None:
         await self.core.release(lease)
 
     def _link(self, holder_id: str) -> PeerLink | None:
@@ -74,8 +74,14 @@ class CacheWorkerImpl:
 
     # ------------------------------------------------------------ inspection
     def inject_fault(self, kind: str, on: bool = True) -> None:
-        """Fault injection for drills and tests: 'nixl' or 'object_store'."""
-        self.core.migration.inject_fault(kind, on)
+        """Fault injection for drills and tests: 'nixl', 'object_store' or 'wedge'."""
+        self.core.inject_fault(kind, on)
+
+    def health(self) -> str:
+        """Raises when the engine is wedged (watchdog) or its thread died; the
+        directory has then already dropped this worker."""
+        self.core.health()
+        return self.worker_id
 
     def info(self) -> dict:
         return self.core.info()

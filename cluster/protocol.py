@@ -111,11 +111,12 @@ class GenerateRequest:
     tenant: Any = None
     session_id: Any = None
     routing: RouteDecision | None = None
+    exclude: tuple[str, ...] = ()    # workers this request already failed on (a resumed request)
 
     @classmethod
     def from_wire(cls, obj: Any) -> "GenerateRequest":
         """The request itself, or its dict form ``{"prompt", "params", "tenant",
-        "session_id", "routing"}`` (what the ingress sends)."""
+        "session_id", "routing", "exclude"}`` (what the ingress sends)."""
         if isinstance(obj, cls):
             return obj
         if not isinstance(obj, dict) or "prompt" not in obj:
@@ -126,8 +127,11 @@ class GenerateRequest:
             raise MalformedMessageError(f"generate request params must be a dict or None, "
                                         f"got {type(obj['params']).__name__}")
         routing = obj.get("routing")
+        exclude = obj.get("exclude") or ()
+        if not isinstance(exclude, (list, tuple)) or not all(isinstance(w, str) for w in exclude):
+            raise MalformedMessageError(f"generate request exclude must be a list of worker ids, got {exclude!r:.80}")
         return cls(obj["prompt"], obj.get("params"), obj.get("tenant"), obj.get("session_id"),
-                   None if routing is None else RouteDecision.from_wire(routing))
+                   None if routing is None else RouteDecision.from_wire(routing), tuple(exclude))
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,7 +142,7 @@ class PeerCall:
     target_worker: str
     tokens: list[int] | None = None
     tenant: Any = None
-    lease: int | None = None
+    lease: str | None = None      # "<worker>/<process uuid>/<n>": unique across workers
     session_id: Any = None
 
     @classmethod

@@ -22,6 +22,10 @@ every request from the directory's decision.
 - ``num_replicas`` or ``autoscaling_config`` for the cache replicas,
   ``gpus_per_replica`` (default 0: CPU), ``max_ongoing_requests``,
   ``max_queued_requests``
+- ``health_check_period_s`` (default 2): how often Serve asks each replica's
+  ``check_health`` (it raises once the watchdog declared the engine wedged)
+- ``max_resumes`` (default 2): how many times the ingress resumes a request
+  on another replica after its replica failed mid-request
 """
 
 
@@ -108,6 +112,8 @@ def build_app(args: dict[str, Any] | None = None):
         "ray_actor_options": {"num_gpus": gpus, "num_cpus": 0 if gpus else 1},
         "max_ongoing_requests": int(args.pop("max_ongoing_requests", 64)),
         "max_queued_requests": int(args.pop("max_queued_requests", 256)),
+        "health_check_period_s": float(args.pop("health_check_period_s", 2.0)),
+        "health_check_timeout_s": 10.0,
         "request_router_config": RequestRouterConfig(
             request_router_class=DirectoryRouter,
             request_router_kwargs={"namespace": namespace, "block_tokens": block_tokens}),
@@ -121,7 +127,7 @@ def build_app(args: dict[str, Any] | None = None):
     settings = {"model": worker_config.model, "model_name": args.pop("model_name", None), "namespace": namespace,
                 "api_keys": args.pop("api_keys", None), "admin_keys": args.pop("admin_keys", None),
                 "admin_without_keys": bool(args.pop("admin_without_keys", False)),
-                "limits": args.pop("limits", None)}
+                "limits": args.pop("limits", None), "max_resumes": int(args.pop("max_resumes", 2))}
     if args:
         raise ValueError(f"unknown application args: {sorted(args)}")
     replicas = CacheReplica.options(name="CacheReplica", **replica_opts).bind(

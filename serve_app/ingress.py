@@ -18,14 +18,15 @@ from contextlib import aclosing
 from typing import Any, AsyncIterator
 
 import ray
+from ray.exceptions import RayActorError
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from actors.core import QueueFullError
+from actors.core import EngineWedgedError, QueueFullError
 from cluster.errors import CacheError, InvalidInputError
-from cluster.protocol import StreamItem
+from cluster.protocol import FinishReason, StreamItem
 from actors.naming import DIRECTORY_NAME
 from cluster.engine.checkpoint import ModelSpec, load_tokenizer, model_id
 from cluster.engine.text import ChatPromptBuilder, ReplyMemory
@@ -46,7 +47,7 @@ class IngressCore:
     def __init__(self, workers: Any, model: str | dict | None = None, model_name: str | None = None,
                  namespace: str = "prefix-cache", api_keys: str | dict | None = None,
                  admin_keys: str | list | None = None, limits: dict | None = None, retry_after_s: int = 1,
-                 admin_without_keys: bool = False):
+                 admin_without_keys: bool = False, max_resumes: int = 2):
         """``model`` is the replicas' model spec (``WorkerConfig.model``): the ingress
         loads only its tokenizer and chat template. ``model_name`` is the id clients
         send and ``/v1/models`` lists (default: the model's own id)."""
@@ -60,6 +61,7 @@ class IngressCore:
         self.limits = Limits(**(limits or {}))
         self.auth = Auth(api_keys, admin_keys, admin_without_keys)
         self.retry_after_s = retry_after_s
+        self.max_resumes = max_resumes
         self._sessions: OrderedDict[tuple, str] = OrderedDict()   # (tenant, session) -> worker id
 
     def install_openapi(self, app: FastAPI) -> None:
@@ -95,48 +97,90 @@ class IngressCore:
     async def stream_items(self, gen: GenerationRequest, tenant: str | None, endpoint: str) -> AsyncIterator[StreamItem]:
         """The worker's items for one request. Leaving early (a stop string, a client
         that went away) cancels the request on the worker, which caches what it
-        computed and releases its locks."""
+        computed and releases its locks.
+
+        A replica that dies (or whose watchdog trips) mid-request does not end the
+        request: it is resumed on another replica from the tokens already sent
+        (prompt + sent tokens, ``max_tokens`` reduced, same seed: sampling is a
+        function of (seed, position), so the continuation is what the first
+        replica would have produced), up to ``max_resumes`` times, never on a
+        replica it already failed on. When it cannot be resumed the caller gets
+        an ``APIError`` (503 with Retry-After), never a bare exception."""
         params = {**gen.params(), "stop_token_ids": self.stop_token_ids(gen)}
-        payload = {"prompt": gen.prompt, "params": params, "tenant": tenant,
-                   "session_id": self._session_key(tenant, gen.session_id)}
+        session = self._session_key(tenant, gen.session_id)
         metrics.prompt_tokens.inc(len(gen.prompt))
         start = time.perf_counter()
         last = None
-        finished = False
-        stream = self.workers.options(stream=True).generate.remote(payload)
-        try:
-            async for item in stream:
-                now = time.perf_counter()
-                if last is None:
-                    metrics.ttft.observe(now - start, tags={"endpoint": endpoint})
-                    hits = item.tier_hits
-                    for tier, n in zip(TIER_NAMES, hits):
-                        if n:
-                            metrics.cached_tokens.inc(n, tags={"tier": tier})
-                    if gen.session_id is not None:
-                        self._sessions[(tenant, gen.session_id)] = item.worker_id
-                        self._sessions.move_to_end((tenant, gen.session_id))
-                        while len(self._sessions) > 100_000:
-                            self._sessions.popitem(last=False)
-                else:
-                    metrics.inter_token.observe(now - last, tags={"endpoint": endpoint})
-                last = now
-                finished = item.finished
-                yield item
-        except Exception as exc:
-            cause = _root_cause(exc)
-            if isinstance(cause, QueueFullError) or type(exc).__name__ == "BackPressureError":
-                raise APIError(429, "the server is at capacity; retry later", type_="rate_limit_error",
-                               code="queue_full", headers={"Retry-After": str(self.retry_after_s)}) from None
-            if isinstance(cause, InvalidInputError):   # a parameter the worker refused: the client's to fix
-                raise APIError(400, f"invalid request: {cause}", code="invalid_request") from None
-            if isinstance(cause, CacheError):   # e.g. a prompt the KV cache can never hold
-                raise APIError(503, f"the request could not be served: {cause}", type_="server_error",
-                               code="kv_cache_unavailable", headers={"Retry-After": str(self.retry_after_s)}) from None
-            raise
-        finally:
-            if not finished:   # stop string, client gone, or an error: stop generating
-                stream.cancel()
+        sent: list[int] = []
+        failed_on: list[str] = []
+        for attempt in range(self.max_resumes + 1):
+            if attempt:
+                metrics.resumed_requests.inc()
+                log.warning("resuming a request after %d tokens (failed on %s)", len(sent), failed_on or "?")
+            if len(sent) >= gen.max_tokens:   # everything was sent but the end: end it here
+                yield StreamItem(None, True, FinishReason.LENGTH, prompt_tokens=len(gen.prompt))
+                return
+            payload = {"prompt": gen.prompt + sent, "params": {**params, "max_tokens": gen.max_tokens - len(sent)},
+                       "tenant": tenant, "session_id": session, "exclude": list(failed_on)}
+            finished = False
+            worker = None
+            stream = self.workers.options(stream=True).generate.remote(payload)
+            try:
+                async for item in stream:
+                    now = time.perf_counter()
+                    worker = item.worker_id
+                    if last is None:
+                        metrics.ttft.observe(now - start, tags={"endpoint": endpoint})
+                        for tier, n in zip(TIER_NAMES, item.tier_hits):
+                            if n:
+                                metrics.cached_tokens.inc(n, tags={"tier": tier})
+                        if gen.session_id is not None:
+                            self._sessions[(tenant, gen.session_id)] = item.worker_id
+                            self._sessions.move_to_end((tenant, gen.session_id))
+                            while len(self._sessions) > 100_000:
+                                self._sessions.popitem(last=False)
+                    else:
+                        metrics.inter_token.observe(now - last, tags={"endpoint": endpoint})
+                    last = now
+                    finished = item.finished
+                    if item.token is not None:
+                        sent.append(item.token)
+                    if attempt:   # the client asked with its own prompt: count against that
+                        item.prompt_tokens = len(gen.prompt)
+                        item.cached_tokens = min(item.cached_tokens, len(gen.prompt))
+                    yield item
+                    if finished:
+                        return
+                failure: BaseException = ConnectionError("the replica's stream ended without its last item")
+            except Exception as exc:
+                failure = exc
+            finally:
+                if not finished:   # stop string, client gone, or an error: stop generating
+                    stream.cancel()
+            if not _resumable(failure):
+                raise self._api_error(failure)
+            if worker is not None:
+                failed_on.append(worker)
+        raise APIError(503, f"the replicas serving this request failed ({len(failed_on)} tried) and it could "
+                            f"not be resumed; retry later", type_="server_error", code="replica_failed",
+                       headers={"Retry-After": str(self.retry_after_s)})
+
+    def _api_error(self, exc: BaseException) -> APIError:
+        """What the client sees for a failure that resuming cannot fix."""
+        cause = _root_cause(exc)
+        if isinstance(exc, APIError):
+            return exc
+        if isinstance(cause, QueueFullError) or type(exc).__name__ == "BackPressureError":
+            return APIError(429, "the server is at capacity; retry later", type_="rate_limit_error",
+                            code="queue_full", headers={"Retry-After": str(self.retry_after_s)})
+        if isinstance(cause, InvalidInputError):   # a parameter the worker refused: the client's to fix
+            return APIError(400, f"invalid request: {cause}", code="invalid_request")
+        if isinstance(cause, CacheError):   # e.g. a prompt the KV cache can never hold
+            return APIError(503, f"the request could not be served: {cause}", type_="server_error",
+                            code="kv_cache_unavailable", headers={"Retry-After": str(self.retry_after_s)})
+        log.error("request failed: %s: %s", type(exc).__name__, exc)
+        return APIError(503, f"the request failed on the server ({type(cause).__name__}); retry later",
+                        type_="server_error", code="server_error", headers={"Retry-After": str(self.retry_after_s)})
 
     def _text(self, gen: GenerationRequest) -> TextStream:
         return TextStream(self.tokenizer, gen.stop, self.stop_token_ids(gen))
@@ -213,8 +257,12 @@ class IngressCore:
                     item = await items.__anext__()
             except StopAsyncIteration:
                 pass
-            except APIError as exc:
-                yield _sse(exc.body())
+            except Exception as exc:   # the body has started: end it with an error event, never cut it
+                error = exc if isinstance(exc, APIError) else self._api_error(exc)
+                metrics.cut_streams.inc()
+                if error.status >= 500:
+                    metrics.responses_5xx.inc(tags={"endpoint": endpoint})
+                yield _sse(error.body())
                 yield "data: [DONE]\n\n"
                 return
             finally:
@@ -280,6 +328,12 @@ class IngressCore:
         return {"session_id": session_id, "worker_id": wid, "prefetching_tokens": n}
 
 
+def _resumable(exc: BaseException) -> bool:
+    """A failure of the replica, not of the request: another replica can go on."""
+    cause = _root_cause(exc)
+    return isinstance(cause, (RayActorError, EngineWedgedError, ConnectionError)) or isinstance(exc, RayActorError)
+
+
 def _root_cause(exc: BaseException) -> BaseException:
     cause = getattr(exc, "cause", None) or exc.__cause__
     return _root_cause(cause) if cause is not None and cause is not exc else exc
@@ -302,13 +356,22 @@ def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
+_ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+
+
+def _endpoint(request: Request) -> str:
+    return _ENDPOINTS.get(request.url.path, "other")
+
+
 def make_fastapi() -> FastAPI:
     """The FastAPI app with the error handlers; routes are the Ingress methods."""
     app = FastAPI(title="prefix-cache-cluster", docs_url=None, redoc_url=None)
 
     @app.exception_handler(APIError)
-    async def api_error(_: Request, exc: APIError):
+    async def api_error(request: Request, exc: APIError):
         metrics.requests.inc(tags={"endpoint": "error", "status": str(exc.status)})
+        if exc.status >= 500:
+            metrics.responses_5xx.inc(tags={"endpoint": _endpoint(request)})
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
@@ -321,8 +384,9 @@ def make_fastapi() -> FastAPI:
         return JSONResponse(error.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
-    async def internal_error(_: Request, exc: Exception):
+    async def internal_error(request: Request, exc: Exception):
         log.exception("unhandled error")
+        metrics.responses_5xx.inc(tags={"endpoint": _endpoint(request)})
         return JSONResponse(APIError(500, "internal error", type_="server_error").body(), status_code=500)
 
     return app

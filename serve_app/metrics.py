@@ -14,6 +14,15 @@ Names and labels (the README lists them too):
 | prefix_cache_tier_moves_total | counter | worker, kind (demoted_to_warm, demoted_to_cold, promoted, dropped) |
 | prefix_cache_tier_used_tokens | gauge | worker, tier |
 | prefix_cache_router_decisions_total | counter | reason |
+| prefix_cache_responses_5xx_total | counter | endpoint (completions, chat, other) |
+| prefix_cache_cut_streams_total | counter | |
+| prefix_cache_resumed_requests_total | counter | |
+| prefix_cache_watchdog_trips_total | counter | worker |
+| prefix_cache_migration_timeouts_total | counter | |
+
+``cut_streams`` counts streamed responses that ended early with an error
+event (and ``[DONE]``) because the request could not be finished; a stream is
+never cut without one.
 """
 
 from __future__ import annotations
@@ -40,6 +49,17 @@ tier_moves = Counter("prefix_cache_tier_moves_total", "Tier moves (demotions, pr
 tier_used = Gauge("prefix_cache_tier_used_tokens", "Tokens held per tier", tag_keys=("worker", "tier"))
 router_decisions = Counter("prefix_cache_router_decisions_total", "Router decisions by reason",
                            tag_keys=("reason",))
+
+responses_5xx = Counter("prefix_cache_responses_5xx_total", "Responses with a 5xx status or a 5xx error event",
+                        tag_keys=("endpoint",))
+cut_streams = Counter("prefix_cache_cut_streams_total",
+                      "Streamed responses ended early with an error event (the request could not be finished)")
+resumed_requests = Counter("prefix_cache_resumed_requests_total",
+                           "Requests resumed on another replica after theirs failed mid-request")
+watchdog_trips = Counter("prefix_cache_watchdog_trips_total", "Engines declared wedged by the watchdog",
+                         tag_keys=("worker",))
+migration_timeouts = Counter("prefix_cache_migration_timeouts_total",
+                             "Remote calls of a migration that ran past their bound (then recompute)")
 
 _last_moves: dict[str, dict[str, int]] = {}
 

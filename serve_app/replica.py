@@ -11,6 +11,7 @@ and a peer is reached through this deployment's own handle with a
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from ray import serve
@@ -64,9 +65,18 @@ class CacheReplica:
         cfg = WorkerConfig.from_dict(worker_config)
         self.directory = DirectoryLink(namespace, create=True, policy=policy, block_tokens=cfg.block_tokens)
         self._self_handle = None
+        self._timeouts_seen = 0
         metrics.replica_started(self.worker_id)
         self.core = WorkerCore(self.worker_id, cfg, directory=self.directory, on_report=_report_metrics,
-                               on_migration=_count_migration)
+                               on_migration=self._count_migration,
+                               on_trip=lambda _reason: metrics.watchdog_trips.inc(tags={"worker": self.worker_id}))
+
+    def _count_migration(self, result: MigrationResult) -> None:
+        _count_migration(result)
+        timeouts = self.core.migration.stats["migration_timeouts"]
+        if timeouts > self._timeouts_seen:
+            metrics.migration_timeouts.inc(timeouts - self._timeouts_seen)
+            self._timeouts_seen = timeouts
 
     def _link(self, holder_id: str) -> ReplicaLink:
         if self._self_handle is None:
@@ -104,8 +114,12 @@ class CacheReplica:
         return await self.core.flush()
 
     def check_health(self) -> None:
-        if not self.core.healthy():
-            raise RuntimeError("engine thread died")
+        # Serve calls this every health_check_period_s; raising makes it replace the replica.
+        self.core.health()
+
+    async def inject_fault(self, call: PeerCall, kind: str, on: bool = True) -> None:
+        """Drills and tests: 'wedge', 'nixl' or 'object_store' on the targeted replica."""
+        await asyncio.to_thread(self.core.inject_fault, kind, on)   # 'wedge' waits until the engine is in it
 
     def __del__(self):
         # Serve calls this when it stops the replica: finish in-flight copies, free the disk file.

@@ -1,0 +1,312 @@
+"""Bounded load against a running app, optionally killing a replica or the directory mid-run; prints JSON.
+
+    prefix-cache loadtest --url http://127.0.0.1:8000 --requests 300 --concurrency 16 \\
+        --stream-fraction 0.5 --kill replica --kill-at 2 --address auto
+
+Every request is classified from the client's side:
+
+- ``completed``: a 200 with a whole body (a stream: a last chunk with a
+  ``finish_reason`` and ``[DONE]``);
+- ``failed_by_status``: a proper error, by HTTP status (a stream that ended
+  with an OpenAI error event and ``[DONE]`` counts under ``stream_error``);
+- ``cut_streams``: a stream that ended without ``[DONE]``, or without either a
+  finish reason or an error event;
+- ``lost``: neither a response nor an error (timed out, connection dropped
+  before any response).
+
+``--kill`` goes through Ray on the cluster at ``--address``: ``replica``
+kills one ``CacheReplica`` (Serve starts another), ``directory`` kills the
+directory actor (Ray restarts it). ``recovery_s`` is the time from the kill
+until the app is whole again: the killed actor gone, as many replicas alive
+as before, and the directory listing every one of them (null without a
+kill). ``rss_mib_before/after``: resident memory of the app's processes (the
+Serve replicas and the directory, read from /proc: the cluster must run on
+this machine), before the first request and after the last.
+
+Traffic goes to 127.0.0.1 (or localhost) only, unless ``--allow-remote-host``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import time
+from dataclasses import dataclass
+from urllib.parse import urlparse
+
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+REPLICA_CLASS = "CacheReplica"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--requests", type=int, default=200)
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--stream-fraction", type=float, default=0.5)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--prompt-tokens", type=int, default=128, help="tokens per prompt (shared prefixes of 64)")
+    p.add_argument("--kill", choices=("replica", "directory"), default=None)
+    p.add_argument("--kill-at", type=float, default=2.0, help="seconds after the first request")
+    p.add_argument("--address", default="auto", help="Ray cluster of the app (for --kill and memory)")
+    p.add_argument("--namespace", default="prefix-cache", help="Ray namespace of the app's directory")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--model", default=None, help="model id to send (default: the first of /v1/models)")
+    p.add_argument("--timeout", type=float, default=120.0, help="per-request limit; past it a request is lost")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--allow-remote-host", action="store_true", help="allow a --url host other than loopback")
+
+
+def check_url(url: str, allow_remote: bool) -> None:
+    host = urlparse(url).hostname
+    if host not in LOCAL_HOSTS and not allow_remote:
+        raise SystemExit(f"loadtest sends traffic to 127.0.0.1 only; {host!r} needs --allow-remote-host")
+
+
+# ------------------------------------------------------------------ the cluster
+@dataclass(frozen=True)
+class ActorRecord:
+    actor_id: str
+    class_name: str
+    name: str
+    pid: int
+
+
+class ClusterProbe:
+    """The app's processes through Ray (the GCS actor table: no dashboard needed):
+    memory, the kill, recovery."""
+
+    def __init__(self, namespace: str):
+        self.namespace = namespace
+
+    def _actors(self) -> list[ActorRecord]:
+        from ray._private import state
+
+        return [ActorRecord(a["ActorID"], a["ActorClassName"] or "", a["Name"] or "", a["Pid"])
+                for a in state.actors().values() if a["State"] == "ALIVE"]
+
+    def replicas(self) -> list[ActorRecord]:
+        return [a for a in self._actors() if REPLICA_CLASS in a.class_name]
+
+    def _directory_handle(self):
+        import ray
+        from cluster.names import DIRECTORY_NAME
+
+        try:
+            return ray.get_actor(DIRECTORY_NAME, namespace=self.namespace)
+        except ValueError:
+            return None
+
+    def directory(self) -> ActorRecord | None:
+        handle = self._directory_handle()
+        if handle is None:
+            return None
+        actor_id = handle._actor_id.hex()
+        return next((a for a in self._actors() if a.actor_id == actor_id), None)
+
+    def rss_mib(self) -> float | None:
+        total, found = 0, False
+        for a in self._actors():
+            if a.class_name.startswith("ServeReplica") or a.class_name.startswith("Directory"):
+                try:
+                    with open(f"/proc/{a.pid}/status") as f:
+                        rss = next(line for line in f if line.startswith("VmRSS:"))
+                    total += int(rss.split()[1])
+                    found = True
+                except (OSError, StopIteration):
+                    pass
+        return round(total / 1024, 1) if found else None
+
+    def live_workers(self) -> list[str]:
+        import ray
+
+        handle = self._directory_handle()
+        try:
+            return ray.get(handle.live_workers.remote(), timeout=2) if handle is not None else []
+        except Exception:
+            return []
+
+    def kill(self, what: str) -> dict:
+        import ray
+
+        if what == "replica":
+            victims = sorted(self.replicas(), key=lambda a: a.actor_id)
+            if not victims:
+                raise RuntimeError("no CacheReplica actor is alive")
+            victim = random.Random(0).choice(victims)
+            ray.kill(ray.get_actor(victim.name, namespace="serve"), no_restart=True)
+            return {"kind": "replica", "actor_id": victim.actor_id, "replicas_before": len(victims)}
+        handle = self._directory_handle()
+        if handle is None:
+            raise RuntimeError(f"no directory in namespace {self.namespace!r}")
+        ray.kill(handle, no_restart=False)   # Ray restarts it, empty
+        return {"kind": "directory", "actor_id": handle._actor_id.hex(), "replicas_before": len(self.replicas())}
+
+    def whole(self, killed: dict) -> bool:
+        replicas = self.replicas()
+        if len(replicas) < killed["replicas_before"]:
+            return False
+        if killed["kind"] == "replica" and any(a.actor_id == killed["actor_id"] for a in replicas):
+            return False
+        if killed["kind"] == "directory" and self.directory() is None:
+            return False
+        return len(self.live_workers()) >= killed["replicas_before"]
+
+
+# ----------------------------------------------------------------- the clients
+class Tally:
+    def __init__(self):
+        self.completed = 0
+        self.failed_by_status: dict[str, int] = {}
+        self.lost = 0
+        self.cut_streams = 0
+        self.latencies_ms: list[float] = []
+
+    def fail(self, status: str) -> None:
+        self.failed_by_status[status] = self.failed_by_status.get(status, 0) + 1
+
+
+async def one_request(client, url: str, body: dict, headers: dict, tally: Tally, timeout: float) -> None:
+    t0 = time.perf_counter()
+    try:
+        async with asyncio.timeout(timeout):
+            if not body.get("stream"):
+                r = await client.post(url, json=body, headers=headers)
+                if r.status_code == 200 and r.json().get("choices"):
+                    tally.completed += 1
+                    tally.latencies_ms.append((time.perf_counter() - t0) * 1000)
+                elif r.status_code == 200:
+                    tally.fail("200_without_choices")
+                else:
+                    tally.fail(str(r.status_code))
+                return
+            async with client.stream("POST", url, json=body, headers=headers) as r:
+                if r.status_code != 200:
+                    await r.aread()
+                    tally.fail(str(r.status_code))
+                    return
+                done = finished = errored = False
+                try:
+                    async for line in r.aiter_lines():
+                        if not line.startswith("data: "):
+                            continue
+                        if line == "data: [DONE]":
+                            done = True
+                            continue
+                        event = json.loads(line[6:])
+                        if "error" in event:
+                            errored = True
+                        elif any(c.get("finish_reason") for c in event.get("choices", ())):
+                            finished = True
+                except Exception:   # the body broke off mid-stream
+                    pass
+                if done and finished and not errored:
+                    tally.completed += 1
+                    tally.latencies_ms.append((time.perf_counter() - t0) * 1000)
+                elif done and errored:
+                    tally.fail("stream_error")
+                else:
+                    tally.cut_streams += 1
+    except TimeoutError:
+        tally.lost += 1
+    except Exception:   # no response at all (connection refused or dropped before the status line)
+        tally.lost += 1
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 1)
+
+
+async def run_load(url: str, *, requests: int, concurrency: int, stream_fraction: float, max_tokens: int = 32,
+                   prompt_tokens: int = 128, kill: str | None = None, kill_at: float = 2.0,
+                   probe: ClusterProbe | None = None, api_key: str | None = None, model: str | None = None,
+                   timeout: float = 120.0, seed: int = 0, recovery_limit_s: float = 120.0) -> dict:
+    """Run the load (and the kill) and return the JSON report."""
+    import httpx
+
+    rng = random.Random(seed)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    tally = Tally()
+    killed: dict | None = None
+    recovery: dict = {}
+    rss_before = probe.rss_mib() if probe else None
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout), limits=limits) as client:
+        if model is None:
+            r = await client.get(url.rstrip("/") + "/v1/models", headers=headers)
+            model = r.json()["data"][0]["id"]
+        prefixes = [[rng.randrange(32, 200) for _ in range(64)] for _ in range(8)]
+        bodies = []
+        for i in range(requests):
+            prompt = rng.choice(prefixes) + [rng.randrange(32, 200) for _ in range(max(1, prompt_tokens - 64))]
+            bodies.append({"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
+                           "temperature": 0.8, "stream": rng.random() < stream_fraction})
+        queue: asyncio.Queue = asyncio.Queue()
+        for b in bodies:
+            queue.put_nowait(b)
+        endpoint = url.rstrip("/") + "/v1/completions"
+
+        async def client_loop():
+            while True:
+                try:
+                    body = queue.get_nowait()
+                except asyncio.QueueEmpty:
+                    return
+                await one_request(client, endpoint, body, headers, tally, timeout)
+
+        async def killer():
+            nonlocal killed
+            await asyncio.sleep(kill_at)
+            killed = await asyncio.to_thread(probe.kill, kill)
+            killed["at"] = time.monotonic()
+            recovery["s"] = await asyncio.to_thread(_wait_whole, probe, killed, recovery_limit_s)
+
+        t0 = time.perf_counter()
+        tasks = [asyncio.create_task(client_loop()) for _ in range(concurrency)]
+        kill_task = asyncio.create_task(killer()) if kill else None
+        await asyncio.gather(*tasks)
+        wall = time.perf_counter() - t0
+        if kill_task is not None:
+            await kill_task
+    return {"requests": requests, "completed": tally.completed, "failed_by_status": tally.failed_by_status,
+            "lost": tally.lost, "cut_streams": tally.cut_streams,
+            "latency_ms_p50": _percentile(tally.latencies_ms, 0.5),
+            "latency_ms_p99": _percentile(tally.latencies_ms, 0.99),
+            "recovery_s": recovery.get("s"), "kill": kill, "kill_at_s": kill_at if kill else None,
+            "wall_s": round(wall, 2), "concurrency": concurrency, "stream_fraction": stream_fraction,
+            "rss_mib_before": rss_before, "rss_mib_after": probe.rss_mib() if probe else None}
+
+
+def _wait_whole(probe: ClusterProbe, killed: dict, limit_s: float) -> float | None:
+    while time.monotonic() - killed["at"] < limit_s:
+        if probe.whole(killed):
+            return round(time.monotonic() - killed["at"], 2)
+        time.sleep(0.1)
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    check_url(args.url, args.allow_remote_host)
+    probe = None
+    try:
+        import ray
+
+        ray.init(address=args.address, log_to_driver=False, logging_level="ERROR")
+        probe = ClusterProbe(args.namespace)
+    except Exception as exc:
+        if args.kill:
+            raise SystemExit(f"--kill needs the app's Ray cluster at --address {args.address}: {exc}")
+    report = asyncio.run(run_load(args.url, requests=args.requests, concurrency=args.concurrency,
+                                  stream_fraction=args.stream_fraction, max_tokens=args.max_tokens,
+                                  prompt_tokens=args.prompt_tokens, kill=args.kill, kill_at=args.kill_at,
+                                  probe=probe, api_key=args.api_key, model=args.model, timeout=args.timeout,
+                                  seed=args.seed))
+    print(json.dumps(report), flush=True)
+    return 0
+
+
+__all__ = ["add_arguments", "run", "run_load", "ClusterProbe", "check_url"]

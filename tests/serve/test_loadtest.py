@@ -1,0 +1,87 @@
+"""``prefix-cache loadtest`` against the Serve app on the loopback cluster, with
+a cache replica killed mid-run (only actors of the app this module started)."""
+
+import asyncio
+import time
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.distributed
+
+NAMESPACE = "prefix-cache-loadtest"
+
+
+@pytest.fixture(scope="module")
+def app_url(ray_loopback_cluster):
+    from ray import serve
+
+    from actors.pytest_plugin import TEST_MODEL
+    from serve_app.app import build_app
+    from serve_app.local import free_port
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    args = {"num_replicas": 3, "namespace": NAMESPACE, "health_check_period_s": 1.0,
+            "limits": {"max_prompt_tokens": 2048, "max_tokens": 64},
+            "worker": {"model": TEST_MODEL, "hot_blocks": 256, "warm_blocks": 256, "block_tokens": 16,
+                       "torch_threads": 1, "watchdog_s": 1.0}}
+    serve.run(build_app(args), name="prefix-cache", route_prefix="/")
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+
+
+def test_loadtest_refuses_hosts_other_than_loopback():
+    from serve_app.loadtest import check_url
+
+    check_url("http://127.0.0.1:8000", False)
+    with pytest.raises(SystemExit, match="--allow-remote-host"):
+        check_url("http://192.0.2.7:8000", False)
+
+
+def test_a_replica_killed_under_load_loses_no_request_and_cuts_no_stream(app_url):
+    from serve_app.loadtest import ClusterProbe, run_load
+
+    probe = ClusterProbe(NAMESPACE)
+    replicas = {a.actor_id for a in probe.replicas()}
+    assert len(replicas) == 3
+    report = asyncio.run(run_load(app_url, requests=48, concurrency=8, stream_fraction=0.5, max_tokens=24,
+                                  prompt_tokens=96, kill="replica", kill_at=0.5, probe=probe, timeout=60,
+                                  recovery_limit_s=90))
+    print("loadtest report:", report)
+    assert report["lost"] == 0 and report["cut_streams"] == 0, report
+    assert report["completed"] + sum(report["failed_by_status"].values()) == 48, report
+    assert set(report["failed_by_status"]) <= {"503", "stream_error"}, report
+    assert report["recovery_s"] is not None, report   # whole again: a new replica, known to the directory
+    after = {a.actor_id for a in probe.replicas()}
+    assert len(after) == 3 and len(replicas - after) == 1
+    # Requests after the recovery are served by the new set of replicas.
+    r = httpx.post(app_url + "/v1/completions", json={"model": "prefix-cache-byte", "prompt": [5] * 40,
+                                                      "max_tokens": 4}, timeout=60)
+    assert r.status_code == 200, r.text
+
+
+def test_a_wedged_replica_fails_its_calls_and_is_replaced(app_url):
+    import ray
+    from ray import serve
+
+    from actors.engine_loop import EngineWedgedError
+    from cluster.names import DIRECTORY_NAME
+    from cluster.protocol import PeerCall
+    from serve_app.loadtest import ClusterProbe
+
+    probe = ClusterProbe(NAMESPACE)
+    directory = ray.get_actor(DIRECTORY_NAME, namespace=NAMESPACE)
+    handle = serve.get_deployment_handle("CacheReplica", "prefix-cache")
+    victim = ray.get(directory.live_workers.remote())[0]
+    handle.inject_fault.remote(PeerCall(victim), "wedge").result(timeout_s=60)
+    with pytest.raises(EngineWedgedError, match="watchdog bound 1 s"):
+        handle.stats.remote(PeerCall(victim)).result(timeout_s=60)   # queued behind the wedge: failed by the watchdog
+    deadline = time.monotonic() + 90
+    while True:   # dropped by the directory, replaced by Serve (check_health raises)
+        names = [a.name for a in probe.replicas()]
+        live = ray.get(directory.live_workers.remote())
+        if victim not in live and len(live) == 3 and not any(n.endswith(victim) for n in names):
+            break
+        assert time.monotonic() < deadline, (victim, live, names)
+        time.sleep(0.2)

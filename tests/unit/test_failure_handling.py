@@ -1,0 +1,171 @@
+"""Failure handling inside one worker, without Ray: the watchdog on a wedged
+engine, and migrations that never install the wrong KV or wait unbounded."""
+
+import asyncio
+
+import pytest
+
+from actors.core import EngineWedgedError, WorkerConfig, WorkerCore
+from actors.migration import MigrationRefused, tokens_hash
+from cluster.errors import InvalidInputError
+from cluster.protocol import GenerateRequest, Transport
+
+MODEL = dict(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128, seed=5)
+
+
+def make(worker_id, **kw):
+    cfg = WorkerConfig.from_dict(dict(model=MODEL, hot_blocks=128, warm_blocks=128, block_tokens=16, **kw))
+    return WorkerCore(worker_id, cfg)
+
+
+def run(core, prompt, max_tokens=2):
+    async def go():
+        return [item async for item in core.generate(GenerateRequest(prompt, {"max_tokens": max_tokens}))]
+    return asyncio.run(go())
+
+
+# ------------------------------------------------------------------ watchdog
+def test_watchdog_trips_only_with_work_queued():
+    core = make("wd-a", watchdog_s=None)   # no watchdog thread: the test drives the check
+    trips = []
+    try:
+        loop = core.loop
+        now = [0.0]
+        loop.clock, loop.watchdog_s = (lambda: now[0]), 5.0
+        loop._on_trip = trips.append
+        run(core, [1, 2, 3])          # the engine stamps progress on the fake clock
+        core.inject_fault("wedge")    # the engine thread blocks in a command
+        now[0] = 100.0
+        assert loop.check_wedged() is False and core.healthy()   # stuck but idle: nobody waits
+
+        async def request():
+            return [i async for i in core.generate(GenerateRequest([4, 5, 6], {"max_tokens": 2}))]
+
+        async def scenario():
+            task = asyncio.ensure_future(request())
+            await asyncio.sleep(0.05)   # the submit command is queued behind the wedge
+            assert loop.check_wedged() is True
+            with pytest.raises(EngineWedgedError, match="made no progress for 100.0 s"):
+                await task
+        asyncio.run(scenario())
+        assert len(trips) == 1 and "watchdog bound 5 s" in trips[0]
+        assert not core.healthy() and loop.watchdog_trips == 1
+        with pytest.raises(EngineWedgedError):
+            core.health()
+        with pytest.raises(EngineWedgedError):   # new work is refused at once, not queued behind the wedge
+            run(core, [7, 8, 9])
+        assert loop.check_wedged() is True and loop.watchdog_trips == 1   # trips once
+    finally:
+        core.close()
+
+
+def test_watchdog_thread_fails_a_wedged_engines_requests():
+    core = make("wd-b", watchdog_s=0.3)
+    try:
+        run(core, [1, 2, 3])
+        core.inject_fault("wedge")
+        with pytest.raises(EngineWedgedError, match=r"watchdog bound 0.3 s"):
+            run(core, [4, 5, 6])
+        assert not core.healthy() and core.loop.watchdog_trips == 1
+    finally:
+        core.close()
+
+
+def test_watchdog_bound_is_validated():
+    with pytest.raises(InvalidInputError, match="watchdog_s"):
+        WorkerConfig.from_dict({"model": MODEL, "watchdog_s": 0})
+    with pytest.raises(InvalidInputError, match="migration_timeout_s"):
+        WorkerConfig.from_dict({"model": MODEL, "migration_timeout_s": -1})
+
+
+# ----------------------------------------------------------------- migration
+class Link:
+    """PeerLink to an in-process WorkerCore, with ways to misbehave."""
+
+    def __init__(self, core, *, hang=False, other_tokens=None, corrupt=False):
+        self.core, self.hang, self.other_tokens, self.corrupt = core, hang, other_tokens, corrupt
+        self.released = []
+
+    async def export_prefix(self, tokens, tenant):
+        if self.hang:
+            await asyncio.Event().wait()   # a holder that never answers
+        return await self.core.export_prefix(self.other_tokens or tokens, tenant)
+
+    async def info(self):
+        return self.core.info()
+
+    async def export_array(self, lease):
+        array, dtype = await self.core.export_array(lease)
+        if self.corrupt:
+            array.reshape(-1)[3] += 1
+        return array, dtype
+
+    def release(self, lease):
+        self.released.append(lease)
+        self.core.loop.call(lambda: self.core.migration.release(lease))
+
+
+@pytest.fixture(scope="module")
+def pair():
+    holder, target = make("mh", migration_timeout_s=0.2), make("mt", migration_timeout_s=0.2)
+    target.migration.inject_fault("nixl")   # exercise the object-store path everywhere
+    yield holder, target
+    holder.close()
+    target.close()
+
+
+def migrate(target, link, prompt, tenant=None):
+    return asyncio.run(asyncio.wait_for(target.migrate_from("mh", link, prompt, tenant), 30))
+
+
+def test_a_holder_that_never_answers_means_recompute_within_the_bound(pair):
+    holder, target = pair
+    before = dict(target.migration.stats)
+    got = migrate(target, Link(holder, hang=True), list(range(10, 42)))
+    assert (got.transport, got.tokens) == (None, 0)
+    assert target.migration.stats["migration_timeouts"] == before["migration_timeouts"] + 1
+    assert target.migration.max_wait_s == pytest.approx(0.8)
+
+
+def test_object_store_path_verifies_checksums(pair):
+    holder, target = pair
+    prompt = list(range(100, 148))
+    run(holder, prompt, max_tokens=1)
+    before = dict(target.migration.stats)
+    link = Link(holder, corrupt=True)
+    got = migrate(target, link, prompt)
+    assert (got.transport, got.tokens) == (None, 0)
+    assert target.migration.stats["refused_installs"] == before["refused_installs"] + 1
+    assert len(link.released) == 1   # the lease is released either way
+    got = migrate(target, Link(holder), prompt)   # the same pull, intact, installs
+    assert (got.transport, got.tokens) == (Transport.OBJECT_STORE, 48)
+
+
+def test_an_export_for_other_tokens_is_refused(pair):
+    holder, target = pair
+    theirs, mine = list(range(150, 182)), list(range(182, 214))
+    run(holder, theirs, max_tokens=1)
+    before = dict(target.migration.stats)
+    got = migrate(target, Link(holder, other_tokens=theirs), mine)
+    assert (got.transport, got.tokens) == (None, 0)
+    assert target.migration.stats["refused_installs"] == before["refused_installs"] + 1
+    items = run(target, mine, max_tokens=1)
+    assert items[0].cached_tokens == 0   # nothing of the other tokens' KV was installed
+
+
+def test_leases_are_unique_across_workers_and_checked(pair):
+    holder, target = pair
+    prompt = list(range(220, 252))
+    run(holder, prompt, max_tokens=1)
+    run(target, prompt, max_tokens=1)
+    a = asyncio.run(holder.export_prefix(prompt, None))
+    b = asyncio.run(target.export_prefix(prompt, None))
+    try:
+        assert a["lease"].startswith("mh/") and b["lease"].startswith("mt/") and a["lease"] != b["lease"]
+        assert a["tokens_hash"] == tokens_hash(prompt[:a["tokens"]], None) != tokens_hash(prompt[:a["tokens"]], "t")
+        with pytest.raises(MigrationRefused, match="issued by another worker"):
+            asyncio.run(holder.export_array(b["lease"]))
+        assert holder.migration.stats["refused_lease_calls"] == 1
+    finally:
+        asyncio.run(holder.release(a["lease"]))
+        asyncio.run(target.release(b["lease"]))
