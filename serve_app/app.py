@@ -38,7 +38,8 @@ from ray.serve.config import RequestRouterConfig
 from fastapi import Request
 
 from actors.core import WorkerConfig
-from serve_app.ingress import IngressCore, handle_generation, make_fastapi
+from serve_app.http_app import make_fastapi
+from serve_app.ingress import IngressCore, handle_generation
 from serve_app.replica import CacheReplica as CacheReplicaImpl
 from serve_app.router import DirectoryRouter
 

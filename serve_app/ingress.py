@@ -22,7 +22,6 @@ from ray.exceptions import RayActorError
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from actors.core import EngineWedgedError, QueueFullError
 from cluster.errors import CacheError, InvalidInputError
@@ -354,42 +353,6 @@ def _cache_info(last: StreamItem | None) -> dict:
 
 def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj)}\n\n"
-
-
-_ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
-
-
-def _endpoint(request: Request) -> str:
-    return _ENDPOINTS.get(request.url.path, "other")
-
-
-def make_fastapi() -> FastAPI:
-    """The FastAPI app with the error handlers; routes are the Ingress methods."""
-    app = FastAPI(title="prefix-cache-cluster", docs_url=None, redoc_url=None)
-
-    @app.exception_handler(APIError)
-    async def api_error(request: Request, exc: APIError):
-        metrics.requests.inc(tags={"endpoint": "error", "status": str(exc.status)})
-        if exc.status >= 500:
-            metrics.responses_5xx.inc(tags={"endpoint": _endpoint(request)})
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException):
-        # Unknown paths (404) and methods (405) answer in the OpenAI error shape too.
-        codes = {404: "not_found", 405: "method_not_allowed"}
-        message = {404: f"no endpoint {request.url.path}",
-                   405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
-        error = APIError(exc.status_code, message, code=codes.get(exc.status_code))
-        return JSONResponse(error.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
-
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, exc: Exception):
-        log.exception("unhandled error")
-        metrics.responses_5xx.inc(tags={"endpoint": _endpoint(request)})
-        return JSONResponse(APIError(500, "internal error", type_="server_error").body(), status_code=500)
-
-    return app
 
 
 async def handle_generation(core: IngressCore, request: Request, endpoint: str, chat: bool) -> Response:
