@@ -41,6 +41,10 @@ class WorkerConfig:
     # Bound on each remote call of a migration (export, info, object-store pull):
     # a holder that is gone or slow costs at most this per call, then recompute.
     migration_timeout_s: float = 2.0
+    # A worker that starts while a peer of the same KV shape is registered takes the
+    # peer's measured rates instead of calibrating (seconds of start-up: a replacement
+    # replica is serving sooner). False: always measure.
+    reuse_peer_calibration: bool = True
 
     def __post_init__(self):
         if self.watchdog_s is not None and not self.watchdog_s > 0:

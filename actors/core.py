@@ -34,7 +34,8 @@ from cluster.cache.kv_pool import KVLayout
 from cluster.cache.tiered import TieredCache
 from cluster.engine.checkpoint import load_model
 from cluster.engine.runner import Engine, Request, SamplingParams
-from cluster.protocol import GenerateRequest, LoadReport, MigrationResult, StreamItem, rates_to_wire
+from cluster.protocol import GenerateRequest, LoadReport, MigrationResult, StreamItem, rates_from_wire, rates_to_wire
+from cluster.routing.policy import CostModel
 from cluster.routing.events import KVEventPublisher
 from cluster.transfer.nixl_transport import NixlEndpoint, TransferError, nixl_available, recommended_ucx_env
 
@@ -69,7 +70,7 @@ class WorkerCore:
         self.migration = Migrator(worker_id, self.cache, self.nixl, block_tokens=tiers.block_tokens,
                                   bytes_per_token=self.layout.bytes_per_token(),
                                   call_timeout_s=config.migration_timeout_s)
-        self.cost = calibrate(self.engine, self.migration)   # before the engine thread owns the cache
+        self.cost = self._peer_cost(directory) or calibrate(self.engine, self.migration)   # before the engine thread owns the cache
         if self.nixl is not None:
             self.migration.transfer_tokens_per_s = self.cost.transfer_tokens_per_s
         self.publisher = KVEventPublisher(worker_id, self.cache.tree, tiers.block_tokens)
@@ -90,6 +91,16 @@ class WorkerCore:
         self.migration.on_engine = lambda fn: self.loop.call(fn).result()
         if directory is not None:
             directory.register(worker_id, self.rates())
+
+    def _peer_cost(self, directory) -> CostModel | None:
+        """A registered peer's measured rates, when this worker may reuse them."""
+        if directory is None or not self.config.reuse_peer_calibration:
+            return None
+        wire = directory.measured_rates(self.layout.bytes_per_token(), self.config.block_tokens)
+        if wire is None:
+            return None
+        log.info("worker %s reuses a peer's measured rates instead of calibrating", self.worker_id)
+        return CostModel(**rates_from_wire(wire))
 
     def _open_nixl(self) -> NixlEndpoint | None:
         if not (self.config.use_nixl and self.cache.host_tensor is not None and nixl_available()):

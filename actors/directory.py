@@ -189,6 +189,15 @@ class DirectoryImpl:
     def live_workers(self) -> list[str]:
         return sorted(self.workers)
 
+    def measured_rates(self, bytes_per_token: int, block_tokens: int) -> dict | None:
+        """Rates a live worker of the same KV shape measured (``rates_to_wire``), for a
+        replacement worker that would rather not spend seconds measuring them again."""
+        for worker_id in sorted(self.costs):
+            cost = self.costs[worker_id]
+            if cost.get("bytes_per_token") == bytes_per_token and cost.get("block_tokens") == block_tokens:
+                return dict(cost)
+        return None
+
     def get_stats(self) -> dict:
         return {**self.stats, "workers": {w: {"queued_tokens": s.queued_tokens, "running": s.running}
                                           for w, s in self.workers.items()},

@@ -64,6 +64,16 @@ class DirectoryLink:
     def register(self, worker_id: str, rates: dict) -> None:
         self.handle().register_worker.remote(worker_id, rates)
 
+    def measured_rates(self, bytes_per_token: int, block_tokens: int, timeout_s: float = 2.0) -> dict | None:
+        """A live peer's measured rates for the same KV shape, or None (none yet,
+        or no directory within ``timeout_s``). Blocking: called in constructors."""
+        try:
+            return ray.get(self.handle().measured_rates.remote(bytes_per_token, block_tokens), timeout=timeout_s)
+        except Exception as exc:
+            log.info("no measured rates from the directory (%s); measuring", type(exc).__name__)
+            self.forget()
+            return None
+
     def publish(self, worker_id: str, batch: bytes | None, load: LoadReport):
         """Events and load; returns a future of the directory's status ("ok", or resend a snapshot)."""
         fut = self.handle().publish.remote(worker_id, batch, load.to_wire()).future()

@@ -169,3 +169,54 @@ def test_leases_are_unique_across_workers_and_checked(pair):
     finally:
         asyncio.run(holder.release(a["lease"]))
         asyncio.run(target.release(b["lease"]))
+
+
+# ------------------------------------------------------------- fast restart
+class RatesOnlyDirectory:
+    """The part of ``DirectoryLink`` a starting worker uses, with a peer's rates."""
+
+    def __init__(self, rates):
+        self.rates, self.asked, self.registered = rates, [], []
+
+    def measured_rates(self, bytes_per_token, block_tokens):
+        self.asked.append((bytes_per_token, block_tokens))
+        return self.rates
+
+    def register(self, worker_id, rates):
+        self.registered.append(worker_id)
+
+
+def test_a_replacement_worker_reuses_a_peers_measured_rates():
+    from cluster.protocol import rates_to_wire
+    from cluster.routing.policy import CostModel
+
+    peer = CostModel(prefill_tokens_per_s=1234.0, warm_promote_tokens_per_s=5e5, cold_promote_tokens_per_s=5e4,
+                     transfer_tokens_per_s=2e5, block_tokens=16)
+    cfg = WorkerConfig.from_dict(dict(model=MODEL, hot_blocks=128, warm_blocks=128, block_tokens=16))
+    directory = RatesOnlyDirectory(rates_to_wire(peer, bytes_per_token=1024))
+    core = WorkerCore("fast", cfg, directory=directory)
+    try:
+        assert directory.asked == [(core.layout.bytes_per_token(), 16)] and directory.registered == ["fast"]
+        assert core.cost.prefill_tokens_per_s == 1234.0 and core.cost.transfer_tokens_per_s == 2e5
+    finally:
+        core.close()
+    measured = WorkerCore("slow", WorkerConfig.from_dict(dict(model=MODEL, hot_blocks=128, warm_blocks=128,
+                                                              block_tokens=16, reuse_peer_calibration=False)),
+                          directory=RatesOnlyDirectory(rates_to_wire(peer, bytes_per_token=1024)))
+    try:
+        assert measured.cost.prefill_tokens_per_s != 1234.0   # measured, not taken
+    finally:
+        measured.close()
+
+
+def test_the_directory_offers_rates_of_the_same_kv_shape_only():
+    from actors.directory import DirectoryImpl
+
+    directory = DirectoryImpl()
+    rates = {"v": 1, "prefill_tokens_per_s": 1.0, "warm_promote_tokens_per_s": 2.0, "cold_promote_tokens_per_s": 3.0,
+             "transfer_tokens_per_s": 4.0, "promote_tokens_per_s": 2.0, "block_tokens": 16, "bytes_per_token": 512}
+    asyncio.run(directory.register_worker("w1", rates))
+    assert directory.measured_rates(512, 16) == rates
+    assert directory.measured_rates(1024, 16) is None and directory.measured_rates(512, 32) is None
+    asyncio.run(directory.drop_worker("w1"))
+    assert directory.measured_rates(512, 16) is None
