@@ -172,7 +172,7 @@ class DirectoryImpl:
             candidates = self._candidates
         if not candidates:
             raise NoLiveWorkerError("no live cache workers registered with the directory")
-        decision = self.policy.choose(hashes, num_tokens, candidates, self.index)
+        decision = self.policy.choose(hashes, num_tokens, candidates, self.index, sent=reserve)
         self.stats["decisions"] += 1
         reason = decision.reason
         self.stats["by_reason"][reason] = self.stats["by_reason"].get(reason, 0) + 1

@@ -280,6 +280,10 @@ def test_cost_routes_a_burst_of_siblings_together():
     blind = cost_policy()
     blind.choose(doc + [31], 600, workers(a=0, b=0, c=0), ix)
     assert blind.choose(doc + [32], 600, workers(a=600, b=0, c=0), ix).worker_id == "b"
+    # A what-if decision (sent=False: no request follows) leaves nothing in flight.
+    asked = make_policy("cost", cost=COST, clock=Clock())
+    assert asked.choose(doc + [31], 600, workers(a=0, b=0, c=0), ix, sent=False).worker_id == "a"
+    assert asked.choose(doc + [32], 600, workers(a=600, b=0, c=0), ix).worker_id == "b"
 
 
 def test_cost_options_and_in_place_updates():

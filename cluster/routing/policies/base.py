@@ -192,7 +192,9 @@ class Policy:
         self._turn = 0   # decisions made: rotates exact ties
 
     def choose(self, hashes: Sequence[int], num_tokens: int, workers: Sequence[WorkerState],
-               index: GlobalIndex) -> Decision:
+               index: GlobalIndex, sent: bool = True) -> Decision:
+        """The worker for one request. ``sent`` is False for a what-if query: no
+        request follows the decision, so nothing may count it as in flight."""
         raise NotImplementedError
 
     def set_cost(self, cost: CostModel) -> None:
@@ -212,7 +214,7 @@ class Policy:
 class RoundRobinPolicy(Policy):
     name = "round_robin"
 
-    def choose(self, hashes, num_tokens, workers, index):
+    def choose(self, hashes, num_tokens, workers, index, sent=True):
         alive = _alive(workers)
         worker = alive[self._turn % len(alive)]
         self._turn += 1
@@ -222,7 +224,7 @@ class RoundRobinPolicy(Policy):
 class LeastLoadedPolicy(Policy):
     name = "least_loaded"
 
-    def choose(self, hashes, num_tokens, workers, index):
+    def choose(self, hashes, num_tokens, workers, index, sent=True):
         worker = _least_loaded(_alive(workers), self._turn)
         self._turn += 1
         return self._decide(worker, "load", index.hit(hashes, worker.worker_id), num_tokens)
@@ -237,7 +239,7 @@ class PrefixPolicy(Policy):
             raise InvalidInputError(f"imbalance_tokens must be >= 0, got {imbalance_tokens!r}")
         self.imbalance_tokens = imbalance_tokens
 
-    def choose(self, hashes, num_tokens, workers, index):
+    def choose(self, hashes, num_tokens, workers, index, sent=True):
         alive = _alive(workers)
         hits = index.match(hashes)
         least = _least_loaded(alive, self._turn)
@@ -255,7 +257,7 @@ class IdealPolicy(Policy):
     """Upper bound for simulation: the best hit anywhere, served on the least loaded worker."""
     name = "ideal"
 
-    def choose(self, hashes, num_tokens, workers, index):
+    def choose(self, hashes, num_tokens, workers, index, sent=True):
         least = _least_loaded(_alive(workers), self._turn)
         self._turn += 1
         hits = index.match(hashes)

@@ -156,7 +156,7 @@ class ApproxTreePolicy(Policy):
             self.tree.evict(max(1, self.max_tree_size // self.cost.block_tokens))
             self._next_eviction = now + self.eviction_interval_s
 
-    def choose(self, hashes, num_tokens, workers, index):
+    def choose(self, hashes, num_tokens, workers, index, sent=True):
         alive = _alive(workers)
         self._turn += 1
         self._maybe_evict()
@@ -224,7 +224,7 @@ class RayPrefixPolicy(Policy):
     def _shortest(ws: list[WorkerState]) -> WorkerState:
         return min(ws, key=lambda w: w.running)
 
-    def choose(self, hashes, num_tokens, workers, index):
+    def choose(self, hashes, num_tokens, workers, index, sent=True):
         alive = _alive(workers)
         self._turn += 1
         self._maybe_evict()

@@ -360,7 +360,7 @@ class CostPolicy(Policy):
         return out
 
     # ---------------------------------------------------------------- choose
-    def choose(self, hashes, num_tokens, workers, index):
+    def choose(self, hashes, num_tokens, workers, index, sent=True):
         cost = self.cost
         cands = self.candidates(hashes, workers, index)
         shared = self._branches.observe(hashes, num_tokens // cost.block_tokens)
@@ -380,7 +380,7 @@ class CostPolicy(Policy):
             best = ties[0]
         w = best.worker
         self._recent.add(w.worker_id, best.ttft - cost.wait_s(w))
-        if self.options.inflight_s:
+        if self.options.inflight_s and sent:
             self._inflight.record(hashes, len(hashes), w.worker_id, self.clock())
         return Decision(w.worker_id, best.reason, best.ttft, cost.cached_tokens(best.blocks, num_tokens),
                         best.source, best.pulled)
