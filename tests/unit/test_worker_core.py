@@ -2,6 +2,7 @@
 ownership, and a prefix moving between two workers over a real NIXL READ."""
 
 import asyncio
+import math
 
 import pytest
 import torch
@@ -93,7 +94,9 @@ def test_calibration_measures_every_rate_through_the_worker():
     core = make("w-cal")
     try:
         cost = core.cost
-        assert cost.prefill_tokens_per_s > 0 and cost.warm_promote_tokens_per_s > 0
+        # Calibration produced a measurement for each rate (its size is the benchmarks' business).
+        measured = (cost.prefill_tokens_per_s, cost.warm_promote_tokens_per_s)
+        assert all(isinstance(v, float) and math.isfinite(v) and v > 0 for v in measured), measured
         assert cost.block_tokens == 16
         rates = core.info()["cost"]
         assert rates["warm_promote_tokens_per_s"] == rates["promote_tokens_per_s"] == cost.warm_promote_tokens_per_s
