@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 import threading
+import time
 from typing import Any, AsyncIterator, Callable
 
 import numpy as np
@@ -57,6 +59,8 @@ class WorkerCore:
         self.worker_id = worker_id
         self.config = config
         torch.set_num_threads(config.torch_threads)
+        if config.gil_switch_interval_s is not None:
+            sys.setswitchinterval(config.gil_switch_interval_s)
         tiers = config.tier_config()
         # A model that cannot load raises here, so the actor or replica never reports ready.
         self.loaded = load_model(config.model_spec(), device=str(tiers.resolved_device()))
@@ -65,7 +69,7 @@ class WorkerCore:
         self.layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, mc.dtype)
         self.cache = TieredCache(tiers, self.layout, vocab_size=mc.vocab_size)
         self.engine = Engine(self.model, self.cache, max_batch_tokens=config.max_batch_tokens,
-                             max_running=config.max_running)
+                             max_running=config.max_running, cache_final_token=config.cache_final_token)
         self.nixl = self._open_nixl()
         self.migration = Migrator(worker_id, self.cache, self.nixl, block_tokens=tiers.block_tokens,
                                   bytes_per_token=self.layout.bytes_per_token(),
@@ -150,6 +154,7 @@ class WorkerCore:
         """Stream the request's items, each stamped with this worker and the
         routing reason; with ``routing.migrate_from``, pull that worker's prefix
         first (``link_for(holder)`` reaches it; None: it is gone)."""
+        received_at, started = time.time(), time.perf_counter()
         routing = request.routing
         migration = None
         holder = routing.migrate_from if routing is not None else None
@@ -157,11 +162,14 @@ class WorkerCore:
             migration = await self.migrate_from(holder, link_for(holder), request.prompt, request.tenant)
             if self.on_migration is not None:
                 self.on_migration(migration)
+        migrate_s = time.perf_counter() - started if migration is not None else 0.0
         sp = SamplingParams(**(request.params or {}))
         req = Request(list(request.prompt), sp, namespace=request.tenant, session_id=request.session_id)
         reason = routing.reason if routing is not None else "fallback"
         async for item in self.loop.stream(req):
             item.worker_id, item.reason, item.migration = self.worker_id, reason, migration
+            if item.timing is not None:
+                item.timing.migrate_s, item.timing.received_at = migrate_s, received_at
             yield item
 
     async def prefetch(self, session_id: Any = None, tokens: list[int] | None = None, namespace: Any = None) -> int:

@@ -7,11 +7,17 @@ unknown worker is answered with a status that makes the worker push a full
 snapshot. After a restart (Ray restarts it: ``max_restarts=-1``) the index
 starts empty and is rebuilt from the workers' snapshots within one report
 interval.
+
+Routers do not ask it per request: each keeps a copy of its routing table
+(``cluster.routing.table.TableReplica``), fed by ``subscribe``, a long poll
+on the table's change log, and decides locally; ``route`` answers the
+others (the ``ClusterClient`` of plain actors, a router whose copy is stale).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 
@@ -20,8 +26,9 @@ import ray
 from actors.naming import DIRECTORY_NAME
 from cluster.errors import InvalidInputError
 from cluster.routing.events import EventBatch, MalformedBatchError
-from cluster.routing.index import GlobalIndex
-from cluster.routing.policy import CostModel, NoLiveWorkerError, WorkerState, make_policy
+from cluster.protocol import TableUpdate
+from cluster.routing.policy import CostModel, make_policy
+from cluster.routing.table import ChangeLog, RoutingTable
 
 log = logging.getLogger(__name__)
 
@@ -30,33 +37,61 @@ class DirectoryImpl:
     """Push-based: workers send event batches with their load (every ~100 ms, so
     they double as heartbeats) and, when told, a full snapshot. The directory
     never calls a worker, so it works the same whether workers are plain actors
-    or Serve replicas, and a dead worker costs it nothing but a timeout."""
+    or Serve replicas, and a dead worker costs it nothing but a timeout.
+
+    Its ``RoutingTable`` (index, loads, cost model, policy) changes only
+    through ops that are also written to a ``ChangeLog``; routers follow the
+    log with ``subscribe`` (a long poll) and decide locally on their copy."""
 
     def __init__(self, policy: str = "cost", block_tokens: int = 16, namespace: str = "prefix-cache",
-                 policy_kwargs: dict | None = None, heartbeat_timeout_s: float = 3.0, clock=time.monotonic):
+                 policy_kwargs: dict | None = None, heartbeat_timeout_s: float = 3.0, clock=time.monotonic,
+                 log_capacity: int = 4096):
         self.namespace = namespace
         self.block_tokens = block_tokens
-        self.index = GlobalIndex()
-        self.policy_name = policy
-        self.policy_kwargs = dict(policy_kwargs or {})
-        self.workers: dict[str, WorkerState] = {}
         self.costs: dict[str, dict] = {}
         self.last_seen: dict[str, float] = {}
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.clock = clock
-        self.policy = self._make_policy()
-        self._candidates: list[WorkerState] | None = None   # reused by route() until membership changes
+        make_policy(policy)   # an unknown name fails here, with the list of known ones
+        self._policy, self._policy_kwargs = policy, dict(policy_kwargs or {})
+        self.table = RoutingTable(policy, policy_kwargs, self._cost_model())
+        self.log = ChangeLog(log_capacity)
+        self._changed: asyncio.Event | None = None   # set on every change: wakes the long polls
         self._health_task = None
         self.stats = {"decisions": 0, "by_reason": {}, "resyncs": 0, "snapshots": 0, "malformed_batches": 0,
-                      "unknown_worker_batches": 0, "gaps": 0, "dropped_workers": 0, "started_at": time.time()}
+                      "unknown_worker_batches": 0, "gaps": 0, "dropped_workers": 0, "subscribe_polls": 0,
+                      "full_states_sent": 0, "started_at": time.time()}
 
-    def _make_policy(self):
-        return make_policy(self.policy_name, cost=self._cost_model(), **self.policy_kwargs)
+    # What the table holds, under the names the directory always had.
+    @property
+    def index(self):
+        return self.table.index
+
+    @property
+    def workers(self):
+        return self.table.workers
+
+    @property
+    def policy(self):
+        return self.table.policy
+
+    @property
+    def policy_name(self) -> str:
+        return self.table.policy_name
+
+    def _change(self, op: str, *args):
+        """Apply one op to the table and log it for the routers that follow (an op
+        that raises, e.g. a malformed snapshot, changes nothing and is not logged)."""
+        result = self.table.apply(op, args)
+        self.log.append(op, args)
+        if self._changed is not None:
+            self._changed.set()
+        return result
 
     def _reprice(self) -> None:
         """New measured rates: the policy is updated in place, so what it learned
         (branch points, recent work, approximate trees) survives."""
-        self.policy.set_cost(self._cost_model())
+        self._change("cost", dataclasses.asdict(self._cost_model()))
 
     def _cost_model(self) -> CostModel:
         """Cluster-wide constants from what the workers measured at start-up."""
@@ -80,11 +115,7 @@ class DirectoryImpl:
         if not isinstance(worker_id, str) or not worker_id:
             raise InvalidInputError(f"worker_id must be a non-empty string, got {worker_id!r}")
         if fresh or worker_id not in self.workers:
-            self.index.register_worker(worker_id)
-            if worker_id in self.workers:       # a restarted process: what the policy knew of it is stale
-                self.policy.forget_worker(worker_id)
-            self.workers[worker_id] = WorkerState(worker_id, 0, 0)
-            self._candidates = None
+            self._change("register", worker_id, True)
             log.info("worker %s registered", worker_id)
         self.last_seen[worker_id] = self.clock()
         if cost:
@@ -96,11 +127,9 @@ class DirectoryImpl:
         """Forget a worker and every block it held, at once."""
         if worker_id not in self.workers:
             return False
-        self.index.drop_worker(worker_id)
-        for table in (self.workers, self.costs, self.last_seen):
+        self._change("drop", worker_id)
+        for table in (self.costs, self.last_seen):
             table.pop(worker_id, None)
-        self._candidates = None
-        self.policy.forget_worker(worker_id)
         self.stats["dropped_workers"] += 1
         log.warning("worker %s dropped (%s)", worker_id, reason)
         return True
@@ -128,7 +157,7 @@ class DirectoryImpl:
             self.stats["malformed_batches"] += 1
             log.warning("malformed event batch from %s: %s", worker_id, exc)
             return "malformed"
-        status = self.index.apply(batch)
+        status = self._change("batch", batch)
         if status == "gap":
             self.stats["gaps"] += 1
         if status in ("gap", "resync"):
@@ -138,14 +167,16 @@ class DirectoryImpl:
     async def load_snapshot(self, worker_id: str, seq: int, entries: dict) -> str:
         if worker_id not in self.workers:
             await self.register_worker(worker_id, fresh=False)
-        self.index.load_snapshot(worker_id, seq, entries)
+        self._change("snapshot", worker_id, seq, entries)
         self.stats["snapshots"] += 1
         return "ok"
 
     def _set_load(self, worker_id: str, load: dict | None) -> None:
         if load:
             st = self.workers[worker_id]
-            st.queued_tokens, st.running = int(load.get("queued_tokens", 0)), int(load.get("running", 0))
+            queued, running = int(load.get("queued_tokens", 0)), int(load.get("running", 0))
+            if (st.queued_tokens, st.running) != (queued, running):   # an idle worker's reports change nothing
+                self._change("load", worker_id, queued, running)
             rate = load.get("transfer_tokens_per_s")
             cost = self.costs.get(worker_id)
             if rate and cost is not None:
@@ -164,22 +195,30 @@ class DirectoryImpl:
         what-if query passes False."""
         if not isinstance(num_tokens, int) or num_tokens < 0:
             raise InvalidInputError(f"num_tokens must be a non-negative integer, got {num_tokens!r}")
-        if exclude:
-            candidates = [w for wid, w in self.workers.items() if wid not in exclude]
-        else:   # the same list object until membership changes: the policy caches per-list state
-            if self._candidates is None:
-                self._candidates = list(self.workers.values())
-            candidates = self._candidates
-        if not candidates:
-            raise NoLiveWorkerError("no live cache workers registered with the directory")
-        decision = self.policy.choose(hashes, num_tokens, candidates, self.index, sent=reserve)
+        decision = self.table.route(hashes, num_tokens, exclude, reserve)
         self.stats["decisions"] += 1
         reason = decision.reason
         self.stats["by_reason"][reason] = self.stats["by_reason"].get(reason, 0) + 1
-        if reserve:
-            self.workers[decision.worker_id].queued_tokens += num_tokens - decision.cached_tokens
         return {"worker_id": decision.worker_id, "reason": reason, "expected_ttft_s": decision.expected_ttft_s,
                 "cached_tokens": decision.cached_tokens, "migrate_from": decision.migrate_from}
+
+    async def subscribe(self, epoch: str | None, cursor: int, wait_s: float = 2.0) -> TableUpdate:
+        """A router's long poll: the table changes after (``epoch``, ``cursor``),
+        waiting up to ``wait_s`` for one; the whole table when the router is
+        new, fell out of the log, or follows an earlier directory process."""
+        self.stats["subscribe_polls"] += 1
+        if epoch == self.log.epoch and cursor == self.log.seq and wait_s > 0:
+            if self._changed is None:
+                self._changed = asyncio.Event()
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), timeout=min(float(wait_s), 30.0))
+            except asyncio.TimeoutError:
+                pass   # no change: the answer says so, and that the directory is alive
+        update = self.log.update(self.table, epoch, cursor)
+        if update.state is not None:
+            self.stats["full_states_sent"] += 1
+        return update
 
     async def report_failure(self, worker_id: str) -> bool:
         """A client saw this worker fail. Drop it now; if it is in fact alive,
@@ -199,14 +238,20 @@ class DirectoryImpl:
         return None
 
     def get_stats(self) -> dict:
+        """Counters, per-worker load, the index's stats, and the routing decision's
+        own time (``choose``, in the directory) over the latest 10,000 decisions."""
         return {**self.stats, "workers": {w: {"queued_tokens": s.queued_tokens, "running": s.running}
                                           for w, s in self.workers.items()},
-                "index": dict(getattr(self.index, "stats", {})), "policy": self.policy_name}
+                "index": dict(getattr(self.index, "stats", {})), "policy": self.policy_name,
+                "log_seq": self.log.seq, "decision_us_p50": self.table.decision_us(0.5),
+                "decision_us_p99": self.table.decision_us(0.99)}
 
     async def set_policy(self, name: str) -> None:
+        """Switch the policy (admin); the configured ``policy_kwargs`` go with the
+        configured policy only (they are that policy's options)."""
         make_policy(name)  # validate first
-        self.policy_name = name
-        self.policy = self._make_policy()
+        kwargs = self._policy_kwargs if name == self._policy else {}
+        self._change("policy", name, dict(kwargs))
 
     # ---------------------------------------------------------------- health
     def _ensure_health_task(self) -> None:

@@ -36,7 +36,7 @@ from typing import Any, AsyncIterator, Callable
 from cluster.engine.runner import Engine, Request
 from cluster.errors import CacheError
 from cluster.ownership import ThreadOwner, checks_enabled
-from cluster.protocol import FinishReason, LoadReport, StreamItem
+from cluster.protocol import FinishReason, LoadReport, ReplicaTiming, StreamItem
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class EngineLoop:
         self.stats = {"rejected_queue_full": 0, "engine_step_failures": 0}
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         # Open streams: written by the engine thread and by callers, read by the watchdog.
-        self._streams: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue, float]] = {}   # + engine-clock entry
         self._streams_lock = threading.Lock()
         self.load_report = LoadReport(0, 0, 0)
         self.clock = clock
@@ -98,7 +98,7 @@ class EngineLoop:
             self._run_commands()
             if self.engine.has_work():
                 try:
-                    events = self.engine.step()
+                    events = self.engine.step(defer_finish=True)
                 except Exception as exc:   # never let the engine thread die: fail the step's requests
                     log.exception("engine step failed on %s", self.name)
                     self.stats["engine_step_failures"] += 1
@@ -106,6 +106,9 @@ class EngineLoop:
                     events = self.engine.drain_ended()
                 for ev in events:
                     self._deliver(ev.request, ev.token, ev.finished)
+                # The last tokens are on their way: now cache their sequences and unlock
+                # (the client does not wait for the final token's KV or the insert).
+                self.engine.complete_finished()
             else:  # idle gap: housekeeping that must never delay a batch
                 if self._on_idle is not None:
                     self._on_idle()
@@ -132,9 +135,14 @@ class EngineLoop:
         entry = self._streams.get(req.request_id)
         if entry is None:
             return
-        loop, q = entry
+        loop, q, entered = entry
         item = StreamItem(token, finished, req.finish_reason, req.error, req.cached_tokens,
                           tuple(req.tier_hits), len(req.prompt))
+        if token is not None and len(req.output) == 1 and None not in (req.scheduled_at, req.admitted_at,
+                                                                        req.forward_at, req.first_token_at):
+            item.timing = ReplicaTiming(queue_s=max(0.0, req.scheduled_at - entered),
+                                        prefix_load_s=max(0.0, req.forward_at - req.scheduled_at),
+                                        forward_s=max(0.0, req.first_token_at - req.forward_at))
         loop.call_soon_threadsafe(q.put_nowait, item)
         if finished:
             with self._streams_lock:
@@ -169,7 +177,7 @@ class EngineLoop:
         with self._streams_lock:
             streams, self._streams = list(self._streams.values()), {}
         error = EngineWedgedError(reason)
-        for loop, q in streams:
+        for loop, q, _ in streams:
             try:
                 loop.call_soon_threadsafe(q.put_nowait, error)
             except RuntimeError:   # that caller's event loop is closed: nobody is waiting
@@ -218,6 +226,7 @@ class EngineLoop:
         locks are released and what it computed is cached)."""
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
+        entered = self.engine.clock()   # the replica's queue time counts from here
 
         def submit():   # the queue bound is read where the queue lives
             if len(self.engine.waiting) >= self.max_queued_requests:
@@ -225,7 +234,7 @@ class EngineLoop:
                 raise QueueFullError(f"worker {self.name} has {len(self.engine.waiting)} requests queued")
             self.engine.submit(req)
             with self._streams_lock:
-                self._streams[req.request_id] = (loop, q)
+                self._streams[req.request_id] = (loop, q, entered)
 
         await self.run(submit)
         try:

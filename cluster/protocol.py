@@ -70,6 +70,7 @@ class RouteDecision:
     expected_ttft_s: float | None = None
     cached_tokens: int = 0
     migrate_from: str | None = None
+    source: str = "directory"     # who decided: "directory", "router_view" (a router's table copy), "fallback"
 
     @classmethod
     def from_wire(cls, obj: Any) -> "RouteDecision":
@@ -84,11 +85,14 @@ class RouteDecision:
             for name, value in (("worker_id", worker_id), ("migrate_from", obj.get("migrate_from"))):
                 if value is not None and not isinstance(value, str):
                     raise MalformedMessageError(f"route decision {name} must be a string or None, got {value!r}")
-            if not isinstance(reason, str):
-                raise MalformedMessageError(f"route decision reason must be a string, got {reason!r}")
+            source = obj.get("source", "directory")
+            for name, value in (("reason", reason), ("source", source)):
+                if not isinstance(value, str):
+                    raise MalformedMessageError(f"route decision {name} must be a string, got {value!r}")
             return cls(worker_id, reason,
                        _number(obj.get("expected_ttft_s"), "route decision expected_ttft_s", optional=True),
-                       _count(obj.get("cached_tokens") or 0, "route decision cached_tokens"), obj.get("migrate_from"))
+                       _count(obj.get("cached_tokens") or 0, "route decision cached_tokens"), obj.get("migrate_from"),
+                       source)
         raise MalformedMessageError(f"not a route decision: {type(obj).__name__}")
 
     @classmethod
@@ -98,7 +102,7 @@ class RouteDecision:
     @classmethod
     def fallback(cls) -> "RouteDecision":
         """No directory answer: the caller picks the least loaded worker."""
-        return cls(None, "fallback_least_loaded")
+        return cls(None, "fallback_least_loaded", source="fallback")
 
 
 @dataclass(slots=True)
@@ -112,6 +116,7 @@ class GenerateRequest:
     session_id: Any = None
     routing: RouteDecision | None = None
     exclude: tuple[str, ...] = ()    # workers this request already failed on (a resumed request)
+    route_s: float = 0.0             # how long the router's decision took (for the latency breakdown)
 
     @classmethod
     def from_wire(cls, obj: Any) -> "GenerateRequest":
@@ -174,6 +179,20 @@ def target_of(message: Any) -> str | None:
 
 
 @dataclass(slots=True)
+class ReplicaTiming:
+    """Where the replica spent one request's time to first token, carried by the
+    first token's ``StreamItem``. Durations are the replica's own; the
+    wall-clock stamp (``time.time()``) lets the ingress split the hops to and
+    from the replica (exact on one host, as good as the clocks across hosts)."""
+
+    queue_s: float = 0.0        # handed to the engine until the step that admitted it began
+    prefix_load_s: float = 0.0  # that step: matching the prefix, promoting it, reading its cached KV
+    forward_s: float = 0.0      # the forward over the uncached suffix and the sampled token
+    migrate_s: float = 0.0      # pulling the prefix from a peer first (0: no migration)
+    received_at: float = 0.0    # wall clock: the replica's generate() began
+
+
+@dataclass(slots=True)
 class StreamItem:
     """One element of a generation stream: a token, or the end of the request."""
 
@@ -188,9 +207,43 @@ class StreamItem:
     reason: str | None = None        # the routing decision's reason
     migration: MigrationResult | None = None
     attempt: int = 0                 # retries before this item (ClusterClient)
+    timing: ReplicaTiming | None = None   # on the first token's item
 
     def cached_by_tier(self) -> dict[str, int]:
         return dict(zip(TIER_NAMES, self.tier_hits))
+
+
+@dataclass(frozen=True, slots=True)
+class TableChange:
+    """One op on the directory's routing table (``cluster.routing.table``), numbered."""
+
+    seq: int
+    op: str
+    args: tuple
+
+
+@dataclass(frozen=True, slots=True)
+class TableState:
+    """The whole routing table as of log position ``seq`` of directory process ``epoch``."""
+
+    epoch: str
+    seq: int
+    policy: str
+    policy_kwargs: dict
+    cost: dict                                   # CostModel fields
+    workers: dict[str, tuple[int, int]]          # worker -> (queued_tokens, running)
+    index: dict[str, tuple[int, dict]]           # worker -> (last batch seq, {block hash: tier})
+
+
+@dataclass(frozen=True, slots=True)
+class TableUpdate:
+    """The directory's answer to a router's long poll: the changes after the
+    router's cursor, or (``state``) the whole table when it fell behind."""
+
+    epoch: str
+    seq: int
+    changes: tuple[TableChange, ...] = ()
+    state: TableState | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -288,5 +341,6 @@ def _check_version(data: Any, what: str) -> None:
 
 
 __all__ = ["WIRE_VERSION", "MalformedMessageError", "FinishReason", "Transport", "MigrationResult",
-           "RouteDecision", "GenerateRequest", "PeerCall", "target_of", "StreamItem", "LoadReport", "RATE_FIELDS",
+           "RouteDecision", "GenerateRequest", "PeerCall", "target_of", "ReplicaTiming", "StreamItem", "TableChange", "TableState",
+           "TableUpdate", "LoadReport", "RATE_FIELDS",
            "rates_to_wire", "rates_from_wire"]

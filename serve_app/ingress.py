@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from actors.core import EngineWedgedError, QueueFullError
 from cluster.errors import CacheError, InvalidInputError
-from cluster.protocol import FinishReason, StreamItem
+from cluster.protocol import FinishReason, GenerateRequest, StreamItem
 from actors.naming import DIRECTORY_NAME
 from cluster.engine.checkpoint import ModelSpec, load_tokenizer, model_id
 from cluster.engine.text import ChatPromptBuilder, ReplyMemory
@@ -34,6 +34,7 @@ from serve_app.auth import Auth, read_json_body
 from serve_app.openapi import add_request_bodies
 from serve_app.output import TextStream
 from serve_app.protocol import APIError, GenerationRequest, Limits, parse_chat, parse_completion
+from serve_app.timing import RequestClock
 
 log = logging.getLogger("ray.serve")
 
@@ -93,10 +94,18 @@ class IngressCore:
     def _session_key(self, tenant, session_id):
         return None if session_id is None else f"{tenant}:{session_id}"
 
-    async def stream_items(self, gen: GenerationRequest, tenant: str | None, endpoint: str) -> AsyncIterator[StreamItem]:
+    async def stream_items(self, gen: GenerationRequest, tenant: str | None, endpoint: str,
+                           clock: RequestClock | None = None, whole: bool = False) -> AsyncIterator[StreamItem]:
         """The worker's items for one request. Leaving early (a stop string, a client
         that went away) cancels the request on the worker, which caches what it
         computed and releases its locks.
+
+        ``whole``: the caller reads every item before answering (a non-streamed
+        request without stop strings), so the replica returns them all from one
+        call (``generate_all``) instead of a stream: one message back instead of
+        one per token, and no streaming machinery on the request path. A failed
+        call then sent nothing, and resuming it starts over on another replica
+        (with the same seed: the same answer).
 
         A replica that dies (or whose watchdog trips) mid-request does not end the
         request: it is resumed on another replica from the tokens already sent
@@ -119,16 +128,24 @@ class IngressCore:
             if len(sent) >= gen.max_tokens:   # everything was sent but the end: end it here
                 yield StreamItem(None, True, FinishReason.LENGTH, prompt_tokens=len(gen.prompt))
                 return
-            payload = {"prompt": gen.prompt + sent, "params": {**params, "max_tokens": gen.max_tokens - len(sent)},
-                       "tenant": tenant, "session_id": session, "exclude": list(failed_on)}
+            message = GenerateRequest(gen.prompt + sent, {**params, "max_tokens": gen.max_tokens - len(sent)},
+                                      tenant, session, exclude=tuple(failed_on))
             finished = False
             worker = None
-            stream = self.workers.options(stream=True).generate.remote(payload)
+            call_wall = time.time()
+            if whole:
+                stream = self.workers.generate_all.remote(message)
+                items = _items_of(stream)
+            else:
+                stream = items = self.workers.options(stream=True).generate.remote(message)
             try:
-                async for item in stream:
+                async for item in items:
                     now = time.perf_counter()
                     worker = item.worker_id
                     if last is None:
+                        if clock is not None:   # the router wrote its decision and its time into the message
+                            source = message.routing.source if message.routing is not None else None
+                            clock.mark_first(call_wall, message.route_s, item.timing, source)
                         metrics.ttft.observe(now - start, tags={"endpoint": endpoint})
                         for tier, n in zip(TIER_NAMES, item.tier_hits):
                             if n:
@@ -138,7 +155,7 @@ class IngressCore:
                             self._sessions.move_to_end((tenant, gen.session_id))
                             while len(self._sessions) > 100_000:
                                 self._sessions.popitem(last=False)
-                    else:
+                    elif not whole:
                         metrics.inter_token.observe(now - last, tags={"endpoint": endpoint})
                     last = now
                     finished = item.finished
@@ -158,6 +175,8 @@ class IngressCore:
                     stream.cancel()
             if not _resumable(failure):
                 raise self._api_error(failure)
+            if worker is None and message.routing is not None:   # it failed before its first item
+                worker = message.routing.worker_id
             if worker is not None:
                 failed_on.append(worker)
         raise APIError(503, f"the replicas serving this request failed ({len(failed_on)} tried) and it could "
@@ -190,13 +209,18 @@ class IngressCore:
         if ids is not None:   # remember_reply keeps them only if they decode to exactly ``text``
             self.prompts.remember_reply(tenant or "", text, ids)
 
-    async def complete(self, gen: GenerationRequest, tenant: str | None, endpoint: str, chat: bool):
+    async def complete(self, gen: GenerationRequest, tenant: str | None, endpoint: str, chat: bool,
+                       clock: RequestClock | None = None):
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
+        clock = clock or RequestClock.start()
         if gen.stream:
-            return await self._streaming(gen, tenant, endpoint, chat, rid, created)
+            return await self._streaming(gen, tenant, endpoint, chat, rid, created, clock)
         out, last, pieces = self._text(gen), None, []
-        async with aclosing(self.stream_items(gen, tenant, endpoint)) as items:
+        # Without stop strings the replica's own stops (EOS, stop ids, max_tokens) end it:
+        # take the whole answer from one call. Stop strings need the text as it comes.
+        whole = not gen.stop
+        async with aclosing(self.stream_items(gen, tenant, endpoint, clock, whole)) as items:
             async for item in items:
                 last = item
                 if item.token is not None:
@@ -213,10 +237,10 @@ class IngressCore:
             choice = {"index": 0, "text": text, "token_ids": out.ids, "logprobs": None, "finish_reason": finish}
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
                 "model": self.model_name, "choices": [choice], "usage": _usage(gen, out.ids, last),
-                "prefix_cache": _cache_info(last)}
+                "prefix_cache": _cache_info(last, clock)}
 
-    async def _streaming(self, gen, tenant, endpoint, chat, rid, created):
-        items = self.stream_items(gen, tenant, endpoint)
+    async def _streaming(self, gen, tenant, endpoint, chat, rid, created, clock: RequestClock):
+        items = self.stream_items(gen, tenant, endpoint, clock)
         try:
             first = await items.__anext__()  # errors before the first token become HTTP errors
         except StopAsyncIteration:
@@ -242,6 +266,7 @@ class IngressCore:
         async def sse():
             out, last, unsent = self._text(gen), None, []
             item = first
+            opened = False
             try:
                 while item is not None:
                     last = item
@@ -251,6 +276,9 @@ class IngressCore:
                         if piece:   # text held back (a partial character or stop string) waits
                             yield _sse(chunk(piece, unsent))
                             unsent = []
+                        elif not opened:   # but the first token opens the stream at once: an empty
+                            yield _sse(chunk("", []))   # chunk (for chat the role, as OpenAI sends)
+                        opened = True
                         if out.stopped:
                             break
                     item = await items.__anext__()
@@ -274,7 +302,7 @@ class IngressCore:
             end = chunk("", [], out.finish_reason(last))
             if gen.include_usage:
                 end["usage"] = _usage(gen, out.ids, last)
-                end["prefix_cache"] = _cache_info(last)
+                end["prefix_cache"] = _cache_info(last, clock)
             yield _sse(end)
             yield "data: [DONE]\n\n"
 
@@ -327,6 +355,12 @@ class IngressCore:
         return {"session_id": session_id, "worker_id": wid, "prefetching_tokens": n}
 
 
+async def _items_of(call) -> AsyncIterator[StreamItem]:
+    """The items of a ``generate_all`` call, as the stream would give them."""
+    for item in await call:
+        yield item
+
+
 def _resumable(exc: BaseException) -> bool:
     """A failure of the replica, not of the request: another replica can go on."""
     cause = _root_cause(exc)
@@ -344,11 +378,15 @@ def _usage(gen: GenerationRequest, tokens: list[int], last: StreamItem | None) -
             "total_tokens": len(gen.prompt) + len(tokens), "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def _cache_info(last: StreamItem | None) -> dict:
+def _cache_info(last: StreamItem | None, clock: RequestClock | None = None) -> dict:
     last = last or StreamItem(None, True)
     migration = last.migration.to_json() if last.migration is not None else None
-    return {"worker_id": last.worker_id, "reason": last.reason,
+    info = {"worker_id": last.worker_id, "reason": last.reason,
             "cached_tokens_by_tier": dict(zip(TIER_NAMES, last.tier_hits)), "migration": migration}
+    if clock is not None:   # who routed it, and where its time went (serve_app.timing)
+        info["routed_by"] = clock.routed_by
+        info["timing_ms"] = clock.breakdown_ms()
+    return info
 
 
 def _sse(obj: dict) -> str:
@@ -356,12 +394,14 @@ def _sse(obj: dict) -> str:
 
 
 async def handle_generation(core: IngressCore, request: Request, endpoint: str, chat: bool) -> Response:
+    clock = RequestClock.start()
     tenant = core.authenticate(request)
     body = await core.body(request)
     if chat:
         gen = parse_chat(body, core.limits, core.model_name, core.tokenizer, core.render_chat(tenant))
     else:
         gen = parse_completion(body, core.limits, core.model_name, core.tokenizer)
+    clock.mark_parsed()
     if gen.seed is None:
         # Every request gets a seed: sampling is a function of (seed, position), so a request
         # resumed on another replica continues exactly where the first one stopped.
@@ -369,6 +409,6 @@ async def handle_generation(core: IngressCore, request: Request, endpoint: str, 
     header_session = request.headers.get("x-session-id")
     if gen.session_id is None and header_session:
         gen.session_id = header_session[:128]
-    result = await core.complete(gen, tenant, endpoint, chat)
+    result = await core.complete(gen, tenant, endpoint, chat, clock)
     metrics.requests.inc(tags={"endpoint": endpoint, "status": "200"})
     return result if isinstance(result, Response) else JSONResponse(result)

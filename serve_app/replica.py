@@ -89,6 +89,10 @@ class CacheReplica:
         async for item in self.core.generate(GenerateRequest.from_wire(request), self._link):
             yield item
 
+    async def generate_all(self, request: GenerateRequest | dict) -> list:
+        """The whole answer of one request in one reply (the ingress's non-streamed path)."""
+        return [item async for item in self.core.generate(GenerateRequest.from_wire(request), self._link)]
+
     async def prefetch(self, call: PeerCall | dict) -> int:
         call = PeerCall.from_wire(call)
         return await self.core.prefetch(call.session_id, call.tokens, call.tenant)

@@ -1,9 +1,12 @@
 """DirectoryRouter: a Serve ``RequestRouter`` that sends each request where the directory says.
 
-For a generation request it asks the directory (``DirectoryLink.route``:
-awaited, never a ``ray.get`` in this event loop) which replica should serve
-it, writes the decision into the request (the replica needs
-``migrate_from``), and ranks that replica first. A call aimed at one replica
+For a generation request it decides on its own copy of the directory's
+routing table (``TableFollower``: kept in step by a long poll, so no remote
+call on the request path), or, while that copy is stale, asks the directory
+(``DirectoryLink.route``: awaited, never a ``ray.get`` in this event loop);
+it writes the decision into the request (the replica needs
+``migrate_from``; the ingress reads its time and source), and ranks that
+replica first. A call aimed at one replica
 (``PeerCall``: migration, prefetch, admin) goes to that replica only, and to
 no other: when the router does not know the target (gone, or not yet
 started) the call fails at once with ``TargetGoneError`` instead of waiting.
@@ -25,11 +28,13 @@ Here the match is the pending request itself.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from actors.directory_link import DirectoryLink
+from actors.table_follower import TableFollower
 from cluster.protocol import GenerateRequest, RouteDecision, target_of
 from serve_app import metrics
 
@@ -42,8 +47,11 @@ class TargetGoneError(RuntimeError):
 
 class DirectoryRouter(RequestRouter):
     def initialize_state(self, namespace: str = "prefix-cache", block_tokens: int = 16,
-                         directory_timeout_s: float = 0.5, **_: Any) -> None:
+                         directory_timeout_s: float = 0.5, local_table: bool = True, **_: Any) -> None:
         self.directory = DirectoryLink(namespace, block_tokens=block_tokens, route_timeout_s=directory_timeout_s)
+        # A copy of the directory's routing table, followed in the background: decisions
+        # without a remote call (``local_table=False``: ask the directory every time).
+        self.table = TableFollower(DirectoryLink(namespace, block_tokens=block_tokens)) if local_table else None
 
     def _least_loaded(self, replicas: list[RunningReplica]) -> list[list[RunningReplica]]:
         cache = self._replica_queue_len_cache
@@ -110,15 +118,25 @@ class DirectoryRouter(RequestRouter):
         """The request's decision, asked once even when Serve retries the choice."""
         if isinstance(message, GenerateRequest):
             if message.routing is None:
-                message.routing = await self.directory.route(message.prompt, message.tenant,
-                                                             list(message.exclude) or None)
+                started = time.perf_counter()
+                message.routing = await self._route(message.prompt, message.tenant, list(message.exclude) or None)
+                message.route_s = time.perf_counter() - started
             return message.routing
         if isinstance(message, dict) and "prompt" in message:   # the dict form of a GenerateRequest
             if message.get("routing") is None:
-                message["routing"] = await self.directory.route(message["prompt"], message.get("tenant"),
-                                                                list(message.get("exclude") or ()) or None)
+                message["routing"] = await self._route(message["prompt"], message.get("tenant"),
+                                                       list(message.get("exclude") or ()) or None)
             return RouteDecision.from_wire(message["routing"])
         return None
+
+    async def _route(self, prompt, tenant, exclude) -> RouteDecision:
+        """On the local table copy when it may decide, else by asking the directory."""
+        if self.table is not None:
+            self.table.ensure_started()
+            decision = self.table.route(prompt, tenant, exclude)
+            if decision is not None:
+                return decision
+        return await self.directory.route(prompt, tenant, exclude)
 
 
 def _excluded(message: Any) -> tuple:

@@ -86,6 +86,12 @@ class Request:
     finish_reason: FinishReason | None = None
     error: str | None = None
     submitted_at: float = 0.0
+    # Where its time to first token went, on the engine's clock: the step that
+    # admitted it began matching its prefix (admit), had it in the batch with its
+    # cached KV read (admitted), started the forward (forward), sampled its token.
+    scheduled_at: float | None = None
+    admitted_at: float | None = None
+    forward_at: float | None = None
     first_token_at: float | None = None
     logits: list[torch.Tensor] = field(default_factory=list)   # kept when keep_logits
     # Private state.
@@ -111,6 +117,14 @@ class TokenEvent:
 class Engine:
     def __init__(self, model: Any, cache: TieredCache, *, max_batch_tokens: int = 4096, max_running: int = 64,
                  keep_logits: bool = False, cache_final_token: bool = True, clock=time.perf_counter):
+        """``cache_final_token``: when a request ends, also compute the KV of its last
+        sampled token (one more forward, alone, per finished request) so the next
+        turn finds the whole sequence cached. Workers turn it off
+        (``WorkerConfig.cache_final_token``), as vLLM and SGLang do: the next turn
+        computes that one token inside its own prefill for nothing extra, while a
+        lone forward per finished request costs a full pass over the weights
+        (66 ms of a 135M model on one CPU thread) and delays whatever arrives
+        meanwhile. On here, for tools and the exactness tests of that path."""
         cfg = model.config
         lay = cache.layout
         if lay is None or (lay.num_layers, lay.num_kv_heads, lay.head_dim) != (
@@ -127,6 +141,7 @@ class Engine:
         self.clock = clock
         self.waiting: deque[Request] = deque()
         self._ended: list[TokenEvent] = []   # requests that ended outside a sampled token
+        self._finishing: list[tuple[Request, FinishReason]] = []   # ended by a token, not yet cached (defer_finish)
         self.running: list[Request] = []
         self._ids = itertools.count(1)
         self.owner: ThreadOwner | None = None   # the worker's engine thread, when ownership checks are on
@@ -165,22 +180,31 @@ class Engine:
             self._finish(request, reason, keep=True)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._ended)
+        return bool(self.waiting or self.running or self._ended or self._finishing)
 
     def generate(self, prompt: Sequence[int], params: SamplingParams | None = None, **kw) -> Request:
         """Run one request to completion (convenience for tests and tools)."""
         req = self.submit(Request(list(prompt), params or SamplingParams(), **kw))
         while not req.finished:
             self.step()
+        self.complete_finished()
         if req.error:
             raise CacheError(req.error)
         return req
 
     # ------------------------------------------------------------------ steps
-    def step(self) -> list[TokenEvent]:
-        """One scheduler iteration: admit prefills, run one batch, sample."""
+    def step(self, defer_finish: bool = False) -> list[TokenEvent]:
+        """One scheduler iteration: admit prefills, run one batch, sample.
+
+        A request that ends on the token it just sampled is finished (its KV
+        cached, its prefix unlocked) before ``step`` returns; with
+        ``defer_finish`` that work waits for ``complete_finished``, so the
+        caller can deliver the last token first: the client does not wait
+        for the final token's KV and the tree insert. The next step does it
+        first in any case."""
         if self.owner is not None:
             self.owner.check("Engine.step")
+        self.complete_finished()
         self.cache.poll()
         batch: list[tuple[Request, torch.Tensor, int]] = []   # (request, new tokens, start position)
         budget = self.max_batch_tokens
@@ -189,6 +213,7 @@ class Engine:
             budget -= 1
         while self.waiting and len(self.running) < self.max_running:
             req = self.waiting[0]
+            req.scheduled_at = self.clock()
             suffix = self._admit(req)
             if suffix is None:
                 self.waiting.popleft()
@@ -198,6 +223,7 @@ class Engine:
                 break
             self.waiting.popleft()
             self.running.append(req)
+            req.admitted_at = self.clock()
             self.stats["prompt_tokens"] += len(req.prompt)
             self.stats["cached_tokens"] += req.cached_tokens
             batch.append((req, torch.tensor(req.prompt[req._len:]), req._len))
@@ -206,6 +232,10 @@ class Engine:
         if not batch:
             return events
         items = [(toks, start, req._kv[:, :, :start] if start else None) for req, toks, start in batch]
+        forward_at = self.clock()
+        for req, _, _ in batch:
+            if req.forward_at is None:
+                req.forward_at = forward_at
         try:
             outputs = (self.model.forward_batch(items) if self.keep_logits or not self._last_logits_only
                        else self.model.forward_batch(items, last_logits_only=True))
@@ -231,13 +261,24 @@ class Engine:
             elif len(req.output) >= req.params.max_tokens:
                 reason = FinishReason.LENGTH
             if reason:
-                try:
-                    self._finish(req, reason, keep=True)
-                except Exception as exc:   # caching the finished sequence failed: the answer stands
-                    self.stats["finish_failures"] += 1
-                    log.warning("could not cache request %s after it finished: %s", req.request_id, exc)
+                req.finished, req.finish_reason = True, reason
+                self.running.remove(req)
+                self._finishing.append((req, reason))
             events.append(TokenEvent(req, token, req.finished))
+        if not defer_finish:
+            self.complete_finished()
         return events + self.drain_ended()
+
+    def complete_finished(self) -> None:
+        """Cache the KV of the requests that ended on their last token and unlock
+        their prefixes (``step(defer_finish=True)`` leaves this to the caller)."""
+        while self._finishing:
+            req, reason = self._finishing.pop(0)
+            try:
+                self._finish(req, reason, keep=True)
+            except Exception as exc:   # caching the finished sequence failed: the answer stands
+                self.stats["finish_failures"] += 1
+                log.warning("could not cache request %s after it finished: %s", req.request_id, exc)
 
     def _advance(self, req: Request, toks: torch.Tensor, start: int, logits: torch.Tensor,
                  new_kv: torch.Tensor) -> int:

@@ -241,22 +241,32 @@ def test_metrics_are_exported(base_url):
         time.sleep(1)
 
 
-def test_router_falls_back_when_the_directory_is_gone(base_url):
+def test_routing_goes_on_while_the_directory_is_gone_and_recovers(base_url):
     directory = ray.get_actor("prefix-cache-directory", namespace="prefix-cache-serve-test")
     prompt = tokens(8, 120)
     post(base_url, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 1})
+    old_epoch = ray.get(directory.subscribe.remote(None, 0, 0), timeout=30).epoch
     ray.kill(directory, no_restart=True)   # gone for good: the router cannot ask it
+    # Served at once: on the router's copy of the table while it is fresh, else on the least
+    # loaded replica (the router's fallback when neither the copy nor the directory may decide).
     r = post(base_url, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 2})
     assert r.status_code == 200, r.text
-    assert r.json()["prefix_cache"]["reason"] == "fallback_least_loaded"
-    # A replica recreates the directory and every replica re-feeds it: prefix routing resumes.
+    assert (r.json()["prefix_cache"]["routed_by"], r.json()["prefix_cache"]["reason"]) in (
+        ("router_view", "local"), ("fallback", "fallback_least_loaded"))
+    # A replica recreates the directory and every replica re-feeds it: prefix routing resumes,
+    # decided again on the router's copy, now of the new directory's table.
     deadline = time.monotonic() + 60
     while True:
         time.sleep(0.5)
-        r = post(base_url, "/v1/completions", {"model": MODEL, "prompt": prompt + [1], "max_tokens": 1}).json()
-        if r["prefix_cache"]["reason"] == "local" and r["usage"]["prompt_tokens_details"]["cached_tokens"] >= 112:
+        r = post(base_url, "/v1/completions", {"model": MODEL, "prompt": prompt + [1], "max_tokens": 1})
+        assert r.status_code == 200, r.text
+        info = r.json()["prefix_cache"]
+        if (info["reason"], info["routed_by"]) == ("local", "router_view") \
+                and r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 112:
             break
-        assert time.monotonic() < deadline, f"routing did not recover: {r['prefix_cache']}"
+        assert time.monotonic() < deadline, f"routing did not recover: {info}"
+    new = ray.get_actor("prefix-cache-directory", namespace="prefix-cache-serve-test")
+    assert ray.get(new.subscribe.remote(None, 0, 0), timeout=30).epoch != old_epoch
 
 
 @pytest.mark.parametrize("temperature", [1e-40, 1e-320, 5e-324])

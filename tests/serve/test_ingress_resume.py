@@ -10,7 +10,7 @@ from ray.exceptions import ActorDiedError
 from actors.engine_loop import EngineWedgedError
 from actors.pytest_plugin import TEST_MODEL
 from cluster.errors import CacheError
-from cluster.protocol import FinishReason, StreamItem
+from cluster.protocol import FinishReason, GenerateRequest, RouteDecision, StreamItem
 from serve_app.ingress import IngressCore
 from serve_app.protocol import APIError, GenerationRequest
 
@@ -55,6 +55,41 @@ class FakeReplicas:
         self.streams.append(stream)
         return stream
 
+    @property
+    def generate_all(self):
+        return FakeWholeCalls(self)
+
+
+class FakeWholeCalls:
+    """``generate_all``: the router picked the script's worker (as the real router
+    writes into the message); the call answers every item, or fails with none."""
+
+    def __init__(self, replicas):
+        self.replicas = replicas
+
+    def remote(self, payload):
+        worker = self.replicas.scripts[0][0]
+        stream = self.replicas.remote(payload)
+        payload.routing = RouteDecision(worker, "test")
+
+        async def answer():
+            if stream.error is not None:
+                raise stream.error
+            return stream.items
+        call = FakeCall(answer(), stream)
+        return call
+
+
+class FakeCall:
+    def __init__(self, coro, stream):
+        self.coro, self.stream = coro, stream
+
+    def __await__(self):
+        return self.coro.__await__()
+
+    def cancel(self):
+        self.stream.cancelled = True
+
 
 def gen(max_tokens=6, stream=False):
     return GenerationRequest(prompt=[1, 2, 3], max_tokens=max_tokens, temperature=0.7, top_p=1.0, seed=42,
@@ -79,11 +114,12 @@ def test_a_request_resumes_on_another_replica_from_the_tokens_sent():
                                 ("r3", [13, 14, 15], None)])
     items = collect(core, gen())
     assert [i.token for i in items] == [10, 11, 12, 13, 14, 15] and items[-1].finished
+    assert all(isinstance(p, GenerateRequest) for p in replicas.payloads)   # typed, not a dict
     second, third = replicas.payloads[1], replicas.payloads[2]
-    assert second["prompt"] == [1, 2, 3, 10, 11] and second["params"]["max_tokens"] == 4
-    assert third["prompt"] == [1, 2, 3, 10, 11, 12] and third["params"]["max_tokens"] == 3
-    assert {p["params"]["seed"] for p in replicas.payloads} == {42}
-    assert third["exclude"] == ["r1", "r2"]
+    assert second.prompt == [1, 2, 3, 10, 11] and second.params["max_tokens"] == 4
+    assert third.prompt == [1, 2, 3, 10, 11, 12] and third.params["max_tokens"] == 3
+    assert {p.params["seed"] for p in replicas.payloads} == {42}
+    assert third.exclude == ("r1", "r2")
     assert [s.cancelled for s in replicas.streams] == [True, True, False]
 
 
@@ -122,3 +158,16 @@ def test_a_stream_that_cannot_resume_ends_with_an_error_event_and_done():
     assert error["error"]["code"] == "replica_failed" and error["error"]["type"] == "server_error"
     tokens = [t for c in chunks[:-2] for t in json.loads(c[len("data: "):])["choices"][0]["token_ids"]]
     assert tokens == [10, 11, 10, 11, 10, 11]   # what each replica sent before it failed, all delivered
+
+
+def test_a_non_streamed_answer_comes_whole_from_one_call_and_a_failed_one_starts_over_elsewhere():
+    core, replicas = core_with([("r1", [10, 11], ActorDiedError()), ("r2", [20, 21, 22], None)])
+
+    async def go():
+        return await core.complete(gen(max_tokens=3), "t", "completions", chat=False)
+    body = asyncio.run(go())
+    assert body["choices"][0]["token_ids"] == [20, 21, 22]   # r1 sent nothing: nothing of it shows
+    first, second = replicas.payloads
+    assert second.prompt == [1, 2, 3] and second.params["max_tokens"] == 3   # from scratch, same seed
+    assert second.params["seed"] == 42 and second.exclude == ("r1",)       # never the replica that failed
+    assert [s.cancelled for s in replicas.streams] == [True, False]

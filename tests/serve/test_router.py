@@ -56,3 +56,70 @@ def test_targeted_calls_reach_their_target_or_fail_fast():
         with pytest.raises(TargetGoneError, match="replica r9 is not running"):
             gone.future.result()
     asyncio.run(go())
+
+
+class FakeDirectory:
+    def __init__(self, decision=None):
+        self.decision, self.calls = decision, 0
+
+    async def route(self, prompt, tenant, exclude):
+        self.calls += 1
+        return self.decision
+
+
+def deciding_router(directory, follower=None):
+    router = bare_router()
+    router.directory, router.table = directory, follower
+    router._replica_queue_len_cache = _QueueLens()
+    return router
+
+
+def test_a_usable_table_copy_decides_without_asking_the_directory():
+    from actors.table_follower import TableFollower
+    from cluster.hashing import block_hashes
+    from cluster.protocol import GenerateRequest
+    from cluster.routing.events import EventBatch, KVEvent
+    from cluster.routing.table import ChangeLog, RoutingTable
+
+    async def go():
+        follower = TableFollower(SimpleNamespace(block_tokens=16))
+        follower.ensure_started = lambda: None   # fed by hand here
+        log, table = ChangeLog(), RoutingTable(policy="prefix")
+        for w in ("r1", "r2"):
+            table.apply("register", (w, True))
+        prompt = list(range(64))
+        table.apply("batch", (EventBatch("r2", 1, [KVEvent("stored", block_hashes(prompt, 16), 0)]),))
+        follower.replica.apply(log.update(table, None, 0))
+        directory = FakeDirectory()
+        router = deciding_router(directory, follower)
+        replicas = [replica("r1"), replica("r2")]
+        message = GenerateRequest(prompt + [1, 2], {"max_tokens": 1})
+        ranked = await router.choose_replicas(replicas, pending([message]))
+        assert ranked[0] == [replicas[1]] and directory.calls == 0
+        assert (message.routing.worker_id, message.routing.source) == ("r2", "router_view")
+    asyncio.run(go())
+
+
+def test_a_stale_copy_asks_the_directory_and_its_fallback_is_the_least_loaded():
+    from actors.table_follower import TableFollower
+    from cluster.protocol import GenerateRequest, RouteDecision
+
+    async def go():
+        follower = TableFollower(SimpleNamespace(block_tokens=16))
+        follower.ensure_started = lambda: None   # never heard from the directory: not usable
+        directory = FakeDirectory(RouteDecision.fallback())   # what DirectoryLink gives on a timeout
+        router = deciding_router(directory, follower)
+        replicas = [replica("r1"), replica("r2")]
+        router._replica_queue_len_cache = _QueueLens({"r1": 5, "r2": 0})
+        message = GenerateRequest(list(range(40)), {"max_tokens": 1})
+        ranked = await router.choose_replicas(replicas, pending([message]))
+        assert directory.calls == 1 and message.routing.source == "fallback"
+        assert ranked == [[replicas[1]], [replicas[0]]]
+    asyncio.run(go())
+
+
+class _QueueLens(dict):
+    """Serve's queue-length cache, keyed by replica id (``get`` as the router calls it)."""
+
+    def get(self, replica_id):
+        return super().get(getattr(replica_id, "unique_id", replica_id))

@@ -204,3 +204,29 @@ def test_seeded_sampling_resumes_exactly_from_the_tokens_already_sent(model, tmp
     other = make_engine(model, tmp_path / "c").generate(
         prompt, SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=1235)).output
     assert other != whole    # the seed matters
+
+
+def test_deferred_finish_delivers_the_last_token_before_caching_the_sequence(model, tmp_path):
+    eng = make_engine(model, tmp_path)
+    prompt = list(range(40))
+    req = eng.submit(Request(prompt, SamplingParams(max_tokens=1)))
+    events = eng.step(defer_finish=True)
+    assert [(e.request, e.token, e.finished) for e in events] == [(req, req.output[0], True)]
+    assert req.finished and eng.has_work()
+    # Not cached yet, and its prefix (none here) and KV still held: the caller delivers first.
+    assert eng.cache.match(prompt + req.output, None, promote=False).length == 0
+    assert eng.stats["requests_finished"] == 0
+    eng.complete_finished()
+    assert eng.cache.match(prompt + req.output, None, promote=False).length == 41   # the final token's KV too
+    assert eng.stats["requests_finished"] == 1 and eng.cache.tree.protected_tokens == 0
+    assert not eng.has_work()
+
+
+def test_the_next_step_completes_a_deferred_finish_first(model, tmp_path):
+    eng = make_engine(model, tmp_path)
+    first = eng.submit(Request(list(range(40)), SamplingParams(max_tokens=1)))
+    eng.step(defer_finish=True)
+    second = eng.submit(Request(list(range(40)) + first.output + [7, 8], SamplingParams(max_tokens=1)))
+    eng.step(defer_finish=True)   # completes the first before admitting the second: a full hit
+    assert second.cached_tokens == 41 and second.finished
+    assert second.scheduled_at <= second.admitted_at <= second.forward_at <= second.first_token_at

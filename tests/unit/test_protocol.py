@@ -69,7 +69,11 @@ def test_route_decision_round_trip():
     assert RouteDecision.from_wire(DECISION_WIRE) == DECISION
     assert RouteDecision.from_wire(dataclasses.asdict(DECISION)) == DECISION
     assert RouteDecision.from_wire(DECISION) is DECISION
-    assert RouteDecision.from_wire({"worker_id": None, "reason": "fallback_least_loaded"}) == RouteDecision.fallback()
+    assert RouteDecision.from_wire({"worker_id": None, "reason": "fallback_least_loaded",
+                                    "source": "fallback"}) == RouteDecision.fallback()
+    assert RouteDecision.from_wire(DECISION_WIRE).source == "directory"   # who decided, when unsaid
+    with pytest.raises(MalformedMessageError, match="source must be a string"):
+        RouteDecision.from_wire({**DECISION_WIRE, "source": 3})
     assert RouteDecision.from_wire({**DECISION_WIRE, "v": WIRE_VERSION}) == DECISION
     # a count sent as an integral float is read as an int
     decoded = RouteDecision.from_wire({**DECISION_WIRE, "cached_tokens": 48.0, "expected_ttft_s": 1})

@@ -3,6 +3,7 @@ ownership, and a prefix moving between two workers over a real NIXL READ."""
 
 import asyncio
 import math
+import time
 
 import pytest
 import torch
@@ -42,10 +43,23 @@ def test_streams_tokens_and_caches_the_turn():
         items = run(core, prompt)
         assert [i.token for i in items] == greedy(prompt, 4) and items[-1].finished
         again = run(core, prompt + [i.token for i in items] + [1, 2])
-        assert again[0].cached_tokens == 44
+        assert again[0].cached_tokens == 43   # the last token's KV was never computed (cache_final_token off)
         assert items[-1].finish_reason is FinishReason.LENGTH and items[-1].worker_id == "w-a"
         stats = asyncio.run(core.stats())
         assert stats["protected_tokens"] == 0 and stats["engine"]["requests_finished"] == 2
+    finally:
+        core.close()
+
+
+def test_the_first_token_carries_the_replica_timing():
+    core = make("w-t")
+    try:
+        before = time.time()
+        items = run(core, list(range(40)), max_tokens=3)
+        first = items[0].timing
+        assert first is not None and all(i.timing is None for i in items[1:])
+        assert first.queue_s >= 0 and first.prefix_load_s >= 0 and first.forward_s > 0 and first.migrate_s == 0
+        assert before <= first.received_at <= time.time()
     finally:
         core.close()
 

@@ -1,0 +1,66 @@
+"""``bench http`` against the app and the bare echo app on the loopback cluster:
+its rows, and what they rest on (decisions made on the router's table copy,
+a breakdown that adds up to each request's time to first token).
+
+Speed is not asserted: that is what the command measures."""
+
+from argparse import Namespace
+
+import pytest
+
+pytestmark = pytest.mark.distributed
+
+NAMESPACE = "prefix-cache-bench-http"
+MODEL = "prefix-cache-byte"
+PARTS_TO_FIRST_TOKEN = ("parse_tokenize", "route", "to_replica", "migrate", "replica_queue", "prefix_load",
+                        "first_forward", "stream_back", "ingress_other")
+
+
+@pytest.fixture(scope="module")
+def app_url(ray_loopback_cluster):
+    from ray import serve
+
+    from actors.pytest_plugin import TEST_MODEL
+    from serve_app.app import build_app
+    from serve_app.echo_app import APP_NAME, ROUTE_PREFIX, build_echo_app
+    from serve_app.local import free_port
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    args = {"num_replicas": 2, "namespace": NAMESPACE,
+            "worker": {"model": TEST_MODEL, "hot_blocks": 256, "warm_blocks": 256, "block_tokens": 16}}
+    serve.run(build_app(args), name="prefix-cache", route_prefix="/")
+    serve.run(build_echo_app(2), name=APP_NAME, route_prefix=ROUTE_PREFIX)
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+
+
+def test_bench_http_rows_breakdown_and_local_decisions(app_url):
+    import ray
+
+    from serve_app.bench_http import Arms, measure, rows
+
+    prompt = [100 + i % 150 for i in range(256)]   # byte-level vocabulary: ids below 256
+    arms = Arms(app_url, MODEL, prompt, suffix_tokens=16, vocab=256, seed=3)
+    try:
+        m = measure(arms, requests=5, warmup=2)
+    finally:
+        arms.close()
+    directory = ray.get_actor("prefix-cache-directory", namespace=NAMESPACE)
+    args = Namespace(replicas=2, model_id=MODEL, prompt_tokens=256, suffix_tokens=16)
+    echo, ours, summary = rows(m, args, ray.get(directory.get_stats.remote(), timeout=30))
+    assert (echo["impl"], ours["impl"], summary["impl"]) == ("ray-serve-echo", "prefix-cache", "summary")
+    assert echo["requests"] == ours["requests"] == 5
+    assert ours["cached_tokens_p50"] == 240            # the whole prefix, every time
+    # After the warm-up every decision was made on the router's copy of the table.
+    assert ours["routed_locally"] == 1.0 and m["routed_by"] == ["router_view"] * 10
+    for timing in m["timings"] + m["ttft_timings"]:
+        assert all(timing[p] >= 0 for p in PARTS_TO_FIRST_TOKEN)
+        assert sum(timing[p] for p in PARTS_TO_FIRST_TOKEN) == pytest.approx(timing["ttft"], abs=0.01)
+        assert timing["ttft"] + timing["respond"] == pytest.approx(timing["total"], abs=0.01)
+        assert timing["first_forward"] > 0 and timing["migrate"] == 0
+    for field in ("latency_ms_p50", "latency_ms_p99", "ttft_ms_cached_p50", "suffix_forward_ms_p50", "route_ms_p99"):
+        assert ours[field] > 0, field
+    assert ours["ttft_goal_ms"] == pytest.approx(ours["latency_ms_p50"] + 2 * ours["suffix_forward_ms_p50"])
+    assert summary["latency_p50_ratio_vs_echo"] == pytest.approx(ours["latency_ms_p50"] / echo["latency_ms_p50"],
+                                                                 abs=1e-3)
