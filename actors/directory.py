@@ -200,7 +200,8 @@ class DirectoryImpl:
         reason = decision.reason
         self.stats["by_reason"][reason] = self.stats["by_reason"].get(reason, 0) + 1
         return {"worker_id": decision.worker_id, "reason": reason, "expected_ttft_s": decision.expected_ttft_s,
-                "cached_tokens": decision.cached_tokens, "migrate_from": decision.migrate_from}
+                "cached_tokens": decision.cached_tokens, "migrate_from": decision.migrate_from,
+                "decision_us": self.table.decision_s[-1] * 1e6}
 
     async def subscribe(self, epoch: str | None, cursor: int, wait_s: float = 2.0) -> TableUpdate:
         """A router's long poll: the table changes after (``epoch``, ``cursor``),

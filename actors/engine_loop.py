@@ -236,11 +236,20 @@ class EngineLoop:
             with self._streams_lock:
                 self._streams[req.request_id] = (loop, q, entered)
 
-        await self.run(submit)
+        def refused(fut: cf.Future) -> None:   # the queue bound, a bad input, a wedged engine
+            if fut.exception() is not None:
+                try:
+                    loop.call_soon_threadsafe(q.put_nowait, fut.exception())
+                except RuntimeError:   # that caller's event loop is closed: nobody is waiting
+                    pass
+
+        # Not awaited: the first token (or the refusal) comes through the queue, one
+        # cross-thread wake-up instead of two.
+        self.call(submit).add_done_callback(refused)
         try:
             while True:
                 item = await q.get()
-                if isinstance(item, EngineWedgedError):
+                if isinstance(item, BaseException):
                     raise item
                 if item.error:
                     raise CacheError(item.error)

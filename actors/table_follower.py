@@ -71,7 +71,7 @@ class TableFollower:
             return None
         self.stats["local_decisions"] += 1
         return RouteDecision(d.worker_id, d.reason, d.expected_ttft_s, d.cached_tokens, d.migrate_from,
-                             source="router_view")
+                             source="router_view", decision_us=self.replica.table.decision_s[-1] * 1e6)
 
     def close(self) -> None:
         if self._task is not None:

@@ -71,6 +71,7 @@ class RouteDecision:
     cached_tokens: int = 0
     migrate_from: str | None = None
     source: str = "directory"     # who decided: "directory", "router_view" (a router's table copy), "fallback"
+    decision_us: float | None = None   # the policy's own time for it (its choose), where it was made
 
     @classmethod
     def from_wire(cls, obj: Any) -> "RouteDecision":
@@ -92,7 +93,7 @@ class RouteDecision:
             return cls(worker_id, reason,
                        _number(obj.get("expected_ttft_s"), "route decision expected_ttft_s", optional=True),
                        _count(obj.get("cached_tokens") or 0, "route decision cached_tokens"), obj.get("migrate_from"),
-                       source)
+                       source, _number(obj.get("decision_us"), "route decision decision_us", optional=True))
         raise MalformedMessageError(f"not a route decision: {type(obj).__name__}")
 
     @classmethod

@@ -13,6 +13,7 @@ import asyncio
 import hashlib
 import hmac
 import os
+from typing import Callable
 
 from fastapi import Request
 
@@ -81,8 +82,10 @@ class Auth:
         raise APIError(401, "invalid or missing API key", type_="authentication_error", code="invalid_api_key")
 
 
-async def read_json_body(request: Request, limits: Limits, empty_ok: bool = False) -> dict:
-    """The JSON object of a request body (``{}`` for an empty one when ``empty_ok``)."""
+async def read_json_body(request: Request, limits: Limits, empty_ok: bool = False,
+                         on_bytes: Callable[[], None] | None = None) -> dict:
+    """The JSON object of a request body (``{}`` for an empty one when ``empty_ok``);
+    ``on_bytes()`` runs once the bytes are in, before they are parsed."""
     media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if media_type != "application/json":
         # Also what keeps a cross-site form or text/plain POST from reaching an endpoint.
@@ -105,4 +108,6 @@ async def read_json_body(request: Request, limits: Limits, empty_ok: bool = Fals
         raise APIError(408, f"the request body did not arrive within {limits.body_timeout_s} s",
                        code="request_timeout") from None
     raw = b"".join(chunks)
+    if on_bytes is not None:
+        on_bytes()
     return {} if empty_ok and not raw.strip() else parse_json(raw, limits)

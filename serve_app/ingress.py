@@ -87,8 +87,9 @@ class IngressCore:
     def authenticate(self, request: Request, admin: bool = False) -> str | None:
         return self.auth.authenticate(request, admin)
 
-    async def body(self, request: Request, empty_ok: bool = False) -> dict:
-        return await read_json_body(request, self.limits, empty_ok)
+    async def body(self, request: Request, empty_ok: bool = False, clock: RequestClock | None = None) -> dict:
+        return await read_json_body(request, self.limits, empty_ok,
+                                    on_bytes=clock.mark_body_read if clock is not None else None)
 
     # -------------------------------------------------------------- generation
     def _session_key(self, tenant, session_id):
@@ -144,8 +145,7 @@ class IngressCore:
                     worker = item.worker_id
                     if last is None:
                         if clock is not None:   # the router wrote its decision and its time into the message
-                            source = message.routing.source if message.routing is not None else None
-                            clock.mark_first(call_wall, message.route_s, item.timing, source)
+                            clock.mark_first(call_wall, message.route_s, item.timing, message.routing)
                         metrics.ttft.observe(now - start, tags={"endpoint": endpoint})
                         for tier, n in zip(TIER_NAMES, item.tier_hits):
                             if n:
@@ -396,7 +396,7 @@ def _sse(obj: dict) -> str:
 async def handle_generation(core: IngressCore, request: Request, endpoint: str, chat: bool) -> Response:
     clock = RequestClock.start()
     tenant = core.authenticate(request)
-    body = await core.body(request)
+    body = await core.body(request, clock=clock)
     if chat:
         gen = parse_chat(body, core.limits, core.model_name, core.tokenizer, core.render_chat(tenant))
     else:

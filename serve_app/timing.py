@@ -8,8 +8,11 @@ first forward, and a wall-clock stamp of when it received the request).
 ``breakdown_ms`` turns them into the parts that add up to
 the ingress's own total:
 
-- ``parse_tokenize``: reading the body, validating, tokenizing (chat template);
-- ``route``: the routing decision (the directory's answer or the local view);
+- ``read_body``: the request body arriving (Serve's ingress reads it from the proxy);
+- ``parse_tokenize``: parsing and validating the JSON, tokenizing (chat template);
+- ``route``: the routing decision (on the router's copy of the directory's
+  table, or the directory's answer), hashing the prompt's blocks included;
+  ``route_decision`` says how much of it was the policy's own ``choose``;
 - ``to_replica``: the call's way to the replica (Serve's handle, the hop),
   the routing decision excluded;
 - ``migrate``: pulling the prefix from a peer before the prefill;
@@ -36,41 +39,49 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from cluster.protocol import ReplicaTiming
+from cluster.protocol import ReplicaTiming, RouteDecision
 
 
 @dataclass(slots=True)
 class RequestClock:
     received: float                      # perf_counter at the handler's start
     received_wall: float                 # the same moment, wall clock
+    body_read: float | None = None       # perf_counter once the body's bytes are in
     parsed: float | None = None          # perf_counter once the body is a GenerationRequest
     call_wall: float | None = None       # wall clock when the replica call that answered was issued
     route_s: float = 0.0                 # the router's decision time for that call
     first_wall: float | None = None      # wall clock when its first token arrived
     replica: ReplicaTiming | None = None
     routed_by: str | None = None         # RouteDecision.source of that call
+    decision_us: float | None = None     # RouteDecision.decision_us: the policy's own time, within ``route``
 
     @classmethod
     def start(cls) -> "RequestClock":
         return cls(time.perf_counter(), time.time())
 
+    def mark_body_read(self) -> None:
+        self.body_read = time.perf_counter()
+
     def mark_parsed(self) -> None:
         self.parsed = time.perf_counter()
 
     def mark_first(self, call_wall: float, route_s: float, timing: ReplicaTiming | None,
-                   routed_by: str | None = None) -> None:
-        """The first token of the request arrived (from the call issued at ``call_wall``)."""
+                   routing: RouteDecision | None = None) -> None:
+        """The first token of the request arrived (from the call issued at ``call_wall``,
+        routed by ``routing``)."""
         if self.first_wall is None:
             self.first_wall, self.call_wall, self.route_s, self.replica = time.time(), call_wall, route_s, timing
-            self.routed_by = routed_by
+            if routing is not None:
+                self.routed_by, self.decision_us = routing.source, routing.decision_us
 
     def breakdown_ms(self, done: float | None = None) -> dict:
         """Milliseconds per part (module docstring); ``done`` is the perf_counter
         time the response was ready (default: now)."""
         done = time.perf_counter() if done is None else done
         total = done - self.received
-        parse = (self.parsed - self.received) if self.parsed is not None else 0.0
-        parts = {"parse_tokenize": parse}
+        body = self.body_read if self.body_read is not None else self.received
+        parts = {"read_body": body - self.received,
+                 "parse_tokenize": (self.parsed - body) if self.parsed is not None else 0.0}
         if self.first_wall is not None and self.call_wall is not None and self.replica is not None:
             r = self.replica
             parts["route"] = self.route_s
@@ -86,6 +97,8 @@ class RequestClock:
             parts["respond"] = max(0.0, total - ttft)
             out = {k: round(v * 1e3, 3) for k, v in parts.items()}
             out["ttft"] = round(ttft * 1e3, 3)
+            if self.decision_us is not None:   # inside ``route``: not a part of its own
+                out["route_decision"] = round(self.decision_us / 1e3, 4)
         else:
             out = {k: round(v * 1e3, 3) for k, v in parts.items()}
         out["total"] = round(total * 1e3, 3)

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.distributed
 
 NAMESPACE = "prefix-cache-bench-http"
 MODEL = "prefix-cache-byte"
-PARTS_TO_FIRST_TOKEN = ("parse_tokenize", "route", "to_replica", "migrate", "replica_queue", "prefix_load",
+PARTS_TO_FIRST_TOKEN = ("read_body", "parse_tokenize", "route", "to_replica", "migrate", "replica_queue", "prefix_load",
                         "first_forward", "stream_back", "ingress_other")
 
 

@@ -69,12 +69,20 @@ def test_a_wedged_replica_fails_its_calls_and_is_replaced(app_url):
     from cluster.names import DIRECTORY_NAME
     from cluster.protocol import PeerCall
     from serve_app.loadtest import ClusterProbe
+    from serve_app.router import TargetGoneError
 
     probe = ClusterProbe(NAMESPACE)
     directory = ray.get_actor(DIRECTORY_NAME, namespace=NAMESPACE)
     handle = serve.get_deployment_handle("CacheReplica", "prefix-cache")
     victim = ray.get(directory.live_workers.remote())[0]
-    handle.inject_fault.remote(PeerCall(victim), "wedge").result(timeout_s=60)
+    deadline = time.monotonic() + 30
+    while True:   # a new handle's router learns the replicas from the controller: until then, TargetGoneError
+        try:
+            handle.inject_fault.remote(PeerCall(victim), "wedge").result(timeout_s=60)
+            break
+        except TargetGoneError:
+            assert time.monotonic() < deadline, f"the handle never learned of replica {victim}"
+            time.sleep(0.2)
     with pytest.raises(EngineWedgedError, match="watchdog bound 1 s"):
         handle.stats.remote(PeerCall(victim)).result(timeout_s=60)   # queued behind the wedge: failed by the watchdog
     deadline = time.monotonic() + 90
