@@ -29,6 +29,7 @@ import xxhash
 from cluster.cache.allocator import Extent
 from cluster.cache.tiered import TieredCache
 from cluster.engine.model import sample
+from cluster.engine.scratch import ScratchKV
 from cluster.errors import CacheError, InvalidInputError, PoolExhaustedError
 from cluster.ownership import ThreadOwner
 from cluster.protocol import FinishReason
@@ -146,6 +147,9 @@ class Engine:
         self._ids = itertools.count(1)
         self.owner: ThreadOwner | None = None   # the worker's engine thread, when ownership checks are on
         self._last_logits_only = "last_logits_only" in inspect.signature(model.forward_batch).parameters
+        # Working KV buffers, reused: a fresh one would page-fault its way in on every request.
+        self.scratch = ScratchKV(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cache.kv_dtype, cache.kv_device,
+                                 max_idle_bytes=2 * max_batch_tokens * lay.bytes_per_token())
         self.stats = {"prompt_tokens": 0, "cached_tokens": 0, "computed_tokens": 0, "steps": 0,
                       "requests_finished": 0, "requests_failed": 0, "requests_cancelled": 0,
                       "finish_failures": 0}
@@ -173,6 +177,7 @@ class Engine:
         reason = FinishReason(reason)
         if request in self.waiting:
             self.waiting.remove(request)
+            self._give_scratch(request)
             request.finished, request.finish_reason = True, reason
             self._ended.append(TokenEvent(request, None, True))
             self.stats["requests_cancelled"] += 1
@@ -300,6 +305,7 @@ class Engine:
         kept; the cache's other contents are untouched)."""
         for req in list(self.waiting):
             self.waiting.remove(req)
+            self._give_scratch(req)
             req.finished, req.finish_reason, req.error = True, FinishReason.ERROR, error
             self._ended.append(TokenEvent(req, None, True))
             self.stats["requests_failed"] += 1
@@ -339,10 +345,9 @@ class Engine:
         for t in (1, 2):
             req.tier_hits[t] = min(rest, m.tier_lengths[t])
             rest -= req.tier_hits[t]
-        cfg = self.model.config
         cap = len(req.prompt) + req.params.max_tokens + 1
-        req._kv = torch.empty((cfg.num_layers, 2, cap, cfg.num_kv_heads, cfg.head_dim), dtype=cache.kv_dtype,
-                              device=cache.kv_device)
+        self._give_scratch(req)   # admitted before, but it did not fit that step
+        req._kv = self.scratch.take(cap)
         if usable:
             cache.read_into(req._prefix_ext, req._kv[:, :, :usable])
         req._len = usable
@@ -388,8 +393,13 @@ class Engine:
         finally:
             req._seq_ext = []
             self._release_prefix(req)
-            req._kv = None
+            self._give_scratch(req)
             self.stats["requests_finished" if error is None else "requests_failed"] += 1
+
+    def _give_scratch(self, req: Request) -> None:
+        if req._kv is not None:
+            self.scratch.give(req._kv)
+            req._kv = None
 
     def _release_prefix(self, req: Request) -> None:
         if req._node is not None:

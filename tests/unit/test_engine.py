@@ -230,3 +230,29 @@ def test_the_next_step_completes_a_deferred_finish_first(model, tmp_path):
     eng.step(defer_finish=True)   # completes the first before admitting the second: a full hit
     assert second.cached_tokens == 41 and second.finished
     assert second.scheduled_at <= second.admitted_at <= second.forward_at <= second.first_token_at
+
+
+def test_working_kv_buffers_are_reused_and_give_exact_results(model, tmp_path):
+    eng = make_engine(model, tmp_path)
+    prompt = list(range(60))
+    first = eng.generate(prompt, SamplingParams(max_tokens=3))
+    again = eng.generate(prompt + first.output + [5, 6], SamplingParams(max_tokens=3))
+    other = eng.generate(list(range(100, 150)), SamplingParams(max_tokens=3))
+    # One buffer of the same capacity class served all three (contents left by the last one).
+    assert eng.scratch.stats == {"taken": 3, "reused": 2, "freed": 0} and eng.scratch.idle_bytes > 0
+    for req in (first, again, other):
+        assert_exact(model, req)
+        assert req._kv is None
+
+
+def test_idle_working_kv_is_bounded():
+    from cluster.engine.scratch import ScratchKV
+
+    pool = ScratchKV(2, 2, 4, torch.float32, "cpu", max_idle_bytes=2 * 2 * 2 * 256 * 2 * 4 * 4, granule=256)
+    views = [pool.take(n) for n in (10, 256, 257)]
+    assert [tuple(v.shape) for v in views] == [(2, 2, 10, 2, 4), (2, 2, 256, 2, 4), (2, 2, 257, 2, 4)]
+    for v in views:
+        pool.give(v)
+    # Two 256-token buffers fit the bound; the 512-token class one does not and is freed.
+    assert pool.stats["freed"] == 1 and pool.idle_bytes == 2 * (2 * 2 * 256 * 2 * 4 * 4)
+    assert pool.take(200)._base is not None and pool.stats["reused"] == 1
