@@ -45,11 +45,6 @@ class WorkerConfig:
     # peer's measured rates instead of calibrating (seconds of start-up: a replacement
     # replica is serving sooner). False: always measure.
     reuse_peer_calibration: bool = True
-    # The worker process's GIL switch interval (sys.setswitchinterval): the engine
-    # thread runs Python between torch ops, and the event loop that streams its
-    # tokens waits for the GIL up to this long (Python's default is 5 ms). None:
-    # leave the process's setting.
-    gil_switch_interval_s: float | None = 0.0005
     # Compute the last sampled token's KV when a request ends (a lone forward per
     # finished request) so that the next turn hits one more token: see Engine.
     cache_final_token: bool = False
@@ -59,9 +54,6 @@ class WorkerConfig:
             raise InvalidInputError(f"watchdog_s must be positive or null, got {self.watchdog_s!r}")
         if not self.migration_timeout_s > 0:
             raise InvalidInputError(f"migration_timeout_s must be positive, got {self.migration_timeout_s!r}")
-        if self.gil_switch_interval_s is not None and not 0 < self.gil_switch_interval_s <= 1:
-            raise InvalidInputError(f"gil_switch_interval_s must be in (0, 1] seconds or null, "
-                                    f"got {self.gil_switch_interval_s!r}")
 
     @classmethod
     def from_dict(cls, data: dict | None) -> "WorkerConfig":

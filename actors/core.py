@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import sys
 import threading
 import time
 from typing import Any, AsyncIterator, Callable
@@ -59,8 +58,6 @@ class WorkerCore:
         self.worker_id = worker_id
         self.config = config
         torch.set_num_threads(config.torch_threads)
-        if config.gil_switch_interval_s is not None:
-            sys.setswitchinterval(config.gil_switch_interval_s)
         tiers = config.tier_config()
         # A model that cannot load raises here, so the actor or replica never reports ready.
         self.loaded = load_model(config.model_spec(), device=str(tiers.resolved_device()))

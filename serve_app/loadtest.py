@@ -23,6 +23,14 @@ kill). ``rss_mib_before/after``: resident memory of the app's processes (the
 Serve replicas and the directory, read from /proc: the cluster must run on
 this machine), before the first request and after the last.
 
+``--hostile-concurrency H``: meanwhile, H clients of a second tenant
+(``--hostile-api-key``) send nothing but bad requests (``hostile_bodies``:
+NaN and denormal temperatures, a seed past 64 bits, a lone surrogate, JSON
+nested 50,000 deep, oversized prompts and stop lists, ...) for the whole run;
+``hostile_by_status`` counts their answers and ``hostile_5xx_or_no_answer``
+must be 0. The good tenant's latency, compared with a run without them, says
+whether one tenant's bad requests slow another's.
+
 Traffic goes to 127.0.0.1 (or localhost) only, unless ``--allow-remote-host``.
 """
 
@@ -56,6 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=120.0, help="per-request limit; past it a request is lost")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--allow-remote-host", action="store_true", help="allow a --url host other than loopback")
+    p.add_argument("--hostile-concurrency", type=int, default=0,
+                   help="clients of a second tenant sending only bad requests (HOSTILE_BODIES) for the whole run")
+    p.add_argument("--hostile-api-key", default=None, help="that tenant's API key (default: --api-key)")
 
 
 def check_url(url: str, allow_remote: bool) -> None:
@@ -154,6 +165,55 @@ class ClusterProbe:
         return len(self.live_workers()) >= killed["replicas_before"]
 
 
+# ------------------------------------------------------------ a hostile tenant
+def hostile_bodies(model: str) -> list[tuple[str, bytes]]:
+    """(name, raw JSON body) of requests no client should send: numerically
+    dangerous sampling values, out-of-range and mistyped parameters, invalid
+    Unicode, deep nesting, oversized prompts and stop lists. Each must get a
+    4xx (or a 200 where the value is legal but extreme), never a 5xx, and
+    must not slow the other tenant down."""
+    def body(**fields) -> bytes:
+        return json.dumps({"model": model, "prompt": "Hello", "max_tokens": 4, **fields}).encode()
+
+    raw_prompt = b'{"model": %s, "prompt": "%s", "max_tokens": 4}'
+    return [
+        ("temperature_1e-40", body(temperature=1e-40, seed=1)),
+        ("temperature_1e-320", body(temperature=1e-320)),
+        ("temperature_nan", body().replace(b'"max_tokens": 4', b'"max_tokens": 4, "temperature": NaN')),
+        ("top_p_infinity", body().replace(b'"max_tokens": 4', b'"max_tokens": 4, "top_p": Infinity')),
+        ("top_p_zero", body(top_p=0)),
+        ("seed_2**70", body(seed=2 ** 70)),
+        ("lone_surrogate", raw_prompt % (json.dumps(model).encode(), b"\\ud800")),
+        ("nested_50k", b'{"model": ' + json.dumps(model).encode() + b', "prompt": ' + b"[" * 50_000
+         + b"]" * 50_000 + b"}"),
+        ("max_tokens_huge", body(max_tokens=10 ** 9)),
+        ("prompt_too_long", body(prompt=[65] * 100_000)),
+        ("token_out_of_vocab", body(prompt=[10 ** 9])),
+        ("stop_list_100", body(stop=["x"] * 100)),
+        ("wrong_types", body(max_tokens="four", stream="yes")),
+        ("include_usage_no", body(stream=True, stream_options={"include_usage": "no"})),
+        ("not_json", b"{not json"),
+        ("empty_body", b""),
+    ]
+
+
+async def hostile_client(client, url: str, bodies: list[tuple[str, bytes]], headers: dict, stop: asyncio.Event,
+                         seen: dict, timeout: float) -> None:
+    """Send the hostile bodies in turn until ``stop``; count each answer's status."""
+    i = 0
+    while not stop.is_set():
+        name, raw = bodies[i % len(bodies)]
+        i += 1
+        try:
+            r = await client.post(url, content=raw, headers={**headers, "content-type": "application/json"},
+                                  timeout=timeout)
+            status = str(r.status_code)
+        except Exception as exc:   # no answer at all: as bad as a 5xx
+            status = type(exc).__name__
+        seen.setdefault(name, {}).setdefault(status, 0)
+        seen[name][status] += 1
+
+
 # ----------------------------------------------------------------- the clients
 class Tally:
     def __init__(self):
@@ -224,8 +284,9 @@ def _percentile(values: list[float], q: float) -> float | None:
 async def run_load(url: str, *, requests: int, concurrency: int, stream_fraction: float, max_tokens: int = 32,
                    prompt_tokens: int = 128, kill: str | None = None, kill_at: float = 2.0,
                    probe: ClusterProbe | None = None, api_key: str | None = None, model: str | None = None,
-                   timeout: float = 120.0, seed: int = 0, recovery_limit_s: float = 120.0) -> dict:
-    """Run the load (and the kill) and return the JSON report."""
+                   timeout: float = 120.0, seed: int = 0, recovery_limit_s: float = 120.0,
+                   hostile_concurrency: int = 0, hostile_api_key: str | None = None) -> dict:
+    """Run the load (and the kill, and the hostile tenant) and return the JSON report."""
     import httpx
 
     rng = random.Random(seed)
@@ -234,7 +295,8 @@ async def run_load(url: str, *, requests: int, concurrency: int, stream_fraction
     killed: dict | None = None
     recovery: dict = {}
     rss_before = probe.rss_mib() if probe else None
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    connections = concurrency + hostile_concurrency
+    limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout), limits=limits) as client:
         if model is None:
             r = await client.get(url.rstrip("/") + "/v1/models", headers=headers)
@@ -265,11 +327,18 @@ async def run_load(url: str, *, requests: int, concurrency: int, stream_fraction
             killed["at"] = time.monotonic()
             recovery["s"] = await asyncio.to_thread(_wait_whole, probe, killed, recovery_limit_s)
 
+        stop, hostile_seen = asyncio.Event(), {}
+        bad = hostile_bodies(model)
+        hostile_headers = {"Authorization": f"Bearer {hostile_api_key}"} if hostile_api_key else dict(headers)
         t0 = time.perf_counter()
+        hostile = [asyncio.create_task(hostile_client(client, endpoint, bad, hostile_headers, stop, hostile_seen,
+                                                      timeout)) for _ in range(hostile_concurrency)]
         tasks = [asyncio.create_task(client_loop()) for _ in range(concurrency)]
         kill_task = asyncio.create_task(killer()) if kill else None
         await asyncio.gather(*tasks)
         wall = time.perf_counter() - t0
+        stop.set()
+        await asyncio.gather(*hostile)
         if kill_task is not None:
             await kill_task
     return {"requests": requests, "completed": tally.completed, "failed_by_status": tally.failed_by_status,
@@ -278,7 +347,21 @@ async def run_load(url: str, *, requests: int, concurrency: int, stream_fraction
             "latency_ms_p99": _percentile(tally.latencies_ms, 0.99),
             "recovery_s": recovery.get("s"), "kill": kill, "kill_at_s": kill_at if kill else None,
             "wall_s": round(wall, 2), "concurrency": concurrency, "stream_fraction": stream_fraction,
-            "rss_mib_before": rss_before, "rss_mib_after": probe.rss_mib() if probe else None}
+            "rss_mib_before": rss_before, "rss_mib_after": probe.rss_mib() if probe else None,
+            **_hostile_report(hostile_concurrency, hostile_seen)}
+
+
+def _hostile_report(concurrency: int, seen: dict) -> dict:
+    if not concurrency:
+        return {}
+    by_status: dict[str, int] = {}
+    for statuses in seen.values():
+        for status, n in statuses.items():
+            by_status[status] = by_status.get(status, 0) + n
+    bad = sum(n for status, n in by_status.items() if not (status.isdigit() and int(status) < 500))
+    return {"hostile_concurrency": concurrency, "hostile_requests": sum(by_status.values()),
+            "hostile_by_status": dict(sorted(by_status.items())), "hostile_5xx_or_no_answer": bad,
+            "hostile_by_kind": seen}
 
 
 def _wait_whole(probe: ClusterProbe, killed: dict, limit_s: float) -> float | None:
@@ -304,7 +387,8 @@ def run(args: argparse.Namespace) -> int:
                                   stream_fraction=args.stream_fraction, max_tokens=args.max_tokens,
                                   prompt_tokens=args.prompt_tokens, kill=args.kill, kill_at=args.kill_at,
                                   probe=probe, api_key=args.api_key, model=args.model, timeout=args.timeout,
-                                  seed=args.seed))
+                                  seed=args.seed, hostile_concurrency=args.hostile_concurrency,
+                                  hostile_api_key=args.hostile_api_key))
     print(json.dumps(report), flush=True)
     return 0
 

@@ -59,6 +59,7 @@ def test_bench_http_rows_breakdown_and_local_decisions(app_url):
         assert sum(timing[p] for p in PARTS_TO_FIRST_TOKEN) == pytest.approx(timing["ttft"], abs=0.01)
         assert timing["ttft"] + timing["respond"] == pytest.approx(timing["total"], abs=0.01)
         assert timing["first_forward"] > 0 and timing["migrate"] == 0
+    assert 0 < ours["path_ms_p50"] < ours["latency_ms_p50"]
     for field in ("latency_ms_p50", "latency_ms_p99", "ttft_ms_cached_p50", "suffix_forward_ms_p50", "route_ms_p99"):
         assert ours[field] > 0, field
     assert ours["ttft_goal_ms"] == pytest.approx(ours["latency_ms_p50"] + 2 * ours["suffix_forward_ms_p50"])
