@@ -240,7 +240,7 @@ class DirectoryImpl:
 
     def get_stats(self) -> dict:
         """Counters, per-worker load, the index's stats, and the routing decision's
-        own time (``choose``, in the directory) over the latest 10,000 decisions."""
+        own time (``choose``, thread CPU time) over the latest 10,000 decisions."""
         return {**self.stats, "workers": {w: {"queued_tokens": s.queued_tokens, "running": s.running}
                                           for w, s in self.workers.items()},
                 "index": dict(getattr(self.index, "stats", {})), "policy": self.policy_name,

@@ -71,7 +71,7 @@ class RouteDecision:
     cached_tokens: int = 0
     migrate_from: str | None = None
     source: str = "directory"     # who decided: "directory", "router_view" (a router's table copy), "fallback"
-    decision_us: float | None = None   # the policy's own time for it (its choose), where it was made
+    decision_us: float | None = None   # the policy's own time for it (its choose, thread CPU), where it was made
 
     @classmethod
     def from_wire(cls, obj: Any) -> "RouteDecision":

@@ -24,8 +24,10 @@ so the shared machine's noise falls on both arms alike:
   over the requests' own timestamps. ``route_ms_p50/p99``: the routing
   step as the requests saw it (the router's, on its copy of the
   directory's table: ``routed_locally`` is the share decided there; block
-  hashing and the router's event loop included); ``decision_us_p50/p99``:
-  the decision itself (the policy's ``choose`` on that table), the goal's figure;
+  hashing and the router's event loop included, wall clock);
+  ``decision_us_p50/p99``: the decision itself (the policy's ``choose`` on
+  that table, in the router thread's CPU time, so the turns other processes
+  take on a shared machine do not count), the goal's figure;
   ``directory_decision_us_p50/p99``: the directory's own decisions, for the
   requests that asked it (``directory_decisions``).
 

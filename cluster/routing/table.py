@@ -49,7 +49,7 @@ class RoutingTable:
         self.policy_kwargs = dict(policy_kwargs or {})
         self.policy = make_policy(policy, cost=self.cost, **self.policy_kwargs)
         self._candidates: list[WorkerState] | None = None   # reused by route() until membership changes
-        self.decision_s: deque[float] = deque(maxlen=10_000)   # the latest decisions' own durations
+        self.decision_s: deque[float] = deque(maxlen=10_000)   # the latest decisions' thread CPU time
 
     # ------------------------------------------------------------------ ops
     def apply(self, op: str, args: tuple) -> Any:
@@ -114,9 +114,11 @@ class RoutingTable:
             candidates = self._candidates
         if not candidates:
             raise NoLiveWorkerError("no live cache workers registered with the directory")
-        started = time.perf_counter()
+        # Thread CPU time: what the decision costs, not the turns other threads and
+        # processes take meanwhile (the route step's wall time is measured around it).
+        started = time.thread_time()
         decision = self.policy.choose(hashes, num_tokens, candidates, self.index, sent=reserve)
-        self.decision_s.append(time.perf_counter() - started)
+        self.decision_s.append(time.thread_time() - started)
         if reserve:
             self.workers[decision.worker_id].queued_tokens += num_tokens - decision.cached_tokens
         return decision
