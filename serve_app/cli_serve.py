@@ -50,6 +50,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         local = LocalCluster(worker_nodes=args.worker_nodes)
         local.deploy(app_args, port=args.port, host=args.host)
+        # What `prefix-cache loadtest --address` (kills, memory) needs.
+        print(f"Ray cluster at {local.cluster.address}", flush=True)
     print(f"serving {model} on http://{args.host}:{args.port}  (Ctrl-C to stop)", flush=True)
     stop = threading.Event()
     # Both explicitly: a shell that starts us in the background ignores SIGINT.

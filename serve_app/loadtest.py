@@ -24,7 +24,9 @@ Serve replicas and the directory, read from /proc: the cluster must run on
 this machine), before the first request and after the last.
 
 ``--hostile-concurrency H``: meanwhile, H clients of a second tenant
-(``--hostile-api-key``) send nothing but bad requests (``hostile_bodies``:
+(``--hostile-api-key``), ``--hostile-rate`` requests a second together
+(default 10; 0: as fast as they can, a flood), send nothing but bad
+requests (``hostile_bodies``:
 NaN and denormal temperatures, a seed past 64 bits, a lone surrogate, JSON
 nested 50,000 deep, oversized prompts and stop lists, ...) for the whole run;
 ``hostile_by_status`` counts their answers and ``hostile_5xx_or_no_answer``
@@ -67,6 +69,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hostile-concurrency", type=int, default=0,
                    help="clients of a second tenant sending only bad requests (HOSTILE_BODIES) for the whole run")
     p.add_argument("--hostile-api-key", default=None, help="that tenant's API key (default: --api-key)")
+    p.add_argument("--hostile-rate", type=float, default=10.0,
+                   help="bad requests per second from all hostile clients together (0: as fast as they can)")
 
 
 def check_url(url: str, allow_remote: bool) -> None:
@@ -167,18 +171,18 @@ class ClusterProbe:
 
 # ------------------------------------------------------------ a hostile tenant
 def hostile_bodies(model: str) -> list[tuple[str, bytes]]:
-    """(name, raw JSON body) of requests no client should send: numerically
-    dangerous sampling values, out-of-range and mistyped parameters, invalid
-    Unicode, deep nesting, oversized prompts and stop lists. Each must get a
-    4xx (or a 200 where the value is legal but extreme), never a 5xx, and
-    must not slow the other tenant down."""
+    """(name, raw JSON body) of requests no client should send: NaN and
+    infinite sampling values, out-of-range and mistyped parameters, invalid
+    Unicode, deep nesting, oversized prompts and stop lists, bodies that are
+    not JSON. Each must get a 4xx, never a 5xx, and cost the service no more
+    than reading and refusing it. (Legal but extreme values, such as a
+    temperature of 1e-40, are real work and are tested as such in
+    ``tests/serve/test_http.py``.)"""
     def body(**fields) -> bytes:
         return json.dumps({"model": model, "prompt": "Hello", "max_tokens": 4, **fields}).encode()
 
     raw_prompt = b'{"model": %s, "prompt": "%s", "max_tokens": 4}'
     return [
-        ("temperature_1e-40", body(temperature=1e-40, seed=1)),
-        ("temperature_1e-320", body(temperature=1e-320)),
         ("temperature_nan", body().replace(b'"max_tokens": 4', b'"max_tokens": 4, "temperature": NaN')),
         ("top_p_infinity", body().replace(b'"max_tokens": 4', b'"max_tokens": 4, "top_p": Infinity')),
         ("top_p_zero", body(top_p=0)),
@@ -198,10 +202,13 @@ def hostile_bodies(model: str) -> list[tuple[str, bytes]]:
 
 
 async def hostile_client(client, url: str, bodies: list[tuple[str, bytes]], headers: dict, stop: asyncio.Event,
-                         seen: dict, timeout: float) -> None:
-    """Send the hostile bodies in turn until ``stop``; count each answer's status."""
+                         seen: dict, timeout: float, interval_s: float = 0.0) -> None:
+    """Send the hostile bodies in turn until ``stop``, one every ``interval_s`` at
+    most; count each answer's status."""
     i = 0
+    loop = asyncio.get_running_loop()
     while not stop.is_set():
+        next_at = loop.time() + interval_s
         name, raw = bodies[i % len(bodies)]
         i += 1
         try:
@@ -212,6 +219,11 @@ async def hostile_client(client, url: str, bodies: list[tuple[str, bytes]], head
             status = type(exc).__name__
         seen.setdefault(name, {}).setdefault(status, 0)
         seen[name][status] += 1
+        if interval_s:
+            try:
+                await asyncio.wait_for(stop.wait(), max(0.0, next_at - loop.time()))
+            except TimeoutError:
+                pass
 
 
 # ----------------------------------------------------------------- the clients
@@ -285,7 +297,8 @@ async def run_load(url: str, *, requests: int, concurrency: int, stream_fraction
                    prompt_tokens: int = 128, kill: str | None = None, kill_at: float = 2.0,
                    probe: ClusterProbe | None = None, api_key: str | None = None, model: str | None = None,
                    timeout: float = 120.0, seed: int = 0, recovery_limit_s: float = 120.0,
-                   hostile_concurrency: int = 0, hostile_api_key: str | None = None) -> dict:
+                   hostile_concurrency: int = 0, hostile_api_key: str | None = None,
+                   hostile_rate: float = 10.0) -> dict:
     """Run the load (and the kill, and the hostile tenant) and return the JSON report."""
     import httpx
 
@@ -331,8 +344,9 @@ async def run_load(url: str, *, requests: int, concurrency: int, stream_fraction
         bad = hostile_bodies(model)
         hostile_headers = {"Authorization": f"Bearer {hostile_api_key}"} if hostile_api_key else dict(headers)
         t0 = time.perf_counter()
+        interval = hostile_concurrency / hostile_rate if hostile_rate > 0 else 0.0
         hostile = [asyncio.create_task(hostile_client(client, endpoint, bad, hostile_headers, stop, hostile_seen,
-                                                      timeout)) for _ in range(hostile_concurrency)]
+                                                      timeout, interval)) for _ in range(hostile_concurrency)]
         tasks = [asyncio.create_task(client_loop()) for _ in range(concurrency)]
         kill_task = asyncio.create_task(killer()) if kill else None
         await asyncio.gather(*tasks)
@@ -348,10 +362,10 @@ async def run_load(url: str, *, requests: int, concurrency: int, stream_fraction
             "recovery_s": recovery.get("s"), "kill": kill, "kill_at_s": kill_at if kill else None,
             "wall_s": round(wall, 2), "concurrency": concurrency, "stream_fraction": stream_fraction,
             "rss_mib_before": rss_before, "rss_mib_after": probe.rss_mib() if probe else None,
-            **_hostile_report(hostile_concurrency, hostile_seen)}
+            **_hostile_report(hostile_concurrency, hostile_seen, hostile_rate, wall)}
 
 
-def _hostile_report(concurrency: int, seen: dict) -> dict:
+def _hostile_report(concurrency: int, seen: dict, rate: float, wall_s: float) -> dict:
     if not concurrency:
         return {}
     by_status: dict[str, int] = {}
@@ -359,7 +373,9 @@ def _hostile_report(concurrency: int, seen: dict) -> dict:
         for status, n in statuses.items():
             by_status[status] = by_status.get(status, 0) + n
     bad = sum(n for status, n in by_status.items() if not (status.isdigit() and int(status) < 500))
-    return {"hostile_concurrency": concurrency, "hostile_requests": sum(by_status.values()),
+    sent = sum(by_status.values())
+    return {"hostile_concurrency": concurrency, "hostile_rate_limit": rate or None,
+            "hostile_requests_per_s": round(sent / wall_s, 1) if wall_s else None, "hostile_requests": sent,
             "hostile_by_status": dict(sorted(by_status.items())), "hostile_5xx_or_no_answer": bad,
             "hostile_by_kind": seen}
 
@@ -388,7 +404,7 @@ def run(args: argparse.Namespace) -> int:
                                   prompt_tokens=args.prompt_tokens, kill=args.kill, kill_at=args.kill_at,
                                   probe=probe, api_key=args.api_key, model=args.model, timeout=args.timeout,
                                   seed=args.seed, hostile_concurrency=args.hostile_concurrency,
-                                  hostile_api_key=args.hostile_api_key))
+                                  hostile_api_key=args.hostile_api_key, hostile_rate=args.hostile_rate))
     print(json.dumps(report), flush=True)
     return 0
 

@@ -119,9 +119,7 @@ def _common(body: dict, prompt: list[int], limits: Limits, served_model: str, to
     if model != served_model:
         raise APIError(404, f"model '{model}' does not exist; this server serves '{served_model}'",
                        param="model", code="model_not_found")
-    if len(prompt) > limits.max_prompt_tokens:
-        raise APIError(413, f"prompt has {len(prompt)} tokens; the limit is {limits.max_prompt_tokens}",
-                       param="prompt", code="context_length_exceeded")
+    _check_prompt_length(len(prompt), limits)
     max_tokens = _int(body, "max_tokens", 16, lo=1, hi=limits.max_tokens)
     if "max_completion_tokens" in body:
         max_tokens = _int(body, "max_completion_tokens", 16, lo=1, hi=limits.max_tokens)
@@ -175,6 +173,12 @@ def _stop_strings(value) -> list[str]:
     return list(dict.fromkeys(stops))
 
 
+def _check_prompt_length(tokens: int, limits: Limits) -> None:
+    if tokens > limits.max_prompt_tokens:
+        raise APIError(413, f"prompt has {tokens} tokens; the limit is {limits.max_prompt_tokens}",
+                       param="prompt", code="context_length_exceeded")
+
+
 def parse_completion(body: dict, limits: Limits, served_model: str, tokenizer: Tokenizer) -> GenerationRequest:
     if "prompt" not in body:
         raise APIError(422, "'prompt' is required", param="prompt")
@@ -188,6 +192,7 @@ def parse_completion(body: dict, limits: Limits, served_model: str, tokenizer: T
     elif isinstance(prompt, list):
         if not prompt:
             raise APIError(422, "'prompt' must not be empty", param="prompt")
+        _check_prompt_length(len(prompt), limits)   # before looking at every id of an oversized one
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             raise APIError(422, "'prompt' must be a string or a list of integer token ids", param="prompt")
         bad = next((t for t in prompt if not 0 <= t < tokenizer.vocab_size), None)
