@@ -13,7 +13,7 @@ Names and labels (the README lists them too):
 | prefix_cache_migrated_bytes_total | counter | transport |
 | prefix_cache_tier_moves_total | counter | worker, kind (demoted_to_warm, demoted_to_cold, promoted, dropped) |
 | prefix_cache_tier_used_tokens | gauge | worker, tier |
-| prefix_cache_router_decisions_total | counter | reason |
+| prefix_cache_router_decisions_total | counter | reason, source (router_view, directory, fallback, target) |
 | prefix_cache_responses_5xx_total | counter | endpoint (completions, chat, other) |
 | prefix_cache_cut_streams_total | counter | |
 | prefix_cache_resumed_requests_total | counter | |
@@ -47,8 +47,10 @@ migrated_bytes = Counter("prefix_cache_migrated_bytes_total", "KV bytes moved be
 tier_moves = Counter("prefix_cache_tier_moves_total", "Tier moves (demotions, promotions, drops)",
                      tag_keys=("worker", "kind"))
 tier_used = Gauge("prefix_cache_tier_used_tokens", "Tokens held per tier", tag_keys=("worker", "tier"))
-router_decisions = Counter("prefix_cache_router_decisions_total", "Router decisions by reason",
-                           tag_keys=("reason",))
+router_decisions = Counter("prefix_cache_router_decisions_total",
+                           "Router decisions by reason and by who decided (the router's table copy, the directory, "
+                           "the least-loaded fallback, or a call aimed at one replica)",
+                           tag_keys=("reason", "source"))
 
 responses_5xx = Counter("prefix_cache_responses_5xx_total", "Responses with a 5xx status or a 5xx error event",
                         tag_keys=("endpoint",))

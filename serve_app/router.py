@@ -83,7 +83,7 @@ class DirectoryRouter(RequestRouter):
         chosen = by_id.get(decision.worker_id)
         if chosen is not None and chosen not in candidate_replicas:
             chosen = None
-        metrics.router_decisions.inc(tags={"reason": decision.reason})
+        metrics.router_decisions.inc(tags={"reason": decision.reason, "source": decision.source})
         ranks = self._least_loaded(candidate_replicas)
         if chosen is None:
             return ranks
@@ -107,7 +107,7 @@ class DirectoryRouter(RequestRouter):
         """Fail a targeted call now. Serve only gives up on a request whose future
         is done, and only looks after a non-empty answer: the candidate returned
         is never used (no other request can be handed it: no FIFO hand-off)."""
-        metrics.router_decisions.inc(tags={"reason": "target_gone"})
+        metrics.router_decisions.inc(tags={"reason": "target_gone", "source": "target"})
         if pending_request is None:
             return []
         if not pending_request.future.done():
