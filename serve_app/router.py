@@ -49,9 +49,9 @@ class DirectoryRouter(RequestRouter):
     def initialize_state(self, namespace: str = "prefix-cache", block_tokens: int = 16,
                          directory_timeout_s: float = 0.5, local_table: bool = True, **_: Any) -> None:
         self.directory = DirectoryLink(namespace, block_tokens=block_tokens, route_timeout_s=directory_timeout_s)
-        # A copy of the directory's routing table, followed in the background: decisions
-        # without a remote call (``local_table=False``: ask the directory every time).
-        self.table = TableFollower(DirectoryLink(namespace, block_tokens=block_tokens)) if local_table else None
+        # A copy of the directory's routing table, followed in the background through the
+        # same link: decisions without a remote call (``local_table=False``: ask every time).
+        self.table = TableFollower(self.directory) if local_table else None
 
     def _least_loaded(self, replicas: list[RunningReplica]) -> list[list[RunningReplica]]:
         cache = self._replica_queue_len_cache

@@ -21,95 +21,21 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any, Callable, Hashable, Sequence
 
 import torch
 
 from cluster.cache.allocator import AllocatorConfig, Extent
 from cluster.cache.disk import DiskPool
-from cluster.cache.kv_pool import KVLayout, KVPool, cuda_available
-from cluster.cache.offload import CopyEngine, ImmediateEngine, ThreadEngine, make_copy_engine
+from cluster.cache.kv_pool import KVLayout, KVPool
+from cluster.cache.offload import ImmediateEngine, ThreadEngine, make_copy_engine
 from cluster.cache.radix_tree import RadixTree, TreeNode
 from cluster.errors import CacheError, ChecksumError, InvalidInputError, PoolExhaustedError
 from cluster.names import COLD, HOT, TIER_NAMES, WARM
 from cluster.ownership import ThreadOwner
+from cluster.cache.tier_types import Move, MoveKind, TieredMatch, TierConfig, UnknownSessionError
 
-
-class UnknownSessionError(CacheError, KeyError):
-    """A prefetch named a session this cache has never seen (or has forgotten)."""
-
-    def __str__(self) -> str:
-        return str(self.args[0])
-
-
-@dataclass(frozen=True)
-class TierConfig:
-    hot_blocks: int
-    warm_blocks: int = 0
-    cold_blocks: int = 0
-    block_tokens: int = 16
-    disk_dir: str | None = None
-    high_watermark: float = 0.9
-    low_watermark: float = 0.7
-    mode: str = "slotted"
-    device: str = "auto"
-    policy: str = "lru"
-    max_sessions: int = 100_000
-    copy_gb_per_s: float | None = None   # pace host copies on CPU-only hosts (see offload.ThreadEngine)
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.hot_blocks, int) or self.hot_blocks <= 0:
-            raise InvalidInputError(f"hot_blocks must be a positive integer, got {self.hot_blocks!r}")
-        for name in ("warm_blocks", "cold_blocks"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 0:
-                raise InvalidInputError(f"{name} must be a non-negative integer, got {v!r}")
-        if self.cold_blocks and not self.warm_blocks:
-            raise InvalidInputError("cold_blocks needs warm_blocks > 0 (COLD is reached through WARM)")
-        if self.copy_gb_per_s is not None and not (isinstance(self.copy_gb_per_s, (int, float))
-                                                   and self.copy_gb_per_s > 0):
-            raise InvalidInputError(f"copy_gb_per_s must be a positive number or None, got {self.copy_gb_per_s!r}")
-        if not 0.0 < self.low_watermark < self.high_watermark <= 1.0:
-            raise InvalidInputError(
-                f"watermarks out of order: need 0 < low_watermark ({self.low_watermark}) < "
-                f"high_watermark ({self.high_watermark}) <= 1")
-
-    def resolved_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if cuda_available() else "cpu")
-        return torch.device(self.device)
-
-
-class MoveKind(Enum):
-    DEMOTE = "demote"
-    PROMOTE = "promote"
-
-
-@dataclass(slots=True)
-class Move:
-    """One asynchronous tier move; each node it carries points to it through
-    ``node.busy`` until the owner applies its completion (then ``None``)."""
-
-    kind: MoveKind
-    nodes: list[TreeNode]
-    src_tiers: list[int]
-    dst_tier: int
-    dst_extents: list[list[Extent]]
-    engine: CopyEngine | None
-    op_id: int = 0
-    failed_index: list[int] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class TieredMatch:
-    length: int                   # tokens usable now (HOT, after any promotion)
-    last_node: TreeNode
-    extents: list[Extent]         # HOT extents covering tokens[:length]
-    tier_lengths: list[int]       # HOT/WARM/COLD split of the prefix before promotion
-    promoted_tokens: int = 0
-    waited_s: float = 0.0
+__all__ = ["TieredCache", "TierConfig", "Move", "MoveKind", "TieredMatch", "UnknownSessionError"]
 
 
 class TieredCache:

@@ -277,8 +277,8 @@ class Engine:
     def complete_finished(self) -> None:
         """Cache the KV of the requests that ended on their last token and unlock
         their prefixes (``step(defer_finish=True)`` leaves this to the caller)."""
-        while self._finishing:
-            req, reason = self._finishing.pop(0)
+        finishing, self._finishing = self._finishing, []
+        for req, reason in finishing:
             try:
                 self._finish(req, reason, keep=True)
             except Exception as exc:   # caching the finished sequence failed: the answer stands

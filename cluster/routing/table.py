@@ -29,6 +29,7 @@ import dataclasses
 import time
 import uuid
 from collections import deque
+from itertools import islice
 from typing import Any, Callable, Sequence
 
 from cluster.errors import InvalidInputError
@@ -167,7 +168,7 @@ class ChangeLog:
         if not 0 <= cursor < self.seq or not self._changes or self._changes[0].seq > cursor + 1:
             return None
         first = self._changes[0].seq
-        return list(self._changes)[cursor + 1 - first:]
+        return list(islice(self._changes, cursor + 1 - first, None))
 
     def update(self, table: RoutingTable, epoch: str | None, cursor: int) -> TableUpdate:
         """What a replica at (``epoch``, ``cursor``) needs: the changes since, or the whole table."""

@@ -34,6 +34,7 @@ them before building an endpoint, or pass ``ucx_env=recommended_ucx_env()``
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import threading
 import time
@@ -45,6 +46,8 @@ from typing import Any
 import msgpack
 import numpy as np
 import torch
+
+log = logging.getLogger(__name__)
 
 __all__ = ["NixlEndpoint", "TransferError", "nixl_available", "recommended_ucx_env"]
 
@@ -376,8 +379,8 @@ class NixlEndpoint:
             if reg is not None:
                 try:
                     self._agent.deregister_memory(reg, backends=[_BACKEND])
-                except Exception:
-                    pass
+                except Exception as exc:   # the agent goes anyway; say so, the memory stays pinned
+                    log.warning("NIXL endpoint %s: deregistering its memory failed: %s", self.name, exc)
             self._agent = None
 
     def __enter__(self) -> NixlEndpoint:

@@ -2,7 +2,9 @@
 its rows, and what they rest on (decisions made on the router's table copy,
 a breakdown that adds up to each request's time to first token).
 
-Speed is not asserted: that is what the command measures."""
+No duration is asserted: that is what the command measures. What is asserted
+is arithmetic and provenance: where each decision was made, and that every
+request's parts add up to its own TTFT."""
 
 from argparse import Namespace
 
@@ -58,10 +60,10 @@ def test_bench_http_rows_breakdown_and_local_decisions(app_url):
         assert all(timing[p] >= 0 for p in PARTS_TO_FIRST_TOKEN)
         assert sum(timing[p] for p in PARTS_TO_FIRST_TOKEN) == pytest.approx(timing["ttft"], abs=0.01)
         assert timing["ttft"] + timing["respond"] == pytest.approx(timing["total"], abs=0.01)
-        assert timing["first_forward"] > 0 and timing["migrate"] == 0
-    assert 0 < ours["path_ms_p50"] < ours["latency_ms_p50"]
-    for field in ("latency_ms_p50", "latency_ms_p99", "ttft_ms_cached_p50", "suffix_forward_ms_p50", "route_ms_p99"):
-        assert ours[field] > 0, field
+        assert timing["migrate"] == 0   # everything was local: no pull
+    for field in ("latency_ms_p50", "latency_ms_p99", "path_ms_p50", "ttft_ms_cached_p50", "suffix_forward_ms_p50",
+                  "route_ms_p99", "decision_us_p99"):
+        assert isinstance(ours[field], float), field   # measured, not left out (speed is the command's to report)
     assert ours["ttft_goal_ms"] == pytest.approx(ours["latency_ms_p50"] + 2 * ours["suffix_forward_ms_p50"])
     assert summary["latency_p50_ratio_vs_echo"] == pytest.approx(ours["latency_ms_p50"] / echo["latency_ms_p50"],
                                                                  abs=1e-3)

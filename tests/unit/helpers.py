@@ -10,3 +10,26 @@ class TickClock:
     def __call__(self):
         self.t += 1.0
         return self.t
+
+
+# A small seeded model and a worker around it, for the WorkerCore tests (no Ray).
+WORKER_MODEL = dict(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
+                    seed=5)
+
+
+def make_worker(worker_id, **kw):
+    from actors.core import WorkerConfig, WorkerCore
+
+    cfg = WorkerConfig.from_dict(dict(model=WORKER_MODEL, hot_blocks=128, warm_blocks=128, block_tokens=16, **kw))
+    return WorkerCore(worker_id, cfg)
+
+
+def run_worker(core, prompt, max_tokens=4):
+    """Every item of one request on ``core``, run to its end."""
+    import asyncio
+
+    from cluster.protocol import GenerateRequest
+
+    async def go():
+        return [item async for item in core.generate(GenerateRequest(prompt, {"max_tokens": max_tokens}))]
+    return asyncio.run(go())

@@ -9,19 +9,10 @@ from actors.core import EngineWedgedError, WorkerConfig, WorkerCore
 from actors.migration import MigrationRefused, tokens_hash
 from cluster.errors import InvalidInputError
 from cluster.protocol import GenerateRequest, Transport
+from tests.unit.helpers import WORKER_MODEL, make_worker, run_worker
 
-MODEL = dict(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128, seed=5)
-
-
-def make(worker_id, **kw):
-    cfg = WorkerConfig.from_dict(dict(model=MODEL, hot_blocks=128, warm_blocks=128, block_tokens=16, **kw))
-    return WorkerCore(worker_id, cfg)
-
-
-def run(core, prompt, max_tokens=2):
-    async def go():
-        return [item async for item in core.generate(GenerateRequest(prompt, {"max_tokens": max_tokens}))]
-    return asyncio.run(go())
+MODEL = WORKER_MODEL
+make, run = make_worker, run_worker
 
 
 # ------------------------------------------------------------------ watchdog
@@ -33,7 +24,7 @@ def test_watchdog_trips_only_with_work_queued():
         now = [0.0]
         loop.clock, loop.watchdog_s = (lambda: now[0]), 5.0
         loop._on_trip = trips.append
-        run(core, [1, 2, 3])          # the engine stamps progress on the fake clock
+        run(core, [1, 2, 3], max_tokens=2)          # the engine stamps progress on the fake clock
         core.inject_fault("wedge")    # the engine thread blocks in a command
         now[0] = 100.0
         assert loop.check_wedged() is False and core.healthy()   # stuck but idle: nobody waits
@@ -53,7 +44,7 @@ def test_watchdog_trips_only_with_work_queued():
         with pytest.raises(EngineWedgedError):
             core.health()
         with pytest.raises(EngineWedgedError):   # new work is refused at once, not queued behind the wedge
-            run(core, [7, 8, 9])
+            run(core, [7, 8, 9], max_tokens=2)
         assert loop.check_wedged() is True and loop.watchdog_trips == 1   # trips once
     finally:
         core.close()
@@ -62,10 +53,10 @@ def test_watchdog_trips_only_with_work_queued():
 def test_watchdog_thread_fails_a_wedged_engines_requests():
     core = make("wd-b", watchdog_s=0.3)
     try:
-        run(core, [1, 2, 3])
+        run(core, [1, 2, 3], max_tokens=2)
         core.inject_fault("wedge")
         with pytest.raises(EngineWedgedError, match=r"watchdog bound 0.3 s"):
-            run(core, [4, 5, 6])
+            run(core, [4, 5, 6], max_tokens=2)
         assert not core.healthy() and core.loop.watchdog_trips == 1
     finally:
         core.close()

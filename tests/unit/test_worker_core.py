@@ -10,22 +10,13 @@ import torch
 
 from actors.core import QueueFullError, WorkerConfig, WorkerCore
 from cluster.ownership import ENV_VAR, OwnershipError
-from cluster.protocol import FinishReason, GenerateRequest, Transport
+from cluster.protocol import FinishReason, Transport
 from cluster.engine.model import DecoderModel, ModelConfig
 from cluster.transfer.nixl_transport import nixl_available
+from tests.unit.helpers import WORKER_MODEL, TickClock, make_worker, run_worker
 
-MODEL = dict(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128, seed=5)
-
-
-def make(worker_id, **kw):
-    cfg = WorkerConfig.from_dict(dict(model=MODEL, hot_blocks=128, warm_blocks=128, block_tokens=16, **kw))
-    return WorkerCore(worker_id, cfg)
-
-
-def run(core, prompt, max_tokens=4):
-    async def go():
-        return [item async for item in core.generate(GenerateRequest(prompt, {"max_tokens": max_tokens}))]
-    return asyncio.run(go())
+MODEL = WORKER_MODEL
+make, run = make_worker, run_worker
 
 
 def greedy(prompt, n):
@@ -54,12 +45,16 @@ def test_streams_tokens_and_caches_the_turn():
 def test_the_first_token_carries_the_replica_timing():
     core = make("w-t")
     try:
+        # The engine's injectable clock ticks once a call: handed to the engine (1),
+        # submitted (2), its step admits it (3), has its cached KV read (4), starts the
+        # forward (5), samples (6). The timing is those stamps' differences, exactly.
+        core.engine.clock = TickClock()
         before = time.time()
         items = run(core, list(range(40)), max_tokens=3)
         first = items[0].timing
-        assert first is not None and all(i.timing is None for i in items[1:])
-        assert first.queue_s >= 0 and first.prefix_load_s >= 0 and first.forward_s > 0 and first.migrate_s == 0
-        assert before <= first.received_at <= time.time()
+        assert all(i.timing is None for i in items[1:])
+        assert (first.queue_s, first.prefix_load_s, first.forward_s, first.migrate_s) == (2.0, 2.0, 1.0, 0.0)
+        assert before <= first.received_at <= time.time()   # the wall-clock stamp the ingress splits hops by
     finally:
         core.close()
 
