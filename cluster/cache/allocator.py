@@ -11,17 +11,18 @@ Bookkeeping per block (plain lists indexed by block id, cheap in CPython):
 - ``refcount``: number of live extents on the block; the block returns to the
   free list when it reaches zero.
 - ``used``: tokens covered by live extents.
+- ``occupied``: a bitmask of the live token slots. The free run behind an
+  extent, or around a freed one, is a couple of integer operations on it, so
+  growing a sequence and coalescing freed slots never walk the block.
 - ``live``: offset -> (length, owner) of each live extent, so a double free is
   detected, overlaps can be checked, and compaction can tell the owner (a
   tree node) where its KV moved.
-- ``gap``: the largest run of free slots in the block. A freed slot is a gap
-  that the next short span can take, so holes do not pile up between
-  compactions.
 
-Open partial blocks are indexed by their largest gap (one bucket per size,
-plus a bitmask of non-empty buckets), so finding a slot is O(1), never a walk
-over blocks; placing it behind the block's last extent is O(1), into an inner
-gap one pass over that block's extents. The free list is a LIFO stack: O(1)
+Every free run of an open partial block is indexed by its length (one bucket
+per length, plus a bitmask of non-empty buckets): a slot takes the shortest
+run that fits, anywhere in the pool (best fit), in O(1); a freed slot merges
+with its neighbours and is a run the next short span can take, so holes do
+not pile up between compactions. The free list is a LIFO stack: O(1)
 allocate and free.
 """
 
@@ -74,21 +75,21 @@ class BlockAllocator:
 
     def __init__(self, config: AllocatorConfig):
         self.config = config
-        n, self.block_tokens = config.num_blocks, config.block_tokens
-        self.num_blocks = n
+        n, bt = config.num_blocks, config.block_tokens
+        self.num_blocks, self.block_tokens = n, bt
         self.slotted = config.mode == "slotted"
+        self._full_mask = (1 << bt) - 1
         self.refcount = [0] * n
         self.used = [0] * n
-        self.gap = [self.block_tokens] * n   # largest free run per block
-        self.tail = [0] * n                  # end of the last extent: slots go here first
-        self.inner_gap = [0] * n             # largest free run below ``tail``
+        self.occupied = [0] * n  # bit i set <=> token slot i of the block is live
         # None for a free block: a dict per block only while it is in use keeps
         # the garbage collector's work proportional to what is cached.
         self.live: list[dict[int, tuple[int, Any]] | None] = [None] * n
-        # Blocks that accept new slots, bucketed by free room (1 .. block_tokens-1).
+        # Blocks that accept slots of others; their free runs are indexed by
+        # length (1 .. block_tokens-1), key ``block * block_tokens + start``.
         self._open = [False] * n
-        self._room_buckets: list[dict[int, None]] = [{} for _ in range(self.block_tokens)]
-        self._room_mask = 0  # bit r set <=> bucket r is non-empty
+        self._gaps: list[dict[int, None]] = [{} for _ in range(bt)]
+        self._gap_mask = 0  # bit L set <=> some open block has a free run of length L
         # Reverse order so that block 0 is handed out first (readable tests).
         self._free: list[int] = list(range(n - 1, -1, -1))
         self.used_tokens = 0
@@ -134,10 +135,17 @@ class BlockAllocator:
             entry = self._lookup(extent)
         return entry[1]
 
+    def free_runs(self, block_id: int) -> list[tuple[int, int]]:
+        """Free runs ``(start, length)`` of a block, in order."""
+        return _free_runs(self.occupied[block_id], self._full_mask)
+
+    def largest_gap(self, block_id: int) -> int:
+        return max((length for _, length in self.free_runs(block_id)), default=0)
+
     # --------------------------------------------------------------- allocation
     def blocks_needed(self, num_tokens: int) -> int:
         full, rest = divmod(num_tokens, self.block_tokens)
-        if rest and not (self.slotted and self._find_open(rest) is not None):
+        if rest and not (self.slotted and self._find_gap(rest, -1) is not None):
             full += 1
         return full
 
@@ -148,99 +156,137 @@ class BlockAllocator:
         With ``after`` (the last extent of the sequence being continued), the
         free slots right behind it in its block are used first, as a paged
         allocator grows a sequence's own tail block. Then whole blocks for the
-        block-sized part; the remainder goes to a slot in an open partial block
-        (slotted mode) or to a block of its own. With ``private_tail`` the
-        remainder always gets its own block, kept closed to others, because
-        the caller will append to it (decode).
+        block-sized part; the remainder goes to the best-fitting free run of
+        an open block (slotted mode) or to a block of its own. With
+        ``private_tail`` the remainder always gets its own block, kept closed
+        to others, because the caller will append to it (decode).
         """
         if not isinstance(num_tokens, int) or num_tokens <= 0:
             raise InvalidInputError(f"num_tokens must be a positive integer, got {num_tokens!r}")
-        bt = self.block_tokens
-        grow = 0
+        bt, occupied, live = self.block_tokens, self.occupied, self.live
+        grow = room = 0
         if after is not None:
-            self._lookup(after)
-            grow = min(num_tokens, self.room_after(after))
+            gb, off, length = after
+            if type(gb) is not int or not 0 <= gb < self.num_blocks or (
+                    (live[gb] or _NONE).get(off) or (None,))[0] != length:
+                self._lookup(after)  # raises with the precise message
+            end = off + length
+            behind = occupied[gb] >> end  # the free run behind `after` starts at `end`
+            room = (behind & -behind).bit_length() - 1 if behind else bt - end
+            grow = room if room < num_tokens else num_tokens
         full, rest = divmod(num_tokens - grow, bt)
-        slot_block = None
-        if rest and self.slotted and not private_tail:
-            slot_block = self._find_open(rest)
-            if grow and slot_block == after[0]:
-                slot_block = None  # its room is the one the grow takes
-        needed = full + (1 if rest and slot_block is None else 0)
-        if needed > len(self._free):
+        free = self._free
+        if full > len(free):
             raise PoolExhaustedError(
-                f"pool exhausted: {num_tokens} tokens need {needed} free blocks, {len(self._free)} left",
-                needed_blocks=needed, free_blocks=len(self._free))
+                f"pool exhausted: {num_tokens} tokens need {full} free blocks, {len(free)} left",
+                needed_blocks=full, free_blocks=len(free))
+        slot = -1
+        if rest and self.slotted and not private_tail:
+            # Best fit, inlined (the hot path): the shortest indexed free run
+            # that takes ``rest``; the bitmask of non-empty lengths makes it O(1).
+            mask = self._gap_mask >> rest
+            if mask:
+                gaps = self._gaps
+                run = rest + (mask & -mask).bit_length() - 1
+                bucket = gaps[run]
+                slot, _ = bucket.popitem()  # the newest run of that length
+                if grow and slot == gb * bt + end:
+                    # The grow takes that whole run (it leaves a rest): find another.
+                    bucket[slot] = None
+                    slot, run = self._find_gap(rest, slot) or (-1, 0)
+                    if slot >= 0:
+                        bucket = gaps[run]
+                        del bucket[slot]
+                if slot >= 0:
+                    if not bucket:
+                        self._gap_mask ^= 1 << run
+                    if run > rest:
+                        gaps[run - rest][slot + rest] = None
+                        self._gap_mask |= 1 << (run - rest)
+            if slot < 0 and full >= len(free):
+                raise PoolExhaustedError(
+                    f"pool exhausted: {num_tokens} tokens need {full + 1} free blocks, {len(free)} left",
+                    needed_blocks=full + 1, free_blocks=len(free))
+        elif rest and full >= len(free):
+            raise PoolExhaustedError(
+                f"pool exhausted: {num_tokens} tokens need {full + 1} free blocks, {len(free)} left",
+                needed_blocks=full + 1, free_blocks=len(free))
+        # Nothing below can fail: the pool has what the request needs.
+        refcount, used = self.refcount, self.used
         out = []
         if grow:
-            b, start = after[0], after[1] + after[2]
-            self._unbucket(b)
-            self.live[b][start] = (grow, owner)
-            self.refcount[b] += 1
-            self.used[b] += grow
-            self.used_tokens += grow
-            if start == self.tail[b]:  # behind the last extent: no gap changes but the tail room
-                self.tail[b] = end = start + grow
-                self.gap[b] = max(self.inner_gap[b], bt - end)
-            else:
-                self._refresh_gap(b)
-            self._bucket(b)
-            out.append(Extent(b, start, grow))
+            if self._open[gb]:  # _take_gap, inlined
+                gaps, key = self._gaps, gb * bt + end
+                bucket = gaps[room]
+                del bucket[key]
+                if not bucket:
+                    self._gap_mask ^= 1 << room
+                if room > grow:
+                    gaps[room - grow][key + grow] = None
+                    self._gap_mask |= 1 << (room - grow)
+            live[gb][end] = (grow, owner)
+            occupied[gb] |= ((1 << grow) - 1) << end
+            refcount[gb] += 1
+            used[gb] += grow
+            out.append(_new_tuple(Extent, (gb, end, grow)))
         if full:
-            # Whole blocks: no gaps, no slot index; set the bookkeeping directly.
-            free, live, refcount, used, gap, tail = self._free, self.live, self.refcount, self.used, self.gap, self.tail
-            entry = (bt, owner)
+            # Whole blocks: no free runs, nothing indexed; set the bookkeeping directly.
+            entry, whole = (bt, owner), self._full_mask
             append = out.append
             for _ in range(full):
                 b = free.pop()
                 live[b] = {0: entry}
                 refcount[b] = 1
                 used[b] = bt
-                gap[b] = 0
-                tail[b] = bt
+                occupied[b] = whole
                 append(_new_tuple(Extent, (b, 0, bt)))
-            self.used_tokens += full * bt
         if rest:
-            if slot_block is None:
-                b = self._free.pop()
-                self._place(b, 0, rest, owner)
+            if slot < 0:
+                b = free.pop()
+                live[b] = {0: (rest, owner)}
+                refcount[b] = 1
+                used[b] = rest
+                occupied[b] = (1 << rest) - 1
                 if self.slotted and not private_tail:
-                    self._set_open(b, True)
-                out.append(Extent(b, 0, rest))
+                    self._open[b] = True
+                    self._add_gap(b * bt + rest, bt - rest)
+                out.append(_new_tuple(Extent, (b, 0, rest)))
             else:
-                out.append(Extent(slot_block, self._place_slot(slot_block, rest, owner), rest))
+                b, start = divmod(slot, bt)
+                live[b][start] = (rest, owner)
+                occupied[b] |= ((1 << rest) - 1) << start
+                refcount[b] += 1
+                used[b] += rest
+                out.append(_new_tuple(Extent, (b, start, rest)))
+        self.used_tokens += num_tokens
         return out
 
     def try_grow(self, extent: Extent, num_tokens: int) -> Extent | None:
         """Extend ``extent`` in place by up to ``num_tokens`` if it is its block's
         only extent (a private tail); returns the grown extent."""
         b, off, length = extent
-        self._lookup(extent)
+        _, owner = self._lookup(extent)
         if self.refcount[b] != 1:
             return None
-        grow = min(num_tokens, self.room_after(extent))
+        room = self.room_after(extent)
+        grow = min(num_tokens, room)
         if grow <= 0:
             return None
-        self._unbucket(b)
-        owner = self.live[b][off][1]
+        end = off + length
+        if self._open[b]:
+            self._take_gap(b * self.block_tokens + end, room, grow)
         self.live[b][off] = (length + grow, owner)
+        self.occupied[b] |= ((1 << grow) - 1) << end
         self.used[b] += grow
         self.used_tokens += grow
-        self._refresh_gap(b)
-        self._bucket(b)
         return Extent(b, off, length + grow)
 
     def room_after(self, extent: Extent) -> int:
         """Free slots directly after ``extent`` in its block."""
         b, off, length = extent
         end = off + length
-        tail = self.tail[b]
-        if end >= tail:  # the block's last extent: everything behind it is free
-            return self.block_tokens - end
-        live = self.live[b]
-        if end in live:  # packed: another extent starts right behind it
-            return 0
-        return min(o for o in live if o > end) - end
+        behind = self.occupied[b] >> end
+        return (behind & -behind).bit_length() - 1 if behind else self.block_tokens - end
 
     def is_shared(self, extent: Extent) -> bool:
         """True when other extents live on the same block (append must copy first)."""
@@ -264,34 +310,45 @@ class BlockAllocator:
         # Reverse order: the tail of a sequence goes back first (nano-vllm habit),
         # so the next allocation reuses the hottest blocks.
         bt = self.block_tokens
-        refcount, used, tail, inner, gap, is_open = (self.refcount, self.used, self.tail, self.inner_gap,
-                                                     self.gap, self._open)
+        refcount, used, occupied, is_open = self.refcount, self.used, self.occupied, self._open
         push = self._free.append
         freed_tokens = 0
         for b, off, length in reversed(extents):
             freed_tokens += length
             if length == bt:  # a whole block: nothing else lives on it
                 live[b] = None
-                refcount[b] = used[b] = tail[b] = inner[b] = 0
-                gap[b] = bt
+                refcount[b] = used[b] = occupied[b] = 0
                 is_open[b] = False
                 push(b)
                 continue
-            self._unbucket(b)
             del live[b][off]
             refcount[b] -= 1
             used[b] -= length
+            end = off + length
+            occ = occupied[b] = occupied[b] & ~(((1 << length) - 1) << off)
             if refcount[b] == 0:
+                if is_open[b]:  # the runs on either side of its last extent were indexed
+                    if off:
+                        self._drop_gap(b * bt, off)
+                    if end < bt:
+                        self._drop_gap(b * bt + end, bt - end)
+                    is_open[b] = False
                 live[b] = None
-                is_open[b] = False
-                gap[b] = bt
-                tail[b] = inner[b] = 0
                 push(b)
-            else:
-                self._refresh_gap(b)
+            elif is_open[b]:
+                # Merge the freed slots with the free runs on either side: O(1) with the bitmask.
+                lo = (occ & ((1 << off) - 1)).bit_length()
+                behind = occ >> end
+                hi = end + (behind & -behind).bit_length() - 1 if behind else bt
+                base = b * bt
+                if lo < off:
+                    self._drop_gap(base + lo, off - lo)
+                if hi > end:
+                    self._drop_gap(base + end, hi - end)
+                self._add_gap(base + lo, hi - lo)
+            elif self.slotted:
                 # The freed slots are room again: in slotted mode others may use them.
-                is_open[b] = is_open[b] or self.slotted
-                self._bucket(b)
+                self._set_open(b, True)
         self.used_tokens -= freed_tokens
 
     def seal(self, extent: Extent) -> None:
@@ -354,8 +411,8 @@ class BlockAllocator:
         return cands[:limit]
 
     def fits_in_open_blocks(self, lengths: list[int]) -> bool:
-        """Whether every length finds a slot in an open block (no fresh block)."""
-        rooms = sorted(r for r in range(1, self.block_tokens) for _ in range(len(self._room_buckets[r])))
+        """Whether every length finds a free run of an open block (no fresh block)."""
+        rooms = sorted(r for r in range(1, self.block_tokens) for _ in range(len(self._gaps[r])))
         for length in sorted(lengths, reverse=True):
             i = next((k for k, r in enumerate(rooms) if r >= length), None)
             if i is None:
@@ -386,108 +443,54 @@ class BlockAllocator:
             raise InvalidInputError(f"extent {tuple(extent)} is not allocated (double free or stale extent?)")
         return entry
 
-    def _place(self, b: int, off: int, length: int, owner: Any) -> None:
-        if self.live[b] is None:
-            self.live[b] = {}
-        self.live[b][off] = (length, owner)
-        self.refcount[b] += 1
-        self.used[b] += length
-        self.used_tokens += length
-        self._refresh_gap(b)
+    def _find_gap(self, size: int, exclude: int) -> tuple[int, int] | None:
+        """Best fit: the shortest free run that takes ``size`` slots (keeps long
+        runs for long slots), as ``(key, length)``. The bitmask of non-empty
+        lengths makes it O(1); ``exclude`` is a run already spoken for."""
+        mask = self._gap_mask >> size
+        while mask:
+            low = mask & -mask
+            length = size + low.bit_length() - 1
+            for key in self._gaps[length]:
+                if key != exclude:
+                    return key, length
+            mask ^= low
+        return None
 
-    def _gaps(self, b: int) -> list[tuple[int, int]]:
-        """Free runs ``(start, length)`` of block ``b``."""
-        gaps, cursor = [], 0
-        for off in sorted(self.live[b]):
-            if off > cursor:
-                gaps.append((cursor, off - cursor))
-            cursor = off + self.live[b][off][0]
-        if cursor < self.block_tokens:
-            gaps.append((cursor, self.block_tokens - cursor))
-        return gaps
+    def _add_gap(self, key: int, length: int) -> None:
+        self._gaps[length][key] = None
+        self._gap_mask |= 1 << length
 
-    def _refresh_gap(self, b: int) -> None:
-        live, bt = self.live[b], self.block_tokens
-        if len(live) == 1:  # the common case: one extent, gaps before and after it
-            ((off, (ln, _)),) = live.items()
-            self.tail[b], self.inner_gap[b] = off + ln, off
-        else:
-            gaps = self._gaps(b)
-            self.tail[b] = max(o + ln for o, (ln, _) in live.items())
-            self.inner_gap[b] = max((g for s0, g in gaps if s0 < self.tail[b]), default=0)
-        self.gap[b] = max(self.inner_gap[b], bt - self.tail[b])
+    def _drop_gap(self, key: int, length: int) -> None:
+        bucket = self._gaps[length]
+        del bucket[key]
+        if not bucket:
+            self._gap_mask &= ~(1 << length)
 
-    def _place_slot(self, b: int, size: int, owner: Any) -> int:
-        """Put a ``size``-token slot into open block ``b``: at the tail when it
-        fits (O(1), the common case), else into the best-fitting inner gap."""
-        bt = self.block_tokens
-        self._unbucket(b)
-        start = tail = self.tail[b]
-        if bt - tail >= size:
-            self.tail[b] = tail + size
-            self.gap[b] = max(self.inner_gap[b], bt - tail - size)
-        else:
-            # One pass over the block's extents: the best-fitting inner gap, and
-            # the largest inner gap left is the new inner gap (the tail does not move).
-            live = self.live[b]
-            best = bt + 1
-            second = cursor = 0
-            for off in sorted(live):
-                g = off - cursor
-                if g >= size and g < best:
-                    if best <= bt:
-                        second = max(second, best)
-                    best, start = g, cursor
-                elif g > second:
-                    second = g
-                cursor = off + live[off][0]
-            inner = max(second, best - size)
-            self.inner_gap[b] = inner
-            self.gap[b] = max(inner, bt - tail)
-        self.live[b][start] = (size, owner)
-        self.refcount[b] += 1
-        self.used[b] += size
-        self.used_tokens += size
-        self._bucket(b)
-        return start
-
-    def _find_open(self, size: int) -> int | None:
-        # Best fit: the smallest room that takes the slot keeps big rooms for big
-        # slots. A bitmask of non-empty buckets makes the search O(1).
-        mask = self._room_mask >> size
-        if not mask:
-            return None
-        room = size + (mask & -mask).bit_length() - 1
-        return next(iter(self._room_buckets[room]))
+    def _take_gap(self, key: int, length: int, size: int) -> None:
+        """Place ``size`` slots at the start of the indexed run ``key``."""
+        self._drop_gap(key, length)
+        if length > size:
+            self._add_gap(key + size, length - size)
 
     def _set_open(self, b: int, is_open: bool) -> None:
-        self._unbucket(b)
-        self._open[b] = is_open
-        self._bucket(b)
-
-    def _bucket(self, b: int) -> None:
-        room = self.gap[b]
-        if self._open[b] and 0 < room < self.block_tokens:
-            self._room_buckets[room][b] = None
-            self._room_mask |= 1 << room
-
-    def _unbucket(self, b: int) -> None:
-        # Only open blocks are ever bucketed (``_set_open`` unbuckets before closing).
-        if not self._open[b]:
+        if self._open[b] == is_open:
             return
-        room = self.gap[b]
-        if 0 < room < self.block_tokens:
-            bucket = self._room_buckets[room]
-            if bucket.pop(b, 0) is None and not bucket:
-                self._room_mask &= ~(1 << room)
+        self._open[b] = is_open
+        base = b * self.block_tokens
+        for start, length in _free_runs(self.occupied[b], self._full_mask):
+            if is_open:
+                self._add_gap(base + start, length)
+            else:
+                self._drop_gap(base + start, length)
 
     # ------------------------------------------------------------------ sizing
     def metadata_bytes(self, *extra: Any) -> int:
         """Bytes of this allocator's bookkeeping as CPython holds it (``sys.getsizeof``
         of every list, dict, tuple and int it references; owners excluded), plus
         the containers in ``extra`` (e.g. the tree nodes' extent lists)."""
-        return deep_sizeof([self.refcount, self.used, self.gap, self.tail, self.inner_gap, self.live,
-                            self._open, self._room_buckets, self._free, *extra])
+        return deep_sizeof([self.refcount, self.used, self.occupied, self.live,
+                            self._open, self._gaps, self._free, *extra])
 
     # --------------------------------------------------------------- invariants
     def check_invariants(self) -> None:
@@ -495,6 +498,7 @@ class BlockAllocator:
         free = set(self._free)
         assert len(free) == len(self._free), "a block is on the free list twice"
         total_used = 0
+        expected_gaps = {}
         for b in range(self.num_blocks):
             live = self.live[b] or {}
             assert (self.live[b] is None) == (b in free), f"block {b}: extent table out of step with the free list"
@@ -502,22 +506,35 @@ class BlockAllocator:
             assert self.used[b] == sum(ln for ln, _ in live.values()), f"block {b}: used count drifted"
             total_used += self.used[b]
             if b in free:
-                assert not live and self.gap[b] == bt and not self._open[b], f"free block {b} still in use"
+                assert not live and not self.occupied[b] and not self._open[b], f"free block {b} still in use"
                 continue
             assert live, f"block {b} is neither free nor used"
-            spans = sorted((o, o + ln) for o, (ln, _) in live.items())
-            for (s0, e0), (s1, _) in zip(spans, spans[1:]):
-                assert e0 <= s1, f"block {b}: extents overlap at {s1}"
-            assert spans[0][0] >= 0 and spans[-1][1] <= bt, f"block {b}: extent outside the block"
-            assert self.gap[b] == max((g for _, g in self._gaps(b)), default=0), f"block {b}: gap stale"
-            assert self.tail[b] == spans[-1][1], f"block {b}: tail stale"
-            room = self.gap[b]
-            in_bucket = 0 < room < bt and b in self._room_buckets[room]
-            assert in_bucket == (self._open[b] and 0 < room), f"block {b}: slot index out of date"
+            mask = 0
+            for off, (ln, _) in live.items():
+                assert off >= 0 and ln > 0 and off + ln <= bt, f"block {b}: extent outside the block"
+                bits = ((1 << ln) - 1) << off
+                assert not mask & bits, f"block {b}: extents overlap at {off}"
+                mask |= bits
+            assert self.occupied[b] == mask, f"block {b}: occupancy bitmask stale"
+            if self._open[b]:
+                for start, length in self.free_runs(b):
+                    expected_gaps[b * bt + start] = length
         assert total_used == self.used_tokens, "used_tokens drifted"
-        assert self._room_mask == sum(1 << r for r, d in enumerate(self._room_buckets) if d), "room mask stale"
-        assert sum(len(d) for d in self._room_buckets) == sum(
-            1 for b in range(self.num_blocks) if self._open[b] and 0 < self.gap[b] < bt), "stale bucket entry"
+        indexed = {key: length for length, bucket in enumerate(self._gaps) for key in bucket}
+        assert indexed == expected_gaps, "free-run index out of date"
+        assert self._gap_mask == sum(1 << r for r, d in enumerate(self._gaps) if d), "run-length mask stale"
+
+
+def _free_runs(occupied: int, full_mask: int) -> list[tuple[int, int]]:
+    """Runs ``(start, length)`` of zero bits in ``occupied`` below ``full_mask``."""
+    free, runs = ~occupied & full_mask, []
+    while free:
+        start = (free & -free).bit_length() - 1
+        x = free >> start
+        length = (~x & (x + 1)).bit_length() - 1  # trailing ones of x
+        runs.append((start, length))
+        free ^= ((1 << length) - 1) << start
+    return runs
 
 
 def deep_sizeof(roots: list[Any]) -> int:

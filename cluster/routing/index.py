@@ -3,9 +3,12 @@
 Fed by the workers' KV event batches (``cluster.routing.events``), queried by
 the routing policies with a request's block-hash chain.
 
-Two maps are kept in step: ``hash -> {worker: tier}`` answers a match by
-walking the chain once, and ``worker -> {hash: tier}`` drops a dead worker or
-loads its snapshot without a scan of the whole index.
+Two maps are kept in step: ``hash -> [hot, warm, cold]`` worker bitmasks
+answers a match by walking the chain once (each worker owns one bit while it
+is registered), and ``worker -> {hash: tier}`` drops a dead worker or loads
+its snapshot without a scan of the whole index. With bitmasks, a match costs
+a few integer operations per block however many workers hold it, and per
+worker work happens only where holders drop out or change tier.
 
 Sequence numbers: a worker's batches must arrive as 1, 2, 3, ... A batch that
 skips ahead is a *gap* (something was lost); it is not applied and the worker
@@ -16,6 +19,7 @@ process) starts over from sequence 0 with no entries.
 
 from __future__ import annotations
 
+from itertools import compress
 from typing import NamedTuple, Sequence
 
 from cluster.cache.radix_tree import COLD, HOT
@@ -23,6 +27,7 @@ from cluster.errors import InvalidInputError
 from cluster.routing.events import EventBatch, MalformedBatchError
 
 _U64 = 1 << 64
+_DIGITS = bytes.maketrans(b"01", b"\x00\x01")
 
 
 class PrefixHit(NamedTuple):
@@ -42,18 +47,24 @@ NO_HIT = PrefixHit()
 
 
 class _WorkerView:
-    __slots__ = ("last_seq", "entries", "needs_snapshot")
+    __slots__ = ("last_seq", "entries", "needs_snapshot", "bit")
 
-    def __init__(self) -> None:
+    def __init__(self, bit: int) -> None:
         self.last_seq = 0
         self.entries: dict[int, int] = {}
         self.needs_snapshot = False
+        self.bit = bit
 
 
 class GlobalIndex:
+    _MASK_CACHE = 4096   # distinct holder sets remembered by ``workers_of``
+
     def __init__(self) -> None:
-        self._holders: dict[int, dict[str, int]] = {}
+        self._holders: dict[int, list[int]] = {}     # hash -> [hot, warm, cold] worker bitmasks
         self._workers: dict[str, _WorkerView] = {}
+        self._by_bit: list[str | None] = []          # bit -> worker id (None: free)
+        self._ids_of_mask: dict[int, list[str]] = {}
+        self.version = 0   # changes whenever a worker's bit is assigned or freed
         self.stats = {"batches": 0, "events": 0, "hashes": 0, "gaps": 0, "duplicates": 0, "resyncs": 0,
                       "unknown_worker": 0, "malformed": 0, "snapshots": 0, "stale_snapshots": 0,
                       "matches": 0}
@@ -83,27 +94,57 @@ class GlobalIndex:
     def last_seq(self, worker_id: str) -> int:
         return self._workers[worker_id].last_seq
 
+    def bit_of(self, worker_id: str) -> int | None:
+        """The worker's bit in the holder masks (``1 << k``), None if unregistered."""
+        view = self._workers.get(worker_id)
+        return None if view is None else 1 << view.bit
+
+    def workers_of(self, mask: int) -> list[str]:
+        """The worker ids of a holder mask, in bit order (cached: the same holder
+        sets come back on every request that shares a prefix). Do not mutate."""
+        ids = self._ids_of_mask.get(mask)
+        if ids is None:
+            # The mask's binary digits, lowest bit first, as 0/1 bytes: compress()
+            # picks the ids in C however many bits are set.
+            ids = list(compress(self._by_bit, format(mask, "b")[::-1].encode().translate(_DIGITS)))
+            if len(self._ids_of_mask) >= self._MASK_CACHE:
+                self._ids_of_mask.clear()
+            self._ids_of_mask[mask] = ids
+        return ids
+
     def register_worker(self, worker_id: str) -> None:
         if not isinstance(worker_id, str) or not worker_id:
             raise InvalidInputError(f"worker_id must be a non-empty string, got {worker_id!r}")
         if worker_id in self._workers:
             self.drop_worker(worker_id)
-        self._workers[worker_id] = _WorkerView()
+        by_bit = self._by_bit
+        bit = next((k for k, w in enumerate(by_bit) if w is None), len(by_bit))
+        if bit == len(by_bit):
+            by_bit.append(None)
+        by_bit[bit] = worker_id
+        self._workers[worker_id] = _WorkerView(bit)
+        self._bits_changed()
 
     def drop_worker(self, worker_id: str) -> int:
         """Forget a worker and everything it held; returns the entries removed."""
         view = self._workers.pop(worker_id, None)
         if view is None:
             return 0
-        self._remove_all(worker_id, view)
+        self._remove_all(view)
+        self._by_bit[view.bit] = None
+        self._bits_changed()
         return len(view.entries)
 
-    def _remove_all(self, worker_id: str, view: _WorkerView) -> None:
-        holders = self._holders
-        for h in view.entries:
-            d = holders[h]
-            del d[worker_id]
-            if not d:
+    def _bits_changed(self) -> None:
+        self._ids_of_mask.clear()
+        self.version += 1
+
+    def _remove_all(self, view: _WorkerView) -> None:
+        holders, keep = self._holders, ~(1 << view.bit)
+        for h, tier in view.entries.items():
+            m = holders[h]
+            m[tier] &= keep
+            if not (m[0] or m[1] or m[2]):
                 del holders[h]
 
     # --------------------------------------------------------------- updates
@@ -132,26 +173,33 @@ class GlobalIndex:
             return "gap"
         view.last_seq = batch.seq
         self.stats["batches"] += 1
-        worker, holders, entries = batch.worker_id, self._holders, view.entries
+        holders, entries = self._holders, view.entries
+        bit = 1 << view.bit
+        keep = ~bit
         nhashes = 0
         for ev in batch.events:
             nhashes += len(ev.hashes)
             if ev.kind == "removed":
                 for h in ev.hashes:
-                    if entries.pop(h, None) is not None:
-                        d = holders[h]
-                        del d[worker]
-                        if not d:
+                    old = entries.pop(h, None)
+                    if old is not None:
+                        m = holders[h]
+                        m[old] &= keep
+                        if not (m[0] or m[1] or m[2]):
                             del holders[h]
             else:  # "stored" and "tier" both set the block's tier
                 tier = ev.tier
                 for h in ev.hashes:
+                    old = entries.get(h)
+                    if old == tier:
+                        continue
                     entries[h] = tier
-                    d = holders.get(h)
-                    if d is None:
-                        holders[h] = {worker: tier}
-                    else:
-                        d[worker] = tier
+                    m = holders.get(h)
+                    if m is None:
+                        m = holders[h] = [0, 0, 0]
+                    elif old is not None:
+                        m[old] &= keep
+                    m[tier] |= bit
         self.stats["events"] += len(batch.events)
         self.stats["hashes"] += nhashes
         return "ok"
@@ -184,17 +232,16 @@ class GlobalIndex:
         for h, tier in entries.items():
             if type(h) is not int or not 0 <= h < _U64 or type(tier) is not int or not HOT <= tier <= COLD:
                 raise InvalidInputError(f"snapshot entry {h!r}: {tier!r} is not (uint64 hash, tier 0..2)")
-        self._remove_all(worker_id, view)
+        self._remove_all(view)
         view.entries = dict(entries)
         view.last_seq = seq
         view.needs_snapshot = False
-        holders = self._holders
+        holders, bit = self._holders, 1 << view.bit
         for h, tier in view.entries.items():
-            d = holders.get(h)
-            if d is None:
-                holders[h] = {worker_id: tier}
-            else:
-                d[worker_id] = tier
+            m = holders.get(h)
+            if m is None:
+                m = holders[h] = [0, 0, 0]
+            m[tier] |= bit
         self.stats["snapshots"] += 1
         return "ok"
 
@@ -207,25 +254,28 @@ class GlobalIndex:
         return {w: hit for hit, workers in self.match_cohorts(hashes) for w in workers}
 
     def match_cohorts(self, hashes: Sequence[int]) -> list[tuple[PrefixHit, list[str]]]:
-        """``match`` grouped: each distinct hit with the workers that have it.
+        """``match`` grouped: each distinct hit with the workers that have it."""
+        workers_of = self.workers_of
+        return [(hit, workers_of(mask)) for hit, mask in self.match_masks(hashes)]
+
+    def match_masks(self, hashes: Sequence[int]) -> list[tuple[PrefixHit, int]]:
+        """``match_cohorts`` with each cohort as a bitmask of workers (``bit_of``).
 
         The chain is walked once. Workers are handled in cohorts that have
-        held the same blocks at the same tiers so far; per-worker work happens
-        only where the holder set changes (workers drop out or change tier),
-        so a long prefix held by every worker costs one dict lookup and one
-        dict comparison per block, and the answer has few entries to price.
+        held the same blocks at the same tiers so far; a cohort is split only
+        where the holder masks change (workers drop out or change tier), so a
+        long prefix held by every worker costs one dict lookup and one
+        comparison of three integers per block, and the answer has few
+        entries to price.
         """
         self.stats["matches"] += 1
         holders = self._holders
         n = len(hashes)
         prev = holders.get(hashes[0]) if n else None
-        if not prev:
+        if prev is None:
             return []
-        by_tier: dict[int, list[str]] = {}
-        for w, tier in prev.items():
-            by_tier.setdefault(tier, []).append(w)
-        active = [(ws, tier, [0, 0, 0]) for tier, ws in by_tier.items()]   # (workers, current tier, counts)
-        done: list[tuple[PrefixHit, list[str]]] = []
+        active = [(m, tier, [0, 0, 0]) for tier, m in enumerate(prev) if m]   # (workers, tier, counts)
+        done: list[tuple[PrefixHit, int]] = []
         run_start, i = 0, 1
         while i < n:
             cur = holders.get(hashes[i])
@@ -233,16 +283,17 @@ class GlobalIndex:
                 break
             if cur != prev:
                 moved = []
+                c0, c1, c2 = cur
                 for ws, tier, counts in active:
                     counts[tier] += i - run_start
-                    split: dict[int | None, list[str]] = {}
-                    for w in ws:
-                        split.setdefault(cur.get(w), []).append(w)
-                    for new_tier, part in split.items():
-                        if new_tier is None:
-                            done.append((PrefixHit(*counts), part))
-                        else:
-                            moved.append((part, new_tier, list(counts)))
+                    gone = ws & ~(c0 | c1 | c2)
+                    if gone:
+                        done.append((PrefixHit(*counts), gone))
+                    parts = [(p, t) for t, p in ((0, ws & c0), (1, ws & c1), (2, ws & c2)) if p]
+                    if len(parts) == 1:
+                        moved.append((parts[0][0], parts[0][1], counts))
+                    else:
+                        moved.extend((p, t, list(counts)) for p, t in parts)
                 active, run_start, prev = moved, i, cur
                 if not active:
                     break
@@ -254,26 +305,32 @@ class GlobalIndex:
 
     def hit(self, hashes: Sequence[int], worker_id: str) -> PrefixHit:
         """``match(hashes).get(worker_id, PrefixHit())`` for one worker, without the others."""
-        holders = self._holders
+        view = self._workers.get(worker_id)
+        if view is None:
+            return NO_HIT
+        holders, bit = self._holders, 1 << view.bit
         counts = [0, 0, 0]
         for h in hashes:
-            d = holders.get(h)
-            tier = None if d is None else d.get(worker_id)
-            if tier is None:
+            m = holders.get(h)
+            if m is None:
                 break
-            counts[tier] += 1
+            if m[0] & bit:
+                counts[0] += 1
+            elif m[1] & bit:
+                counts[1] += 1
+            elif m[2] & bit:
+                counts[2] += 1
+            else:
+                break
         return PrefixHit(*counts)
 
     # ------------------------------------------------------------ invariants
     def check_invariants(self) -> None:
-        total = 0
+        expected: dict[int, list[int]] = {}
         for w, view in self._workers.items():
+            assert self._by_bit[view.bit] == w, f"worker {w}: bit {view.bit} assigned to {self._by_bit[view.bit]}"
             for h, tier in view.entries.items():
-                assert self._holders.get(h, {}).get(w) == tier, f"worker {w} holds {h:#x} at {tier}, index disagrees"
                 assert HOT <= tier <= COLD, f"tier {tier} out of range"
-            total += len(view.entries)
-        assert sum(len(d) for d in self._holders.values()) == total, "holder map has entries no worker owns"
-        for h, d in self._holders.items():
-            assert d, f"empty holder set left for {h:#x}"
-            for w in d:
-                assert w in self._workers, f"{h:#x} held by unregistered worker {w}"
+                expected.setdefault(h, [0, 0, 0])[tier] |= 1 << view.bit
+        assert sum(w is not None for w in self._by_bit) == len(self._workers), "a freed bit is still assigned"
+        assert self._holders == expected, "holder masks disagree with the workers' entries"

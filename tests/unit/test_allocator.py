@@ -157,14 +157,14 @@ def test_allocate_after_a_packed_extent_takes_nothing_behind_it():
     a.check_invariants()
 
 
-def test_inner_gap_placement_takes_the_best_fit_and_keeps_the_largest_gap_left():
+def test_slot_placement_takes_the_best_fitting_free_run():
     a = make(num_blocks=2, block_tokens=16)
     exts = [a.allocate(n)[0] for n in (2, 3, 2, 4, 2, 3)]   # block 0: [0,2) [2,5) [5,7) [7,11) [11,13) [13,16)
     a.free([exts[1], exts[3]])                           # inner gaps of 3 (at 2) and 4 (at 7)
     assert a.allocate(3) == [Extent(0, 2, 3)]            # best fit: the 3-gap, not the 4-gap
-    assert a.inner_gap[0] == 4 and a.gap[0] == 4
+    assert a.free_runs(0) == [(7, 4)] and a.largest_gap(0) == 4
     assert a.allocate(2) == [Extent(0, 7, 2)]
-    assert a.inner_gap[0] == 2
+    assert a.free_runs(0) == [(9, 2)]
     a.check_invariants()
 
 
@@ -176,3 +176,33 @@ def test_metadata_bytes_counts_the_real_tables():
     assert used > empty                                  # the live tables of two blocks appeared
     exts = [Extent(0, 0, 8)]
     assert a.metadata_bytes(exts) > used                 # a node's extent list counts when passed
+
+
+def test_freed_slots_merge_with_the_free_runs_on_both_sides():
+    a = make(num_blocks=2, block_tokens=16)
+    exts = [a.allocate(n)[0] for n in (3, 4, 5)]          # block 0: [0,3) [3,7) [7,12), run [12,16)
+    a.free([exts[0]])
+    assert a.free_runs(0) == [(0, 3), (12, 4)]
+    a.free([exts[2]])                                     # merges with the tail run
+    assert a.free_runs(0) == [(0, 3), (7, 9)]
+    a.free([exts[1]])                                     # the last extent: the block is free again
+    assert a.free_blocks == 2 and a.free_runs(0) == [(0, 16)]
+    a.check_invariants()
+
+
+def test_a_grow_that_leaves_a_rest_does_not_count_its_own_run_as_a_slot():
+    a = make(num_blocks=3, block_tokens=8)
+    (seq,) = a.allocate(5)                                # block 0: run [5,8) of 3
+    # 3 grow behind `seq`, the remaining 2 need another slot: not the run the grow took.
+    assert a.allocate(5, after=seq) == [Extent(0, 5, 3), Extent(1, 0, 2)]
+    a.check_invariants()
+
+
+def test_slots_find_the_best_fit_across_blocks():
+    a = make(num_blocks=3, block_tokens=8)
+    a.allocate(2)                                         # block 0: run of 6
+    a.allocate(5, private_tail=True)                      # block 1: private, closed
+    a.set_open(1, True)                                   # block 1: run of 3 open to slots
+    assert a.allocate(3) == [Extent(1, 5, 3)]             # the exact fit, not block 0's 6
+    assert a.allocate(4) == [Extent(0, 2, 4)]
+    a.check_invariants()

@@ -142,3 +142,27 @@ def test_long_shared_prefix_with_many_holders():
     hits = ix.match(chain)
     assert hits == {f"w{w}": PrefixHit(50, w, 0) for w in range(16)}
     ix.check_invariants()
+
+
+def test_a_reused_bit_never_reports_the_worker_that_held_it_before(index):
+    index.apply(batch("a", 1, ("stored", [1, 2], HOT)))
+    assert index.match_cohorts([1, 2]) == [(PrefixHit(2, 0, 0), ["a"])]
+    index.drop_worker("a")
+    index.register_worker("c")                            # takes the freed bit
+    assert index.bit_of("c") == 1 and index.bit_of("a") is None
+    assert index.match([1, 2]) == {}
+    index.apply(batch("c", 1, ("stored", [1, 2], WARM)))
+    assert index.match_cohorts([1, 2]) == [(PrefixHit(0, 2, 0), ["c"])]
+    index.check_invariants()
+
+
+def test_cohorts_split_where_holders_drop_out_or_change_tier(index):
+    index.register_worker("c")
+    index.apply(batch("a", 1, ("stored", [1, 2, 3], HOT)))
+    index.apply(batch("b", 1, ("stored", [1, 2], HOT), ("stored", [3], WARM)))
+    index.apply(batch("c", 1, ("stored", [1], HOT)))
+    got = {hit: sorted(ws) for hit, ws in index.match_cohorts([1, 2, 3, 4])}
+    assert got == {PrefixHit(3, 0, 0): ["a"], PrefixHit(2, 1, 0): ["b"], PrefixHit(1, 0, 0): ["c"]}
+    index.apply(batch("b", 2, ("removed", [3], WARM)))
+    assert index.match([1, 2, 3]) == {"a": PrefixHit(3, 0, 0), "b": PrefixHit(2, 0, 0), "c": PrefixHit(1, 0, 0)}
+    index.check_invariants()

@@ -322,3 +322,21 @@ def test_make_policy_and_dead_workers():
         d = make_policy(name, cost=COST).choose(CHAIN, 600, [WorkerState("a", 0, alive=False),
                                                               WorkerState("b", 0)], ix)
         assert d.worker_id == "b"
+
+
+def test_branch_memory_fast_path_learns_what_the_block_by_block_walk_learns():
+    import random
+
+    from cluster.routing.policies.cost import _BranchMemory
+    rng = random.Random(7)
+    fast, slow = _BranchMemory(64), _BranchMemory(64)
+    prefixes = [[rng.randrange(1, 10**6) for _ in range(rng.randint(1, 6))] for _ in range(5)]
+    for _ in range(400):
+        chain = rng.choice(prefixes) + [rng.randrange(1, 10**6) for _ in range(rng.randint(0, 4))]
+        if rng.random() < 0.3:
+            prefixes.append(chain)
+        full = rng.randint(0, len(chain) + 1)
+        k = min(len(chain), full) - 1
+        expected = slow._observe_each(chain[:max(k, 0)], chain[1:k + 1]) if k > 0 else 0
+        assert fast.observe(chain, full) == expected
+        assert (fast._cur, fast._old) == (slow._cur, slow._old)

@@ -109,3 +109,16 @@ def test_replay_shape_and_misestimate_sweep(capsys):
     summary = lines[-1]
     assert summary["bench"] == "replay_misestimate" and summary["runs"] == 5
     assert set(summary["baselines_hit_rate"]) == {"approx_tree", "ray_prefix"}
+
+
+def test_replay_with_several_routers_feeds_every_copy_every_batch(capsys):
+    one = replay(capsys, "--records", "600", "--replicas", "4", "--policy", "cost")["cost"]
+    three = replay(capsys, "--records", "600", "--replicas", "4", "--policy", "cost", "--routers", "3")["cost"]
+    assert (one["routers"], three["routers"]) == (1, 3)
+    # One batch per request reaches each copy (the last one is still in flight at the end).
+    assert one["index"] == three["index"] == {"batches": 599, "gaps": 0, "resyncs": 0}
+    assert sum(three["reasons"].values()) == 600
+    assert one["aggregate_decisions_per_s"] == one["directory_decisions_per_s"]
+    with pytest.raises(SystemExit) as info:
+        main(["replay", "--records", "10", "--routers", "0"])
+    assert info.value.code == 2 and "--routers must be a positive integer" in capsys.readouterr().err

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, fields, replace
 from itertools import compress, repeat
-from operator import attrgetter, not_
+from operator import attrgetter, ne
 from typing import Callable, Sequence
 
 from cluster.errors import InvalidInputError
@@ -21,6 +21,7 @@ from cluster.routing.policies.base import CostModel, Decision, Policy, WorkerSta
 
 _QUEUED = attrgetter("queued_tokens")
 _ID = attrgetter("worker_id")
+_SCORE_LOAD = attrgetter("score", "load")
 
 
 @dataclass(frozen=True)
@@ -81,9 +82,36 @@ class _BranchMemory:
         last block is left out: its id changes with every turn of a
         conversation, which would make every turn look like a branch."""
         cur, old, branch = self._cur, self._old, self.BRANCH
+        k = min(len(hashes), full_blocks) - 1
+        if k <= 0:
+            return 0
+        heads, nexts = hashes[:k], hashes[1:k + 1]
+        seen = list(map(cur.get, heads))
+        if seen == nexts:      # a path walked before, no branch on it: nothing to learn
+            return 0
+        if len(set(heads)) != k:
+            return self._observe_each(heads, nexts)
+        # Only the blocks whose successor is not the one remembered need work
+        # (chain hashes are distinct, so the order of the updates does not matter).
         shared = 0
-        for i in range(min(len(hashes), full_blocks) - 1):
-            h, nxt = hashes[i], hashes[i + 1]
+        for i in compress(range(k), map(ne, seen, nexts)):
+            h, s = heads[i], seen[i]
+            if s is None:
+                s = old.get(h)
+                if s is None or s == nexts[i]:
+                    cur[h] = nexts[i]    # a new block, or one remembered from the older generation
+                    continue
+            cur[h] = branch              # continued two ways (or known as a branch point)
+            shared = i + 1
+        if len(cur) > self.max_entries:
+            self._old, self._cur = cur, {}
+        return shared
+
+    def _observe_each(self, heads: Sequence[int], nexts: Sequence[int]) -> int:
+        """``observe`` one block at a time, for a chain that repeats a hash."""
+        cur, old, branch = self._cur, self._old, self.BRANCH
+        shared = 0
+        for i, (h, nxt) in enumerate(zip(heads, nexts)):
             seen = cur.get(h)
             if seen is None:
                 seen = old.get(h)
@@ -192,6 +220,41 @@ class _Candidates:
         self.inflight_blocks: int = inflight_blocks
 
 
+class _Membership:
+    """The live workers of one decision's list: by id, by index bit, and the
+    members of each holder mask the index answers with (cached: the same
+    holder sets come back on every request sharing a prefix). The lists hold
+    the caller's ``WorkerState`` objects, so they see its load updates."""
+    __slots__ = ("alive", "index", "version", "ids", "by_id", "alive_mask", "unindexed", "_by_mask")
+    MAX_MASKS = 4096
+
+    def __init__(self, alive: list[WorkerState], index: GlobalIndex):
+        self.alive, self.index, self.version = alive, index, index.version
+        self.ids = list(map(_ID, alive))
+        self.by_id = dict(zip(self.ids, alive))
+        self.alive_mask = 0
+        self.unindexed = []   # alive but unknown to the index: they hold nothing
+        for w in alive:
+            bit = index.bit_of(w.worker_id)
+            if bit is None:
+                self.unindexed.append(w)
+            else:
+                self.alive_mask |= bit
+        self._by_mask: dict[int, list[WorkerState]] = {}
+
+    def members_of(self, mask: int) -> tuple[list[WorkerState], list[str]]:
+        """The alive workers of a holder mask, and their ids (do not mutate)."""
+        members = self._by_mask.get(mask)
+        if members is None:
+            by_id = self.by_id
+            ids = list(filter(by_id.__contains__, self.index.workers_of(mask)))
+            members = (list(map(by_id.__getitem__, ids)), ids)
+            if len(self._by_mask) >= self.MAX_MASKS:
+                self._by_mask.clear()
+            self._by_mask[mask] = members
+        return members
+
+
 class CostPolicy(Policy):
     """Cheapest expected TTFT over every option, with the future priced in.
 
@@ -237,7 +300,7 @@ class CostPolicy(Policy):
         self._branches = _BranchMemory(self.options.branch_memory)
         self._recent = _DecayedWork(self.options.half_life)
         self._inflight = _InFlight(self.options.inflight_s)
-        self._ids_of: tuple[list, list[str], dict[str, WorkerState]] | None = None
+        self._members_cache: _Membership | None = None
         self._mean_wait = 0.0     # mean queue wait over live workers at the current decision
 
     # Old attribute names, kept for callers that read them.
@@ -252,21 +315,21 @@ class CostPolicy(Policy):
     def forget_worker(self, worker_id: str) -> None:
         self._recent.forget(worker_id)
         self._inflight.forget(worker_id)
-        self._ids_of = None
+        self._members_cache = None
 
     # ------------------------------------------------------------ candidates
-    def _members(self, alive: list[WorkerState]) -> tuple[list[str], dict[str, WorkerState]]:
-        """Ids and id -> state of ``alive``; reused while the caller passes the same list."""
-        cached = self._ids_of
-        if cached is not None and cached[0] is alive and len(cached[1]) == len(alive):
-            return cached[1], cached[2]
-        ids = list(map(_ID, alive))
-        by_id = dict(zip(ids, alive))
-        self._ids_of = (alive, ids, by_id)
-        return ids, by_id
+    def _membership(self, alive: list[WorkerState], index: GlobalIndex) -> "_Membership":
+        """Who is alive, by id and by index bit; reused while the caller passes the
+        same list and the index has not reassigned bits."""
+        mem = self._members_cache
+        if (mem is not None and mem.alive is alive and len(mem.ids) == len(alive)
+                and mem.index is index and mem.version == index.version):
+            return mem
+        self._members_cache = mem = _Membership(alive, index)
+        return mem
 
     @staticmethod
-    def _least(ws: list[WorkerState], recent: dict[str, float]) -> tuple[tuple, WorkerState]:
+    def _least(ws: list[WorkerState], ids: list[str], recent: dict[str, float]) -> tuple[tuple, WorkerState]:
         """(load key, worker) of the least loaded: fewest queued tokens, then least
         recent work, then list order. Every pass is a builtin over the list (no
         Python-level loop): at 64 workers this is most of a decision."""
@@ -275,44 +338,47 @@ class CostPolicy(Policy):
             return (w.queued_tokens, recent.get(w.worker_id, 0.0)), w
         qs = list(map(_QUEUED, ws))
         q = min(qs)
-        if qs.count(q) > 1:
-            ws = list(compress(ws, map(q.__eq__, qs)))
-            work = list(map(recent.get, map(_ID, ws), repeat(0.0)))
-            r = min(work)
-            return (q, r), ws[work.index(r)]
-        w = ws[qs.index(q)]
-        return (q, recent.get(w.worker_id, 0.0)), w
+        tied = qs.count(q)
+        if tied == 1:
+            w = ws[qs.index(q)]
+            return (q, recent.get(w.worker_id, 0.0)), w
+        if tied < len(ws):
+            keep = list(map(q.__eq__, qs))
+            ws, ids = list(compress(ws, keep)), list(compress(ids, keep))
+        work = list(map(recent.get, ids, repeat(0.0)))
+        r = min(work)
+        return (q, r), ws[work.index(r)]
 
     def candidates(self, hashes: Sequence[int], workers: Sequence[WorkerState], index: GlobalIndex) -> _Candidates:
         """The options worth pricing: workers with the same hit differ only by
         load, so only the least loaded of each group (and of the workers
         holding nothing) is priced, even when all 64 hold the system prompt."""
         alive = _alive(workers)
-        ids, by_id = self._members(alive)
+        mem = self._membership(alive, index)
+        by_id, members_of = mem.by_id, mem.members_of
         self._mean_wait = sum(map(_QUEUED, alive)) / (len(alive) * self.cost.prefill_tokens_per_s)
         recent = self._recent.scaled          # one scale for all: compares without unscaling
-        cohorts = index.match_cohorts(hashes) if hashes else []
+        cohorts = index.match_masks(hashes) if hashes else []
         inflight_blocks, inflight_w = (self._inflight.deepest(hashes, self.clock())
                                        if self.options.inflight_s and hashes else (0, None))
-        own = NO_HIT
+        own, inflight_bit = NO_HIT, 0
         if inflight_w is not None:
             if inflight_w in by_id:
-                own = next((h for h, wids in cohorts if inflight_w in wids), NO_HIT)
+                inflight_bit = index.bit_of(inflight_w) or 0
+                own = next((h for h, mask in cohorts if mask & inflight_bit), NO_HIT)
             if inflight_blocks <= own.blocks or inflight_w not in by_id:
-                inflight_w, inflight_blocks = None, 0
+                inflight_w, inflight_blocks, inflight_bit = None, 0, 0
         groups: dict[PrefixHit, tuple] = {}
         source, source_w = NO_HIT, None
-        held: set[str] = set()
-        for hit, wids in cohorts:
-            members = list(map(by_id.get, wids))
-            if None in members:
-                members = [m for m in members if m is not None]
-            if inflight_w is not None and hit is own and inflight_w in wids:
-                members = [m for m in members if m.worker_id != inflight_w]
-            held.update(wids)
+        held = 0
+        for hit, mask in cohorts:
+            held |= mask
+            if inflight_bit and hit is own and mask & inflight_bit:
+                mask ^= inflight_bit        # priced below, with what it is computing
+            members, member_ids = members_of(mask)
             if not members:
                 continue
-            least = self._least(members, recent)
+            least = self._least(members, member_ids, recent)
             if hit not in groups or least[0] < groups[hit][0]:   # equal counts, different tier order
                 groups[hit] = least
             if (hit.blocks, hit.hot) > (source.blocks, source.hot):
@@ -321,13 +387,15 @@ class CostPolicy(Policy):
             # The index lags: count the blocks just sent there as HOT on top of what it shows.
             w = by_id[inflight_w]
             hit = PrefixHit(inflight_blocks - own.warm - own.cold, own.warm, own.cold)
-            held.add(inflight_w)
+            held |= inflight_bit
             least = ((w.queued_tokens, recent.get(inflight_w, 0.0)), w)
             if hit not in groups or least[0] < groups[hit][0]:
                 groups[hit] = least
-        rest = alive if not held else list(compress(alive, map(not_, map(held.__contains__, ids))))
+        rest, rest_ids = members_of(mem.alive_mask & ~held) if held else (alive, mem.ids)
+        if mem.unindexed and held:
+            rest, rest_ids = rest + mem.unindexed, rest_ids + list(map(_ID, mem.unindexed))
         if rest:
-            groups[NO_HIT] = self._least(rest, recent)
+            groups[NO_HIT] = self._least(rest, rest_ids, recent)
         if source_w is None:
             source_w = groups[max(groups, key=lambda h: (h.blocks, h.hot))][1]
         return _Candidates(groups, source, source_w, inflight_blocks)
@@ -345,18 +413,23 @@ class CostPolicy(Policy):
         if cands.inflight_blocks > source_blocks:
             shared = min(shared, source_blocks)
         dup_s = opts.dup_weight * cost.prefill_s(cost.cached_tokens(1, num_tokens))
+        wait_s, service_s, migrate_s = cost.wait_s, cost.service_s, cost.migrate_service_s
+        gain = 1.0 + ww
+        source_id = source_w.worker_id
         out = []
+        append = out.append
         for h, (load, w) in cands.groups.items():
-            blocks = h.hot + h.warm + h.cold
-            wait = cost.wait_s(w)
-            dup = dup_s * max(0, total_blocks - max(blocks, shared))
-            service = cost.service_s(h, num_tokens)
-            out.append(_Option(wait + service * (1.0 + ww) + dup, load, w, "local" if blocks else "recompute",
-                               blocks, wait + service, None, 0, dup))
+            blocks = h[0] + h[1] + h[2]
+            wait = wait_s(w)
+            dup = dup_s * (total_blocks - blocks if blocks > shared else total_blocks - shared) if (
+                total_blocks > blocks and total_blocks > shared) else 0.0
+            service = service_s(h, num_tokens)
+            append(_Option(wait + service * gain + dup, load, w, "local" if blocks else "recompute",
+                           blocks, wait + service, None, 0, dup))
             if blocks < source_blocks and w is not source_w:
-                service = cost.migrate_service_s(h, source, num_tokens)
-                out.append(_Option(wait + service * (1.0 + ww) + dup, load, w, "migrate", source_blocks,
-                                   wait + service, source_w.worker_id, source_blocks - blocks, dup))
+                service = migrate_s(h, source, num_tokens)
+                append(_Option(wait + service * gain + dup, load, w, "migrate", source_blocks,
+                               wait + service, source_id, source_blocks - blocks, dup))
         return out
 
     # ---------------------------------------------------------------- choose
@@ -366,7 +439,7 @@ class CostPolicy(Policy):
         shared = self._branches.observe(hashes, num_tokens // cost.block_tokens)
         self._turn += 1
         options = self.price(cands, num_tokens, shared)
-        best = min(options, key=lambda o: (o.score, o.load))
+        best = min(options, key=_SCORE_LOAD)
         # Options that copy no private block and cost within tie_s (or the
         # mean queue wait, if longer) of the cheapest are equally good for
         # this request; among them the worker sent the least work lately
