@@ -91,8 +91,11 @@ class CostModel:
     # ---------------------------------------------------------------- totals
     def service_s(self, hit: PrefixHit, num_tokens: int) -> float:
         """Time the worker spends on the request once it starts: promotion + prefill."""
-        uncached = num_tokens - self.cached_tokens(hit.blocks, num_tokens)
-        return self.promote_s(hit.warm, hit.cold) + self.prefill_s(uncached)
+        # The component formulas inlined (a decision prices a few options per request).
+        bt, hot, warm, cold = self.block_tokens, *hit
+        uncached = num_tokens - min((hot + warm + cold) * bt, num_tokens)
+        return (warm * bt / self.warm_promote_tokens_per_s + cold * bt / self.cold_promote_tokens_per_s
+                + max(uncached, 0) / self.prefill_tokens_per_s)
 
     def ttft_s(self, worker: WorkerState, hit: PrefixHit, num_tokens: int) -> float:
         return self.wait_s(worker) + self.service_s(hit, num_tokens)
@@ -105,11 +108,17 @@ class CostModel:
     def migrate_service_s(self, own: PrefixHit, source: PrefixHit, num_tokens: int) -> float:
         """Service time when the worker pulls ``source``'s blocks beyond its own prefix
         first: the holder stages its HOT ones, COLD ones are read from its disk."""
-        pulled = source.blocks - own.blocks
-        pulled_cold = max(0, source.blocks - max(own.blocks, source.hot + source.warm))
-        return (self.promote_s(own.warm, own.cold) + self.stage_s(max(0, source.hot - own.blocks))
-                + self.transfer_s(pulled, pulled_cold)
-                + self.prefill_s(num_tokens - self.cached_tokens(source.blocks, num_tokens)))
+        # promote_s + stage_s + transfer_s + prefill_s, inlined (the same arithmetic).
+        bt, warm_rate, cold_rate = self.block_tokens, self.warm_promote_tokens_per_s, self.cold_promote_tokens_per_s
+        o_hot, o_warm, o_cold = own
+        s_hot, s_warm, s_cold = source
+        own_blocks, source_blocks = o_hot + o_warm + o_cold, s_hot + s_warm + s_cold
+        pulled = source_blocks - own_blocks
+        pulled_cold = max(0, source_blocks - max(own_blocks, s_hot + s_warm))
+        uncached = num_tokens - min(source_blocks * bt, num_tokens)
+        return ((o_warm * bt / warm_rate + o_cold * bt / cold_rate) + max(0, s_hot - own_blocks) * bt / warm_rate
+                + (pulled * bt / self.transfer_tokens_per_s + pulled_cold * bt / cold_rate)
+                + max(uncached, 0) / self.prefill_tokens_per_s)
 
     def scaled(self, **factors: float) -> "CostModel":
         """This model with some throughputs multiplied (a misestimate, for robustness sweeps)."""

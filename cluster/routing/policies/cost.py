@@ -211,13 +211,16 @@ class _Option:
 class _Candidates:
     """What ``candidates`` found: per distinct hit, the least loaded worker that
     has it (with its load key), the best holder in the index, and the shared part."""
-    __slots__ = ("groups", "source", "source_worker", "inflight_blocks")
+    __slots__ = ("groups", "source", "source_worker", "inflight_blocks", "rest")
 
-    def __init__(self, groups, source, source_worker, inflight_blocks):
+    def __init__(self, groups, source, source_worker, inflight_blocks, rest=None):
         self.groups: dict[PrefixHit, tuple[tuple, WorkerState]] = groups
         self.source: PrefixHit = source
         self.source_worker: WorkerState = source_worker
         self.inflight_blocks: int = inflight_blocks
+        # The workers holding nothing, (states, ids), when their least loaded one
+        # is found only if it can matter (see ``price``); else it is in ``groups``.
+        self.rest: tuple[list[WorkerState], list[str]] | None = rest
 
 
 class _Membership:
@@ -381,7 +384,7 @@ class CostPolicy(Policy):
             least = self._least(members, member_ids, recent)
             if hit not in groups or least[0] < groups[hit][0]:   # equal counts, different tier order
                 groups[hit] = least
-            if (hit.blocks, hit.hot) > (source.blocks, source.hot):
+            if (hit[0] + hit[1] + hit[2], hit[0]) > (source[0] + source[1] + source[2], source[0]):
                 source, source_w = hit, least[1]
         if inflight_w is not None:
             # The index lags: count the blocks just sent there as HOT on top of what it shows.
@@ -394,11 +397,12 @@ class CostPolicy(Policy):
         rest, rest_ids = members_of(mem.alive_mask & ~held) if held else (alive, mem.ids)
         if mem.unindexed and held:
             rest, rest_ids = rest + mem.unindexed, rest_ids + list(map(_ID, mem.unindexed))
-        if rest:
+        if rest and not groups:
             groups[NO_HIT] = self._least(rest, rest_ids, recent)
         if source_w is None:
             source_w = groups[max(groups, key=lambda h: (h.blocks, h.hot))][1]
-        return _Candidates(groups, source, source_w, inflight_blocks)
+        return _Candidates(groups, source, source_w, inflight_blocks,
+                           (rest, rest_ids) if rest and NO_HIT not in groups else None)
 
     # --------------------------------------------------------------- pricing
     def price(self, cands: _Candidates, num_tokens: int, shared: int) -> list[_Option]:
@@ -418,7 +422,8 @@ class CostPolicy(Policy):
         source_id = source_w.worker_id
         out = []
         append = out.append
-        for h, (load, w) in cands.groups.items():
+
+        def options_of(h: PrefixHit, load: tuple, w: WorkerState) -> None:
             blocks = h[0] + h[1] + h[2]
             wait = wait_s(w)
             dup = dup_s * (total_blocks - blocks if blocks > shared else total_blocks - shared) if (
@@ -430,6 +435,19 @@ class CostPolicy(Policy):
                 service = migrate_s(h, source, num_tokens)
                 append(_Option(wait + service * gain + dup, load, w, "migrate", source_blocks,
                                wait + service, source_id, source_blocks - blocks, dup))
+
+        for h, (load, w) in cands.groups.items():
+            options_of(h, load, w)
+        if cands.rest is not None:
+            # A worker holding nothing is worth finding only if one of its options
+            # could be cheapest or tie (``choose``) even with an empty queue.
+            dup = dup_s * (total_blocks - shared) if total_blocks > shared else 0.0
+            bound = service_s(NO_HIT, num_tokens) * gain + dup
+            if source_blocks:
+                bound = min(bound, migrate_s(NO_HIT, source, num_tokens) * gain + dup)
+            if bound <= min(o.score for o in out) + max(opts.tie_s, self._mean_wait):
+                load, w = self._least(*cands.rest, self._recent.scaled)
+                options_of(NO_HIT, load, w)
         return out
 
     # ---------------------------------------------------------------- choose
