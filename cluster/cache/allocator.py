@@ -177,9 +177,7 @@ class BlockAllocator:
         full, rest = divmod(num_tokens - grow, bt)
         free = self._free
         if full > len(free):
-            raise PoolExhaustedError(
-                f"pool exhausted: {num_tokens} tokens need {full} free blocks, {len(free)} left",
-                needed_blocks=full, free_blocks=len(free))
+            raise self._exhausted(num_tokens, full)
         slot = -1
         if rest and self.slotted and not private_tail:
             # Best fit, inlined (the hot path): the shortest indexed free run
@@ -204,13 +202,9 @@ class BlockAllocator:
                         gaps[run - rest][slot + rest] = None
                         self._gap_mask |= 1 << (run - rest)
             if slot < 0 and full >= len(free):
-                raise PoolExhaustedError(
-                    f"pool exhausted: {num_tokens} tokens need {full + 1} free blocks, {len(free)} left",
-                    needed_blocks=full + 1, free_blocks=len(free))
+                raise self._exhausted(num_tokens, full + 1)
         elif rest and full >= len(free):
-            raise PoolExhaustedError(
-                f"pool exhausted: {num_tokens} tokens need {full + 1} free blocks, {len(free)} left",
-                needed_blocks=full + 1, free_blocks=len(free))
+            raise self._exhausted(num_tokens, full + 1)
         # Nothing below can fail: the pool has what the request needs.
         refcount, used = self.refcount, self.used
         out = []
@@ -442,6 +436,11 @@ class BlockAllocator:
         if entry is None or entry[0] != length:
             raise InvalidInputError(f"extent {tuple(extent)} is not allocated (double free or stale extent?)")
         return entry
+
+    def _exhausted(self, num_tokens: int, needed: int) -> PoolExhaustedError:
+        free = len(self._free)
+        return PoolExhaustedError(f"pool exhausted: {num_tokens} tokens need {needed} free blocks, {free} left",
+                                  needed_blocks=needed, free_blocks=free)
 
     def _find_gap(self, size: int, exclude: int) -> tuple[int, int] | None:
         """Best fit: the shortest free run that takes ``size`` slots (keeps long

@@ -28,6 +28,7 @@ from cluster.routing.events import EventBatch, MalformedBatchError
 
 _U64 = 1 << 64
 _DIGITS = bytes.maketrans(b"01", b"\x00\x01")
+_new_tuple = tuple.__new__   # builds a PrefixHit without NamedTuple's Python-level __new__
 
 
 class PrefixHit(NamedTuple):
@@ -274,6 +275,7 @@ class GlobalIndex:
         prev = holders.get(hashes[0]) if n else None
         if prev is None:
             return []
+        new_hit = _new_tuple
         active = [(m, tier, [0, 0, 0]) for tier, m in enumerate(prev) if m]   # (workers, tier, counts)
         done: list[tuple[PrefixHit, int]] = []
         run_start, i = 0, 1
@@ -288,7 +290,7 @@ class GlobalIndex:
                     counts[tier] += i - run_start
                     gone = ws & ~(c0 | c1 | c2)
                     if gone:
-                        done.append((PrefixHit(*counts), gone))
+                        done.append((new_hit(PrefixHit, counts), gone))
                     parts = [(p, t) for t, p in ((0, ws & c0), (1, ws & c1), (2, ws & c2)) if p]
                     if len(parts) == 1:
                         moved.append((parts[0][0], parts[0][1], counts))
@@ -300,7 +302,7 @@ class GlobalIndex:
             i += 1
         for ws, tier, counts in active:
             counts[tier] += i - run_start
-            done.append((PrefixHit(*counts), ws))
+            done.append((new_hit(PrefixHit, counts), ws))
         return done
 
     def hit(self, hashes: Sequence[int], worker_id: str) -> PrefixHit:
