@@ -275,6 +275,9 @@ def run_policy(name: str, records: list[TraceRecord], hash_chains: list[list[int
     if name in _CLOCKED:
         kw["clock"] = lambda: sim_now[0]
     policies = [make_policy(name, **kw) for _ in range(nrouters)]
+    if nrouters > 1:   # each router breaks exact ties from its own place, as deployed routers do
+        for i, policy in enumerate(policies):
+            policy.tie_salt = 1 + i * 7919
     states = [WorkerState(r.worker_id, 0, 0) for r in servers]
     deliveries: deque = deque()
     delay = args.event_delay_ms / 1e3

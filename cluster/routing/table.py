@@ -26,6 +26,7 @@ whole table (``TableState``) instead, and goes on from there.
 from __future__ import annotations
 
 import dataclasses
+import random
 import time
 import uuid
 from collections import deque
@@ -42,13 +43,15 @@ OPS = ("register", "drop", "batch", "snapshot", "load", "cost", "policy")
 
 
 class RoutingTable:
-    def __init__(self, policy: str = "cost", policy_kwargs: dict | None = None, cost: CostModel | None = None):
+    def __init__(self, policy: str = "cost", policy_kwargs: dict | None = None, cost: CostModel | None = None,
+                 tie_salt: int = 0):
         self.index = GlobalIndex()
         self.workers: dict[str, WorkerState] = {}
         self.cost = cost or CostModel()
+        self.tie_salt = tie_salt   # this copy's own place among exact ties (``Policy.tie_salt``)
         self.policy_name = policy
         self.policy_kwargs = dict(policy_kwargs or {})
-        self.policy = make_policy(policy, cost=self.cost, **self.policy_kwargs)
+        self.policy = self._make_policy(policy, self.policy_kwargs)
         self._candidates: list[WorkerState] | None = None   # reused by route() until membership changes
         self.decision_s: deque[float] = deque(maxlen=10_000)   # the latest decisions' thread CPU time
 
@@ -98,8 +101,13 @@ class RoutingTable:
         self.policy.set_cost(self.cost)
 
     def _op_policy(self, name: str, kwargs: dict) -> None:
-        self.policy = make_policy(name, cost=self.cost, **kwargs)
+        self.policy = self._make_policy(name, kwargs)
         self.policy_name, self.policy_kwargs = name, dict(kwargs)
+
+    def _make_policy(self, name: str, kwargs: dict):
+        policy = make_policy(name, cost=self.cost, **kwargs)
+        policy.tie_salt = self.tie_salt
+        return policy
 
     # -------------------------------------------------------------- routing
     def route(self, hashes: Sequence[int], num_tokens: int, exclude: Sequence[str] | None = None,
@@ -137,8 +145,8 @@ class RoutingTable:
                           {w: (self.index.last_seq(w), self.index.entries(w)) for w in self.workers})
 
     @classmethod
-    def from_state(cls, state: TableState) -> "RoutingTable":
-        table = cls(state.policy, state.policy_kwargs, CostModel(**state.cost))
+    def from_state(cls, state: TableState, tie_salt: int = 0) -> "RoutingTable":
+        table = cls(state.policy, state.policy_kwargs, CostModel(**state.cost), tie_salt)
         for worker_id, (queued, running) in state.workers.items():
             table._op_register(worker_id)
             table._op_load(worker_id, queued, running)
@@ -186,8 +194,12 @@ class TableReplica:
     seconds, with no change if there is none); otherwise the caller asks the
     directory itself."""
 
-    def __init__(self, max_age_s: float = 5.0, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, max_age_s: float = 5.0, clock: Callable[[], float] = time.monotonic,
+                 tie_salt: int | None = None):
         self.table: RoutingTable | None = None
+        # Each router breaks exact ties from its own place: routers deciding on
+        # identical copies would otherwise all pick the same idle worker.
+        self.tie_salt = random.SystemRandom().randrange(1, 1 << 30) if tie_salt is None else tie_salt
         self.epoch: str | None = None
         self.seq = 0
         self.max_age_s = max_age_s
@@ -198,7 +210,7 @@ class TableReplica:
     def apply(self, update: TableUpdate) -> None:
         self.stats["updates"] += 1
         if update.state is not None:
-            self.table = RoutingTable.from_state(update.state)
+            self.table = RoutingTable.from_state(update.state, self.tie_salt)
             self.epoch, self.seq = update.state.epoch, update.state.seq
             self.stats["full_states"] += 1
         if self.table is None or update.epoch != self.epoch:

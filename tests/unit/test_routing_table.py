@@ -53,7 +53,7 @@ async def busy_directory(d: DirectoryImpl):
 def test_a_replica_replays_the_log_and_decides_what_the_directory_decides():
     async def go():
         d = DirectoryImpl(policy="cost", block_tokens=BT, heartbeat_timeout_s=0, policy_kwargs={"inflight_s": 0})
-        replica = TableReplica()
+        replica = TableReplica(tie_salt=0)                     # break exact ties as the directory does
         replica.apply(d.log.update(d.table, None, 0))          # new: the whole (empty) table
         await busy_directory(d)
         update = d.log.update(d.table, replica.epoch, replica.seq)
@@ -163,3 +163,23 @@ def test_the_follower_routes_locally_only_on_a_usable_copy():
     assert (decision.worker_id, decision.source, decision.cached_tokens) == ("b", "router_view", 8)
     assert follower.route(prompt(8), exclude=["a", "b"]) is None   # nobody left: the directory says so
     assert follower.stats["local_decisions"] == 1
+
+
+def test_each_replica_breaks_exact_ties_from_its_own_place():
+    async def go():
+        d = DirectoryImpl(policy="cost", block_tokens=BT, heartbeat_timeout_s=0, policy_kwargs={"inflight_s": 0})
+        for w in ("a", "b", "c", "d"):
+            await d.register_worker(w, cost=dict(RATES))
+        picks = []
+        for salt in (0, 1, 2, 3):
+            replica = TableReplica(tie_salt=salt)
+            replica.apply(d.log.update(d.table, None, 0))
+            assert replica.table.policy.tie_salt == salt
+            # Four idle workers holding nothing: an exact tie on queue and recent work.
+            picks.append(replica.table.route(block_hashes(prompt(8), BT), 8, reserve=False).worker_id)
+        assert picks == ["a", "b", "c", "d"]     # independent routers do not herd onto one worker
+        await d.set_policy("least_loaded")
+        replica.apply(d.log.update(d.table, replica.epoch, replica.seq))
+        assert replica.table.policy.tie_salt == 3  # a new policy keeps the copy's place
+        assert TableReplica().tie_salt > 0        # routers draw their own at random
+    asyncio.run(go())

@@ -199,6 +199,10 @@ class Policy:
     def __init__(self, cost: CostModel | None = None):
         self.cost = cost if cost is not None else CostModel()
         self._turn = 0   # decisions made: rotates exact ties
+        # Where this router starts looking among workers that tie exactly (0: the
+        # first). Independent routers with the same tables would otherwise all
+        # break ties the same way and herd onto the same worker.
+        self.tie_salt = 0
 
     def choose(self, hashes: Sequence[int], num_tokens: int, workers: Sequence[WorkerState],
                index: GlobalIndex, sent: bool = True) -> Decision:

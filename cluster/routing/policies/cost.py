@@ -331,11 +331,11 @@ class CostPolicy(Policy):
         self._members_cache = mem = _Membership(alive, index)
         return mem
 
-    @staticmethod
-    def _least(ws: list[WorkerState], ids: list[str], recent: dict[str, float]) -> tuple[tuple, WorkerState]:
+    def _least(self, ws: list[WorkerState], ids: list[str], recent: dict[str, float]) -> tuple[tuple, WorkerState]:
         """(load key, worker) of the least loaded: fewest queued tokens, then least
-        recent work, then list order. Every pass is a builtin over the list (no
-        Python-level loop): at 64 workers this is most of a decision."""
+        recent work, then list order from this router's ``tie_salt`` on. Every
+        pass is a builtin over the list (no Python-level loop): at 64 workers
+        this is most of a decision."""
         if len(ws) == 1:
             w = ws[0]
             return (w.queued_tokens, recent.get(w.worker_id, 0.0)), w
@@ -350,7 +350,15 @@ class CostPolicy(Policy):
             ws, ids = list(compress(ws, keep)), list(compress(ids, keep))
         work = list(map(recent.get, ids, repeat(0.0)))
         r = min(work)
-        return (q, r), ws[work.index(r)]
+        at = work.index(r)
+        if self.tie_salt and work.count(r) > 1:
+            start = self.tie_salt % len(work)
+            if start > at:
+                try:
+                    at = work.index(r, start)
+                except ValueError:   # no tie at or after this router's place: the first
+                    pass
+        return (q, r), ws[at]
 
     def candidates(self, hashes: Sequence[int], workers: Sequence[WorkerState], index: GlobalIndex) -> _Candidates:
         """The options worth pricing: workers with the same hit differ only by
@@ -394,9 +402,13 @@ class CostPolicy(Policy):
             least = ((w.queued_tokens, recent.get(inflight_w, 0.0)), w)
             if hit not in groups or least[0] < groups[hit][0]:
                 groups[hit] = least
-        rest, rest_ids = members_of(mem.alive_mask & ~held) if held else (alive, mem.ids)
-        if mem.unindexed and held:
-            rest, rest_ids = rest + mem.unindexed, rest_ids + list(map(_ID, mem.unindexed))
+        if not held and inflight_w is None:
+            rest, rest_ids = alive, mem.ids
+        else:
+            rest, rest_ids = members_of(mem.alive_mask & ~held)
+            if mem.unindexed:   # alive, unknown to the index (holding nothing), not the in-flight one
+                extra = [w for w in mem.unindexed if w.worker_id != inflight_w]
+                rest, rest_ids = rest + extra, rest_ids + list(map(_ID, extra))
         if rest and not groups:
             groups[NO_HIT] = self._least(rest, rest_ids, recent)
         if source_w is None:
