@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, fields, replace
+from functools import partial
 from itertools import compress, repeat
 from operator import attrgetter, ne
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 from cluster.errors import InvalidInputError
 from cluster.routing.index import NO_HIT, GlobalIndex, PrefixHit
@@ -199,13 +200,20 @@ class _InFlight:
                 del d[h]
 
 
-class _Option:
-    """One way to serve the request, priced."""
-    __slots__ = ("score", "load", "worker", "reason", "blocks", "ttft", "source", "pulled", "dup")
+class _Option(NamedTuple):
+    """One way to serve the request, priced (a tuple: a decision builds several)."""
+    score: float
+    load: tuple
+    worker: WorkerState
+    reason: str
+    blocks: int
+    ttft: float
+    source: str | None
+    pulled: int
+    dup: float
 
-    def __init__(self, score, load, worker, reason, blocks, ttft, source, pulled, dup):
-        self.score, self.load, self.worker, self.reason = score, load, worker, reason
-        self.blocks, self.ttft, self.source, self.pulled, self.dup = blocks, ttft, source, pulled, dup
+
+_new_option = partial(tuple.__new__, _Option)   # without NamedTuple's Python-level __new__
 
 
 class _Candidates:
@@ -441,12 +449,12 @@ class CostPolicy(Policy):
             dup = dup_s * (total_blocks - blocks if blocks > shared else total_blocks - shared) if (
                 total_blocks > blocks and total_blocks > shared) else 0.0
             service = service_s(h, num_tokens)
-            append(_Option(wait + service * gain + dup, load, w, "local" if blocks else "recompute",
-                           blocks, wait + service, None, 0, dup))
+            append(_new_option((wait + service * gain + dup, load, w, "local" if blocks else "recompute",
+                                blocks, wait + service, None, 0, dup)))
             if blocks < source_blocks and w is not source_w:
                 service = migrate_s(h, source, num_tokens)
-                append(_Option(wait + service * gain + dup, load, w, "migrate", source_blocks,
-                               wait + service, source_id, source_blocks - blocks, dup))
+                append(_new_option((wait + service * gain + dup, load, w, "migrate", source_blocks,
+                                    wait + service, source_id, source_blocks - blocks, dup)))
 
         for h, (load, w) in cands.groups.items():
             options_of(h, load, w)
