@@ -37,7 +37,11 @@ reserves a running request's blocks. Only the policies' ``choose`` calls are
 timed for ``decisions_per_s``, in CPU time of the replaying thread
 (``time.thread_time``), so other processes on a shared machine do not count;
 ``directory_decisions_per_s`` and ``decision_us_p99`` add the event batches
-applied before each decision.
+applied before each decision. With ``--routers N`` each of N routers has its
+own policy and its own copy of the index, every copy applies every batch,
+and request k is decided by router k mod N (as ingress replicas following
+the directory's log do); ``aggregate_decisions_per_s`` is the decisions over
+the busiest router's CPU time, what the N routers sustain on N cores.
 
 Metrics:
 - ``hit_rate``: input tokens served from any cache tier, local or pulled, over
