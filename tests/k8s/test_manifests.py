@@ -1,14 +1,12 @@
 """The manifests under k8s/, checked offline (no cluster) as Kustomize builds them
 (`kubectl kustomize k8s/` and each overlay, run here through subprocess): KubeRay CRD schemas,
 the operator's own rules, the Serve config and its application, this project's cache-node
-rules, the Grafana dashboard against the metrics the app defines, and
-`prefix-cache k8s render --check`. Every check is also shown failing on a broken copy."""
+rules and `prefix-cache k8s render --check` (the Grafana dashboard: test_dashboards.py).
+Every check is also shown failing on a broken copy."""
 
 from __future__ import annotations
 
 import copy
-import functools
-import json
 import shutil
 from pathlib import Path
 from typing import Callable
@@ -19,37 +17,12 @@ import yaml
 from cluster import cli
 from serve_app import k8s_render
 from tests.k8s import validation as v
+from tests.k8s.builds import built, by_kind, rayservice
 
 TARGETS = tuple(v.KUSTOMIZE_TARGETS)          # k8s (= the base), base, tcp
 DOCKERFILE = (v.K8S / "Dockerfile").read_text()
 SECRET = yaml.safe_load((v.K8S / "secret.example.yaml").read_text())
 SERVE_CONFIG = v.K8S / "base" / "serve-config.yaml"
-DASHBOARD_FILE = v.K8S / "base" / "grafana-dashboard.json"
-METRICS_SOURCE = (v.REPO / "serve_app" / "metrics.py").read_text()
-
-
-@functools.cache
-def _built(path: Path) -> tuple[dict, ...]:
-    return tuple(v.kustomize_build(path))
-
-
-def built(target: str = "k8s") -> list[dict]:
-    """The documents `kubectl kustomize` builds for a target (a fresh copy each call)."""
-    if v.kubectl() is None:
-        pytest.skip(f"kubectl not found: tests/k8s build the manifests with `kubectl kustomize` "
-                    f"(kubectl >= 1.27; set {v.KUBECTL_ENV} to its path)")
-    return copy.deepcopy(list(_built(v.KUSTOMIZE_TARGETS[target])))
-
-
-def by_kind(target: str = "k8s") -> dict[str, dict]:
-    docs = built(target)
-    kinds = {doc["kind"]: doc for doc in docs}
-    assert len(kinds) == len(docs), [d["kind"] for d in docs]
-    return kinds
-
-
-def rayservice(target: str = "k8s") -> dict:
-    return by_kind(target)["RayService"]
 
 
 @pytest.fixture(scope="module")
@@ -183,85 +156,6 @@ def test_podmonitor_secret_dockerfile():
     assert v.podmonitor_errors(by_kind()["PodMonitor"], rayservice()) == []
     assert v.secret_errors(SECRET, rayservice()) == []
     assert v.dockerfile_errors(DOCKERFILE, rayservice()) == []
-
-
-# ------------------------------------------------------------------ dashboard
-# Every metric family the dashboard plots. The last five are the reliability counters (issue 11);
-# the dashboard test fails, naming them, while serve_app/metrics.py does not define them.
-DASHBOARD_METRICS = {
-    "prefix_cache_ttft_seconds": "Histogram",
-    "prefix_cache_inter_token_seconds": "Histogram",
-    "prefix_cache_requests_total": "Counter",
-    "prefix_cache_cached_tokens_total": "Counter",
-    "prefix_cache_prompt_tokens_total": "Counter",
-    "prefix_cache_migrations_total": "Counter",
-    "prefix_cache_migrated_bytes_total": "Counter",
-    "prefix_cache_tier_moves_total": "Counter",
-    "prefix_cache_tier_used_tokens": "Gauge",
-    "prefix_cache_router_decisions_total": "Counter",
-    "prefix_cache_responses_5xx_total": "Counter",
-    "prefix_cache_cut_streams_total": "Counter",
-    "prefix_cache_resumed_requests_total": "Counter",
-    "prefix_cache_watchdog_trips_total": "Counter",
-    "prefix_cache_migration_timeouts_total": "Counter",
-}
-
-
-def dashboard() -> dict:
-    return json.loads(DASHBOARD_FILE.read_text())
-
-
-def test_dashboard_plots_only_metrics_the_app_exports():
-    """Every series the dashboard queries is one Ray exports for a metric serve_app/metrics.py
-    defines (read from its source: the names given to Counter, Gauge, Histogram)."""
-    defined = v.defined_metrics(METRICS_SOURCE)
-    missing = sorted(set(DASHBOARD_METRICS) - set(defined))
-    assert missing == [], f"serve_app/metrics.py does not define {missing}"
-    assert v.dashboard_errors(dashboard(), defined) == []
-
-
-def test_dashboard_plots_these_metrics():
-    """TTFT, cached tokens by tier, migrations and bytes, errors and status, tier usage and the
-    reliability counters: each family plotted, under the series name Ray exports."""
-    series, errors = v.dashboard_series(dashboard())
-    assert errors == []
-    assert {v.exported_series(DASHBOARD_METRICS)[s] for s in series} == set(DASHBOARD_METRICS)
-    assert series == set(v.exported_series(DASHBOARD_METRICS)) - {
-        "ray_prefix_cache_inter_token_seconds_sum", "ray_prefix_cache_inter_token_seconds_count"}
-    exprs = [e for _, e in v.dashboard_queries(dashboard())]
-    for q in ("0.5", "0.9", "0.99"):
-        assert (f'histogram_quantile({q}, sum by (le) (rate(ray_prefix_cache_ttft_seconds_bucket'
-                f'{{ray_io_cluster=~"$cluster"}}[$__rate_interval])))') in exprs
-    assert ('sum by (tier) (rate(ray_prefix_cache_cached_tokens_total{ray_io_cluster=~"$cluster"}'
-            '[$__rate_interval]))') in exprs
-    assert ('sum by (endpoint) (rate(ray_prefix_cache_responses_5xx_total{ray_io_cluster=~"$cluster"}'
-            '[$__rate_interval]))') in exprs
-    assert ('sum by (worker) (increase(ray_prefix_cache_watchdog_trips_total{ray_io_cluster=~"$cluster"}'
-            '[$__rate_interval]))') in exprs
-
-
-def test_dashboard_configmap():
-    configmap = by_kind()["ConfigMap"]
-    assert configmap["metadata"]["name"] == "prefix-cache-grafana-dashboard"
-    assert v.dashboard_configmap_errors(configmap, DASHBOARD_FILE.read_text()) == []
-
-
-def test_defined_metrics_parser():
-    source = """
-from ray.util import metrics
-from ray.util.metrics import Counter, Gauge, Histogram
-a = Counter("a_total", "doc", tag_keys=("x",))
-b = metrics.Histogram(name="b_seconds", boundaries=[1.0])
-c = Gauge("c_tokens")
-d = Counter("d_bytes")
-e = Counter(NAME)          # not a literal: not read
-f = dict("not_a_metric")
-"""
-    defined = v.defined_metrics(source)
-    assert defined == {"a_total": "Counter", "b_seconds": "Histogram", "c_tokens": "Gauge", "d_bytes": "Counter"}
-    assert v.exported_series(defined) == {
-        "ray_a_total": "a_total", "ray_b_seconds_bucket": "b_seconds", "ray_b_seconds_sum": "b_seconds",
-        "ray_b_seconds_count": "b_seconds", "ray_c_tokens": "c_tokens", "ray_d_bytes_total": "d_bytes"}
 
 
 # ------------------------------------------------------------------ render
@@ -570,68 +464,6 @@ def test_tree_without_the_local_config_annotation_ships_the_input(tmp_path):
           '        example.com/unrelated: "true"\n')(root)
     names = sorted(d["metadata"]["name"] for d in v.kustomize_build(root) if d["kind"] == "ConfigMap")
     assert names == ["prefix-cache-grafana-dashboard", "prefix-cache-serve-config"]
-
-
-def _first_target(d: dict) -> dict:
-    return next(p for p in d["panels"] if p.get("targets"))["targets"][0]
-
-
-def _replace_expr(old: str, new: str) -> Callable[[dict], None]:
-    def mutate(d: dict) -> None:
-        hits = 0
-        for panel in d["panels"]:
-            for target in panel.get("targets") or []:
-                if old in target["expr"]:
-                    target["expr"] = target["expr"].replace(old, new)
-                    hits += 1
-        assert hits, old
-    return mutate
-
-
-@pytest.mark.parametrize("mutate,message", [
-    (_replace_expr("ray_prefix_cache_migrations_total{", "ray_prefix_cache_migration_total{"),
-     "ray_prefix_cache_migration_total is not a series the app exports"),
-    (_replace_expr("ray_prefix_cache_ttft_seconds_bucket{", "ray_prefix_cache_ttft_seconds{"),
-     "ray_prefix_cache_ttft_seconds is not a series the app exports (a histogram: query "
-     "ray_prefix_cache_ttft_seconds_bucket, _sum or _count)"),
-    (_replace_expr("ray_prefix_cache_tier_used_tokens{", "prefix_cache_tier_used_tokens{"),
-     "prefix_cache_tier_used_tokens is not a series the app exports (Ray exports every metric with the ray_ prefix)"),
-    (_replace_expr("ray_prefix_cache_cut_streams_total{", "ray_prefix_cache_cut_streams_total_total{"),
-     "ray_prefix_cache_cut_streams_total_total is not a series the app exports"),
-    (_replace_expr('ray_prefix_cache_resumed_requests_total{ray_io_cluster=~"$cluster"}',
-                   "ray_prefix_cache_resumed_requests_total"),
-     "a prefix_cache metric not written as a selector"),
-    (lambda d: _first_target(d).update(expr=""), "empty query"),
-    (lambda d: d["panels"][2].update(id=d["panels"][1]["id"]), "panel ids must be unique"),
-    (lambda d: next(p for p in d["panels"] if p.get("targets")).update(datasource={"type": "loki", "uid": "x"}),
-     "datasource must be the $datasource Prometheus variable"),
-], ids=["misspelled", "histogram-without-bucket", "no-ray-prefix", "double-total", "bare-name", "empty",
-        "duplicate-id", "datasource"])
-def test_broken_dashboard_rejected(mutate, message):
-    d = dashboard()
-    mutate(d)
-    errors = v.dashboard_errors(d, DASHBOARD_METRICS)
-    assert any(message in e for e in errors), errors
-
-
-def test_dashboard_missing_metric_named():
-    """A metric the dashboard plots that metrics.py does not define is named (as the reliability
-    counters were before serve_app/metrics.py had them)."""
-    defined = dict(DASHBOARD_METRICS)
-    del defined["prefix_cache_watchdog_trips_total"]
-    assert v.dashboard_errors(dashboard(), defined) == [
-        "ray_prefix_cache_watchdog_trips_total is not a series the app exports"]
-
-
-@pytest.mark.parametrize("mutate,message", [
-    (lambda c: c["metadata"]["labels"].pop("grafana_dashboard"), "lacks the label grafana_dashboard"),
-    (lambda c: c["data"].update({"prefix-cache.json": "{}"}), "does not hold k8s/base/grafana-dashboard.json"),
-    (lambda c: c["data"].update({"other.json": "{}"}), "must hold prefix-cache.json only"),
-], ids=["no-label", "stale", "extra-key"])
-def test_broken_dashboard_configmap_rejected(mutate, message):
-    configmap = by_kind()["ConfigMap"]
-    mutate(configmap)
-    assert any(message in e for e in v.dashboard_configmap_errors(configmap, DASHBOARD_FILE.read_text()))
 
 
 def test_schemas_found_through_env(monkeypatch, tmp_path):
