@@ -511,8 +511,10 @@ def misestimate_sweep(records, hash_chains, args, latency: LatencyModel, results
             emit(res)
     worst = min(runs, key=lambda r: r["hit_rate"])
     others = {r["policy"]: r["hit_rate"] for r in results if r["policy"] in ("approx_tree", "ray_prefix", "prefix")}
+    ports = {k: v for k, v in others.items() if k != "prefix"}
     emit({"bench": "replay_misestimate", "factors": factors, "runs": len(runs), "cost_hit_rate": base["hit_rate"],
           "worst_hit_rate": worst["hit_rate"], "worst": worst["misestimate"],
           "max_loss_points": rounded(100 * (base["hit_rate"] - worst["hit_rate"]), 2),
           "worst_ttft_ms_p99": max(r["ttft_ms_p99"] for r in runs), "baselines_hit_rate": others,
-          "above_baselines": all(worst["hit_rate"] > v for k, v in others.items() if k != "prefix")})
+          # null when the run had neither port to compare with (--policy without them)
+          "above_baselines": (all(worst["hit_rate"] > v for k, v in ports.items()) if ports else None)})

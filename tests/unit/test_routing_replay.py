@@ -109,6 +109,16 @@ def test_replay_shape_and_misestimate_sweep(capsys):
     summary = lines[-1]
     assert summary["bench"] == "replay_misestimate" and summary["runs"] == 5
     assert set(summary["baselines_hit_rate"]) == {"approx_tree", "ray_prefix"}
+    ports = summary["baselines_hit_rate"]
+    assert summary["above_baselines"] == (summary["worst_hit_rate"] > max(ports.values()))
+
+
+def test_misestimate_sweep_without_the_ports_does_not_claim_to_beat_them(capsys):
+    assert main(["replay", "--records", "300", "--replicas", "2", "--hot-blocks", "48", "--warm-blocks", "96",
+                 "--policy", "cost", "--misestimate", "2"]) == 0
+    summary = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert summary["bench"] == "replay_misestimate"
+    assert summary["baselines_hit_rate"] == {} and summary["above_baselines"] is None
 
 
 def test_replay_with_several_routers_feeds_every_copy_every_batch(capsys):
