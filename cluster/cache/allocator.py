@@ -92,6 +92,9 @@ class BlockAllocator:
         self._gap_mask = 0  # bit L set <=> some open block has a free run of length L
         # Reverse order so that block 0 is handed out first (readable tests).
         self._free: list[int] = list(range(n - 1, -1, -1))
+        # Block b's whole-block extent, built the first time it is handed out and
+        # reused after (extents are immutable): a long span allocates no tuples.
+        self._whole: list[Extent | None] = [None] * n
         self.used_tokens = 0
 
     # ------------------------------------------------------------------ queries
@@ -225,7 +228,7 @@ class BlockAllocator:
             out.append(_new_tuple(Extent, (gb, end, grow)))
         if full:
             # Whole blocks: no free runs, nothing indexed; set the bookkeeping directly.
-            entry, whole = (bt, owner), self._full_mask
+            entry, whole, extents = (bt, owner), self._full_mask, self._whole
             append = out.append
             for _ in range(full):
                 b = free.pop()
@@ -233,7 +236,10 @@ class BlockAllocator:
                 refcount[b] = 1
                 used[b] = bt
                 occupied[b] = whole
-                append(_new_tuple(Extent, (b, 0, bt)))
+                ext = extents[b]
+                if ext is None:
+                    ext = extents[b] = _new_tuple(Extent, (b, 0, bt))
+                append(ext)
         if rest:
             if slot < 0:
                 b = free.pop()
@@ -489,7 +495,7 @@ class BlockAllocator:
         of every list, dict, tuple and int it references; owners excluded), plus
         the containers in ``extra`` (e.g. the tree nodes' extent lists)."""
         return deep_sizeof([self.refcount, self.used, self.occupied, self.live,
-                            self._open, self._gaps, self._free, *extra])
+                            self._open, self._gaps, self._free, self._whole, *extra])
 
     # --------------------------------------------------------------- invariants
     def check_invariants(self) -> None:
