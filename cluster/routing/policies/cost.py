@@ -251,7 +251,7 @@ class _Membership:
                 self.unindexed.append(w)
             else:
                 self.alive_mask |= bit
-        self._by_mask: dict[int, list[WorkerState]] = {}
+        self._by_mask: dict[int, tuple[list[WorkerState], list[str]]] = {}
 
     def members_of(self, mask: int) -> tuple[list[WorkerState], list[str]]:
         """The alive workers of a holder mask, and their ids (do not mutate)."""
