@@ -129,5 +129,5 @@ class CacheReplica:
         # Serve calls this when it stops the replica: finish in-flight copies, free the disk file.
         try:
             self.core.close()
-        except Exception:
-            pass
+        except Exception as exc:   # the process is going anyway; say what was left behind
+            log.warning("cache replica close failed (in-flight copies or the disk file may be left): %s", exc)

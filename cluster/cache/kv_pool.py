@@ -215,3 +215,33 @@ class KVPool:
                     alloc.set_open(b, was_open)
                 break
         return alloc.free_blocks - free_before
+
+
+def copy_pairs(src_pool: KVPool, src_ext: Sequence[Extent], dst_pool: KVPool, dst_ext: Sequence[Extent]):
+    """(dst view, src view) pairs covering the same tokens, cut at both sides'
+    boundaries; runs of whole blocks consecutive on both sides become one copy."""
+    runs: list[list[int]] = []   # [dst block, dst off, src block, src off, tokens, whole blocks]
+    si = di = s_off = d_off = 0
+    bt = dst_pool.block_tokens
+    while si < len(src_ext) and di < len(dst_ext):
+        sb, so, sl = src_ext[si]
+        db, do, dl = dst_ext[di]
+        k = min(sl - s_off, dl - d_off)
+        whole = k == bt and so + s_off == 0 and do + d_off == 0
+        last = runs[-1] if runs else None
+        if whole and last and last[5] and last[0] + last[5] == db and last[2] + last[5] == sb:
+            last[5] += 1
+        else:
+            runs.append([db, do + d_off, sb, so + s_off, k, 1 if whole else 0])
+        s_off += k
+        d_off += k
+        if s_off == sl:
+            si, s_off = si + 1, 0
+        if d_off == dl:
+            di, d_off = di + 1, 0
+    st, dt = src_pool.tensor, dst_pool.tensor
+    for db, do, sb, so, k, nblocks in runs:
+        if nblocks:
+            yield dt[db:db + nblocks], st[sb:sb + nblocks]
+        else:
+            yield dt[db, :, :, do:do + k], st[sb, :, :, so:so + k]

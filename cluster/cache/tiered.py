@@ -27,7 +27,7 @@ import torch
 
 from cluster.cache.allocator import AllocatorConfig, Extent
 from cluster.cache.disk import DiskPool
-from cluster.cache.kv_pool import KVLayout, KVPool
+from cluster.cache.kv_pool import KVLayout, KVPool, copy_pairs
 from cluster.cache.offload import ImmediateEngine, ThreadEngine, make_copy_engine
 from cluster.cache.radix_tree import RadixTree, TreeNode
 from cluster.errors import CacheError, ChecksumError, InvalidInputError, PoolExhaustedError
@@ -438,7 +438,7 @@ class TieredCache:
         elif dst == WARM:
             pairs = []
             for node, ext in zip(taken, dst_exts):
-                pairs.extend(self._copy_pairs(self.pools[src], node.extents, self.pools[dst], ext))
+                pairs.extend(copy_pairs(self.pools[src], node.extents, self.pools[dst], ext))
             move.engine = self.copier
             move.op_id = self.copier.submit_copies(pairs)
         else:
@@ -482,7 +482,7 @@ class TieredCache:
         elif all(n.tier == WARM for n in nodes):
             pairs = []
             for n, ext in zip(nodes, dst_exts):
-                pairs.extend(self._copy_pairs(self.pools[WARM], n.extents, self.hot, ext))
+                pairs.extend(copy_pairs(self.pools[WARM], n.extents, self.hot, ext))
             move.engine = self.copier
             # A request waits for a synchronous promotion: only prefetches are paced.
             move.op_id = self.copier.submit_copies(pairs, paced=background)
@@ -551,36 +551,6 @@ class TieredCache:
             if isinstance(error, ChecksumError):
                 self.stats["checksum_failures"] += 1
             self.stats["dropped_tokens"] += self.tree.drop_subtree(move.nodes[bad])
-
-    @staticmethod
-    def _copy_pairs(src_pool, src_ext: Sequence[Extent], dst_pool, dst_ext: Sequence[Extent]):
-        """(dst view, src view) pairs covering the same tokens, cut at both sides'
-        boundaries; runs of whole blocks consecutive on both sides become one copy."""
-        runs: list[list[int]] = []   # [dst block, dst off, src block, src off, tokens, whole blocks]
-        si = di = s_off = d_off = 0
-        bt = dst_pool.block_tokens
-        while si < len(src_ext) and di < len(dst_ext):
-            sb, so, sl = src_ext[si]
-            db, do, dl = dst_ext[di]
-            k = min(sl - s_off, dl - d_off)
-            whole = k == bt and so + s_off == 0 and do + d_off == 0
-            last = runs[-1] if runs else None
-            if whole and last and last[5] and last[0] + last[5] == db and last[2] + last[5] == sb:
-                last[5] += 1
-            else:
-                runs.append([db, do + d_off, sb, so + s_off, k, 1 if whole else 0])
-            s_off += k
-            d_off += k
-            if s_off == sl:
-                si, s_off = si + 1, 0
-            if d_off == dl:
-                di, d_off = di + 1, 0
-        st, dt = src_pool.tensor, dst_pool.tensor
-        for db, do, sb, so, k, nblocks in runs:
-            if nblocks:
-                yield dt[db:db + nblocks], st[sb:sb + nblocks]
-            else:
-                yield dt[db, :, :, do:do + k], st[sb, :, :, so:so + k]
 
     def tier_summary(self) -> dict[str, dict[str, int]]:
         out = {}
