@@ -28,9 +28,11 @@ log = logging.getLogger(__name__)
 
 class DirectoryLink:
     def __init__(self, namespace: str = DEFAULT_NAMESPACE, *, name: str = DIRECTORY_NAME, create: bool = False,
-                 policy: str = "cost", block_tokens: int = 16, route_timeout_s: float | None = None):
+                 policy: str = "cost", block_tokens: int = 16, route_timeout_s: float | None = None,
+                 policy_kwargs: dict | None = None):
         self.namespace, self.name, self.create = namespace, name, create
         self.policy, self.block_tokens = policy, block_tokens
+        self.policy_kwargs = dict(policy_kwargs or {})   # options of the policy, when this link creates the directory
         self.route_timeout_s = route_timeout_s
         self._handle = None
 
@@ -41,7 +43,8 @@ class DirectoryLink:
             if self.create:
                 from actors.directory import get_or_create_directory
                 self._handle = get_or_create_directory(self.namespace, policy=self.policy,
-                                                       block_tokens=self.block_tokens, name=self.name)
+                                                       block_tokens=self.block_tokens, name=self.name,
+                                                       policy_kwargs=self.policy_kwargs)
             else:
                 self._handle = ray.get_actor(self.name, namespace=self.namespace)
         return self._handle

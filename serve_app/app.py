@@ -38,6 +38,7 @@ from ray.serve.config import RequestRouterConfig
 from fastapi import Request
 
 from actors.core import WorkerConfig
+from cluster.routing.policy import make_policy
 from serve_app.http_app import make_fastapi
 from serve_app.ingress import IngressCore, handle_generation
 from serve_app.replica import CacheReplica as CacheReplicaImpl
@@ -104,6 +105,10 @@ def build_app(args: dict[str, Any] | None = None):
     args = dict(args or {})
     namespace = args.pop("namespace", "prefix-cache")
     policy = args.pop("policy", "cost")
+    policy_args = args.pop("policy_args", None) or {}
+    if not isinstance(policy_args, dict):
+        raise ValueError(f"policy_args must be a mapping of the policy's option names to values, got {policy_args!r}")
+    make_policy(policy, **policy_args)   # an unknown policy or option fails here, naming it
     app_name = args.pop("app_name", APP_NAME)
     worker = dict(args.pop("worker", {}) or {})
     worker_config = WorkerConfig.from_dict(worker)   # a bad worker config or model spec fails here
@@ -132,6 +137,6 @@ def build_app(args: dict[str, Any] | None = None):
     if args:
         raise ValueError(f"unknown application args: {sorted(args)}")
     replicas = CacheReplica.options(name="CacheReplica", **replica_opts).bind(
-        worker, namespace, policy, app_name)
+        worker, namespace, policy, app_name, policy_args)
     return Ingress.bind(replicas, settings)
 

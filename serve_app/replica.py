@@ -59,11 +59,12 @@ def _report_metrics(core: WorkerCore) -> None:
 
 class CacheReplica:
     def __init__(self, worker_config: dict | None = None, namespace: str = "prefix-cache",
-                 policy: str = "cost", app_name: str = "prefix-cache"):
+                 policy: str = "cost", app_name: str = "prefix-cache", policy_args: dict | None = None):
         self.worker_id = serve.get_replica_context().replica_id.unique_id
         self.app_name = app_name
         cfg = WorkerConfig.from_dict(worker_config)
-        self.directory = DirectoryLink(namespace, create=True, policy=policy, block_tokens=cfg.block_tokens)
+        self.directory = DirectoryLink(namespace, create=True, policy=policy, block_tokens=cfg.block_tokens,
+                                       policy_kwargs=policy_args)
         self._self_handle = None
         self._timeouts_seen = 0
         metrics.replica_started(self.worker_id)

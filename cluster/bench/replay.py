@@ -457,6 +457,9 @@ def run(args: argparse.Namespace) -> int:
         res = run_policy(name, records, hash_chains, args, latency)
         if args.shape:
             res["shape"] = args.shape
+        overrides = _policy_overrides(args, name)
+        if overrides:
+            res["policy_args"] = overrides   # what --policy-arg changed for this policy
         results.append(res)
         emit(res)
     if args.misestimate:

@@ -42,3 +42,19 @@ def test_keys_without_tenant_get_namespaces_of_their_own():
     a, b = keys["sk-shared-prefix-aaaa"], keys["sk-shared-prefix-bbbb"]
     assert a != b and a == key_tenant("sk-shared-prefix-aaaa")
     assert "sk-shared" not in a   # derived from the whole key, and not the key itself
+
+
+def test_policy_args_are_checked_when_the_app_is_built():
+    import pytest
+
+    from serve_app.app import build_app
+
+    assert type(build_app({"policy_args": {"replicate_share": 1.5}})).__name__ == "Application"
+    with pytest.raises(ValueError, match="unknown cost policy option\\(s\\) replicate_shar"):
+        build_app({"policy_args": {"replicate_shar": 1.5}})
+    with pytest.raises(ValueError, match="replicate_share must be a number >= 0"):
+        build_app({"policy_args": {"replicate_share": -1}})
+    with pytest.raises(ValueError, match="routing policy 'prefix' takes no option\\(s\\) replicate_share"):
+        build_app({"policy": "prefix", "policy_args": {"replicate_share": 1.5}})
+    with pytest.raises(ValueError, match="policy_args must be a mapping"):
+        build_app({"policy_args": "replicate_share=1.5"})

@@ -26,7 +26,8 @@ def base_url(ray_loopback_cluster):
     args = {"num_replicas": 2, "namespace": "prefix-cache-serve-test",
             "api_keys": f"{KEYS['a']}=tenant-a,{KEYS['b']}=tenant-b", "admin_keys": KEYS["admin"],
             "limits": {"max_prompt_tokens": 2048, "max_tokens": 64, "max_body_bytes": 65536},
-            "worker": {"model": TEST_MODEL, "hot_blocks": 256, "warm_blocks": 256, "block_tokens": 16}}
+            "worker": {"model": TEST_MODEL, "hot_blocks": 256, "warm_blocks": 256, "block_tokens": 16},
+            "policy_args": {"tie_s": 0.05}}    # the default value: routing as without it
     serve.run(build_app(args), name="prefix-cache", route_prefix="/")
     url = f"http://127.0.0.1:{port}"
     yield url
@@ -267,6 +268,13 @@ def test_routing_goes_on_while_the_directory_is_gone_and_recovers(base_url):
         assert time.monotonic() < deadline, f"routing did not recover: {info}"
     new = ray.get_actor("prefix-cache-directory", namespace="prefix-cache-serve-test")
     assert ray.get(new.subscribe.remote(None, 0, 0), timeout=30).epoch != old_epoch
+
+
+def test_policy_args_reach_the_directory_and_its_routers(base_url):
+    post(base_url, "/v1/completions", {"model": MODEL, "prompt": tokens(10, 40), "max_tokens": 1})
+    directory = ray.get_actor("prefix-cache-directory", namespace="prefix-cache-serve-test")
+    state = ray.get(directory.subscribe.remote(None, 0, 0), timeout=30).state   # what every router copies
+    assert (state.policy, state.policy_kwargs) == ("cost", {"tie_s": 0.05})
 
 
 @pytest.mark.parametrize("temperature", [1e-40, 1e-320, 5e-324])

@@ -171,6 +171,30 @@ def test_cost_tie_window_widens_with_the_mean_queue():
     assert [idle.choose(CHAIN, 600, workers(a=0, b=0, c=0), ix).worker_id for _ in range(2)] == ["a", "a"]
 
 
+
+def test_cost_replicates_a_hot_shared_prefix_when_asked():
+    # a holds a 5-block prefix; two requests continuing it two ways make it a
+    # shared prefix (a branch point) and give a all the recent work (0.1 s each).
+    ix = index_with(a=(5, HOT), b=(0, HOT), c=(0, HOT))
+    first, second = [11, 12, 13, 14, 15, 90], [11, 12, 13, 14, 15, 91]
+
+    def decide(policy):
+        return [policy.choose(chain, 600, workers(a=0, b=0, c=0), ix) for chain in (first, second)]
+
+    assert [d.reason for d in decide(cost_policy())] == ["local", "local"]      # off by default
+    d = decide(cost_policy(replicate_share=1.5))
+    assert d[0] == Decision("a", "local", pytest.approx(0.1), 500)             # not yet known as shared
+    # a got 0.1 s, the mean is 0.033 s: b pulls the prefix (stage 0.05 + pull 0.1 + prefill 0.1 s).
+    assert d[1] == Decision("b", "replicate", pytest.approx(0.25), 500, migrate_from="a", migrate_blocks=5)
+    # The pull costs 0.15 s more than serving on a: past a budget of 0.1 s.
+    assert decide(cost_policy(replicate_share=1.5, replicate_budget_s=0.1))[1].reason == "local"
+    # A conversation's own history (no branch point) is never replicated, however busy its holder.
+    private = cost_policy(replicate_share=1.5)
+    assert {private.choose(CHAIN, 600, workers(a=0, b=0, c=0), ix).reason for _ in range(4)} == {"local"}
+    with pytest.raises(InvalidInputError, match="replicate_share"):
+        CostOptions(replicate_share=-1)
+
+
 # ------------------------------------------------------------------ baselines
 def test_round_robin_cycles_over_live_workers():
     policy = make_policy("round_robin", cost=COST)

@@ -15,6 +15,8 @@ by name with ``make_policy``:
 - ``ideal`` (simulation only): one free global cache, least loaded replica (``base``).
 """
 
+import inspect
+
 from cluster.errors import InvalidInputError
 from cluster.routing.policies.base import (RATE_FIELDS, CostModel, Decision, IdealPolicy, LeastLoadedPolicy,
                                            NoLiveWorkerError, Policy, PrefixPolicy, RoundRobinPolicy, WorkerState)
@@ -30,6 +32,12 @@ def make_policy(name: str = DEFAULT_POLICY, **kw) -> Policy:
     cls = POLICIES.get(name)
     if cls is None:
         raise InvalidInputError(f"unknown routing policy {name!r}; choose from {', '.join(POLICIES)}")
+    params = inspect.signature(cls).parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        unknown = sorted(set(kw) - set(params))
+        if unknown:
+            raise InvalidInputError(f"routing policy {name!r} takes no option(s) {', '.join(unknown)}; "
+                                    f"its options: {', '.join(params) or 'none'}")
     return cls(**kw)
 
 

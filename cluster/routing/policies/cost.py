@@ -37,6 +37,11 @@ class CostOptions:
     - ``branch_memory``: prefixes remembered to find branch points (two generations).
     - ``inflight_s``: how long a routed request's blocks count as held by its
       worker before the worker's KV events can confirm it (0: off).
+    - ``replicate_share``: copy a hot shared prefix to a lightly loaded worker
+      when the holder chosen for it got more than this multiple of the mean
+      recent work (0: off, the default; see ``CostPolicy``).
+    - ``replicate_budget_s``: the most TTFT the replicating request may lose
+      against serving on the holder.
     """
     work_weight: float = 0.0
     dup_weight: float = 3.0
@@ -44,9 +49,11 @@ class CostOptions:
     half_life: int = 2000
     branch_memory: int = 1 << 20
     inflight_s: float = 1.0
+    replicate_share: float = 0.0
+    replicate_budget_s: float = 0.5
 
     def __post_init__(self) -> None:
-        for name in ("work_weight", "dup_weight", "tie_s", "inflight_s"):
+        for name in ("work_weight", "dup_weight", "tie_s", "inflight_s", "replicate_share", "replicate_budget_s"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or v < 0:
                 raise InvalidInputError(f"{name} must be a number >= 0, got {v!r}")
@@ -296,6 +303,17 @@ class CostPolicy(Policy):
       worker this router sent the least work lately (decayed, ``half_life``
       decisions) wins, since a conversation keeps coming back where it is
       placed. At light load this is stickiness; under load, balance.
+    - Replication (``replicate_share`` > 0, off by default): at light load no
+      queue forms, so the pricing above keeps every request of a hot shared
+      prefix (a long system prompt, a tool catalogue) on its holders however
+      much of the traffic that prefix carries. When the holder chosen for a
+      request whose hit is mostly shared prefix got more than
+      ``replicate_share`` x the mean recent work, and the prefix is in the
+      index (not still in flight), the request instead pulls the prefix to
+      the least loaded worker that got less than the mean (reason
+      "replicate"), if that costs it at most ``replicate_budget_s`` more:
+      one request pays the pull, and the prefix's later requests have one
+      more holder to spread over.
     """
     name = "cost"
 
@@ -425,8 +443,10 @@ class CostPolicy(Policy):
                            (rest, rest_ids) if rest and NO_HIT not in groups else None)
 
     # --------------------------------------------------------------- pricing
-    def price(self, cands: _Candidates, num_tokens: int, shared: int) -> list[_Option]:
-        """Every option of every candidate, with its score (TTFT + what it costs later)."""
+    def price(self, cands: _Candidates, num_tokens: int, shared: int, *, every: bool = False) -> list[_Option]:
+        """Every option of every candidate, with its score (TTFT + what it costs later).
+        ``every``: price the least loaded worker holding nothing even where it
+        cannot be cheapest (a replication target)."""
         cost, opts = self.cost, self.options
         ww = opts.work_weight
         source, source_w = cands.source, cands.source_worker
@@ -465,10 +485,32 @@ class CostPolicy(Policy):
             bound = service_s(NO_HIT, num_tokens) * gain + dup
             if source_blocks:
                 bound = min(bound, migrate_s(NO_HIT, source, num_tokens) * gain + dup)
-            if bound <= min(o.score for o in out) + max(opts.tie_s, self._mean_wait):
+            if every or bound <= min(o.score for o in out) + max(opts.tie_s, self._mean_wait):
                 load, w = self._least(*cands.rest, self._recent.scaled)
                 options_of(NO_HIT, load, w)
         return out
+
+    def _replica(self, best: _Option, options: list[_Option], cands: _Candidates, num_tokens: int,
+                 shared: int) -> _Option:
+        """``best``, or pulling its prefix to a lightly loaded worker when ``best``'s
+        holder got more than ``replicate_share`` x the mean recent work."""
+        recent = self._recent.scaled          # one scale for all workers: compares directly
+        alive = self._members_cache.alive
+        mean = sum(map(recent.get, map(_ID, alive), repeat(0.0))) / len(alive)
+        if recent.get(best.worker.worker_id, 0.0) <= self.options.replicate_share * mean:
+            return best
+        limit = best.ttft + self.options.replicate_budget_s
+
+        def targets(opts: list[_Option]) -> list[_Option]:
+            return [o for o in opts if o.reason == "migrate" and o.ttft <= limit
+                    and recent.get(o.worker.worker_id, 0.0) < mean]
+
+        found = targets(options)
+        if not found and cands.rest is not None:   # the idle workers were not priced: price them now
+            found = targets(self.price(cands, num_tokens, shared, every=True))
+        if not found:
+            return best
+        return min(found, key=_SCORE_LOAD)._replace(reason="replicate")
 
     # ---------------------------------------------------------------- choose
     def choose(self, hashes, num_tokens, workers, index, sent=True):
@@ -489,6 +531,9 @@ class CostPolicy(Policy):
             best = min(ties, key=lambda o: (o.load[1], o.score, o.load))
         elif ties:
             best = ties[0]
+        if (self.options.replicate_share and best.reason == "local" and shared * 2 >= best.blocks > 0
+                and cands.inflight_blocks <= cands.source.blocks):
+            best = self._replica(best, options, cands, num_tokens, shared)
         w = best.worker
         self._recent.add(w.worker_id, best.ttft - cost.wait_s(w))
         if self.options.inflight_s and sent:
