@@ -18,7 +18,7 @@ SYSTEM = [1, 2, 3]
 def test_learned_state_survives_a_worker_joining_and_a_rate_change():
     async def scenario():
         d = DirectoryImpl(policy="cost", block_tokens=100, heartbeat_timeout_s=0,
-                          policy_kwargs={"inflight_s": 0})
+                          policy_kwargs={"inflight_s": 0, "replicate_share": 0})   # a keeps the prefix
         for w in ("a", "b"):
             await d.register_worker(w, cost=dict(RATES))
         policy = d.policy

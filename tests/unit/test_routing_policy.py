@@ -172,7 +172,7 @@ def test_cost_tie_window_widens_with_the_mean_queue():
 
 
 
-def test_cost_replicates_a_hot_shared_prefix_when_asked():
+def test_cost_replicates_a_hot_shared_prefix():
     # a holds a 5-block prefix; two requests continuing it two ways make it a
     # shared prefix (a branch point) and give a all the recent work (0.1 s each).
     ix = index_with(a=(5, HOT), b=(0, HOT), c=(0, HOT))
@@ -181,15 +181,16 @@ def test_cost_replicates_a_hot_shared_prefix_when_asked():
     def decide(policy):
         return [policy.choose(chain, 600, workers(a=0, b=0, c=0), ix) for chain in (first, second)]
 
-    assert [d.reason for d in decide(cost_policy())] == ["local", "local"]      # off by default
-    d = decide(cost_policy(replicate_share=1.5))
+    d = decide(cost_policy(replicate_budget_s=0.2))
     assert d[0] == Decision("a", "local", pytest.approx(0.1), 500)             # not yet known as shared
-    # a got 0.1 s, the mean is 0.033 s: b pulls the prefix (stage 0.05 + pull 0.1 + prefill 0.1 s).
+    # a got 0.1 s, the mean is 0.033 s (3x, past the default 1.5x): b pulls the prefix
+    # (stage 0.05 + pull 0.1 + prefill 0.1 s), 0.15 s more than serving on a.
     assert d[1] == Decision("b", "replicate", pytest.approx(0.25), 500, migrate_from="a", migrate_blocks=5)
-    # The pull costs 0.15 s more than serving on a: past a budget of 0.1 s.
-    assert decide(cost_policy(replicate_share=1.5, replicate_budget_s=0.1))[1].reason == "local"
+    assert decide(cost_policy())[1].reason == "local"                         # past the default budget, 0.1 s
+    assert decide(cost_policy(replicate_share=3.5, replicate_budget_s=0.2))[1].reason == "local"  # 3x < 3.5x
+    assert decide(cost_policy(replicate_share=0, replicate_budget_s=0.2))[1].reason == "local"    # off
     # A conversation's own history (no branch point) is never replicated, however busy its holder.
-    private = cost_policy(replicate_share=1.5)
+    private = cost_policy(replicate_budget_s=0.2)
     assert {private.choose(CHAIN, 600, workers(a=0, b=0, c=0), ix).reason for _ in range(4)} == {"local"}
     with pytest.raises(InvalidInputError, match="replicate_share"):
         CostOptions(replicate_share=-1)

@@ -134,12 +134,13 @@ def test_replay_with_several_routers_feeds_every_copy_every_batch(capsys):
     assert info.value.code == 2 and "--routers must be a positive integer" in capsys.readouterr().err
 
 
-def test_replay_replicates_hot_shared_prefixes_only_when_asked(capsys):
+def test_replay_replicates_hot_shared_prefixes(capsys):
     argv = ["--records", "1500", "--replicas", "8", "--shape", "long_system", "--policy", "prefix,cost"]
-    off = replay(capsys, *argv)
-    on = replay(capsys, *argv, "--policy-arg", "cost.replicate_share=1.5")
-    assert "policy_args" not in off["cost"] and "policy_args" not in on["prefix"]
-    assert on["cost"]["policy_args"] == {"replicate_share": 1.5}
+    off = replay(capsys, *argv, "--policy-arg", "cost.replicate_share=0")
+    on = replay(capsys, *argv, "--policy-arg", "cost.replicate_budget_s=0.5")
+    assert "policy_args" not in on["prefix"]
+    assert (off["cost"]["policy_args"], on["cost"]["policy_args"]) == ({"replicate_share": 0},
+                                                                       {"replicate_budget_s": 0.5})
     assert "replicate" not in off["cost"]["reasons"] and off["cost"]["migrated_rate"] == 0.0
     # Each replication is a pull the simulator executes: the pulled prefix counts as a hit.
     assert on["cost"]["reasons"]["replicate"] > 0 and on["cost"]["migrated_rate"] > 0.0

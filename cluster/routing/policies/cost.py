@@ -39,7 +39,7 @@ class CostOptions:
       worker before the worker's KV events can confirm it (0: off).
     - ``replicate_share``: copy a hot shared prefix to a lightly loaded worker
       when the holder chosen for it got more than this multiple of the mean
-      recent work (0: off, the default; see ``CostPolicy``).
+      recent work (0: off; see ``CostPolicy``).
     - ``replicate_budget_s``: the most TTFT the replicating request may lose
       against serving on the holder.
     """
@@ -49,8 +49,8 @@ class CostOptions:
     half_life: int = 2000
     branch_memory: int = 1 << 20
     inflight_s: float = 1.0
-    replicate_share: float = 0.0
-    replicate_budget_s: float = 0.5
+    replicate_share: float = 1.5
+    replicate_budget_s: float = 0.1
 
     def __post_init__(self) -> None:
         for name in ("work_weight", "dup_weight", "tie_s", "inflight_s", "replicate_share", "replicate_budget_s"):
@@ -143,27 +143,32 @@ class _DecayedWork:
     """Per-worker sum of service seconds, halved every ``half_life`` decisions.
 
     Stored scaled up by a factor that grows each decision, so a decision costs
-    O(1), and ``scaled`` values of different workers compare directly.
+    O(1), and ``scaled`` values of different workers compare directly;
+    ``total`` is their sum, kept as they change.
     """
-    __slots__ = ("_gain", "_scale", "scaled")
+    __slots__ = ("_gain", "_scale", "scaled", "total")
 
     def __init__(self, half_life: int):
         self._gain = 2.0 ** (1.0 / half_life)
         self._scale = 1.0
         self.scaled: dict[str, float] = {}
+        self.total = 0.0
 
     def get(self, worker_id: str) -> float:
         return self.scaled.get(worker_id, 0.0) / self._scale
 
     def add(self, worker_id: str, seconds: float) -> None:
         self._scale *= self._gain            # one decision passed: everything decays
-        self.scaled[worker_id] = self.scaled.get(worker_id, 0.0) + seconds * self._scale
+        added = seconds * self._scale
+        self.scaled[worker_id] = self.scaled.get(worker_id, 0.0) + added
+        self.total += added
         if self._scale > 1e150:
             self.scaled = {w: v / self._scale for w, v in self.scaled.items()}
+            self.total = sum(self.scaled.values())
             self._scale = 1.0
 
     def forget(self, worker_id: str) -> None:
-        self.scaled.pop(worker_id, None)
+        self.total -= self.scaled.pop(worker_id, 0.0)
 
 
 class _InFlight:
@@ -303,7 +308,7 @@ class CostPolicy(Policy):
       worker this router sent the least work lately (decayed, ``half_life``
       decisions) wins, since a conversation keeps coming back where it is
       placed. At light load this is stickiness; under load, balance.
-    - Replication (``replicate_share`` > 0, off by default): at light load no
+    - Replication (``replicate_share``; 0 turns it off): at light load no
       queue forms, so the pricing above keeps every request of a hot shared
       prefix (a long system prompt, a tool catalogue) on its holders however
       much of the traffic that prefix carries. When the holder chosen for a
@@ -495,8 +500,8 @@ class CostPolicy(Policy):
         """``best``, or pulling its prefix to a lightly loaded worker when ``best``'s
         holder got more than ``replicate_share`` x the mean recent work."""
         recent = self._recent.scaled          # one scale for all workers: compares directly
-        alive = self._members_cache.alive
-        mean = sum(map(recent.get, map(_ID, alive), repeat(0.0))) / len(alive)
+        # Over the live workers; a dead one's work stays counted until it is dropped (forget_worker).
+        mean = self._recent.total / len(self._members_cache.alive)
         if recent.get(best.worker.worker_id, 0.0) <= self.options.replicate_share * mean:
             return best
         limit = best.ttft + self.options.replicate_budget_s
