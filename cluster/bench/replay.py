@@ -275,7 +275,8 @@ def run_policy(name: str, records: list[TraceRecord], hash_chains: list[list[int
         for r in caches:
             index.register_worker(r.worker_id)
     sim_now = [0.0]
-    kw = {"cost": believed or cost} | _policy_overrides(args, name)
+    overrides = _policy_overrides(args, name)
+    kw = {"cost": believed or cost} | overrides
     if name in _CLOCKED:
         kw["clock"] = lambda: sim_now[0]
     policies = [make_policy(name, **kw) for _ in range(nrouters)]
@@ -415,6 +416,8 @@ def run_policy(name: str, records: list[TraceRecord], hash_chains: list[list[int
             "utilization": rounded(sum(busy) / (R * end)) if end else 0.0,
             "reasons": reasons, "uncacheable_requests": uncacheable, "staging_s": rounded(staged_s, 2), "index": {k: indexes[0].stats[k] for k in ("batches", "gaps", "resyncs")},
             "sim_seconds": rounded(end, 1), "wall_seconds": rounded(time.perf_counter() - wall0, 1)}
+    if overrides:
+        out["policy_args"] = overrides   # what --policy-arg changed for this policy
     return out
 
 
@@ -457,9 +460,6 @@ def run(args: argparse.Namespace) -> int:
         res = run_policy(name, records, hash_chains, args, latency)
         if args.shape:
             res["shape"] = args.shape
-        overrides = _policy_overrides(args, name)
-        if overrides:
-            res["policy_args"] = overrides   # what --policy-arg changed for this policy
         results.append(res)
         emit(res)
     if args.misestimate:

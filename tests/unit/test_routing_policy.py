@@ -171,7 +171,6 @@ def test_cost_tie_window_widens_with_the_mean_queue():
     assert [idle.choose(CHAIN, 600, workers(a=0, b=0, c=0), ix).worker_id for _ in range(2)] == ["a", "a"]
 
 
-
 def test_cost_replicates_a_hot_shared_prefix():
     # a holds a 5-block prefix; two requests continuing it two ways make it a
     # shared prefix (a branch point) and give a all the recent work (0.1 s each).
