@@ -109,6 +109,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disk-gbps", type=float, default=3.0)
     p.add_argument("--transfer-gbps", type=float, default=10.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", default=None, metavar="S[,S...]",
+                   help="generated traces only: replay every policy on the trace of each seed, then print one "
+                        "replay_seeds line per policy (mean, min, max over the seeds, and per seed against "
+                        "every other policy in the run)")
     p.add_argument("--policy-arg", action="append", metavar="[POLICY.]NAME=VALUE",
                    help="override a policy parameter, e.g. cost.dup_weight=0.5 (repeatable)")
     p.add_argument("--plot", default=None, help="write hit rate and p99 TTFT per policy to this PNG")
@@ -440,33 +444,96 @@ def run(args: argparse.Namespace) -> int:
     for name in names:
         if name not in POLICIES:
             raise InvalidInputError(f"unknown policy {name!r}; choose from {', '.join(ORDER)} or all")
+    seeds = _seeds(args)
+    latency = LatencyModel(args.prefill_tokens_per_s, args.kv_bytes_per_token, args.h2d_gbps, args.disk_gbps,
+                           args.transfer_gbps)
+    by_seed = []
+    for seed in seeds:
+        records = _records(args, seed)
+        # Routing hashes: the chain over hash ids, as the replicas' publishers compute it (block of 1 id).
+        hash_chains = [block_hashes(r.hash_ids, 1) for r in records]
+        results = []
+        for name in names:
+            res = run_policy(name, records, hash_chains, args, latency)
+            if args.shape:
+                res["shape"] = args.shape
+            if not args.trace:
+                res["seed"] = seed
+            results.append(res)
+            emit(res)
+        if args.misestimate:
+            misestimate_sweep(records, hash_chains, args, latency, results)
+        by_seed.append(results)
+    if len(seeds) > 1:
+        for line in seed_summary(seeds, by_seed):
+            emit(line)
+    if args.plot:
+        plot(by_seed[0], args.plot)
+    return 0
+
+
+def _seeds(args: argparse.Namespace) -> list[int]:
+    if args.seeds is None:
+        return [args.seed]
+    if args.trace:
+        raise InvalidInputError("--seeds needs a generated trace (--shape or the default), not --trace")
+    try:
+        seeds = [int(s) for s in args.seeds.split(",")]
+    except ValueError:
+        raise InvalidInputError(f"--seeds takes integers like 0,1,2, got {args.seeds!r}") from None
+    if len(set(seeds)) != len(seeds):
+        raise InvalidInputError(f"--seeds lists a seed twice: {args.seeds!r}")
+    if args.plot and len(seeds) > 1:
+        raise InvalidInputError("--plot draws one run; give it one seed (--seed), not --seeds")
+    return seeds
+
+
+def _records(args: argparse.Namespace, seed: int) -> list[TraceRecord]:
     if args.trace:
         records = load_trace(args.trace, limit=args.records)
     elif args.shape:
-        records = shape_trace(args.shape, args.records or 100_000, seed=args.seed, block_tokens=args.block_tokens,
+        records = shape_trace(args.shape, args.records or 100_000, seed=seed, block_tokens=args.block_tokens,
                               rate=args.rate)
     else:
-        records = synthetic_chat_trace(args.records or 100_000, seed=args.seed, block_tokens=args.block_tokens,
+        records = synthetic_chat_trace(args.records or 100_000, seed=seed, block_tokens=args.block_tokens,
                                        rate=args.rate)
     if not records:
         raise InvalidInputError("the trace has no records")
     records.sort(key=lambda r: r.timestamp)
-    # Routing hashes: the chain over hash ids, as the replicas' publishers compute it (block of 1 id).
-    hash_chains = [block_hashes(r.hash_ids, 1) for r in records]
-    latency = LatencyModel(args.prefill_tokens_per_s, args.kv_bytes_per_token, args.h2d_gbps, args.disk_gbps,
-                           args.transfer_gbps)
-    results = []
-    for name in names:
-        res = run_policy(name, records, hash_chains, args, latency)
-        if args.shape:
-            res["shape"] = args.shape
-        results.append(res)
-        emit(res)
-    if args.misestimate:
-        misestimate_sweep(records, hash_chains, args, latency, results)
-    if args.plot:
-        plot(results, args.plot)
-    return 0
+    return records
+
+
+SEED_METRICS = ("hit_rate", "load_imbalance", "busy_imbalance", "ttft_ms_p99")
+
+
+def seed_summary(seeds: list[int], by_seed: list[list[dict]]) -> list[dict]:
+    """One line per policy over the seeds: each metric's mean, min, max and
+    values by seed, and against every other policy of the run the seeds on
+    which it had the strictly higher hit rate, the strictly lower
+    load_imbalance and the strictly lower p99 TTFT."""
+    first = by_seed[0]
+    lines = []
+    for k, res in enumerate(first):
+        runs = [results[k] for results in by_seed]
+        line = {"bench": "replay_seeds", "policy": res["policy"], "records": res["records"],
+                "replicas": res["replicas"], "seeds": seeds}
+        if "shape" in res:
+            line["shape"] = res["shape"]
+        if res.get("policy_args"):
+            line["policy_args"] = res["policy_args"]
+        for m in SEED_METRICS:
+            values = [r[m] for r in runs]
+            line[f"{m}_mean"] = rounded(sum(values) / len(values), 4)
+            line[f"{m}_min"], line[f"{m}_max"] = min(values), max(values)
+            line[f"{m}_by_seed"] = values
+        line["versus"] = {
+            other["policy"]: {
+                "higher_hit_rate": sum(r[k]["hit_rate"] > r[j]["hit_rate"] for r in by_seed),
+                "lower_load_imbalance": sum(r[k]["load_imbalance"] < r[j]["load_imbalance"] for r in by_seed),
+                "lower_ttft_ms_p99": sum(r[k]["ttft_ms_p99"] < r[j]["ttft_ms_p99"] for r in by_seed)}
+            for j, other in enumerate(first) if j != k}
+        lines.append(line)
+    return lines
 
 
 def plot(results: list[dict], path: str) -> None:

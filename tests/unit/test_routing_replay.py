@@ -145,3 +145,55 @@ def test_replay_replicates_hot_shared_prefixes(capsys):
     # Each replication is a pull the simulator executes: the pulled prefix counts as a hit.
     assert on["cost"]["reasons"]["replicate"] > 0 and on["cost"]["migrated_rate"] > 0.0
     assert on["cost"]["hit_rate"] == off["cost"]["hit_rate"]
+
+
+def _lines(capsys, *argv):
+    assert main(["replay", *argv]) == 0
+    return list(map(json.loads, capsys.readouterr().out.splitlines()))
+
+
+SMALL = ("--shape", "conversation", "--records", "400", "--replicas", "2", "--hot-blocks", "24",
+         "--warm-blocks", "48", "--policy", "prefix,cost")
+
+
+def test_replay_seeds_summarises_each_policy_over_the_seeds(capsys):
+    lines = _lines(capsys, *SMALL, "--seeds", "0,3")
+    runs = [r for r in lines if r["bench"] == "replay"]
+    assert [(r["policy"], r["seed"]) for r in runs] == [("prefix", 0), ("cost", 0), ("prefix", 3), ("cost", 3)]
+    summary = {r["policy"]: r for r in lines if r["bench"] == "replay_seeds"}
+    assert list(summary) == ["prefix", "cost"]
+    run = {(r["policy"], r["seed"]): r for r in runs}
+    for policy, other in (("prefix", "cost"), ("cost", "prefix")):
+        s = summary[policy]
+        assert s["seeds"] == [0, 3] and s["shape"] == "conversation" and s["replicas"] == 2
+        for m in ("hit_rate", "load_imbalance", "busy_imbalance", "ttft_ms_p99"):
+            values = [run[(policy, 0)][m], run[(policy, 3)][m]]
+            assert s[f"{m}_by_seed"] == values
+            assert (s[f"{m}_min"], s[f"{m}_max"]) == (min(values), max(values))
+            assert s[f"{m}_mean"] == round(sum(values) / 2, 4)
+        versus = s["versus"][other]
+        assert versus == {
+            "higher_hit_rate": sum(run[(policy, k)]["hit_rate"] > run[(other, k)]["hit_rate"] for k in (0, 3)),
+            "lower_load_imbalance": sum(run[(policy, k)]["load_imbalance"] < run[(other, k)]["load_imbalance"]
+                                        for k in (0, 3)),
+            "lower_ttft_ms_p99": sum(run[(policy, k)]["ttft_ms_p99"] < run[(other, k)]["ttft_ms_p99"]
+                                     for k in (0, 3))}
+    # The seed-3 lines of the sweep are the run of --seed 3 alone (wall-clock fields aside).
+    alone = {r["policy"]: r for r in _lines(capsys, *SMALL, "--seed", "3")}
+    for policy in ("prefix", "cost"):
+        for key in ("hit_rate", "load_imbalance", "ttft_ms_p99", "reasons", "seed"):
+            assert alone[policy][key] == run[(policy, 3)][key]
+    assert not any(r["bench"] == "replay_seeds" for r in alone.values())
+
+
+@pytest.mark.parametrize("argv, message", [
+    (("--seeds", "0,x"), "--seeds takes integers like 0,1,2, got '0,x'"),
+    (("--seeds", "2,2"), "--seeds lists a seed twice: '2,2'"),
+    (("--seeds", "0,1", "--plot", "out.png"), "--plot draws one run; give it one seed (--seed), not --seeds"),
+    (("--seeds", "0,1", "--trace", "t.jsonl"), "--seeds needs a generated trace (--shape or the default), not --trace"),
+])
+def test_replay_seeds_rejects_what_it_cannot_do(capsys, argv, message):
+    with pytest.raises(SystemExit) as info:
+        main(["replay", "--records", "10", *argv])
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
