@@ -462,7 +462,7 @@ def run(args: argparse.Namespace) -> int:
             results.append(res)
             emit(res)
         if args.misestimate:
-            misestimate_sweep(records, hash_chains, args, latency, results)
+            misestimate_sweep(records, hash_chains, args, latency, results, None if args.trace else seed)
         by_seed.append(results)
     if len(seeds) > 1:
         for line in seed_summary(seeds, by_seed):
@@ -559,7 +559,8 @@ def plot(results: list[dict], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def misestimate_sweep(records, hash_chains, args, latency: LatencyModel, results: list[dict]) -> None:
+def misestimate_sweep(records, hash_chains, args, latency: LatencyModel, results: list[dict],
+                      seed: int | None = None) -> None:
     """``cost`` given wrong rate constants (each alone, then all together, times each
     factor) while the simulator keeps the true ones; one line per run and a summary."""
     try:
@@ -577,12 +578,14 @@ def misestimate_sweep(records, hash_chains, args, latency: LatencyModel, results
         for fields in [(name,) for name in RATE_FIELDS] + [RATE_FIELDS]:
             res = run_policy("cost", records, hash_chains, args, latency, believed=true.scaled(**dict.fromkeys(fields, f)))
             res["misestimate"] = {"factor": f, "constants": "all" if len(fields) > 1 else fields[0]}
+            if seed is not None:
+                res["seed"] = seed
             runs.append(res)
             emit(res)
     worst = min(runs, key=lambda r: r["hit_rate"])
     others = {r["policy"]: r["hit_rate"] for r in results if r["policy"] in ("approx_tree", "ray_prefix", "prefix")}
     ports = {k: v for k, v in others.items() if k != "prefix"}
-    emit({"bench": "replay_misestimate", "factors": factors, "runs": len(runs), "cost_hit_rate": base["hit_rate"],
+    emit({"bench": "replay_misestimate", **({} if seed is None else {"seed": seed}), "factors": factors, "runs": len(runs), "cost_hit_rate": base["hit_rate"],
           "worst_hit_rate": worst["hit_rate"], "worst": worst["misestimate"],
           "max_loss_points": rounded(100 * (base["hit_rate"] - worst["hit_rate"]), 2),
           "worst_ttft_ms_p99": max(r["ttft_ms_p99"] for r in runs), "baselines_hit_rate": others,

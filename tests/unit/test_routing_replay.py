@@ -197,3 +197,15 @@ def test_replay_seeds_rejects_what_it_cannot_do(capsys, argv, message):
         main(["replay", "--records", "10", *argv])
     assert info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_replay_seeds_runs_the_misestimate_sweep_on_each_seed(capsys):
+    lines = _lines(capsys, "--records", "300", "--replicas", "2", "--hot-blocks", "24", "--warm-blocks", "48",
+                   "--policy", "cost", "--misestimate", "2", "--seeds", "1,2")
+    summaries = [x for x in lines if x["bench"] == "replay_misestimate"]
+    assert [x["seed"] for x in summaries] == [1, 2]
+    sweep = [x for x in lines if "misestimate" in x]
+    assert [x["seed"] for x in sweep] == [1] * 5 + [2] * 5
+    runs = {x["seed"]: x for x in lines if x["bench"] == "replay" and "misestimate" not in x}
+    assert [s["cost_hit_rate"] for s in summaries] == [runs[1]["hit_rate"], runs[2]["hit_rate"]]
+    assert lines[-1]["bench"] == "replay_seeds" and lines[-1]["seeds"] == [1, 2]
