@@ -523,7 +523,7 @@ def seed_summary(seeds: list[int], by_seed: list[list[dict]]) -> list[dict]:
             line["policy_args"] = res["policy_args"]
         for m in SEED_METRICS:
             values = [r[m] for r in runs]
-            line[f"{m}_mean"] = rounded(sum(values) / len(values), 4)
+            line[f"{m}_mean"] = rounded(sum(values) / len(values), 1 if m.startswith("ttft_ms") else 4)
             line[f"{m}_min"], line[f"{m}_max"] = min(values), max(values)
             line[f"{m}_by_seed"] = values
         line["versus"] = {
