@@ -16,7 +16,11 @@ Bookkeeping per block (plain lists indexed by block id, cheap in CPython):
   growing a sequence and coalescing freed slots never walk the block.
 - ``live``: offset -> (length, owner) of each live extent, so a double free is
   detected, overlaps can be checked, and compaction can tell the owner (a
-  tree node) where its KV moved.
+  tree node) where its KV moved. A block held whole by one extent stores
+  that ``(length, owner)`` pair itself instead of a one-entry dict: a long
+  prompt takes hundreds of whole blocks, and building a dict for each was
+  the largest single cost of allocating them (``extents_at`` gives every
+  block's table as a dict).
 
 Every free run of an open partial block is indexed by its length (one bucket
 per length, plus a bitmask of non-empty buckets): a slot takes the shortest
@@ -37,7 +41,6 @@ from cluster.errors import InvalidInputError, PoolExhaustedError
 ALLOC_MODES = ("slotted", "flat", "token")
 
 
-_NONE: dict = {}  # read-only stand-in for a free block's (absent) extent table
 _new_tuple = tuple.__new__  # builds an Extent without NamedTuple's keyword-handling __new__ (hot loops)
 
 
@@ -83,8 +86,9 @@ class BlockAllocator:
         self.used = [0] * n
         self.occupied = [0] * n  # bit i set <=> token slot i of the block is live
         # None for a free block: a dict per block only while it is in use keeps
-        # the garbage collector's work proportional to what is cached.
-        self.live: list[dict[int, tuple[int, Any]] | None] = [None] * n
+        # the garbage collector's work proportional to what is cached; a block
+        # held whole by one extent holds that extent's (length, owner) itself.
+        self.live: list[dict[int, tuple[int, Any]] | tuple[int, Any] | None] = [None] * n
         # Blocks that accept slots of others; their free runs are indexed by
         # length (1 .. block_tokens-1), key ``block * block_tokens + start``.
         self._open = [False] * n
@@ -133,10 +137,17 @@ class BlockAllocator:
 
     def owner_of(self, extent: Extent) -> Any:
         b, off, length = extent
-        entry = (self.live[b] or _NONE).get(off) if type(b) is int and 0 <= b < self.num_blocks else None
+        t = self.live[b] if type(b) is int and 0 <= b < self.num_blocks else None
+        entry = t.get(off) if type(t) is dict else (None if off else t)
         if entry is None or entry[0] != length:
             entry = self._lookup(extent)
         return entry[1]
+
+    def extents_at(self, block_id: int) -> dict[int, tuple[int, Any]]:
+        """offset -> (length, owner) of the live extents on a block (a new dict
+        for a block held whole by one extent; empty for a free block)."""
+        t = self.live[block_id]
+        return t if type(t) is dict else ({} if t is None else {0: t})
 
     def free_runs(self, block_id: int) -> list[tuple[int, int]]:
         """Free runs ``(start, length)`` of a block, in order."""
@@ -170,8 +181,9 @@ class BlockAllocator:
         grow = room = 0
         if after is not None:
             gb, off, length = after
-            if type(gb) is not int or not 0 <= gb < self.num_blocks or (
-                    (live[gb] or _NONE).get(off) or (None,))[0] != length:
+            t = live[gb] if type(gb) is int and 0 <= gb < self.num_blocks else None
+            entry = t.get(off) if type(t) is dict else (None if off else t)
+            if entry is None or entry[0] != length:
                 self._lookup(after)  # raises with the precise message
             end = off + length
             behind = occupied[gb] >> end  # the free run behind `after` starts at `end`
@@ -227,12 +239,13 @@ class BlockAllocator:
             used[gb] += grow
             out.append(_new_tuple(Extent, (gb, end, grow)))
         if full:
-            # Whole blocks: no free runs, nothing indexed; set the bookkeeping directly.
+            # Whole blocks: no free runs, nothing indexed; set the bookkeeping
+            # directly. Each block's table is the one (length, owner) pair they share.
             entry, whole, extents = (bt, owner), self._full_mask, self._whole
             append = out.append
             for _ in range(full):
                 b = free.pop()
-                live[b] = {0: entry}
+                live[b] = entry
                 refcount[b] = 1
                 used[b] = bt
                 occupied[b] = whole
@@ -298,7 +311,9 @@ class BlockAllocator:
         live, n = self.live, self.num_blocks
         for e in extents:
             b, off, length = e
-            if type(b) is not int or not 0 <= b < n or ((live[b] or _NONE).get(off) or (None,))[0] != length:
+            t = live[b] if type(b) is int and 0 <= b < n else None
+            entry = t.get(off) if type(t) is dict else (None if off else t)
+            if entry is None or entry[0] != length:
                 self._lookup(e)  # raises with the precise message
         # Validated above, so two entries at one (block, offset) can only be equal.
         if len(set(extents)) != len(extents):
@@ -362,18 +377,27 @@ class BlockAllocator:
         whole = (bt, owner)  # one shared entry for every whole-block extent
         for e in extents:
             b, off, length = e
-            table = live[b] if type(b) is int and 0 <= b < n else None
-            entry = table.get(off) if table is not None else None
-            if entry is None or entry[0] != length:
-                self._lookup(e)
-            table[off] = whole if length == bt else (length, owner)
+            t = live[b] if type(b) is int and 0 <= b < n else None
+            if type(t) is dict:
+                entry = t.get(off)
+                if entry is None or entry[0] != length:
+                    self._lookup(e)
+                t[off] = whole if length == bt else (length, owner)
+            elif t is None or off or length != bt:
+                self._lookup(e)   # raises: not an extent of this allocator
+            else:
+                live[b] = whole   # a block held whole: its table is the pair itself
 
     def set_owner(self, extent: Extent, owner: Any) -> None:
         b, off, length = extent
-        entry = (self.live[b] or _NONE).get(off) if 0 <= b < self.num_blocks else None
+        t = self.live[b] if type(b) is int and 0 <= b < self.num_blocks else None
+        entry = t.get(off) if type(t) is dict else (None if off else t)
         if entry is None or entry[0] != length:
             self._lookup(extent)
-        self.live[b][off] = (length, owner)
+        if type(t) is dict:
+            t[off] = (length, owner)
+        else:
+            self.live[b] = (length, owner)
 
     # -------------------------------------------------------- split and merge
     def split(self, extent: Extent, at: int) -> tuple[Extent, Extent]:
@@ -382,8 +406,11 @@ class BlockAllocator:
         _, owner = self._lookup(extent)
         if not 0 < at < length:
             raise InvalidInputError(f"split point {at} outside (0, {length}) of extent {tuple(extent)}")
-        self.live[b][off] = (at, owner)
-        self.live[b][off + at] = (length - at, owner)
+        table = self.live[b]
+        if type(table) is not dict:   # a block held whole: it gets a table of two extents
+            table = self.live[b] = {}
+        table[off] = (at, owner)
+        table[off + at] = (length - at, owner)
         self.refcount[b] += 1
         return Extent(b, off, at), Extent(b, off + at, length - at)
 
@@ -438,7 +465,8 @@ class BlockAllocator:
             raise InvalidInputError(f"not an extent (block_id, offset, length): {extent!r}") from None
         if not (isinstance(b, int) and 0 <= b < self.num_blocks):
             raise InvalidInputError(f"extent {tuple(extent)}: block_id outside [0, {self.num_blocks})")
-        entry = (self.live[b] or _NONE).get(off)
+        t = self.live[b]
+        entry = t.get(off) if type(t) is dict else (None if off else t)
         if entry is None or entry[0] != length:
             raise InvalidInputError(f"extent {tuple(extent)} is not allocated (double free or stale extent?)")
         return entry
@@ -505,8 +533,9 @@ class BlockAllocator:
         total_used = 0
         expected_gaps = {}
         for b in range(self.num_blocks):
-            live = self.live[b] or {}
+            live = self.extents_at(b)
             assert (self.live[b] is None) == (b in free), f"block {b}: extent table out of step with the free list"
+            assert type(self.live[b]) is not tuple or self.live[b][0] == bt, f"block {b}: a pair table not whole"
             assert self.refcount[b] == len(live), f"block {b}: refcount {self.refcount[b]} != {len(live)} extents"
             assert self.used[b] == sum(ln for ln, _ in live.values()), f"block {b}: used count drifted"
             total_used += self.used[b]

@@ -190,7 +190,7 @@ class KVPool:
         for b in alloc.compaction_candidates(limit=4 * max_blocks_moved):
             if alloc.free_blocks - free_before >= max_blocks_moved:
                 break
-            live = sorted(alloc.live[b].items())
+            live = sorted(alloc.extents_at(b).items())
             if not live or not all(can_move(owner) for _, (_, owner) in live):
                 continue
             was_open = alloc.is_open(b)

@@ -50,6 +50,6 @@ def check_tree(tree: "RadixTree") -> None:
     for tier, alloc in enumerate(tree.allocators):
         alloc.check_invariants()
         for b in range(alloc.num_blocks):
-            for off, (_, owner) in (alloc.live[b] or {}).items():
+            for off, (_, owner) in alloc.extents_at(b).items():
                 if isinstance(owner, TreeNode):
                     assert (b, off) in owned[tier], f"extent ({b},{off}) owned by a node not in the tree"

@@ -206,3 +206,39 @@ def test_slots_find_the_best_fit_across_blocks():
     assert a.allocate(3) == [Extent(1, 5, 3)]             # the exact fit, not block 0's 6
     assert a.allocate(4) == [Extent(0, 2, 4)]
     a.check_invariants()
+
+
+def test_a_block_held_whole_keeps_its_pair_as_its_table_until_it_is_split():
+    a = make()
+    owner, other = object(), object()
+    whole = a.allocate(16, owner)
+    assert whole == [Extent(0, 0, 8), Extent(1, 0, 8)]
+    # Both blocks share one (length, owner) pair, no dict per block.
+    assert a.live[0] is a.live[1] and a.live[0] == (8, owner)
+    assert a.extents_at(0) == {0: (8, owner)} and a.extents_at(5) == {}
+    assert a.owner_of(whole[1]) is owner
+    a.set_owners(whole, other)
+    assert a.owner_of(whole[0]) is other and a.live[0] is a.live[1]
+    # Not extents of the whole block: rejected, nothing changed.
+    for bad in (Extent(0, 0, 4), Extent(0, 4, 4), Extent(0, 1, 8)):
+        with pytest.raises(InvalidInputError, match="not allocated"):
+            a.owner_of(bad)
+        with pytest.raises(InvalidInputError, match="not allocated"):
+            a.set_owners([bad], owner)
+        with pytest.raises(InvalidInputError, match="not allocated"):
+            a.free([whole[0], bad])
+    assert a.owner_of(whole[0]) is other and a.used_tokens == 16
+    # A split gives the block a table of two extents; joining keeps it a dict.
+    left, right = a.split(whole[0], 3)
+    assert a.extents_at(0) == {0: (3, other), 3: (5, other)} and type(a.live[0]) is dict
+    assert a.live[1] == (8, other)
+    joined = a.try_join(left, right)
+    assert joined == Extent(0, 0, 8) and a.owner_of(joined) is other
+    a.set_owner(whole[1], owner)
+    assert a.live[1] == (8, owner) and a.owner_of(joined) is other
+    a.check_invariants()
+    a.free([joined, whole[1]])
+    assert a.live[0] is None and a.live[1] is None and a.used_tokens == 0
+    with pytest.raises(InvalidInputError, match="not allocated"):
+        a.free([whole[1]])
+    a.check_invariants()
