@@ -189,7 +189,9 @@ def run(args: argparse.Namespace) -> int:
 
     cluster = None
     if args.address:
-        ray.init(address=args.address, log_to_driver=False)
+        from actors.connect import connect
+
+        connect(args.address, log_to_driver=False)
     else:
         from ray.cluster_utils import Cluster
 

@@ -37,12 +37,15 @@ def run(args: argparse.Namespace) -> int:
         print("preparing the model (the first run converts the embedded GGUF once, ~30 s)...", flush=True)
     model = prepare_model(app_args["worker"].get("model"), resolve=not args.address)
     if args.address:
-        import ray
+        from actors.connect import connect
+
+        try:   # with a deadline; a loopback cluster keeps this driver on loopback
+            connect(args.address)
+        except (TimeoutError, ConnectionError, RuntimeError) as exc:
+            raise SystemExit(f"prefix-cache serve: cannot join the Ray cluster at {args.address}: {exc}") from None
         from ray import serve
 
         from serve_app.app import APP_NAME, build_app
-
-        ray.init(address=args.address)
         serve.start(http_options={"host": args.host, "port": args.port})
         serve.run(build_app(app_args), name=APP_NAME, route_prefix="/", blocking=False)
         LocalCluster.wait_ready(args.host, args.port, 300)

@@ -60,6 +60,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kill", choices=("replica", "directory"), default=None)
     p.add_argument("--kill-at", type=float, default=2.0, help="seconds after the first request")
     p.add_argument("--address", default="auto", help="Ray cluster of the app (for --kill and memory)")
+    p.add_argument("--connect-timeout", type=float, default=30.0,
+                   help="seconds to wait for the Ray cluster at --address before going on without it "
+                        "(or failing, with --kill); default 30")
     p.add_argument("--namespace", default="prefix-cache", help="Ray namespace of the app's directory")
     p.add_argument("--api-key", default=None)
     p.add_argument("--model", default=None, help="model id to send (default: the first of /v1/models)")
@@ -392,9 +395,9 @@ def run(args: argparse.Namespace) -> int:
     check_url(args.url, args.allow_remote_host)
     probe = None
     try:
-        import ray
+        from actors.connect import connect
 
-        ray.init(address=args.address, log_to_driver=False, logging_level="ERROR")
+        connect(args.address, timeout_s=args.connect_timeout, log_to_driver=False, logging_level="ERROR")
         probe = ClusterProbe(args.namespace)
     except Exception as exc:
         if args.kill:

@@ -1,0 +1,67 @@
+"""Joining a running Ray cluster from a command (``serve --address``,
+``loadtest --address``, ``bench transfer --address``) without hanging.
+
+``ray.init(address=...)`` has no deadline of its own: when nothing answers
+at the address, or when Ray rewrites a loopback address to this machine's
+network address (it does unless ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` is
+set before Ray starts), it retries for as long as the process lives.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from typing import Any
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
+
+
+def is_loopback(address: str) -> bool:
+    """Whether a ``host:port`` Ray address names this machine's loopback."""
+    host = address.rsplit(":", 1)[0] if ":" in address else address
+    return host in LOOPBACK_HOSTS
+
+
+def connect(address: str, *, timeout_s: float = 30.0, **init_kwargs: Any) -> None:
+    """``ray.init(address=address, **init_kwargs)``, or ``TimeoutError`` naming the
+    address when no cluster answered within ``timeout_s``.
+
+    A loopback address keeps this driver on loopback too (the cluster a
+    ``prefix-cache serve`` started binds 127.0.0.1 only). The connecting
+    thread is a daemon: a process that gives up exits without waiting for it.
+    """
+    if is_loopback(address):
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        _keep_on_loopback()
+    import ray
+
+    done, failure = threading.Event(), []
+
+    def join() -> None:
+        try:
+            ray.init(address=address, **init_kwargs)
+        except BaseException as exc:   # handed to the caller below
+            failure.append(exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=join, name="ray-connect", daemon=True).start()
+    if not done.wait(timeout_s):
+        raise TimeoutError(f"no Ray cluster answered at {address} within {timeout_s:g} s "
+                           f"(is it running? `prefix-cache serve` prints its address as 'Ray cluster at ...')")
+    if failure:
+        raise failure[0]
+
+
+def _keep_on_loopback() -> None:
+    """Ray reads that variable once, when it is imported; if this process
+    imported Ray before, set the switch it was read into (the same effect)."""
+    if "ray" in sys.modules:
+        from ray._private import ray_constants
+
+        if getattr(ray_constants, "ENABLE_RAY_CLUSTER", False):
+            ray_constants.ENABLE_RAY_CLUSTER = False
+
+
+__all__ = ["connect", "is_loopback", "LOOPBACK_HOSTS"]
