@@ -14,6 +14,8 @@ import sys
 import threading
 from typing import Any
 
+from cluster.errors import InvalidInputError
+
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
 
 
@@ -31,6 +33,8 @@ def connect(address: str, *, timeout_s: float = 30.0, **init_kwargs: Any) -> Non
     ``prefix-cache serve`` started binds 127.0.0.1 only). The connecting
     thread is a daemon: a process that gives up exits without waiting for it.
     """
+    if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+        raise InvalidInputError(f"the connect timeout must be a positive number of seconds, got {timeout_s!r}")
     if is_loopback(address):
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
         _keep_on_loopback()

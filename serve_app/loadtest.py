@@ -393,6 +393,8 @@ def _wait_whole(probe: ClusterProbe, killed: dict, limit_s: float) -> float | No
 
 def run(args: argparse.Namespace) -> int:
     check_url(args.url, args.allow_remote_host)
+    if not args.connect_timeout > 0:
+        raise SystemExit(f"--connect-timeout must be a positive number of seconds, got {args.connect_timeout}")
     probe = None
     try:
         from actors.connect import connect

@@ -44,6 +44,12 @@ ALLOC_MODES = ("slotted", "flat", "token")
 _new_tuple = tuple.__new__  # builds an Extent without NamedTuple's keyword-handling __new__ (hot loops)
 
 
+def _entry(table: dict | tuple | None, off: int) -> tuple[int, Any] | None:
+    """The (length, owner) at ``off`` in a block's table: a dict, the pair of a
+    block held whole, or None (free). Inlined as one expression in the hot paths."""
+    return table.get(off) if type(table) is dict else (None if off else table)
+
+
 class Extent(NamedTuple):
     """``length`` tokens of KV at token ``offset`` inside block ``block_id``."""
 
@@ -137,8 +143,7 @@ class BlockAllocator:
 
     def owner_of(self, extent: Extent) -> Any:
         b, off, length = extent
-        t = self.live[b] if type(b) is int and 0 <= b < self.num_blocks else None
-        entry = t.get(off) if type(t) is dict else (None if off else t)
+        entry = _entry(self.live[b], off) if type(b) is int and 0 <= b < self.num_blocks else None
         if entry is None or entry[0] != length:
             entry = self._lookup(extent)
         return entry[1]
@@ -389,14 +394,12 @@ class BlockAllocator:
                 live[b] = whole   # a block held whole: its table is the pair itself
 
     def set_owner(self, extent: Extent, owner: Any) -> None:
+        self._lookup(extent)
         b, off, length = extent
-        t = self.live[b] if type(b) is int and 0 <= b < self.num_blocks else None
-        entry = t.get(off) if type(t) is dict else (None if off else t)
-        if entry is None or entry[0] != length:
-            self._lookup(extent)
-        if type(t) is dict:
-            t[off] = (length, owner)
-        else:
+        table = self.live[b]
+        if type(table) is dict:
+            table[off] = (length, owner)
+        else:   # a block held whole: its table is the pair itself
             self.live[b] = (length, owner)
 
     # -------------------------------------------------------- split and merge
@@ -465,8 +468,7 @@ class BlockAllocator:
             raise InvalidInputError(f"not an extent (block_id, offset, length): {extent!r}") from None
         if not (isinstance(b, int) and 0 <= b < self.num_blocks):
             raise InvalidInputError(f"extent {tuple(extent)}: block_id outside [0, {self.num_blocks})")
-        t = self.live[b]
-        entry = t.get(off) if type(t) is dict else (None if off else t)
+        entry = _entry(self.live[b], off)
         if entry is None or entry[0] != length:
             raise InvalidInputError(f"extent {tuple(extent)} is not allocated (double free or stale extent?)")
         return entry

@@ -39,6 +39,13 @@ def test_loadtest_refuses_hosts_other_than_loopback():
         check_url("http://192.0.2.7:8000", False)
 
 
+def test_loadtest_refuses_a_connect_timeout_that_is_not_positive(capsys):
+    from cluster.cli import main
+
+    with pytest.raises(SystemExit, match="--connect-timeout must be a positive number of seconds, got 0.0"):
+        main(["loadtest", "--url", "http://127.0.0.1:9", "--connect-timeout", "0"])
+
+
 def test_a_replica_killed_under_load_loses_no_request_and_cuts_no_stream(app_url):
     from serve_app.loadtest import ClusterProbe, run_load
 

@@ -7,6 +7,7 @@ import ray
 from ray._private import ray_constants
 
 from actors.connect import connect, is_loopback
+from cluster.errors import InvalidInputError
 
 
 @pytest.mark.parametrize("address, loopback", [
@@ -50,3 +51,10 @@ def test_a_failed_init_raises_its_own_error(monkeypatch):
     monkeypatch.setattr(ray, "init", refuse)
     with pytest.raises(ConnectionError, match="Could not find any running Ray instance"):
         connect("10.0.0.7:6379", timeout_s=5)
+
+
+@pytest.mark.parametrize("timeout_s", [0, -1, float("nan"), "30"])
+def test_the_timeout_must_be_a_positive_number(timeout_s, monkeypatch):
+    monkeypatch.setattr(ray, "init", lambda **kw: pytest.fail("ray.init must not be called"))
+    with pytest.raises(InvalidInputError, match="connect timeout must be a positive number"):
+        connect("127.0.0.1:6379", timeout_s=timeout_s)
