@@ -9,8 +9,6 @@ set before Ray starts), it retries for as long as the process lives.
 
 from __future__ import annotations
 
-import os
-import sys
 import threading
 from typing import Any
 
@@ -35,10 +33,14 @@ def connect(address: str, *, timeout_s: float = 30.0, **init_kwargs: Any) -> Non
     """
     if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
         raise InvalidInputError(f"the connect timeout must be a positive number of seconds, got {timeout_s!r}")
-    if is_loopback(address):
-        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-        _keep_on_loopback()
     import ray
+
+    if is_loopback(address):
+        # Ray reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER once, when it is imported,
+        # into this switch; setting the switch works whenever Ray was imported.
+        from ray._private import ray_constants
+
+        ray_constants.ENABLE_RAY_CLUSTER = False
 
     done, failure = threading.Event(), []
 
@@ -56,16 +58,6 @@ def connect(address: str, *, timeout_s: float = 30.0, **init_kwargs: Any) -> Non
                            f"(is it running? `prefix-cache serve` prints its address as 'Ray cluster at ...')")
     if failure:
         raise failure[0]
-
-
-def _keep_on_loopback() -> None:
-    """Ray reads that variable once, when it is imported; if this process
-    imported Ray before, set the switch it was read into (the same effect)."""
-    if "ray" in sys.modules:
-        from ray._private import ray_constants
-
-        if getattr(ray_constants, "ENABLE_RAY_CLUSTER", False):
-            ray_constants.ENABLE_RAY_CLUSTER = False
 
 
 __all__ = ["connect", "is_loopback", "LOOPBACK_HOSTS"]

@@ -448,10 +448,11 @@ class CostPolicy(Policy):
                            (rest, rest_ids) if rest and NO_HIT not in groups else None)
 
     # --------------------------------------------------------------- pricing
-    def price(self, cands: _Candidates, num_tokens: int, shared: int, *, every: bool = False) -> list[_Option]:
+    def price(self, cands: _Candidates, num_tokens: int, shared: int, *, idle_only: bool = False) -> list[_Option]:
         """Every option of every candidate, with its score (TTFT + what it costs later).
-        ``every``: price the least loaded worker holding nothing even where it
-        cannot be cheapest (a replication target)."""
+        ``idle_only``: only the options of the least loaded worker holding
+        nothing, priced even where they cannot be cheapest (a replication target
+        that the first pricing left out)."""
         cost, opts = self.cost, self.options
         ww = opts.work_weight
         source, source_w = cands.source, cands.source_worker
@@ -481,8 +482,9 @@ class CostPolicy(Policy):
                 append(_new_option((wait + service * gain + dup, load, w, "migrate", source_blocks,
                                     wait + service, source_id, source_blocks - blocks, dup)))
 
-        for h, (load, w) in cands.groups.items():
-            options_of(h, load, w)
+        if not idle_only:
+            for h, (load, w) in cands.groups.items():
+                options_of(h, load, w)
         if cands.rest is not None:
             # A worker holding nothing is worth finding only if one of its options
             # could be cheapest or tie (``choose``) even with an empty queue.
@@ -490,7 +492,7 @@ class CostPolicy(Policy):
             bound = service_s(NO_HIT, num_tokens) * gain + dup
             if source_blocks:
                 bound = min(bound, migrate_s(NO_HIT, source, num_tokens) * gain + dup)
-            if every or bound <= min(o.score for o in out) + max(opts.tie_s, self._mean_wait):
+            if idle_only or bound <= min(o.score for o in out) + max(opts.tie_s, self._mean_wait):
                 load, w = self._least(*cands.rest, self._recent.scaled)
                 options_of(NO_HIT, load, w)
         return out
@@ -512,7 +514,7 @@ class CostPolicy(Policy):
 
         found = targets(options)
         if not found and cands.rest is not None:   # the idle workers were not priced: price them now
-            found = targets(self.price(cands, num_tokens, shared, every=True))
+            found = targets(self.price(cands, num_tokens, shared, idle_only=True))
         if not found:
             return best
         return min(found, key=_SCORE_LOAD)._replace(reason="replicate")
