@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import signal
-import threading
+import time
 
 from serve_app.local import DEMO_WORKER, LocalCluster, prepare_model
 
@@ -25,6 +25,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model spec (default: the embedded SmolLM2-135M-Instruct; "
                                                   "a hub id, a checkpoint directory, a .gguf file, or 'builtin')")
     p.add_argument("--args", default=None, help="extra application args as JSON (merged over the defaults)")
+
+
+def wait_for_stop(poll_s: float = 0.2) -> int:
+    """Block until SIGINT or SIGTERM (both set explicitly: a shell that starts
+    us in the background ignores SIGINT); returns the first signal's number.
+
+    The handler only appends to a list. It runs on the main thread between
+    bytecodes, so one that took a lock the main thread may hold (``Event.set``
+    while the loop sits in ``Event.wait``) deadlocks when two signals arrive
+    together, as they do when Ctrl-C reaches a wrapper and this process both.
+    """
+    stopping: list[int] = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, _frame: stopping.append(signum))
+    while not stopping:
+        time.sleep(poll_s)
+    return stopping[0]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -46,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
         from ray import serve
 
         from serve_app.app import APP_NAME, build_app
+
         serve.start(http_options={"host": args.host, "port": args.port})
         serve.run(build_app(app_args), name=APP_NAME, route_prefix="/", blocking=False)
         LocalCluster.wait_ready(args.host, args.port, 300)
@@ -56,15 +74,8 @@ def run(args: argparse.Namespace) -> int:
         # What `prefix-cache loadtest --address` (kills, memory) needs.
         print(f"Ray cluster at {local.cluster.address}", flush=True)
     print(f"serving {model} on http://{args.host}:{args.port}  (Ctrl-C to stop)", flush=True)
-    stop = threading.Event()
-    # Both explicitly: a shell that starts us in the background ignores SIGINT.
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     try:
-        while not stop.wait(0.5):
-            pass
-    except KeyboardInterrupt:
-        pass
+        wait_for_stop()
     finally:
         print("shutting down...", flush=True)
         if local is not None:
