@@ -11,6 +11,7 @@ import argparse
 import json
 import signal
 import time
+from typing import Callable
 
 from serve_app.local import DEMO_WORKER, LocalCluster, prepare_model
 
@@ -27,9 +28,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--args", default=None, help="extra application args as JSON (merged over the defaults)")
 
 
-def wait_for_stop(poll_s: float = 0.2) -> int:
+def wait_for_stop(poll_s: float = 0.2, ready: Callable[[], None] | None = None) -> int:
     """Block until SIGINT or SIGTERM (both set explicitly: a shell that starts
     us in the background ignores SIGINT); returns the first signal's number.
+    ``ready`` runs once the handlers are in place (say how to stop only then).
 
     The handler only appends to a list. It runs on the main thread between
     bytecodes, so one that took a lock the main thread may hold (``Event.set``
@@ -39,6 +41,8 @@ def wait_for_stop(poll_s: float = 0.2) -> int:
     stopping: list[int] = []
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, _frame: stopping.append(signum))
+    if ready is not None:
+        ready()
     while not stopping:
         time.sleep(poll_s)
     return stopping[0]
@@ -73,9 +77,9 @@ def run(args: argparse.Namespace) -> int:
         local.deploy(app_args, port=args.port, host=args.host)
         # What `prefix-cache loadtest --address` (kills, memory) needs.
         print(f"Ray cluster at {local.cluster.address}", flush=True)
-    print(f"serving {model} on http://{args.host}:{args.port}  (Ctrl-C to stop)", flush=True)
     try:
-        wait_for_stop()
+        wait_for_stop(ready=lambda: print(f"serving {model} on http://{args.host}:{args.port}  (Ctrl-C to stop)",
+                                          flush=True))
     finally:
         print("shutting down...", flush=True)
         if local is not None:

@@ -11,8 +11,7 @@ import pytest
 CHILD = """
 import sys
 from serve_app.cli_serve import wait_for_stop
-print("ready", flush=True)
-print("stopped", wait_for_stop(poll_s=0.01), flush=True)
+print("stopped", wait_for_stop(poll_s=0.01, ready=lambda: print("ready", flush=True)), flush=True)
 """
 
 
