@@ -27,7 +27,7 @@ from actors.migration import Migrator, block_checksum
 from cluster.cache.tiered import TieredCache
 from cluster.engine.runner import Engine, SamplingParams
 from cluster.names import COLD, WARM
-from cluster.routing.policy import CostModel
+from cluster.routing.policies import CostModel
 from cluster.transfer.nixl_transport import NixlEndpoint, recommended_ucx_env
 
 log = logging.getLogger(__name__)
@@ -88,15 +88,16 @@ def _promotion(engine: Engine, prompt: list[int], tier: int) -> tuple[int, float
     if tier == COLD:
         cache.drop_page_cache()
     t0 = time.perf_counter()
-    m = cache.match(prompt)
+    lease = cache.admit(prompt, compute_last=False)
     dt = time.perf_counter() - t0
-    return (m.promoted_tokens, dt) if m.promoted_tokens else None
+    lease.release()
+    return (lease.promoted_tokens, dt) if lease.promoted_tokens else None
 
 
 def _nixl_rate(migrator: Migrator, cache: TieredCache, nblocks: int = 8) -> float | None:
     """READ ``nblocks`` host blocks from a scratch agent into our staging
     blocks, verified: tokens per second of the real pull path."""
-    host = cache.host_tensor
+    host = cache.staging.tensor
     nblocks = min(nblocks, host.shape[0] // 4)
     if nblocks < 1:
         return None
@@ -104,9 +105,10 @@ def _nixl_rate(migrator: Migrator, cache: TieredCache, nblocks: int = 8) -> floa
     try:
         with NixlEndpoint(f"probe-{migrator.worker_id}-{id(src):x}", src, ucx_env=recommended_ucx_env()) as scratch:
             peer = migrator.nixl.connect(scratch.metadata())
-            staged = {"blocks": list(range(nblocks)), "checksums": [block_checksum(b) for b in src],
-                      "tokens": nblocks * migrator.block_tokens}
-            return _best(lambda: _timed(lambda: migrator.pull_blocks_nixl(peer, staged), staged["tokens"]), 2)
+            blocks, tokens = list(range(nblocks)), nblocks * migrator.block_tokens
+            checksums = [block_checksum(b) for b in src]
+            return _best(lambda: _timed(lambda: migrator.pull_blocks_nixl(peer, blocks, checksums, tokens),
+                                        tokens), 2)
     except Exception as exc:  # measuring must never stop a worker from starting
         log.warning("could not measure the NIXL transfer rate: %s", exc)
         return None

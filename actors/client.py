@@ -17,15 +17,15 @@ asks the directory through the same ``DirectoryLink``.
 from __future__ import annotations
 
 import logging
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, NamedTuple
 
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from actors.directory_link import DirectoryLink
 from actors.engine_loop import EngineWedgedError
-from actors.naming import DIRECTORY_NAME, worker_actor_name
-from cluster.protocol import RouteDecision, StreamItem
+from cluster.names import DIRECTORY_NAME, worker_actor_name
+from cluster.protocol import GenerateRequest, RouteDecision, SamplingParams, StreamItem, Tenant
 
 log = logging.getLogger(__name__)
 
@@ -38,11 +38,18 @@ class NoWorkerError(RuntimeError):
     """No live worker could serve the request."""
 
 
-async def stream_with_retry(directory: DirectoryLink, prompt: list[int], tenant: Any,
+class Attempted(NamedTuple):
+    """One item of a routed stream and the attempt (0: the first worker) that produced it."""
+
+    item: StreamItem
+    attempt: int
+
+
+async def stream_with_retry(directory: DirectoryLink, prompt: list[int], tenant: Tenant | None,
                             open_stream: Callable[[RouteDecision], AsyncIterator[StreamItem]], *,
                             max_attempts: int = 3, first: RouteDecision | None = None,
-                            died: tuple[type[BaseException], ...] = WORKER_DIED) -> AsyncIterator[StreamItem]:
-    """Yield the request's items, each stamped with the worker, reason and attempt that produced it."""
+                            died: tuple[type[BaseException], ...] = WORKER_DIED) -> AsyncIterator[Attempted]:
+    """Yield the request's items (each names the worker and reason that produced it), with the attempt."""
     sent = 0
     failed: list[str] = []
     for attempt in range(max_attempts):
@@ -55,8 +62,7 @@ async def stream_with_retry(directory: DirectoryLink, prompt: list[int], tenant:
                 if seen <= sent and not item.finished:
                     continue  # already delivered before the retry
                 sent = max(sent, seen)
-                item.worker_id, item.reason, item.attempt = decision.worker_id, decision.reason, attempt
-                yield item
+                yield Attempted(item, attempt)
                 if item.finished:
                     return
             return
@@ -84,18 +90,19 @@ class ClusterClient:
             self._handles[worker_id] = h
         return h
 
-    async def route(self, prompt: list[int], tenant: Any = None, exclude: list[str] | None = None) -> RouteDecision:
+    async def route(self, prompt: list[int], tenant: Tenant | None = None,
+                    exclude: list[str] | None = None) -> RouteDecision:
         return await self.directory.route(prompt, tenant, exclude)
 
-    async def generate(self, prompt: list[int], params: dict | None = None, tenant: Any = None,
-                       session_id: Any = None, worker_id: str | None = None) -> AsyncIterator[StreamItem]:
-        """Yield ``StreamItem``s, each with the ``worker_id``, routing ``reason``
-        and ``attempt`` that served it; ``worker_id`` pins the first attempt."""
+    async def generate(self, prompt: list[int], params: SamplingParams | None = None, tenant: Tenant | None = None,
+                       session_id: str | None = None, worker_id: str | None = None) -> AsyncIterator[Attempted]:
+        """Yield ``(item, attempt)`` pairs; each item names the worker and routing
+        reason that served it; ``worker_id`` pins the first attempt."""
 
         async def open_stream(decision: RouteDecision):
             try:
-                stream = self.worker(decision.worker_id).generate.options(num_returns="streaming").remote(
-                    prompt, params, tenant, session_id, decision.migrate_from)
+                request = GenerateRequest(prompt, params or SamplingParams(), tenant, session_id, decision)
+                stream = self.worker(decision.worker_id).generate.options(num_returns="streaming").remote(request)
                 async for ref in stream:
                     yield await ref
             except WORKER_DIED:
@@ -103,17 +110,35 @@ class ClusterClient:
                 raise
 
         first = RouteDecision.pinned(worker_id) if worker_id is not None else None
-        async for item in stream_with_retry(self.directory, prompt, tenant, open_stream,
+        async for pair in stream_with_retry(self.directory, prompt, tenant, open_stream,
                                             max_attempts=self.max_attempts, first=first):
-            yield item
+            yield pair
 
-    async def complete(self, prompt: list[int], params: dict | None = None, **kw) -> dict:
+    async def complete(self, prompt: list[int], params: SamplingParams | None = None, **kw) -> Completion:
         """Run to the end; returns the tokens and the final item."""
-        tokens, last = [], None
-        async for item in self.generate(prompt, params, **kw):
+        tokens, last, attempt = [], None, 0
+        async for item, attempt in self.generate(prompt, params, **kw):
             if item.token is not None:
                 tokens.append(item.token)
             last = item
-        return {"tokens": tokens, "last": last, "worker_id": last.worker_id if last else None,
-                "reason": last.reason if last else None, "cached_tokens": last.cached_tokens if last else 0,
-                "attempt": last.attempt if last else 0}
+        return Completion(tokens, last, attempt)
+
+
+class Completion(NamedTuple):
+    """A whole request as ``ClusterClient.complete`` ran it."""
+
+    tokens: list[int]
+    last: StreamItem | None
+    attempt: int              # retries it took (0: the first worker served it all)
+
+    @property
+    def worker_id(self) -> str | None:
+        return self.last.worker_id if self.last else None
+
+    @property
+    def reason(self) -> str | None:
+        return self.last.reason if self.last else None
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.last.cached_tokens if self.last else 0

@@ -6,7 +6,9 @@ The pieces, each in its own module:
   the token streams (it owns the engine and the cache);
 - ``actors.migration.Migrator``: leases, NIXL and object-store pulls, installs;
 - ``actors.calibration.calibrate``: the ``CostModel`` measured at start-up;
-- ``actors.reporter.EventReporter``: KV events, load and snapshots to the directory.
+- ``actors.reporter.EventReporter``: KV events, load and snapshots to the directory;
+- ``actors.peer.PeerServer``: the peer channel other workers and the ingress
+  call this worker on (migrations, admin), when the shell gives it a host.
 
 This class wires them and offers the few async methods every shell needs.
 It has no Ray dependency of its own: the ``CacheWorker`` actor
@@ -17,26 +19,29 @@ a peer (``PeerLink``).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import threading
 import time
-from typing import Any, AsyncIterator, Callable
+from typing import AsyncIterator, Awaitable, Callable
 
 import numpy as np
 import torch
 
 from actors.calibration import calibrate
 from actors.config import WorkerConfig
-from actors.engine_loop import EngineLoop, EngineWedgedError, QueueFullError
+from actors.engine_loop import EngineLoop, EngineWedgedError, QueueFullError, StreamContext
 from actors.migration import Migrator, PeerLink
+from actors.peer import PeerServer
 from actors.reporter import EventReporter
 from cluster.cache.kv_pool import KVLayout
 from cluster.cache.tiered import TieredCache
 from cluster.engine.checkpoint import load_model
-from cluster.engine.runner import Engine, Request, SamplingParams
-from cluster.protocol import GenerateRequest, LoadReport, MigrationResult, StreamItem, rates_from_wire, rates_to_wire
-from cluster.routing.policy import CostModel
+from cluster.engine.runner import Engine, EngineRequest
+from cluster.protocol import (GenerateRequest, LoadReport, MeasuredRates, MigrationResult, Snapshot, StagedPrefix,
+                              StreamItem, Tenant, WorkerInfo)
+from cluster.routing.policies import CostModel
 from cluster.routing.events import KVEventPublisher
 from cluster.transfer.nixl_transport import NixlEndpoint, TransferError, nixl_available, recommended_ucx_env
 
@@ -49,12 +54,15 @@ class WorkerCore:
     def __init__(self, worker_id: str, config: WorkerConfig, directory=None,
                  on_report: Callable[["WorkerCore"], None] | None = None,
                  on_migration: Callable[[MigrationResult], None] | None = None,
-                 on_trip: Callable[[str], None] | None = None):
+                 on_trip: Callable[[str], None] | None = None,
+                 peer_host: str | None = None, peer_secret: str | None = None):
         """``directory``: a ``DirectoryLink`` (None: no reports, e.g. in-process
         tests); ``on_report(core)`` runs on the engine thread before each report;
         ``on_migration(result)`` after each migration this worker ran (metrics);
         ``on_trip(reason)`` when the watchdog declares the engine wedged (metrics),
-        after the directory was told to drop this worker."""
+        after the directory was told to drop this worker. ``peer_host``: where
+        the peer channel listens (None: no channel; actors reach each other
+        through Ray), ``peer_secret`` what every call on it must carry."""
         self.worker_id = worker_id
         self.config = config
         torch.set_num_threads(config.torch_threads)
@@ -90,24 +98,27 @@ class WorkerCore:
                                transfer_rate=lambda: self.migration.transfer_tokens_per_s,
                                watchdog_s=config.watchdog_s, on_trip=self._tripped)
         self.migration.on_engine = lambda fn: self.loop.call(fn).result()
+        self.peer = None
+        if peer_host is not None:
+            self.peer = PeerServer(worker_id, self._peer_handlers(), host=peer_host, secret=peer_secret)
         if directory is not None:
-            directory.register(worker_id, self.rates())
+            directory.register(worker_id, self.rates(), self.peer.address if self.peer else None)
 
     def _peer_cost(self, directory) -> CostModel | None:
         """A registered peer's measured rates, when this worker may reuse them."""
         if directory is None or not self.config.reuse_peer_calibration:
             return None
-        wire = directory.measured_rates(self.layout.bytes_per_token(), self.config.block_tokens)
-        if wire is None:
+        rates = directory.measured_rates(self.layout.bytes_per_token(), self.config.block_tokens)
+        if rates is None:
             return None
         log.info("worker %s reuses a peer's measured rates instead of calibrating", self.worker_id)
-        return CostModel(**rates_from_wire(wire))
+        return CostModel(**rates.cost_kwargs())
 
     def _open_nixl(self) -> NixlEndpoint | None:
-        if not (self.config.use_nixl and self.cache.host_tensor is not None and nixl_available()):
+        if not (self.config.use_nixl and self.cache.staging is not None and nixl_available()):
             return None
         try:
-            return NixlEndpoint(f"{self.worker_id}-{id(self):x}", self.cache.host_tensor,
+            return NixlEndpoint(f"{self.worker_id}-{id(self):x}", self.cache.staging.tensor,
                                 ucx_env=recommended_ucx_env())
         except TransferError as exc:
             log.warning("NIXL disabled on %s: %s", self.worker_id, exc)
@@ -138,70 +149,87 @@ class WorkerCore:
             self._wedge.set()
 
     def _idle(self) -> None:
-        self.cache.enforce_watermarks()
-        self.cache.compact_idle()
+        self.cache.housekeeping()
 
-    def rates(self) -> dict:
+    def rates(self) -> MeasuredRates:
         """What this worker measured, as it registers with the directory."""
-        return rates_to_wire(self.cost, bytes_per_token=self.layout.bytes_per_token())
+        return MeasuredRates.of(self.cost, bytes_per_token=self.layout.bytes_per_token())
 
     # --------------------------------------------------------------- serving
-    async def generate(self, request: GenerateRequest, link_for: Callable[[str], PeerLink | None] | None = None
+    async def generate(self, request: GenerateRequest,
+                       link_for: Callable[[str], Awaitable[PeerLink | None]] | None = None
                        ) -> AsyncIterator[StreamItem]:
-        """Stream the request's items, each stamped with this worker and the
-        routing reason; with ``routing.migrate_from``, pull that worker's prefix
-        first (``link_for(holder)`` reaches it; None: it is gone)."""
+        """Stream the request's items; with ``route.migrate_from``, pull that
+        worker's prefix first (``await link_for(holder)`` reaches it; None: it is gone)."""
         received_at, started = time.time(), time.perf_counter()
-        routing = request.routing
+        route = request.route
         migration = None
-        holder = routing.migrate_from if routing is not None else None
+        holder = route.migrate_from if route is not None else None
         if holder and holder != self.worker_id and link_for is not None:
-            migration = await self.migrate_from(holder, link_for(holder), request.prompt, request.tenant)
+            migration = await self.migrate_from(holder, await link_for(holder), request.prompt, request.tenant)
             if self.on_migration is not None:
                 self.on_migration(migration)
-        migrate_s = time.perf_counter() - started if migration is not None else 0.0
-        sp = SamplingParams(**(request.params or {}))
-        req = Request(list(request.prompt), sp, namespace=request.tenant, session_id=request.session_id)
-        reason = routing.reason if routing is not None else "fallback"
-        async for item in self.loop.stream(req):
-            item.worker_id, item.reason, item.migration = self.worker_id, reason, migration
-            if item.timing is not None:
-                item.timing.migrate_s, item.timing.received_at = migrate_s, received_at
+        context = StreamContext(route.reason if route is not None else "fallback", migration,
+                                time.perf_counter() - started if migration is not None else 0.0, received_at)
+        req = EngineRequest(list(request.prompt), request.params, namespace=request.tenant,
+                            session_id=request.session_id)
+        async for item in self.loop.stream(req, context):
             yield item
 
-    async def prefetch(self, session_id: Any = None, tokens: list[int] | None = None, namespace: Any = None) -> int:
+    async def prefetch(self, session_id: str | None = None, tokens: list[int] | None = None,
+                       namespace: Tenant | None = None) -> int:
         return await self.loop.run(lambda: self.cache.prefetch(session_id, tokens, namespace))
 
     # ------------------------------------------------------------- migration
     async def migrate_from(self, holder_id: str, link: PeerLink | None, tokens: list[int],
-                           tenant: Any) -> MigrationResult:
+                           tenant: Tenant | None) -> MigrationResult:
         return await self.migration.migrate_from(holder_id, link, tokens, tenant, self.loop.run)
 
-    async def export_prefix(self, tokens: list[int], tenant: Any = None, max_tokens: int | None = None) -> dict:
-        staged = await self.loop.run(lambda: self.migration.export_prefix(tokens, tenant, max_tokens))
-        if staged.get("tokens"):
-            self.migration.stats["migrations_out"] += 1
-        return staged
+    async def export_prefix(self, tokens: list[int], tenant: Tenant | None = None,
+                            max_tokens: int | None = None) -> StagedPrefix:
+        return await self.loop.run(lambda: self.migration.export_prefix(tokens, tenant, max_tokens))
 
-    async def export_array(self, lease: str) -> tuple[np.ndarray, str]:
-        return await self.loop.run(lambda: self.migration.export_array(lease))
+    async def fetch_blocks(self, lease: str) -> tuple[np.ndarray, str]:
+        return await self.loop.run(lambda: self.migration.fetch_blocks(lease))
 
     async def release(self, lease: str) -> None:
         await self.loop.run(lambda: self.migration.release(lease))
 
+    def _peer_handlers(self) -> dict:
+        """The peer channel's calls (``actors.peer``): typed results as their field maps."""
+        async def export(tokens, tenant=None, max_tokens=None):
+            return (await self.export_prefix(tokens, tenant, max_tokens)).to_fields()
+
+        async def fetch(lease):
+            array, dtype = await self.fetch_blocks(lease)
+            return {"data": array.tobytes(), "numpy_dtype": array.dtype.str, "shape": list(array.shape),
+                    "dtype": dtype}
+
+        async def info():
+            return self.info().to_fields()
+
+        async def prefetch(session_id=None, tokens=None, tenant=None):
+            return await self.prefetch(session_id, tokens, tenant)
+
+        async def inject_fault(kind, on=True):
+            await asyncio.to_thread(self.inject_fault, kind, on)   # 'wedge' waits until the engine is in it
+
+        return {"export": export, "fetch": fetch, "release": self.release, "info": info, "stats": self.stats,
+                "flush": self.flush, "prefetch": prefetch, "inject_fault": inject_fault}
+
     # ------------------------------------------------------------ inspection
-    def info(self) -> dict:
-        return {"worker_id": self.worker_id, "nixl": self.nixl.metadata() if self.nixl else None,
-                "nixl_name": self.nixl.name if self.nixl else None, "block_tokens": self.config.block_tokens,
-                "cost": self.rates(), "vocab_size": self.model.config.vocab_size, "model_id": self.loaded.model_id,
-                "ownership_checks": self.loop.owner is self.cache.owner}
+    def info(self) -> WorkerInfo:
+        return WorkerInfo(self.worker_id, self.peer.address if self.peer else None,
+                          self.nixl.metadata() if self.nixl else None, self.nixl.name if self.nixl else None,
+                          self.config.block_tokens, self.rates(), self.model.config.vocab_size,
+                          self.loaded.model_id, self.loop.owner is self.cache.owner)
 
     def load(self) -> LoadReport:
         """The load as of the engine thread's last iteration (any thread)."""
         return self.loop.load_report
 
     async def stats(self) -> dict:
-        """Tier occupancy, hit counters, migrations, fragmentation."""
+        """Tier occupancy, hit counters, migrations, fragmentation (a JSON document)."""
         out = await self.loop.run(self._engine_stats)
         out["worker"] = {**out["worker"], **self.migration.stats}
         return out
@@ -210,12 +238,13 @@ class WorkerCore:
         c = self.cache
         return {"worker_id": self.worker_id, "tiers": c.tier_summary(), "cache": dict(c.stats),
                 "tree": dict(c.tree.stats), "engine": dict(self.engine.stats),
-                "worker": {**self.loop.stats, "ownership_violations": self.loop.owner.violations,
+                "worker": {**self.loop.stats, **self.migration.holder_stats,
+                           "ownership_violations": self.loop.owner.violations,
                            "watchdog_trips": self.loop.watchdog_trips},
                 "load": dataclasses.asdict(self.loop.measure_load()), "fragmentation": c.fragmentation(),
                 "protected_tokens": c.protected_tokens, "evictable_tokens": c.evictable_tokens}
 
-    async def snapshot(self) -> tuple[int, dict]:
+    async def snapshot(self) -> Snapshot:
         return await self.loop.run(self.publisher.snapshot)
 
     async def flush(self) -> int:
@@ -235,6 +264,8 @@ class WorkerCore:
 
     def close(self) -> None:
         self._wedge.set()
+        if self.peer is not None:
+            self.peer.close()
         self.loop.close()
         self.cache.close()
         if self.nixl is not None:

@@ -23,11 +23,11 @@ import time
 
 import ray
 
-from actors.naming import DIRECTORY_NAME
 from cluster.errors import InvalidInputError
+from cluster.names import DIRECTORY_NAME
+from cluster.protocol import RATE_FIELDS, LoadReport, MeasuredRates, RouteDecision, Snapshot, TableUpdate
 from cluster.routing.events import EventBatch, MalformedBatchError
-from cluster.protocol import TableUpdate
-from cluster.routing.policy import CostModel, make_policy
+from cluster.routing.policies import CostModel, make_policy
 from cluster.routing.table import ChangeLog, RoutingTable
 
 log = logging.getLogger(__name__)
@@ -48,7 +48,8 @@ class DirectoryImpl:
                  log_capacity: int = 4096):
         self.namespace = namespace
         self.block_tokens = block_tokens
-        self.costs: dict[str, dict] = {}
+        self.costs: dict[str, MeasuredRates] = {}
+        self.addresses: dict[str, str] = {}      # worker -> its peer channel's host:port
         self.last_seen: dict[str, float] = {}
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.clock = clock
@@ -94,32 +95,33 @@ class DirectoryImpl:
         self._change("cost", dataclasses.asdict(self._cost_model()))
 
     def _cost_model(self) -> CostModel:
-        """Cluster-wide constants from what the workers measured at start-up."""
+        """Cluster-wide constants from what the workers measured at start-up:
+        the slowest worker's rate of each kind (a decision must hold anywhere)."""
         if self.costs:
-            prefill = min(c["prefill_tokens_per_s"] for c in self.costs.values())
-            promote = min(c["promote_tokens_per_s"] for c in self.costs.values())
-            # Without NIXL on a worker (object store only), a quarter of its
-            # promotion rate stands in until a migration measures the real one.
-            transfer = min(c.get("transfer_tokens_per_s", c["promote_tokens_per_s"] / 4) for c in self.costs.values())
-            cold = min(c.get("cold_promote_tokens_per_s", c["promote_tokens_per_s"] / 10) for c in self.costs.values())
+            rates = list(self.costs.values())
+            kw = {name: min(getattr(r, name) for r in rates) for name in RATE_FIELDS}
         else:  # nobody measured yet: conservative placeholders, replaced at the first registration
-            prefill, promote, transfer, cold = 5_000.0, 1e6, 2.5e5, 1e5
-        return CostModel(prefill_tokens_per_s=prefill, warm_promote_tokens_per_s=promote,
-                         cold_promote_tokens_per_s=cold, transfer_tokens_per_s=transfer,
-                         block_tokens=self.block_tokens)
+            kw = {"prefill_tokens_per_s": 5_000.0, "warm_promote_tokens_per_s": 1e6,
+                  "cold_promote_tokens_per_s": 1e5, "transfer_tokens_per_s": 2.5e5}
+        return CostModel(**kw, block_tokens=self.block_tokens)
 
     # ---------------------------------------------------------------- workers
-    async def register_worker(self, worker_id: str, cost: dict | None = None, fresh: bool = True) -> None:
+    async def register_worker(self, worker_id: str, rates: MeasuredRates | None = None,
+                              peer_address: str | None = None, fresh: bool = True) -> None:
         """A worker (re)starting: ``fresh`` forgets what an earlier process of the
         same id held, since the new one numbers its batches from 1 again."""
         if not isinstance(worker_id, str) or not worker_id:
             raise InvalidInputError(f"worker_id must be a non-empty string, got {worker_id!r}")
+        if rates is not None and not isinstance(rates, MeasuredRates):
+            raise InvalidInputError(f"rates must be MeasuredRates, got {type(rates).__name__}")
         if fresh or worker_id not in self.workers:
             self._change("register", worker_id, True)
             log.info("worker %s registered", worker_id)
         self.last_seen[worker_id] = self.clock()
-        if cost:
-            self.costs[worker_id] = cost
+        if peer_address is not None:
+            self.addresses[worker_id] = peer_address
+        if rates is not None:
+            self.costs[worker_id] = rates
             self._reprice()
         self._ensure_health_task()
 
@@ -128,13 +130,13 @@ class DirectoryImpl:
         if worker_id not in self.workers:
             return False
         self._change("drop", worker_id)
-        for table in (self.costs, self.last_seen):
+        for table in (self.costs, self.last_seen, self.addresses):
             table.pop(worker_id, None)
         self.stats["dropped_workers"] += 1
         log.warning("worker %s dropped (%s)", worker_id, reason)
         return True
 
-    async def publish(self, worker_id: str, data: bytes | None, load: dict | None = None) -> str:
+    async def publish(self, worker_id: str, data: bytes | None, load: LoadReport | None = None) -> str:
         """A worker's KV event batch (msgpack) and/or its current load.
 
         Returns "ok", or what the worker must do: "unknown_worker", "gap",
@@ -164,30 +166,33 @@ class DirectoryImpl:
             self.stats["resyncs"] += 1
         return status
 
-    async def load_snapshot(self, worker_id: str, seq: int, entries: dict) -> str:
+    async def load_snapshot(self, worker_id: str, snapshot: Snapshot) -> str:
         if worker_id not in self.workers:
             await self.register_worker(worker_id, fresh=False)
+        seq, entries = snapshot
         self._change("snapshot", worker_id, seq, entries)
         self.stats["snapshots"] += 1
         return "ok"
 
-    def _set_load(self, worker_id: str, load: dict | None) -> None:
-        if load:
-            st = self.workers[worker_id]
-            queued, running = int(load.get("queued_tokens", 0)), int(load.get("running", 0))
-            if (st.queued_tokens, st.running) != (queued, running):   # an idle worker's reports change nothing
-                self._change("load", worker_id, queued, running)
-            rate = load.get("transfer_tokens_per_s")
-            cost = self.costs.get(worker_id)
-            if rate and cost is not None:
-                old = cost.get("transfer_tokens_per_s")
-                if not old or abs(rate - old) > 0.2 * old:   # re-price only on a real change
-                    cost["transfer_tokens_per_s"] = rate
-                    self._reprice()
+    def _set_load(self, worker_id: str, load: LoadReport | None) -> None:
+        if load is None:
+            return
+        if not isinstance(load, LoadReport):
+            raise InvalidInputError(f"load must be a LoadReport, got {type(load).__name__}")
+        st = self.workers[worker_id]
+        if (st.queued_tokens, st.running) != (load.queued_tokens, load.running):   # idle reports change nothing
+            self._change("load", worker_id, load.queued_tokens, load.running)
+        rate = load.transfer_tokens_per_s
+        rates = self.costs.get(worker_id)
+        if rate and rates is not None:
+            old = rates.transfer_tokens_per_s
+            if abs(rate - old) > 0.2 * old:   # re-price only on a real change
+                self.costs[worker_id] = rates.with_transfer(rate)
+                self._reprice()
 
     # ---------------------------------------------------------------- routing
     async def route(self, hashes: list[int], num_tokens: int, exclude: list[str] | None = None,
-                    reserve: bool = True) -> dict:
+                    reserve: bool = True) -> RouteDecision:
         """Choose a worker for a request whose prompt has these block hashes.
 
         ``reserve`` counts the request's prefill in the chosen worker's queue
@@ -199,9 +204,7 @@ class DirectoryImpl:
         self.stats["decisions"] += 1
         reason = decision.reason
         self.stats["by_reason"][reason] = self.stats["by_reason"].get(reason, 0) + 1
-        return {"worker_id": decision.worker_id, "reason": reason, "expected_ttft_s": decision.expected_ttft_s,
-                "cached_tokens": decision.cached_tokens, "migrate_from": decision.migrate_from,
-                "decision_us": self.table.decision_s[-1] * 1e6}
+        return dataclasses.replace(decision, source="directory", decision_us=self.table.decision_s[-1] * 1e6)
 
     async def subscribe(self, epoch: str | None, cursor: int, wait_s: float = 2.0) -> TableUpdate:
         """A router's long poll: the table changes after (``epoch``, ``cursor``),
@@ -229,13 +232,17 @@ class DirectoryImpl:
     def live_workers(self) -> list[str]:
         return sorted(self.workers)
 
-    def measured_rates(self, bytes_per_token: int, block_tokens: int) -> dict | None:
-        """Rates a live worker of the same KV shape measured (``rates_to_wire``), for a
-        replacement worker that would rather not spend seconds measuring them again."""
+    def peer_addresses(self) -> dict[str, str]:
+        """Live workers' peer channels (``actors.peer``): worker id -> host:port."""
+        return {w: a for w, a in self.addresses.items() if w in self.workers}
+
+    def measured_rates(self, bytes_per_token: int, block_tokens: int) -> MeasuredRates | None:
+        """Rates a live worker of the same KV shape measured, for a replacement
+        worker that would rather not spend seconds measuring them again."""
         for worker_id in sorted(self.costs):
-            cost = self.costs[worker_id]
-            if cost.get("bytes_per_token") == bytes_per_token and cost.get("block_tokens") == block_tokens:
-                return dict(cost)
+            rates = self.costs[worker_id]
+            if rates.bytes_per_token == bytes_per_token and rates.block_tokens == block_tokens:
+                return rates
         return None
 
     def get_stats(self) -> dict:

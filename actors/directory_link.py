@@ -14,16 +14,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
 
 import ray
 from ray.exceptions import RayActorError
 
 from cluster.hashing import block_hashes
 from cluster.names import DEFAULT_NAMESPACE, DIRECTORY_NAME
-from cluster.protocol import LoadReport, RouteDecision
+from cluster.protocol import LoadReport, MeasuredRates, RouteDecision, Snapshot, Tenant
 
 log = logging.getLogger(__name__)
+
+CALL_TIMEOUT_S = 5.0   # the longest any awaited call to the directory may take (without its own bound)
 
 
 class DirectoryLink:
@@ -64,10 +65,11 @@ class DirectoryLink:
             self.forget()
 
     # --------------------------------------------------------------- workers
-    def register(self, worker_id: str, rates: dict) -> None:
-        self.handle().register_worker.remote(worker_id, rates)
+    def register(self, worker_id: str, rates: MeasuredRates, peer_address: str | None = None) -> None:
+        self.handle().register_worker.remote(worker_id, rates, peer_address)
 
-    def measured_rates(self, bytes_per_token: int, block_tokens: int, timeout_s: float = 2.0) -> dict | None:
+    def measured_rates(self, bytes_per_token: int, block_tokens: int,
+                       timeout_s: float = 2.0) -> MeasuredRates | None:
         """A live peer's measured rates for the same KV shape, or None (none yet,
         or no directory within ``timeout_s``). Blocking: called in constructors."""
         try:
@@ -79,15 +81,16 @@ class DirectoryLink:
 
     def publish(self, worker_id: str, batch: bytes | None, load: LoadReport):
         """Events and load; returns a future of the directory's status ("ok", or resend a snapshot)."""
-        fut = self.handle().publish.remote(worker_id, batch, load.to_wire()).future()
+        fut = self.handle().publish.remote(worker_id, batch, load).future()
         fut.add_done_callback(self._watch)
         return fut
 
-    def push_snapshot(self, worker_id: str, seq: int, entries: dict) -> None:
-        self.handle().load_snapshot.remote(worker_id, seq, entries)
+    def push_snapshot(self, worker_id: str, snapshot: Snapshot) -> None:
+        self.handle().load_snapshot.remote(worker_id, snapshot)
 
     # --------------------------------------------------------------- clients
-    async def route(self, prompt: list[int], tenant: Any = None, exclude: list[str] | None = None) -> RouteDecision:
+    async def route(self, prompt: list[int], tenant: Tenant | None = None,
+                    exclude: list[str] | None = None) -> RouteDecision:
         """The directory's decision for ``prompt``. With ``route_timeout_s``, a
         directory that does not answer in time (restarting, no workers yet)
         gives ``RouteDecision.fallback()``; without it, errors propagate."""
@@ -95,8 +98,7 @@ class DirectoryLink:
         try:
             directory = await self.ahandle()
             ref = directory.route.remote(hashes, len(prompt), exclude)
-            wire = await (ref if self.route_timeout_s is None else asyncio.wait_for(ref, self.route_timeout_s))
-            return RouteDecision.from_wire(wire)
+            return await asyncio.wait_for(ref, self.route_timeout_s or CALL_TIMEOUT_S)
         except Exception as exc:
             self.forget()
             if self.route_timeout_s is None:
@@ -106,7 +108,7 @@ class DirectoryLink:
 
     async def report_failure(self, worker_id: str) -> None:
         try:
-            await (await self.ahandle()).report_failure.remote(worker_id)
+            await asyncio.wait_for((await self.ahandle()).report_failure.remote(worker_id), CALL_TIMEOUT_S)
         except Exception as exc:   # the directory will drop it on its own when heartbeats stop
             log.warning("could not report %s as failed: %s", worker_id, exc)
 
@@ -117,5 +119,18 @@ class DirectoryLink:
         except Exception as exc:
             log.warning("could not report %s as failed: %s", worker_id, exc)
 
-    async def live_workers(self) -> list[str]:
-        return await (await self.ahandle()).live_workers.remote()
+    async def live_workers(self, timeout_s: float = CALL_TIMEOUT_S) -> list[str]:
+        return await asyncio.wait_for((await self.ahandle()).live_workers.remote(), timeout_s)
+
+    async def peer_addresses(self, timeout_s: float = CALL_TIMEOUT_S) -> dict[str, str]:
+        """Live workers' peer channels: worker id -> host:port."""
+        return await asyncio.wait_for((await self.ahandle()).peer_addresses.remote(), timeout_s)
+
+    async def peer_address(self, worker_id: str, timeout_s: float = 2.0) -> str | None:
+        """One live worker's peer channel (None: not live, or no directory within ``timeout_s``)."""
+        try:
+            return (await self.peer_addresses(timeout_s)).get(worker_id)
+        except Exception as exc:
+            log.warning("no peer address for %s from the directory (%s)", worker_id, type(exc).__name__)
+            self.forget()
+            return None

@@ -33,12 +33,26 @@ import threading
 import time
 from typing import Any, AsyncIterator, Callable
 
-from cluster.engine.runner import Engine, Request
+from dataclasses import dataclass
+
+from cluster.engine.runner import Engine, EngineRequest
 from cluster.errors import CacheError
 from cluster.ownership import ThreadOwner, checks_enabled
-from cluster.protocol import FinishReason, LoadReport, ReplicaTiming, StreamItem
+from cluster.protocol import FinishReason, LoadReport, MigrationResult, ReplicaTiming, StreamItem
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class StreamContext:
+    """What the worker knows about a request beyond the engine: why it was
+    routed here, the migration run for it first, and when it arrived. Every
+    ``StreamItem`` of the request is built from the engine's state and this."""
+
+    reason: str = "direct"
+    migration: MigrationResult | None = None
+    migrate_s: float = 0.0
+    received_at: float = 0.0   # wall clock (time.time()): the worker's generate() began
 
 
 class QueueFullError(CacheError):
@@ -73,7 +87,8 @@ class EngineLoop:
         self.stats = {"rejected_queue_full": 0, "engine_step_failures": 0}
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         # Open streams: written by the engine thread and by callers, read by the watchdog.
-        self._streams: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue, float]] = {}   # + engine-clock entry
+        # request id -> (caller's loop, its queue, engine-clock entry time, context)
+        self._streams: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue, float, StreamContext]] = {}
         self._streams_lock = threading.Lock()
         self.load_report = LoadReport(0, 0, 0)
         self.clock = clock
@@ -131,18 +146,20 @@ class EngineLoop:
                 except BaseException as exc:
                     fut.set_exception(exc)
 
-    def _deliver(self, req: Request, token: int | None, finished: bool) -> None:
+    def _deliver(self, req: EngineRequest, token: int | None, finished: bool) -> None:
         entry = self._streams.get(req.request_id)
         if entry is None:
             return
-        loop, q, entered = entry
-        item = StreamItem(token, finished, req.finish_reason, req.error, req.cached_tokens,
-                          tuple(req.tier_hits), len(req.prompt))
+        loop, q, entered, ctx = entry
+        timing = None
         if token is not None and len(req.output) == 1 and None not in (req.scheduled_at, req.admitted_at,
                                                                         req.forward_at, req.first_token_at):
-            item.timing = ReplicaTiming(queue_s=max(0.0, req.scheduled_at - entered),
-                                        prefix_load_s=max(0.0, req.forward_at - req.scheduled_at),
-                                        forward_s=max(0.0, req.first_token_at - req.forward_at))
+            timing = ReplicaTiming(queue_s=max(0.0, req.scheduled_at - entered),
+                                   prefix_load_s=max(0.0, req.forward_at - req.scheduled_at),
+                                   forward_s=max(0.0, req.first_token_at - req.forward_at),
+                                   migrate_s=ctx.migrate_s, received_at=ctx.received_at)
+        item = StreamItem(token, finished, req.finish_reason, req.error, req.cached_tokens, tuple(req.tier_hits),
+                          len(req.prompt), self.name, ctx.reason, ctx.migration, timing)
         loop.call_soon_threadsafe(q.put_nowait, item)
         if finished:
             with self._streams_lock:
@@ -177,7 +194,7 @@ class EngineLoop:
         with self._streams_lock:
             streams, self._streams = list(self._streams.values()), {}
         error = EngineWedgedError(reason)
-        for loop, q, _ in streams:
+        for loop, q, _, _ in streams:
             try:
                 loop.call_soon_threadsafe(q.put_nowait, error)
             except RuntimeError:   # that caller's event loop is closed: nobody is waiting
@@ -221,9 +238,10 @@ class EngineLoop:
         """Await ``fn`` run on the engine thread."""
         return await asyncio.wrap_future(self.call(fn))
 
-    async def stream(self, req: Request) -> AsyncIterator[StreamItem]:
-        """Submit ``req`` and yield its items; leaving early cancels it (its
-        locks are released and what it computed is cached)."""
+    async def stream(self, req: EngineRequest, context: StreamContext = StreamContext()
+                     ) -> AsyncIterator[StreamItem]:
+        """Submit ``req`` and yield its items (built with ``context``); leaving
+        early cancels it (its locks are released and what it computed is cached)."""
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         entered = self.engine.clock()   # the replica's queue time counts from here
@@ -234,7 +252,7 @@ class EngineLoop:
                 raise QueueFullError(f"worker {self.name} has {len(self.engine.waiting)} requests queued")
             self.engine.submit(req)
             with self._streams_lock:
-                self._streams[req.request_id] = (loop, q, entered)
+                self._streams[req.request_id] = (loop, q, entered, context)
 
         def refused(fut: cf.Future) -> None:   # the queue bound, a bad input, a wedged engine
             if fut.exception() is not None:

@@ -77,9 +77,9 @@ class EventReporter:
 
     def send_snapshot(self) -> None:
         self.snapshot_wanted = False
-        seq, entries = self.publisher.snapshot()
+        snapshot = self.publisher.snapshot()
         try:
-            self.directory.push_snapshot(self.worker_id, seq, entries)
+            self.directory.push_snapshot(self.worker_id, snapshot)
         except Exception as exc:
             log.warning("snapshot push from %s failed: %s", self.worker_id, exc)
             self.snapshot_wanted = True

@@ -1,4 +1,4 @@
-"""TableFollower: a copy of the directory's routing table in the router's own process.
+"""TableFollower: a copy of the directory's routing table in the ingress's own process.
 
 A background task long-polls the directory (``DirectoryImpl.subscribe``)
 and applies each answer to a ``TableReplica``, so a routing decision is a
@@ -17,13 +17,13 @@ its own timeout and fallback): a stale copy never decides.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
-from typing import Any
 
 from actors.directory_link import DirectoryLink
 from cluster.hashing import block_hashes
-from cluster.protocol import RouteDecision
-from cluster.routing.policy import NoLiveWorkerError
+from cluster.protocol import RouteDecision, Tenant
+from cluster.routing.policies import NoLiveWorkerError
 from cluster.routing.table import TableReplica
 
 log = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ class TableFollower:
                 log.info("routing table copy is stale (%s: %s); retrying", type(exc).__name__, exc)
                 await asyncio.sleep(self.retry_s)
 
-    def route(self, prompt: list[int], tenant: Any = None, exclude: list[str] | None = None) -> RouteDecision | None:
+    def route(self, prompt: list[int], tenant: Tenant | None = None, exclude: list[str] | None = None) -> RouteDecision | None:
         """The decision on the local copy, or None when the copy may not decide."""
         if not self.replica.usable():
             return None
@@ -70,8 +70,7 @@ class TableFollower:
         except NoLiveWorkerError:   # everyone excluded: let the directory say so
             return None
         self.stats["local_decisions"] += 1
-        return RouteDecision(d.worker_id, d.reason, d.expected_ttft_s, d.cached_tokens, d.migrate_from,
-                             source="router_view", decision_us=self.replica.table.decision_s[-1] * 1e6)
+        return dataclasses.replace(d, source="router_view", decision_us=self.replica.table.decision_s[-1] * 1e6)
 
     def close(self) -> None:
         if self._task is not None:

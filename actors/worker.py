@@ -8,6 +8,7 @@ worker by its actor name (``ActorLink``).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -17,8 +18,8 @@ from actors.config import WorkerConfig
 from actors.core import WorkerCore
 from actors.directory_link import DirectoryLink
 from actors.migration import PeerLink
-from actors.naming import DIRECTORY_NAME, worker_actor_name
-from cluster.protocol import GenerateRequest, RouteDecision
+from cluster.names import DIRECTORY_NAME, worker_actor_name
+from cluster.protocol import GenerateRequest, LoadReport, Snapshot, StagedPrefix, Tenant, Transport, WorkerInfo
 
 log = logging.getLogger(__name__)
 
@@ -35,42 +36,43 @@ class CacheWorkerImpl:
         self.core = WorkerCore(worker_id, cfg, directory=self.directory)
 
     # --------------------------------------------------------------- serving
-    async def generate(self, prompt: list[int], params: dict | None = None, namespace: Any = None,
-                       session_id: Any = None, migrate_from: str | None = None):
-        """Stream ``StreamItem``s; with ``migrate_from``, first pull that worker's prefix."""
-        routing = RouteDecision(self.worker_id, "direct", migrate_from=migrate_from)
-        request = GenerateRequest(prompt, params, namespace, session_id, routing)
+    async def generate(self, request: GenerateRequest):
+        """Stream ``StreamItem``s; with ``request.route.migrate_from``, first pull that worker's prefix."""
         async for item in self.core.generate(request, self._link):
             yield item
 
-    async def prefetch(self, session_id: Any = None, tokens: list[int] | None = None, namespace: Any = None) -> int:
-        return await self.core.prefetch(session_id, tokens, namespace)
+    async def prefetch(self, session_id: str | None = None, tokens: list[int] | None = None,
+                       tenant: Tenant | None = None) -> int:
+        return await self.core.prefetch(session_id, tokens, tenant)
 
     # ------------------------------------------------------------- migration
-    async def export_prefix(self, tokens: list[int], namespace: Any = None, max_tokens: int | None = None) -> dict:
-        return await self.core.export_prefix(tokens, namespace, max_tokens)
+    async def export_prefix(self, tokens: list[int], tenant: Tenant | None = None,
+                            max_tokens: int | None = None) -> StagedPrefix:
+        return await self.core.export_prefix(tokens, tenant, max_tokens)
 
-    async def export_array(self, lease: str):
-        return await self.core.export_array(lease)
+    async def fetch_blocks(self, lease: str):
+        return await self.core.fetch_blocks(lease)
 
     async def release(self, lease: str) -> None:
         await self.core.release(lease)
 
-    def _link(self, holder_id: str) -> PeerLink | None:
-        try:
-            return ActorLink(ray.get_actor(worker_actor_name(holder_id), namespace=self.namespace))
+    async def _link(self, holder_id: str) -> PeerLink | None:
+        try:   # a GCS lookup: off the event loop
+            handle = await asyncio.to_thread(ray.get_actor, worker_actor_name(holder_id), namespace=self.namespace)
         except ValueError:  # the holder is gone: recompute
             return None
+        return ActorLink(handle)
 
-    async def nixl_read(self, holder_id: str, tokens: list[int], namespace: Any = None) -> dict:
-        """Pull a prefix over NIXL only, without installing it (tests and drills)."""
-        link = self._link(holder_id)
-        staged = await link.export_prefix(tokens, namespace)
+    async def nixl_read(self, holder_id: str, tokens: list[int], tenant: Tenant | None = None):
+        """Pull a prefix over NIXL only, without installing it (tests and drills):
+        the staged prefix and its KV."""
+        link = await self._link(holder_id)
+        staged = await link.export_prefix(tokens, tenant)
         try:
             kv = await self.core.migration.pull_nixl(holder_id, link, staged)
         finally:
-            link.release(staged["lease"])
-        return {"tokens": staged["tokens"], "checksums": staged["checksums"], "kv": kv}
+            link.release(staged.lease)
+        return staged, kv
 
     # ------------------------------------------------------------ inspection
     def inject_fault(self, kind: str, on: bool = True) -> None:
@@ -83,20 +85,20 @@ class CacheWorkerImpl:
         self.core.health()
         return self.worker_id
 
-    def info(self) -> dict:
+    def info(self) -> WorkerInfo:
         return self.core.info()
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
-    async def snapshot(self) -> tuple[int, dict]:
+    async def snapshot(self) -> Snapshot:
         return await self.core.snapshot()
 
     async def stats(self) -> dict:
         return await self.core.stats()
 
-    def load(self) -> dict:
-        return self.core.load().to_wire()
+    def load(self) -> LoadReport:
+        return self.core.load()
 
     async def flush(self) -> int:
         return await self.core.flush()
@@ -106,22 +108,25 @@ class CacheWorkerImpl:
 
 
 class ActorLink:
-    """``PeerLink`` over another CacheWorker actor."""
+    """``PeerLink`` over another CacheWorker actor (its fallback: Ray's object store)."""
+
+    transport = Transport.OBJECT_STORE
 
     def __init__(self, handle):
         self.handle = handle
 
-    async def export_prefix(self, tokens, tenant):
+    async def export_prefix(self, tokens, tenant) -> StagedPrefix:
         return await self.handle.export_prefix.remote(tokens, tenant)
 
-    async def info(self):
+    async def info(self) -> WorkerInfo:
         return await self.handle.info.remote()
 
-    async def export_array(self, lease):
-        return await self.handle.export_array.remote(lease)
+    async def fetch_blocks(self, lease):
+        return await self.handle.fetch_blocks.remote(lease)
 
     def release(self, lease):
-        self.handle.release.remote(lease)
+        if lease is not None:
+            self.handle.release.remote(lease)
 
 
 CacheWorker = ray.remote(CacheWorkerImpl)

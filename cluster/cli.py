@@ -43,10 +43,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     for words, module_name in sorted(_registered().items()):
         try:
             module = importlib.import_module(module_name)
-        except ImportError as exc:  # a layer whose extra is not installed
-            if words[0] == "bench" or len(words) == 1:
+        except ModuleNotFoundError as exc:  # a layer whose third-party package is not installed
+            if exc.name and exc.name.split(".")[0] not in ("cluster", "actors", "serve_app"):
                 continue
-            raise SystemExit(f"cannot load command {' '.join(words)}: {exc}")
+            raise
         doc = (module.__doc__ or "").strip().splitlines()[0] if module.__doc__ else ""
         if len(words) == 1:
             sub = top.add_parser(words[0], help=doc, description=module.__doc__,

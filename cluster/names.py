@@ -30,6 +30,7 @@ TIER_NAMES = ("hot", "warm", "cold")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 DIRECTORY_NAME = "prefix-cache-directory"
+REPLY_STORE_NAME = "prefix-cache-replies"
 WORKER_PREFIX = "prefix-cache-worker:"
 DEFAULT_NAMESPACE = "prefix-cache"
 

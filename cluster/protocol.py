@@ -1,12 +1,14 @@
 """Wire types: every message that crosses a process, in one place.
 
-Ray pickles these between the ingress, the router, the cache replicas and
-the directory; the KV event batches keep their own msgpack format
-(``cluster.routing.events``, ``{"v": 1, ...}``). Messages the directory reads
-as plain dicts (load reports, measured rates) carry ``"v": WIRE_VERSION`` and
-are decoded with ``from_wire``, which names what is wrong.
+Ray pickles these between the ingress, the cache replicas and the directory;
+the peer channel between workers (``actors.peer``) sends them as msgpack
+maps of their fields (``to_fields``/``from_fields``); the KV event batches
+keep their own msgpack format (``cluster.routing.events``). Each message
+has exactly one accepted form, its class: no dict stands in for one.
+Messages whose fields come from another process's numbers (loads, measured
+rates) validate them when built, naming the field and the problem.
 
-Nothing here imports Ray or the rest of the library: both layers use it.
+Nothing here imports Ray or the rest of the library: every layer uses it.
 """
 
 from __future__ import annotations
@@ -16,12 +18,18 @@ import math
 import numbers
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import Any, NamedTuple, NewType
 
 from cluster.errors import InvalidInputError
 from cluster.names import TIER_NAMES
 
-WIRE_VERSION = 1
+# The version of the peer channel's frames (``actors.peer``): a peer of another
+# version is refused with a clear error instead of misreading a message.
+WIRE_VERSION = 2
+
+Tenant = NewType("Tenant", str)
+"""A tenant's cache salt (from its API key): its KV never matches another tenant's.
+None is the shared namespace of a deployment without keys."""
 
 
 class MalformedMessageError(InvalidInputError):
@@ -42,13 +50,51 @@ class FinishReason(StrEnum):
 class Transport(StrEnum):
     """How a migrated prefix arrived."""
 
-    NIXL = "nixl"
-    OBJECT_STORE = "object_store"
+    NIXL = "nixl"                    # RDMA READ of the holder's staged host blocks
+    OBJECT_STORE = "object_store"    # the staged blocks through Ray's object store (actor peers)
+    PEER = "peer"                    # the staged blocks over the peer channel (Serve replicas)
+
+
+# Below this temperature sampling is greedy (as in vLLM): dividing logits by a
+# tiny temperature overflows to inf and softmax turns that into NaN.
+GREEDY_TEMPERATURE = 1e-5
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How one request samples; validated where it is built (a bad value is the
+    caller's ``InvalidInputError``), carried inside ``GenerateRequest``."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise InvalidInputError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
+                or not math.isfinite(self.temperature) or not 0.0 <= self.temperature <= 2.0:
+            raise InvalidInputError(f"temperature must be a number in [0, 2], got {self.temperature!r}")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) \
+                or not math.isfinite(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise InvalidInputError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not -(1 << 63) <= self.seed < (1 << 64)):
+            raise InvalidInputError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
+        ids = self.stop_token_ids
+        if not isinstance(ids, tuple) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise InvalidInputError(f"stop_token_ids must be a tuple of ints, got {ids!r:.80}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 @dataclass(slots=True)
 class MigrationResult:
-    """What ``migrate_from`` did: ``transport`` None means recompute."""
+    """What a migration did: ``transport`` None means recompute."""
 
     holder: str
     transport: Transport | None = None
@@ -63,42 +109,22 @@ class MigrationResult:
 
 @dataclass(frozen=True, slots=True)
 class RouteDecision:
-    """Where one request goes: the directory's answer, or a fallback."""
+    """Where one request goes: what every route method answers (a policy's
+    ``choose``, the routing table, the directory, a router's table copy), or
+    a fallback when none could answer."""
 
     worker_id: str | None
-    reason: str
+    reason: str                      # which rule decided ("local", "migrate", "balance", ...)
     expected_ttft_s: float | None = None
-    cached_tokens: int = 0
-    migrate_from: str | None = None
-    source: str = "directory"     # who decided: "directory", "router_view" (a router's table copy), "fallback"
-    decision_us: float | None = None   # the policy's own time for it (its choose, thread CPU), where it was made
-
-    @classmethod
-    def from_wire(cls, obj: Any) -> "RouteDecision":
-        if isinstance(obj, cls):
-            return obj
-        if isinstance(obj, dict):
-            _check_optional_version(obj, "route decision")
-            try:
-                worker_id, reason = obj["worker_id"], obj["reason"]
-            except KeyError as exc:
-                raise MalformedMessageError(f"route decision lacks {exc}") from None
-            for name, value in (("worker_id", worker_id), ("migrate_from", obj.get("migrate_from"))):
-                if value is not None and not isinstance(value, str):
-                    raise MalformedMessageError(f"route decision {name} must be a string or None, got {value!r}")
-            source = obj.get("source", "directory")
-            for name, value in (("reason", reason), ("source", source)):
-                if not isinstance(value, str):
-                    raise MalformedMessageError(f"route decision {name} must be a string, got {value!r}")
-            return cls(worker_id, reason,
-                       _number(obj.get("expected_ttft_s"), "route decision expected_ttft_s", optional=True),
-                       _count(obj.get("cached_tokens") or 0, "route decision cached_tokens"), obj.get("migrate_from"),
-                       source, _number(obj.get("decision_us"), "route decision decision_us", optional=True))
-        raise MalformedMessageError(f"not a route decision: {type(obj).__name__}")
+    cached_tokens: int = 0           # tokens the chosen worker will not prefill (its own + pulled)
+    migrate_from: str | None = None  # pull blocks from this worker first
+    migrate_blocks: int = 0          # how many (after the chosen worker's own prefix)
+    source: str = "directory"        # who decided: "directory", "router_view" (a table copy), "fallback", "pinned"
+    decision_us: float | None = None   # the policy's own time for it (its choose, thread CPU)
 
     @classmethod
     def pinned(cls, worker_id: str) -> "RouteDecision":
-        return cls(worker_id, "pinned")
+        return cls(worker_id, "pinned", source="pinned")
 
     @classmethod
     def fallback(cls) -> "RouteDecision":
@@ -109,74 +135,137 @@ class RouteDecision:
 @dataclass(slots=True)
 class GenerateRequest:
     """One generation, from the ingress (or a client) to a cache worker.
-    ``routing`` is filled in once by whoever asked the directory."""
+
+    ``route`` is the decision the sender made before sending: the worker it
+    chose and, when that worker should pull the prefix from another one
+    first, ``route.migrate_from``. Nobody writes into a request after it
+    was sent."""
 
     prompt: list[int]
-    params: dict | None = None
-    tenant: Any = None
-    session_id: Any = None
-    routing: RouteDecision | None = None
+    params: SamplingParams = dataclasses.field(default_factory=SamplingParams)
+    tenant: Tenant | None = None
+    session_id: str | None = None
+    route: RouteDecision | None = None
     exclude: tuple[str, ...] = ()    # workers this request already failed on (a resumed request)
-    route_s: float = 0.0             # how long the router's decision took (for the latency breakdown)
 
-    @classmethod
-    def from_wire(cls, obj: Any) -> "GenerateRequest":
-        """The request itself, or its dict form ``{"prompt", "params", "tenant",
-        "session_id", "routing", "exclude"}`` (what the ingress sends)."""
-        if isinstance(obj, cls):
-            return obj
-        if not isinstance(obj, dict) or "prompt" not in obj:
-            raise MalformedMessageError(f"not a generate request: {type(obj).__name__}")
-        _check_optional_version(obj, "generate request")
-        _check_tokens(obj["prompt"], "generate request prompt")
-        if obj.get("params") is not None and not isinstance(obj["params"], dict):
-            raise MalformedMessageError(f"generate request params must be a dict or None, "
-                                        f"got {type(obj['params']).__name__}")
-        routing = obj.get("routing")
-        exclude = obj.get("exclude") or ()
-        if not isinstance(exclude, (list, tuple)) or not all(isinstance(w, str) for w in exclude):
-            raise MalformedMessageError(f"generate request exclude must be a list of worker ids, got {exclude!r:.80}")
-        return cls(obj["prompt"], obj.get("params"), obj.get("tenant"), obj.get("session_id"),
-                   None if routing is None else RouteDecision.from_wire(routing), tuple(exclude))
+    def __post_init__(self) -> None:
+        if not isinstance(self.params, SamplingParams):
+            raise MalformedMessageError(f"generate request params must be SamplingParams, "
+                                        f"got {type(self.params).__name__}")
+        if self.tenant is not None and not isinstance(self.tenant, str):
+            raise MalformedMessageError(f"generate request tenant must be a string or None, got {self.tenant!r:.80}")
+        if self.session_id is not None and not isinstance(self.session_id, str):
+            raise MalformedMessageError(f"generate request session_id must be a string or None, "
+                                        f"got {self.session_id!r:.80}")
 
 
 @dataclass(frozen=True, slots=True)
-class PeerCall:
-    """A call aimed at one worker (migration, prefetch, admin): the router
-    sends it to ``target_worker`` and nowhere else."""
+class StagedPrefix:
+    """A holder's answer to an export: ``tokens`` of the asked-for prefix,
+    copied into whole host blocks (``blocks``, one checksum each) and kept
+    for the target under ``lease`` until it releases them (or they expire).
+    ``tokens == 0``: nothing cached any more (a stale decision)."""
 
-    target_worker: str
-    tokens: list[int] | None = None
-    tenant: Any = None
-    lease: str | None = None      # "<worker>/<process uuid>/<n>": unique across workers
-    session_id: Any = None
+    holder: str
+    tokens: int = 0
+    blocks: tuple[int, ...] = ()
+    checksums: tuple[int, ...] = ()
+    lease: str | None = None         # "<worker>/<process uuid>/<n>": unique across workers
+    block_tokens: int = 0
+    tokens_hash: int = 0             # of the tokens covered and their tenant: the target compares its own
+
+    def to_fields(self) -> dict:
+        return {f: getattr(self, f) for f in self.__slots__}
 
     @classmethod
-    def from_wire(cls, obj: Any) -> "PeerCall | None":
-        """The call itself, its dict form (``{"target_worker": ..., ...}``), or
-        None for an untargeted call."""
-        if obj is None or isinstance(obj, cls):
-            return obj
-        if isinstance(obj, dict):
-            if obj.get("target_worker") is None:
-                return None
-            _check_optional_version(obj, "peer call")
-            if not isinstance(obj["target_worker"], str):
-                raise MalformedMessageError(f"peer call target_worker must be a string, got {obj['target_worker']!r}")
-            if obj.get("tokens") is not None:
-                _check_tokens(obj["tokens"], "peer call tokens")
-            return cls(obj["target_worker"], obj.get("tokens"), obj.get("tenant"), obj.get("lease"),
-                       obj.get("session_id"))
-        raise MalformedMessageError(f"not a peer call: {type(obj).__name__}")
+    def from_fields(cls, fields: Any) -> "StagedPrefix":
+        if not isinstance(fields, dict):
+            raise MalformedMessageError(f"staged prefix must be a map, got {type(fields).__name__}")
+        try:
+            return cls(str(fields["holder"]), _count(fields["tokens"], "staged prefix tokens"),
+                       tuple(_count(b, "staged prefix block") for b in fields["blocks"]),
+                       tuple(int(c) for c in fields["checksums"]), fields.get("lease"),
+                       _count(fields["block_tokens"], "staged prefix block_tokens"), int(fields["tokens_hash"]))
+        except MalformedMessageError:
+            raise
+        except (KeyError, TypeError, ValueError) as exc:
+            raise MalformedMessageError(f"staged prefix is malformed: {exc!r}") from None
 
 
-def target_of(message: Any) -> str | None:
-    """The worker a message must reach, if it names one (routers read this)."""
-    if isinstance(message, PeerCall):
-        return message.target_worker
-    if isinstance(message, dict):
-        return message.get("target_worker")
-    return None
+RATE_FIELDS = ("prefill_tokens_per_s", "warm_promote_tokens_per_s", "cold_promote_tokens_per_s",
+               "transfer_tokens_per_s")
+
+
+@dataclass(frozen=True, slots=True)
+class MeasuredRates:
+    """What a worker measured at start-up (``actors.calibration``): the
+    ``CostModel`` rates it registers with, and the KV shape they hold for
+    (a replacement worker of the same shape may reuse them)."""
+
+    prefill_tokens_per_s: float
+    warm_promote_tokens_per_s: float
+    cold_promote_tokens_per_s: float
+    transfer_tokens_per_s: float
+    block_tokens: int
+    bytes_per_token: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in RATE_FIELDS:
+            _number(getattr(self, name), f"rates {name}", positive=True)
+        if _count(self.block_tokens, "rates block_tokens") == 0:
+            raise MalformedMessageError("rates block_tokens must be positive, got 0")
+        if self.bytes_per_token is not None:
+            _count(self.bytes_per_token, "rates bytes_per_token")
+
+    @classmethod
+    def of(cls, cost: Any, bytes_per_token: int | None = None) -> "MeasuredRates":
+        """The rates of a ``CostModel``."""
+        return cls(*(float(getattr(cost, name)) for name in RATE_FIELDS), int(cost.block_tokens),
+                   None if bytes_per_token is None else int(bytes_per_token))
+
+    def cost_kwargs(self) -> dict:
+        """``CostModel`` keyword arguments."""
+        return {**{name: getattr(self, name) for name in RATE_FIELDS}, "block_tokens": self.block_tokens}
+
+    def with_transfer(self, tokens_per_s: float) -> "MeasuredRates":
+        return dataclasses.replace(self, transfer_tokens_per_s=tokens_per_s)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    """What a worker says about itself (``info``): how to reach it and what it runs."""
+
+    worker_id: str
+    peer_address: str | None         # "host:port" of its peer channel (``actors.peer``)
+    nixl: bytes | None               # its NIXL agent metadata (None: no NIXL)
+    nixl_name: str | None
+    block_tokens: int
+    rates: MeasuredRates
+    vocab_size: int
+    model_id: str
+    ownership_checks: bool = False
+
+    def to_fields(self) -> dict:
+        out = {f: getattr(self, f) for f in self.__slots__}
+        out["rates"] = {f: getattr(self.rates, f) for f in self.rates.__slots__}
+        return out
+
+    @classmethod
+    def from_fields(cls, fields: Any) -> "WorkerInfo":
+        if not isinstance(fields, dict):
+            raise MalformedMessageError(f"worker info must be a map, got {type(fields).__name__}")
+        try:
+            return cls(**{**fields, "rates": MeasuredRates(**fields["rates"])})
+        except (KeyError, TypeError) as exc:
+            raise MalformedMessageError(f"worker info is malformed: {exc}") from None
+
+
+class Snapshot(NamedTuple):
+    """A worker's whole cached-block index: what the directory rebuilds it from
+    after a gap. ``entries``: block hash -> tier, as of event batch ``seq``."""
+
+    seq: int
+    entries: dict[int, int]
 
 
 @dataclass(slots=True)
@@ -193,9 +282,11 @@ class ReplicaTiming:
     received_at: float = 0.0    # wall clock: the replica's generate() began
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class StreamItem:
-    """One element of a generation stream: a token, or the end of the request."""
+    """One element of a generation stream: a token, or the end of the request.
+    Built once, by the worker's engine loop, with everything the ingress
+    reports about it; nobody changes it afterwards."""
 
     token: int | None
     finished: bool
@@ -204,10 +295,9 @@ class StreamItem:
     cached_tokens: int = 0
     tier_hits: tuple[int, int, int] = (0, 0, 0)
     prompt_tokens: int = 0
-    worker_id: str | None = None     # filled in by the shell that served it
+    worker_id: str | None = None     # the worker that served it
     reason: str | None = None        # the routing decision's reason
     migration: MigrationResult | None = None
-    attempt: int = 0                 # retries before this item (ClusterClient)
     timing: ReplicaTiming | None = None   # on the first token's item
 
     def cached_by_tier(self) -> dict[str, int]:
@@ -253,51 +343,14 @@ class LoadReport:
 
     queued_tokens: int
     running: int
-    waiting: int
+    waiting: int = 0
     transfer_tokens_per_s: float | None = None
 
-    def to_wire(self) -> dict:
-        return {"v": WIRE_VERSION, **dataclasses.asdict(self)}
-
-    @classmethod
-    def from_wire(cls, data: Any) -> "LoadReport":
-        _check_version(data, "load report")
-        missing = [name for name in ("queued_tokens", "running") if name not in data]
-        if missing:
-            raise MalformedMessageError(f"load report lacks {missing}")
-        return cls(_count(data["queued_tokens"], "load report queued_tokens"),
-                   _count(data["running"], "load report running"),
-                   _count(data.get("waiting", 0), "load report waiting"),
-                   _number(data.get("transfer_tokens_per_s"), "load report transfer_tokens_per_s", optional=True))
-
-
-RATE_FIELDS = ("prefill_tokens_per_s", "warm_promote_tokens_per_s", "cold_promote_tokens_per_s",
-               "transfer_tokens_per_s")
-
-
-def rates_to_wire(cost: Any, *, bytes_per_token: int | None = None) -> dict:
-    """A measured ``CostModel`` as the dict a worker registers with. The field
-    names are ``CostModel``'s; ``promote_tokens_per_s`` repeats the WARM rate
-    for directories that still read the old name."""
-    out = {"v": WIRE_VERSION, **{name: float(getattr(cost, name)) for name in RATE_FIELDS},
-           "block_tokens": int(cost.block_tokens)}
-    out["promote_tokens_per_s"] = out["warm_promote_tokens_per_s"]
-    if bytes_per_token is not None:
-        out["bytes_per_token"] = int(bytes_per_token)
-    return out
-
-
-def rates_from_wire(data: Any) -> dict:
-    """``CostModel`` keyword arguments from ``rates_to_wire``'s dict."""
-    _check_version(data, "rates")
-    missing = [name for name in RATE_FIELDS + ("block_tokens",) if name not in data]
-    if missing:
-        raise MalformedMessageError(f"rates lack {missing}")
-    rates = {name: _number(data[name], f"rates {name}", positive=True) for name in RATE_FIELDS}
-    block_tokens = _count(data["block_tokens"], "rates block_tokens")
-    if block_tokens == 0:
-        raise MalformedMessageError("rates block_tokens must be positive, got 0")
-    return {**rates, "block_tokens": block_tokens}
+    def __post_init__(self) -> None:
+        _count(self.queued_tokens, "load report queued_tokens")
+        _count(self.running, "load report running")
+        _count(self.waiting, "load report waiting")
+        _number(self.transfer_tokens_per_s, "load report transfer_tokens_per_s", optional=True)
 
 
 def _count(value: Any, what: str) -> int:
@@ -328,20 +381,7 @@ def _check_tokens(tokens: Any, what: str) -> None:
             raise MalformedMessageError(f"{what}[{i}] must be a non-negative integer token id, got {token!r}")
 
 
-def _check_optional_version(data: dict, what: str) -> None:
-    """Messages that travel as dicts without a version may carry one; a wrong one is refused."""
-    if "v" in data and data["v"] != WIRE_VERSION:
-        raise MalformedMessageError(f"{what} has wire version {data['v']!r}; this build reads {WIRE_VERSION}")
-
-
-def _check_version(data: Any, what: str) -> None:
-    if not isinstance(data, dict):
-        raise MalformedMessageError(f"{what} must be a dict, got {type(data).__name__}")
-    if data.get("v") != WIRE_VERSION:
-        raise MalformedMessageError(f"{what} has wire version {data.get('v')!r}; this build reads {WIRE_VERSION}")
-
-
-__all__ = ["WIRE_VERSION", "MalformedMessageError", "FinishReason", "Transport", "MigrationResult",
-           "RouteDecision", "GenerateRequest", "PeerCall", "target_of", "ReplicaTiming", "StreamItem", "TableChange", "TableState",
-           "TableUpdate", "LoadReport", "RATE_FIELDS",
-           "rates_to_wire", "rates_from_wire"]
+__all__ = ["WIRE_VERSION", "Tenant", "MalformedMessageError", "FinishReason", "Transport", "GREEDY_TEMPERATURE",
+           "SamplingParams", "MigrationResult", "RouteDecision", "GenerateRequest", "StagedPrefix", "RATE_FIELDS",
+           "MeasuredRates", "WorkerInfo", "Snapshot", "ReplicaTiming", "StreamItem", "TableChange", "TableState",
+           "TableUpdate", "LoadReport"]

@@ -26,10 +26,17 @@ every request from the directory's decision.
   ``check_health`` (it raises once the watchdog declared the engine wedged)
 - ``max_resumes`` (default 2): how many times the ingress resumes a request
   on another replica after its replica failed mid-request
+- ``ingress_replicas`` (default 1) or ``ingress_autoscaling_config``: the
+  HTTP ingress deployment's size; every ingress replica decides on its own
+  copy of the routing table and shares the reply memory (``ReplyStore``)
+- ``peer_secret``: the secret of the workers' peer channel (default: a random
+  one per deployment, or env ``PREFIX_CACHE_PEER_SECRET``)
 """
 
 
 
+import os
+import secrets
 from typing import Any
 
 from ray import serve
@@ -38,7 +45,8 @@ from ray.serve.config import RequestRouterConfig
 from fastapi import Request
 
 from actors.core import WorkerConfig
-from cluster.routing.policy import make_policy
+from cluster.routing.policies import make_policy
+from serve_app import admin
 from serve_app.http_app import make_fastapi
 from serve_app.ingress import IngressCore, handle_generation
 from serve_app.replica import CacheReplica as CacheReplicaImpl
@@ -50,7 +58,7 @@ fastapi_app = make_fastapi()
 
 
 # The ingress only parses and streams: let it hold many requests (Serve's default is 5).
-@serve.deployment(name="Ingress", num_replicas=1, max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0})
+@serve.deployment(name="Ingress", max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0})
 @serve.ingress(fastapi_app)
 class Ingress:
     """HTTP front door; the logic lives in ``serve_app.ingress.IngressCore``."""
@@ -81,24 +89,24 @@ class Ingress:
     async def prefetch(self, session_id: str, request: Request):
         tenant = self.core.authenticate(request)
         await self.core.body(request, empty_ok=True)   # JSON only: no cross-site form POSTs
-        return await self.core.prefetch(tenant, session_id)
+        return await admin.prefetch(self.core, tenant, session_id)
 
     @fastapi_app.get("/v1/cache/stats")
     async def cache_stats(self, request: Request):
         self.core.authenticate(request, admin=True)
-        return await self.core.cache_stats()
+        return await admin.cache_stats(self.core)
 
     @fastapi_app.post("/v1/cache/flush")
     async def flush(self, request: Request):
         self.core.authenticate(request, admin=True)
         await self.core.body(request, empty_ok=True)   # JSON only: no cross-site form POSTs
-        return await self.core.flush()
+        return await admin.flush(self.core)
 
     @fastapi_app.post("/v1/admin/policy")
     async def set_policy(self, request: Request):
         self.core.authenticate(request, admin=True)
         body = await self.core.body(request)
-        return await self.core.set_policy(body.get("policy"))
+        return await admin.set_policy(self.core, body.get("policy"))
 
 
 def build_app(args: dict[str, Any] | None = None):
@@ -109,7 +117,8 @@ def build_app(args: dict[str, Any] | None = None):
     if not isinstance(policy_args, dict):
         raise ValueError(f"policy_args must be a mapping of the policy's option names to values, got {policy_args!r}")
     make_policy(policy, **policy_args)   # an unknown policy or option fails here, naming it
-    app_name = args.pop("app_name", APP_NAME)
+    peer_secret = str(args.pop("peer_secret", None) or os.environ.get("PREFIX_CACHE_PEER_SECRET")
+                      or secrets.token_hex(16))
     worker = dict(args.pop("worker", {}) or {})
     worker_config = WorkerConfig.from_dict(worker)   # a bad worker config or model spec fails here
     block_tokens = worker_config.block_tokens
@@ -120,9 +129,7 @@ def build_app(args: dict[str, Any] | None = None):
         "max_queued_requests": int(args.pop("max_queued_requests", 256)),
         "health_check_period_s": float(args.pop("health_check_period_s", 2.0)),
         "health_check_timeout_s": 10.0,
-        "request_router_config": RequestRouterConfig(
-            request_router_class=DirectoryRouter,
-            request_router_kwargs={"namespace": namespace, "block_tokens": block_tokens}),
+        "request_router_config": RequestRouterConfig(request_router_class=DirectoryRouter),
     }
     autoscaling = args.pop("autoscaling_config", None)
     num_replicas = args.pop("num_replicas", None)
@@ -133,10 +140,18 @@ def build_app(args: dict[str, Any] | None = None):
     settings = {"model": worker_config.model, "model_name": args.pop("model_name", None), "namespace": namespace,
                 "api_keys": args.pop("api_keys", None), "admin_keys": args.pop("admin_keys", None),
                 "admin_without_keys": bool(args.pop("admin_without_keys", False)),
-                "limits": args.pop("limits", None), "max_resumes": int(args.pop("max_resumes", 2))}
+                "limits": args.pop("limits", None), "max_resumes": int(args.pop("max_resumes", 2)),
+                "block_tokens": block_tokens, "peer_secret": peer_secret}
+    ingress_opts: dict[str, Any] = {}
+    ingress_autoscaling = args.pop("ingress_autoscaling_config", None)
+    ingress_replicas = args.pop("ingress_replicas", None)
+    if ingress_autoscaling is not None:
+        ingress_opts["autoscaling_config"] = ingress_autoscaling
+    else:
+        ingress_opts["num_replicas"] = int(ingress_replicas or 1)
     if args:
         raise ValueError(f"unknown application args: {sorted(args)}")
     replicas = CacheReplica.options(name="CacheReplica", **replica_opts).bind(
-        worker, namespace, policy, app_name, policy_args)
-    return Ingress.bind(replicas, settings)
+        worker, namespace, policy, policy_args, peer_secret)
+    return Ingress.options(**ingress_opts).bind(replicas, settings)
 

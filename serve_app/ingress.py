@@ -1,44 +1,57 @@
-"""HTTP ingress: OpenAI-compatible API, auth, tenants, limits, streaming, admin.
+"""IngressCore: one HTTP request's way to a replica and back, without the Serve wiring.
 
-Endpoints: POST /v1/completions, POST /v1/chat/completions (both with
-``stream``), GET /v1/models, GET /healthz, POST /v1/sessions/{id}/prefetch,
-GET /v1/cache/stats and POST /v1/cache/flush (admin).
+Per request: the ingress decides where it goes (``RoutingClient``: its copy
+of the directory's routing table, else the directory), sends one typed
+``GenerateRequest`` with that decision to the replicas' deployment handle
+(Serve's ``DirectoryRouter`` carries the decision out), and reads the
+replica's ``StreamItem``s. It never writes into an item, and no other layer
+writes into its request: the response is built from the items alone
+(``serve_app.responses``).
+
+A replica that dies (or whose watchdog trips) mid-request does not end the
+request: it is resumed on another replica from the tokens already sent
+(prompt + sent tokens, ``max_tokens`` reduced, same seed: sampling is a
+function of (seed, position), so the continuation is what the first replica
+would have produced), up to ``max_resumes`` times, never on a replica it
+already failed on. When it cannot be resumed the caller gets an
+``APIError`` (503 with Retry-After), never a bare exception.
+
+Every ingress replica is alike: nothing a request needs lives in one of
+them only. The ids behind the model's replies are written through to the
+cluster's ``ReplyStore``; a session's prefetch asks every live worker (the
+one that knows the session starts it); decisions are made on each replica's
+own table copy.
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
+import dataclasses
 import logging
 import secrets
 import time
-import uuid
-from collections import OrderedDict
-from contextlib import aclosing
 from typing import Any, AsyncIterator
 
-import ray
-from ray.exceptions import RayActorError
-from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
+from ray.exceptions import RayActorError
 
-from actors.core import EngineWedgedError, QueueFullError
-from cluster.errors import CacheError, InvalidInputError
-from cluster.protocol import FinishReason, GenerateRequest, StreamItem
-from actors.naming import DIRECTORY_NAME
+from actors.engine_loop import EngineWedgedError, QueueFullError
+from actors.peer import PeerDirectory
+from actors.reply_store import SharedReplies
+from actors.routing_client import RoutingClient
 from cluster.engine.checkpoint import ModelSpec, load_tokenizer, model_id
 from cluster.engine.text import ChatPromptBuilder, ReplyMemory
+from cluster.errors import CacheError, InvalidInputError
+from cluster.names import TIER_NAMES
+from cluster.protocol import FinishReason, GenerateRequest, SamplingParams, StreamItem, Tenant
 from serve_app import metrics
 from serve_app.auth import Auth, read_json_body
 from serve_app.openapi import add_request_bodies
-from serve_app.output import TextStream
-from serve_app.protocol import APIError, GenerationRequest, Limits, parse_chat, parse_completion
+from serve_app.protocol import APIError, ApiRequest, Limits, parse_chat, parse_completion
+from serve_app.responses import respond
 from serve_app.timing import RequestClock
 
 log = logging.getLogger("ray.serve")
-
-TIER_NAMES = ("hot", "warm", "cold")
 
 
 class IngressCore:
@@ -47,24 +60,31 @@ class IngressCore:
     def __init__(self, workers: Any, model: str | dict | None = None, model_name: str | None = None,
                  namespace: str = "prefix-cache", api_keys: str | dict | None = None,
                  admin_keys: str | list | None = None, limits: dict | None = None, retry_after_s: int = 1,
-                 admin_without_keys: bool = False, max_resumes: int = 2):
-        """``model`` is the replicas' model spec (``WorkerConfig.model``): the ingress
-        loads only its tokenizer and chat template. ``model_name`` is the id clients
-        send and ``/v1/models`` lists (default: the model's own id)."""
+                 admin_without_keys: bool = False, max_resumes: int = 2, block_tokens: int = 16,
+                 router: Any = None, peer_secret: str | None = None, shared_replies: bool = True):
+        """``workers``: the replicas' deployment handle. ``model`` is the replicas'
+        model spec (``WorkerConfig.model``): the ingress loads only its tokenizer and
+        chat template. ``model_name`` is the id clients send and ``/v1/models`` lists
+        (default: the model's own id). ``router``: what decides (default: a
+        ``RoutingClient`` on the directory of ``namespace``); ``peer_secret``:
+        the app's peer-channel secret, for the admin calls aimed at one worker."""
         self.workers = workers
         spec = ModelSpec.parse(model)
         self.model_name = model_name or model_id(spec)
         self.namespace = namespace
         self.tokenizer = load_tokenizer(spec)
-        self.replies = ReplyMemory()
+        local = ReplyMemory()
+        self.replies = SharedReplies(namespace, local) if shared_replies else local
         self.prompts = ChatPromptBuilder(self.tokenizer, self.replies)
         self.limits = Limits(**(limits or {}))
         self.auth = Auth(api_keys, admin_keys, admin_without_keys)
         self.retry_after_s = retry_after_s
         self.max_resumes = max_resumes
-        self._sessions: OrderedDict[tuple, str] = OrderedDict()   # (tenant, session) -> worker id
+        self.router = router if router is not None else RoutingClient(namespace, block_tokens=block_tokens)
+        self.peer_secret = peer_secret
+        self._peers: PeerDirectory | None = None
 
-    def install_openapi(self, app: FastAPI) -> None:
+    def install_openapi(self, app) -> None:
         """Describe the hand-parsed request bodies in ``app``'s OpenAPI document."""
         def openapi() -> dict:
             if app.openapi_schema is None:
@@ -74,28 +94,54 @@ class IngressCore:
 
         app.openapi = openapi
 
+    @property
+    def peers(self) -> PeerDirectory:
+        """Peer-channel clients of the live workers (admin calls aimed at one)."""
+        if self._peers is None:
+            directory = self.router.directory
+            self._peers = PeerDirectory(directory.peer_address, secret=self.peer_secret, timeout_s=10.0)
+        return self._peers
+
     def render_chat(self, tenant: str | None):
         """The chat renderer for one tenant: its reply memory is the tenant's own."""
         return lambda messages: self.prompts.build(messages, tenant or "").ids
 
-    def stop_token_ids(self, gen: GenerationRequest) -> tuple[int, ...]:
+    async def recall_replies(self, body: dict, tenant: str | None) -> None:
+        """Before a chat is tokenized: the ids of its assistant replies that another
+        ingress replica saw (a cache: without them the replies are tokenized as sent)."""
+        if not isinstance(self.replies, SharedReplies):
+            return
+        messages = body.get("messages")
+        if isinstance(messages, list):
+            texts = [m["content"] for m in messages[-64:]
+                     if isinstance(m, dict) and m.get("role") == "assistant" and isinstance(m.get("content"), str)]
+            if texts:
+                await self.replies.prefetch(tenant or "", texts)
+
+    def stop_token_ids(self, gen: ApiRequest) -> tuple[int, ...]:
         """The client's stop ids, plus EOS and the model's generation-config stop ids
         unless the client asked to ignore EOS."""
         own = () if gen.ignore_eos else tuple(self.tokenizer.stop_token_ids)
         return tuple(dict.fromkeys((*gen.stop_token_ids, *own)))
 
-    def authenticate(self, request: Request, admin: bool = False) -> str | None:
+    def authenticate(self, request, admin: bool = False) -> str | None:
         return self.auth.authenticate(request, admin)
 
-    async def body(self, request: Request, empty_ok: bool = False, clock: RequestClock | None = None) -> dict:
+    async def body(self, request, empty_ok: bool = False, clock: RequestClock | None = None) -> dict:
         return await read_json_body(request, self.limits, empty_ok,
                                     on_bytes=clock.mark_body_read if clock is not None else None)
 
-    # -------------------------------------------------------------- generation
-    def _session_key(self, tenant, session_id):
+    def remember_reply(self, tenant: str | None, text: str, ids: list[int] | None) -> None:
+        """Keep the ids behind a reply, so the client's next turn reuses their KV."""
+        if ids is not None:   # remember_reply keeps them only if they decode to exactly ``text``
+            self.prompts.remember_reply(tenant or "", text, ids)
+
+    @staticmethod
+    def session_key(tenant: Tenant | None, session_id: str | None) -> str | None:
         return None if session_id is None else f"{tenant}:{session_id}"
 
-    async def stream_items(self, gen: GenerationRequest, tenant: str | None, endpoint: str,
+    # -------------------------------------------------------------- generation
+    async def stream_items(self, gen: ApiRequest, tenant: Tenant | None, endpoint: str,
                            clock: RequestClock | None = None, whole: bool = False) -> AsyncIterator[StreamItem]:
         """The worker's items for one request. Leaving early (a stop string, a client
         that went away) cancels the request on the worker, which caches what it
@@ -104,19 +150,10 @@ class IngressCore:
         ``whole``: the caller reads every item before answering (a non-streamed
         request without stop strings), so the replica returns them all from one
         call (``generate_all``) instead of a stream: one message back instead of
-        one per token, and no streaming machinery on the request path. A failed
-        call then sent nothing, and resuming it starts over on another replica
-        (with the same seed: the same answer).
-
-        A replica that dies (or whose watchdog trips) mid-request does not end the
-        request: it is resumed on another replica from the tokens already sent
-        (prompt + sent tokens, ``max_tokens`` reduced, same seed: sampling is a
-        function of (seed, position), so the continuation is what the first
-        replica would have produced), up to ``max_resumes`` times, never on a
-        replica it already failed on. When it cannot be resumed the caller gets
-        an ``APIError`` (503 with Retry-After), never a bare exception."""
-        params = {**gen.params(), "stop_token_ids": self.stop_token_ids(gen)}
-        session = self._session_key(tenant, gen.session_id)
+        one per token. A failed call then sent nothing, and resuming it starts
+        over on another replica (with the same seed: the same answer)."""
+        params = SamplingParams(gen.max_tokens, gen.temperature, gen.top_p, gen.seed, self.stop_token_ids(gen))
+        session = self.session_key(tenant, gen.session_id)
         metrics.prompt_tokens.inc(len(gen.prompt))
         start = time.perf_counter()
         last = None
@@ -129,8 +166,12 @@ class IngressCore:
             if len(sent) >= gen.max_tokens:   # everything was sent but the end: end it here
                 yield StreamItem(None, True, FinishReason.LENGTH, prompt_tokens=len(gen.prompt))
                 return
-            message = GenerateRequest(gen.prompt + sent, {**params, "max_tokens": gen.max_tokens - len(sent)},
-                                      tenant, session, exclude=tuple(failed_on))
+            prompt = gen.prompt + sent
+            routed = time.perf_counter()
+            route = await self.router.route(prompt, tenant, failed_on or None)
+            route_s = time.perf_counter() - routed
+            message = GenerateRequest(prompt, dataclasses.replace(params, max_tokens=gen.max_tokens - len(sent)),
+                                      tenant, session, route, tuple(failed_on))
             finished = False
             worker = None
             call_wall = time.time()
@@ -144,26 +185,18 @@ class IngressCore:
                     now = time.perf_counter()
                     worker = item.worker_id
                     if last is None:
-                        if clock is not None:   # the router wrote its decision and its time into the message
-                            clock.mark_first(call_wall, message.route_s, item.timing, message.routing)
+                        if clock is not None:
+                            clock.mark_first(call_wall, route_s, item.timing, route)
                         metrics.ttft.observe(now - start, tags={"endpoint": endpoint})
                         for tier, n in zip(TIER_NAMES, item.tier_hits):
                             if n:
                                 metrics.cached_tokens.inc(n, tags={"tier": tier})
-                        if gen.session_id is not None:
-                            self._sessions[(tenant, gen.session_id)] = item.worker_id
-                            self._sessions.move_to_end((tenant, gen.session_id))
-                            while len(self._sessions) > 100_000:
-                                self._sessions.popitem(last=False)
                     elif not whole:
                         metrics.inter_token.observe(now - last, tags={"endpoint": endpoint})
                     last = now
                     finished = item.finished
                     if item.token is not None:
                         sent.append(item.token)
-                    if attempt:   # the client asked with its own prompt: count against that
-                        item.prompt_tokens = len(gen.prompt)
-                        item.cached_tokens = min(item.cached_tokens, len(gen.prompt))
                     yield item
                     if finished:
                         return
@@ -174,16 +207,16 @@ class IngressCore:
                 if not finished:   # stop string, client gone, or an error: stop generating
                     stream.cancel()
             if not _resumable(failure):
-                raise self._api_error(failure)
-            if worker is None and message.routing is not None:   # it failed before its first item
-                worker = message.routing.worker_id
+                raise self.api_error(failure)
+            if worker is None:   # it failed before its first item: the replica chosen for it
+                worker = route.worker_id
             if worker is not None:
                 failed_on.append(worker)
         raise APIError(503, f"the replicas serving this request failed ({len(failed_on)} tried) and it could "
                             f"not be resumed; retry later", type_="server_error", code="replica_failed",
                        headers={"Retry-After": str(self.retry_after_s)})
 
-    def _api_error(self, exc: BaseException) -> APIError:
+    def api_error(self, exc: BaseException) -> APIError:
         """What the client sees for a failure that resuming cannot fix."""
         cause = _root_cause(exc)
         if isinstance(exc, APIError):
@@ -200,159 +233,10 @@ class IngressCore:
         return APIError(503, f"the request failed on the server ({type(cause).__name__}); retry later",
                         type_="server_error", code="server_error", headers={"Retry-After": str(self.retry_after_s)})
 
-    def _text(self, gen: GenerationRequest) -> TextStream:
-        return TextStream(self.tokenizer, gen.stop, self.stop_token_ids(gen))
-
-    def _remember(self, tenant: str | None, text: str, out: TextStream) -> None:
-        """Keep the ids behind a reply, so the client's next turn reuses their KV."""
-        ids = out.reply_ids()
-        if ids is not None:   # remember_reply keeps them only if they decode to exactly ``text``
-            self.prompts.remember_reply(tenant or "", text, ids)
-
-    async def complete(self, gen: GenerationRequest, tenant: str | None, endpoint: str, chat: bool,
+    async def complete(self, gen: ApiRequest, tenant: Tenant | None, endpoint: str, chat: bool,
                        clock: RequestClock | None = None):
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        created = int(time.time())
-        clock = clock or RequestClock.start()
-        if gen.stream:
-            return await self._streaming(gen, tenant, endpoint, chat, rid, created, clock)
-        out, last, pieces = self._text(gen), None, []
-        # Without stop strings the replica's own stops (EOS, stop ids, max_tokens) end it:
-        # take the whole answer from one call. Stop strings need the text as it comes.
-        whole = not gen.stop
-        async with aclosing(self.stream_items(gen, tenant, endpoint, clock, whole)) as items:
-            async for item in items:
-                last = item
-                if item.token is not None:
-                    pieces.append(out.push(item.token))
-                    if out.stopped:
-                        break
-        pieces.append(out.finish())
-        text = "".join(pieces)
-        finish = out.finish_reason(last)
-        if chat:
-            self._remember(tenant, text, out)
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": text, "token_ids": out.ids, "logprobs": None, "finish_reason": finish}
-        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-                "model": self.model_name, "choices": [choice], "usage": _usage(gen, out.ids, last),
-                "prefix_cache": _cache_info(last, clock)}
-
-    async def _streaming(self, gen, tenant, endpoint, chat, rid, created, clock: RequestClock):
-        items = self.stream_items(gen, tenant, endpoint, clock)
-        try:
-            first = await items.__anext__()  # errors before the first token become HTTP errors
-        except StopAsyncIteration:
-            first = None
-        except BaseException:
-            await items.aclose()
-            raise
-        kind = "chat.completion.chunk" if chat else "text_completion"
-
-        role_sent = False
-
-        def chunk(text: str, ids: list[int], finish: str | None = None) -> dict:
-            nonlocal role_sent
-            if not chat:
-                choice = {"index": 0, "text": text, "token_ids": ids, "finish_reason": finish}
-            else:
-                delta = {"content": text} if text else {}
-                if not role_sent:
-                    delta["role"], role_sent = "assistant", True
-                choice = {"index": 0, "delta": delta, "finish_reason": finish}
-            return {"id": rid, "object": kind, "created": created, "model": self.model_name, "choices": [choice]}
-
-        async def sse():
-            out, last, unsent = self._text(gen), None, []
-            item = first
-            opened = False
-            try:
-                while item is not None:
-                    last = item
-                    if item.token is not None:
-                        unsent.append(item.token)
-                        piece = out.push(item.token)
-                        if piece:   # text held back (a partial character or stop string) waits
-                            yield _sse(chunk(piece, unsent))
-                            unsent = []
-                        elif not opened:   # but the first token opens the stream at once: an empty
-                            yield _sse(chunk("", []))   # chunk (for chat the role, as OpenAI sends)
-                        opened = True
-                        if out.stopped:
-                            break
-                    item = await items.__anext__()
-            except StopAsyncIteration:
-                pass
-            except Exception as exc:   # the body has started: end it with an error event, never cut it
-                error = exc if isinstance(exc, APIError) else self._api_error(exc)
-                metrics.cut_streams.inc()
-                if error.status >= 500:
-                    metrics.responses_5xx.inc(tags={"endpoint": endpoint})
-                yield _sse(error.body())
-                yield "data: [DONE]\n\n"
-                return
-            finally:
-                await items.aclose()
-            rest = out.finish()
-            if rest or unsent:
-                yield _sse(chunk(rest, unsent))
-            if chat:
-                self._remember(tenant, out.text, out)
-            end = chunk("", [], out.finish_reason(last))
-            if gen.include_usage:
-                end["usage"] = _usage(gen, out.ids, last)
-                end["prefix_cache"] = _cache_info(last, clock)
-            yield _sse(end)
-            yield "data: [DONE]\n\n"
-
-        return StreamingResponse(sse(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-    # ------------------------------------------------------------------ admin
-    async def directory(self):
-        # Looked up per call (admin endpoints only): a handle kept across a directory that was
-        # killed and recreated would point at the dead actor.
-        return await asyncio.to_thread(ray.get_actor, DIRECTORY_NAME, namespace=self.namespace)
-
-    async def cache_stats(self) -> dict:
-        d = await self.directory()
-        workers = await d.live_workers.remote()
-        per_worker = await asyncio.gather(*[self.workers.stats.remote({"target_worker": w}) for w in workers],
-                                          return_exceptions=True)
-        return {"directory": await d.get_stats.remote(),
-                "workers": {w: (s if not isinstance(s, Exception) else {"error": str(s)})
-                            for w, s in zip(workers, per_worker)}}
-
-    async def flush(self) -> dict:
-        d = await self.directory()
-        workers = await d.live_workers.remote()
-        freed = await asyncio.gather(*[self.workers.flush.remote({"target_worker": w}) for w in workers])
-        return {"flushed_tokens": int(sum(freed)), "workers": workers}
-
-    async def set_policy(self, policy) -> dict:
-        if not isinstance(policy, str):
-            raise APIError(422, "'policy' must be a string", param="policy")
-        d = await self.directory()
-        try:
-            await d.set_policy.remote(policy)
-        except Exception as exc:
-            raise APIError(422, str(_root_cause(exc)), param="policy") from None
-        return {"policy": policy}
-
-    async def prefetch(self, tenant, session_id: str) -> dict:
-        wid = self._sessions.get((tenant, session_id))
-        if wid is None:
-            raise APIError(404, f"unknown session '{session_id}'", param="session_id", code="session_not_found")
-        try:
-            n = await self.workers.prefetch.remote({"target_worker": wid, "tenant": tenant,
-                                                    "session_id": self._session_key(tenant, session_id)})
-        except Exception as exc:
-            if "unknown session" in str(exc):
-                raise APIError(404, f"unknown session '{session_id}'", param="session_id",
-                               code="session_not_found") from None
-            raise
-        return {"session_id": session_id, "worker_id": wid, "prefetching_tokens": n}
+        """The OpenAI response for one request: a JSON body, or a streaming response."""
+        return await respond(self, gen, tenant, endpoint, chat, clock or RequestClock.start())
 
 
 async def _items_of(call) -> AsyncIterator[StreamItem]:
@@ -372,32 +256,13 @@ def _root_cause(exc: BaseException) -> BaseException:
     return _root_cause(cause) if cause is not None and cause is not exc else exc
 
 
-def _usage(gen: GenerationRequest, tokens: list[int], last: StreamItem | None) -> dict:
-    cached = last.cached_tokens if last is not None else 0
-    return {"prompt_tokens": len(gen.prompt), "completion_tokens": len(tokens),
-            "total_tokens": len(gen.prompt) + len(tokens), "prompt_tokens_details": {"cached_tokens": cached}}
-
-
-def _cache_info(last: StreamItem | None, clock: RequestClock | None = None) -> dict:
-    last = last or StreamItem(None, True)
-    migration = last.migration.to_json() if last.migration is not None else None
-    info = {"worker_id": last.worker_id, "reason": last.reason,
-            "cached_tokens_by_tier": dict(zip(TIER_NAMES, last.tier_hits)), "migration": migration}
-    if clock is not None:   # who routed it, and where its time went (serve_app.timing)
-        info["routed_by"] = clock.routed_by
-        info["timing_ms"] = clock.breakdown_ms()
-    return info
-
-
-def _sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj)}\n\n"
-
-
-async def handle_generation(core: IngressCore, request: Request, endpoint: str, chat: bool) -> Response:
+async def handle_generation(core: IngressCore, request, endpoint: str, chat: bool) -> Response:
+    """One POST to /v1/completions or /v1/chat/completions, start to end."""
     clock = RequestClock.start()
     tenant = core.authenticate(request)
     body = await core.body(request, clock=clock)
     if chat:
+        await core.recall_replies(body, tenant)
         gen = parse_chat(body, core.limits, core.model_name, core.tokenizer, core.render_chat(tenant))
     else:
         gen = parse_completion(body, core.limits, core.model_name, core.tokenizer)

@@ -44,9 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--check", action="store_true",
                    help="render in memory; exit 1 with a diff when --out differs")
     p.add_argument("--config", default=None, help=f"Serve config (default {DEFAULT_CONFIG})")
-    p.add_argument("--overrides", "--template", dest="overrides", default=None,
-                   help=f"the GPU cluster's changes to the Serve config (default {DEFAULT_OVERRIDES}; "
-                        f"--template is the old name of this option)")
+    p.add_argument("--overrides", default=None,
+                   help=f"the GPU cluster's changes to the Serve config (default {DEFAULT_OVERRIDES})")
     p.add_argument("--out", default=None, help=f"rendered serveConfigV2, '-' for stdout (default {DEFAULT_OUT})")
 
 

@@ -34,7 +34,11 @@ class Limits:
 
 
 @dataclass
-class GenerationRequest:
+class ApiRequest:
+    """What a client asked for in one completion or chat request, parsed and
+    validated (``parse_completion``/``parse_chat``): the prompt as token ids
+    and every parameter the request may set."""
+
     prompt: list[int]
     max_tokens: int
     temperature: float
@@ -48,10 +52,6 @@ class GenerationRequest:
     session_id: str | None
     model: str
     extra: dict = field(default_factory=dict)
-
-    def params(self) -> dict:
-        return {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
-                "seed": self.seed, "stop_token_ids": tuple(self.stop_token_ids)}
 
 
 def parse_json(raw: bytes, limits: Limits) -> dict:
@@ -110,7 +110,7 @@ def _float(body: dict, name: str, default: float, lo: float, hi: float, lo_open:
     return float(value)
 
 
-def _common(body: dict, prompt: list[int], limits: Limits, served_model: str, tokenizer: Tokenizer) -> GenerationRequest:
+def _common(body: dict, prompt: list[int], limits: Limits, served_model: str, tokenizer: Tokenizer) -> ApiRequest:
     model = body.get("model")
     if model is None:
         raise APIError(422, "'model' is required", param="model")
@@ -145,7 +145,7 @@ def _common(body: dict, prompt: list[int], limits: Limits, served_model: str, to
     session = body.get("session_id")
     if session is not None and (not isinstance(session, str) or not 0 < len(session) <= 128):
         raise APIError(422, "'session_id' must be a string of 1 to 128 characters", param="session_id")
-    return GenerationRequest(
+    return ApiRequest(
         prompt=prompt, max_tokens=max_tokens,
         temperature=_float(body, "temperature", 0.0, 0.0, 2.0),   # default greedy: reproducible
         top_p=_float(body, "top_p", 1.0, 0.0, 1.0, lo_open=True), seed=_int(body, "seed", None, lo=-(1 << 63), hi=(1 << 64) - 1),
@@ -179,7 +179,7 @@ def _check_prompt_length(tokens: int, limits: Limits) -> None:
                        param="prompt", code="context_length_exceeded")
 
 
-def parse_completion(body: dict, limits: Limits, served_model: str, tokenizer: Tokenizer) -> GenerationRequest:
+def parse_completion(body: dict, limits: Limits, served_model: str, tokenizer: Tokenizer) -> ApiRequest:
     if "prompt" not in body:
         raise APIError(422, "'prompt' is required", param="prompt")
     prompt = body["prompt"]
@@ -209,7 +209,7 @@ ROLES = ("system", "user", "assistant")
 
 
 def parse_chat(body: dict, limits: Limits, served_model: str, tokenizer: Tokenizer,
-               render: Callable[[list[dict]], list[int]] | None = None) -> GenerationRequest:
+               render: Callable[[list[dict]], list[int]] | None = None) -> ApiRequest:
     """``render`` turns the validated messages into prompt ids (default: the
     tokenizer's chat template; the ingress passes its ChatPromptBuilder)."""
     messages = body.get("messages")

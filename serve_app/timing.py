@@ -47,7 +47,7 @@ class RequestClock:
     received: float                      # perf_counter at the handler's start
     received_wall: float                 # the same moment, wall clock
     body_read: float | None = None       # perf_counter once the body's bytes are in
-    parsed: float | None = None          # perf_counter once the body is a GenerationRequest
+    parsed: float | None = None          # perf_counter once the body is a ApiRequest
     call_wall: float | None = None       # wall clock when the replica call that answered was issued
     route_s: float = 0.0                 # the router's decision time for that call
     first_wall: float | None = None      # wall clock when its first token arrived

@@ -42,7 +42,7 @@ from cluster.bench.common import emit, rounded
 from cluster.cache.kv_pool import KVLayout
 from cluster.cache.tiered import TierConfig, TieredCache
 from cluster.engine.checkpoint import ModelSpec, load_model
-from cluster.engine.runner import Engine, Request, SamplingParams
+from cluster.engine.runner import Engine, EngineRequest, SamplingParams
 from cluster.errors import InvalidInputError
 
 
@@ -90,8 +90,8 @@ class EngineArm:
                              max_running=max(64, args.concurrency))
         self.device = device
 
-    def run(self, prompts: list[list[int]], max_tokens: int) -> list[Request]:
-        reqs = [self.engine.submit(Request(list(p), SamplingParams(max_tokens=max_tokens))) for p in prompts]
+    def run(self, prompts: list[list[int]], max_tokens: int) -> list[EngineRequest]:
+        reqs = [self.engine.submit(EngineRequest(list(p), SamplingParams(max_tokens=max_tokens))) for p in prompts]
         while not all(r.finished for r in reqs):
             self.engine.step()
         _sync(self.device)
@@ -105,7 +105,7 @@ class EngineArm:
         return req.first_token_at - req.submitted_at, req.cached_tokens
 
     def decode_tokens_per_s(self, prompt: list[int], max_tokens: int) -> float:
-        req = self.engine.submit(Request(list(prompt), SamplingParams(max_tokens=max_tokens)))
+        req = self.engine.submit(EngineRequest(list(prompt), SamplingParams(max_tokens=max_tokens)))
         first = None
         while not req.finished:
             self.engine.step()

@@ -35,7 +35,7 @@ from cluster.bench.common import emit, percentile, plot_cdfs, rounded
 from cluster.cache.kv_pool import KVLayout
 from cluster.cache.tiered import TierConfig, TieredCache, UnknownSessionError
 from cluster.engine.checkpoint import ModelSpec, load_model
-from cluster.engine.runner import Engine, Request, SamplingParams
+from cluster.engine.runner import Engine, EngineRequest, SamplingParams
 
 POLICIES = ("drop", "tiered", "tiered+prefetch")
 
@@ -152,7 +152,7 @@ def run_policy(policy: str, model, work: Workload, args, disk_dir: str, prefill_
                     pass                # first turn: nothing cached yet
                 continue
             prompt = history[s] + work.user[s][turn]
-            req = engine.submit(Request(prompt, SamplingParams(max_tokens=args.decode_tokens), session_id=s))
+            req = engine.submit(EngineRequest(prompt, SamplingParams(max_tokens=args.decode_tokens), session_id=s))
             meta[req.request_id] = (s, turn, now, "turn")
         offload = cache.in_flight() > 0
         decode_only = not engine.waiting
@@ -182,7 +182,7 @@ def run_policy(policy: str, model, work: Workload, args, disk_dir: str, prefill_
                 rest = work.reply_rest[s][turn]
                 history[s] = req.prompt + req.output + rest
                 if rest:  # teacher-force the rest of the reply (see module docstring)
-                    cont = engine.submit(Request(history[s], SamplingParams(max_tokens=1), session_id=s))
+                    cont = engine.submit(EngineRequest(history[s], SamplingParams(max_tokens=1), session_id=s))
                     meta[cont.request_id] = (s, turn, now, "reply")
                 if turn + 1 < args.turns:
                     at = now + work.think[s][turn]

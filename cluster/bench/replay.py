@@ -83,7 +83,7 @@ from cluster.hashing import block_hashes
 from cluster.routing.events import KVEventPublisher
 from cluster.routing.index import GlobalIndex
 from cluster.bench.traces import SHAPES, shape_trace
-from cluster.routing.policy import POLICIES, RATE_FIELDS, CostModel, WorkerState, make_policy
+from cluster.routing.policies import POLICIES, RATE_FIELDS, CostModel, WorkerState, make_policy
 from cluster.trace import MOONCAKE_BLOCK_TOKENS, TraceRecord, load_trace
 
 ORDER = ("round_robin", "least_loaded", "prefix", "approx_tree", "ray_prefix", "cost", "ideal")
@@ -341,10 +341,10 @@ def run_policy(name: str, records: list[TraceRecord], hash_chains: list[list[int
         server = by_id[d.worker_id]
         rep = shared if ideal else server
         cache = rep.cache
-        m = cache.match(ids, lock=True, validate=False)
-        usable = m.length                       # HOT after promotion
+        lease = cache.admit(ids, compute_last=False, validate=False)
+        usable = lease.cached_tokens            # HOT after promotion
         # Tiers before promotion; a promotion that found no room leaves only the HOT part usable.
-        local_tiers = list(m.tier_lengths) if usable == sum(m.tier_lengths) else [usable, 0, 0]
+        local_tiers = list(lease.tier_hits)
         pulled, pulled_cold, stage = 0, 0, 0.0
         if d.migrate_from is not None and not ideal and usable < len(ids):
             holder = by_id[d.migrate_from]
@@ -364,10 +364,11 @@ def run_policy(name: str, records: list[TraceRecord], hash_chains: list[list[int
         n_new = len(ids) - usable
         if n_new:
             try:
-                cache.insert(ids, cache.allocate(n_new), start=usable, validate=False)
+                lease.extend(n_new)
+                lease.commit(ids)
             except PoolExhaustedError:
                 uncacheable += 1   # longer than what the HOT tier can hold: served, not cached
-        cache.unlock(m.last_node)
+        lease.release()
         batch = rep.publisher.drain()
         if batch is not None:
             deliveries.append((now + delay, rep, batch))

@@ -59,10 +59,10 @@ def _fill(cache: TieredCache, nblocks: int, bt: int) -> list:
     g = torch.Generator(device="cpu").manual_seed(0)
     for i in range(nblocks):
         toks = [i % 50_000, i // 50_000] + [7] * (bt - 2)
-        ext = cache.allocate(bt)
-        cache.hot.tensor[ext[0].block_id].copy_(
-            torch.randn(cache.hot.tensor.shape[1:], generator=g).to(cache.hot.tensor.dtype))
-        nodes.append(cache.insert(toks, ext).node)
+        lease = cache.admit(toks, compute_last=False)
+        block = torch.randn(cache.hot.tensor.shape[1:], generator=g).to(cache.hot.tensor.dtype)
+        lease.append(block)   # one whole block: [layers, 2, bt, heads, dim]
+        nodes.append(lease.commit(toks))
     return nodes
 
 

@@ -45,9 +45,7 @@ from cluster.cache.eviction import make_policy
 from cluster.cache.token_key import TOKEN_BYTES, encode_tokens, key_array
 from cluster.errors import InvalidInputError
 from cluster.hashing import chain_hashes_u32, salt_seed
-
-HOT, WARM, COLD = 0, 1, 2
-TIER_NAMES = ("hot", "warm", "cold")
+from cluster.names import COLD, HOT, TIER_NAMES, WARM  # noqa: F401  (re-exported: the tree's tiers)
 
 
 class TreeNode:

@@ -11,10 +11,18 @@ that finds its node locked when it completes is abandoned (the HOT copy is in
 use); a promotion that fails (disk checksum) drops the bad node and its
 subtree, and the caller recomputes.
 
-Callers (the engine, the worker) use the methods below and nothing inside:
-``room_tokens``, ``seal``, the host staging area (``allocate_staging`` and
-friends, for migrations), ``drop_all``, ``add_listener``. Every public entry
-point checks its ``owner`` (``cluster.ownership``) when checks are on.
+What callers use, and nothing inside:
+
+- a request: ``admit`` gives a ``KVLease`` (``cluster.cache.lease``): its
+  prefix locked and in HOT, room for its own KV; the lease appends, commits
+  or releases. ``prefetch`` starts bringing a returning session up early.
+- a migration: ``stage`` (holder: the prefix copied into host blocks of
+  ``staging``), ``install`` (target: KV computed elsewhere, cached here).
+- the worker: ``poll``, ``housekeeping`` (idle gaps), ``drop_all``,
+  ``add_listener``, ``close``; ``lookup``, ``tier_summary``, ``stats`` to look.
+
+Every one checks its ``owner`` (``cluster.ownership``) when checks are on:
+the cache belongs to one thread, the worker's engine thread.
 """
 
 from __future__ import annotations
@@ -29,7 +37,9 @@ from cluster.cache.allocator import AllocatorConfig, Extent
 from cluster.cache.disk import DiskPool
 from cluster.cache.kv_pool import KVLayout, KVPool, copy_pairs
 from cluster.cache.offload import ImmediateEngine, ThreadEngine, make_copy_engine
+from cluster.cache.lease import KVLease
 from cluster.cache.radix_tree import RadixTree, TreeNode
+from cluster.cache.staging import HostStaging
 from cluster.errors import CacheError, ChecksumError, InvalidInputError, PoolExhaustedError
 from cluster.names import COLD, HOT, TIER_NAMES, WARM
 from cluster.ownership import ThreadOwner
@@ -69,6 +79,9 @@ class TieredCache:
             self.disk_io = ThreadEngine("kv-disk", drain_on_poll=deterministic_io,
                                         max_bytes_per_s=pace) if config.cold_blocks else None
         self._moves: dict[tuple[int, int], Move] = {}
+        # Host blocks for migrations (None without a WARM tier, or without KV payload).
+        self.staging = HostStaging(self.pools[WARM], self._check_owner) \
+            if self.num_tiers > WARM and layout is not None else None
         self.owner: ThreadOwner | None = None   # set by the worker when ownership checks are on
         self._pending_out = [0, 0, 0]   # tokens leaving each tier in flight
         self._sessions: OrderedDict[Any, tuple[Hashable, list[int]]] = OrderedDict()
@@ -86,9 +99,77 @@ class TieredCache:
 
     def _check_owner(self, what: str) -> None:
         if self.owner is not None:
-            self.owner.check(f"TieredCache.{what}")
+            self.owner.check(what if "." in what else f"TieredCache.{what}")
 
-    # ------------------------------------------- what the engine and worker use
+    # ------------------------------------------------------------ requests
+    def admit(self, prompt: Sequence[int], namespace: Hashable = None, *, room_for: int = 0,
+              compute_last: bool = True, validate: bool = True) -> KVLease | None:
+        """A lease on ``prompt``'s KV: its longest cached prefix, promoted to
+        HOT (all or nothing) and locked. With ``compute_last`` the last prompt
+        token is left to compute (its logits start the output).
+
+        ``room_for``: HOT tokens the request still needs besides its prefix
+        (its uncached suffix is added here); when HOT cannot make that room by
+        demoting or evicting unlocked prefixes, nothing stays locked and the
+        answer is None: the request waits. 0 admits without the check.
+        """
+        self._check_owner("admit")
+        m = self._match(prompt, namespace, lock=True, validate=validate)
+        usable = min(m.length, len(prompt) - 1) if compute_last else m.length
+        tl = m.tier_lengths
+        hot = min(usable, tl[HOT])
+        warm = min(usable - hot, tl[WARM])
+        hits = (hot, warm, usable - hot - warm)
+        if room_for and (len(prompt) - usable) + room_for > self._room_tokens():
+            self._unlock(m.last_node)
+            return None
+        return KVLease(self, namespace, m.last_node, _take(m.extents, usable), usable, hits,
+                       m.promoted_tokens, m.waited_s)
+
+    def lookup(self, tokens: Sequence[int], namespace: Hashable = None) -> TieredMatch:
+        """What is cached of ``tokens`` and in which tier, moving and locking
+        nothing (inspection, tests)."""
+        self._check_owner("lookup")
+        self.poll()
+        m = self.tree.match_prefix(tokens, namespace)
+        return TieredMatch(m.length, m.last_node, list(m.extents), list(m.tier_lengths))
+
+    # ----------------------------------------------------------- migrations
+    def stage(self, tokens: Sequence[int], namespace: Hashable = None, max_tokens: int | None = None
+              ) -> tuple[int, list[Extent]]:
+        """Copy the cached prefix of ``tokens`` (at most ``max_tokens``) into
+        whole private host blocks, for a peer to read; returns its length and
+        those blocks' extents (0 and [] when nothing is cached, or without a
+        WARM tier). ``staging.free`` gives them back."""
+        self._check_owner("stage")
+        lease = self.admit(tokens, namespace, compute_last=False)
+        try:
+            n = lease.cached_tokens if max_tokens is None else min(lease.cached_tokens, max_tokens)
+            if n == 0 or self.staging is None:
+                return 0, []
+            kv = lease.read()[:, :, :n].to("cpu")
+            ext = self.staging.allocate(n)
+            self.staging.write(ext, kv)
+            return n, ext
+        finally:
+            lease.release()
+
+    def install(self, tokens: Sequence[int], namespace: Hashable, kv: torch.Tensor) -> int:
+        """Cache KV computed elsewhere for ``tokens[:kv.shape[2]]``; returns the
+        tokens that were new here (what was cached already is kept)."""
+        self._check_owner("install")
+        n = kv.shape[2]
+        lease = self.admit(tokens[:n], namespace, compute_last=False)
+        try:
+            new = n - lease.cached_tokens
+            if new > 0:
+                lease.append(kv[:, :, lease.cached_tokens:n].to(self.kv_device))
+                lease.commit(tokens[:n])
+            return max(new, 0)
+        finally:
+            lease.release()
+
+    # -------------------------------------------------------- housekeeping
     @property
     def kv_device(self) -> torch.device:
         return self.hot.tensor.device
@@ -97,20 +178,15 @@ class TieredCache:
     def kv_dtype(self) -> torch.dtype:
         return self.hot.tensor.dtype
 
-    def room_tokens(self) -> int:
-        """HOT tokens new KV can take now: free blocks plus unlocked HOT
-        prefixes that eviction or demotion would make room from."""
-        self._check_owner("room_tokens")
-        hot = self.hot.allocator
-        return hot.free_blocks * hot.block_tokens + self.tree.evictable[HOT]
-
-    def seal(self, extent: Extent) -> None:
-        """Close a sequence's tail block to later slots (it is about to enter the tree)."""
-        self.hot.allocator.seal(extent)
-
     def add_listener(self, listener: Any) -> None:
         """Tree callbacks (``on_stored``/``on_tier``/``on_removed``), e.g. a KV event publisher."""
         self.tree.listeners.append(listener)
+
+    def housekeeping(self) -> None:
+        """Idle-gap work: demote past the watermarks, compact sparse blocks."""
+        self._check_owner("housekeeping")
+        self._enforce_watermarks()
+        self._compact_idle()
 
     @property
     def protected_tokens(self) -> int:
@@ -136,34 +212,6 @@ class TieredCache:
                     break
         return freed
 
-    # Host staging: whole private blocks of the WARM pool, outside the tree, that
-    # a migration fills or reads (a NIXL READ addresses them by block id).
-    @property
-    def host_tensor(self) -> torch.Tensor | None:
-        """The WARM pool's tensor (NIXL registers it); None without a WARM tier."""
-        return self.pools[WARM].tensor if self.num_tiers > WARM else None
-
-    def allocate_staging(self, num_tokens: int) -> list[Extent]:
-        """Whole host blocks for ``num_tokens``; never evicts (a full pool raises)."""
-        self._check_owner("allocate_staging")
-        if self.num_tiers <= WARM:
-            raise CacheError("staging needs a WARM tier (warm_blocks > 0)")
-        return self.pools[WARM].allocator.allocate(num_tokens, private_tail=True)
-
-    def free_staging(self, extents: Sequence[Extent]) -> None:
-        self._check_owner("free_staging")
-        self.pools[WARM].allocator.free(extents)
-
-    def write_staging(self, extents: Sequence[Extent], kv: torch.Tensor) -> None:
-        self.pools[WARM].write(extents, kv)
-
-    def read_staging(self, extents: Sequence[Extent]) -> torch.Tensor:
-        return self.pools[WARM].read(extents)
-
-    def staging_block(self, block_id: int) -> torch.Tensor:
-        """One staged host block (a view), e.g. to checksum it."""
-        return self.pools[WARM].tensor[block_id]
-
     # ------------------------------------------------------ calibration hooks
     def demote_path(self, tokens: Sequence[int], namespace: Hashable = None, tier: int = WARM) -> int:
         """Move the cached path of ``tokens`` down to ``tier`` now (leaf first,
@@ -185,15 +233,20 @@ class TieredCache:
         if self.num_tiers > COLD and isinstance(self.pools[COLD], DiskPool):
             self.pools[COLD].drop_page_cache()
 
-    # ------------------------------------------------------------ public API
-    def match(self, tokens: Sequence[int], namespace: Hashable = None, *, promote: bool = True,
-              lock: bool = False, validate: bool = True) -> TieredMatch:
+    # ----------------------------------------------------------- internals
+    def _room_tokens(self) -> int:
+        """HOT tokens new KV can take now: free blocks plus unlocked HOT
+        prefixes that eviction or demotion would make room from."""
+        hot = self.hot.allocator
+        return hot.free_blocks * hot.block_tokens + self.tree.evictable[HOT]
+
+    def _match(self, tokens: Sequence[int], namespace: Hashable = None, *, promote: bool = True,
+               lock: bool = False, validate: bool = True) -> TieredMatch:
         """Longest cached prefix, promoted to HOT (all or nothing) when ``promote``.
 
         With ``lock`` the returned node is locked before anything else can run,
-        so its extents stay valid until ``unlock``.
+        so its extents stay valid until ``_unlock``.
         """
-        self._check_owner("match")
         self.poll()
         t0 = time.perf_counter()
         m = self.tree.match_prefix(tokens, namespace, validate=validate)
@@ -216,59 +269,43 @@ class TieredCache:
             self.tree.lock(last)
         return TieredMatch(length, last, extents, tier_lengths, promoted, time.perf_counter() - t0)
 
-    def allocate(self, num_tokens: int) -> list[Extent]:
+    def _allocate_hot(self, num_tokens: int) -> list[Extent]:
         """HOT extents for new KV; demotes (or drops) to make room, all or nothing."""
-        self._check_owner("allocate")
         return self._allocate(HOT, num_tokens, private_tail=False)
 
-    def append(self, extents: list[Extent], num_tokens: int) -> tuple[list[Extent], list[Extent]]:
+    def _append_hot(self, extents: list[Extent], num_tokens: int) -> tuple[list[Extent], list[Extent]]:
         """Grow a request's private HOT sequence (copy-on-write of a shared tail)."""
         while True:
             try:
                 out = self.hot.append(extents, num_tokens)
-                self.enforce_watermarks()
+                self._enforce_watermarks()
                 return out
             except PoolExhaustedError as exc:
                 if not self._make_room(HOT, max(1, exc.needed_blocks - exc.free_blocks)):
                     raise
 
-    def insert(self, tokens: Sequence[int], extents: Sequence[Extent], namespace: Hashable = None, *,
-               start: int = 0, validate: bool = True):
-        self._check_owner("insert")
+    def _insert(self, tokens: Sequence[int], extents: Sequence[Extent], namespace: Hashable = None, *,
+                start: int = 0, validate: bool = True):
         res = self.tree.insert(tokens, extents, namespace, start=start, validate=validate)
-        self.enforce_watermarks()
+        self._enforce_watermarks()
         return res
 
-    def lock(self, node: TreeNode) -> None:
-        self.tree.lock(node)
-
-    def unlock(self, node: TreeNode) -> None:
+    def _unlock(self, node: TreeNode) -> None:
         self.tree.unlock(node)
 
-    def free(self, extents: Sequence[Extent]) -> None:
-        self.hot.allocator.free(extents)
-
-    def read(self, extents: Sequence[Extent]) -> torch.Tensor:
-        return self.hot.read(extents)
-
-    def read_into(self, extents: Sequence[Extent], out: torch.Tensor) -> None:
-        self.hot.read_into(extents, out)
-
-    def write(self, extents: Sequence[Extent], kv: torch.Tensor) -> None:
-        self.hot.write(extents, kv)
-
-    # --------------------------------------------------------------- sessions
-    def note_session(self, session_id: Any, tokens: Sequence[int], namespace: Hashable = None) -> None:
+    def _note_session(self, session_id: Any, tokens: Sequence[int], namespace: Hashable = None) -> None:
         """Remember a session's latest sequence, for predictive swap-in."""
         self._sessions[session_id] = (namespace, list(tokens))
         self._sessions.move_to_end(session_id)
         while len(self._sessions) > self.config.max_sessions:
             self._sessions.popitem(last=False)
 
+    # --------------------------------------------------------------- sessions
     def prefetch(self, session_id: Any = None, tokens: Sequence[int] | None = None,
                  namespace: Hashable = None) -> int:
         """Start promoting a session's WARM/COLD path; returns the tokens being
         brought up (0 when already HOT). Returns at once."""
+        self._check_owner("prefetch")
         if tokens is None:
             if session_id not in self._sessions:
                 self.stats["prefetch_unknown_session"] += 1
@@ -288,7 +325,7 @@ class TieredCache:
         alloc = self.pools[tier].allocator
         return (alloc.used_tokens - self._pending_out[tier]) / alloc.capacity_tokens
 
-    def enforce_watermarks(self) -> None:
+    def _enforce_watermarks(self) -> None:
         """Demote LRU frontier nodes of each tier above the high watermark until
         its usage falls below the low watermark (asynchronously)."""
         self.poll()
@@ -311,7 +348,7 @@ class TieredCache:
                     if not node.busy:  # no room below for it: offer it again later
                         self.tree.requeue(node)
 
-    def compact_idle(self, max_blocks_moved: int = 4) -> int:
+    def _compact_idle(self, max_blocks_moved: int = 4) -> int:
         """Online compaction for idle gaps: evacuate a few sparse HOT and WARM
         blocks of idle, unlocked nodes into fewer blocks. Returns blocks freed."""
         movable = lambda n: isinstance(n, TreeNode) and not n.lock_ref and not n.busy  # noqa: E731
@@ -366,7 +403,7 @@ class TieredCache:
             try:
                 ext = alloc.allocate(num_tokens, private_tail=private_tail)
                 if tier == HOT:
-                    self.enforce_watermarks()
+                    self._enforce_watermarks()
                 return ext
             except PoolExhaustedError as exc:
                 if not self._make_room(tier, max(1, exc.needed_blocks - exc.free_blocks)):
@@ -569,3 +606,15 @@ class TieredCache:
             assert self._pending_out[tier] == sum(
                 len(n.key) for m in self._moves.values() if m.kind is MoveKind.DEMOTE and m.src_tiers[0] == tier
                 for n in m.nodes), "in-flight token count drifted"
+
+
+def _take(extents: list[Extent], ntokens: int) -> list[Extent]:
+    """The leading extents covering ``ntokens`` (the last one cut, as a view only)."""
+    out, covered = [], 0
+    for e in extents:
+        if covered >= ntokens:
+            break
+        k = min(e.length, ntokens - covered)
+        out.append(e if k == e.length else Extent(e.block_id, e.offset, k))
+        covered += k
+    return out

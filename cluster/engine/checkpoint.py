@@ -237,8 +237,8 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
         import transformers
         from safetensors.torch import save_file
     except ImportError as error:
-        raise CheckpointError(f"converting {gguf.name} needs transformers, gguf and safetensors: "
-                              f"pip install 'prefix-cache-cluster[hf]' gguf") from error
+        raise CheckpointError(f"converting {gguf.name} needs transformers, gguf and safetensors "
+                              f"(dependencies of this project): reinstall it with pip install -e .") from error
     kwargs = {"gguf_file": gguf.name, "local_files_only": True}
     model = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), dtype=torch.float32, **kwargs)
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), **kwargs)

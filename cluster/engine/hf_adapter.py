@@ -41,9 +41,9 @@ _DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 def _import_transformers() -> Any:
     try:
         import transformers
-    except ImportError as error:  # pragma: no cover - exercised only without the extra
+    except ImportError as error:  # pragma: no cover - transformers is a dependency; a broken install
         raise ImportError(
-            "the Hugging Face adapter needs the optional extra: pip install 'prefix-cache-cluster[hf]'"
+            "the Hugging Face adapter needs transformers: pip install 'transformers>=4.44'"
         ) from error
     return transformers
 

@@ -17,7 +17,6 @@ import inspect
 import itertools
 import struct
 import logging
-import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -26,54 +25,25 @@ from typing import Any, Hashable, Sequence
 import torch
 import xxhash
 
-from cluster.cache.allocator import Extent
+from cluster.cache.lease import KVLease
 from cluster.cache.tiered import TieredCache
 from cluster.engine.model import sample
 from cluster.engine.scratch import ScratchKV
 from cluster.errors import CacheError, InvalidInputError, PoolExhaustedError
 from cluster.ownership import ThreadOwner
-from cluster.protocol import FinishReason
+from cluster.protocol import FinishReason, SamplingParams
+
+__all__ = ["Engine", "EngineRequest", "SamplingParams", "TokenEvent", "position_seed"]
 from cluster.tokens import as_token_list
 
 log = logging.getLogger(__name__)
 
 
-# Below this temperature sampling is greedy (as in vLLM): dividing logits by a
-# tiny temperature overflows to inf and softmax turns that into NaN.
-GREEDY_TEMPERATURE = 1e-5
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_tokens: int = 16
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise InvalidInputError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
-                or not math.isfinite(self.temperature) or not 0.0 <= self.temperature <= 2.0:
-            raise InvalidInputError(f"temperature must be a number in [0, 2], got {self.temperature!r}")
-        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) \
-                or not math.isfinite(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            raise InvalidInputError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
-                                      or not -(1 << 63) <= self.seed < (1 << 64)):
-            raise InvalidInputError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
-        ids = self.stop_token_ids
-        if not isinstance(ids, tuple) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise InvalidInputError(f"stop_token_ids must be a tuple of ints, got {ids!r:.80}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < GREEDY_TEMPERATURE
-
-
 @dataclass
-class Request:
+class EngineRequest:
+    """One request inside the engine: its tokens, its lease on the KV cache,
+    its working KV buffer and its timestamps."""
+
     prompt: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
     namespace: Hashable = None
@@ -96,9 +66,7 @@ class Request:
     first_token_at: float | None = None
     logits: list[torch.Tensor] = field(default_factory=list)   # kept when keep_logits
     # Private state.
-    _node: Any = None               # locked prefix node
-    _prefix_ext: list[Extent] = field(default_factory=list)
-    _seq_ext: list[Extent] = field(default_factory=list)   # this request's own KV (after the prefix)
+    _lease: KVLease | None = None    # its hold on the cache: prefix locked, its own KV
     _kv: torch.Tensor | None = None  # working copy [L, 2, capacity, H, D]
     _len: int = 0                    # tokens whose KV is computed
     _generator: torch.Generator | None = None   # reseeded per position (see position_seed)
@@ -110,7 +78,7 @@ class Request:
 
 @dataclass(slots=True)
 class TokenEvent:
-    request: Request
+    request: EngineRequest
     token: int | None      # None: the request ended without a new token (error, cancel)
     finished: bool
 
@@ -140,10 +108,10 @@ class Engine:
         self.keep_logits = keep_logits
         self.cache_final_token = cache_final_token
         self.clock = clock
-        self.waiting: deque[Request] = deque()
+        self.waiting: deque[EngineRequest] = deque()
         self._ended: list[TokenEvent] = []   # requests that ended outside a sampled token
-        self._finishing: list[tuple[Request, FinishReason]] = []   # ended by a token, not yet cached (defer_finish)
-        self.running: list[Request] = []
+        self._finishing: list[tuple[EngineRequest, FinishReason]] = []   # ended by a token, not yet cached (defer_finish)
+        self.running: list[EngineRequest] = []
         self._ids = itertools.count(1)
         self.owner: ThreadOwner | None = None   # the worker's engine thread, when ownership checks are on
         self._last_logits_only = "last_logits_only" in inspect.signature(model.forward_batch).parameters
@@ -155,7 +123,7 @@ class Engine:
                       "finish_failures": 0}
 
     # ------------------------------------------------------------------ API
-    def submit(self, request: Request) -> Request:
+    def submit(self, request: EngineRequest) -> EngineRequest:
         if self.owner is not None:
             self.owner.check("Engine.submit")
         request.prompt = as_token_list(request.prompt, self.model.config.vocab_size)
@@ -171,7 +139,7 @@ class Engine:
         self.waiting.append(request)
         return request
 
-    def cancel(self, request: Request, reason: FinishReason = FinishReason.CANCELLED) -> None:
+    def cancel(self, request: EngineRequest, reason: FinishReason = FinishReason.CANCELLED) -> None:
         if self.owner is not None:
             self.owner.check("Engine.cancel")
         reason = FinishReason(reason)
@@ -187,9 +155,9 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._ended or self._finishing)
 
-    def generate(self, prompt: Sequence[int], params: SamplingParams | None = None, **kw) -> Request:
+    def generate(self, prompt: Sequence[int], params: SamplingParams | None = None, **kw) -> EngineRequest:
         """Run one request to completion (convenience for tests and tools)."""
-        req = self.submit(Request(list(prompt), params or SamplingParams(), **kw))
+        req = self.submit(EngineRequest(list(prompt), params or SamplingParams(), **kw))
         while not req.finished:
             self.step()
         self.complete_finished()
@@ -211,7 +179,7 @@ class Engine:
             self.owner.check("Engine.step")
         self.complete_finished()
         self.cache.poll()
-        batch: list[tuple[Request, torch.Tensor, int]] = []   # (request, new tokens, start position)
+        batch: list[tuple[EngineRequest, torch.Tensor, int]] = []   # (request, new tokens, start position)
         budget = self.max_batch_tokens
         for req in self.running:
             batch.append((req, torch.tensor(req.tokens[-1:]), req._len))
@@ -219,12 +187,14 @@ class Engine:
         while self.waiting and len(self.running) < self.max_running:
             req = self.waiting[0]
             req.scheduled_at = self.clock()
-            suffix = self._admit(req)
+            suffix = self._admit(req, check_room=bool(batch))
             if suffix is None:
-                self.waiting.popleft()
-                continue
-            if batch and (suffix > budget or not self._fits(req, suffix)):
-                self._release_prefix(req)   # try again next step, with a fresh match
+                if req.finished:   # the cache refused its prompt
+                    self.waiting.popleft()
+                    continue
+                break              # no room yet: it waits for running requests to finish
+            if batch and suffix > budget:
+                self._release_lease(req)   # try again next step, with a fresh match
                 break
             self.waiting.popleft()
             self.running.append(req)
@@ -285,7 +255,7 @@ class Engine:
                 self.stats["finish_failures"] += 1
                 log.warning("could not cache request %s after it finished: %s", req.request_id, exc)
 
-    def _advance(self, req: Request, toks: torch.Tensor, start: int, logits: torch.Tensor,
+    def _advance(self, req: EngineRequest, toks: torch.Tensor, start: int, logits: torch.Tensor,
                  new_kv: torch.Tensor) -> int:
         """Store one request's new KV and sample its next token."""
         self._store_kv(req, start, new_kv)
@@ -312,61 +282,49 @@ class Engine:
         for req in list(self.running):
             self._finish(req, FinishReason.ERROR, keep=False, error=error)
 
-    def _fits(self, req: Request, suffix: int) -> bool:
-        """Admission control: the HOT pool must be able to take this request's new
-        KV (its prompt suffix and every token it may decode) once unlocked
-        prefixes are evicted or demoted; otherwise it waits for running requests
-        to finish rather than failing midway."""
-        room = self.cache.room_tokens()
-        reserved = sum(r.params.max_tokens - len(r.output) for r in self.running)
-        return suffix + req.params.max_tokens + reserved <= room
-
     def drain_ended(self) -> list[TokenEvent]:
         out, self._ended = self._ended, []
         return out
 
     # -------------------------------------------------------------- internals
-    def _admit(self, req: Request) -> int | None:
-        """Match and lock the prompt's prefix; returns the suffix length to compute."""
-        cache = self.cache
+    def _admit(self, req: EngineRequest, *, check_room: bool) -> int | None:
+        """Lease the prompt's cached prefix and read it into the working buffer;
+        returns the suffix length to compute, or None when it cannot run now
+        (no room: it waits; or the cache refused the prompt: it ended).
+
+        Admission control (``check_room``): the HOT pool must be able to take
+        this request's new KV (its prompt suffix and every token it may
+        decode, plus what the running requests may still decode) once
+        unlocked prefixes are evicted or demoted; otherwise it waits for
+        running requests to finish rather than failing midway."""
+        reserved = sum(r.params.max_tokens - len(r.output) for r in self.running)
         try:
-            m = cache.match(req.prompt, req.namespace, lock=True, validate=False)
+            lease = self.cache.admit(req.prompt, req.namespace, validate=False,
+                                     room_for=req.params.max_tokens + reserved if check_room else 0)
         except CacheError as exc:
             req.finished, req.finish_reason, req.error = True, FinishReason.ERROR, str(exc)
             self._ended.append(TokenEvent(req, None, True))
             return None
-        req._node = m.last_node
-        # At least the last prompt token is computed: its logits start the output.
-        usable = min(m.length, len(req.prompt) - 1)
-        req._prefix_ext = _take(m.extents, usable)
-        req.cached_tokens = usable
-        req.tier_hits = [min(usable, m.tier_lengths[0]), 0, 0]
-        rest = usable - req.tier_hits[0]
-        for t in (1, 2):
-            req.tier_hits[t] = min(rest, m.tier_lengths[t])
-            rest -= req.tier_hits[t]
+        if lease is None:
+            return None
+        req._lease = lease
+        req.cached_tokens = lease.cached_tokens
+        req.tier_hits = list(lease.tier_hits)
         cap = len(req.prompt) + req.params.max_tokens + 1
         self._give_scratch(req)   # admitted before, but it did not fit that step
         req._kv = self.scratch.take(cap)
-        if usable:
-            cache.read_into(req._prefix_ext, req._kv[:, :, :usable])
-        req._len = usable
-        return len(req.prompt) - usable
+        lease.read_prefix_into(req._kv[:, :, :lease.cached_tokens])
+        req._len = lease.cached_tokens
+        return len(req.prompt) - lease.cached_tokens
 
-    def _store_kv(self, req: Request, start: int, new_kv: torch.Tensor) -> None:
+    def _store_kv(self, req: EngineRequest, start: int, new_kv: torch.Tensor) -> None:
         n = new_kv.shape[2]
         req._kv[:, :, start:start + n] = new_kv
-        if not req._seq_ext:
-            ext = self.cache.allocate(n)             # a prompt's tail may share a block as a slot
-        else:
-            req._seq_ext, ext = self.cache.append(req._seq_ext, n)   # copy-on-write if shared
-        if not req._seq_ext:
-            req._seq_ext = ext
-        self.cache.write(ext, new_kv)
+        req._lease.append(new_kv)   # copy-on-write inside when its tail block is shared
         req._len = start + n
 
-    def _finish(self, req: Request, reason: FinishReason, *, keep: bool, error: str | None = None) -> None:
-        """End a request: cache its KV (when ``keep``), free what is private, unlock."""
+    def _finish(self, req: EngineRequest, reason: FinishReason, *, keep: bool, error: str | None = None) -> None:
+        """End a request: cache its KV (when ``keep``) or free it, and end its lease."""
         req.finished, req.finish_reason, req.error = True, reason, error
         cancelled = reason in (FinishReason.CANCELLED, FinishReason.CLIENT_DISCONNECTED)
         if error is not None or cancelled:
@@ -382,30 +340,22 @@ class Engine:
                 start = req._len
                 _, kv = self.model.forward_one(torch.tensor(req.tokens[start:]), start, req._kv[:, :, :start])
                 self._store_kv(req, start, kv)
-            if keep and req._seq_ext:
-                tokens = req.tokens[:req._len]
-                self.cache.seal(req._seq_ext[-1])
-                self.cache.insert(tokens, req._seq_ext, req.namespace, start=req.cached_tokens, validate=False)
-                if req.session_id is not None:
-                    self.cache.note_session(req.session_id, tokens, req.namespace)
-            elif req._seq_ext:
-                self.cache.free(req._seq_ext)
+            if keep and req._lease is not None and req._lease.length > req._lease.cached_tokens:
+                req._lease.commit(req.tokens[:req._len], req.session_id)
         finally:
-            req._seq_ext = []
-            self._release_prefix(req)
+            self._release_lease(req)
             self._give_scratch(req)
             self.stats["requests_finished" if error is None else "requests_failed"] += 1
 
-    def _give_scratch(self, req: Request) -> None:
+    def _give_scratch(self, req: EngineRequest) -> None:
         if req._kv is not None:
             self.scratch.give(req._kv)
             req._kv = None
 
-    def _release_prefix(self, req: Request) -> None:
-        if req._node is not None:
-            self.cache.unlock(req._node)
-            req._node = None
-        req._prefix_ext = []
+    def _release_lease(self, req: EngineRequest) -> None:
+        if req._lease is not None:
+            req._lease.release()   # nothing left to free after a commit: it only ends the lease
+            req._lease = None
 
 
 def position_seed(seed: int, position: int) -> int:
@@ -416,15 +366,3 @@ def position_seed(seed: int, position: int) -> int:
     appended to its prompt samples exactly the tokens the first run would have.
     """
     return xxhash.xxh3_64_intdigest(struct.pack("<QQ", seed % (1 << 64), position))
-
-
-def _take(extents: list[Extent], ntokens: int) -> list[Extent]:
-    """The leading extents covering ``ntokens`` (the last one cut, as a view only)."""
-    out, covered = [], 0
-    for e in extents:
-        if covered >= ntokens:
-            break
-        k = min(e.length, ntokens - covered)
-        out.append(e if k == e.length else Extent(e.block_id, e.offset, k))
-        covered += k
-    return out

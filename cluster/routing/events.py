@@ -33,6 +33,7 @@ import msgpack
 
 from cluster.cache.radix_tree import COLD, HOT, RadixTree, TreeNode
 from cluster.errors import InvalidInputError
+from cluster.protocol import Snapshot
 
 KINDS = ("stored", "tier", "removed")
 WIRE_VERSION = 1
@@ -183,7 +184,7 @@ class KVEventPublisher:
         self.stats["batches"] += 1
         return EventBatch(self.worker_id, self._seq, events)
 
-    def snapshot(self) -> tuple[int, dict[int, int]]:
+    def snapshot(self) -> Snapshot:
         """``(seq, {hash: tier})``: the tree's full content as of batch ``seq``.
 
         Events still pending get later sequence numbers; applying them on top
@@ -194,4 +195,4 @@ class KVEventPublisher:
             tier = node.tier
             for h in node.hashes:
                 entries[h] = tier
-        return self._seq, entries
+        return Snapshot(self._seq, entries)

@@ -37,7 +37,8 @@ from cluster.errors import InvalidInputError
 from cluster.protocol import TableChange, TableState, TableUpdate
 from cluster.routing.events import EventBatch
 from cluster.routing.index import GlobalIndex
-from cluster.routing.policy import CostModel, Decision, NoLiveWorkerError, WorkerState, make_policy
+from cluster.protocol import RouteDecision
+from cluster.routing.policies import CostModel, NoLiveWorkerError, WorkerState, make_policy
 
 OPS = ("register", "drop", "batch", "snapshot", "load", "cost", "policy")
 
@@ -111,7 +112,7 @@ class RoutingTable:
 
     # -------------------------------------------------------------- routing
     def route(self, hashes: Sequence[int], num_tokens: int, exclude: Sequence[str] | None = None,
-              reserve: bool = True) -> Decision:
+              reserve: bool = True) -> RouteDecision:
         """The policy's choice for a request with these block hashes. ``reserve``
         counts its prefill in the chosen worker's queue until that worker's next
         load report (a burst spreads out); a what-if query passes False."""

@@ -10,6 +10,7 @@ import torch
 from actors.pytest_plugin import TEST_MODEL
 from cluster.engine.model import DecoderModel, ModelConfig
 from cluster.hashing import block_hashes
+from cluster.protocol import GenerateRequest, RouteDecision, SamplingParams
 
 pytestmark = pytest.mark.distributed
 
@@ -36,7 +37,7 @@ def prompt_of(seed, n):
 
 def complete(cc, prompt, max_tokens=4, **kw):
     client = cc.client()
-    return asyncio.run(client.complete(prompt, {"max_tokens": max_tokens}, **kw))
+    return asyncio.run(client.complete(prompt, SamplingParams(max_tokens=max_tokens), **kw))
 
 
 def wait_for_route(cc, prompt, predicate, timeout_s=20.0):
@@ -58,15 +59,15 @@ def test_follow_up_lands_on_the_worker_holding_its_prefix(cache_cluster, referen
     cc = cache_cluster
     prompt = prompt_of(1, 300)
     first = complete(cc, prompt)
-    holder = first["worker_id"]
-    assert first["tokens"] == reference(prompt, 4)
+    holder = first.worker_id
+    assert first.tokens == reference(prompt, 4)
     # The holder's KV events reach the directory, which now sends the prefix there.
-    wait_for_route(cc, prompt, lambda d: d["worker_id"] == holder and d["cached_tokens"] >= 288)
-    follow_prompt = prompt + first["tokens"] + prompt_of(2, 40)
+    wait_for_route(cc, prompt, lambda d: d.worker_id == holder and d.cached_tokens >= 288)
+    follow_prompt = prompt + first.tokens + prompt_of(2, 40)
     follow = complete(cc, follow_prompt)
-    assert (follow["worker_id"], follow["reason"]) == (holder, "local"), ray.get(cc.directory.get_stats.remote())
-    assert follow["cached_tokens"] == len(prompt) + 3   # the reply but its last token (never computed)
-    assert follow["tokens"] == reference(follow_prompt, 4)
+    assert (follow.worker_id, follow.reason) == (holder, "local"), ray.get(cc.directory.get_stats.remote())
+    assert follow.cached_tokens == len(prompt) + 3   # the reply but its last token (never computed)
+    assert follow.tokens == reference(follow_prompt, 4)
 
 
 def test_migration_output_equals_full_prefill(cache_cluster, reference):
@@ -78,8 +79,9 @@ def test_migration_output_equals_full_prefill(cache_cluster, reference):
     items = []
 
     async def run():
-        stream = cc.workers[target].generate.options(num_returns="streaming").remote(
-            follow_prompt, {"max_tokens": 5}, None, None, holder)
+        request = GenerateRequest(follow_prompt, SamplingParams(max_tokens=5),
+                                  route=RouteDecision(target, "migrate", migrate_from=holder))
+        stream = cc.workers[target].generate.options(num_returns="streaming").remote(request)
         async for ref in stream:
             items.append(await ref)
 
@@ -96,20 +98,20 @@ def test_saturated_holder_leads_to_a_migration_decision(cache_cluster):
     holder = cc.worker_ids[0]
     prompt = prompt_of(5, 640)
     complete(cc, prompt, worker_id=holder)
-    wait_for_route(cc, prompt, lambda d: d["worker_id"] == holder)
+    wait_for_route(cc, prompt, lambda d: d.worker_id == holder)
     # Saturate the holder with a long queue of long requests it has never seen.
 
     async def hog():
         client = cc.client()
-        await asyncio.gather(*[client.complete(prompt_of(100 + i, 1500), {"max_tokens": 64}, worker_id=holder)
+        await asyncio.gather(*[client.complete(prompt_of(100 + i, 1500), SamplingParams(max_tokens=64), worker_id=holder)
                                for i in range(6)])
 
     import threading
     t = threading.Thread(target=lambda: asyncio.run(hog()))
     t.start()
     try:
-        d = wait_for_route(cc, prompt, lambda d: d["migrate_from"] == holder, timeout_s=30)
-        assert d["worker_id"] != holder and d["reason"] == "migrate"
+        d = wait_for_route(cc, prompt, lambda d: d.migrate_from == holder, timeout_s=30)
+        assert d.worker_id != holder and d.reason == "migrate"
     finally:
         t.join()
 
@@ -121,10 +123,10 @@ def test_nixl_moves_real_bytes_between_nodes(cache_cluster, reference):
     assert nodes[0] != nodes[1]
     prompt = prompt_of(6, 256)
     complete(cc, prompt, max_tokens=1, worker_id=holder)
-    got = ray.get(cc.workers[target].nixl_read.remote(holder, prompt))
-    assert got["tokens"] == 256
+    staged, got = ray.get(cc.workers[target].nixl_read.remote(holder, prompt))
+    assert staged.tokens == 256
     _, kv = reference.model.forward_one(torch.tensor(prompt), 0, None)
-    assert torch.allclose(got["kv"][:, :, :256], kv, atol=1e-5)
+    assert torch.allclose(got[:, :, :256], kv, atol=1e-5)
     stats = ray.get(cc.workers[target].stats.remote())
     assert stats["worker"]["migration_bytes"] > 0
 
@@ -139,8 +141,9 @@ def test_forced_nixl_failure_falls_back_to_the_object_store(cache_cluster, refer
         items = []
 
         async def run():
-            stream = cc.workers[target].generate.options(num_returns="streaming").remote(
-                prompt + [1, 2, 3], {"max_tokens": 3}, None, None, holder)
+            request = GenerateRequest(prompt + [1, 2, 3], SamplingParams(max_tokens=3),
+                                      route=RouteDecision(target, "migrate", migrate_from=holder))
+            stream = cc.workers[target].generate.options(num_returns="streaming").remote(request)
             async for ref in stream:
                 items.append(await ref)
 
@@ -150,7 +153,7 @@ def test_forced_nixl_failure_falls_back_to_the_object_store(cache_cluster, refer
     assert items[0].migration.transport == "object_store"
     assert [i.token for i in items] == reference(prompt + [1, 2, 3], 3)
     stats = ray.get(cc.workers[target].stats.remote())
-    assert stats["worker"]["object_store_fallbacks"] >= 1 and stats["worker"]["nixl_failures"] >= 1
+    assert stats["worker"]["fallback_pulls"] >= 1 and stats["worker"]["nixl_failures"] >= 1
 
 
 def test_killing_a_worker_mid_request_loses_no_request(cache_cluster, reference):
@@ -161,15 +164,16 @@ def test_killing_a_worker_mid_request_loses_no_request(cache_cluster, reference)
 
     async def run():
         client = cc.client()
-        async for item in client.generate(prompt, {"max_tokens": 40}, worker_id=victim):
-            received.append(item)
+        async for item, attempt in client.generate(prompt, SamplingParams(max_tokens=40), worker_id=victim):
+            received.append((item, attempt))
             if len(received) == 5:
                 ray.kill(cc.workers[victim], no_restart=True)
 
     asyncio.run(run())
-    tokens = [i.token for i in received if i.token is not None]
+    tokens = [i.token for i, _ in received if i.token is not None]
     assert tokens == reference(prompt, 40)
-    assert received[-1].worker_id != victim and received[-1].attempt >= 1
+    last, attempt = received[-1]
+    assert last.worker_id != victim and attempt >= 1
     deadline = time.monotonic() + 20
     while victim in ray.get(cc.directory.live_workers.remote()):
         assert time.monotonic() < deadline, "directory never dropped the dead worker"
@@ -184,8 +188,8 @@ def test_directory_restart_rebuilds_the_index(cache_cluster):
     holder = cc.worker_ids[2]
     prompt = prompt_of(9, 320)
     served = complete(cc, prompt, worker_id=holder)
-    assert served["worker_id"] == holder, served
-    wait_for_route(cc, prompt, lambda d: d["worker_id"] == holder and d["cached_tokens"] >= 320)
+    assert served.worker_id == holder, served
+    wait_for_route(cc, prompt, lambda d: d.worker_id == holder and d.cached_tokens >= 320)
     started = ray.get(cc.directory.get_stats.remote())["started_at"]
     ray.kill(cc.directory, no_restart=False)   # Ray restarts it, empty
     deadline = time.monotonic() + 60
@@ -201,9 +205,9 @@ def test_directory_restart_rebuilds_the_index(cache_cluster):
         time.sleep(0.2)
     # The rebuilt index knows the holder: the decision serves from it, or (when the
     # load reports make the holder look busy) pulls the prefix from it.
-    d = wait_for_route(cc, prompt, lambda d: holder in (d["worker_id"], d.get("migrate_from"))
-                       and d["cached_tokens"] >= 320)
-    assert holder in (d["worker_id"], d.get("migrate_from"))
+    d = wait_for_route(cc, prompt, lambda d: holder in (d.worker_id, d.migrate_from)
+                       and d.cached_tokens >= 320)
+    assert holder in (d.worker_id, d.migrate_from)
 
 
 def test_malformed_and_unknown_batches_are_counted(cache_cluster):
@@ -218,5 +222,5 @@ def test_engine_state_stayed_on_the_engine_threads(cache_cluster):
     it before Ray starts) and nothing touched engine state from another thread."""
     cc = cache_cluster
     for wid, handle in cc.workers.items():
-        assert ray.get(handle.info.remote())["ownership_checks"], wid
+        assert ray.get(handle.info.remote()).ownership_checks, wid
         assert ray.get(handle.stats.remote())["worker"]["ownership_violations"] == 0, wid

@@ -10,6 +10,7 @@ import ray
 
 from actors.engine_loop import EngineWedgedError
 from actors.pytest_plugin import node_resource
+from cluster.protocol import SamplingParams
 
 pytestmark = pytest.mark.distributed
 
@@ -29,8 +30,8 @@ def test_a_wedged_worker_fails_over_and_is_dropped(cache_cluster):
         ray.get(wedged.health.remote())   # healthy before the wedge
         ray.get(wedged.inject_fault.remote("wedge"))
         prompt = list(range(1, 41))
-        result = asyncio.run(cc.client().complete(prompt, {"max_tokens": 4}, worker_id="wd"))
-        assert result["attempt"] == 1 and result["worker_id"] != "wd" and len(result["tokens"]) == 4
+        result = asyncio.run(cc.client().complete(prompt, SamplingParams(max_tokens=4), worker_id="wd"))
+        assert result.attempt == 1 and result.worker_id != "wd" and len(result.tokens) == 4
         with pytest.raises(EngineWedgedError, match="watchdog bound 0.5 s"):
             ray.get(wedged.health.remote())
         assert "wd" not in ray.get(cc.directory.live_workers.remote())

@@ -203,8 +203,8 @@ def test_render_writes_the_committed_bytes(tmp_path):
     out = tmp_path / "serve-config.yaml"
     assert render_cli("--out", str(out)) == 0
     assert out.read_text() == SERVE_CONFIG.read_text()
-    assert render_cli("--template", str(v.K8S / "render/serve-overrides.yaml"), "--out", str(out)) == 0
-    assert out.read_text() == SERVE_CONFIG.read_text()   # --template: the old name of --overrides
+    assert render_cli("--overrides", str(v.K8S / "render/serve-overrides.yaml"), "--out", str(out)) == 0
+    assert out.read_text() == SERVE_CONFIG.read_text()
 
 
 def test_serve_config_is_config_yaml_plus_documented_overrides():

@@ -1,7 +1,9 @@
 """The ingress resumes a request whose replica died, without Serve: a fake
-deployment handle whose replicas fail on cue."""
+deployment handle whose replicas fail on cue, and a fake router deciding for
+the ingress."""
 
 import asyncio
+import dataclasses
 import json
 
 import pytest
@@ -12,7 +14,18 @@ from actors.pytest_plugin import TEST_MODEL
 from cluster.errors import CacheError
 from cluster.protocol import FinishReason, GenerateRequest, RouteDecision, StreamItem
 from serve_app.ingress import IngressCore
-from serve_app.protocol import APIError, GenerationRequest
+from serve_app.protocol import APIError, ApiRequest
+
+
+class FakeRouter:
+    """The ingress's decision: the worker of the next script, as a real router would choose it."""
+
+    def __init__(self, replicas):
+        self.replicas, self.asked = replicas, []
+
+    async def route(self, prompt, tenant, exclude):
+        self.asked.append((list(prompt), exclude))
+        return RouteDecision(self.replicas.scripts[0][0], "test")
 
 
 class FakeStream:
@@ -50,7 +63,7 @@ class FakeReplicas:
         worker, tokens, error = self.scripts.pop(0)
         items = [StreamItem(t, False, worker_id=worker) for t in tokens]
         if error is None:
-            items[-1].finished, items[-1].finish_reason = True, FinishReason.LENGTH
+            items[-1] = dataclasses.replace(items[-1], finished=True, finish_reason=FinishReason.LENGTH)
         stream = FakeStream(items, error)
         self.streams.append(stream)
         return stream
@@ -61,16 +74,13 @@ class FakeReplicas:
 
 
 class FakeWholeCalls:
-    """``generate_all``: the router picked the script's worker (as the real router
-    writes into the message); the call answers every item, or fails with none."""
+    """``generate_all``: the call answers every item, or fails with none."""
 
     def __init__(self, replicas):
         self.replicas = replicas
 
     def remote(self, payload):
-        worker = self.replicas.scripts[0][0]
         stream = self.replicas.remote(payload)
-        payload.routing = RouteDecision(worker, "test")
 
         async def answer():
             if stream.error is not None:
@@ -92,7 +102,7 @@ class FakeCall:
 
 
 def gen(max_tokens=6, stream=False):
-    return GenerationRequest(prompt=[1, 2, 3], max_tokens=max_tokens, temperature=0.7, top_p=1.0, seed=42,
+    return ApiRequest(prompt=[1, 2, 3], max_tokens=max_tokens, temperature=0.7, top_p=1.0, seed=42,
                              stop_token_ids=[], stop=[], ignore_eos=True, stream=stream, include_usage=False,
                              session_id=None, model="m")
 
@@ -105,7 +115,8 @@ def collect(core, g):
 
 def core_with(scripts, **kw):
     replicas = FakeReplicas(scripts)
-    return IngressCore(replicas, model=TEST_MODEL, **kw), replicas
+    core = IngressCore(replicas, model=TEST_MODEL, router=FakeRouter(replicas), shared_replies=False, **kw)
+    return core, replicas
 
 
 def test_a_request_resumes_on_another_replica_from_the_tokens_sent():
@@ -116,10 +127,13 @@ def test_a_request_resumes_on_another_replica_from_the_tokens_sent():
     assert [i.token for i in items] == [10, 11, 12, 13, 14, 15] and items[-1].finished
     assert all(isinstance(p, GenerateRequest) for p in replicas.payloads)   # typed, not a dict
     second, third = replicas.payloads[1], replicas.payloads[2]
-    assert second.prompt == [1, 2, 3, 10, 11] and second.params["max_tokens"] == 4
-    assert third.prompt == [1, 2, 3, 10, 11, 12] and third.params["max_tokens"] == 3
-    assert {p.params["seed"] for p in replicas.payloads} == {42}
+    assert second.prompt == [1, 2, 3, 10, 11] and second.params.max_tokens == 4
+    assert third.prompt == [1, 2, 3, 10, 11, 12] and third.params.max_tokens == 3
+    assert {p.params.seed for p in replicas.payloads} == {42}
     assert third.exclude == ("r1", "r2")
+    # Each attempt was decided by the ingress, on the prompt it resumed with, away from the failed replicas.
+    assert [p.route.worker_id for p in replicas.payloads] == ["r1", "r2", "r3"]
+    assert core.router.asked[2] == ([1, 2, 3, 10, 11, 12], ["r1", "r2"])
     assert [s.cancelled for s in replicas.streams] == [True, True, False]
 
 
@@ -168,6 +182,6 @@ def test_a_non_streamed_answer_comes_whole_from_one_call_and_a_failed_one_starts
     body = asyncio.run(go())
     assert body["choices"][0]["token_ids"] == [20, 21, 22]   # r1 sent nothing: nothing of it shows
     first, second = replicas.payloads
-    assert second.prompt == [1, 2, 3] and second.params["max_tokens"] == 3   # from scratch, same seed
-    assert second.params["seed"] == 42 and second.exclude == ("r1",)       # never the replica that failed
+    assert second.prompt == [1, 2, 3] and second.params.max_tokens == 3   # from scratch, same seed
+    assert second.params.seed == 42 and second.exclude == ("r1",)       # never the replica that failed
     assert [s.cancelled for s in replicas.streams] == [True, False]

@@ -10,6 +10,7 @@ import pytest
 pytestmark = pytest.mark.distributed
 
 NAMESPACE = "prefix-cache-loadtest"
+SECRET = "loadtest-peer-secret"
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +23,7 @@ def app_url(ray_loopback_cluster):
 
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    args = {"num_replicas": 3, "namespace": NAMESPACE, "health_check_period_s": 1.0,
+    args = {"num_replicas": 3, "namespace": NAMESPACE, "health_check_period_s": 1.0, "peer_secret": SECRET,
             "limits": {"max_prompt_tokens": 2048, "max_tokens": 64},
             "worker": {"model": TEST_MODEL, "hot_blocks": 256, "warm_blocks": 256, "block_tokens": 16,
                        "torch_threads": 1, "watchdog_s": 1.0}}
@@ -70,28 +71,20 @@ def test_a_replica_killed_under_load_loses_no_request_and_cuts_no_stream(app_url
 
 def test_a_wedged_replica_fails_its_calls_and_is_replaced(app_url):
     import ray
-    from ray import serve
 
-    from actors.engine_loop import EngineWedgedError
+    from actors.peer import PeerCallError, PeerClient
     from cluster.names import DIRECTORY_NAME
-    from cluster.protocol import PeerCall
     from serve_app.loadtest import ClusterProbe
-    from serve_app.router import TargetGoneError
 
     probe = ClusterProbe(NAMESPACE)
     directory = ray.get_actor(DIRECTORY_NAME, namespace=NAMESPACE)
-    handle = serve.get_deployment_handle("CacheReplica", "prefix-cache")
-    victim = ray.get(directory.live_workers.remote())[0]
-    deadline = time.monotonic() + 30
-    while True:   # a new handle's router learns the replicas from the controller: until then, TargetGoneError
-        try:
-            handle.inject_fault.remote(PeerCall(victim), "wedge").result(timeout_s=60)
-            break
-        except TargetGoneError:
-            assert time.monotonic() < deadline, f"the handle never learned of replica {victim}"
-            time.sleep(0.2)
-    with pytest.raises(EngineWedgedError, match="watchdog bound 1 s"):
-        handle.stats.remote(PeerCall(victim)).result(timeout_s=60)   # queued behind the wedge: failed by the watchdog
+    addresses = ray.get(directory.peer_addresses.remote())
+    victim = sorted(addresses)[0]
+    peer = PeerClient(victim, addresses[victim], secret=SECRET, timeout_s=60)   # straight to it: no Serve
+    asyncio.run(peer.call("inject_fault", kind="wedge"))
+    with pytest.raises(PeerCallError, match="watchdog bound 1 s") as failed:
+        asyncio.run(peer.call("stats"))   # queued behind the wedge: failed by the watchdog
+    assert failed.value.kind == "wedged"
     deadline = time.monotonic() + 90
     while True:   # dropped by the directory, replaced by Serve (check_health raises)
         names = [a.name for a in probe.replicas()]

@@ -1,83 +1,99 @@
-"""DirectoryRouter without a cluster: a targeted call reaches its target or fails
-at once, and a replica goes to exactly the request it was chosen for."""
+"""DirectoryRouter without a cluster: it carries out the decision the ingress put in the
+request (the chosen replica first, the others least loaded first), keeps a resumed request
+off the replicas it failed on, and writes nothing into the request. RoutingClient: the
+ingress's decision on its table copy, or the directory's when the copy is stale."""
 
 import asyncio
-from collections import deque
+import dataclasses
 from types import SimpleNamespace
 
-import pytest
 from ray.serve.request_router import PendingRequest
 
-from cluster.protocol import PeerCall
-from serve_app.router import DirectoryRouter, TargetGoneError
+from cluster.protocol import GenerateRequest, RouteDecision, SamplingParams
+from serve_app.router import DirectoryRouter
 
 
 def replica(rid):
     return SimpleNamespace(replica_id=SimpleNamespace(unique_id=rid))
 
 
-def bare_router():
+class _QueueLens(dict):
+    """Serve's queue-length cache, keyed by replica id (``get`` as the router calls it)."""
+
+    def get(self, replica_id):
+        return super().get(getattr(replica_id, "unique_id", replica_id))
+
+
+def router_with(queue_lens=None):
     router = object.__new__(DirectoryRouter)
-    router._pending_requests_to_fulfill = deque()
-    router._pending_requests_by_id = {}
-    router._record_queue_wait_time = lambda pending: None
+    router._replica_queue_len_cache = _QueueLens(queue_lens or {})
+    router.initialize_state()
     return router
 
 
-def pending(args, internal_id="parent-request"):
-    # Calls made while serving one HTTP request share its internal request id.
-    return PendingRequest(args=args, kwargs={}, metadata=SimpleNamespace(internal_request_id=internal_id))
+def pending(args):
+    return PendingRequest(args=args, kwargs={}, metadata=SimpleNamespace(internal_request_id="parent-request"))
 
 
-def test_a_replica_goes_to_the_request_it_was_chosen_for_only():
+def request(route=None, exclude=()):
+    return GenerateRequest(list(range(40)), SamplingParams(max_tokens=1), route=route, exclude=exclude)
+
+
+def test_the_chosen_replica_comes_first_then_the_least_loaded():
     async def go():
-        router = bare_router()
-        first, second = pending([PeerCall("r1")]), pending([PeerCall("r2")])
-        router._pending_requests_to_fulfill.extend([first, second])
-        router._pending_requests_by_id["parent-request"] = first
-        r2 = replica("r2")
-        router._fulfill_next_pending_request(r2, second.metadata)
-        assert second.future.result() is r2 and not first.future.done()   # not the oldest: its own
-        assert router._pending_requests_by_id == {"parent-request": first}
-        r1 = replica("r1")
-        router._fulfill_next_pending_request(r1, first.metadata)
-        assert first.future.result() is r1 and router._pending_requests_by_id == {}
+        router = router_with({"r1": 5, "r2": 0, "r3": 2})
+        replicas = [replica("r1"), replica("r2"), replica("r3")]
+        message = request(RouteDecision("r1", "local"))
+        before = dataclasses.replace(message)
+        ranked = await router.choose_replicas(replicas, pending([message]))
+        assert ranked == [[replicas[0]], [replicas[1]], [replicas[2]]]
+        assert message == before   # nothing written into the request
     asyncio.run(go())
 
 
-def test_targeted_calls_reach_their_target_or_fail_fast():
+def test_without_a_usable_choice_the_least_loaded_goes_first():
     async def go():
-        router = bare_router()
+        router = router_with({"r1": 5, "r2": 0})
         replicas = [replica("r1"), replica("r2")]
-        call = pending([PeerCall("r2")])
-        assert await router.choose_replicas(replicas, call) == [[replicas[1]]]
-        gone = pending([{"target_worker": "r9"}])
-        await router.choose_replicas(replicas, gone)
-        with pytest.raises(TargetGoneError, match="replica r9 is not running"):
-            gone.future.result()
+        for message in (request(RouteDecision.fallback()), request(RouteDecision("r9", "local")), request()):
+            assert await router.choose_replicas(replicas, pending([message])) == [[replicas[1]], [replicas[0]]]
+        assert await router.choose_replicas(replicas, pending(["not a request"])) == [[replicas[1]], [replicas[0]]]
+        assert await router.choose_replicas([], pending([request()])) == []
+    asyncio.run(go())
+
+
+def test_a_resumed_request_never_goes_back_to_a_replica_it_failed_on():
+    async def go():
+        router = router_with({"r1": 0, "r2": 3})
+        replicas = [replica("r1"), replica("r2")]
+        message = request(RouteDecision("r1", "local"), exclude=("r1",))   # a stale choice of the failed one
+        assert await router.choose_replicas(replicas, pending([message])) == [[replicas[1]]]
+        alone = request(exclude=("r1", "r2"))   # the last replica standing may have restarted: still served
+        assert len(await router.choose_replicas(replicas, pending([alone]))) == 2
     asyncio.run(go())
 
 
 class FakeDirectory:
     def __init__(self, decision=None):
         self.decision, self.calls = decision, 0
+        self.block_tokens = 16
 
     async def route(self, prompt, tenant, exclude):
         self.calls += 1
         return self.decision
 
 
-def deciding_router(directory, follower=None):
-    router = bare_router()
-    router.directory, router.table = directory, follower
-    router._replica_queue_len_cache = _QueueLens()
-    return router
+def client_with(directory, follower):
+    from actors.routing_client import RoutingClient
+
+    client = object.__new__(RoutingClient)
+    client.directory, client.table = directory, follower
+    return client
 
 
 def test_a_usable_table_copy_decides_without_asking_the_directory():
     from actors.table_follower import TableFollower
     from cluster.hashing import block_hashes
-    from cluster.protocol import GenerateRequest
     from cluster.routing.events import EventBatch, KVEvent
     from cluster.routing.table import ChangeLog, RoutingTable
 
@@ -91,35 +107,23 @@ def test_a_usable_table_copy_decides_without_asking_the_directory():
         table.apply("batch", (EventBatch("r2", 1, [KVEvent("stored", block_hashes(prompt, 16), 0)]),))
         follower.replica.apply(log.update(table, None, 0))
         directory = FakeDirectory()
-        router = deciding_router(directory, follower)
-        replicas = [replica("r1"), replica("r2")]
-        message = GenerateRequest(prompt + [1, 2], {"max_tokens": 1})
-        ranked = await router.choose_replicas(replicas, pending([message]))
-        assert ranked[0] == [replicas[1]] and directory.calls == 0
-        assert (message.routing.worker_id, message.routing.source) == ("r2", "router_view")
+        decision = await client_with(directory, follower).route(prompt + [1, 2])
+        assert (decision.worker_id, decision.source) == ("r2", "router_view") and directory.calls == 0
+        assert decision.decision_us is not None
     asyncio.run(go())
 
 
-def test_a_stale_copy_asks_the_directory_and_its_fallback_is_the_least_loaded():
+def test_a_stale_copy_asks_the_directory_whose_fallback_the_router_serves_least_loaded():
     from actors.table_follower import TableFollower
-    from cluster.protocol import GenerateRequest, RouteDecision
 
     async def go():
         follower = TableFollower(SimpleNamespace(block_tokens=16))
         follower.ensure_started = lambda: None   # never heard from the directory: not usable
         directory = FakeDirectory(RouteDecision.fallback())   # what DirectoryLink gives on a timeout
-        router = deciding_router(directory, follower)
+        decision = await client_with(directory, follower).route(list(range(40)))
+        assert directory.calls == 1 and decision.source == "fallback" and decision.worker_id is None
+        router = router_with({"r1": 5, "r2": 0})
         replicas = [replica("r1"), replica("r2")]
-        router._replica_queue_len_cache = _QueueLens({"r1": 5, "r2": 0})
-        message = GenerateRequest(list(range(40)), {"max_tokens": 1})
-        ranked = await router.choose_replicas(replicas, pending([message]))
-        assert directory.calls == 1 and message.routing.source == "fallback"
+        ranked = await router.choose_replicas(replicas, pending([request(decision)]))
         assert ranked == [[replicas[1]], [replicas[0]]]
     asyncio.run(go())
-
-
-class _QueueLens(dict):
-    """Serve's queue-length cache, keyed by replica id (``get`` as the router calls it)."""
-
-    def get(self, replica_id):
-        return super().get(getattr(replica_id, "unique_id", replica_id))

@@ -17,19 +17,20 @@ WORKER_MODEL = dict(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, h
                     seed=5)
 
 
-def make_worker(worker_id, **kw):
+def make_worker(worker_id, peer_host=None, peer_secret=None, **kw):
+    """A WorkerCore on the small model; ``kw`` are worker config keys, ``peer_host`` opens its peer channel."""
     from actors.core import WorkerConfig, WorkerCore
 
     cfg = WorkerConfig.from_dict(dict(model=WORKER_MODEL, hot_blocks=128, warm_blocks=128, block_tokens=16, **kw))
-    return WorkerCore(worker_id, cfg)
+    return WorkerCore(worker_id, cfg, peer_host=peer_host, peer_secret=peer_secret)
 
 
 def run_worker(core, prompt, max_tokens=4):
     """Every item of one request on ``core``, run to its end."""
     import asyncio
 
-    from cluster.protocol import GenerateRequest
+    from cluster.protocol import GenerateRequest, SamplingParams
 
     async def go():
-        return [item async for item in core.generate(GenerateRequest(prompt, {"max_tokens": max_tokens}))]
+        return [item async for item in core.generate(GenerateRequest(prompt, SamplingParams(max_tokens=max_tokens)))]
     return asyncio.run(go())

@@ -7,7 +7,7 @@ from cluster.cache.kv_pool import KVLayout
 from cluster.cache.radix_tree import COLD, HOT, WARM
 from cluster.cache.tiered import TierConfig, TieredCache
 from cluster.engine.model import DecoderModel, ModelConfig
-from cluster.engine.runner import Engine, Request, SamplingParams
+from cluster.engine.runner import Engine, EngineRequest, SamplingParams
 from cluster.errors import InvalidInputError
 
 TOL = 1e-4
@@ -118,7 +118,7 @@ def test_batched_requests_equal_one_at_a_time(model, tmp_path):
     solo = [make_engine(model, tmp_path / f"s{i}", cold=0).generate(p, SamplingParams(max_tokens=5)).output
             for i, p in enumerate(prompts)]
     eng = make_engine(model, tmp_path, cold=0)
-    reqs = [eng.submit(Request(p, SamplingParams(max_tokens=5))) for p in prompts]
+    reqs = [eng.submit(EngineRequest(p, SamplingParams(max_tokens=5))) for p in prompts]
     steps = 0
     while eng.has_work():
         eng.step()
@@ -143,7 +143,7 @@ def test_stop_tokens_and_cancel_release_locks(model, tmp_path):
     stopped = eng.generate(list(range(25)), SamplingParams(max_tokens=6, stop_token_ids=(ref[2],)))
     assert stopped.output == ref[:3] and stopped.finish_reason == "stop"
     prompt = list(range(25)) + list(range(100, 115))
-    req = eng.submit(Request(prompt, SamplingParams(max_tokens=50)))
+    req = eng.submit(EngineRequest(prompt, SamplingParams(max_tokens=50)))
     eng.step()
     eng.step()
     assert eng.cache.tree.protected_tokens > 0
@@ -159,15 +159,15 @@ def test_stop_tokens_and_cancel_release_locks(model, tmp_path):
 def test_bad_requests_are_rejected(model, tmp_path):
     eng = make_engine(model, tmp_path, cold=0)
     with pytest.raises(InvalidInputError, match="vocab_size"):
-        eng.submit(Request([1, 2, 9999]))
+        eng.submit(EngineRequest([1, 2, 9999]))
     with pytest.raises(InvalidInputError, match="must not be empty"):
-        eng.submit(Request([]))
+        eng.submit(EngineRequest([]))
     with pytest.raises(InvalidInputError, match="max_tokens"):
         SamplingParams(max_tokens=0)
     with pytest.raises(InvalidInputError, match="temperature"):
         SamplingParams(temperature=-1)
     with pytest.raises(InvalidInputError, match="exceeds the model's context"):
-        eng.submit(Request([1] * 10, SamplingParams(max_tokens=model.config.max_position)))
+        eng.submit(EngineRequest([1] * 10, SamplingParams(max_tokens=model.config.max_position)))
     assert not eng.has_work()
 
 
@@ -209,24 +209,24 @@ def test_seeded_sampling_resumes_exactly_from_the_tokens_already_sent(model, tmp
 def test_deferred_finish_delivers_the_last_token_before_caching_the_sequence(model, tmp_path):
     eng = make_engine(model, tmp_path)
     prompt = list(range(40))
-    req = eng.submit(Request(prompt, SamplingParams(max_tokens=1)))
+    req = eng.submit(EngineRequest(prompt, SamplingParams(max_tokens=1)))
     events = eng.step(defer_finish=True)
     assert [(e.request, e.token, e.finished) for e in events] == [(req, req.output[0], True)]
     assert req.finished and eng.has_work()
     # Not cached yet, and its prefix (none here) and KV still held: the caller delivers first.
-    assert eng.cache.match(prompt + req.output, None, promote=False).length == 0
+    assert eng.cache.lookup(prompt + req.output).length == 0
     assert eng.stats["requests_finished"] == 0
     eng.complete_finished()
-    assert eng.cache.match(prompt + req.output, None, promote=False).length == 41   # the final token's KV too
+    assert eng.cache.lookup(prompt + req.output).length == 41   # the final token's KV too
     assert eng.stats["requests_finished"] == 1 and eng.cache.tree.protected_tokens == 0
     assert not eng.has_work()
 
 
 def test_the_next_step_completes_a_deferred_finish_first(model, tmp_path):
     eng = make_engine(model, tmp_path)
-    first = eng.submit(Request(list(range(40)), SamplingParams(max_tokens=1)))
+    first = eng.submit(EngineRequest(list(range(40)), SamplingParams(max_tokens=1)))
     eng.step(defer_finish=True)
-    second = eng.submit(Request(list(range(40)) + first.output + [7, 8], SamplingParams(max_tokens=1)))
+    second = eng.submit(EngineRequest(list(range(40)) + first.output + [7, 8], SamplingParams(max_tokens=1)))
     eng.step(defer_finish=True)   # completes the first before admitting the second: a full hit
     assert second.cached_tokens == 41 and second.finished
     assert second.scheduled_at <= second.admitted_at <= second.forward_at <= second.first_token_at

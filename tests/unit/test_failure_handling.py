@@ -8,7 +8,7 @@ import pytest
 from actors.core import EngineWedgedError, WorkerConfig, WorkerCore
 from actors.migration import MigrationRefused, tokens_hash
 from cluster.errors import InvalidInputError
-from cluster.protocol import GenerateRequest, Transport
+from cluster.protocol import GenerateRequest, MeasuredRates, SamplingParams, Transport
 from tests.unit.helpers import WORKER_MODEL, make_worker, run_worker
 
 MODEL = WORKER_MODEL
@@ -30,7 +30,7 @@ def test_watchdog_trips_only_with_work_queued():
         assert loop.check_wedged() is False and core.healthy()   # stuck but idle: nobody waits
 
         async def request():
-            return [i async for i in core.generate(GenerateRequest([4, 5, 6], {"max_tokens": 2}))]
+            return [i async for i in core.generate(GenerateRequest([4, 5, 6], SamplingParams(max_tokens=2)))]
 
         async def scenario():
             task = asyncio.ensure_future(request())
@@ -73,6 +73,8 @@ def test_watchdog_bound_is_validated():
 class Link:
     """PeerLink to an in-process WorkerCore, with ways to misbehave."""
 
+    transport = Transport.OBJECT_STORE
+
     def __init__(self, core, *, hang=False, other_tokens=None, corrupt=False):
         self.core, self.hang, self.other_tokens, self.corrupt = core, hang, other_tokens, corrupt
         self.released = []
@@ -85,8 +87,8 @@ class Link:
     async def info(self):
         return self.core.info()
 
-    async def export_array(self, lease):
-        array, dtype = await self.core.export_array(lease)
+    async def fetch_blocks(self, lease):
+        array, dtype = await self.core.fetch_blocks(lease)
         if self.corrupt:
             array.reshape(-1)[3] += 1
         return array, dtype
@@ -99,7 +101,7 @@ class Link:
 @pytest.fixture(scope="module")
 def pair():
     holder, target = make("mh", migration_timeout_s=0.2), make("mt", migration_timeout_s=0.2)
-    target.migration.inject_fault("nixl")   # exercise the object-store path everywhere
+    target.migration.inject_fault("nixl")   # exercise the fallback path everywhere
     yield holder, target
     holder.close()
     target.close()
@@ -118,7 +120,7 @@ def test_a_holder_that_never_answers_means_recompute_within_the_bound(pair):
     assert target.migration.max_wait_s == pytest.approx(0.8)
 
 
-def test_object_store_path_verifies_checksums(pair):
+def test_fallback_path_verifies_checksums(pair):
     holder, target = pair
     prompt = list(range(100, 148))
     run(holder, prompt, max_tokens=1)
@@ -152,14 +154,14 @@ def test_leases_are_unique_across_workers_and_checked(pair):
     a = asyncio.run(holder.export_prefix(prompt, None))
     b = asyncio.run(target.export_prefix(prompt, None))
     try:
-        assert a["lease"].startswith("mh/") and b["lease"].startswith("mt/") and a["lease"] != b["lease"]
-        assert a["tokens_hash"] == tokens_hash(prompt[:a["tokens"]], None) != tokens_hash(prompt[:a["tokens"]], "t")
+        assert a.lease.startswith("mh/") and b.lease.startswith("mt/") and a.lease != b.lease
+        assert a.tokens_hash == tokens_hash(prompt[:a.tokens], None) != tokens_hash(prompt[:a.tokens], "t")
         with pytest.raises(MigrationRefused, match="issued by another worker"):
-            asyncio.run(holder.export_array(b["lease"]))
-        assert holder.migration.stats["refused_lease_calls"] == 1
+            asyncio.run(holder.fetch_blocks(b.lease))
+        assert holder.migration.holder_stats["refused_lease_calls"] == 1
     finally:
-        asyncio.run(holder.release(a["lease"]))
-        asyncio.run(target.release(b["lease"]))
+        asyncio.run(holder.release(a.lease))
+        asyncio.run(target.release(b.lease))
 
 
 # ------------------------------------------------------------- fast restart
@@ -173,18 +175,17 @@ class RatesOnlyDirectory:
         self.asked.append((bytes_per_token, block_tokens))
         return self.rates
 
-    def register(self, worker_id, rates):
+    def register(self, worker_id, rates, peer_address=None):
         self.registered.append(worker_id)
 
 
 def test_a_replacement_worker_reuses_a_peers_measured_rates():
-    from cluster.protocol import rates_to_wire
-    from cluster.routing.policy import CostModel
+    from cluster.routing.policies import CostModel
 
     peer = CostModel(prefill_tokens_per_s=1234.0, warm_promote_tokens_per_s=5e5, cold_promote_tokens_per_s=5e4,
                      transfer_tokens_per_s=2e5, block_tokens=16)
     cfg = WorkerConfig.from_dict(dict(model=MODEL, hot_blocks=128, warm_blocks=128, block_tokens=16))
-    directory = RatesOnlyDirectory(rates_to_wire(peer, bytes_per_token=1024))
+    directory = RatesOnlyDirectory(MeasuredRates.of(peer, bytes_per_token=1024))
     core = WorkerCore("fast", cfg, directory=directory)
     try:
         assert directory.asked == [(core.layout.bytes_per_token(), 16)] and directory.registered == ["fast"]
@@ -193,7 +194,7 @@ def test_a_replacement_worker_reuses_a_peers_measured_rates():
         core.close()
     measured = WorkerCore("slow", WorkerConfig.from_dict(dict(model=MODEL, hot_blocks=128, warm_blocks=128,
                                                               block_tokens=16, reuse_peer_calibration=False)),
-                          directory=RatesOnlyDirectory(rates_to_wire(peer, bytes_per_token=1024)))
+                          directory=RatesOnlyDirectory(MeasuredRates.of(peer, bytes_per_token=1024)))
     try:
         assert measured.cost.prefill_tokens_per_s != 1234.0   # measured, not taken
     finally:
@@ -204,8 +205,8 @@ def test_the_directory_offers_rates_of_the_same_kv_shape_only():
     from actors.directory import DirectoryImpl
 
     directory = DirectoryImpl()
-    rates = {"v": 1, "prefill_tokens_per_s": 1.0, "warm_promote_tokens_per_s": 2.0, "cold_promote_tokens_per_s": 3.0,
-             "transfer_tokens_per_s": 4.0, "promote_tokens_per_s": 2.0, "block_tokens": 16, "bytes_per_token": 512}
+    rates = MeasuredRates(prefill_tokens_per_s=1.0, warm_promote_tokens_per_s=2.0, cold_promote_tokens_per_s=3.0,
+                          transfer_tokens_per_s=4.0, block_tokens=16, bytes_per_token=512)
     asyncio.run(directory.register_worker("w1", rates))
     assert directory.measured_rates(512, 16) == rates
     assert directory.measured_rates(1024, 16) is None and directory.measured_rates(512, 32) is None

@@ -25,11 +25,12 @@ def make(hot=4, warm=4, cold=0, max_buffer_events=10_000):
 
 
 def put(cache, tokens, namespace=None):
-    m = cache.match(tokens, namespace, lock=True)
-    rest = len(tokens) - m.length
+    lease = cache.admit(tokens, namespace, compute_last=False)
+    rest = len(tokens) - lease.cached_tokens
     if rest:
-        cache.insert(tokens, cache.allocate(rest), namespace, start=m.length)
-    cache.unlock(m.last_node)
+        lease.extend(rest)
+        lease.commit(tokens)
+    lease.release()
     cache.check_invariants()
 
 

@@ -4,7 +4,8 @@ from cluster.cache.radix_tree import HOT, WARM
 from cluster.errors import InvalidInputError
 from cluster.routing.events import EventBatch, KVEvent
 from cluster.routing.index import GlobalIndex, PrefixHit
-from cluster.routing.policy import (POLICIES, CostModel, CostOptions, Decision, NoLiveWorkerError, WorkerState,
+from cluster.protocol import RouteDecision
+from cluster.routing.policies import (POLICIES, CostModel, CostOptions, NoLiveWorkerError, WorkerState,
                                     make_policy)
 
 # Round numbers: 100-token blocks, prefill 1,000 tokens/s, WARM promotion 10x, transfer 5x faster.
@@ -90,7 +91,7 @@ def test_measure_uses_the_callables_and_keeps_the_best_run():
 def test_cost_prefers_the_hot_holder():
     ix = index_with(a=(5, WARM), b=(5, HOT), c=(0, HOT))
     d = make_policy("cost", cost=COST).choose(CHAIN, 600, workers(a=0, b=0, c=0), ix)
-    assert d == Decision("b", "local", pytest.approx(0.1), 500)
+    assert d == RouteDecision("b", "local", pytest.approx(0.1), 500)
 
 
 def test_cost_recomputes_on_an_idle_worker_when_the_holder_is_busy_and_transfer_is_slow():
@@ -98,14 +99,14 @@ def test_cost_recomputes_on_an_idle_worker_when_the_holder_is_busy_and_transfer_
     ix = index_with(a=(5, HOT), b=(0, HOT))
     d = make_policy("cost", cost=slow).choose(CHAIN, 600, workers(a=10_000, b=0), ix)
     # holder: 10 s wait + 0.1 s; pull: 500 / 500 + 0.1 = 1.1 s; recompute: 0.6 s
-    assert d == Decision("b", "recompute", pytest.approx(0.6), 0)
+    assert d == RouteDecision("b", "recompute", pytest.approx(0.6), 0)
 
 
 def test_cost_migrates_when_transfer_beats_waiting_and_recomputing():
     ix = index_with(a=(5, HOT), b=(0, HOT))
     d = make_policy("cost", cost=COST).choose(CHAIN, 600, workers(a=10_000, b=0), ix)
     # a stages 5 HOT blocks (0.05 s), b pulls them at 5,000 tokens/s (0.1 s), then prefills 100 tokens (0.1 s)
-    assert d == Decision("b", "migrate", pytest.approx(0.25), 500, migrate_from="a", migrate_blocks=5)
+    assert d == RouteDecision("b", "migrate", pytest.approx(0.25), 500, migrate_from="a", migrate_blocks=5)
 
 
 def test_cost_migration_pulls_only_what_the_target_lacks():
@@ -181,10 +182,10 @@ def test_cost_replicates_a_hot_shared_prefix():
         return [policy.choose(chain, 600, workers(a=0, b=0, c=0), ix) for chain in (first, second)]
 
     d = decide(cost_policy(replicate_budget_s=0.2))
-    assert d[0] == Decision("a", "local", pytest.approx(0.1), 500)             # not yet known as shared
+    assert d[0] == RouteDecision("a", "local", pytest.approx(0.1), 500)             # not yet known as shared
     # a got 0.1 s, the mean is 0.033 s (3x, past the default 1.5x): b pulls the prefix
     # (stage 0.05 + pull 0.1 + prefill 0.1 s), 0.15 s more than serving on a.
-    assert d[1] == Decision("b", "replicate", pytest.approx(0.25), 500, migrate_from="a", migrate_blocks=5)
+    assert d[1] == RouteDecision("b", "replicate", pytest.approx(0.25), 500, migrate_from="a", migrate_blocks=5)
     assert decide(cost_policy())[1].reason == "local"                         # past the default budget, 0.1 s
     assert decide(cost_policy(replicate_share=3.5, replicate_budget_s=0.2))[1].reason == "local"  # 3x < 3.5x
     assert decide(cost_policy(replicate_share=0, replicate_budget_s=0.2))[1].reason == "local"    # off
@@ -312,7 +313,7 @@ def test_cost_routes_a_burst_of_siblings_together():
 
 def test_cost_options_and_in_place_updates():
     policy = make_policy("cost", cost=COST, dup_weight=1.5)
-    assert policy.options == CostOptions(dup_weight=1.5) and policy.dup_weight == 1.5
+    assert policy.options == CostOptions(dup_weight=1.5) and policy.options.dup_weight == 1.5
     with pytest.raises(InvalidInputError, match="unknown cost policy option"):
         make_policy("cost", dup_wieght=1)
     with pytest.raises(InvalidInputError, match="tie_s"):
@@ -330,7 +331,7 @@ def test_cost_options_and_in_place_updates():
 def test_ideal_serves_the_best_hit_anywhere_on_the_least_loaded():
     ix = index_with(g=(4, HOT))
     d = make_policy("ideal", cost=COST).choose(CHAIN, 600, workers(a=300, b=100), ix)
-    assert d == Decision("b", "ideal", pytest.approx(0.1 + 0.2), 400)
+    assert d == RouteDecision("b", "ideal", pytest.approx(0.1 + 0.2), 400)
 
 
 # ------------------------------------------------------------------- plumbing

@@ -3,6 +3,7 @@ ops in order and decides exactly what the directory decides; it starts over
 from the whole table when it misses an op or the directory restarts."""
 
 import asyncio
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -14,12 +15,14 @@ from actors.table_follower import TableFollower  # noqa: E402
 from cluster.cache.radix_tree import HOT, WARM  # noqa: E402
 from cluster.hashing import block_hashes  # noqa: E402
 from cluster.protocol import TableChange, TableUpdate  # noqa: E402
+from cluster.protocol import LoadReport, MeasuredRates, Snapshot  # noqa: E402
 from cluster.routing.events import EventBatch, KVEvent  # noqa: E402
-from cluster.routing.policy import CostModel  # noqa: E402
+from cluster.routing.policies import CostModel  # noqa: E402
 from cluster.routing.table import ChangeLog, RoutingTable, TableReplica  # noqa: E402
 
 BT = 4
-RATES = {"prefill_tokens_per_s": 1000.0, "promote_tokens_per_s": 10_000.0, "transfer_tokens_per_s": 5000.0}
+RATES = MeasuredRates(prefill_tokens_per_s=1000.0, warm_promote_tokens_per_s=10_000.0, cold_promote_tokens_per_s=1000.0,
+                      transfer_tokens_per_s=5000.0, block_tokens=16)
 
 
 def prompt(n, start=0):
@@ -38,15 +41,15 @@ def assert_same_table(a: RoutingTable, b: RoutingTable):
 async def busy_directory(d: DirectoryImpl):
     """Every kind of op: registrations, batches (one with a gap), a snapshot, loads, a drop."""
     for w in ("a", "b", "c"):
-        await d.register_worker(w, cost=dict(RATES))
+        await d.register_worker(w, rates=RATES)
     sys_hashes = block_hashes(prompt(16), BT)
     await d.publish("a", EventBatch("a", 1, [KVEvent("stored", sys_hashes, HOT)]).encode(),
-                    {"queued_tokens": 40, "running": 1})
+                    LoadReport(40, 1))
     await d.publish("b", EventBatch("b", 1, [KVEvent("stored", sys_hashes[:2], HOT)]).encode())
     await d.publish("b", EventBatch("b", 2, [KVEvent("tier", sys_hashes[:2], WARM)]).encode(),
-                    {"queued_tokens": 7, "running": 2})
+                    LoadReport(7, 2))
     assert await d.publish("c", EventBatch("c", 5, [KVEvent("stored", sys_hashes[:1], HOT)]).encode()) == "gap"
-    await d.load_snapshot("c", 5, {h: HOT for h in sys_hashes[:3]})
+    await d.load_snapshot("c", Snapshot(5, {h: HOT for h in sys_hashes[:3]}))
     await d.publish("a", EventBatch("a", 2, [KVEvent("removed", sys_hashes[3:], HOT)]).encode())
 
 
@@ -65,7 +68,7 @@ def test_a_replica_replays_the_log_and_decides_what_the_directory_decides():
             mine = replica.table.route(block_hashes(p, BT), len(p), reserve=False)
             theirs = await d.route(block_hashes(p, BT), len(p), reserve=False)
             assert (mine.worker_id, mine.reason, mine.cached_tokens, mine.migrate_from) == (
-                theirs["worker_id"], theirs["reason"], theirs["cached_tokens"], theirs["migrate_from"])
+                theirs.worker_id, theirs.reason, theirs.cached_tokens, theirs.migrate_from)
         await d.drop_worker("a")
         await d.set_policy("least_loaded")
         replica.apply(d.log.update(d.table, replica.epoch, replica.seq))
@@ -86,7 +89,7 @@ def test_a_replica_that_fell_out_of_the_log_or_follows_a_restarted_directory_get
         replica.apply(update)
         assert_same_table(d.table, replica.table)
         restarted = DirectoryImpl(block_tokens=BT, heartbeat_timeout_s=0)   # a new process: a new epoch
-        await restarted.register_worker("b", cost=dict(RATES))
+        await restarted.register_worker("b", rates=RATES)
         update = restarted.log.update(restarted.table, replica.epoch, replica.seq)
         assert update.state is not None and update.epoch != replica.epoch
         replica.apply(update)
@@ -126,7 +129,7 @@ def test_an_invalid_op_changes_nothing_and_is_not_logged():
         await d.register_worker("a")
         seq = d.log.seq
         with pytest.raises(Exception, match="snapshot entry"):
-            await d.load_snapshot("a", 1, {"not a hash": 0})
+            await d.load_snapshot("a", Snapshot(1, {"not a hash": 0}))
         assert d.log.seq == seq and d.index.entries("a") == {}
         with pytest.raises(Exception, match="unknown routing table op"):
             d.table.apply("rm -rf", ())
@@ -143,10 +146,10 @@ def test_the_long_poll_answers_at_the_first_change_or_after_its_wait():
         poll = asyncio.ensure_future(d.subscribe(epoch, seq, wait_s=30))
         await asyncio.sleep(0.01)
         assert not poll.done()
-        await d.publish("a", None, {"queued_tokens": 5, "running": 1})
+        await d.publish("a", None, LoadReport(5, 1))
         update = await asyncio.wait_for(poll, 5)
         assert [(c.op, c.args) for c in update.changes] == [("load", ("a", 5, 1))]
-        await d.publish("a", None, {"queued_tokens": 5, "running": 1})   # the same load: no op
+        await d.publish("a", None, LoadReport(5, 1))   # the same load: no op
         assert d.log.seq == update.seq
     asyncio.run(go())
 
@@ -169,7 +172,7 @@ def test_each_replica_breaks_exact_ties_from_its_own_place():
     async def go():
         d = DirectoryImpl(policy="cost", block_tokens=BT, heartbeat_timeout_s=0, policy_kwargs={"inflight_s": 0})
         for w in ("a", "b", "c", "d"):
-            await d.register_worker(w, cost=dict(RATES))
+            await d.register_worker(w, rates=RATES)
         picks = []
         for salt in (0, 1, 2, 3):
             replica = TableReplica(tie_salt=salt)

@@ -1,4 +1,5 @@
 import os
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -27,16 +28,34 @@ def make(tmp_path, hot=8, warm=8, cold=16, **kw):
 
 
 def put(cache, tokens, namespace=None):
-    m = cache.match(tokens, namespace, lock=True)
+    """Cache ``tokens`` with their KV (what a request's lease does); returns the node of the last token."""
+    lease = cache.admit(tokens, namespace, compute_last=False)
     try:
-        rest = len(tokens) - m.length
-        if rest:
-            ext = cache.allocate(rest)
-            cache.write(ext, kv_for(tokens)[:, :, m.length:])
-            return cache.insert(tokens, ext, namespace, start=m.length).node
-        return m.last_node
+        if lease.cached_tokens < len(tokens):
+            lease.append(kv_for(tokens)[:, :, lease.cached_tokens:])
+            return lease.commit(tokens)
+        return lease._node
     finally:
-        cache.unlock(m.last_node)
+        lease.release()
+
+
+class Match(NamedTuple):
+    length: int
+    tier_lengths: list
+    promoted_tokens: int
+    kv: torch.Tensor
+
+
+def match(cache, tokens, namespace=None):
+    """The tiers ``tokens`` are cached in, then a lease on them (promoting what
+    it finds to HOT), its KV read and the lease released."""
+    tiers = list(cache.lookup(tokens, namespace).tier_lengths)
+    lease = cache.admit(tokens, namespace, compute_last=False)
+    try:
+        return Match(lease.cached_tokens, tiers, lease.promoted_tokens,
+                     lease.read() if cache.layout is not None else None)
+    finally:
+        lease.release()
 
 
 def demote(cache, node, to):
@@ -56,10 +75,10 @@ def test_round_trip_hot_warm_cold_hot_is_bit_exact(tmp_path):
     assert torch.equal(cache.pools[WARM].read(node.extents), expected)
     demote(cache, node, COLD)
     assert node.tier == COLD and cache.pools[WARM].allocator.used_tokens == 0
-    m = cache.match(toks)
+    m = match(cache, toks)
     assert m.tier_lengths == [0, 0, 10] and m.length == 10 and m.promoted_tokens == 10
     assert node.tier == HOT
-    assert torch.equal(cache.read(m.extents), expected)
+    assert torch.equal(m.kv, expected)
     cache.check_invariants()
     cache.close()
 
@@ -71,15 +90,15 @@ def test_disk_corruption_is_detected_and_the_subtree_dropped(tmp_path):
     for n in (child, parent):
         demote(cache, n, COLD)
     cache.pools[COLD].corrupt_block_for_test(parent.extents[0].block_id)
-    m = cache.match(list(range(8)) + [50, 51, 52])
-    assert m.length == 0 and m.extents == []
+    m = match(cache, list(range(8)) + [50, 51, 52])
+    assert m.length == 0 and m.kv.shape[2] == 0
     assert not parent.alive and not child.alive
     assert cache.stats["checksum_failures"] == 1
     cache.check_invariants()
     # The cache still works: the same tokens can be inserted again and read back.
     put(cache, list(range(8)))
-    m = cache.match(list(range(8)))
-    assert torch.equal(cache.read(m.extents), kv_for(list(range(8))))
+    m = match(cache, list(range(8)))
+    assert torch.equal(m.kv, kv_for(list(range(8))))
     cache.close()
 
 
@@ -87,8 +106,8 @@ def test_watermark_demotes_lru_first_and_never_locked(tmp_path):
     # 8 HOT blocks of 4 tokens = 32 tokens; high 0.9 -> demote above 28.8 tokens, down to < 22.4.
     cache = make(tmp_path, hot=8, warm=16, cold=0)
     nodes = [put(cache, [100 + i] * 4) for i in range(6)]   # 24 tokens, under the mark
-    cache.match([100] * 4)                                   # node 0 becomes most recent
-    cache.lock(nodes[1])
+    match(cache, [100] * 4)                                   # node 0 becomes most recent
+    cache.tree.lock(nodes[1])
     nodes.append(put(cache, [200] * 4))                      # 28 tokens
     assert all(n.tier == HOT for n in nodes)
     nodes.append(put(cache, [201] * 4))                      # 32 tokens > 28.8: demote to below 22.4
@@ -106,11 +125,11 @@ def test_demotion_is_abandoned_when_the_node_gets_locked(tmp_path):
     cache = make(tmp_path, cold=0)
     node = put(cache, list(range(6)))
     move = cache._start_demotion(node)
-    cache.lock(node)
+    cache.tree.lock(node)
     cache._wait_move(move)
     assert node.tier == HOT and cache.stats["demotions_abandoned"] == 1
     assert cache.pools[WARM].allocator.used_tokens == 0
-    cache.unlock(node)
+    cache.tree.unlock(node)
     cache.check_invariants()
     cache.close()
 
@@ -123,10 +142,10 @@ def test_promotion_brings_the_whole_path(tmp_path):
     demote(cache, c, COLD)
     demote(cache, b, WARM)
     demote(cache, a, WARM)
-    m = cache.match([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11])
+    m = match(cache, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11])
     assert m.tier_lengths == [0, 7, 3]
     assert [a.tier, b.tier, c.tier] == [HOT, HOT, HOT] and m.length == 10
-    assert torch.equal(cache.read(m.extents)[:, :, 7:], kv_for([1, 2, 3, 4, 5, 6, 7, 8, 9, 10])[:, :, 7:])
+    assert torch.equal(m.kv[:, :, 7:], kv_for([1, 2, 3, 4, 5, 6, 7, 8, 9, 10])[:, :, 7:])
     cache.check_invariants()
     cache.close()
 
@@ -136,10 +155,10 @@ def test_promotion_without_room_reports_only_the_hot_part(tmp_path):
     a = put(cache, [1, 2, 3, 4])
     b = put(cache, [1, 2, 3, 4, 5, 6, 7, 8])
     demote(cache, b, WARM)
-    cache.lock(a)
+    cache.tree.lock(a)
     filler = put(cache, [9, 9, 9, 9])
-    cache.lock(filler)
-    m = cache.match([1, 2, 3, 4, 5, 6, 7, 8])
+    cache.tree.lock(filler)
+    m = match(cache, [1, 2, 3, 4, 5, 6, 7, 8])
     assert m.length == 4 and m.tier_lengths == [4, 4, 0] and b.tier == WARM
     assert cache.stats["promotion_skipped_no_room"] == 1
     cache.check_invariants()
@@ -150,15 +169,15 @@ def test_prefetch_runs_in_the_background(tmp_path):
     cache = make(tmp_path)
     toks = list(range(12))
     node = put(cache, toks)
-    cache.note_session("s1", toks)
+    cache._note_session("s1", toks)
     demote(cache, node, COLD)
     started = cache.prefetch("s1")
     assert started == 12 and node.busy  # returned before the copy finished
     cache.wait_all()
     assert node.tier == HOT
-    m = cache.match(toks)
+    m = match(cache, toks)
     assert m.promoted_tokens == 0 and m.length == 12
-    assert torch.equal(cache.read(m.extents), kv_for(toks))
+    assert torch.equal(m.kv, kv_for(toks))
     with pytest.raises(UnknownSessionError, match="unknown session 'nope'"):
         cache.prefetch("nope")
     assert cache.stats["prefetch_unknown_session"] == 1
@@ -172,7 +191,7 @@ def test_match_waits_for_a_prefetch_in_flight(tmp_path):
     node = put(cache, toks)
     demote(cache, node, COLD)
     cache.prefetch(tokens=toks)
-    m = cache.match(toks)           # no second promotion: it waits for the first
+    m = match(cache, toks)          # no second promotion: it waits for the first
     assert m.length == 9 and m.promoted_tokens == 0 and cache.stats["promotions"] == 1
     cache.close()
 
@@ -181,7 +200,7 @@ def test_disk_full_drops_the_coldest(tmp_path):
     cache = make(tmp_path, hot=8, warm=2, cold=2)
     nodes = [put(cache, [i] * 8) for i in range(3)]
     demote(cache, nodes[0], COLD)
-    cache.match([1] * 8)
+    match(cache, [1] * 8)
     demote(cache, nodes[1], WARM)
     # COLD is full (2 blocks): moving node 1 down drops node 0, the coldest.
     demote(cache, nodes[1], COLD)
@@ -224,7 +243,7 @@ def test_truncated_disk_file_is_a_checksum_failure(tmp_path):
     node = put(cache, list(range(8)))
     demote(cache, node, COLD)
     os.truncate(cache.pools[COLD].path, 0)
-    m = cache.match(list(range(8)))
+    m = match(cache, list(range(8)))
     assert m.length == 0 and cache.stats["checksum_failures"] == 1
     cache.check_invariants()
     cache.close()
@@ -239,8 +258,8 @@ def test_cuda_round_trip_through_pinned_host(tmp_path):
     toks = list(range(10))
     node = put(cache, toks)
     demote(cache, node, COLD)
-    m = cache.match(toks)
-    assert torch.equal(cache.read(m.extents).cpu(), kv_for(toks))
+    m = match(cache, toks)
+    assert torch.equal(m.kv.cpu(), kv_for(toks))
     cache.close()
 
 
@@ -248,16 +267,15 @@ def test_simulation_mode_without_payload_moves_at_once():
     cfg = TierConfig(hot_blocks=4, warm_blocks=4, cold_blocks=4, block_tokens=1, device="cpu")
     cache = TieredCache(cfg, None, clock=TickClock())
     for i in range(3):
-        m = cache.match([i, i], lock=True)
-        ext = cache.allocate(2)
-        cache.insert([i, i], ext)
-        cache.unlock(m.last_node)
+        lease = cache.admit([i, i], compute_last=False)
+        lease.extend(2)
+        lease.commit([i, i])
     cache.poll()
     # 6 tokens for 4 HOT slots: each insert past 90% pushed the LRU node down a tier
     # (and WARM, full in turn, pushed its oldest to COLD), with no copies involved.
     tiers = [cache.tree.match_prefix([i, i]).nodes[-1].tier for i in range(3)]
     assert tiers == [COLD, WARM, HOT]
-    m = cache.match([0, 0])
+    m = match(cache, [0, 0])
     assert m.length == 2 and cache.tree.match_prefix([0, 0]).nodes[-1].tier == HOT
     cache.check_invariants()
 
@@ -282,7 +300,7 @@ def test_listeners_see_stored_tier_changes_and_removals(tmp_path):
     cache.tree.listeners.append(rec)
     node = put(cache, list(range(6)))
     demote(cache, node, WARM)
-    cache.match(list(range(6)))
+    match(cache, list(range(6)))
     cache.tree.drop(node)
     assert rec.events == [("stored", 6, HOT), ("tier", HOT, WARM), ("tier", WARM, HOT), ("removed", 6, HOT)]
     assert cache.tree.namespace_of(cache.tree.root("t")) == "t"
@@ -294,15 +312,15 @@ def test_idle_compaction_moves_only_idle_nodes_and_keeps_kv(tmp_path):
     for n in nodes[::2]:
         cache.tree.drop(n)
     locked = nodes[1]
-    cache.lock(locked)
+    cache.tree.lock(locked)
     before = list(locked.extents)
-    freed = cache.compact_idle(8)
+    freed = cache._compact_idle(8)
     assert freed >= 1 and cache.stats["compacted_blocks"] == freed
     assert locked.extents == before
     for n in nodes[1::2]:
         toks = cache.tree.path_tokens(n)
-        m = cache.match(toks)
-        assert torch.equal(cache.read(m.extents), kv_for(toks))
-    cache.unlock(locked)
+        m = match(cache, toks)
+        assert torch.equal(m.kv, kv_for(toks))
+    cache.tree.unlock(locked)
     cache.check_invariants()
     cache.close()

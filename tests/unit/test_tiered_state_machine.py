@@ -36,41 +36,41 @@ class TieredMachine(RuleBasedStateMachine):
         self.cache.close()
         self.dir.cleanup()
 
-    def checked_match(self, tokens, **kw):
-        m = self.cache.match(tokens, **kw)
-        if m.length:
-            assert torch.equal(self.cache.read(m.extents), kv_of(tokens[:m.length])), "wrong KV"
-        return m
+    def checked_admit(self, tokens):
+        lease = self.cache.admit(tokens, compute_last=False)
+        if lease.cached_tokens:
+            assert torch.equal(lease.read(), kv_of(tokens[:lease.cached_tokens])), "wrong KV"
+        return lease
 
     @rule(tokens=tokens_st)
     def insert(self, tokens):
-        m = self.checked_match(tokens, lock=True)
+        lease = self.checked_admit(tokens)
         try:
-            rest = len(tokens) - m.length
-            if rest:
+            if lease.cached_tokens < len(tokens):
                 try:
-                    ext = self.cache.allocate(rest)
+                    lease.append(kv_of(tokens)[:, :, lease.cached_tokens:])
                 except PoolExhaustedError:
                     return
-                self.cache.write(ext, kv_of(tokens)[:, :, m.length:])
-                self.cache.insert(tokens, ext, start=m.length)
+                lease.commit(tokens)
         finally:
-            self.cache.unlock(m.last_node)
+            lease.release()
 
     @rule(tokens=tokens_st)
     def match(self, tokens):
-        self.checked_match(tokens)
+        self.checked_admit(tokens).release()
 
     @rule(tokens=tokens_st)
     def lock(self, tokens):
-        m = self.checked_match(tokens, lock=True)
-        if m.length:
-            self.locked.append(m.last_node)
+        lease = self.checked_admit(tokens)
+        if lease.cached_tokens:
+            self.locked.append(lease)
+        else:
+            lease.release()
 
     @precondition(lambda self: self.locked)
     @rule(i=st.integers(0, 50))
     def unlock(self, i):
-        self.cache.unlock(self.locked.pop(i % len(self.locked)))
+        self.locked.pop(i % len(self.locked)).release()
 
     @rule(i=st.integers(0, 50), tier=st.integers(0, 1))
     def demote(self, i, tier):
@@ -90,7 +90,8 @@ class TieredMachine(RuleBasedStateMachine):
     @invariant()
     def invariants_hold(self):
         self.cache.check_invariants()
-        for node in self.locked:
+        for lease in self.locked:
+            node = lease._node
             assert node.alive and node.tier == HOT, "a locked node was dropped or demoted"
 
 

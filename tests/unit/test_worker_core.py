@@ -89,11 +89,11 @@ def test_cache_touched_off_the_engine_thread_fails_in_debug_mode(monkeypatch):
     core = make("w-own")
     try:
         run(core, list(range(20)))   # through the engine thread: fine
-        with pytest.raises(OwnershipError, match="TieredCache.match .* engine-w-own"):
-            core.cache.match(list(range(20)))
+        with pytest.raises(OwnershipError, match="TieredCache.admit .* engine-w-own"):
+            core.cache.admit(list(range(20)))
         with pytest.raises(OwnershipError, match="Engine.step"):
             core.engine.step()
-        assert core.loop.call(lambda: core.cache.match([1, 2]).length).result() == 0
+        assert core.loop.call(lambda: core.cache.lookup([1, 2]).length).result() == 0
         assert asyncio.run(core.stats())["worker"]["ownership_violations"] == 2
     finally:
         core.close()
@@ -107,8 +107,8 @@ def test_calibration_measures_every_rate_through_the_worker():
         measured = (cost.prefill_tokens_per_s, cost.warm_promote_tokens_per_s)
         assert all(isinstance(v, float) and math.isfinite(v) and v > 0 for v in measured), measured
         assert cost.block_tokens == 16
-        rates = core.info()["cost"]
-        assert rates["warm_promote_tokens_per_s"] == rates["promote_tokens_per_s"] == cost.warm_promote_tokens_per_s
+        rates = core.info().rates
+        assert rates.warm_promote_tokens_per_s == cost.warm_promote_tokens_per_s
         # Calibration leaves nothing behind.
         assert asyncio.run(core.stats())["tiers"]["hot"]["used_tokens"] == 0
     finally:
@@ -122,14 +122,14 @@ def test_prefix_moves_between_workers_over_nixl():
         prompt = list(range(100, 180))
         run(holder, prompt, max_tokens=1)
         staged = asyncio.run(holder.export_prefix(prompt))
-        assert staged["tokens"] == 80 and len(staged["blocks"]) == 5
+        assert staged.tokens == 80 and len(staged.blocks) == 5
         peer = target.nixl.connect(holder.nixl.metadata())
-        kv, nbytes = target.migration.pull_blocks_nixl(peer, staged)
+        kv, nbytes = target.migration.pull_blocks_nixl(peer, staged.blocks, staged.checksums, staged.tokens)
         assert nbytes == 5 * 16 * target.layout.bytes_per_token()
-        asyncio.run(holder.release(staged["lease"]))
+        asyncio.run(holder.release(staged.lease))
         _, ref = DecoderModel(ModelConfig(**MODEL)).forward_one(torch.tensor(prompt), 0, None)
         assert torch.allclose(kv, ref, atol=1e-5)
-        assert target.loop.call(lambda: target.migration.install(prompt, None, kv)).result() == 80
+        assert target.loop.call(lambda: target.cache.install(prompt, None, kv)).result() == 80
         items = run(target, prompt + [7])
         assert items[0].cached_tokens == 80
         assert [i.token for i in items] == greedy(prompt + [7], 4)
@@ -141,6 +141,8 @@ def test_prefix_moves_between_workers_over_nixl():
 class InProcessLink:
     """PeerLink to another WorkerCore in this process (what the Ray and Serve links wrap)."""
 
+    transport = Transport.OBJECT_STORE
+
     def __init__(self, core):
         self.core = core
 
@@ -150,8 +152,8 @@ class InProcessLink:
     async def info(self):
         return self.core.info()
 
-    async def export_array(self, lease):
-        return await self.core.export_array(lease)
+    async def fetch_blocks(self, lease):
+        return await self.core.fetch_blocks(lease)
 
     def release(self, lease):
         self.core.loop.call(lambda: self.core.migration.release(lease))
@@ -170,7 +172,7 @@ def test_migration_falls_back_from_nixl_to_the_object_store_to_recompute():
         target.migration.inject_fault("nixl")
         got = asyncio.run(target.migrate_from("m-holder", link, prompts[1], None))
         assert (got.transport, got.tokens) == (Transport.OBJECT_STORE, 64)
-        holder.migration.inject_fault("object_store")
+        holder.migration.inject_fault("fallback")
         got = asyncio.run(target.migrate_from("m-holder", link, prompts[2], None))
         assert (got.transport, got.tokens) == (None, 0)
         got = asyncio.run(target.migrate_from("m-holder", link, [250, 251, 252], None))
@@ -178,7 +180,8 @@ def test_migration_falls_back_from_nixl_to_the_object_store_to_recompute():
         for p in prompts[:2]:   # what arrived is used, and equals a full prefill
             items = run(target, p + [1])
             assert items[0].cached_tokens == 64 and [i.token for i in items] == greedy(p + [1], 4)
-        assert target.migration.stats["object_store_fallbacks"] == 1 and target.migration.stats["recomputed_after_failed_migration"] == 1
+        assert target.migration.stats["fallback_pulls"] == 1
+        assert target.migration.stats["recomputed_after_failed_migration"] == 1
         # Every lease was released: the holder's host pool holds no staging blocks.
         assert asyncio.run(holder.stats())["tiers"]["warm"]["used_tokens"] == 0
     finally:
@@ -199,3 +202,41 @@ def test_a_model_that_cannot_load_stops_the_worker_before_it_starts(tmp_path):
     with pytest.raises(CheckpointError, match="gpt2"):
         WorkerCore("w-bad", WorkerConfig.from_dict(dict(model=str(tmp_path / "broken"), hot_blocks=16,
                                                         block_tokens=16)))
+
+
+def test_a_migration_between_serve_style_workers_runs_over_their_peer_channel():
+    """Replica to replica, no Serve and no Ray in between: the target asks the holder's
+    peer channel for the export, READs over NIXL (or, with NIXL broken, fetches the
+    staged blocks over the same channel), installs, and the result equals a full prefill."""
+    from actors.peer import PeerClient, PeerRefusedError
+
+    holder = make("p-holder", peer_host="127.0.0.1", peer_secret="s3")
+    target = make("p-target", peer_host="127.0.0.1", peer_secret="s3")
+    try:
+        prompts = [list(range(10, 74)), list(range(80, 144))]
+        for p in prompts:
+            run(holder, p, max_tokens=1)
+
+        async def pull(prompt):
+            link = PeerClient("p-holder", holder.peer.address, secret="s3")
+            return await target.migrate_from("p-holder", link, prompt, None)
+
+        want = Transport.NIXL if nixl_available() else Transport.PEER
+        got = asyncio.run(pull(prompts[0]))
+        assert (got.transport, got.tokens) == (want, 64)
+        target.migration.inject_fault("nixl")
+        got = asyncio.run(pull(prompts[1]))
+        assert (got.transport, got.tokens) == (Transport.PEER, 64)
+        for p in prompts:
+            items = run(target, p + [1])
+            assert items[0].cached_tokens == 64 and [i.token for i in items] == greedy(p + [1], 4)
+
+        async def wrong_secret():
+            return await PeerClient("p-holder", holder.peer.address, secret="nope").info()
+        with pytest.raises(PeerRefusedError, match="wrong or missing secret"):
+            asyncio.run(wrong_secret())
+        # Every lease was released over the channel: no staging blocks left on the holder.
+        assert asyncio.run(holder.stats())["tiers"]["warm"]["used_tokens"] == 0
+    finally:
+        holder.close()
+        target.close()

@@ -1,6 +1,6 @@
 """Routing policies: which worker serves a request, given the global index.
 
-Every policy has ``choose(hashes, num_tokens, workers, index) -> Decision``,
+Every policy has ``choose(hashes, num_tokens, workers, index) -> RouteDecision``,
 with ``hashes`` the request's block-hash chain, ``workers`` the current
 ``WorkerState`` of each replica and ``index`` a ``GlobalIndex``; and
 ``set_cost`` / ``forget_worker`` so that the directory updates it in place
@@ -18,7 +18,7 @@ by name with ``make_policy``:
 import inspect
 
 from cluster.errors import InvalidInputError
-from cluster.routing.policies.base import (RATE_FIELDS, CostModel, Decision, IdealPolicy, LeastLoadedPolicy,
+from cluster.routing.policies.base import (RATE_FIELDS, CostModel, IdealPolicy, LeastLoadedPolicy,
                                            NoLiveWorkerError, Policy, PrefixPolicy, RoundRobinPolicy, WorkerState)
 from cluster.routing.policies.baselines import ApproxPrefixTree, ApproxTreePolicy, RayPrefixPolicy
 from cluster.routing.policies.cost import CostOptions, CostPolicy
@@ -42,5 +42,5 @@ def make_policy(name: str = DEFAULT_POLICY, **kw) -> Policy:
 
 
 __all__ = ["RATE_FIELDS", "POLICIES", "DEFAULT_POLICY", "make_policy", "ApproxPrefixTree", "ApproxTreePolicy",
-           "CostModel", "CostOptions", "CostPolicy", "Decision", "IdealPolicy", "LeastLoadedPolicy",
+           "CostModel", "CostOptions", "CostPolicy", "IdealPolicy", "LeastLoadedPolicy",
            "NoLiveWorkerError", "Policy", "PrefixPolicy", "RayPrefixPolicy", "RoundRobinPolicy", "WorkerState"]

@@ -1,6 +1,6 @@
 """Shared vocabulary of the routing policies and the simple ones.
 
-``WorkerState`` (what the directory knows of a replica's load), ``Decision``
+``WorkerState`` (what the directory knows of a replica's load), ``RouteDecision``
 (what a policy answers), ``CostModel`` (throughputs that turn blocks into
 seconds), the ``Policy`` base class and the policies that need no memory of
 their own: ``round_robin``, ``least_loaded``, ``prefix`` and ``ideal``.
@@ -14,6 +14,7 @@ from operator import attrgetter
 from typing import Callable, Sequence
 
 from cluster.errors import CacheError, InvalidInputError
+from cluster.protocol import RATE_FIELDS, RouteDecision
 from cluster.routing.index import NO_HIT, GlobalIndex, PrefixHit
 
 
@@ -27,20 +28,6 @@ class WorkerState:
     queued_tokens: int     # prefill work waiting or running, in tokens
     running: int = 0       # requests in the worker (queued or in service)
     alive: bool = True
-
-
-@dataclass(slots=True)
-class Decision:
-    worker_id: str
-    reason: str                      # which rule decided ("prefix", "balance", "migrate", ...)
-    expected_ttft_s: float
-    cached_tokens: int               # tokens the chosen worker will not prefill (its own + pulled)
-    migrate_from: str | None = None  # pull blocks from this worker first
-    migrate_blocks: int = 0          # how many (after the chosen worker's own prefix)
-
-
-RATE_FIELDS = ("prefill_tokens_per_s", "warm_promote_tokens_per_s", "cold_promote_tokens_per_s",
-               "transfer_tokens_per_s")
 
 
 @dataclass(frozen=True)
@@ -205,7 +192,7 @@ class Policy:
         self.tie_salt = 0
 
     def choose(self, hashes: Sequence[int], num_tokens: int, workers: Sequence[WorkerState],
-               index: GlobalIndex, sent: bool = True) -> Decision:
+               index: GlobalIndex, sent: bool = True) -> RouteDecision:
         """The worker for one request. ``sent`` is False for a what-if query: no
         request follows the decision, so nothing may count it as in flight."""
         raise NotImplementedError
@@ -219,8 +206,8 @@ class Policy:
     def forget_worker(self, worker_id: str) -> None:
         """A worker left (or restarted): drop what the policy remembers of it, nothing else."""
 
-    def _decide(self, worker: WorkerState, reason: str, hit: PrefixHit, num_tokens: int) -> Decision:
-        return Decision(worker.worker_id, reason, self.cost.ttft_s(worker, hit, num_tokens),
+    def _decide(self, worker: WorkerState, reason: str, hit: PrefixHit, num_tokens: int) -> RouteDecision:
+        return RouteDecision(worker.worker_id, reason, self.cost.ttft_s(worker, hit, num_tokens),
                         self.cost.cached_tokens(hit.blocks, num_tokens))
 
 

@@ -18,7 +18,8 @@ from typing import Callable, NamedTuple, Sequence
 
 from cluster.errors import InvalidInputError
 from cluster.routing.index import NO_HIT, GlobalIndex, PrefixHit
-from cluster.routing.policies.base import CostModel, Decision, Policy, WorkerState, _alive
+from cluster.protocol import RouteDecision
+from cluster.routing.policies.base import CostModel, Policy, WorkerState, _alive
 
 _QUEUED = attrgetter("queued_tokens")
 _ID = attrgetter("worker_id")
@@ -337,11 +338,6 @@ class CostPolicy(Policy):
         self._members_cache: _Membership | None = None
         self._mean_wait = 0.0     # mean queue wait over live workers at the current decision
 
-    # Old attribute names, kept for callers that read them.
-    work_weight = property(lambda self: self.options.work_weight)
-    dup_weight = property(lambda self: self.options.dup_weight)
-    tie_s = property(lambda self: self.options.tie_s)
-
     def recent_work_s(self, worker_id: str) -> float:
         """Service seconds this router sent to ``worker_id`` lately (decayed)."""
         return self._recent.get(worker_id)
@@ -545,5 +541,5 @@ class CostPolicy(Policy):
         self._recent.add(w.worker_id, best.ttft - cost.wait_s(w))
         if self.options.inflight_s and sent:
             self._inflight.record(hashes, len(hashes), w.worker_id, self.clock())
-        return Decision(w.worker_id, best.reason, best.ttft, cost.cached_tokens(best.blocks, num_tokens),
+        return RouteDecision(w.worker_id, best.reason, best.ttft, cost.cached_tokens(best.blocks, num_tokens),
                         best.source, best.pulled)

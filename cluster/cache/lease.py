@@ -1,0 +1,153 @@
+"""KVLease: one request's hold on the KV cache, from admission to commit.
+
+The engine never sees a tree node, a pool or an extent: it asks the cache
+for a lease on a prompt (``TieredCache.admit``) and gets back an opaque
+object that knows which prefix it holds and where its own new KV goes::
+
+    prompt    |<------------- cached_tokens ------------->|<--- computed by the request --->|
+    KV        |  prefix: tree nodes, locked, HOT          |  own extents, private to lease  |
+              |  (promoted from WARM/COLD when admitted)  |  appended step by step (CoW)    |
+                                                          ^ length grows with append()
+
+A lease ends exactly once: ``commit`` inserts the sequence into the tree
+(so the next turn finds it) and unlocks the prefix; ``release`` frees the
+private KV and unlocks.
+
+Every method runs on the cache's owner thread (the worker's engine thread).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Hashable, Sequence
+
+import torch
+
+from cluster.cache.allocator import Extent
+from cluster.errors import CacheError
+
+if TYPE_CHECKING:
+    from cluster.cache.radix_tree import TreeNode
+    from cluster.cache.tiered import TieredCache
+
+
+class LeaseClosedError(CacheError):
+    """A lease was used after ``commit`` or ``release`` ended it."""
+
+
+class KVLease:
+    """What ``TieredCache.admit`` hands out; see the module docstring.
+
+    Fields a caller reads:
+
+    - ``cached_tokens``: prompt tokens whose KV came from the cache;
+    - ``tier_hits``: how many of them were HOT, WARM and COLD before admission
+      (WARM/COLD parts were promoted to HOT before ``admit`` returned);
+    - ``promoted_tokens``, ``waited_s``: what admission moved, and how long it
+      waited for copies already in flight;
+    - ``length``: tokens whose KV the lease holds (prefix + appended).
+    """
+
+    __slots__ = ("cache", "namespace", "cached_tokens", "tier_hits", "promoted_tokens", "waited_s",
+                 "length", "_node", "_prefix", "_own", "_open")
+
+    def __init__(self, cache: "TieredCache", namespace: Hashable, node: "TreeNode", prefix: list[Extent],
+                 cached_tokens: int, tier_hits: tuple[int, int, int], promoted_tokens: int, waited_s: float):
+        self.cache = cache
+        self.namespace = namespace
+        self.cached_tokens = cached_tokens
+        self.tier_hits = tier_hits
+        self.promoted_tokens = promoted_tokens
+        self.waited_s = waited_s
+        self.length = cached_tokens
+        self._node = node            # locked until the lease ends
+        self._prefix = prefix        # HOT extents of tokens[:cached_tokens]
+        self._own: list[Extent] = []   # this request's KV after the prefix
+        self._open = True
+
+    @property
+    def open(self) -> bool:
+        return self._open
+
+    def _check(self, what: str) -> None:
+        self.cache._check_owner(f"KVLease.{what}")
+        if not self._open:
+            raise LeaseClosedError(f"KVLease.{what} on a lease that already ended")
+
+    # ------------------------------------------------------------- reading
+    def read_prefix_into(self, out: torch.Tensor) -> None:
+        """Copy the cached prefix's KV into ``out`` ``[layers, 2, cached_tokens, heads, dim]``."""
+        self._check("read_prefix_into")
+        if self.cached_tokens:
+            self.cache.hot.read_into(self._prefix, out)
+
+    def read(self) -> torch.Tensor:
+        """All the KV the lease holds, ``[layers, 2, length, heads, dim]`` (a copy)."""
+        self._check("read")
+        return self.cache.hot.read(self._prefix + self._own)
+
+    # ------------------------------------------------------------- writing
+    def append(self, kv: torch.Tensor) -> None:
+        """Store the KV of the next ``kv.shape[2]`` tokens. The tail of the
+        request's own KV grows in place when its block has room behind it,
+        and is copied out first when that block is shared (copy-on-write).
+        Raises ``PoolExhaustedError`` (nothing changed) when HOT has no room
+        even after demoting what it can."""
+        self._check("append")
+        self.cache.hot.write(self._grow(kv.shape[2]), kv)
+
+    def extend(self, num_tokens: int) -> None:
+        """Room for ``num_tokens`` more tokens without writing them: a cache
+        without KV payload (simulations) keeps only the bookkeeping."""
+        self._check("extend")
+        self._grow(num_tokens)
+
+    def _grow(self, n: int) -> list[Extent]:
+        if not self._own:
+            ext = self._own = self.cache._allocate_hot(n)   # a prompt's tail may share a block as a slot
+        else:
+            self._own, ext = self.cache._append_hot(self._own, n)
+        self.length += n
+        return ext
+
+    # ------------------------------------------------------------- ending
+    def commit(self, tokens: Sequence[int], session_id: Any = None) -> "TreeNode | None":
+        """Insert ``tokens`` (``length`` of them: the sequence this lease holds
+        KV for) into the tree, remember the session, unlock; returns the node
+        holding the last token (None when nothing was appended)."""
+        self._check("commit")
+        if len(tokens) != self.length:
+            raise CacheError(f"commit of {len(tokens)} tokens on a lease holding KV for {self.length}")
+        cache, node = self.cache, None
+        try:
+            if self._own:
+                cache.hot.allocator.seal(self._own[-1])   # no later slots in a block about to enter the tree
+                node = cache._insert(tokens, self._own, self.namespace, start=self.cached_tokens).node
+            if session_id is not None:
+                cache._note_session(session_id, tokens, self.namespace)
+        finally:
+            self._own = []
+            self._end()
+        return node
+
+    def release(self) -> None:
+        """End without caching: free the private KV, unlock the prefix. Safe
+        to call on a lease that already ended (it does nothing then)."""
+        if not self._open:
+            return
+        self.cache._check_owner("KVLease.release")
+        try:
+            if self._own:
+                self.cache.hot.allocator.free(self._own)
+        finally:
+            self._own = []
+            self._end()
+
+    def _end(self) -> None:
+        self._open = False
+        self.cache._unlock(self._node)
+        self._node = None
+        self._prefix = []
+
+    def __repr__(self) -> str:
+        state = "open" if self._open else "ended"
+        return f"KVLease({state}, cached={self.cached_tokens}, length={self.length})"
