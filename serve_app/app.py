@@ -64,7 +64,7 @@ class Ingress:
     """HTTP front door; the logic lives in ``serve_app.ingress.IngressCore``."""
 
     def __init__(self, workers, settings: dict):
-        self.core = IngressCore(workers, **settings)
+        self.core = IngressCore(workers, ingress_id=serve.get_replica_context().replica_id.unique_id, **settings)
         self.core.install_openapi(fastapi_app)
 
     @fastapi_app.post("/v1/completions")

@@ -61,14 +61,17 @@ class IngressCore:
                  namespace: str = "prefix-cache", api_keys: str | dict | None = None,
                  admin_keys: str | list | None = None, limits: dict | None = None, retry_after_s: int = 1,
                  admin_without_keys: bool = False, max_resumes: int = 2, block_tokens: int = 16,
-                 router: Any = None, peer_secret: str | None = None, shared_replies: bool = True):
+                 router: Any = None, peer_secret: str | None = None, shared_replies: bool = True,
+                 ingress_id: str | None = None):
         """``workers``: the replicas' deployment handle. ``model`` is the replicas'
         model spec (``WorkerConfig.model``): the ingress loads only its tokenizer and
         chat template. ``model_name`` is the id clients send and ``/v1/models`` lists
         (default: the model's own id). ``router``: what decides (default: a
         ``RoutingClient`` on the directory of ``namespace``); ``peer_secret``:
-        the app's peer-channel secret, for the admin calls aimed at one worker."""
+        the app's peer-channel secret, for the admin calls aimed at one worker;
+        ``ingress_id``: this ingress replica's id (responses name it)."""
         self.workers = workers
+        self.ingress_id = ingress_id
         spec = ModelSpec.parse(model)
         self.model_name = model_name or model_id(spec)
         self.namespace = namespace

@@ -56,7 +56,7 @@ async def respond(core: "IngressCore", gen: ApiRequest, tenant: Tenant | None, e
         choice = {"index": 0, "text": text, "token_ids": out.ids, "logprobs": None, "finish_reason": finish}
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
             "model": core.model_name, "choices": [choice], "usage": usage(gen, out.ids, last),
-            "prefix_cache": cache_info(last, clock)}
+            "prefix_cache": cache_info(last, clock, core.ingress_id)}
 
 
 def _text(core: "IngressCore", gen: ApiRequest) -> TextStream:
@@ -126,7 +126,7 @@ async def _streaming(core: "IngressCore", gen: ApiRequest, tenant: Tenant | None
         end = chunk("", [], out.finish_reason(last))
         if gen.include_usage:
             end["usage"] = usage(gen, out.ids, last)
-            end["prefix_cache"] = cache_info(last, clock)
+            end["prefix_cache"] = cache_info(last, clock, core.ingress_id)
         yield _sse(end)
         yield "data: [DONE]\n\n"
 
@@ -142,10 +142,10 @@ def usage(gen: ApiRequest, tokens: list[int], last: StreamItem | None) -> dict:
             "total_tokens": len(gen.prompt) + len(tokens), "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def cache_info(last: StreamItem | None, clock: RequestClock | None = None) -> dict:
+def cache_info(last: StreamItem | None, clock: RequestClock | None = None, ingress_id: str | None = None) -> dict:
     last = last or StreamItem(None, True)
     migration = last.migration.to_json() if last.migration is not None else None
-    info = {"worker_id": last.worker_id, "reason": last.reason,
+    info = {"worker_id": last.worker_id, "ingress_id": ingress_id, "reason": last.reason,
             "cached_tokens_by_tier": dict(zip(TIER_NAMES, last.tier_hits)), "migration": migration}
     if clock is not None:   # who routed it, and where its time went (serve_app.timing)
         info["routed_by"] = clock.routed_by

@@ -33,7 +33,7 @@ def app_url(ray_loopback_cluster):
 
 
 def test_loadtest_refuses_hosts_other_than_loopback():
-    from serve_app.loadtest import check_url
+    from serve_app.tools.loadtest import check_url
 
     check_url("http://127.0.0.1:8000", False)
     with pytest.raises(SystemExit, match="--allow-remote-host"):
@@ -48,7 +48,8 @@ def test_loadtest_refuses_a_connect_timeout_that_is_not_positive(capsys):
 
 
 def test_a_replica_killed_under_load_loses_no_request_and_cuts_no_stream(app_url):
-    from serve_app.loadtest import ClusterProbe, run_load
+    from serve_app.tools.faults import ClusterProbe
+    from serve_app.tools.loadtest import run_load
 
     probe = ClusterProbe(NAMESPACE)
     replicas = {a.actor_id for a in probe.replicas()}
@@ -74,7 +75,7 @@ def test_a_wedged_replica_fails_its_calls_and_is_replaced(app_url):
 
     from actors.peer import PeerCallError, PeerClient
     from cluster.names import DIRECTORY_NAME
-    from serve_app.loadtest import ClusterProbe
+    from serve_app.tools.faults import ClusterProbe
 
     probe = ClusterProbe(NAMESPACE)
     directory = ray.get_actor(DIRECTORY_NAME, namespace=NAMESPACE)
@@ -96,7 +97,8 @@ def test_a_wedged_replica_fails_its_calls_and_is_replaced(app_url):
 
 
 def test_a_hostile_tenant_gets_4xx_only_and_the_other_tenant_is_served(app_url):
-    from serve_app.loadtest import hostile_bodies, run_load
+    from serve_app.tools.hostile import hostile_bodies
+    from serve_app.tools.loadtest import run_load
 
     report = asyncio.run(run_load(app_url, requests=24, concurrency=4, stream_fraction=0.5, max_tokens=8,
                                   prompt_tokens=96, timeout=60, hostile_concurrency=2, hostile_rate=0))

@@ -3,7 +3,7 @@
 Starts the embedded local cluster (a head and two worker nodes on
 127.0.0.1), deploys the prefix-cache app (three cache replicas of
 ``--model``) and, beside it on the same cluster and HTTP proxy, the bare
-two-hop Ray Serve echo app of the same shape (``serve_app.echo_app``). After
+two-hop Ray Serve echo app of the same shape (``serve_app.tools.echo_app``). After
 a warm-up, sequential requests, taken in turns (one echo, one prefix-cache)
 so the shared machine's noise falls on both arms alike:
 
@@ -31,6 +31,15 @@ so the shared machine's noise falls on both arms alike:
   ``directory_decision_us_p50/p99``: the directory's own decisions, for the
   requests that asked it (``directory_decisions``).
 
+Then a throughput phase (``--concurrency`` clients for ``--throughput-s``
+seconds of 1-token completions, each a prompt never seen before): one
+``impl: prefix-cache-throughput`` row with ``requests_per_s`` and
+``decisions_per_s`` (every request decided by the ingress replica that took
+it: counted from the answers), ``ingress_replicas_seen`` (how many distinct
+ingress replicas answered: the deployment runs ``--ingress-replicas`` of
+them, each deciding on its own copy of the routing table) and the share
+decided there (``routed_locally``).
+
 One JSON line per implementation, then one ``summary`` line with the
 ratios and whether each goal of the issue is met.
 """
@@ -56,6 +65,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model spec (default: the embedded SmolLM2-135M-Instruct; "
                                                   "'builtin' for the seeded test model)")
     p.add_argument("--replicas", type=int, default=3)
+    p.add_argument("--ingress-replicas", type=int, default=1,
+                   help="HTTP ingress replicas (each decides on its own copy of the routing table)")
+    p.add_argument("--concurrency", type=int, default=16, help="clients of the throughput phase")
+    p.add_argument("--throughput-s", type=float, default=10.0, help="length of the throughput phase (0: skip it)")
     p.add_argument("--prompt-tokens", type=int, default=2000, help="tokens of the cached-prefix TTFT prompt")
     p.add_argument("--suffix-tokens", type=int, default=16, help="of those, new (uncached) tokens per request")
     p.add_argument("--port", type=int, default=0, help="HTTP port (default: a free one)")
@@ -104,6 +117,36 @@ class Arms:
         elapsed = time.perf_counter() - t0
         info = r.json()["prefix_cache"]
         return elapsed, info.get("timing_ms", {}), info.get("routed_by")
+
+    def throughput(self, concurrency: int, seconds: float) -> dict:
+        """``concurrency`` clients sending 1-token completions of fresh prompts for
+        ``seconds``: what was answered, by which ingress replicas, decided where."""
+        import asyncio
+
+        import httpx
+
+        base, model, vocab = str(self.http.base_url), self.model, self.vocab
+
+        async def client(i: int, deadline: float, out: list) -> None:
+            rng = random.Random(i)
+            async with httpx.AsyncClient(base_url=base, timeout=120) as http:
+                while time.perf_counter() < deadline:
+                    prompt = [rng.randrange(100, vocab) for _ in range(8)]
+                    r = await http.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 1})
+                    r.raise_for_status()
+                    info = r.json()["prefix_cache"]
+                    out.append((info.get("ingress_id"), info.get("routed_by"),
+                                info.get("timing_ms", {}).get("route_decision")))
+
+        async def run() -> tuple[list, float]:
+            out: list = []
+            t0 = time.perf_counter()
+            deadline = t0 + seconds
+            await asyncio.gather(*[client(i, deadline, out) for i in range(concurrency)])
+            return out, time.perf_counter() - t0
+
+        answers, elapsed = asyncio.run(run())
+        return {"answers": answers, "elapsed_s": elapsed}
 
     def warm_prefix(self) -> None:
         r = self.http.post("/v1/completions", json={"model": self.model, "prompt": self.prefix, "max_tokens": 1})
@@ -168,6 +211,21 @@ def measure(arms: Arms, requests: int, warmup: int) -> dict:
             "cached": cached, "routed_by": routed_by}
 
 
+def throughput_row(t: dict, args) -> dict:
+    answers, elapsed = t["answers"], t["elapsed_s"]
+    decisions = [d * 1e3 for _, _, d in answers if d is not None]
+    return {"bench": "http", "impl": "prefix-cache-throughput", "concurrency": args.concurrency,
+            "seconds": rounded(elapsed, 2), "requests": len(answers),
+            "requests_per_s": rounded(len(answers) / elapsed, 2) if elapsed else None,
+            "decisions_per_s": rounded(sum(1 for _, r, _ in answers if r is not None) / elapsed, 2) if elapsed else None,
+            "routed_locally": rounded(sum(1 for _, r, _ in answers if r == "router_view") / len(answers), 4)
+            if answers else 0.0,
+            "decision_us_p50": rounded(percentile(decisions, 50), 1) if decisions else None,
+            "decision_us_p99": rounded(percentile(decisions, 99), 1) if decisions else None,
+            "ingress_replicas": args.ingress_replicas,
+            "ingress_replicas_seen": len({i for i, _, _ in answers if i is not None}), "replicas": args.replicas}
+
+
 def rows(m: dict, args, directory_stats: dict) -> list[dict]:
     echo_p50, echo_p99 = _ms(m["echo"])
     one_p50, one_p99 = _ms(m["one"])
@@ -188,6 +246,7 @@ def rows(m: dict, args, directory_stats: dict) -> list[dict]:
         if decisions else (None, None)
     echo_row = {"bench": "http", "impl": "ray-serve-echo", "requests": len(m["echo"]),
                 "latency_ms_p50": echo_p50, "latency_ms_p99": echo_p99, "replicas": args.replicas}
+    ingress = getattr(args, "ingress_replicas", 1)
     ours = {"bench": "http", "impl": "prefix-cache", "requests": len(m["one"]), "model": args.model_id,
             "latency_ms_p50": one_p50, "latency_ms_p99": one_p99, "path_ms_p50": path_p50,
             "ttft_ms_cached_p50": ttft_p50, "ttft_ms_cached_p99": ttft_p99,
@@ -200,7 +259,8 @@ def rows(m: dict, args, directory_stats: dict) -> list[dict]:
             "routed_locally": rounded(local / len(m["routed_by"]), 4) if m["routed_by"] else 0.0,
             "directory_decisions": directory_stats.get("decisions"),
             "directory_decision_us_p50": directory_stats.get("decision_us_p50"),
-            "directory_decision_us_p99": directory_stats.get("decision_us_p99"), "replicas": args.replicas}
+            "directory_decision_us_p99": directory_stats.get("decision_us_p99"), "replicas": args.replicas,
+            "ingress_replicas": ingress}
     ratio = rounded(one_p50 / echo_p50, 3) if echo_p50 else None
     summary = {"bench": "http", "impl": "summary", "latency_p50_ratio_vs_echo": ratio,
                "path_p50_ratio_vs_echo": rounded(path_p50 / echo_p50, 3) if echo_p50 else None,
@@ -213,11 +273,13 @@ def rows(m: dict, args, directory_stats: dict) -> list[dict]:
 def run(args: argparse.Namespace) -> int:
     from ray import serve
 
-    from serve_app.echo_app import APP_NAME as ECHO_APP, ROUTE_PREFIX, build_echo_app
+    from serve_app.tools.echo_app import APP_NAME as ECHO_APP, ROUTE_PREFIX, build_echo_app
     from serve_app.local import DEMO_WORKER, LocalCluster, free_port, prepare_model
 
     if args.suffix_tokens < 1 or args.prompt_tokens <= args.suffix_tokens:
         raise ValueError("need 1 <= --suffix-tokens < --prompt-tokens")
+    if args.ingress_replicas < 1 or args.concurrency < 1 or args.throughput_s < 0:
+        raise ValueError("need --ingress-replicas >= 1, --concurrency >= 1 and --throughput-s >= 0")
     port = args.port or free_port()
     args.model_id = prepare_model(args.model)
     prompt_ids, vocab = _prompt_ids(args.model, args.prompt_tokens, args.seed)
@@ -228,15 +290,18 @@ def run(args: argparse.Namespace) -> int:
             worker["model"] = args.model
         if args.worker:
             worker.update(json.loads(args.worker))
-        local.deploy({"num_replicas": args.replicas, "worker": worker}, port=port)
+        local.deploy({"num_replicas": args.replicas, "ingress_replicas": args.ingress_replicas, "worker": worker},
+                     port=port)
         serve.run(build_echo_app(args.replicas), name=ECHO_APP, route_prefix=ROUTE_PREFIX, blocking=False)
         _wait_echo(f"http://127.0.0.1:{port}")
         arms = Arms(f"http://127.0.0.1:{port}", args.model_id, prompt_ids, args.suffix_tokens, vocab, args.seed)
         try:
             m = measure(arms, args.requests, args.warmup)
+            t = arms.throughput(args.concurrency, args.throughput_s) if args.throughput_s else None
         finally:
             arms.close()
-        for row in rows(m, args, _directory_stats()):
+        echo_row, ours, summary = rows(m, args, _directory_stats())
+        for row in (echo_row, ours) + ((throughput_row(t, args),) if t is not None else ()) + (summary,):
             emit(row)
     finally:
         try:

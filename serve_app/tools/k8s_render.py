@@ -33,7 +33,7 @@ from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIG = "serve_app/config.yaml"
 DEFAULT_OVERRIDES = "k8s/render/serve-overrides.yaml"
 DEFAULT_OUT = "k8s/base/serve-config.yaml"

@@ -43,11 +43,12 @@ import asyncio
 import json
 import random
 import time
-from dataclasses import dataclass
 from urllib.parse import urlparse
 
+from serve_app.tools.faults import ClusterProbe
+from serve_app.tools.hostile import _hostile_report, hostile_bodies, hostile_client
+
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
-REPLICA_CLASS = "CacheReplica"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -80,153 +81,6 @@ def check_url(url: str, allow_remote: bool) -> None:
     host = urlparse(url).hostname
     if host not in LOCAL_HOSTS and not allow_remote:
         raise SystemExit(f"loadtest sends traffic to 127.0.0.1 only; {host!r} needs --allow-remote-host")
-
-
-# ------------------------------------------------------------------ the cluster
-@dataclass(frozen=True)
-class ActorRecord:
-    actor_id: str
-    class_name: str
-    name: str
-    pid: int
-
-
-class ClusterProbe:
-    """The app's processes through Ray (the GCS actor table: no dashboard needed):
-    memory, the kill, recovery."""
-
-    def __init__(self, namespace: str):
-        self.namespace = namespace
-
-    def _actors(self) -> list[ActorRecord]:
-        from ray._private import state
-
-        return [ActorRecord(a["ActorID"], a["ActorClassName"] or "", a["Name"] or "", a["Pid"])
-                for a in state.actors().values() if a["State"] == "ALIVE"]
-
-    def replicas(self) -> list[ActorRecord]:
-        return [a for a in self._actors() if REPLICA_CLASS in a.class_name]
-
-    def _directory_handle(self):
-        import ray
-        from cluster.names import DIRECTORY_NAME
-
-        try:
-            return ray.get_actor(DIRECTORY_NAME, namespace=self.namespace)
-        except ValueError:
-            return None
-
-    def directory(self) -> ActorRecord | None:
-        handle = self._directory_handle()
-        if handle is None:
-            return None
-        actor_id = handle._actor_id.hex()
-        return next((a for a in self._actors() if a.actor_id == actor_id), None)
-
-    def rss_mib(self) -> float | None:
-        total, found = 0, False
-        for a in self._actors():
-            if a.class_name.startswith("ServeReplica") or a.class_name.startswith("Directory"):
-                try:
-                    with open(f"/proc/{a.pid}/status") as f:
-                        rss = next(line for line in f if line.startswith("VmRSS:"))
-                    total += int(rss.split()[1])
-                    found = True
-                except (OSError, StopIteration):
-                    pass
-        return round(total / 1024, 1) if found else None
-
-    def live_workers(self) -> list[str]:
-        import ray
-
-        handle = self._directory_handle()
-        try:
-            return ray.get(handle.live_workers.remote(), timeout=2) if handle is not None else []
-        except Exception:
-            return []
-
-    def kill(self, what: str) -> dict:
-        import ray
-
-        if what == "replica":
-            victims = sorted(self.replicas(), key=lambda a: a.actor_id)
-            if not victims:
-                raise RuntimeError("no CacheReplica actor is alive")
-            victim = random.Random(0).choice(victims)
-            ray.kill(ray.get_actor(victim.name, namespace="serve"), no_restart=True)
-            return {"kind": "replica", "actor_id": victim.actor_id, "replicas_before": len(victims)}
-        handle = self._directory_handle()
-        if handle is None:
-            raise RuntimeError(f"no directory in namespace {self.namespace!r}")
-        ray.kill(handle, no_restart=False)   # Ray restarts it, empty
-        return {"kind": "directory", "actor_id": handle._actor_id.hex(), "replicas_before": len(self.replicas())}
-
-    def whole(self, killed: dict) -> bool:
-        replicas = self.replicas()
-        if len(replicas) < killed["replicas_before"]:
-            return False
-        if killed["kind"] == "replica" and any(a.actor_id == killed["actor_id"] for a in replicas):
-            return False
-        if killed["kind"] == "directory" and self.directory() is None:
-            return False
-        return len(self.live_workers()) >= killed["replicas_before"]
-
-
-# ------------------------------------------------------------ a hostile tenant
-def hostile_bodies(model: str) -> list[tuple[str, bytes]]:
-    """(name, raw JSON body) of requests no client should send: NaN and
-    infinite sampling values, out-of-range and mistyped parameters, invalid
-    Unicode, deep nesting, oversized prompts and stop lists, bodies that are
-    not JSON. Each must get a 4xx, never a 5xx, and cost the service no more
-    than reading and refusing it. (Legal but extreme values, such as a
-    temperature of 1e-40, are real work and are tested as such in
-    ``tests/serve/test_http.py``.)"""
-    def body(**fields) -> bytes:
-        return json.dumps({"model": model, "prompt": "Hello", "max_tokens": 4, **fields}).encode()
-
-    raw_prompt = b'{"model": %s, "prompt": "%s", "max_tokens": 4}'
-    return [
-        ("temperature_nan", body().replace(b'"max_tokens": 4', b'"max_tokens": 4, "temperature": NaN')),
-        ("top_p_infinity", body().replace(b'"max_tokens": 4', b'"max_tokens": 4, "top_p": Infinity')),
-        ("top_p_zero", body(top_p=0)),
-        ("seed_2**70", body(seed=2 ** 70)),
-        ("lone_surrogate", raw_prompt % (json.dumps(model).encode(), b"\\ud800")),
-        ("nested_50k", b'{"model": ' + json.dumps(model).encode() + b', "prompt": ' + b"[" * 50_000
-         + b"]" * 50_000 + b"}"),
-        ("max_tokens_huge", body(max_tokens=10 ** 9)),
-        ("prompt_too_long", body(prompt=[65] * 100_000)),
-        ("token_out_of_vocab", body(prompt=[10 ** 9])),
-        ("stop_list_100", body(stop=["x"] * 100)),
-        ("wrong_types", body(max_tokens="four", stream="yes")),
-        ("include_usage_no", body(stream=True, stream_options={"include_usage": "no"})),
-        ("not_json", b"{not json"),
-        ("empty_body", b""),
-    ]
-
-
-async def hostile_client(client, url: str, bodies: list[tuple[str, bytes]], headers: dict, stop: asyncio.Event,
-                         seen: dict, timeout: float, interval_s: float = 0.0) -> None:
-    """Send the hostile bodies in turn until ``stop``, one every ``interval_s`` at
-    most; count each answer's status."""
-    i = 0
-    loop = asyncio.get_running_loop()
-    while not stop.is_set():
-        next_at = loop.time() + interval_s
-        name, raw = bodies[i % len(bodies)]
-        i += 1
-        try:
-            r = await client.post(url, content=raw, headers={**headers, "content-type": "application/json"},
-                                  timeout=timeout)
-            status = str(r.status_code)
-        except Exception as exc:   # no answer at all: as bad as a 5xx
-            status = type(exc).__name__
-        seen.setdefault(name, {}).setdefault(status, 0)
-        seen[name][status] += 1
-        if interval_s:
-            try:
-                await asyncio.wait_for(stop.wait(), max(0.0, next_at - loop.time()))
-            except TimeoutError:
-                pass
 
 
 # ----------------------------------------------------------------- the clients
@@ -366,21 +220,6 @@ async def run_load(url: str, *, requests: int, concurrency: int, stream_fraction
             "wall_s": round(wall, 2), "concurrency": concurrency, "stream_fraction": stream_fraction,
             "rss_mib_before": rss_before, "rss_mib_after": probe.rss_mib() if probe else None,
             **_hostile_report(hostile_concurrency, hostile_seen, hostile_rate, wall)}
-
-
-def _hostile_report(concurrency: int, seen: dict, rate: float, wall_s: float) -> dict:
-    if not concurrency:
-        return {}
-    by_status: dict[str, int] = {}
-    for statuses in seen.values():
-        for status, n in statuses.items():
-            by_status[status] = by_status.get(status, 0) + n
-    bad = sum(n for status, n in by_status.items() if not (status.isdigit() and int(status) < 500))
-    sent = sum(by_status.values())
-    return {"hostile_concurrency": concurrency, "hostile_rate_limit": rate or None,
-            "hostile_requests_per_s": round(sent / wall_s, 1) if wall_s else None, "hostile_requests": sent,
-            "hostile_by_status": dict(sorted(by_status.items())), "hostile_5xx_or_no_answer": bad,
-            "hostile_by_kind": seen}
 
 
 def _wait_whole(probe: ClusterProbe, killed: dict, limit_s: float) -> float | None:
