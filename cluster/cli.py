@@ -58,6 +58,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
             sub = groups[words[0]].add_parser(words[1], help=doc, description=module.__doc__,
                                               formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(sub)
+        sub.add_argument("--results", default=None, metavar="FILE",
+                         help="also append the JSON lines this command prints to FILE")
         sub.set_defaults(_handler=module.run)
         handlers[words] = module
     return parser, handlers
@@ -66,6 +68,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
 def main(argv: list[str] | None = None) -> int:
     parser, _ = build_parser()
     args = parser.parse_args(argv)
+    from cluster.bench import common
+
+    common.RESULTS_FILE = args.results
     try:
         return int(args._handler(args) or 0)
     except (CacheError, ValueError) as exc:

@@ -7,10 +7,19 @@ import sys
 from typing import Any, Sequence
 
 
+# Where every command's JSON lines also go (``--results FILE``: appended), besides stdout.
+RESULTS_FILE: str | None = None
+
+
 def emit(record: dict[str, Any]) -> None:
-    """Print one JSON line (the benchmarks' public output format) and flush."""
-    sys.stdout.write(json.dumps(record, sort_keys=False) + "\n")
+    """Print one JSON line (the benchmarks' public output format) and flush; with
+    ``--results FILE`` the line is appended to that file too."""
+    line = json.dumps(record, sort_keys=False) + "\n"
+    sys.stdout.write(line)
     sys.stdout.flush()
+    if RESULTS_FILE is not None:
+        with open(RESULTS_FILE, "a", encoding="utf-8") as f:
+            f.write(line)
 
 
 def percentile(values: Sequence[float], q: float) -> float:

@@ -40,7 +40,7 @@ from cluster.cache.offload import ImmediateEngine, ThreadEngine, make_copy_engin
 from cluster.cache.lease import KVLease
 from cluster.cache.radix_tree import RadixTree, TreeNode
 from cluster.cache.staging import HostStaging
-from cluster.errors import CacheError, ChecksumError, InvalidInputError, PoolExhaustedError
+from cluster.errors import ChecksumError, InvalidInputError, PoolExhaustedError
 from cluster.names import COLD, HOT, TIER_NAMES, WARM
 from cluster.ownership import ThreadOwner
 from cluster.cache.tier_types import Move, MoveKind, TieredMatch, TierConfig, UnknownSessionError

@@ -18,7 +18,7 @@ import json
 import random
 import time
 
-from cluster.bench.common import percentile, plot_cdfs
+from cluster.bench.common import emit, percentile, plot_cdfs
 from serve_app.local import DEMO_WORKER, LocalCluster, free_port, prepare_model
 
 
@@ -171,8 +171,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"{row['policy']:<14}{row['requests']:>9}{row['hit_rate']:>10.1%}{row['reuse_ratio']:>8.1%}"
                   f"{row['ttft_ms_p50']:>13.1f}{row['ttft_ms_p99']:>13.1f}")
         for row in rows:
-            print(json.dumps({"demo": "multiturn_http", **{k: (round(v, 4) if isinstance(v, float) else v)
-                                                          for k, v in row.items() if not k.startswith("_")}}))
+            emit({"demo": "multiturn_http", **{k: (round(v, 4) if isinstance(v, float) else v)
+                                               for k, v in row.items() if not k.startswith("_")}})
         if args.plot:
             plot(rows, args.plot)
             print(f"wrote {args.plot}")

@@ -45,6 +45,7 @@ import random
 import time
 from urllib.parse import urlparse
 
+from cluster.bench.common import emit
 from serve_app.tools.faults import ClusterProbe
 from serve_app.tools.hostile import _hostile_report, hostile_bodies, hostile_client
 
@@ -249,7 +250,7 @@ def run(args: argparse.Namespace) -> int:
                                   probe=probe, api_key=args.api_key, model=args.model, timeout=args.timeout,
                                   seed=args.seed, hostile_concurrency=args.hostile_concurrency,
                                   hostile_api_key=args.hostile_api_key, hostile_rate=args.hostile_rate))
-    print(json.dumps(report), flush=True)
+    emit(report)
     return 0
 
 

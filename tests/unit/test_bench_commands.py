@@ -68,3 +68,14 @@ def test_gpu_check_script_parses_and_runs_every_step():
     text = script.read_text()
     for step in ("-m cuda", "bench tiers", "bench engine --device cuda --dtype bfloat16", "bench multiturn"):
         assert step in text, step
+
+
+def test_results_file_gets_exactly_the_lines_the_command_printed(tmp_path, capsys):
+    """``--results FILE``: the raw JSON lines a page quotes are written by the command itself."""
+    out = tmp_path / "fragmentation.jsonl"
+    out.write_text('{"earlier": "line"}\n')   # appended to, never overwritten
+    assert main(["bench", "fragmentation", "--pool-tokens", "4096", "--results", str(out)]) == 0
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    written = out.read_text().splitlines()
+    assert printed and written == ['{"earlier": "line"}'] + printed
+    assert all(json.loads(line)["bench"] == "fragmentation" for line in printed)

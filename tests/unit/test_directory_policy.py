@@ -10,7 +10,7 @@ pytest.importorskip("ray")
 
 from actors.directory import DirectoryImpl  # noqa: E402
 from cluster.cache.radix_tree import HOT  # noqa: E402
-from cluster.protocol import LoadReport, MeasuredRates, Snapshot  # noqa: E402
+from cluster.protocol import LoadReport, MeasuredRates  # noqa: E402
 from cluster.routing.events import EventBatch, KVEvent  # noqa: E402
 
 RATES = MeasuredRates(prefill_tokens_per_s=1000.0, warm_promote_tokens_per_s=10_000.0, cold_promote_tokens_per_s=1000.0,

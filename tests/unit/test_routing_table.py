@@ -3,7 +3,6 @@ ops in order and decides exactly what the directory decides; it starts over
 from the whole table when it misses an op or the directory restarts."""
 
 import asyncio
-import dataclasses
 from types import SimpleNamespace
 
 import pytest
