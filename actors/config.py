@@ -29,7 +29,9 @@ class WorkerConfig:
     # the seeded test model, a local checkpoint directory, a .gguf file or a hub id.
     model: str | dict | None = None
     tiers: TierConfig = field(default_factory=lambda: TierConfig(**DEFAULT_TIERS))
-    max_batch_tokens: int = 4096
+    # Tokens one engine step computes at most (decodes plus prefill chunks): a long
+    # prompt is prefilled in chunks of this, interleaved with the running decodes.
+    max_batch_tokens: int = 512
     max_running: int = 64
     max_queued_requests: int = 256
     use_nixl: bool = True

@@ -9,7 +9,7 @@ from typing import Any
 
 # Sized for the embedded SmolLM2-135M-Instruct in float32 (45 KiB of KV per token):
 # 8k tokens HOT (360 MiB) and 16k WARM (720 MiB) per replica.
-DEMO_WORKER = {"block_tokens": 16, "hot_blocks": 512, "warm_blocks": 1024, "max_batch_tokens": 4096,
+DEMO_WORKER = {"block_tokens": 16, "hot_blocks": 512, "warm_blocks": 1024, "max_batch_tokens": 512,
                "torch_threads": 1}
 
 

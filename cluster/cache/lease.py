@@ -48,7 +48,7 @@ class KVLease:
     """
 
     __slots__ = ("cache", "namespace", "cached_tokens", "tier_hits", "promoted_tokens", "waited_s",
-                 "length", "_node", "_prefix", "_own", "_open")
+                 "length", "_node", "_prefix", "_own", "_reserved", "_open")
 
     def __init__(self, cache: "TieredCache", namespace: Hashable, node: "TreeNode", prefix: list[Extent],
                  cached_tokens: int, tier_hits: tuple[int, int, int], promoted_tokens: int, waited_s: float):
@@ -62,6 +62,7 @@ class KVLease:
         self._node = node            # locked until the lease ends
         self._prefix = prefix        # HOT extents of tokens[:cached_tokens]
         self._own: list[Extent] = []   # this request's KV after the prefix
+        self._reserved: list[Extent] | None = None   # room taken by ``reserve``, not yet written
         self._open = True
 
     @property
@@ -95,6 +96,29 @@ class KVLease:
         self._check("append")
         self.cache.hot.write(self._grow(kv.shape[2]), kv)
 
+    def reserve(self, num_tokens: int) -> None:
+        """Take HOT room for the next ``num_tokens`` tokens now, to be filled by
+        ``write`` (a scheduler reserves before the forward, so nothing computed
+        is ever thrown away for lack of room). Raises ``PoolExhaustedError``
+        with nothing changed when HOT cannot make the room by demoting or
+        evicting unlocked prefixes."""
+        self._check("reserve")
+        if self._reserved is not None:
+            raise CacheError("KVLease.reserve while an earlier reservation is not written yet")
+        before = self.length
+        self._reserved = self._grow(num_tokens)
+        self.length = before   # ``length`` counts written tokens; the room waits for ``write``
+
+    def write(self, kv: torch.Tensor) -> None:
+        """Fill the room ``reserve`` took with the KV of exactly that many tokens."""
+        self._check("write")
+        room, self._reserved = self._reserved, None
+        n = kv.shape[2]
+        if room is None or sum(e.length for e in room) != n:
+            raise CacheError(f"KVLease.write of {n} tokens does not match the reserved room")
+        self.cache.hot.write(room, kv)
+        self.length += n
+
     def extend(self, num_tokens: int) -> None:
         """Room for ``num_tokens`` more tokens without writing them: a cache
         without KV payload (simulations) keeps only the bookkeeping."""
@@ -115,6 +139,8 @@ class KVLease:
         KV for) into the tree, remember the session, unlock; returns the node
         holding the last token (None when nothing was appended)."""
         self._check("commit")
+        if self._reserved is not None:
+            raise CacheError("KVLease.commit with reserved room not written")
         if len(tokens) != self.length:
             raise CacheError(f"commit of {len(tokens)} tokens on a lease holding KV for {self.length}")
         cache, node = self.cache, None
@@ -139,7 +165,7 @@ class KVLease:
             if self._own:
                 self.cache.hot.allocator.free(self._own)
         finally:
-            self._own = []
+            self._own, self._reserved = [], None
             self._end()
 
     def _end(self) -> None:

@@ -102,17 +102,13 @@ class TieredCache:
             self.owner.check(what if "." in what else f"TieredCache.{what}")
 
     # ------------------------------------------------------------ requests
-    def admit(self, prompt: Sequence[int], namespace: Hashable = None, *, room_for: int = 0,
-              compute_last: bool = True, validate: bool = True) -> KVLease | None:
+    def admit(self, prompt: Sequence[int], namespace: Hashable = None, *, compute_last: bool = True,
+              validate: bool = True) -> KVLease:
         """A lease on ``prompt``'s KV: its longest cached prefix, promoted to
         HOT (all or nothing) and locked. With ``compute_last`` the last prompt
-        token is left to compute (its logits start the output).
-
-        ``room_for``: HOT tokens the request still needs besides its prefix
-        (its uncached suffix is added here); when HOT cannot make that room by
-        demoting or evicting unlocked prefixes, nothing stays locked and the
-        answer is None: the request waits. 0 admits without the check.
-        """
+        token is left to compute (its logits start the output). The room for
+        the rest is the lease's to reserve (``KVLease.reserve``: a caller that
+        cannot get it releases the lease, and nothing stays locked)."""
         self._check_owner("admit")
         m = self._match(prompt, namespace, lock=True, validate=validate)
         usable = min(m.length, len(prompt) - 1) if compute_last else m.length
@@ -120,11 +116,26 @@ class TieredCache:
         hot = min(usable, tl[HOT])
         warm = min(usable - hot, tl[WARM])
         hits = (hot, warm, usable - hot - warm)
-        if room_for and (len(prompt) - usable) + room_for > self._room_tokens():
-            self._unlock(m.last_node)
-            return None
         return KVLease(self, namespace, m.last_node, _take(m.extents, usable), usable, hits,
                        m.promoted_tokens, m.waited_s)
+
+    def ready(self, tokens: Sequence[int], namespace: Hashable = None) -> tuple[bool, list[int]]:
+        """Whether ``admit`` of ``tokens`` would find its cached prefix in HOT now,
+        and the HOT/WARM/COLD split of that prefix as found. When part of it is
+        WARM or COLD, its promotion starts here (unless one is in flight already)
+        and the answer is False until it is done: the caller admits other work
+        meanwhile instead of waiting for the copy. True also when the promotion
+        cannot start (no room: ``admit`` uses the HOT part)."""
+        self._check_owner("ready")
+        self.poll()
+        m = self.tree.match_prefix(tokens, namespace, validate=False)
+        tiers = list(m.tier_lengths)
+        colder = [n for n in m.nodes if n.tier != HOT]
+        if not colder:
+            return True, tiers
+        if any(n.busy for n in m.nodes):
+            return False, tiers
+        return self._start_promotion(colder) is None, tiers
 
     def lookup(self, tokens: Sequence[int], namespace: Hashable = None) -> TieredMatch:
         """What is cached of ``tokens`` and in which tier, moving and locking
@@ -234,12 +245,6 @@ class TieredCache:
             self.pools[COLD].drop_page_cache()
 
     # ----------------------------------------------------------- internals
-    def _room_tokens(self) -> int:
-        """HOT tokens new KV can take now: free blocks plus unlocked HOT
-        prefixes that eviction or demotion would make room from."""
-        hot = self.hot.allocator
-        return hot.free_blocks * hot.block_tokens + self.tree.evictable[HOT]
-
     def _match(self, tokens: Sequence[int], namespace: Hashable = None, *, promote: bool = True,
                lock: bool = False, validate: bool = True) -> TieredMatch:
         """Longest cached prefix, promoted to HOT (all or nothing) when ``promote``.

@@ -1,99 +1,71 @@
-"""Model runner on the tiered radix cache, with continuous batching.
+"""Model runner on the tiered radix cache: continuous batching that never fails for lack of KV.
 
-Per request: match the prompt's prefix (promoting WARM/COLD parts to HOT) and
-lock it, compute only the uncached suffix reading the cached KV from the pool,
-write the new KV into the request's own extents, decode (appending, with
-copy-on-write when the tail extent shares a block), and at the end insert the
-whole sequence into the tree and release the lock, also on failure or cancel.
+Each ``step`` spends one token budget (``max_batch_tokens``) on one packed
+forward, in this order (vLLM v1's, with chunked prefill):
 
-Each ``step`` runs one batch under a token budget: decodes of every running
-request plus as many waiting prefills as fit (a prompt longer than the budget
-runs alone). The model sees one packed forward per step.
+1. running requests that decode: one token each;
+2. running requests still filling their prompt: the next chunk each, first
+   come first served, as far as the budget goes;
+3. waiting requests, first come first served: a lease on the prompt's cached
+   prefix (``TieredCache.admit``) and the first chunk of the rest. A waiting
+   request whose prefix is still being promoted from WARM/COLD is passed over
+   this step (the copy runs meanwhile) and joins once its KV is in HOT.
+
+Before the forward every request reserves the HOT room for this step's
+tokens (``KVLease.reserve``: real blocks, after demoting or evicting unlocked
+prefixes), so nothing computed is lost for lack of room. When a running
+request cannot get its room, the newest running request is preempted: what
+it computed is committed to the cache (the tier machinery then keeps it in
+HOT, demotes it to WARM, or drops it when WARM is full too) and it goes back
+to the front of the queue; admitted again, it finds what the cache kept and
+recomputes only the rest, and its sampling continues exactly (a function of
+seed and position). A waiting request that finds no room waits. A request
+that could not fit in HOT even alone is refused at ``submit``.
+
+A step's length is bounded by the budget: one long prompt or a burst of new
+sessions takes its turn in chunks, while running decodes keep their pace.
 """
 
 from __future__ import annotations
 
 import inspect
 import itertools
-import struct
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any, Hashable, Sequence
+from typing import Any, Sequence
 
 import torch
-import xxhash
 
-from cluster.cache.lease import KVLease
 from cluster.cache.tiered import TieredCache
 from cluster.engine.model import sample
+from cluster.engine.request import EngineRequest, TokenEvent, position_seed
 from cluster.engine.scratch import ScratchKV
 from cluster.errors import CacheError, InvalidInputError, PoolExhaustedError
+from cluster.names import COLD, HOT, WARM
 from cluster.ownership import ThreadOwner
 from cluster.protocol import FinishReason, SamplingParams
+from cluster.tokens import as_token_list
 
 __all__ = ["Engine", "EngineRequest", "SamplingParams", "TokenEvent", "position_seed"]
-from cluster.tokens import as_token_list
 
 log = logging.getLogger(__name__)
 
-
-@dataclass
-class EngineRequest:
-    """One request inside the engine: its tokens, its lease on the KV cache,
-    its working KV buffer and its timestamps."""
-
-    prompt: list[int]
-    params: SamplingParams = field(default_factory=SamplingParams)
-    namespace: Hashable = None
-    session_id: Any = None
-    request_id: int = 0
-    # Filled in by the engine.
-    output: list[int] = field(default_factory=list)
-    cached_tokens: int = 0          # prompt tokens served from the cache
-    tier_hits: list[int] = field(default_factory=lambda: [0, 0, 0])
-    finished: bool = False
-    finish_reason: FinishReason | None = None
-    error: str | None = None
-    submitted_at: float = 0.0
-    # Where its time to first token went, on the engine's clock: the step that
-    # admitted it began matching its prefix (admit), had it in the batch with its
-    # cached KV read (admitted), started the forward (forward), sampled its token.
-    scheduled_at: float | None = None
-    admitted_at: float | None = None
-    forward_at: float | None = None
-    first_token_at: float | None = None
-    logits: list[torch.Tensor] = field(default_factory=list)   # kept when keep_logits
-    # Private state.
-    _lease: KVLease | None = None    # its hold on the cache: prefix locked, its own KV
-    _kv: torch.Tensor | None = None  # working copy [L, 2, capacity, H, D]
-    _len: int = 0                    # tokens whose KV is computed
-    _generator: torch.Generator | None = None   # reseeded per position (see position_seed)
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.prompt + self.output
-
-
-@dataclass(slots=True)
-class TokenEvent:
-    request: EngineRequest
-    token: int | None      # None: the request ended without a new token (error, cancel)
-    finished: bool
+# The default budget: on 2 CPU cores a 512-token chunk of a 135M model is about a
+# second of compute, so no step keeps running decodes waiting longer than that.
+DEFAULT_BATCH_TOKENS = 512
 
 
 class Engine:
-    def __init__(self, model: Any, cache: TieredCache, *, max_batch_tokens: int = 4096, max_running: int = 64,
-                 keep_logits: bool = False, cache_final_token: bool = True, clock=time.perf_counter):
-        """``cache_final_token``: when a request ends, also compute the KV of its last
-        sampled token (one more forward, alone, per finished request) so the next
-        turn finds the whole sequence cached. Workers turn it off
-        (``WorkerConfig.cache_final_token``), as vLLM and SGLang do: the next turn
-        computes that one token inside its own prefill for nothing extra, while a
-        lone forward per finished request costs a full pass over the weights
-        (66 ms of a 135M model on one CPU thread) and delays whatever arrives
-        meanwhile. On here, for tools and the exactness tests of that path."""
+    def __init__(self, model: Any, cache: TieredCache, *, max_batch_tokens: int = DEFAULT_BATCH_TOKENS,
+                 max_running: int = 64, keep_logits: bool = False, cache_final_token: bool = True,
+                 clock=time.perf_counter):
+        """``max_batch_tokens``: the tokens one step computes at most (decodes and
+        prefill chunks together). ``cache_final_token``: when a request ends, also
+        compute the KV of its last sampled token (one more forward, alone, per
+        finished request) so the next turn finds the whole sequence cached.
+        Workers turn it off (``WorkerConfig.cache_final_token``), as vLLM and
+        SGLang do: the next turn computes that one token inside its own prefill."""
         cfg = model.config
         lay = cache.layout
         if lay is None or (lay.num_layers, lay.num_kv_heads, lay.head_dim) != (
@@ -109,18 +81,24 @@ class Engine:
         self.cache_final_token = cache_final_token
         self.clock = clock
         self.waiting: deque[EngineRequest] = deque()
+        self.running: list[EngineRequest] = []   # in admission order: the newest is preempted first
         self._ended: list[TokenEvent] = []   # requests that ended outside a sampled token
-        self._finishing: list[tuple[EngineRequest, FinishReason]] = []   # ended by a token, not yet cached (defer_finish)
-        self.running: list[EngineRequest] = []
+        self._finishing: list[tuple[EngineRequest, FinishReason]] = []   # ended by a token, not yet cached
         self._ids = itertools.count(1)
         self.owner: ThreadOwner | None = None   # the worker's engine thread, when ownership checks are on
         self._last_logits_only = "last_logits_only" in inspect.signature(model.forward_batch).parameters
+        hot = cache.hot.allocator
+        # What one request may hold alone: HOT, less a block of slack for a copy-on-write tail.
+        self.max_request_tokens = hot.capacity_tokens - hot.block_tokens
         # Working KV buffers, reused: a fresh one would page-fault its way in on every request.
         self.scratch = ScratchKV(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cache.kv_dtype, cache.kv_device,
-                                 max_idle_bytes=2 * max_batch_tokens * lay.bytes_per_token())
+                                 max_idle_bytes=2 * max(max_batch_tokens, 4096) * lay.bytes_per_token())
+        self._bytes_per_token = lay.bytes_per_token()
         self.stats = {"prompt_tokens": 0, "cached_tokens": 0, "computed_tokens": 0, "steps": 0,
                       "requests_finished": 0, "requests_failed": 0, "requests_cancelled": 0,
-                      "finish_failures": 0}
+                      "finish_failures": 0, "preemptions": 0, "preempted_tokens": 0, "resumed_hot_tokens": 0,
+                      "resumed_warm_tokens": 0, "resumed_cold_tokens": 0, "recomputed_tokens": 0,
+                      "swap_in_bytes": 0, "waits_for_room": 0, "waits_for_promotion": 0}
 
     # ------------------------------------------------------------------ API
     def submit(self, request: EngineRequest) -> EngineRequest:
@@ -128,10 +106,16 @@ class Engine:
             self.owner.check("Engine.submit")
         request.prompt = as_token_list(request.prompt, self.model.config.vocab_size)
         limit = self.model.config.max_position
-        if len(request.prompt) + request.params.max_tokens > limit:
+        need = len(request.prompt) + request.params.max_tokens
+        if need > limit:
             raise InvalidInputError(
                 f"prompt ({len(request.prompt)} tokens) + max_tokens ({request.params.max_tokens}) "
                 f"exceeds the model's context of {limit}")
+        if need + 1 > self.max_request_tokens:
+            raise InvalidInputError(
+                f"prompt ({len(request.prompt)} tokens) + max_tokens ({request.params.max_tokens}) needs more KV "
+                f"than this worker's HOT cache can hold for one request ({self.max_request_tokens - 1} tokens); "
+                f"shorten the prompt or lower max_tokens")
         request.request_id = request.request_id or next(self._ids)
         request.submitted_at = self.clock()
         if request.params.seed is not None and not request.params.greedy:
@@ -145,7 +129,6 @@ class Engine:
         reason = FinishReason(reason)
         if request in self.waiting:
             self.waiting.remove(request)
-            self._give_scratch(request)
             request.finished, request.finish_reason = True, reason
             self._ended.append(TokenEvent(request, None, True))
             self.stats["requests_cancelled"] += 1
@@ -167,66 +150,45 @@ class Engine:
 
     # ------------------------------------------------------------------ steps
     def step(self, defer_finish: bool = False) -> list[TokenEvent]:
-        """One scheduler iteration: admit prefills, run one batch, sample.
+        """One scheduler iteration: plan the batch under the budget, run one
+        forward, sample.
 
         A request that ends on the token it just sampled is finished (its KV
         cached, its prefix unlocked) before ``step`` returns; with
         ``defer_finish`` that work waits for ``complete_finished``, so the
-        caller can deliver the last token first: the client does not wait
-        for the final token's KV and the tree insert. The next step does it
-        first in any case."""
+        caller can deliver the last token first. The next step does it first
+        in any case."""
         if self.owner is not None:
             self.owner.check("Engine.step")
         self.complete_finished()
         self.cache.poll()
-        batch: list[tuple[EngineRequest, torch.Tensor, int]] = []   # (request, new tokens, start position)
-        budget = self.max_batch_tokens
-        for req in self.running:
-            batch.append((req, torch.tensor(req.tokens[-1:]), req._len))
-            budget -= 1
-        while self.waiting and len(self.running) < self.max_running:
-            req = self.waiting[0]
-            req.scheduled_at = self.clock()
-            suffix = self._admit(req, check_room=bool(batch))
-            if suffix is None:
-                if req.finished:   # the cache refused its prompt
-                    self.waiting.popleft()
-                    continue
-                break              # no room yet: it waits for running requests to finish
-            if batch and suffix > budget:
-                self._release_lease(req)   # try again next step, with a fresh match
-                break
-            self.waiting.popleft()
-            self.running.append(req)
-            req.admitted_at = self.clock()
-            self.stats["prompt_tokens"] += len(req.prompt)
-            self.stats["cached_tokens"] += req.cached_tokens
-            batch.append((req, torch.tensor(req.prompt[req._len:]), req._len))
-            budget -= suffix
+        plan = self._plan()
         events, self._ended = self._ended, []
-        if not batch:
+        if not plan:
             return events
-        items = [(toks, start, req._kv[:, :, :start] if start else None) for req, toks, start in batch]
+        items = []
+        for req, n in plan:
+            start = req._len
+            items.append((torch.tensor(req.tokens[start:start + n]), start, req._kv[:, :, :start] if start else None))
         forward_at = self.clock()
-        for req, _, _ in batch:
+        for req, _ in plan:
             if req.forward_at is None:
                 req.forward_at = forward_at
         try:
             outputs = (self.model.forward_batch(items) if self.keep_logits or not self._last_logits_only
                        else self.model.forward_batch(items, last_logits_only=True))
         except Exception as exc:  # a failed step fails its requests, never the cache
-            for req, _, _ in batch:
+            for req, _ in plan:
                 self._finish(req, FinishReason.ERROR, keep=False, error=f"model forward failed: {exc}")
             return events + self.drain_ended()
         self.stats["steps"] += 1
-        for (req, toks, start), (logits, new_kv) in zip(batch, outputs):
+        for (req, n), (logits, new_kv) in zip(plan, outputs):
             try:
-                token = self._advance(req, toks, start, logits, new_kv)
-            except PoolExhaustedError as exc:
-                self._finish(req, FinishReason.ERROR, keep=False, error=f"KV cache full: {exc}")
-                continue
+                token = self._advance(req, n, logits, new_kv)
             except Exception as exc:  # this request fails; the batch, the engine and the cache go on
                 self._finish(req, FinishReason.ERROR, keep=False, error=f"{type(exc).__name__}: {exc}")
+                continue
+            if token is None:   # a chunk of a prompt that is not done yet
                 continue
             if req.first_token_at is None:
                 req.first_token_at = self.clock()
@@ -244,6 +206,118 @@ class Engine:
             self.complete_finished()
         return events + self.drain_ended()
 
+    def _plan(self) -> list[tuple[EngineRequest, int]]:
+        """This step's batch: (request, tokens to compute), every one with its HOT room reserved."""
+        budget = self.max_batch_tokens
+        plan: list[tuple[EngineRequest, int]] = []
+        planned: set[int] = set()
+        decoding = [r for r in self.running if r.to_compute == 1]
+        filling = [r for r in self.running if r.to_compute > 1]
+        for req in decoding + filling:
+            if budget <= 0:
+                break
+            if req not in self.running:   # preempted for an older request of this step
+                continue
+            n = min(req.to_compute, budget)
+            if self._reserve_or_preempt(req, n, planned):
+                plan.append((req, n))
+                planned.add(id(req))
+                budget -= n
+        for req in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.max_running:
+                break
+            ready, tiers = self.cache.ready(req.tokens, req.namespace)
+            if req._tiers_found is None:   # where its KV comes from, before any promotion
+                req._tiers_found = tiers
+            if not ready:   # its prefix is on its way up to HOT: the others go meanwhile
+                self.stats["waits_for_promotion"] += 1
+                continue
+            req.scheduled_at = self.clock() if req.scheduled_at is None else req.scheduled_at
+            n = self._admit(req, budget)
+            if n is None:
+                if req.finished:   # the cache refused its prompt
+                    self.waiting.remove(req)
+                    continue
+                self.stats["waits_for_room"] += 1
+                break              # no room: it waits for running requests to finish or yield
+            self.waiting.remove(req)
+            self.running.append(req)
+            plan.append((req, n))
+            planned.add(id(req))
+            budget -= n
+        return plan
+
+    def _reserve_or_preempt(self, req: EngineRequest, n: int, planned: set[int]) -> bool:
+        """Room for ``n`` more tokens of ``req``; preempts the newest running request
+        not yet in this step's batch until there is room (False: ``req`` itself was it)."""
+        while True:
+            try:
+                req._lease.reserve(n)
+                return True
+            except PoolExhaustedError:
+                victim = next((r for r in reversed(self.running) if id(r) not in planned), None)
+                if victim is None:   # everyone else is in this step already: this one yields
+                    victim = req
+                self._preempt(victim)
+                if victim is req:
+                    return False
+
+    def _admit(self, req: EngineRequest, budget: int) -> int | None:
+        """Lease the sequence's cached prefix, read it into the working buffer and
+        reserve the first chunk; the chunk's length, or None when it cannot run now
+        (no room: it waits, holding nothing; or the cache refused its prompt: it ended)."""
+        seq = req.tokens
+        try:
+            lease = self.cache.admit(seq, req.namespace, validate=False)
+        except CacheError as exc:
+            req.finished, req.finish_reason, req.error = True, FinishReason.ERROR, str(exc)
+            self._ended.append(TokenEvent(req, None, True))
+            return None
+        n = min(len(seq) - lease.cached_tokens, budget)
+        try:
+            lease.reserve(n)
+        except PoolExhaustedError:
+            lease.release()
+            return None
+        tiers = _split(lease.cached_tokens, req._tiers_found or list(lease.tier_hits))
+        if req.admitted_at is None:
+            req.cached_tokens = lease.cached_tokens
+            req.tier_hits = tiers
+            req.admitted_at = self.clock()
+            self.stats["prompt_tokens"] += len(req.prompt)
+            self.stats["cached_tokens"] += lease.cached_tokens
+        else:   # back after a preemption: what the cache kept of it, and from which tier
+            for tier, key in ((HOT, "resumed_hot_tokens"), (WARM, "resumed_warm_tokens"),
+                              (COLD, "resumed_cold_tokens")):
+                self.stats[key] += tiers[tier]
+            self.stats["swap_in_bytes"] += (tiers[WARM] + tiers[COLD]) * self._bytes_per_token
+            self.stats["recomputed_tokens"] += max(0, req._preempted_len - lease.cached_tokens)
+        req._lease = lease
+        self._give_scratch(req)
+        req._kv = self.scratch.take(req.capacity)
+        lease.read_prefix_into(req._kv[:, :, :lease.cached_tokens])
+        req._len = lease.cached_tokens
+        return n
+
+    def _preempt(self, req: EngineRequest) -> None:
+        """Take ``req`` off the batch: what it computed goes into the cache (for its
+        return), its room and working buffer are freed, and it queues first again."""
+        self.running.remove(req)
+        lease, req._lease = req._lease, None
+        req._preempted_len = req._len
+        try:
+            if lease.length > lease.cached_tokens:
+                lease.commit(req.tokens[:req._len])
+        finally:
+            lease.release()
+            self._give_scratch(req)
+        self.stats["preemptions"] += 1
+        self.stats["preempted_tokens"] += req._len
+        req.preemptions += 1
+        req._len = 0
+        req._tiers_found = None   # looked at afresh when it comes back: its KV may have moved down meanwhile
+        self.waiting.appendleft(req)
+
     def complete_finished(self) -> None:
         """Cache the KV of the requests that ended on their last token and unlock
         their prefixes (``step(defer_finish=True)`` leaves this to the caller)."""
@@ -255,13 +329,18 @@ class Engine:
                 self.stats["finish_failures"] += 1
                 log.warning("could not cache request %s after it finished: %s", req.request_id, exc)
 
-    def _advance(self, req: EngineRequest, toks: torch.Tensor, start: int, logits: torch.Tensor,
-                 new_kv: torch.Tensor) -> int:
-        """Store one request's new KV and sample its next token."""
-        self._store_kv(req, start, new_kv)
-        self.stats["computed_tokens"] += len(toks)
+    def _advance(self, req: EngineRequest, n: int, logits: torch.Tensor, new_kv: torch.Tensor) -> int | None:
+        """Store one request's new KV; sample its next token when its sequence is
+        all computed (None: a prompt chunk, more to come)."""
+        start = req._len
+        req._kv[:, :, start:start + n] = new_kv
+        req._lease.write(new_kv)   # into the room reserved for it (copy-on-write inside)
+        req._len = start + n
+        self.stats["computed_tokens"] += n
         if self.keep_logits:
             req.logits.append(logits)
+        if req.to_compute:
+            return None
         temperature = 0.0 if req.params.greedy else req.params.temperature
         generator = req._generator
         if generator is not None:   # the token at position p depends on (seed, p) only
@@ -275,7 +354,6 @@ class Engine:
         kept; the cache's other contents are untouched)."""
         for req in list(self.waiting):
             self.waiting.remove(req)
-            self._give_scratch(req)
             req.finished, req.finish_reason, req.error = True, FinishReason.ERROR, error
             self._ended.append(TokenEvent(req, None, True))
             self.stats["requests_failed"] += 1
@@ -287,42 +365,6 @@ class Engine:
         return out
 
     # -------------------------------------------------------------- internals
-    def _admit(self, req: EngineRequest, *, check_room: bool) -> int | None:
-        """Lease the prompt's cached prefix and read it into the working buffer;
-        returns the suffix length to compute, or None when it cannot run now
-        (no room: it waits; or the cache refused the prompt: it ended).
-
-        Admission control (``check_room``): the HOT pool must be able to take
-        this request's new KV (its prompt suffix and every token it may
-        decode, plus what the running requests may still decode) once
-        unlocked prefixes are evicted or demoted; otherwise it waits for
-        running requests to finish rather than failing midway."""
-        reserved = sum(r.params.max_tokens - len(r.output) for r in self.running)
-        try:
-            lease = self.cache.admit(req.prompt, req.namespace, validate=False,
-                                     room_for=req.params.max_tokens + reserved if check_room else 0)
-        except CacheError as exc:
-            req.finished, req.finish_reason, req.error = True, FinishReason.ERROR, str(exc)
-            self._ended.append(TokenEvent(req, None, True))
-            return None
-        if lease is None:
-            return None
-        req._lease = lease
-        req.cached_tokens = lease.cached_tokens
-        req.tier_hits = list(lease.tier_hits)
-        cap = len(req.prompt) + req.params.max_tokens + 1
-        self._give_scratch(req)   # admitted before, but it did not fit that step
-        req._kv = self.scratch.take(cap)
-        lease.read_prefix_into(req._kv[:, :, :lease.cached_tokens])
-        req._len = lease.cached_tokens
-        return len(req.prompt) - lease.cached_tokens
-
-    def _store_kv(self, req: EngineRequest, start: int, new_kv: torch.Tensor) -> None:
-        n = new_kv.shape[2]
-        req._kv[:, :, start:start + n] = new_kv
-        req._lease.append(new_kv)   # copy-on-write inside when its tail block is shared
-        req._len = start + n
-
     def _finish(self, req: EngineRequest, reason: FinishReason, *, keep: bool, error: str | None = None) -> None:
         """End a request: cache its KV (when ``keep``) or free it, and end its lease."""
         req.finished, req.finish_reason, req.error = True, reason, error
@@ -333,17 +375,22 @@ class Engine:
             self.stats["requests_cancelled"] += 1
         if req in self.running:
             self.running.remove(req)
+        lease = req._lease
         try:
-            if keep and self.cache_final_token and req.output and req._len < len(req.tokens):
+            if keep and lease is not None and self.cache_final_token and req.output and req.to_compute == 1:
                 # Compute the last sampled token's KV too, so the whole sequence
                 # (prompt and output) is cached for the next turn.
                 start = req._len
                 _, kv = self.model.forward_one(torch.tensor(req.tokens[start:]), start, req._kv[:, :, :start])
-                self._store_kv(req, start, kv)
-            if keep and req._lease is not None and req._lease.length > req._lease.cached_tokens:
-                req._lease.commit(req.tokens[:req._len], req.session_id)
+                lease.reserve(kv.shape[2])
+                lease.write(kv)
+                req._len += kv.shape[2]
+            if keep and lease is not None and lease.length > lease.cached_tokens:
+                lease.commit(req.tokens[:req._len], req.session_id)
         finally:
-            self._release_lease(req)
+            if lease is not None:
+                lease.release()   # after a commit it only ends the lease
+                req._lease = None
             self._give_scratch(req)
             self.stats["requests_finished" if error is None else "requests_failed"] += 1
 
@@ -352,17 +399,9 @@ class Engine:
             self.scratch.give(req._kv)
             req._kv = None
 
-    def _release_lease(self, req: EngineRequest) -> None:
-        if req._lease is not None:
-            req._lease.release()   # nothing left to free after a commit: it only ends the lease
-            req._lease = None
 
-
-def position_seed(seed: int, position: int) -> int:
-    """The sampling seed of the token at ``position`` of a sequence (prompt included).
-
-    A function of (seed, position) only, not of how many tokens this engine
-    sampled before: a request resumed elsewhere with the tokens already sent
-    appended to its prompt samples exactly the tokens the first run would have.
-    """
-    return xxhash.xxh3_64_intdigest(struct.pack("<QQ", seed % (1 << 64), position))
+def _split(cached: int, tiers: list[int]) -> list[int]:
+    """``cached`` prefix tokens by the tier they were found in (the prefix runs HOT, WARM, COLD)."""
+    hot = min(cached, tiers[HOT])
+    warm = min(cached - hot, tiers[WARM])
+    return [hot, warm, cached - hot - warm]

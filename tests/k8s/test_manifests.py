@@ -218,7 +218,8 @@ def test_serve_config_is_config_yaml_plus_documented_overrides():
         'applications[prefix-cache].args.gpus_per_replica: 0 -> 1',
         'applications[prefix-cache].args.worker.model.dtype: "float32" -> "bfloat16"',
         'applications[prefix-cache].args.worker.cold_blocks: 0 -> 46000',
-        'applications[prefix-cache].args.worker.disk_dir: (unset) -> "/mnt/nvme"']
+        'applications[prefix-cache].args.worker.disk_dir: (unset) -> "/mnt/nvme"',
+        'applications[prefix-cache].args.worker.max_batch_tokens: 512 -> 4096']
 
 
 @pytest.mark.parametrize("overrides,message", [

@@ -1,0 +1,91 @@
+"""EngineRequest: one request inside the engine, and what a step reports of it.
+
+A request's sequence is its prompt followed by what it generated so far.
+``_len`` counts the tokens of that sequence whose KV is computed (the cached
+prefix included); the request runs until ``_len`` reaches the whole
+sequence, one budgeted chunk per step while it prefills, one token per step
+once it decodes, and samples a token whenever it does. Preempted, it gives
+up its KV (committed to the cache for its return) and starts over from
+``_len = 0`` when it is admitted again: what the cache still holds of its
+sequence is not recomputed.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+from typing import Any, Hashable
+
+import torch
+import xxhash
+
+from cluster.cache.lease import KVLease
+from cluster.protocol import FinishReason, SamplingParams
+
+
+@dataclass
+class EngineRequest:
+    """One request inside the engine: its tokens, its lease on the KV cache,
+    its working KV buffer and its timestamps."""
+
+    prompt: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    namespace: Hashable = None
+    session_id: Any = None
+    request_id: int = 0
+    # Filled in by the engine.
+    output: list[int] = field(default_factory=list)
+    cached_tokens: int = 0          # prompt tokens served from the cache (at its first admission)
+    tier_hits: list[int] = field(default_factory=lambda: [0, 0, 0])
+    preemptions: int = 0
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    submitted_at: float = 0.0
+    # Where its time to first token went, on the engine's clock: the step that
+    # admitted it began matching its prefix (scheduled), had it in the batch with its
+    # cached KV read (admitted), started its first forward (forward), sampled its token.
+    scheduled_at: float | None = None
+    admitted_at: float | None = None
+    forward_at: float | None = None
+    first_token_at: float | None = None
+    logits: list[torch.Tensor] = field(default_factory=list)   # kept when keep_logits
+    # Private state.
+    _lease: KVLease | None = None    # its hold on the cache: prefix locked, its own KV
+    _kv: torch.Tensor | None = None  # working copy [L, 2, capacity, H, D]
+    _len: int = 0                    # tokens of the sequence whose KV is computed
+    _preempted_len: int = 0          # what it had computed when it was last preempted
+    _tiers_found: list[int] | None = None   # where its prefix was when the engine first looked
+    _generator: torch.Generator | None = None   # reseeded per position (see position_seed)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def to_compute(self) -> int:
+        """Tokens of its sequence still without KV: 1 while it decodes, more while it (re)fills."""
+        return len(self.prompt) + len(self.output) - self._len
+
+    @property
+    def capacity(self) -> int:
+        """The most tokens its sequence can reach (the working buffer's size)."""
+        return len(self.prompt) + self.params.max_tokens + 1
+
+
+@dataclass(slots=True)
+class TokenEvent:
+    request: EngineRequest
+    token: int | None      # None: the request ended without a new token (error, cancel)
+    finished: bool
+
+
+def position_seed(seed: int, position: int) -> int:
+    """The sampling seed of the token at ``position`` of a sequence (prompt included).
+
+    A function of (seed, position) only, not of how many tokens this engine
+    sampled before: a request resumed elsewhere (or after a preemption) with
+    the tokens already sent appended to its prompt samples exactly the tokens
+    the first run would have.
+    """
+    return xxhash.xxh3_64_intdigest(struct.pack("<QQ", seed % (1 << 64), position))

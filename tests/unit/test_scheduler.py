@@ -1,0 +1,177 @@
+"""The engine under memory pressure: no request fails for lack of KV, every one produces
+exactly the tokens it would with unlimited memory, and the scheduler's budget, preemption
+and promotion rules hold step by step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cluster.cache.kv_pool import KVLayout
+from cluster.cache.tiered import TierConfig, TieredCache
+from cluster.engine.model import DecoderModel, ModelConfig
+from cluster.engine.runner import Engine, EngineRequest, SamplingParams
+from cluster.errors import InvalidInputError
+from cluster.names import WARM
+
+BT = 4
+MODEL = DecoderModel(ModelConfig(num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8,
+                                 intermediate_size=64, vocab_size=64, seed=11))
+
+
+def make_engine(hot_blocks, warm_blocks=0, budget=64, max_running=16):
+    c = MODEL.config
+    cache = TieredCache(TierConfig(hot_blocks=hot_blocks, warm_blocks=warm_blocks, block_tokens=BT, device="cpu"),
+                        KVLayout(c.num_layers, c.num_kv_heads, c.head_dim), vocab_size=c.vocab_size,
+                        deterministic_io=True)
+    return Engine(MODEL, cache, max_batch_tokens=budget, max_running=max_running, cache_final_token=False)
+
+
+def run_all(engine, requests, max_steps=5000):
+    reqs = [engine.submit(EngineRequest(list(p), params)) for p, params in requests]
+    steps = 0
+    while engine.has_work():
+        engine.step()
+        steps += 1
+        assert steps < max_steps, "the engine stopped making progress"
+    return reqs
+
+
+def reference_outputs(requests):
+    """What each request produces with memory to spare (alone in a big cache)."""
+    out = []
+    for prompt, params in requests:
+        engine = make_engine(hot_blocks=512, budget=4096)
+        out.append(run_all(engine, [(prompt, params)])[0].output)
+    return out
+
+
+def check_drained(engine):
+    """Every lease ended: nothing locked, no private KV left, the invariants hold."""
+    cache = engine.cache
+    cache.check_invariants()
+    assert cache.protected_tokens == 0
+    assert not engine.running and not engine.waiting
+
+
+request_st = st.tuples(
+    st.lists(st.integers(0, 63), min_size=1, max_size=40),            # the prompt
+    st.integers(1, 12),                                                # max_tokens
+    st.one_of(st.none(), st.integers(0, 2 ** 32)),                     # seed: None = greedy
+)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(requests=st.lists(request_st, min_size=1, max_size=8), spare_blocks=st.integers(0, 24),
+       warm_blocks=st.sampled_from([0, 4, 64]), budget=st.sampled_from([3, 8, 64]),
+       shared=st.lists(st.integers(0, 63), max_size=12))
+def test_every_request_completes_with_the_tokens_of_unlimited_memory(requests, spare_blocks, warm_blocks, budget,
+                                                                     shared):
+    """Random prompts (some sharing a prefix), lengths, sampling, budgets and HOT sizes
+    down to one request's worth: nothing fails, nothing differs from a run with room to spare."""
+    reqs = [(shared + prompt, SamplingParams(max_tokens=n, temperature=0.0 if seed is None else 0.9,
+                                             seed=seed)) for prompt, n, seed in requests]
+    longest = max(len(p) + params.max_tokens + 1 for p, params in reqs)
+    hot_blocks = -(-longest // BT) + 1 + spare_blocks   # one request's worth (and the engine's slack block)
+    engine = make_engine(hot_blocks, warm_blocks, budget=budget)
+    done = run_all(engine, reqs)
+    assert [r.error for r in done] == [None] * len(done)
+    assert all(r.finished and r.finish_reason in ("stop", "length") for r in done)
+    assert [r.output for r in done] == reference_outputs(reqs)
+    check_drained(engine)
+
+
+def test_a_full_hot_pool_preempts_the_newest_into_warm_and_it_resumes_exactly():
+    prompts = [[(7 * i + j) % 64 for j in range(20)] for i in range(4)]
+    params = SamplingParams(max_tokens=12, temperature=0.9, seed=5)
+    want = reference_outputs([(p, params) for p in prompts])
+    engine = make_engine(hot_blocks=20, warm_blocks=64, budget=64)   # 80 tokens: not all four at once
+    done = run_all(engine, [(p, params) for p in prompts])
+    assert [r.output for r in done] == want and [r.error for r in done] == [None] * 4
+    stats = engine.stats
+    assert stats["preemptions"] >= 1 and sum(r.preemptions for r in done) == stats["preemptions"]
+    assert stats["preempted_tokens"] > 0
+    # What a victim had computed came back from the cache (HOT or swapped to WARM), not all recomputed.
+    resumed = stats["resumed_hot_tokens"] + stats["resumed_warm_tokens"] + stats["resumed_cold_tokens"]
+    assert resumed + stats["recomputed_tokens"] >= stats["preempted_tokens"] - stats["preemptions"] * BT
+    assert stats["swap_in_bytes"] == (stats["resumed_warm_tokens"] + stats["resumed_cold_tokens"]) * \
+        engine.cache.layout.bytes_per_token()
+    check_drained(engine)
+
+
+def test_swapped_out_kv_is_promoted_back_when_the_victim_resumes():
+    """Both start small, then grow past what HOT holds: the newer one is preempted, its
+    KV goes down to WARM while the older one finishes, and it resumes from WARM
+    (swap-in bytes counted), not from scratch."""
+    a, b = [1] * 12, [2] * 12
+    params = SamplingParams(max_tokens=20)
+    want = reference_outputs([(a, params), (b, params)])
+    engine = make_engine(hot_blocks=14, warm_blocks=64, budget=64)   # 56 tokens: 33 each, not 66 together
+    done = run_all(engine, [(a, params), (b, params)])
+    assert [r.output for r in done] == want
+    assert engine.stats["preemptions"] >= 1
+    assert engine.stats["resumed_warm_tokens"] > 0 and engine.stats["swap_in_bytes"] > 0
+    check_drained(engine)
+
+
+def test_a_request_that_can_never_fit_is_refused_at_submit_naming_the_limit():
+    engine = make_engine(hot_blocks=8)   # 32 tokens, one of them slack
+    with pytest.raises(InvalidInputError, match=r"more KV than this worker's HOT cache can hold for one request "
+                                                r"\(27 tokens\); shorten the prompt or lower max_tokens"):
+        engine.submit(EngineRequest([1] * 20, SamplingParams(max_tokens=10)))
+    ok = engine.submit(EngineRequest([1] * 20, SamplingParams(max_tokens=6)))   # 27 tokens: fits alone
+    while not ok.finished:
+        engine.step()
+    assert ok.error is None and len(ok.output) == 6
+
+
+def test_a_long_prompt_is_prefilled_in_budgeted_chunks_while_decodes_go_on():
+    engine = make_engine(hot_blocks=128, budget=8)
+    short = engine.submit(EngineRequest([3] * 5, SamplingParams(max_tokens=10)))
+    while not short.output:
+        engine.step()
+    long = engine.submit(EngineRequest(list(range(60)), SamplingParams(max_tokens=2)))
+    steps, produced = 0, len(short.output)
+    while not long.output:
+        engine.step()
+        steps += 1
+        assert engine.stats["computed_tokens"] > 0
+    # 60 prompt tokens through a budget of 8, one of which each step went to the running decode.
+    assert steps == -(-60 // 7)
+    assert len(short.output) - produced == min(steps, 10 - produced)   # it decoded every step meanwhile
+    while engine.has_work():
+        engine.step()
+    assert long.output == reference_outputs([(list(range(60)), SamplingParams(max_tokens=2))])[0]
+
+
+def test_a_request_whose_prefix_is_promoted_does_not_hold_up_the_step():
+    engine = make_engine(hot_blocks=64, warm_blocks=64, budget=64)
+    first = engine.generate([9] * 24, SamplingParams(max_tokens=2))
+    engine.cache.demote_path(first.tokens[:-1], None, WARM)
+    running = engine.submit(EngineRequest([5] * 6, SamplingParams(max_tokens=8)))
+    engine.step()
+    assert running.output   # running
+    follow = engine.submit(EngineRequest(first.tokens[:-1] + [4, 4], SamplingParams(max_tokens=2)))
+    before = len(running.output)
+    engine.step()   # the follow-up's prefix is being promoted: the running one decodes meanwhile
+    assert len(running.output) == before + 1 and follow in engine.waiting
+    assert engine.stats["waits_for_promotion"] >= 1
+    while engine.has_work():
+        engine.step()
+    assert follow.cached_tokens == 25 and follow.tier_hits[WARM] == 25   # found in WARM, promoted
+    assert follow.error is None
+
+
+def test_only_the_chunks_reserve_room_and_no_step_exceeds_the_budget():
+    engine = make_engine(hot_blocks=256, budget=16)
+    reqs = [engine.submit(EngineRequest([i] * (10 + 7 * i), SamplingParams(max_tokens=5))) for i in range(6)]
+    computed = 0
+    while engine.has_work():
+        engine.step()
+        step_tokens = engine.stats["computed_tokens"] - computed
+        computed = engine.stats["computed_tokens"]
+        assert step_tokens <= 16
+    assert all(r.error is None and len(r.output) == 5 for r in reqs)
+    torch.testing.assert_close(torch.tensor(computed), torch.tensor(sum(10 + 7 * i + 4 for i in range(6))))
