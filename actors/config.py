@@ -33,6 +33,9 @@ class WorkerConfig:
     # prompt is prefilled in chunks of this, interleaved with the running decodes.
     max_batch_tokens: int = 512
     max_running: int = 64
+    # Attend the decoding requests of a step with the compiled CPU kernel (built once per
+    # machine on first use; cluster.engine.kernels), else the torch path.
+    decode_kernel: bool = True
     max_queued_requests: int = 256
     use_nixl: bool = True
     torch_threads: int = 1

@@ -74,7 +74,8 @@ class WorkerCore:
         self.layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, mc.dtype)
         self.cache = TieredCache(tiers, self.layout, vocab_size=mc.vocab_size)
         self.engine = Engine(self.model, self.cache, max_batch_tokens=config.max_batch_tokens,
-                             max_running=config.max_running, cache_final_token=config.cache_final_token)
+                             max_running=config.max_running, cache_final_token=config.cache_final_token,
+                             decode_kernel=config.decode_kernel)
         self.nixl = self._open_nixl()
         self.migration = Migrator(worker_id, self.cache, self.nixl, block_tokens=tiers.block_tokens,
                                   bytes_per_token=self.layout.bytes_per_token(),

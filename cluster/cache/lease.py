@@ -24,6 +24,7 @@ import torch
 
 from cluster.cache.allocator import Extent
 from cluster.errors import CacheError
+from cluster.names import HOT
 
 if TYPE_CHECKING:
     from cluster.cache.radix_tree import TreeNode
@@ -48,7 +49,7 @@ class KVLease:
     """
 
     __slots__ = ("cache", "namespace", "cached_tokens", "tier_hits", "promoted_tokens", "waited_s",
-                 "length", "_node", "_prefix", "_own", "_reserved", "_open")
+                 "length", "_base", "_node", "_prefix", "_own", "_reserved", "_open")
 
     def __init__(self, cache: "TieredCache", namespace: Hashable, node: "TreeNode", prefix: list[Extent],
                  cached_tokens: int, tier_hits: tuple[int, int, int], promoted_tokens: int, waited_s: float):
@@ -59,15 +60,21 @@ class KVLease:
         self.promoted_tokens = promoted_tokens
         self.waited_s = waited_s
         self.length = cached_tokens
+        self._base = cached_tokens   # tokens in the tree under the locked node (grows with ``checkpoint``)
         self._node = node            # locked until the lease ends
-        self._prefix = prefix        # HOT extents of tokens[:cached_tokens]
-        self._own: list[Extent] = []   # this request's KV after the prefix
+        self._prefix = prefix        # HOT extents of tokens[:_base]
+        self._own: list[Extent] = []   # this request's KV after the prefix, not in the tree yet
         self._reserved: list[Extent] | None = None   # room taken by ``reserve``, not yet written
         self._open = True
 
     @property
     def open(self) -> bool:
         return self._open
+
+    @property
+    def uncommitted(self) -> int:
+        """Tokens of KV the lease holds that are not in the tree yet."""
+        return self.length - self._base
 
     def _check(self, what: str) -> None:
         self.cache._check_owner(f"KVLease.{what}")
@@ -133,6 +140,31 @@ class KVLease:
         self.length += n
         return ext
 
+    def checkpoint(self, tokens: Sequence[int]) -> None:
+        """Hand what the lease computed so far (``tokens``, ``length`` of them) to
+        the tree now, keeping it locked: requests admitted from now on find it
+        cached (a burst of prompts sharing a system prompt computes it once).
+        The lease goes on appending after it."""
+        self._check("checkpoint")
+        if self._reserved is not None:
+            raise CacheError("KVLease.checkpoint with reserved room not written")
+        if len(tokens) != self.length:
+            raise CacheError(f"checkpoint of {len(tokens)} tokens on a lease holding KV for {self.length}")
+        if not self._own:
+            return
+        cache = self.cache
+        cache.hot.allocator.seal(self._own[-1])
+        cache._insert(tokens, self._own, self.namespace, start=self._base)
+        self._own = []   # the tree's now (a part another request inserted first was freed)
+        m = cache.tree.match_prefix(tokens, self.namespace, validate=False)
+        if m.length != len(tokens) or any(n.tier != HOT for n in m.nodes):
+            raise CacheError("a checkpointed sequence is not whole in HOT")   # its path is locked: cannot happen
+        cache.tree.lock(m.last_node)
+        cache._unlock(self._node)
+        self._node = m.last_node
+        self._prefix = [e for n in m.nodes for e in n.extents]
+        self._base = len(tokens)
+
     # ------------------------------------------------------------- ending
     def commit(self, tokens: Sequence[int], session_id: Any = None) -> "TreeNode | None":
         """Insert ``tokens`` (``length`` of them: the sequence this lease holds
@@ -147,7 +179,7 @@ class KVLease:
         try:
             if self._own:
                 cache.hot.allocator.seal(self._own[-1])   # no later slots in a block about to enter the tree
-                node = cache._insert(tokens, self._own, self.namespace, start=self.cached_tokens).node
+                node = cache._insert(tokens, self._own, self.namespace, start=self._base).node
             if session_id is not None:
                 cache._note_session(session_id, tokens, self.namespace)
         finally:

@@ -59,13 +59,16 @@ DEFAULT_BATCH_TOKENS = 512
 class Engine:
     def __init__(self, model: Any, cache: TieredCache, *, max_batch_tokens: int = DEFAULT_BATCH_TOKENS,
                  max_running: int = 64, keep_logits: bool = False, cache_final_token: bool = True,
-                 clock=time.perf_counter):
+                 decode_kernel: bool = True, clock=time.perf_counter):
         """``max_batch_tokens``: the tokens one step computes at most (decodes and
         prefill chunks together). ``cache_final_token``: when a request ends, also
         compute the KV of its last sampled token (one more forward, alone, per
         finished request) so the next turn finds the whole sequence cached.
         Workers turn it off (``WorkerConfig.cache_final_token``), as vLLM and
-        SGLang do: the next turn computes that one token inside its own prefill."""
+        SGLang do: the next turn computes that one token inside its own prefill.
+        ``decode_kernel``: the packed decoder attends every decoding request of a
+        step in one compiled call per layer (``cluster.engine.kernels``) where it
+        can be built; the torch path otherwise."""
         cfg = model.config
         lay = cache.layout
         if lay is None or (lay.num_layers, lay.num_kv_heads, lay.head_dim) != (
@@ -87,6 +90,11 @@ class Engine:
         self._ids = itertools.count(1)
         self.owner: ThreadOwner | None = None   # the worker's engine thread, when ownership checks are on
         self._last_logits_only = "last_logits_only" in inspect.signature(model.forward_batch).parameters
+        # The packed decoder keeps each request's KV in its working buffer in place
+        # (``forward_into``); other models (the transformers adapter) get the past as a view.
+        self._in_place = hasattr(model, "forward_into")
+        self.decode_kernel = model.use_decode_kernel(decode_kernel) if hasattr(model, "use_decode_kernel") \
+            else False
         hot = cache.hot.allocator
         # What one request may hold alone: HOT, less a block of slack for a copy-on-write tail.
         self.max_request_tokens = hot.capacity_tokens - hot.block_tokens
@@ -98,7 +106,8 @@ class Engine:
                       "requests_finished": 0, "requests_failed": 0, "requests_cancelled": 0,
                       "finish_failures": 0, "preemptions": 0, "preempted_tokens": 0, "resumed_hot_tokens": 0,
                       "resumed_warm_tokens": 0, "resumed_cold_tokens": 0, "recomputed_tokens": 0,
-                      "swap_in_bytes": 0, "waits_for_room": 0, "waits_for_promotion": 0}
+                      "swap_in_bytes": 0, "waits_for_room": 0, "waits_for_promotion": 0,
+                      "waits_for_shared_prefix": 0}
 
     # ------------------------------------------------------------------ API
     def submit(self, request: EngineRequest) -> EngineRequest:
@@ -166,25 +175,20 @@ class Engine:
         events, self._ended = self._ended, []
         if not plan:
             return events
-        items = []
-        for req, n in plan:
-            start = req._len
-            items.append((torch.tensor(req.tokens[start:start + n]), start, req._kv[:, :, :start] if start else None))
         forward_at = self.clock()
         for req, _ in plan:
             if req.forward_at is None:
                 req.forward_at = forward_at
         try:
-            outputs = (self.model.forward_batch(items) if self.keep_logits or not self._last_logits_only
-                       else self.model.forward_batch(items, last_logits_only=True))
+            outputs = self._forward(plan)
         except Exception as exc:  # a failed step fails its requests, never the cache
             for req, _ in plan:
                 self._finish(req, FinishReason.ERROR, keep=False, error=f"model forward failed: {exc}")
             return events + self.drain_ended()
         self.stats["steps"] += 1
-        for (req, n), (logits, new_kv) in zip(plan, outputs):
+        for (req, n), logits in zip(plan, outputs):
             try:
-                token = self._advance(req, n, logits, new_kv)
+                token = self._advance(req, n, logits)
             except Exception as exc:  # this request fails; the batch, the engine and the cache go on
                 self._finish(req, FinishReason.ERROR, keep=False, error=f"{type(exc).__name__}: {exc}")
                 continue
@@ -205,6 +209,21 @@ class Engine:
         if not defer_finish:
             self.complete_finished()
         return events + self.drain_ended()
+
+    def _forward(self, plan: list[tuple[EngineRequest, int]]) -> list[torch.Tensor]:
+        """One packed forward over the plan; each request's new KV ends up in its
+        working buffer. Returns each request's logits."""
+        last_only = not self.keep_logits and self._last_logits_only
+        tokens = [torch.tensor(req.tokens[req._len:req._len + n]) for req, n in plan]
+        if self._in_place:
+            return self.model.forward_into([(t, req._len, req._kv) for t, (req, _) in zip(tokens, plan)],
+                                           last_logits_only=last_only)
+        items = [(t, req._len, _past(req) if req._len else None) for t, (req, _) in zip(tokens, plan)]
+        outputs = (self.model.forward_batch(items, last_logits_only=True) if last_only
+                   else self.model.forward_batch(items))
+        for (req, n), (_, new_kv) in zip(plan, outputs):
+            req._kv[:, :, :, req._len:req._len + n] = new_kv.transpose(2, 3)
+        return [logits for logits, _ in outputs]
 
     def _plan(self) -> list[tuple[EngineRequest, int]]:
         """This step's batch: (request, tokens to compute), every one with its HOT room reserved."""
@@ -232,6 +251,9 @@ class Engine:
             if not ready:   # its prefix is on its way up to HOT: the others go meanwhile
                 self.stats["waits_for_promotion"] += 1
                 continue
+            if self._behind_shared_prefill(req, sum(tiers)):   # computed for it by another in a step or so
+                self.stats["waits_for_shared_prefix"] += 1
+                continue
             req.scheduled_at = self.clock() if req.scheduled_at is None else req.scheduled_at
             n = self._admit(req, budget)
             if n is None:
@@ -246,6 +268,18 @@ class Engine:
             planned.add(id(req))
             budget -= n
         return plan
+
+    def _behind_shared_prefill(self, req: EngineRequest, cached: int) -> bool:
+        """Whether a running request still filling its prompt shares at least a block
+        more of ``req``'s sequence than the cache holds: ``req`` then waits for that
+        prefill's checkpoint instead of computing the same KV beside it."""
+        seq = req.tokens
+        bt = self.cache.hot.allocator.block_tokens
+        for other in self.running:
+            if other.to_compute > 1 and other.namespace == req.namespace and \
+                    _common_prefix(seq, other.tokens) - cached >= bt:
+                return True
+        return False
 
     def _reserve_or_preempt(self, req: EngineRequest, n: int, planned: set[int]) -> bool:
         """Room for ``n`` more tokens of ``req``; preempts the newest running request
@@ -295,7 +329,7 @@ class Engine:
         req._lease = lease
         self._give_scratch(req)
         req._kv = self.scratch.take(req.capacity)
-        lease.read_prefix_into(req._kv[:, :, :lease.cached_tokens])
+        lease.read_prefix_into(_past(req, lease.cached_tokens))
         req._len = lease.cached_tokens
         return n
 
@@ -329,18 +363,20 @@ class Engine:
                 self.stats["finish_failures"] += 1
                 log.warning("could not cache request %s after it finished: %s", req.request_id, exc)
 
-    def _advance(self, req: EngineRequest, n: int, logits: torch.Tensor, new_kv: torch.Tensor) -> int | None:
-        """Store one request's new KV; sample its next token when its sequence is
-        all computed (None: a prompt chunk, more to come)."""
+    def _advance(self, req: EngineRequest, n: int, logits: torch.Tensor) -> int | None:
+        """Store one request's new KV (from its working buffer into its lease); sample
+        its next token when its sequence is all computed (None: a prompt chunk, more to come)."""
         start = req._len
-        req._kv[:, :, start:start + n] = new_kv
-        req._lease.write(new_kv)   # into the room reserved for it (copy-on-write inside)
+        req._lease.write(req._kv[:, :, :, start:start + n].transpose(2, 3))   # into its reserved room
         req._len = start + n
         self.stats["computed_tokens"] += n
         if self.keep_logits:
             req.logits.append(logits)
         if req.to_compute:
             return None
+        if n > 1 and req._lease.uncommitted >= self.cache.hot.allocator.block_tokens:
+            # Its prompt is all computed: into the tree now, for the requests that share it.
+            req._lease.checkpoint(req.tokens[:req._len])
         temperature = 0.0 if req.params.greedy else req.params.temperature
         generator = req._generator
         if generator is not None:   # the token at position p depends on (seed, p) only
@@ -381,7 +417,7 @@ class Engine:
                 # Compute the last sampled token's KV too, so the whole sequence
                 # (prompt and output) is cached for the next turn.
                 start = req._len
-                _, kv = self.model.forward_one(torch.tensor(req.tokens[start:]), start, req._kv[:, :, :start])
+                _, kv = self.model.forward_one(torch.tensor(req.tokens[start:]), start, _past(req))
                 lease.reserve(kv.shape[2])
                 lease.write(kv)
                 req._len += kv.shape[2]
@@ -405,3 +441,25 @@ def _split(cached: int, tiers: list[int]) -> list[int]:
     hot = min(cached, tiers[HOT])
     warm = min(cached - hot, tiers[WARM])
     return [hot, warm, cached - hot - warm]
+
+
+def _past(req: EngineRequest, length: int | None = None) -> torch.Tensor:
+    """The first ``length`` (default: every computed) positions of a request's
+    working buffer, as the token-major ``[layers, 2, T, kv_heads, head_dim]`` view
+    the pools and the model's ``forward_batch`` take."""
+    return req._kv[:, :, :, :req._len if length is None else length].transpose(2, 3)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token lists (slice compares run in C)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n   # a[:lo] == b[:lo] and a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo

@@ -102,13 +102,14 @@ def test_exact_after_compaction(model, tmp_path):
 def test_exact_after_demotion_and_promotion(model, tmp_path, tier):
     eng = make_engine(model, tmp_path)
     first = eng.generate(list(range(50, 90)), SamplingParams(max_tokens=3))
-    node = eng.cache.tree.match_prefix(first.prompt + first.output).last_node
-    while node.tier < tier:
-        eng.cache._wait_move(eng.cache._start_demotion(node))
-    assert node.tier == tier
-    follow = eng.generate(first.prompt + first.output + [1, 2], SamplingParams(max_tokens=3))
+    sequence = first.prompt + first.output
+    # The prompt's node and the reply's, leaf first, one tier at a time (43 tokens per pass).
+    assert eng.cache.demote_path(sequence, None, tier) == 43 * tier
+    nodes = eng.cache.tree.match_prefix(sequence).nodes
+    assert [n.tier for n in nodes] == [tier] * len(nodes)
+    follow = eng.generate(sequence + [1, 2], SamplingParams(max_tokens=3))
     assert follow.cached_tokens == 43 and follow.tier_hits[tier] == 43
-    assert node.tier == HOT
+    assert all(n.tier == HOT for n in nodes)
     assert_exact(model, follow)
     eng.cache.check_invariants()
 
@@ -182,8 +183,7 @@ def test_hf_adapter_reuse_through_the_engine(tmp_path):
     hf = HFCausalLM(transformers.LlamaForCausalLM(cfg).eval())
     eng = make_engine(hf, tmp_path)
     first = eng.generate(list(range(30)), SamplingParams(max_tokens=3))
-    node = eng.cache.tree.match_prefix(first.prompt + first.output).last_node
-    eng.cache._wait_move(eng.cache._start_demotion(node))
+    assert eng.cache.demote_path(first.prompt + first.output, None, WARM) == 33
     follow = eng.generate(first.prompt + first.output + [200, 201], SamplingParams(max_tokens=3))
     assert follow.cached_tokens == 33 and follow.tier_hits[WARM] == 33
     assert_exact(hf, follow)
@@ -213,8 +213,9 @@ def test_deferred_finish_delivers_the_last_token_before_caching_the_sequence(mod
     events = eng.step(defer_finish=True)
     assert [(e.request, e.token, e.finished) for e in events] == [(req, req.output[0], True)]
     assert req.finished and eng.has_work()
-    # Not cached yet, and its prefix (none here) and KV still held: the caller delivers first.
-    assert eng.cache.lookup(prompt + req.output).length == 0
+    # The sequence is not cached yet (only its prompt, checkpointed when its prefill ended, for
+    # the requests that share it), its lease is still held: the caller delivers first.
+    assert eng.cache.lookup(prompt + req.output).length == 40 and eng.cache.tree.protected_tokens == 40
     assert eng.stats["requests_finished"] == 0
     eng.complete_finished()
     assert eng.cache.lookup(prompt + req.output).length == 41   # the final token's KV too
@@ -250,7 +251,7 @@ def test_idle_working_kv_is_bounded():
 
     pool = ScratchKV(2, 2, 4, torch.float32, "cpu", max_idle_bytes=2 * 2 * 2 * 256 * 2 * 4 * 4, granule=256)
     views = [pool.take(n) for n in (10, 256, 257)]
-    assert [tuple(v.shape) for v in views] == [(2, 2, 10, 2, 4), (2, 2, 256, 2, 4), (2, 2, 257, 2, 4)]
+    assert [tuple(v.shape) for v in views] == [(2, 2, 2, 10, 4), (2, 2, 2, 256, 4), (2, 2, 2, 257, 4)]   # head-major
     for v in views:
         pool.give(v)
     # Two 256-token buffers fit the bound; the 512-token class one does not and is freed.

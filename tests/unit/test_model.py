@@ -315,3 +315,33 @@ def test_sample_rejects_bad_parameters(kwargs: dict, message: str) -> None:
     arguments = {"logits_row": torch.zeros(4), "temperature": 1.0, "top_p": 0.9, **kwargs}
     with pytest.raises(ValueError, match=message):
         sample(**arguments)
+
+
+@pytest.mark.parametrize("kernel", [False, True], ids=["torch", "kernel"])
+def test_forward_into_keeps_kv_in_place_and_equals_forward_batch(kernel):
+    """The engine's in-place forward (head-major buffers, decodes attended all at once by the
+    compiled kernel where it builds) gives the logits and KV of the plain packed forward."""
+    cfg = ModelConfig(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
+                      intermediate_size=128, seed=9)
+    model = DecoderModel(cfg)
+    used = model.use_decode_kernel(kernel)
+    if kernel and not used:
+        pytest.skip("the decode kernel could not be built here")
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in (20, 33, 7, 12)]
+    starts = [19, 32, 0, 5]   # two decodes of one token, a first chunk, a chunk after a cached prefix
+    items, buffers = [], []
+    for seq, start in zip(seqs, starts):
+        _, past = model.forward_one(seq[:start], 0, None) if start else (None, None)
+        buf = torch.zeros(cfg.num_layers, 2, cfg.num_kv_heads, len(seq) + 4, cfg.head_dim)
+        if start:
+            buf[:, :, :, :start] = past.transpose(2, 3)
+        buffers.append(buf)
+        items.append((seq[start:], start, past))
+    want = model.forward_batch(items)
+    got = model.forward_into([(t, s, b) for (t, s, _), b in zip(items, buffers)])
+    for (logits, kv), out, buf, (t, s, _) in zip(want, got, buffers, items):
+        torch.testing.assert_close(out, logits, atol=1e-5, rtol=0)
+        torch.testing.assert_close(buf[:, :, :, s:s + len(t)].transpose(2, 3), kv, atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="kv buffer of 24 positions cannot take 19 \\+ 9 tokens"):
+        model.forward_into([(torch.zeros(9, dtype=torch.long), 19, buffers[0])])

@@ -175,3 +175,21 @@ def test_only_the_chunks_reserve_room_and_no_step_exceeds_the_budget():
         assert step_tokens <= 16
     assert all(r.error is None and len(r.output) == 5 for r in reqs)
     torch.testing.assert_close(torch.tensor(computed), torch.tensor(sum(10 + 7 * i + 4 for i in range(6))))
+
+
+def test_a_burst_sharing_a_system_prompt_computes_it_once():
+    """Eight requests arrive together with a 64-token prompt in common: the first
+    computes it and checkpoints it into the tree when its prefill ends; the others
+    wait that step for it instead of computing the same KV beside it."""
+    system = [(5 * i) % 64 for i in range(64)]
+    requests = [(system + [i, i + 1, i + 2], SamplingParams(max_tokens=3)) for i in range(8)]
+    want = reference_outputs(requests)
+    engine = make_engine(hot_blocks=256, budget=256)
+    done = run_all(engine, requests)
+    assert [r.output for r in done] == want
+    assert [r.cached_tokens for r in done] == [0] + [64] * 7
+    # Each computed token once: the shared prompt, then 3 + 2 more per request (the prefill's
+    # tail and the decodes after the first sampled token).
+    assert engine.stats["computed_tokens"] == 64 + 8 * (3 + 2)
+    assert engine.stats["waits_for_shared_prefix"] >= 7
+    check_drained(engine)

