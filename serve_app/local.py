@@ -54,7 +54,24 @@ class LocalCluster:
         serve.start(http_options={"host": host, "port": port})
         serve.run(build_app(args), name=APP_NAME, route_prefix="/", blocking=False)
         self.port = port
+        self.wait_running(APP_NAME, timeout_s)   # a redeploy: until every new replica serves
         self.wait_ready(host, port, timeout_s)
+
+    @staticmethod
+    def wait_running(app_name: str, timeout_s: float) -> None:
+        from ray import serve
+
+        deadline = time.monotonic() + timeout_s
+        status = None
+        while time.monotonic() < deadline:
+            app = serve.status().applications.get(app_name)
+            status = app.status if app is not None else None
+            if status == "RUNNING":
+                return
+            if status == "DEPLOY_FAILED":
+                raise RuntimeError(f"deploying {app_name} failed: {app.message}")
+            time.sleep(0.5)
+        raise TimeoutError(f"the app {app_name} was not running within {timeout_s}s (status {status})")
 
     @staticmethod
     def wait_ready(host: str, port: int, timeout_s: float) -> None:

@@ -19,6 +19,9 @@ Names and labels (the README lists them too):
 | prefix_cache_resumed_requests_total | counter | |
 | prefix_cache_watchdog_trips_total | counter | worker |
 | prefix_cache_migration_timeouts_total | counter | |
+| prefix_cache_preemptions_total | counter | worker |
+| prefix_cache_preempted_tokens_total | counter | worker, outcome (resumed_hot, resumed_warm, resumed_cold, recomputed) |
+| prefix_cache_swap_in_bytes_total | counter | worker |
 
 ``cut_streams`` counts streamed responses that ended early with an error
 event (and ``[DONE]``) because the request could not be finished; a stream is
@@ -60,19 +63,45 @@ resumed_requests = Counter("prefix_cache_resumed_requests_total",
                            "Requests resumed on another replica after theirs failed mid-request")
 watchdog_trips = Counter("prefix_cache_watchdog_trips_total", "Engines declared wedged by the watchdog",
                          tag_keys=("worker",))
+preemptions = Counter("prefix_cache_preemptions_total", "Running requests preempted for lack of HOT room",
+                      tag_keys=("worker",))
+preempted_tokens = Counter("prefix_cache_preempted_tokens_total",
+                           "Tokens of preempted requests when they resumed: found in a tier, or recomputed",
+                           tag_keys=("worker", "outcome"))
+swap_in_bytes = Counter("prefix_cache_swap_in_bytes_total",
+                        "KV bytes of preempted requests brought back from WARM/COLD", tag_keys=("worker",))
 migration_timeouts = Counter("prefix_cache_migration_timeouts_total",
                              "Remote calls of a migration that ran past their bound (then recompute)")
 
 _last_moves: dict[str, dict[str, int]] = {}
+_last_engine: dict[str, dict[str, int]] = {}
 
 
 def replica_started(worker_id: str) -> None:
     _last_moves[worker_id] = {}
+    _last_engine[worker_id] = {}
 
 
 def report_tiers(worker_id: str, summary: dict) -> None:
     for tier, info in summary.items():
         tier_used.set(info["used_tokens"], tags={"worker": worker_id, "tier": tier})
+
+
+def report_engine(worker_id: str, stats: dict) -> None:
+    """The engine's cumulative preemption counters as counter increments."""
+    last = _last_engine.setdefault(worker_id, {})
+    outcomes = {"resumed_hot_tokens": "resumed_hot", "resumed_warm_tokens": "resumed_warm",
+                "resumed_cold_tokens": "resumed_cold", "recomputed_tokens": "recomputed"}
+    for key in ("preemptions", "swap_in_bytes", *outcomes):
+        delta = stats.get(key, 0) - last.get(key, 0)
+        if delta > 0:
+            if key == "preemptions":
+                preemptions.inc(delta, tags={"worker": worker_id})
+            elif key == "swap_in_bytes":
+                swap_in_bytes.inc(delta, tags={"worker": worker_id})
+            else:
+                preempted_tokens.inc(delta, tags={"worker": worker_id, "outcome": outcomes[key]})
+        last[key] = stats.get(key, 0)
 
 
 def report_moves(worker_id: str, stats: dict) -> None:

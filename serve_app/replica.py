@@ -31,6 +31,7 @@ def _report_metrics(core: WorkerCore) -> None:
     # On the engine thread, just before each report to the directory.
     metrics.report_tiers(core.worker_id, core.cache.tier_summary())
     metrics.report_moves(core.worker_id, core.cache.stats)
+    metrics.report_engine(core.worker_id, core.engine.stats)
 
 
 class CacheReplica:

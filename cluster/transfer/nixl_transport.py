@@ -29,6 +29,14 @@ them before building an endpoint, or pass ``ucx_env=recommended_ucx_env()``
   (the HCA port nearest the worker's GPU/CPU; ``ibv_devinfo`` lists them).
   With GPU pools keep ``cuda_copy`` in the list: without it UCX is reported
   to treat VRAM as host memory and crash in NIXL's progress thread.
+
+On a host without RDMA devices (``/sys/class/infiniband`` empty or absent)
+the first agent also sets ``UCX_MODULES=^ib,rdmacm`` unless the user set it:
+UCX's InfiniBand modules are useless there, and where rdma-core is installed
+system-wide (``libibverbs1``, which Mooncake needs) they load its providers,
+so a second libibverbs and libnl sit beside the copies bundled in the NIXL
+wheel, and libnl's destructor crashes every process that made an agent when
+it exits (SIGSEGV in ``rtnl_tc_unregister``; measured with nixl 1.5.1).
 """
 
 from __future__ import annotations
@@ -60,6 +68,18 @@ class TransferError(RuntimeError):
     """A block transfer could not be set up or did not complete."""
 
 
+def _skip_ib_modules_without_rdma() -> None:
+    """``UCX_MODULES=^ib,rdmacm`` on a host without RDMA devices (module docstring)."""
+    if "UCX_MODULES" in os.environ:
+        return
+    try:
+        devices = os.listdir("/sys/class/infiniband")
+    except OSError:
+        devices = []
+    if not devices:
+        os.environ["UCX_MODULES"] = "^ib,rdmacm"
+
+
 def recommended_ucx_env() -> dict[str, str]:
     """UCX settings measured best for processes on one host without a GPU."""
     return dict(_LOOPBACK_UCX_ENV)
@@ -68,6 +88,7 @@ def recommended_ucx_env() -> dict[str, str]:
 @functools.lru_cache(maxsize=1)
 def nixl_available() -> bool:
     """True when nixl imports and an agent with a UCX backend can be created (cached)."""
+    _skip_ib_modules_without_rdma()
     try:
         from nixl._api import nixl_agent, nixl_agent_config
 
@@ -88,6 +109,7 @@ def _make_agent(name: str, progress_delay_us: int | None) -> Any:
     100 us, bandwidth unchanged). The wrapper only touches its C++ agent via
     ``.agent``, so swap in one built from our config before any backend exists.
     """
+    _skip_ib_modules_without_rdma()
     from nixl import _bindings
     from nixl._api import nixl_agent, nixl_agent_config
 

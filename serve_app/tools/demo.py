@@ -1,13 +1,23 @@
-"""``prefix-cache demo``: the whole system on this machine, measured.
+"""``prefix-cache demo``: the whole system on this machine, measured where it matters.
 
 Starts a local Ray cluster of a head and two worker nodes on 127.0.0.1,
 deploys the app with a real model (the embedded SmolLM2-135M-Instruct unless
 ``--model`` names another; one cache replica per node), asks it one question
 and prints the answer, then drives a multi-turn chat workload through HTTP
 (streaming, so TTFT is the first chunk; each turn sends the model's real
-replies back), once with the ``cost`` router and once with ``round_robin``
-(caches flushed in between), prints hit rate and TTFT p50/p99 side by side,
-writes a PNG of the TTFT distributions, and shuts everything down.
+replies back) where the cache's point is visible: every session carries a
+long document of its own, and together they hold more KV than the replicas'
+HOT pools (``--hot-blocks`` each), so sessions are pushed out between their
+turns. Three arms, caches flushed in between:
+
+- ``cost`` router, tiered cache (HOT, WARM): what is pushed out waits in WARM;
+- ``round_robin`` router, tiered cache: the same cache, without routing to it;
+- ``cost`` router, ``drop`` (no WARM tier, the app redeployed): what is pushed
+  out is gone, and the next turn recomputes it.
+
+It prints hit rate, multi-turn reuse and TTFT p50/p99 side by side (no
+request fails: under memory pressure requests wait or are preempted), writes
+a PNG of the TTFT distributions, and shuts everything down.
 """
 
 from __future__ import annotations
@@ -26,10 +36,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sessions", type=int, default=12)
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--document-words", type=int, default=450,
+                   help="words of each session's own document (its long context)")
+    p.add_argument("--hot-blocks", type=int, default=96,
+                   help="HOT pool of each replica in 16-token blocks (the sessions together need more)")
+    p.add_argument("--arms", default="cost:tiered,round_robin:tiered,cost:drop",
+                   help="router:cache pairs to run, cache tiered or drop")
     p.add_argument("--model", default=None, help="model spec (default: the embedded SmolLM2-135M-Instruct; "
                                                   "'builtin' for the seeded test model)")
     p.add_argument("--max-tokens", type=int, default=12, help="reply tokens per turn of the workload")
-    p.add_argument("--policies", default="cost,round_robin")
     p.add_argument("--plot", default="prefix-cache-demo.png")
     p.add_argument("--port", type=int, default=0, help="HTTP port (default: a free one)")
     p.add_argument("--seed", type=int, default=0)
@@ -63,9 +78,16 @@ QUESTIONS = [
 
 
 def make_sessions(args) -> list[dict]:
+    from serve_app.tools.chat_workload import WORDS
+
     rng = random.Random(args.seed)
-    return [{"id": f"s{i}", "system": SYSTEM_PROMPTS[i % len(SYSTEM_PROMPTS)],
-             "questions": [rng.choice(QUESTIONS) for _ in range(args.turns)]} for i in range(args.sessions)]
+    sessions = []
+    for i in range(args.sessions):
+        document = " ".join(rng.choice(WORDS) for _ in range(args.document_words))
+        system = f"{SYSTEM_PROMPTS[i % len(SYSTEM_PROMPTS)]}\n\nNotes for this conversation (#{i}): {document}"
+        sessions.append({"id": f"s{i}", "system": system,
+                         "questions": [rng.choice(QUESTIONS) for _ in range(args.turns)]})
+    return sessions
 
 
 def ask_once(base: str, model: str, question: str, max_tokens: int = 48) -> str:
@@ -78,7 +100,7 @@ def ask_once(base: str, model: str, question: str, max_tokens: int = 48) -> str:
     return r.json()["choices"][0]["message"]["content"]
 
 
-async def run_policy(base: str, model: str, policy: str, sessions: list[dict], args, progress) -> list[dict]:
+async def run_arm(base: str, model: str, policy: str, sessions: list[dict], args, progress) -> list[dict]:
     import httpx
 
     results: list[dict] = []
@@ -121,12 +143,12 @@ async def run_policy(base: str, model: str, policy: str, sessions: list[dict], a
     return results
 
 
-def summarize(policy: str, results: list[dict]) -> dict:
+def summarize(policy: str, cache: str, results: list[dict]) -> dict:
     ttfts = [r["ttft_ms"] for r in results]
     prompt = sum(r["prompt_tokens"] for r in results)
     follow_ups = [r for r in results if r["previous_tokens"]]
     previous = sum(r["previous_tokens"] for r in follow_ups)
-    return {"policy": policy, "requests": len(results),
+    return {"policy": policy, "cache": cache, "requests": len(results),
             "hit_rate": sum(r["cached_tokens"] for r in results) / prompt if prompt else 0.0,
             # cached tokens / the previous turn's prompt + reply (which the new prompt starts with)
             "reuse_ratio": min(1.0, sum(min(r["cached_tokens"], r["previous_tokens"]) for r in follow_ups)
@@ -135,15 +157,18 @@ def summarize(policy: str, results: list[dict]) -> dict:
 
 
 def plot(rows: list[dict], path: str) -> None:
-    plot_cdfs([(f"{r['policy']} (hit {r['hit_rate']:.0%}, p50 {r['ttft_ms_p50']:.0f} ms)", r["_ttfts"]) for r in rows],
-              path, title="prefix-cache demo: cost router vs round robin",
+    plot_cdfs([(f"{r['policy']}, {r['cache']} (hit {r['hit_rate']:.0%}, p50 {r['ttft_ms_p50']:.0f} ms, "
+                f"p99 {r['ttft_ms_p99']:.0f} ms)", r["_ttfts"]) for r in rows],
+              path, title="prefix-cache demo: tiered vs drop, cost router vs round robin",
               xlabel="time to first token over HTTP (ms, log scale)")
 
 
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    policies = args.policies.split(",")
+    arms = [tuple(a.split(":")) for a in args.arms.split(",")]
+    if any(len(a) != 2 or a[1] not in ("tiered", "drop") for a in arms):
+        raise ValueError(f"--arms takes router:cache pairs with cache tiered or drop, got {args.arms!r}")
     port = args.port or free_port()
     print("preparing the model (the first run converts the embedded GGUF once, ~30 s)...", flush=True)
     model = prepare_model(args.model)
@@ -151,25 +176,32 @@ def run(args: argparse.Namespace) -> int:
     local = LocalCluster(worker_nodes=2)
     try:
         print(f"deploying the app (3 cache replicas, {model}) on http://127.0.0.1:{port} ...", flush=True)
-        worker = dict(DEMO_WORKER)
+        worker = {**DEMO_WORKER, "hot_blocks": args.hot_blocks}
         if args.model is not None:
             worker["model"] = args.model
         # The demo flushes caches and switches policies between runs: admin endpoints on, on loopback.
-        local.deploy({"num_replicas": 3, "worker": worker, "admin_without_keys": True}, port=port)
+        app = {"num_replicas": 3, "worker": worker, "admin_without_keys": True}
+        local.deploy(app, port=port)
         base = f"http://127.0.0.1:{port}"
         question = "What is the capital of France? Answer in one sentence."
         print(f"\nQ: {question}\nA: {ask_once(base, model, question).strip()}\n", flush=True)
         sessions = make_sessions(args)
-        rows = []
-        for policy in policies:
-            with tqdm(total=args.sessions * args.turns, desc=f"{policy:>12}", unit="req") as bar:
-                results = asyncio.run(run_policy(base, model, policy, sessions, args, bar))
-            rows.append(summarize(policy, results))
+        rows, deployed = [], "tiered"
+        for policy, cache in arms:
+            if cache != deployed:   # the cache's tiers are the replicas' config: redeploy
+                print(f"redeploying with the {cache} cache ...", flush=True)
+                local.deploy({**app, "worker": {**worker, "warm_blocks": 0 if cache == "drop" else
+                                                DEMO_WORKER["warm_blocks"]}}, port=port)
+                deployed = cache
+            with tqdm(total=args.sessions * args.turns, desc=f"{policy + ', ' + cache:>20}", unit="req") as bar:
+                results = asyncio.run(run_arm(base, model, policy, sessions, args, bar))
+            rows.append(summarize(policy, cache, results))
         print()
-        print(f"{'policy':<14}{'requests':>9}{'hit rate':>10}{'reuse':>8}{'TTFT p50 ms':>13}{'TTFT p99 ms':>13}")
+        print(f"{'router':<13}{'cache':<8}{'requests':>9}{'hit rate':>10}{'reuse':>8}{'TTFT p50 ms':>13}"
+              f"{'TTFT p99 ms':>13}")
         for row in rows:
-            print(f"{row['policy']:<14}{row['requests']:>9}{row['hit_rate']:>10.1%}{row['reuse_ratio']:>8.1%}"
-                  f"{row['ttft_ms_p50']:>13.1f}{row['ttft_ms_p99']:>13.1f}")
+            print(f"{row['policy']:<13}{row['cache']:<8}{row['requests']:>9}{row['hit_rate']:>10.1%}"
+                  f"{row['reuse_ratio']:>8.1%}{row['ttft_ms_p50']:>13.1f}{row['ttft_ms_p99']:>13.1f}")
         for row in rows:
             emit({"demo": "multiturn_http", **{k: (round(v, 4) if isinstance(v, float) else v)
                                                for k, v in row.items() if not k.startswith("_")}})

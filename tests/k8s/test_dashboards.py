@@ -36,6 +36,9 @@ DASHBOARD_METRICS = {
     "prefix_cache_resumed_requests_total": "Counter",
     "prefix_cache_watchdog_trips_total": "Counter",
     "prefix_cache_migration_timeouts_total": "Counter",
+    "prefix_cache_preemptions_total": "Counter",
+    "prefix_cache_preempted_tokens_total": "Counter",
+    "prefix_cache_swap_in_bytes_total": "Counter",
 }
 
 

@@ -227,3 +227,26 @@ def test_dead_peer_fails_fast_and_restarted_peer_reconnects() -> None:
             assert torch.equal(got[5:7].view(torch.uint8), second.pool[5:7].view(torch.uint8))
         finally:
             second.stop()
+
+
+EXIT_CHILD = """
+import torch
+from cluster.transfer.nixl_transport import NixlEndpoint, nixl_available
+assert nixl_available()
+with NixlEndpoint("exit-check", torch.zeros((4, 2, 2, 16, 2, 16), dtype=torch.float16)) as ep:
+    print(ep.num_blocks, flush=True)
+"""
+
+
+@needs_nixl
+def test_a_process_that_used_nixl_exits_cleanly() -> None:
+    """Where rdma-core is installed system-wide, UCX's InfiniBand modules load a second
+    libnl whose destructor crashed every NIXL process at exit (SIGSEGV, exit 139)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "UCX_MODULES"}
+    done = subprocess.run([sys.executable, "-c", EXIT_CHILD], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert (done.returncode, done.stdout.splitlines()[-1:]) == (0, ["4"]), done.stderr[-2000:]
