@@ -153,17 +153,26 @@ class KVLease:
         if not self._own:
             return
         cache = self.cache
+        if not cache.tree.insert_keeps_whole(tokens, self.namespace, validate=False):
+            # Another request's copy of these tokens is moving between tiers: the tree
+            # would keep that one and free ours. Keep ours; the commit inserts it.
+            cache.stats["checkpoints_deferred"] += 1
+            return
         cache.hot.allocator.seal(self._own[-1])
-        cache._insert(tokens, self._own, self.namespace, start=self._base)
-        self._own = []   # the tree's now (a part another request inserted first was freed)
+        # The tree's now (a part another request inserted first is freed, a WARM/COLD
+        # copy re-homed onto ours). Watermarks only once it is locked: demoting the
+        # new, still unlocked nodes would take the lease's own KV out of HOT.
+        cache.tree.insert(tokens, self._own, self.namespace, start=self._base)
+        self._own = []
         m = cache.tree.match_prefix(tokens, self.namespace, validate=False)
         if m.length != len(tokens) or any(n.tier != HOT for n in m.nodes):
-            raise CacheError("a checkpointed sequence is not whole in HOT")   # its path is locked: cannot happen
+            raise CacheError("a checkpointed sequence is not whole in HOT")   # checked above: cannot happen
         cache.tree.lock(m.last_node)
         cache._unlock(self._node)
         self._node = m.last_node
         self._prefix = [e for n in m.nodes for e in n.extents]
         self._base = len(tokens)
+        cache._enforce_watermarks()
 
     # ------------------------------------------------------------- ending
     def commit(self, tokens: Sequence[int], session_id: Any = None) -> "TreeNode | None":

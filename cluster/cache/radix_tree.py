@@ -309,6 +309,24 @@ class RadixTree:
         self._consider_parent_after_child_change(node)
         return InsertResult(present, leaf, freed)
 
+    def insert_keeps_whole(self, tokens: Sequence[int] | bytes, namespace: Hashable = None, *,
+                           validate: bool = True) -> bool:
+        """Whether ``insert`` of ``tokens`` now would leave all of them in the tree
+        in HOT: no node on their path, nor the edge their path would split, is in
+        an asynchronous move (a moving node keeps its tier, and the caller's copy
+        of those tokens would be freed). Changes nothing."""
+        data = encode_tokens(tokens, self.vocab_size, validate=validate)
+        root = self.root(namespace)
+        node, pos, path = self._walk(data, root, split=False)
+        if any(n.busy for n in path):
+            return False
+        ids = memoryview(data).cast("I")
+        if pos < len(ids):
+            child = node.children.get(ids[pos])
+            if child is not None and child.busy:   # a split it cannot take
+                return False
+        return True
+
     def _new_hashes(self, data: bytes, start: int, end: int, parent: TreeNode) -> list[int]:
         """Hashes of the blocks ending in tokens ``[start, end)`` of ``data``,
         chained from the last block hash above ``parent`` (or the seed)."""

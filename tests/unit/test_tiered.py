@@ -324,3 +324,43 @@ def test_idle_compaction_moves_only_idle_nodes_and_keeps_kv(tmp_path):
     cache.tree.unlock(locked)
     cache.check_invariants()
     cache.close()
+
+
+def test_a_checkpoint_that_fills_hot_keeps_the_lease_kv_in_hot(tmp_path):
+    """Inserting a checkpoint can push HOT over its watermark; the new nodes are the
+    lease's own KV, locked before the watermark runs, so none of it leaves HOT."""
+    cache = make(tmp_path, hot=8, warm=16, cold=0)   # 32 HOT tokens, high watermark 0.9
+    tokens = list(range(1, 31))                        # 30 tokens: 8 blocks, over the mark
+    lease = cache.admit(tokens, compute_last=False)
+    lease.append(kv_for(tokens))
+    lease.checkpoint(tokens)
+    cache.wait_all()
+    cache.poll()
+    assert cache.lookup(tokens).tier_lengths[HOT] == 30 and cache.stats["demoted_to_warm"] == 0
+    assert torch.equal(lease.read(), kv_for(tokens))
+    lease.commit(tokens)
+    cache.check_invariants()
+    cache.close()
+
+
+def test_a_checkpoint_beside_a_moving_copy_keeps_its_own_kv(tmp_path):
+    """Another request cached the same tokens and they are being promoted back from
+    WARM: the tree would keep that moving copy and free the lease's, so the lease
+    keeps its own (the commit inserts it) and nothing fails."""
+    cache = make(tmp_path, hot=16, warm=16, cold=0)
+    tokens = list(range(1, 13))
+    lease = cache.admit(tokens, compute_last=False)        # B: nothing cached yet
+    lease.append(kv_for(tokens))
+    node = put(cache, tokens)                              # A computed and cached them meanwhile
+    demote(cache, node, WARM)
+    move = cache._start_promotion([node], background=True)
+    assert move is not None and node.busy
+    lease.checkpoint(tokens)
+    assert cache.stats["checkpoints_deferred"] == 1
+    assert torch.equal(lease.read(), kv_for(tokens))
+    cache._wait_move(move)
+    lease.commit(tokens)
+    found = match(cache, tokens)
+    assert found.length == 12 and torch.equal(found.kv, kv_for(tokens))
+    cache.check_invariants()
+    cache.close()
