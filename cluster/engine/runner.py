@@ -107,7 +107,8 @@ class Engine:
                       "finish_failures": 0, "preemptions": 0, "preempted_tokens": 0, "resumed_hot_tokens": 0,
                       "resumed_warm_tokens": 0, "resumed_cold_tokens": 0, "recomputed_tokens": 0,
                       "swap_in_bytes": 0, "waits_for_room": 0, "waits_for_promotion": 0,
-                      "waits_for_shared_prefix": 0}
+                      "waits_for_shared_prefix": 0, "step_ms": 0.0, "forward_ms": 0.0, "decode_steps": 0,
+                      "decode_step_ms": 0.0}
 
     # ------------------------------------------------------------------ API
     def submit(self, request: EngineRequest) -> EngineRequest:
@@ -179,13 +180,17 @@ class Engine:
         for req, _ in plan:
             if req.forward_at is None:
                 req.forward_at = forward_at
+        began = time.perf_counter()   # wall time, whatever ``clock`` is: what a step really costs
         try:
             outputs = self._forward(plan)
         except Exception as exc:  # a failed step fails its requests, never the cache
             for req, _ in plan:
                 self._finish(req, FinishReason.ERROR, keep=False, error=f"model forward failed: {exc}")
             return events + self.drain_ended()
+        forward_ms = (time.perf_counter() - began) * 1e3
         self.stats["steps"] += 1
+        self.stats["forward_ms"] += forward_ms
+        decodes_only = all(n == 1 and req.output for req, n in plan)
         for (req, n), logits in zip(plan, outputs):
             try:
                 token = self._advance(req, n, logits)
@@ -208,6 +213,11 @@ class Engine:
             events.append(TokenEvent(req, token, req.finished))
         if not defer_finish:
             self.complete_finished()
+        step_ms = (time.perf_counter() - began) * 1e3   # forward, sampling, finishing
+        self.stats["step_ms"] += step_ms
+        if decodes_only:
+            self.stats["decode_steps"] += 1
+            self.stats["decode_step_ms"] += step_ms
         return events + self.drain_ended()
 
     def _forward(self, plan: list[tuple[EngineRequest, int]]) -> list[torch.Tensor]:

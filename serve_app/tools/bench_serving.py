@@ -25,7 +25,9 @@ Each arm prints one JSON row: ``requests``, ``failed``, ``wall_s``,
 prompt tokens over prompt tokens, from the usage each server reports),
 ``preemptions`` (the engine's; vLLM's ``vllm:num_preemptions_total``) and,
 for vLLM, ``prefix_cache_hit_rate`` (``vllm:prefix_cache_hits_total`` over
-``..._queries_total``). A ``summary`` row compares them.
+``..._queries_total``); for this app, ``engine_step_ms_mean``,
+``engine_decode_step_ms_mean`` and ``engine_busy_share`` (the replicas' step wall
+time over the workload's). A ``summary`` row compares them.
 """
 
 from __future__ import annotations
@@ -96,6 +98,14 @@ def run_ours(args, model_id: str, system: str, hot_tokens: int) -> dict:
         row["preemptions"] = sum(e.get("preemptions", 0) for e in engines)
         row["recomputed_tokens"] = sum(e.get("recomputed_tokens", 0) for e in engines)
         row["resumed_warm_tokens"] = sum(e.get("resumed_warm_tokens", 0) for e in engines)
+        # Where a turn's time goes inside the replicas: their steps' wall time (calibration excluded).
+        steps, decodes = sum(e.get("steps", 0) for e in engines), sum(e.get("decode_steps", 0) for e in engines)
+        step_ms = sum(e.get("step_ms", 0.0) for e in engines)
+        row["engine_step_ms_mean"] = round(step_ms / steps, 1) if steps else None
+        row["engine_decode_step_ms_mean"] = (round(sum(e.get("decode_step_ms", 0.0) for e in engines) / decodes, 1)
+                                             if decodes else None)
+        row["engine_busy_share"] = round(step_ms / 1e3 / len(engines) / row["wall_s"], 3) if engines and \
+            row.get("wall_s") else None
         return {"impl": "prefix-cache", "replicas": args.replicas, "torch_threads": args.torch_threads,
                 "hot_tokens": hot_tokens, **row}
     finally:

@@ -193,3 +193,15 @@ def test_a_burst_sharing_a_system_prompt_computes_it_once():
     assert engine.stats["computed_tokens"] == 64 + 8 * (3 + 2)
     assert engine.stats["waits_for_shared_prefix"] >= 7
     check_drained(engine)
+
+
+def test_step_times_are_counted_and_decode_only_steps_apart():
+    """A 10-token prompt under a 4-token budget: three prefill chunks (the last one samples
+    the first token), then one decode step per further token; the wall time of each is
+    summed, decode-only steps apart."""
+    engine = make_engine(hot_blocks=16, budget=4)
+    done = run_all(engine, [(list(range(10)), SamplingParams(max_tokens=5))])
+    stats = engine.stats
+    assert len(done[0].output) == 5
+    assert (stats["steps"], stats["decode_steps"]) == (3 + 4, 4)
+    assert stats["step_ms"] >= stats["forward_ms"] > 0 and stats["step_ms"] >= stats["decode_step_ms"] > 0
