@@ -309,6 +309,33 @@ class RadixTree:
         self._consider_parent_after_child_change(node)
         return InsertResult(present, leaf, freed)
 
+    def peek(self, tokens: Sequence[int] | bytes, namespace: Hashable = None, *,
+             validate: bool = True) -> tuple[bool, list[int]]:
+        """Whether all that is cached of ``tokens`` is in HOT and not moving, and the
+        cached tokens by tier, as ``match_prefix`` would find them, touching,
+        splitting and locking nothing: a look that does not make the prefix recent."""
+        data = encode_tokens(tokens, self.vocab_size, validate=validate)
+        node, pos, path = self._walk(data, self.root(namespace), split=False)
+        tiers = [0, 0, 0]
+        hot = True
+        for n in path:
+            tiers[n.tier] += len(n.key)
+            hot = hot and n.tier == HOT and not n.busy
+        ids = memoryview(data).cast("I")
+        if pos < len(ids):
+            child = node.children.get(ids[pos])   # the edge the match ends inside
+            if child is not None:
+                key, lo, hi = child.key, 1, min(len(child.key), len(ids) - pos)
+                while hi - lo > 0:   # the longest common length, as ``_walk`` finds it
+                    mid = (lo + hi + 1) // 2
+                    if data.startswith(key[:mid], pos * TOKEN_BYTES):
+                        lo = mid
+                    else:
+                        hi = mid - 1
+                tiers[child.tier] += lo
+                hot = hot and child.tier == HOT and not child.busy
+        return hot, tiers
+
     def insert_keeps_whole(self, tokens: Sequence[int] | bytes, namespace: Hashable = None, *,
                            validate: bool = True) -> bool:
         """Whether ``insert`` of ``tokens`` now would leave all of them in the tree

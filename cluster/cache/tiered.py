@@ -120,15 +120,23 @@ class TieredCache:
         return KVLease(self, namespace, m.last_node, _take(m.extents, usable), usable, hits,
                        m.promoted_tokens, m.waited_s)
 
-    def ready(self, tokens: Sequence[int], namespace: Hashable = None) -> tuple[bool, list[int]]:
+    def ready(self, tokens: Sequence[int], namespace: Hashable = None, *,
+              start: bool = True) -> tuple[bool, list[int]]:
         """Whether ``admit`` of ``tokens`` would find its cached prefix in HOT now,
         and the HOT/WARM/COLD split of that prefix as found. When part of it is
         WARM or COLD, its promotion starts here (unless one is in flight already)
         and the answer is False until it is done: the caller admits other work
         meanwhile instead of waiting for the copy. True also when the promotion
-        cannot start (no room: ``admit`` uses the HOT part)."""
+        cannot start (no room: ``admit`` uses the HOT part).
+
+        ``start=False``: only look (False while any of the prefix is colder or
+        moving), starting nothing and leaving the prefix's recency as it was: a
+        scheduler that brings waiting requests' prefixes up one at a time, so
+        that one promotion does not push out another's, asks the rest this way."""
         self._check_owner("ready")
         self.poll()
+        if not start:
+            return self.tree.peek(tokens, namespace, validate=False)
         m = self.tree.match_prefix(tokens, namespace, validate=False)
         tiers = list(m.tier_lengths)
         colder = [n for n in m.nodes if n.tier != HOT]

@@ -252,14 +252,19 @@ class Engine:
                 plan.append((req, n))
                 planned.add(id(req))
                 budget -= n
+        promoting = False   # an older waiting request's prefix is on its way up
         for req in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_running:
                 break
-            ready, tiers = self.cache.ready(req.tokens, req.namespace)
+            # One promotion at a time, oldest first: started for every waiting request
+            # at once, their prefixes would push each other back out of a full HOT pool
+            # before any of them is admitted (measured: 20x the demoted tokens promoted).
+            ready, tiers = self.cache.ready(req.tokens, req.namespace, start=not promoting)
             if req._tiers_found is None:   # where its KV comes from, before any promotion
                 req._tiers_found = tiers
-            if not ready:   # its prefix is on its way up to HOT: the others go meanwhile
+            if not ready:   # its prefix is (or will be) on its way up to HOT: the others go meanwhile
                 self.stats["waits_for_promotion"] += 1
+                promoting = True
                 continue
             if self._behind_shared_prefill(req, sum(tiers)):   # computed for it by another in a step or so
                 self.stats["waits_for_shared_prefix"] += 1

@@ -185,3 +185,22 @@ def test_evict_rejects_bad_counts():
     tree, _ = make_tree()
     with pytest.raises(InvalidInputError, match="num_tokens"):
         tree.evict(-1)
+
+
+def test_peek_finds_what_match_finds_and_changes_nothing():
+    """``peek`` (the scheduler's look at waiting requests) gives the cached length by
+    tier that ``match_prefix`` gives, ending inside an edge too, without splitting the
+    edge or touching any node's recency."""
+    import random
+
+    rng = random.Random(3)
+    tree, alloc = make_tree(num_blocks=256)
+    for _ in range(12):
+        put(tree, alloc, [rng.randrange(4) for _ in range(rng.randrange(1, 12))])
+    for _ in range(200):
+        query = [rng.randrange(4) for _ in range(rng.randrange(1, 14))]
+        before = [(n.last_access, len(n.key), len(n.children)) for n in tree.iter_nodes()]
+        hot, tiers = tree.peek(query)
+        assert [(n.last_access, len(n.key), len(n.children)) for n in tree.iter_nodes()] == before
+        m = tree.match_prefix(query)
+        assert hot and tiers == list(m.tier_lengths) and sum(tiers) == m.length

@@ -205,3 +205,26 @@ def test_step_times_are_counted_and_decode_only_steps_apart():
     assert len(done[0].output) == 5
     assert (stats["steps"], stats["decode_steps"]) == (3 + 4, 4)
     assert stats["step_ms"] >= stats["forward_ms"] > 0 and stats["step_ms"] >= stats["decode_step_ms"] > 0
+
+
+def test_waiting_prefixes_come_up_one_at_a_time_and_none_is_pushed_back_out():
+    """Four returning sessions whose prefixes are all in WARM, HOT too small for all of
+    them at once: promotions start oldest first, one at a time, so no prefix is
+    brought up and pushed back out before its request runs, and every one completes
+    with the tokens of unlimited memory."""
+    prompts = [[(11 * i + j) % 64 for j in range(24)] for i in range(4)]
+    params = SamplingParams(max_tokens=4)
+    engine = make_engine(hot_blocks=22, warm_blocks=64, budget=64)   # 88 tokens: two sessions' worth
+    firsts = [engine.generate(p, params) for p in prompts]
+    for first in firsts:
+        engine.cache.demote_path(first.tokens[:-1], None, WARM)
+    engine.cache.wait_all()
+    engine.cache.poll()
+    follow = [(first.tokens[:-1] + [3, 3], params) for first in firsts]
+    before = dict(engine.cache.stats)
+    done = run_all(engine, follow)
+    assert [r.error for r in done] == [None] * 4
+    assert [r.output for r in done] == reference_outputs(follow)
+    promoted = engine.cache.stats["promoted_tokens"] - before["promoted_tokens"]
+    assert [r.tier_hits[WARM] for r in done] == [27] * 4 and promoted == 4 * 27
+    check_drained(engine)
