@@ -121,7 +121,7 @@ class TieredCache:
                        m.promoted_tokens, m.waited_s)
 
     def ready(self, tokens: Sequence[int], namespace: Hashable = None, *,
-              start: bool = True) -> tuple[bool, list[int]]:
+              make_room: bool = True) -> tuple[bool, list[int]]:
         """Whether ``admit`` of ``tokens`` would find its cached prefix in HOT now,
         and the HOT/WARM/COLD split of that prefix as found. When part of it is
         WARM or COLD, its promotion starts here (unless one is in flight already)
@@ -129,14 +129,22 @@ class TieredCache:
         meanwhile instead of waiting for the copy. True also when the promotion
         cannot start (no room: ``admit`` uses the HOT part).
 
-        ``start=False``: only look (False while any of the prefix is colder or
-        moving), starting nothing and leaving the prefix's recency as it was: a
-        scheduler that brings waiting requests' prefixes up one at a time, so
-        that one promotion does not push out another's, asks the rest this way."""
+        ``make_room=False``: start the promotion only if HOT's free blocks hold
+        it; otherwise only look (False), leaving the prefix's recency as it was.
+        A scheduler asks so for every waiting request behind one whose prefix is
+        already coming up: promotions that each pushed out another's prefix would
+        let none of them run."""
         self._check_owner("ready")
         self.poll()
-        if not start:
-            return self.tree.peek(tokens, namespace, validate=False)
+        if not make_room:
+            hot, tiers = self.tree.peek(tokens, namespace, validate=False)
+            if hot:
+                return True, tiers
+            bt = self.hot.allocator.block_tokens
+            # A bound: each colder node may start a block of its own.
+            need = -(-(tiers[WARM] + tiers[COLD]) // bt) + 2
+            if self.hot.allocator.free_blocks < need:
+                return False, tiers
         m = self.tree.match_prefix(tokens, namespace, validate=False)
         tiers = list(m.tier_lengths)
         colder = [n for n in m.nodes if n.tier != HOT]

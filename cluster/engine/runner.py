@@ -256,10 +256,11 @@ class Engine:
         for req in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_running:
                 break
-            # One promotion at a time, oldest first: started for every waiting request
-            # at once, their prefixes would push each other back out of a full HOT pool
-            # before any of them is admitted (measured: 20x the demoted tokens promoted).
-            ready, tiers = self.cache.ready(req.tokens, req.namespace, start=not promoting)
+            # Promotions that make room, oldest first and one at a time; behind it only
+            # those that fit in free blocks. Started for every waiting request at once,
+            # their prefixes pushed each other back out of a full HOT pool before any of
+            # them was admitted (measured: 20x the demoted tokens promoted; a livelock).
+            ready, tiers = self.cache.ready(req.tokens, req.namespace, make_room=not promoting)
             if req._tiers_found is None:   # where its KV comes from, before any promotion
                 req._tiers_found = tiers
             if not ready:   # its prefix is (or will be) on its way up to HOT: the others go meanwhile

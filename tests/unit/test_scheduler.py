@@ -207,11 +207,12 @@ def test_step_times_are_counted_and_decode_only_steps_apart():
     assert stats["step_ms"] >= stats["forward_ms"] > 0 and stats["step_ms"] >= stats["decode_step_ms"] > 0
 
 
-def test_waiting_prefixes_come_up_one_at_a_time_and_none_is_pushed_back_out():
+def test_waiting_prefixes_in_warm_do_not_push_each_other_out():
     """Four returning sessions whose prefixes are all in WARM, HOT too small for all of
-    them at once: promotions start oldest first, one at a time, so no prefix is
-    brought up and pushed back out before its request runs, and every one completes
-    with the tokens of unlimited memory."""
+    them at once: a promotion that must make room starts for the oldest only (the
+    rest only into free blocks), so the prefixes do not keep pushing each other back
+    out (before, this livelocked), and every request completes with the tokens of
+    unlimited memory."""
     prompts = [[(11 * i + j) % 64 for j in range(24)] for i in range(4)]
     params = SamplingParams(max_tokens=4)
     engine = make_engine(hot_blocks=22, warm_blocks=64, budget=64)   # 88 tokens: two sessions' worth
@@ -226,5 +227,6 @@ def test_waiting_prefixes_come_up_one_at_a_time_and_none_is_pushed_back_out():
     assert [r.error for r in done] == [None] * 4
     assert [r.output for r in done] == reference_outputs(follow)
     promoted = engine.cache.stats["promoted_tokens"] - before["promoted_tokens"]
-    assert [r.tier_hits[WARM] for r in done] == [27] * 4 and promoted == 4 * 27
+    assert [r.tier_hits[WARM] for r in done] == [27] * 4
+    assert 4 * 27 <= promoted <= 2 * 4 * 27   # each prefix up once, or twice at most
     check_drained(engine)
