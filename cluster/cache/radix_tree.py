@@ -37,67 +37,15 @@ import heapq
 import itertools
 import time
 from array import array
-from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Sequence
 
 from cluster.cache.allocator import BlockAllocator, Extent
 from cluster.cache.eviction import make_policy
+from cluster.cache.tree_node import InsertResult, MatchResult, TreeNode  # noqa: F401  (re-exported)
 from cluster.cache.token_key import TOKEN_BYTES, encode_tokens, key_array
 from cluster.errors import InvalidInputError
 from cluster.hashing import chain_hashes_u32, salt_seed
 from cluster.names import COLD, HOT, TIER_NAMES, WARM  # noqa: F401  (re-exported: the tree's tiers)
-
-
-class TreeNode:
-    __slots__ = ("children", "parent", "key", "extents", "lock_ref", "last_access",
-                 "hit_count", "tier", "stamp", "busy", "session", "hashes")
-
-    def __init__(self, key: array, extents: list[Extent], parent: "TreeNode | None",
-                 tier: int = HOT, now: float = 0.0):
-        self.children: dict[int, TreeNode] = {}
-        self.parent = parent
-        self.key = key
-        self.extents = extents
-        self.lock_ref = 0
-        self.last_access = now
-        self.hit_count = 0
-        self.tier = tier
-        self.stamp = 0          # heap entry generation: only the newest entry is valid
-        self.busy = False       # an asynchronous tier move owns this node's storage
-        self.session = None
-        self.hashes: list[int] | None = None  # block hashes ending in this node (see the module doc)
-
-    @property
-    def alive(self) -> bool:
-        return self.parent is not None
-
-    def replace_extent(self, old: Extent, new: Extent) -> None:
-        """Called by compaction when this node's KV moved."""
-        self.extents[self.extents.index(old)] = new
-
-    def __repr__(self) -> str:
-        return (f"TreeNode(len={len(self.key)}, tier={TIER_NAMES[self.tier]}, lock={self.lock_ref}, "
-                f"children={len(self.children)})")
-
-
-@dataclass(slots=True)
-class MatchResult:
-    length: int
-    last_node: TreeNode
-    extents: list[Extent]
-    tier_lengths: list[int] = field(default_factory=lambda: [0, 0, 0])
-    nodes: list[TreeNode] = field(default_factory=list)
-
-    @property
-    def hot_length(self) -> int:
-        return self.tier_lengths[HOT]
-
-
-@dataclass(slots=True)
-class InsertResult:
-    existing_length: int     # tokens that were already cached before this insert
-    node: TreeNode           # node holding the last inserted token
-    freed_duplicate_tokens: int
 
 
 class RadixTree:

@@ -141,7 +141,8 @@ class TieredCache:
             if hot:
                 return True, tiers
             bt = self.hot.allocator.block_tokens
-            # A bound: each colder node may start a block of its own.
+            # Whole blocks for the colder tokens, and slack for the partial blocks at
+            # node edges (an estimate: a promotion that misses it makes room as usual).
             need = -(-(tiers[WARM] + tiers[COLD]) // bt) + 2
             if self.hot.allocator.free_blocks < need:
                 return False, tiers

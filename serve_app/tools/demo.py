@@ -67,18 +67,10 @@ SYSTEM_PROMPTS = [
     "Keep answers short and practical, give prices as ranges in euros, and remind travellers to check "
     "timetables before they leave, because night trains and regional lines change every December.",
 ]
-QUESTIONS = [
-    "What is a prefix cache?", "How do I make a quick tomato soup?", "Where should I go in Italy in spring?",
-    "Why is the second turn of a chat faster?", "Can you suggest a vegetarian dinner?",
-    "How long is the train from Paris to Lyon?", "What does time to first token mean?",
-    "What can I bake with apples?", "Is Vienna expensive?", "How do replicas share KV blocks?",
-    "What is a good breakfast for a busy morning?", "Which city has the best museums?",
-    "Tell me more.", "Can you give an example?", "Why?", "And what else should I know?",
-]
 
 
 def make_sessions(args) -> list[dict]:
-    from serve_app.tools.chat_workload import WORDS
+    from serve_app.tools.chat_workload import QUESTIONS, WORDS
 
     rng = random.Random(args.seed)
     sessions = []
