@@ -345,3 +345,29 @@ def test_forward_into_keeps_kv_in_place_and_equals_forward_batch(kernel):
         torch.testing.assert_close(buf[:, :, :, s:s + len(t)].transpose(2, 3), kv, atol=1e-6, rtol=0)
     with pytest.raises(ValueError, match="kv buffer of 24 positions cannot take 19 \\+ 9 tokens"):
         model.forward_into([(torch.zeros(9, dtype=torch.long), 19, buffers[0])])
+
+
+def test_decode_kernel_equals_the_torch_path_at_every_length_on_the_vector_path():
+    """head_dim 64 takes the kernel's AVX2 path (vector dot products, vector exp in the
+    softmax); context lengths below, at and around multiples of 8 cover its tails."""
+    cfg = ModelConfig(num_layers=2, hidden_size=192, num_heads=3, num_kv_heads=1, head_dim=64,
+                      intermediate_size=128, seed=4)
+    model = DecoderModel(cfg)
+    if not model.use_decode_kernel(True):
+        pytest.skip("the decode kernel could not be built here")
+    g = torch.Generator().manual_seed(2)
+    lengths = [1, 2, 7, 8, 9, 16, 23, 300]
+    buffers = [torch.randn(cfg.num_layers, 2, 1, n + 1, 64, generator=g) * 3 for n in lengths]
+    q = torch.randn(len(lengths), 3, 64, generator=g) * 3
+    k_new = torch.randn(len(lengths), 1, 64, generator=g)
+    v_new = torch.randn(len(lengths), 1, 64, generator=g)
+    want = []
+    for b, n in enumerate(lengths):
+        keys = torch.cat([buffers[b][1, 0, :, :n], k_new[b, :, None]], dim=1)
+        values = torch.cat([buffers[b][1, 1, :, :n], v_new[b, :, None]], dim=1)
+        want.append(model._attend(q[b:b + 1], keys, values, n)[0])
+    got = model._decode_kernel(q, k_new, v_new, buffers, 1, lengths, 64 ** -0.5)
+    # Outputs of magnitude ~10: float32 sums in another order differ by a few 1e-6.
+    torch.testing.assert_close(got, torch.stack(want), atol=1e-5, rtol=0)
+    for b, n in enumerate(lengths):   # the new token's K/V went into its buffer, in place
+        assert torch.equal(buffers[b][1, 0, :, n], k_new[b]) and torch.equal(buffers[b][1, 1, :, n], v_new[b])
