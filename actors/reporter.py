@@ -14,12 +14,11 @@ import time
 from typing import Callable
 
 from cluster.protocol import LoadReport
-from cluster.routing.events import KVEventPublisher
+from cluster.routing.events import EVENT_INTERVAL_S, HEARTBEAT_S, KVEventPublisher
 
 log = logging.getLogger(__name__)
 
-EVENT_INTERVAL_S = 0.02
-HEARTBEAT_S = 0.1
+__all__ = ["EVENT_INTERVAL_S", "HEARTBEAT_S", "EventReporter"]
 
 
 class EventReporter:

@@ -21,19 +21,38 @@ Latency constants (flags; defaults for Llama-3-8B in bf16 on one H100-class GPU)
 - host -> device 20 GB/s (``--h2d-gbps``): WARM promotion ~152,600 tokens/s;
 - disk read 3 GB/s then host -> device (``--disk-gbps``): COLD ~19,900 tokens/s;
 - replica -> replica transfer 10 GB/s (``--transfer-gbps``, NIXL/RDMA): ~76,300 tokens/s.
-Decode is not modeled (the server does prefill only), so TTFT = queueing +
-promotion + transfer + prefill. The cost policy is given these same constants
-(in production it measures them with ``CostModel.measure``).
+Decode is not modeled as compute (the server does prefill only), so TTFT =
+queueing + promotion + transfer + prefill. The cost policy is given these
+constants, as a worker's calibration would measure them.
 
-The policies see each replica as ``WorkerState(queued_tokens = its outstanding
-work in seconds x the prefill rate, running = requests not finished)``.
+Information (every line says which: ``"information"``).
 
-Model of the directory. After each request the chosen replica drains its
-publisher (one batch per request) and the batch reaches the index
-``--event-delay-ms`` later; a gap or resync reloads the replica's snapshot.
-The cache effects of a request (match, promotion, pull, insert of its blocks)
-are applied when it is routed: its KV is reserved at once, as a real engine
-reserves a running request's blocks. Only the policies' ``choose`` calls are
+``production`` (the default): what a deployed router really knows.
+- Load: each replica sends ``(queued_tokens, running)`` as the engine computes
+  it (``EngineLoop.measure_load``): waiting requests count their whole prompt,
+  running ones their remaining output tokens; a request runs from its start
+  until ``output_length x --decode-ms-per-token`` after its prefill. Reports
+  leave every ``--report-interval-ms`` (20 ms, the workers' event interval; the
+  replicas' clocks are offset) and arrive ``--event-delay-ms`` later; between
+  two reports the router adds what it sent there itself (``RoutingTable.route``).
+- KV events: a request's blocks are checkpointed when its prefill ends (as the
+  engine checkpoints prompts) and leave on the replica's next report tick.
+- Service times are the simulator's own (``ServiceModel``), not the policy's
+  formulas: a prefill token's cost grows with its context as attention does
+  (``--attention-tokens``), and every time gets lognormal noise
+  (``--service-noise``), the same draws for every policy.
+
+``oracle`` (``--oracle``, the replay before production information): each
+replica's ``queued_tokens`` is its exact simulated drain time x the prefill
+rate, ``running`` its requests not finished, a request's KV events leave when
+it is routed, and service times are the cost policy's own formulas.
+
+Model of the directory. A replica's batch of events reaches the index
+``--event-delay-ms`` after it leaves; a gap or resync reloads the replica's
+snapshot. The cache effects of a request (match, promotion, pull, insert of its
+blocks) are applied to the replica's own tree when it is routed, in its FIFO
+order (its KV is reserved at once, as a real engine reserves a running
+request's blocks); only what the index learns waits for the events. Only the policies' ``choose`` calls are
 timed for ``decisions_per_s``, in CPU time of the replaying thread
 (``time.thread_time``), so other processes on a shared machine do not count;
 ``directory_decisions_per_s`` and ``decision_us_p99`` add the event batches
@@ -69,6 +88,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import heapq
 import math
 import random
 import time
@@ -80,7 +100,7 @@ from cluster.cache.radix_tree import COLD, HOT, WARM
 from cluster.cache.tiered import TierConfig, TieredCache
 from cluster.errors import InvalidInputError, PoolExhaustedError
 from cluster.hashing import block_hashes
-from cluster.routing.events import KVEventPublisher
+from cluster.routing.events import EVENT_INTERVAL_S, KVEventPublisher
 from cluster.routing.index import GlobalIndex
 from cluster.bench.traces import SHAPES, shape_trace
 from cluster.routing.policies import POLICIES, RATE_FIELDS, CostModel, WorkerState, make_policy
@@ -121,6 +141,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--routers", type=int, default=1,
                    help="independent routers, each with its own policy and copy of the index fed every "
                         "event batch; request k is decided by router k mod N (default 1)")
+    p.add_argument("--oracle", action="store_true",
+                   help="the old, optimistic information: each replica's load is its exact simulated drain time, "
+                        "its KV events leave when the request is routed, and service times are the cost "
+                        "policy's own formulas (default: production information, see the module docstring)")
+    p.add_argument("--report-interval-ms", type=float, default=EVENT_INTERVAL_S * 1e3,
+                   help="production information: how often a replica sends its load and events (20, as workers do)")
+    p.add_argument("--decode-ms-per-token", type=float, default=20.0,
+                   help="production information: how long a request stays running after its prefill, per output "
+                        "token (its remaining tokens count in the load it reports; decode does not delay prefills)")
+    p.add_argument("--attention-tokens", type=float, default=30_500.0,
+                   help="production information: the context length at which attention doubles a prefill token's "
+                        "cost in the simulator's service times (30,500 for Llama-3-8B; 0: no attention term)")
+    p.add_argument("--service-noise", type=float, default=0.15,
+                   help="production information: sigma of the lognormal noise on every simulated service time")
     p.add_argument("--misestimate", default=None, metavar="F[,F...]",
                    help="also run cost with each of its rate constants (and all of them) multiplied by each "
                         "factor, e.g. 0.5,2; the simulator keeps the true rates")
@@ -208,6 +242,39 @@ class LatencyModel:
                          transfer_tokens_per_s=self.transfer_gbps * 1e9 / per_tok, block_tokens=block_tokens)
 
 
+@dataclass(frozen=True)
+class ServiceModel:
+    """What a replica really takes under production information: not the policy's formulas.
+
+    The policy prices with ``believed`` (calibrated constants: a worker measures its
+    prefill rate on a short fresh prompt, ``actors.calibration``). The simulator's
+    prefill of ``n`` new tokens after ``c`` cached ones takes
+    ``n / rate x (1 + (c + n / 2) / attention_tokens)``: attention's cost per token
+    grows with the context it attends over (Llama-3-8B's linears cost 2 x 8e9 FLOPs a
+    token, its attention 4 x 32 layers x 4,096 per token of context: equal at about
+    30,500 tokens). Every service time (prefill, promotion, staging, pull) is then
+    multiplied by lognormal noise drawn per request, the same draws for every policy.
+    """
+
+    believed: CostModel
+    attention_tokens: float
+    noise: list            # per request: (prefill, promotion, staging, pull) factors
+
+    @staticmethod
+    def draws(count: int, sigma: float, seed: int) -> list:
+        rng = random.Random(seed * 1_000_003 + 17)
+        if sigma <= 0:
+            return [(1.0, 1.0, 1.0, 1.0)] * count
+        return [tuple(rng.lognormvariate(0.0, sigma) for _ in range(4)) for _ in range(count)]
+
+    def prefill_s(self, k: int, new_tokens: int, cached_tokens: int) -> float:
+        n = max(1, new_tokens)
+        base = n / self.believed.prefill_tokens_per_s
+        if self.attention_tokens > 0:
+            base *= 1.0 + (cached_tokens + n / 2) / self.attention_tokens
+        return base * self.noise[k][0]
+
+
 class Replica:
     """One replica's cache, publisher and FIFO server."""
 
@@ -221,6 +288,32 @@ class Replica:
         self.area = 0.0             # integral of outstanding work (s) over time
         self.last_t = 0.0
         self.busy_s = 0.0
+        # Production information: what its load report says, as the engine computes it.
+        self.jobs: list = []         # (routed, start, prefill_end, decode_end, prompt tokens, output tokens)
+        self.seen_tick: float | None = None
+        self.phase = 0.0             # its report clock's offset (workers do not tick in step)
+
+    def report(self, t: float) -> tuple[int, int]:
+        """(queued_tokens, running) as ``EngineLoop.measure_load`` computes them at ``t``:
+        waiting requests count their whole prompt (cached tokens are known only at
+        admission), running ones their remaining output tokens. Calls come with
+        nondecreasing ``t``, so requests done by ``t`` are dropped."""
+        queued = running = 0
+        keep = []
+        for job in self.jobs:
+            routed, start, prefill_end, decode_end, prompt, out = job
+            if decode_end <= t:
+                continue
+            keep.append(job)
+            if routed > t:
+                continue
+            if start > t:
+                queued += prompt
+            else:
+                running += 1
+                queued += out if t < prefill_end else round(out * (decode_end - t) / max(1e-9, decode_end - prefill_end))
+        self.jobs = keep
+        return queued, running
 
     def advance(self, now: float) -> None:
         a, d = max(0.0, self.free_at - self.last_t), now - self.last_t
@@ -253,13 +346,25 @@ def _tiers_between(match_nodes, start: int, end: int) -> list[int]:
 
 
 def run_policy(name: str, records: list[TraceRecord], hash_chains: list[list[int]], args,
-               latency: LatencyModel, believed: CostModel | None = None) -> dict:
+               latency: LatencyModel, believed: CostModel | None = None, noise: list | None = None) -> dict:
     """Replay ``records`` (``hash_chains[i]``: the routing hashes of record i) under one policy.
 
-    ``believed``: the cost model the policy is given (default: the true one the
-    simulator uses), to measure what misestimated constants cost."""
+    ``believed``: the cost model the policy is given (default: the calibrated one
+    built from the latency constants), to measure what misestimated constants cost.
+    ``noise``: the per-request service-time draws (``ServiceModel.draws``; default
+    drawn from ``--seed``), shared by every policy of a run."""
     bt, R = args.block_tokens, args.replicas
     cost = latency.cost_model(bt)
+    oracle = bool(getattr(args, "oracle", False))
+    interval = getattr(args, "report_interval_ms", EVENT_INTERVAL_S * 1e3) / 1e3
+    decode_s = getattr(args, "decode_ms_per_token", 20.0) / 1e3
+    if not oracle and (interval <= 0 or decode_s < 0):
+        raise InvalidInputError("--report-interval-ms must be positive and --decode-ms-per-token >= 0")
+    service_model = None
+    if not oracle:
+        if noise is None:
+            noise = ServiceModel.draws(len(records), getattr(args, "service_noise", 0.15), getattr(args, "seed", 0))
+        service_model = ServiceModel(cost, getattr(args, "attention_tokens", 30_500.0), noise)
     ideal = name == "ideal"
     per = TierConfig(hot_blocks=args.hot_blocks, warm_blocks=args.warm_blocks, cold_blocks=args.cold_blocks,
                      block_tokens=1, device="cpu")
@@ -267,6 +372,8 @@ def run_policy(name: str, records: list[TraceRecord], hash_chains: list[list[int
         shared = Replica("global", TierConfig(hot_blocks=R * args.hot_blocks, warm_blocks=R * args.warm_blocks,
                                               cold_blocks=R * args.cold_blocks, block_tokens=1, device="cpu"))
     servers = [Replica(f"r{i}", per) for i in range(R)]
+    for i, r in enumerate(servers):   # report clocks spread over the interval, the same in every run
+        r.phase = interval * ((i * 0.618034) % 1.0)
     by_id = {r.worker_id: r for r in servers}
     caches = [shared] if ideal else servers
     # One policy and one index copy per router (TableReplica in production):
@@ -288,7 +395,8 @@ def run_policy(name: str, records: list[TraceRecord], hash_chains: list[list[int
         for i, policy in enumerate(policies):
             policy.tie_salt = 1 + i * 7919
     states = [WorkerState(r.worker_id, 0, 0) for r in servers]
-    deliveries: deque = deque()
+    deliveries: list = []        # heap of (due, order, replica, batch): in order per replica
+    delivery_order = 0
     delay = args.event_delay_ms / 1e3
     prefill_rate = cost.prefill_tokens_per_s
     ttft: list[float] = []
@@ -316,11 +424,11 @@ def run_policy(name: str, records: list[TraceRecord], hash_chains: list[list[int
         now = sim_now[0] = rec.timestamp / 1e3 * args.time_scale
         due = []
         while deliveries and deliveries[0][0] <= now:
-            due.append(deliveries.popleft())
+            due.append(heapq.heappop(deliveries))
         if due:
             for i, index in enumerate(indexes):
                 t0 = cpu()
-                for _, rep, batch in due:
+                for _, _, rep, batch in due:
                     if index.apply(batch) in ("gap", "resync"):
                         index.load_snapshot(rep.worker_id, *rep.publisher.snapshot())
                 applied = cpu() - t0
@@ -328,8 +436,16 @@ def run_policy(name: str, records: list[TraceRecord], hash_chains: list[list[int
                 pending_apply[i] += applied
         for r, st in zip(servers, states):
             r.advance(now)
-            st.queued_tokens = int(max(0.0, r.free_at - now) * prefill_rate)
-            st.running = len(r.finishes)
+            if oracle:   # the exact simulated drain time
+                st.queued_tokens = int(max(0.0, r.free_at - now) * prefill_rate)
+                st.running = len(r.finishes)
+                continue
+            # The newest report that reached the directory: sent at the replica's last tick
+            # before now - delay. It replaces the directory's view, bumps included.
+            tick = math.floor((now - delay - r.phase) / interval) * interval + r.phase
+            if tick != r.seen_tick:
+                r.seen_tick = tick
+                st.queued_tokens, st.running = r.report(tick) if tick >= 0 else (0, 0)
         router = k % nrouters
         t0 = cpu()
         d = policies[router].choose(hashes, rec.input_length, states, indexes[router])
@@ -339,6 +455,9 @@ def run_policy(name: str, records: list[TraceRecord], hash_chains: list[list[int
         pending_apply[router] = 0.0
         reasons[d.reason] = reasons.get(d.reason, 0) + 1
         server = by_id[d.worker_id]
+        if not oracle:   # the directory counts what it sent until the worker's next report (RoutingTable.route)
+            st = states[servers.index(server)]
+            st.queued_tokens += max(0, rec.input_length - d.cached_tokens)
         rep = shared if ideal else server
         cache = rep.cache
         lease = cache.admit(ids, compute_last=False, validate=False)
@@ -356,6 +475,8 @@ def run_policy(name: str, records: list[TraceRecord], hash_chains: list[list[int
                 # The holder stages its HOT blocks into host blocks first, between its
                 # own batches: its queue is delayed by that, and the target waits for it.
                 stage = cost.stage_s(tiers[HOT])
+                if service_model is not None:
+                    stage *= service_model.noise[k][2]
                 if stage:
                     holder.advance(now)
                     holder.free_at = max(holder.free_at, now) + stage
@@ -369,17 +490,31 @@ def run_policy(name: str, records: list[TraceRecord], hash_chains: list[list[int
             except PoolExhaustedError:
                 uncacheable += 1   # longer than what the HOT tier can hold: served, not cached
         lease.release()
-        batch = rep.publisher.drain()
-        if batch is not None:
-            deliveries.append((now + delay, rep, batch))
         cached_tok = min((usable + pulled) * bt, rec.input_length)
         local_tok = min(usable * bt, rec.input_length)
-        service = (cost.promote_s(local_tiers[WARM], local_tiers[COLD]) + stage + cost.transfer_s(pulled, pulled_cold)
-                   + cost.prefill_s(max(1, rec.input_length - cached_tok)))
+        if service_model is None:   # oracle: the policy's own formulas
+            service = (cost.promote_s(local_tiers[WARM], local_tiers[COLD]) + stage
+                       + cost.transfer_s(pulled, pulled_cold) + cost.prefill_s(max(1, rec.input_length - cached_tok)))
+        else:
+            draw = service_model.noise[k]
+            service = (cost.promote_s(local_tiers[WARM], local_tiers[COLD]) * draw[1] + stage
+                       + cost.transfer_s(pulled, pulled_cold) * draw[3]
+                       + service_model.prefill_s(k, rec.input_length - cached_tok, cached_tok))
         start = max(now, server.free_at)
         server.free_at = start + service
         server.finishes.append(server.free_at)
         server.busy_s += service
+        batch = rep.publisher.drain()
+        if batch is not None:
+            if oracle or ideal:   # sent when routed (ideal's one shared publisher must stay in order)
+                due_at = now + delay
+            else:   # checkpointed when its prefill ends, sent on the replica's next tick
+                due_at = math.ceil((server.free_at - server.phase) / interval) * interval + server.phase + delay
+            heapq.heappush(deliveries, (due_at, delivery_order, rep, batch))
+            delivery_order += 1
+        if not oracle:
+            server.jobs.append((now, start, server.free_at, server.free_at + decode_s * rec.output_length,
+                                rec.input_length, rec.output_length))
         ttft.append((server.free_at - now) * 1e3)
         tot += rec.input_length
         hit += cached_tok
@@ -397,7 +532,8 @@ def run_policy(name: str, records: list[TraceRecord], hash_chains: list[list[int
     areas = [r.area for r in servers]
     busy = [r.busy_s for r in servers]
     n = len(ttft)
-    out = {"bench": "replay", "policy": name, "records": n, "replicas": R,
+    out = {"bench": "replay", "policy": name, "information": "oracle" if oracle else "production",
+           "records": n, "replicas": R,
            "hit_rate": rounded(hit / tot if tot else 0.0),
            "hot_hit_rate": rounded(tier_hits[HOT] / tot if tot else 0.0),
            "warm_hit_rate": rounded(tier_hits[WARM] / tot if tot else 0.0),
@@ -441,6 +577,8 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidInputError("--replicas and --block-tokens must be positive")
     if args.time_scale <= 0:
         raise InvalidInputError("--time-scale must be positive")
+    if args.service_noise < 0 or args.attention_tokens < 0:
+        raise InvalidInputError("--service-noise and --attention-tokens must be >= 0")
     names = list(ORDER) if args.policy == "all" else args.policy.split(",")
     for name in names:
         if name not in POLICIES:
@@ -453,9 +591,10 @@ def run(args: argparse.Namespace) -> int:
         records = _records(args, seed)
         # Routing hashes: the chain over hash ids, as the replicas' publishers compute it (block of 1 id).
         hash_chains = [block_hashes(r.hash_ids, 1) for r in records]
+        noise = None if args.oracle else ServiceModel.draws(len(records), args.service_noise, seed)
         results = []
         for name in names:
-            res = run_policy(name, records, hash_chains, args, latency)
+            res = run_policy(name, records, hash_chains, args, latency, noise=noise)
             if args.shape:
                 res["shape"] = args.shape
             if not args.trace:
@@ -463,7 +602,7 @@ def run(args: argparse.Namespace) -> int:
             results.append(res)
             emit(res)
         if args.misestimate:
-            misestimate_sweep(records, hash_chains, args, latency, results, None if args.trace else seed)
+            misestimate_sweep(records, hash_chains, args, latency, results, None if args.trace else seed, noise)
         by_seed.append(results)
     if len(seeds) > 1:
         for line in seed_summary(seeds, by_seed):
@@ -516,7 +655,8 @@ def seed_summary(seeds: list[int], by_seed: list[list[dict]]) -> list[dict]:
     lines = []
     for k, res in enumerate(first):
         runs = [results[k] for results in by_seed]
-        line = {"bench": "replay_seeds", "policy": res["policy"], "records": res["records"],
+        line = {"bench": "replay_seeds", "policy": res["policy"], "information": res["information"],
+                "records": res["records"],
                 "replicas": res["replicas"], "seeds": seeds}
         if "shape" in res:
             line["shape"] = res["shape"]
@@ -561,7 +701,7 @@ def plot(results: list[dict], path: str) -> None:
 
 
 def misestimate_sweep(records, hash_chains, args, latency: LatencyModel, results: list[dict],
-                      seed: int | None = None) -> None:
+                      seed: int | None = None, noise: list | None = None) -> None:
     """``cost`` given wrong rate constants (each alone, then all together, times each
     factor) while the simulator keeps the true ones; one line per run and a summary."""
     try:
@@ -573,11 +713,12 @@ def misestimate_sweep(records, hash_chains, args, latency: LatencyModel, results
     true = latency.cost_model(args.block_tokens)
     base = next((r for r in results if r["policy"] == "cost"), None)
     if base is None:
-        base = run_policy("cost", records, hash_chains, args, latency)
+        base = run_policy("cost", records, hash_chains, args, latency, noise=noise)
     runs = []
     for f in factors:
         for fields in [(name,) for name in RATE_FIELDS] + [RATE_FIELDS]:
-            res = run_policy("cost", records, hash_chains, args, latency, believed=true.scaled(**dict.fromkeys(fields, f)))
+            res = run_policy("cost", records, hash_chains, args, latency, noise=noise,
+                             believed=true.scaled(**dict.fromkeys(fields, f)))
             res["misestimate"] = {"factor": f, "constants": "all" if len(fields) > 1 else fields[0]}
             if seed is not None:
                 res["seed"] = seed
@@ -586,7 +727,8 @@ def misestimate_sweep(records, hash_chains, args, latency: LatencyModel, results
     worst = min(runs, key=lambda r: r["hit_rate"])
     others = {r["policy"]: r["hit_rate"] for r in results if r["policy"] in ("approx_tree", "ray_prefix", "prefix")}
     ports = {k: v for k, v in others.items() if k != "prefix"}
-    emit({"bench": "replay_misestimate", **({} if seed is None else {"seed": seed}), "factors": factors, "runs": len(runs), "cost_hit_rate": base["hit_rate"],
+    emit({"bench": "replay_misestimate", "information": base["information"],
+          **({} if seed is None else {"seed": seed}), "factors": factors, "runs": len(runs), "cost_hit_rate": base["hit_rate"],
           "worst_hit_rate": worst["hit_rate"], "worst": worst["misestimate"],
           "max_loss_points": rounded(100 * (base["hit_rate"] - worst["hit_rate"]), 2),
           "worst_ttft_ms_p99": max(r["ttft_ms_p99"] for r in runs), "baselines_hit_rate": others,

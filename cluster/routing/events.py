@@ -36,6 +36,11 @@ from cluster.errors import InvalidInputError
 from cluster.protocol import Snapshot
 
 KINDS = ("stored", "tier", "removed")
+# How often a worker sends (actors/reporter.py; the routing replay models the same):
+# pending events with its load at most every EVENT_INTERVAL_S, the load alone every
+# HEARTBEAT_S when nothing changed.
+EVENT_INTERVAL_S = 0.02
+HEARTBEAT_S = 0.1
 WIRE_VERSION = 1
 _U64 = 1 << 64
 

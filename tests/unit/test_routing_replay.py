@@ -122,11 +122,19 @@ def test_misestimate_sweep_without_the_ports_does_not_claim_to_beat_them(capsys)
 
 
 def test_replay_with_several_routers_feeds_every_copy_every_batch(capsys):
-    one = replay(capsys, "--records", "600", "--replicas", "4", "--policy", "cost")["cost"]
-    three = replay(capsys, "--records", "600", "--replicas", "4", "--policy", "cost", "--routers", "3")["cost"]
+    one = replay(capsys, "--records", "600", "--replicas", "4", "--policy", "cost", "--oracle")["cost"]
+    three = replay(capsys, "--records", "600", "--replicas", "4", "--policy", "cost", "--routers", "3",
+                   "--oracle")["cost"]
     assert (one["routers"], three["routers"]) == (1, 3)
     # One batch per request reaches each copy (the last one is still in flight at the end).
     assert one["index"] == three["index"] == {"batches": 599, "gaps": 0, "resyncs": 0}
+    # With production information batches leave when prefills end: the same ones reach every
+    # copy, in order, and only the last few are still in flight at the end.
+    one_p = replay(capsys, "--records", "600", "--replicas", "4", "--policy", "cost")["cost"]
+    three_p = replay(capsys, "--records", "600", "--replicas", "4", "--policy", "cost", "--routers", "3")["cost"]
+    assert one_p["index"]["gaps"] == three_p["index"]["gaps"] == 0
+    assert one_p["index"]["resyncs"] == three_p["index"]["resyncs"] == 0
+    assert 590 <= one_p["index"]["batches"] < 600 and 590 <= three_p["index"]["batches"] < 600
     assert sum(three["reasons"].values()) == 600
     assert one["aggregate_decisions_per_s"] == one["directory_decisions_per_s"]
     with pytest.raises(SystemExit) as info:
@@ -135,7 +143,9 @@ def test_replay_with_several_routers_feeds_every_copy_every_batch(capsys):
 
 
 def test_replay_replicates_hot_shared_prefixes(capsys):
-    argv = ["--records", "1500", "--replicas", "8", "--shape", "long_system", "--policy", "prefix,cost"]
+    # Oracle information: the replication mechanism alone, without the index's lag (under
+    # production information a lagging index makes cost pull now and then with replication off).
+    argv = ["--records", "1500", "--replicas", "8", "--shape", "long_system", "--policy", "prefix,cost", "--oracle"]
     off = replay(capsys, *argv, "--policy-arg", "cost.replicate_share=0")
     on = replay(capsys, *argv, "--policy-arg", "cost.replicate_budget_s=0.5")
     assert "policy_args" not in on["prefix"]
@@ -209,3 +219,70 @@ def test_replay_seeds_runs_the_misestimate_sweep_on_each_seed(capsys):
     runs = {x["seed"]: x for x in lines if x["bench"] == "replay" and "misestimate" not in x}
     assert [s["cost_hit_rate"] for s in summaries] == [runs[1]["hit_rate"], runs[2]["hit_rate"]]
     assert lines[-1]["bench"] == "replay_seeds" and lines[-1]["seeds"] == [1, 2]
+
+
+# ---- production information (the default) against --oracle ------------------------------------
+
+def test_every_line_says_which_information_it_had(capsys):
+    prod = replay(capsys, "--records", "300", "--replicas", "2", "--policy", "cost,round_robin")
+    oracle = replay(capsys, "--records", "300", "--replicas", "2", "--policy", "cost,round_robin", "--oracle")
+    assert {r["information"] for r in prod.values()} == {"production"}
+    assert {r["information"] for r in oracle.values()} == {"oracle"}
+    # Same trace, same routing of round robin: only the service times differ (noise, attention).
+    assert prod["round_robin"]["hit_rate"] == oracle["round_robin"]["hit_rate"]
+    assert prod["round_robin"]["ttft_ms_p50"] != oracle["round_robin"]["ttft_ms_p50"]
+
+
+def test_load_report_is_what_the_engine_measures():
+    """Waiting requests count their whole prompt, running ones their remaining output
+    tokens (all of them during the prefill, fewer as the decode goes), finished ones nothing."""
+    from cluster.bench.replay import Replica
+    from cluster.cache.tiered import TierConfig
+
+    r = Replica("r0", TierConfig(hot_blocks=4, warm_blocks=0, block_tokens=1, device="cpu"))
+    # (routed, start, prefill_end, decode_end, prompt tokens, output tokens)
+    r.jobs = [(0.0, 0.0, 1.0, 3.0, 900, 200),    # prefilling until 1.0, decoding until 3.0
+              (0.1, 1.0, 1.5, 2.0, 400, 50),     # waiting until 1.0
+              (2.5, 3.0, 3.2, 4.0, 700, 80)]     # not yet routed before 2.5
+    assert r.report(0.5) == (200 + 400, 1)
+    assert r.report(2.0) == (100, 1)             # halfway through the first decode; the second is done
+    assert r.report(2.6) == (40 + 700, 1)         # a fifth of the decode left; the third waits
+    assert r.report(5.0) == (0, 0) and r.jobs == []
+
+
+def test_prefill_service_grows_with_context_and_noise_is_shared_by_policies():
+    from cluster.bench.replay import ServiceModel
+    from cluster.routing.policies import CostModel
+
+    model = ServiceModel(CostModel(prefill_tokens_per_s=1000.0), 1000.0, [(1.0, 1.0, 1.0, 1.0), (2.0, 1.0, 1.0, 1.0)])
+    assert model.prefill_s(0, 100, 0) == pytest.approx(0.1 * (1 + 50 / 1000))
+    assert model.prefill_s(0, 100, 2000) == pytest.approx(0.1 * (1 + 2050 / 1000))
+    assert model.prefill_s(1, 100, 0) == pytest.approx(2 * 0.1 * 1.05)
+    assert ServiceModel.draws(5, 0.15, 3) == ServiceModel.draws(5, 0.15, 3) != ServiceModel.draws(5, 0.15, 4)
+    assert ServiceModel.draws(2, 0.0, 3) == [(1.0, 1.0, 1.0, 1.0)] * 2
+
+
+def test_the_index_learns_a_prefix_only_after_its_prefill(capsys, tmp_path):
+    """A request that shares a long prefix with one still in its prefill: with oracle
+    information the index already shows the prefix (sent when routed), with production
+    information it does not (checkpointed when the prefill ends), so prefix routing cannot
+    find it and the second request is a miss."""
+    from cluster.trace import TraceRecord
+
+    ids = list(range(8))   # 8 blocks of 512 tokens: a 0.4 s prefill at 10,000 tokens/s
+    records = [TraceRecord(0.0, 8 * 512, 10, ids, 0), TraceRecord(100.0, 8 * 512, 10, ids, 1)]
+    path = tmp_path / "trace.jsonl"
+    write_trace(records, path)
+    argv = ("--trace", str(path), "--replicas", "2", "--policy", "prefix", "--service-noise", "0")
+    oracle = replay(capsys, *argv, "--oracle")["prefix"]
+    prod = replay(capsys, *argv)["prefix"]
+    assert oracle["hit_rate"] == 0.5          # the second request found all 8 blocks
+    assert prod["hit_rate"] == 0.0
+
+
+def test_production_flags_are_checked(capsys):
+    for flags, message in ((["--report-interval-ms", "0"], "--report-interval-ms must be positive"),
+                           (["--service-noise", "-1"], "--service-noise and --attention-tokens must be >= 0")):
+        with pytest.raises(SystemExit) as info:
+            main(["replay", "--records", "10", *flags])
+        assert info.value.code == 2 and message in capsys.readouterr().err
