@@ -104,6 +104,7 @@ from cluster.routing.events import EVENT_INTERVAL_S, KVEventPublisher
 from cluster.routing.index import GlobalIndex
 from cluster.bench.traces import SHAPES, shape_trace
 from cluster.routing.policies import POLICIES, RATE_FIELDS, CostModel, WorkerState, make_policy
+from cluster.routing.policies.baselines import APPROX_TREE_DEFAULTS, DEFAULT_APPROX_TREE_DEFAULTS
 from cluster.trace import MOONCAKE_BLOCK_TOKENS, TraceRecord, load_trace
 
 ORDER = ("round_robin", "least_loaded", "prefix", "approx_tree", "ray_prefix", "cost", "ideal")
@@ -135,6 +136,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "every other policy in the run)")
     p.add_argument("--policy-arg", action="append", metavar="[POLICY.]NAME=VALUE",
                    help="override a policy parameter, e.g. cost.dup_weight=0.5 (repeatable)")
+    p.add_argument("--approx-tree-defaults", choices=list(APPROX_TREE_DEFAULTS), default=DEFAULT_APPROX_TREE_DEFAULTS,
+                   help="the SGLang router release whose defaults and rules the approx_tree baseline follows ("
+                        + "; ".join(f"{k}: {d.source}" for k, d in APPROX_TREE_DEFAULTS.items())
+                        + f"; default {DEFAULT_APPROX_TREE_DEFAULTS}); --policy-arg values still override single ones")
     p.add_argument("--plot", default=None, help="write hit rate and p99 TTFT per policy to this PNG")
     p.add_argument("--shape", default=None, choices=[*SHAPES, "mixed"],
                    help="synthetic trace of this shape (cluster/bench/traces.py) instead of the default chat trace")
@@ -388,6 +393,8 @@ def run_policy(name: str, records: list[TraceRecord], hash_chains: list[list[int
     sim_now = [0.0]
     overrides = _policy_overrides(args, name)
     kw = {"cost": believed or cost} | overrides
+    if name == "approx_tree":
+        kw["defaults"] = getattr(args, "approx_tree_defaults", DEFAULT_APPROX_TREE_DEFAULTS)
     if name in _CLOCKED:
         kw["clock"] = lambda: sim_now[0]
     policies = [make_policy(name, **kw) for _ in range(nrouters)]
@@ -559,6 +566,9 @@ def run_policy(name: str, records: list[TraceRecord], hash_chains: list[list[int
             "sim_seconds": rounded(end, 1), "wall_seconds": rounded(time.perf_counter() - wall0, 1)}
     if overrides:
         out["policy_args"] = overrides   # what --policy-arg changed for this policy
+    if name == "approx_tree":   # which router release the port followed
+        out["approx_tree_defaults"] = policies[0].defaults
+        out["approx_tree_source"] = policies[0].source
     return out
 
 

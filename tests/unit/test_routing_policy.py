@@ -242,32 +242,7 @@ class Clock:
         return self.t
 
 
-def test_approx_tree_is_sglangs_cache_aware_policy():
-    policy = make_policy("approx_tree", cost=COST, balance_abs_threshold=2)
-    ix = GlobalIndex()
-    d = policy.choose(CHAIN, 600, running(a=0, b=0, c=0), ix)             # empty tree: smallest tenant
-    assert (d.worker_id, d.reason, d.cached_tokens) == ("a", "capacity", 0)
-    d = policy.choose(CHAIN, 600, running(a=2, b=0, c=0), ix)             # spread 2, not > 2: balanced
-    assert (d.worker_id, d.reason, d.cached_tokens) == ("a", "prefix", 600)
-    d = policy.choose([11, 12, 13, 90], 400, running(a=2, b=0, c=0), ix)  # 3/4 matched > 0.5
-    assert (d.worker_id, d.reason) == ("a", "prefix")
-    d = policy.choose([11, 50, 51, 52], 400, running(a=2, b=0, c=0), ix)  # 1/4 <= 0.5: smallest tree
-    assert (d.worker_id, d.reason) == ("b", "capacity")
-    d = policy.choose(CHAIN, 600, running(a=3, b=0, c=1), ix)             # 3 - 0 > 2 and 3 > 1.0001 x 0
-    assert (d.worker_id, d.reason) == ("b", "balance")
-    assert policy.tree.deepest(CHAIN) == (6, ["a", "b"])                  # the first tenant is a
-    assert policy.tree_size("a") == 7 and policy.tree_size("b") == 9 and policy.tree_size("c") == 0
-
-
-def test_approx_tree_evicts_lru_leaves_every_interval():
-    clock = Clock()
-    policy = make_policy("approx_tree", cost=COST, max_tree_size=300, eviction_interval_s=10, clock=clock)
-    ix = GlobalIndex()
-    policy.choose(CHAIN, 600, running(a=0), ix)
-    assert policy.tree_size("a") == 6                 # evicted only at the next interval
-    clock.t = 10.0
-    policy.choose([77], 100, running(a=0), ix)        # evicts down to 3 blocks first, leaves first
-    assert policy.tree.matched("a", CHAIN) == 3 and policy.tree_size("a") == 4
+# approx_tree (SGLang's cache_aware router, ported): tests/unit/test_approx_tree.py
 
 
 def test_ray_prefix_is_rays_prefix_cache_affinity_router():
