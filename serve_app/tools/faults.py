@@ -1,9 +1,11 @@
 """The app's processes as the load and fault drills see them, through Ray's actor table.
 
 ``ClusterProbe`` finds the Serve replicas and the directory of one namespace,
-reads their memory from /proc (the cluster runs on this machine), kills one
-(a replica: Serve starts another; the directory: Ray restarts it) and tells
-when the app is whole again. It kills only actors of the app it was pointed at.
+reads their memory from /proc (the cluster runs on this machine), finds the
+busiest replica (the directory's view of the workers' load reports), kills one (a replica: Serve starts another; the
+directory: Ray restarts it), tells when the app is whole again, and reads
+the app's counters from the Ray nodes' metrics endpoints. It kills only
+actors of the app it was pointed at.
 """
 
 from __future__ import annotations
@@ -20,6 +22,12 @@ class ActorRecord:
     class_name: str
     name: str
     pid: int
+
+    @property
+    def worker_id(self) -> str:
+        """The id a CacheReplica registers with the directory: its Serve replica id, the
+        last part of the actor's name (``SERVE_REPLICA::app#CacheReplica#<id>``)."""
+        return self.name.rsplit("#", 1)[-1]
 
 
 class ClusterProbe:
@@ -68,6 +76,7 @@ class ClusterProbe:
         return round(total / 1024, 1) if found else None
 
     def live_workers(self) -> list[str]:
+        """The workers the directory's routing table lists (empty when it does not answer)."""
         import ray
 
         handle = self._directory_handle()
@@ -76,23 +85,52 @@ class ClusterProbe:
         except Exception:
             return []
 
-    def kill(self, what: str) -> dict:
+    def loads(self) -> dict[str, tuple[int, int]]:
+        """Each worker's (queued tokens, running requests) as the directory last heard them
+        (the load report every worker sends with its KV events: waiting prompt tokens plus
+        the running requests' remaining tokens); empty when it does not answer."""
+        import ray
+
+        handle = self._directory_handle()
+        try:
+            stats = ray.get(handle.get_stats.remote(), timeout=2) if handle is not None else {}
+        except Exception:
+            return {}
+        return {w: (s["queued_tokens"], s["running"]) for w, s in stats.get("workers", {}).items()}
+
+    def busiest_replica(self, replicas: list[ActorRecord]) -> tuple[ActorRecord, int] | None:
+        """Of ``replicas`` running requests, the one with the most work left (ties: the lowest
+        actor id), and how many it runs; None while none runs any."""
+        loads = self.loads()
+        busy = [(loads[a.worker_id], a) for a in replicas if loads.get(a.worker_id, (0, 0))[1] > 0]
+        if not busy:
+            return None
+        (_, running), victim = min(busy, key=lambda b: (-b[0][0], b[1].actor_id))
+        return victim, running
+
+    def kill(self, what: str, victim: ActorRecord | None = None) -> dict:
+        """Kill one replica (``victim``, else a fixed choice among the live ones) or the directory."""
         import ray
 
         if what == "replica":
-            victims = sorted(self.replicas(), key=lambda a: a.actor_id)
-            if not victims:
+            replicas = sorted(self.replicas(), key=lambda a: a.actor_id)
+            if not replicas:
                 raise RuntimeError("no CacheReplica actor is alive")
-            victim = random.Random(0).choice(victims)
+            victim = victim or random.Random(0).choice(replicas)
             ray.kill(ray.get_actor(victim.name, namespace="serve"), no_restart=True)
-            return {"kind": "replica", "actor_id": victim.actor_id, "replicas_before": len(victims)}
+            return {"kind": "replica", "actor_id": victim.actor_id, "worker_id": victim.worker_id,
+                    "replicas_before": len(replicas)}
         handle = self._directory_handle()
         if handle is None:
             raise RuntimeError(f"no directory in namespace {self.namespace!r}")
         ray.kill(handle, no_restart=False)   # Ray restarts it, empty
-        return {"kind": "directory", "actor_id": handle._actor_id.hex(), "replicas_before": len(self.replicas())}
+        return {"kind": "directory", "actor_id": handle._actor_id.hex(), "worker_id": None,
+                "replicas_before": len(self.replicas())}
 
     def whole(self, killed: dict) -> bool:
+        """Whole again: the killed actor gone (a directory: back), as many replicas alive as
+        before, and the directory's routing table listing every live replica and no longer
+        the killed one (until the directory drops it, routers may still choose it)."""
         replicas = self.replicas()
         if len(replicas) < killed["replicas_before"]:
             return False
@@ -100,4 +138,30 @@ class ClusterProbe:
             return False
         if killed["kind"] == "directory" and self.directory() is None:
             return False
-        return len(self.live_workers()) >= killed["replicas_before"]
+        listed = set(self.live_workers())
+        if killed.get("worker_id") in listed:
+            return False
+        return all(a.worker_id in listed for a in replicas)
+
+    def metric(self, name: str) -> dict[str, float] | None:
+        """Every series of the Prometheus metric ``name`` (as Ray exports it: ``ray_`` first)
+        on the alive nodes' metrics endpoints, keyed by node and labels; None when no node
+        answered. Ray exports a process's metrics every ``metrics_report_interval_ms``."""
+        import httpx
+        import ray
+
+        series, answered = {}, False
+        for node in ray.nodes():
+            if not node.get("Alive") or not node.get("MetricsExportPort"):
+                continue
+            try:
+                text = httpx.get(f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics",
+                                 timeout=5).text
+            except httpx.HTTPError:
+                continue
+            answered = True
+            for line in text.splitlines():
+                if line.startswith((name + "{", name + " ")):
+                    labels, _, rest = line.rpartition("}") if "}" in line else line.partition(" ")
+                    series[f"{node['NodeID']}|{labels}"] = float(rest.split()[0])
+        return series if answered else None

@@ -16,10 +16,26 @@ Every request is classified from the client's side:
 
 ``--kill`` goes through Ray on the cluster at ``--address``: ``replica``
 kills one ``CacheReplica`` (Serve starts another), ``directory`` kills the
-directory actor (Ray restarts it). ``recovery_s`` is the time from the kill
-until the app is whole again: the killed actor gone, as many replicas alive
-as before, and the directory listing every one of them (null without a
-kill). ``rss_mib_before/after``: resident memory of the app's processes (the
+directory actor (Ray restarts it). A replica kill waits, from ``--kill-at``
+on, until some replica is running requests (as the directory last heard
+from the workers' load reports) and kills the one of those with the most
+work left, so the kill lands on requests in flight (if the load ends first, it kills a fixed
+choice). With a kill the report adds:
+
+- ``killed_worker``: the killed replica's worker id (null for the directory);
+- ``in_flight_at_kill``: the requests that replica was running when it was
+  killed, by its last load report (null for the directory);
+- ``resumed``: requests the ingress resumed on another replica during the
+  run: the increase of ``prefix_cache_resumed_requests_total`` over the Ray
+  nodes' metrics endpoints from the kill until one metrics report interval
+  (``metrics_report_interval_ms``, 10 s by default) after the last request
+  (null when no node's endpoint answered);
+- ``recovery_s``: the time from the kill until the app is whole again: the
+  killed actor gone (the directory: back), as many replicas alive as
+  before, and the directory's routing table listing every live replica and
+  no longer the killed one (null without a kill, or past the limit).
+
+``rss_mib_before/after``: resident memory of the app's processes (the
 Serve replicas and the directory, read from /proc: the cluster must run on
 this machine), before the first request and after the last.
 
@@ -50,6 +66,7 @@ from serve_app.tools.faults import ClusterProbe
 from serve_app.tools.hostile import _hostile_report, hostile_bodies, hostile_client
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+RESUMED_SERIES = "ray_prefix_cache_resumed_requests_total"   # serve_app.metrics.resumed_requests, as Ray exports it
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -191,11 +208,17 @@ async def run_load(url: str, *, requests: int, concurrency: int, stream_fraction
                     return
                 await one_request(client, endpoint, body, headers, tally, timeout)
 
+        load_done = asyncio.Event()
+
         async def killer():
             nonlocal killed
             await asyncio.sleep(kill_at)
-            killed = await asyncio.to_thread(probe.kill, kill)
+            resumed_before = await asyncio.to_thread(probe.metric, RESUMED_SERIES)
+            victim, in_flight = (await _busiest_replica(probe, load_done)) if kill == "replica" else (None, None)
+            killed = await asyncio.to_thread(probe.kill, kill, victim)
             killed["at"] = time.monotonic()
+            killed["in_flight"] = in_flight
+            killed["resumed_before"] = resumed_before
             recovery["s"] = await asyncio.to_thread(_wait_whole, probe, killed, recovery_limit_s)
 
         stop, hostile_seen = asyncio.Event(), {}
@@ -209,18 +232,55 @@ async def run_load(url: str, *, requests: int, concurrency: int, stream_fraction
         kill_task = asyncio.create_task(killer()) if kill else None
         await asyncio.gather(*tasks)
         wall = time.perf_counter() - t0
+        load_done.set()
+        last_request = time.monotonic()
         stop.set()
         await asyncio.gather(*hostile)
         if kill_task is not None:
             await kill_task
+    resumed = None
+    if killed is not None:
+        resumed = await asyncio.to_thread(_resumed_since, probe, killed["resumed_before"], last_request)
     return {"requests": requests, "completed": tally.completed, "failed_by_status": tally.failed_by_status,
             "lost": tally.lost, "cut_streams": tally.cut_streams,
             "latency_ms_p50": _percentile(tally.latencies_ms, 0.5),
             "latency_ms_p99": _percentile(tally.latencies_ms, 0.99),
             "recovery_s": recovery.get("s"), "kill": kill, "kill_at_s": kill_at if kill else None,
+            "killed_worker": killed["worker_id"] if killed else None,
+            "in_flight_at_kill": killed["in_flight"] if killed else None, "resumed": resumed,
             "wall_s": round(wall, 2), "concurrency": concurrency, "stream_fraction": stream_fraction,
             "rss_mib_before": rss_before, "rss_mib_after": probe.rss_mib() if probe else None,
             **_hostile_report(hostile_concurrency, hostile_seen, hostile_rate, wall)}
+
+
+async def _busiest_replica(probe: ClusterProbe, load_done: asyncio.Event):
+    """Wait until some replica is running requests and return it with their count; once the
+    load has ended with none running, (None, 0): the kill then takes a fixed choice."""
+    replicas = await asyncio.to_thread(probe.replicas)
+    while True:
+        found = await asyncio.to_thread(probe.busiest_replica, replicas)
+        if found is not None:
+            return found
+        if load_done.is_set():
+            return None, 0
+        await asyncio.sleep(0.02)
+
+
+def _resumed_since(probe: ClusterProbe, before: dict[str, float] | None, last_request: float) -> int | None:
+    """Requests resumed since ``before`` (the series of the ingress's resume counter), read once
+    the last request's increments have been exported: one report interval (and a second) after it."""
+    import ray
+
+    try:
+        interval_s = ray._config.metrics_report_interval_ms() / 1000
+    except Exception:   # Ray's own default
+        interval_s = 10.0
+    time.sleep(max(0.0, last_request + interval_s + 1.0 - time.monotonic()))
+    after = probe.metric(RESUMED_SERIES)
+    if before is None or after is None:
+        return None
+    # Per series: an ingress process that started meanwhile counts from 0, one that is gone counts nothing.
+    return int(sum(max(0.0, value - before.get(key, 0.0)) for key, value in after.items()))
 
 
 def _wait_whole(probe: ClusterProbe, killed: dict, limit_s: float) -> float | None:

@@ -212,9 +212,18 @@ def test_directory_restart_rebuilds_the_index(cache_cluster):
 
 def test_malformed_and_unknown_batches_are_counted(cache_cluster):
     cc = cache_cluster
+    before = ray.get(cc.directory.get_stats.remote())
     assert ray.get(cc.directory.publish.remote(cc.worker_ids[0], b"\xc1garbage")) == "malformed"
+    # A batch from a worker the directory does not know: it registers it and asks for a snapshot.
+    try:
+        assert ray.get(cc.directory.publish.remote("w-unknown", None)) == "unknown_worker"
+        assert "w-unknown" in ray.get(cc.directory.live_workers.remote())
+    finally:   # no request may be routed to a worker that does not exist
+        ray.get(cc.directory.drop_worker.remote("w-unknown"))
     stats = ray.get(cc.directory.get_stats.remote())
-    assert stats["malformed_batches"] >= 1
+    assert (stats["malformed_batches"], stats["unknown_worker_batches"]) == (
+        before["malformed_batches"] + 1, before["unknown_worker_batches"] + 1)
+    assert ray.get(cc.directory.live_workers.remote()) == cc.worker_ids
 
 
 def test_engine_state_stayed_on_the_engine_threads(cache_cluster):

@@ -105,14 +105,42 @@ def test_follow_up_turn_hits_and_matches_a_cold_run(base_url):
     assert follow["choices"][0]["token_ids"] == cold["choices"][0]["token_ids"]
 
 
-def test_tenants_never_share_cached_prefixes(base_url):
+@pytest.fixture(scope="module")
+def one_replica_url(base_url):
+    """The same app with a single cache replica (its own namespace, under /one): every
+    request reaches the one replica, whoever sends it."""
+    from ray import serve
+
+    from actors.pytest_plugin import TEST_MODEL
+    from serve_app.app import build_app
+
+    args = {"num_replicas": 1, "namespace": "prefix-cache-serve-test-one",
+            "api_keys": f"{KEYS['a']}=tenant-a,{KEYS['b']}=tenant-b",
+            "limits": {"max_prompt_tokens": 2048, "max_tokens": 64},
+            "worker": {"model": TEST_MODEL, "hot_blocks": 256, "warm_blocks": 256, "block_tokens": 16}}
+    serve.run(build_app(args), name="prefix-cache-one", route_prefix="/one")
+    yield base_url + "/one"
+    serve.delete("prefix-cache-one")
+
+
+def test_tenants_never_share_cached_prefixes(one_replica_url):
+    """Both tenants' requests reach the same replica, which holds tenant a's KV for the very
+    prompt tenant b sends: b finds none of it, then finds its own."""
     prompt = tokens(5, 200)
-    post(base_url, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 2}, key="a")
-    time.sleep(0.5)
-    b = post(base_url, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 2}, key="b").json()
-    assert b["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    a = post(base_url, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 2}, key="a").json()
-    assert a["usage"]["prompt_tokens_details"]["cached_tokens"] >= 192
+
+    def complete(key):
+        r = post(one_replica_url, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 2}, key=key)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        return body["prefix_cache"]["worker_id"], body["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    first_a = complete("a")
+    first_b = complete("b")
+    again_a = complete("a")
+    again_b = complete("b")
+    assert len({worker for worker, _ in (first_a, first_b, again_a, again_b)}) == 1   # one replica served all
+    assert (first_a[1], first_b[1]) == (0, 0)          # a's KV of the same tokens is not b's
+    assert again_a[1] == again_b[1] == 199             # each tenant then finds its own (all but the last token)
 
 
 def test_auth(base_url):

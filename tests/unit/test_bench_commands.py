@@ -8,6 +8,9 @@ checkpoint, and the chat bench's prompts extend each other turn after turn.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -37,7 +40,25 @@ def test_bench_engine_rows_and_exact_greedy_tokens(tmp_path, capsys, shared):
         for field in ("ttft_ms_cold", "ttft_ms_cached", "decode_tokens_per_s", "throughput_tokens_per_s"):
             assert row[field] > 0, field
     assert ours["greedy_match"] == 1.0       # every concurrent prompt: the same 4 tokens as generate
-    assert "throughput_tokens_per_s_batched" in theirs
+    assert ours["greedy_token_match"] == 1.0
+    # The transformers line's agreement is computed too (against ours), not written as 1.0.
+    assert (theirs["greedy_match"], theirs["greedy_token_match"], theirs["greedy_match_batched"]) == (1.0, 1.0, 1.0)
+    assert "throughput_tokens_per_s_batched" in theirs and theirs["cache_copy_ms"] >= 0
+    # Prefix reuse against prefix reuse, next to the speedup over transformers' full prefill.
+    assert ours["cached_ttft_vs_transformers_cached"] == round(theirs["ttft_ms_cached"] / ours["ttft_ms_cached"], 2)
+    assert ours["cached_speedup_vs_transformers_prefill"] > 0
+
+
+def test_greedy_agreement_counts_prompts_and_tokens_before_the_first_difference():
+    from cluster.bench.engine import greedy_agreement
+
+    reference = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 9, 9, 9]]
+    # equal; differs at the third token (and agrees again after it: not counted); differs first
+    outputs = [[1, 2, 3, 4], [5, 6, 0, 8], [0, 9, 9, 9]]
+    assert greedy_agreement(outputs, reference) == (1 / 3, (4 + 2 + 0) / 12)
+    assert greedy_agreement(reference, reference) == (1.0, 1.0)
+    with pytest.raises(ValueError, match="same prompts"):
+        greedy_agreement(outputs[:2], reference)
 
 
 def test_bench_engine_refuses_the_builtin_model(capsys):
@@ -59,15 +80,66 @@ def test_bench_chat_rows_with_the_byte_tokenizer(capsys):
     assert bridged["recomputed_tokens_saved"] == 0 and 0.9 < bridged["reuse_ratio"] <= 1.0
 
 
-def test_gpu_check_script_parses_and_runs_every_step():
-    import subprocess
-    from pathlib import Path
+GPU_CHECK = Path(__file__).resolve().parents[2] / "scripts" / "gpu-check.sh"
 
-    script = Path(__file__).resolve().parents[2] / "scripts" / "gpu-check.sh"
-    subprocess.run(["bash", "-n", str(script)], check=True)
-    text = script.read_text()
+
+def test_gpu_check_script_is_valid_bash_and_names_every_step():
+    subprocess.run(["bash", "-n", str(GPU_CHECK)], check=True)
+    text = GPU_CHECK.read_text()
     for step in ("-m cuda", "bench tiers", "bench engine --device cuda --dtype bfloat16", "bench multiturn"):
         assert step in text, step
+
+
+def _stand_ins(folder: Path, gpu: bool) -> dict:
+    """Commands the GPU check calls, as scripts that log their arguments: ``nvidia-smi`` (a GPU,
+    or none), ``bash`` (the install step's) and the Python interpreter, which prints one JSON
+    line per bench and fails the cuda tests, so the steps after a failed one must still run."""
+    log = folder / "calls.log"
+    folder.mkdir()
+    scripts = {
+        "nvidia-smi": "echo 'GPU 0: stand-in'" if gpu else "exit 9",
+        "bash": f'echo "bash $*" >> {log}',
+        "python": f'echo "python $*" >> {log}\n'
+                  'case "$*" in\n'
+                  '  *"-m pytest"*) echo "1 failed" >&2; exit 1 ;;\n'
+                  '  *"cluster.cli bench "*) echo "{\\"bench\\": \\"$4\\"}" ;;\n'
+                  'esac',
+    }
+    for name, body in scripts.items():
+        (folder / name).write_text(f"#!/bin/sh\n{body}\n")
+        (folder / name).chmod(0o755)
+    env = {**os.environ, "PATH": f"{folder}:{os.environ['PATH']}", "PYTHON": str(folder / "python"),
+           "OUT": str(folder.parent / "out")}
+    return env
+
+
+def test_gpu_check_script_runs_every_step_in_order_past_a_failed_one(tmp_path):
+    """With stand-in commands (no GPU needed): every step runs, in order, each with its output
+    kept, a failing step does not stop the rest, and the benches' JSON lines close the output."""
+    env = _stand_ins(tmp_path / "bin", gpu=True)
+    done = subprocess.run(["/bin/bash", str(GPU_CHECK)], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    calls = (tmp_path / "bin" / "calls.log").read_text().splitlines()
+    assert [c.split()[:3] if c.startswith("python -m") else c.split()[:2] for c in calls] == [
+        ["bash", ".ci/install"], ["python", "-c"], ["python", "-m", "pytest"],
+        ["python", "-m", "cluster.cli"], ["python", "-m", "cluster.cli"], ["python", "-m", "cluster.cli"]]
+    assert "-m cuda tests/unit" in calls[2]
+    assert [c.split()[3:5] for c in calls[3:]] == [["bench", "tiers"], ["bench", "engine"], ["bench", "multiturn"]]
+    steps = ["install", "cuda-tests", "bench-tiers", "bench-engine", "bench-multiturn"]
+    assert [line.split(":")[0][3:] for line in done.stdout.splitlines() if ": rc=" in line] == steps
+    assert "== cuda-tests: rc=1 in" in done.stdout and "1 failed" in done.stdout   # its stderr tail shown
+    assert done.stdout.count(": rc=0 in") == 4
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(
+        f"{s}.{ext}" for s in steps for ext in ("out", "err"))
+    # The closing JSON lines: every bench's, in the order of their output files' names.
+    assert done.stdout.splitlines()[-3:] == ['{"bench": "engine"}', '{"bench": "multiturn"}', '{"bench": "tiers"}']
+
+
+def test_gpu_check_script_stops_at_once_without_a_gpu(tmp_path):
+    env = _stand_ins(tmp_path / "bin", gpu=False)
+    done = subprocess.run(["/bin/bash", str(GPU_CHECK)], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "no NVIDIA GPU here" in done.stderr
+    assert not (tmp_path / "bin" / "calls.log").exists()   # nothing installed, nothing run
 
 
 def test_results_file_gets_exactly_the_lines_the_command_printed(tmp_path, capsys):

@@ -2,6 +2,7 @@
 ownership, and a prefix moving between two workers over a real NIXL READ."""
 
 import asyncio
+import dataclasses
 import math
 import time
 
@@ -99,18 +100,24 @@ def test_cache_touched_off_the_engine_thread_fails_in_debug_mode(monkeypatch):
         core.close()
 
 
-def test_calibration_measures_every_rate_through_the_worker():
-    core = make("w-cal")
+def test_calibration_measures_every_rate_through_the_worker(tmp_path):
+    core = make("w-cal", cold_blocks=32, disk_dir=str(tmp_path))   # every tier, so every rate is measured
     try:
         cost = core.cost
         # Calibration produced a measurement for each rate (its size is the benchmarks' business).
-        measured = (cost.prefill_tokens_per_s, cost.warm_promote_tokens_per_s)
+        measured = (cost.prefill_tokens_per_s, cost.warm_promote_tokens_per_s, cost.cold_promote_tokens_per_s,
+                    cost.transfer_tokens_per_s)
         assert all(isinstance(v, float) and math.isfinite(v) and v > 0 for v in measured), measured
+        # Measured, not the fallback ratios calibration uses for a tier or a NIXL it lacks.
+        assert cost.cold_promote_tokens_per_s != cost.warm_promote_tokens_per_s / 10
+        if nixl_available():
+            assert cost.transfer_tokens_per_s != cost.warm_promote_tokens_per_s / 4
         assert cost.block_tokens == 16
         rates = core.info().rates
-        assert rates.warm_promote_tokens_per_s == cost.warm_promote_tokens_per_s
+        assert dataclasses.astuple(rates)[:4] == measured   # what the worker registers is what it measured
         # Calibration leaves nothing behind.
-        assert asyncio.run(core.stats())["tiers"]["hot"]["used_tokens"] == 0
+        tiers = asyncio.run(core.stats())["tiers"]
+        assert [tiers[t]["used_tokens"] for t in ("hot", "warm", "cold")] == [0, 0, 0]
     finally:
         core.close()
 
