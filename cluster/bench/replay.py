@@ -294,31 +294,19 @@ class Replica:
         self.last_t = 0.0
         self.busy_s = 0.0
         # Production information: what its load report says, as the engine computes it.
-        self.jobs: list = []         # (routed, start, prefill_end, decode_end, prompt tokens, output tokens)
+        # Jobs in routing order, which is also start and prefill-end order (one FIFO server).
+        self._routed: list[float] = []
+        self._start: list[float] = []
+        self._prefill_end: list[float] = []
+        self._prompt_sum = [0]         # prefix sums of the jobs' prompt tokens
+        self._decode: list = []        # heap of (decode end, job) for jobs past their prefill
+        self._out: list[int] = []
+        self._decode_end: list[float] = []
+        self._p_routed = self._p_started = self._p_prefilled = 0
+        self._a = self._b = 0.0        # sums over decoding jobs of out * end / length and out / length
+        self._decoding = 0
         self.seen_tick: float | None = None
-        self.phase = 0.0             # its report clock's offset (workers do not tick in step)
-
-    def report(self, t: float) -> tuple[int, int]:
-        """(queued_tokens, running) as ``EngineLoop.measure_load`` computes them at ``t``:
-        waiting requests count their whole prompt (cached tokens are known only at
-        admission), running ones their remaining output tokens. Calls come with
-        nondecreasing ``t``, so requests done by ``t`` are dropped."""
-        queued = running = 0
-        keep = []
-        for job in self.jobs:
-            routed, start, prefill_end, decode_end, prompt, out = job
-            if decode_end <= t:
-                continue
-            keep.append(job)
-            if routed > t:
-                continue
-            if start > t:
-                queued += prompt
-            else:
-                running += 1
-                queued += out if t < prefill_end else round(out * (decode_end - t) / max(1e-9, decode_end - prefill_end))
-        self.jobs = keep
-        return queued, running
+        self.phase = 0.0               # its report clock's offset (workers do not tick in step)
 
     def advance(self, now: float) -> None:
         a, d = max(0.0, self.free_at - self.last_t), now - self.last_t
@@ -326,6 +314,50 @@ class Replica:
         self.last_t = now
         while self.finishes and self.finishes[0] <= now:
             self.finishes.popleft()
+
+    def add_job(self, routed: float, start: float, prefill_end: float, decode_end: float, prompt: int,
+                out: int) -> None:
+        """A request routed here at ``routed``: it waits until ``start``, prefills until
+        ``prefill_end`` and decodes until ``decode_end`` (jobs come in routing order)."""
+        self._routed.append(routed)
+        self._start.append(start)
+        self._prefill_end.append(prefill_end)
+        self._decode_end.append(decode_end)
+        self._out.append(out)
+        self._prompt_sum.append(self._prompt_sum[-1] + prompt)
+
+    def report(self, t: float) -> tuple[int, int]:
+        """(queued_tokens, running) as ``EngineLoop.measure_load`` computes them at ``t``:
+        waiting requests count their whole prompt (cached tokens are known only at
+        admission), running ones their remaining output tokens (all of them during the
+        prefill, then fewer as the decode goes). Calls come with nondecreasing ``t``;
+        each job is passed over a constant number of times."""
+        n = len(self._routed)
+        while self._p_routed < n and self._routed[self._p_routed] <= t:
+            self._p_routed += 1
+        while self._p_started < self._p_routed and self._start[self._p_started] <= t:
+            self._p_started += 1
+        while self._p_prefilled < self._p_started and self._prefill_end[self._p_prefilled] <= t:
+            j = self._p_prefilled
+            self._p_prefilled += 1
+            length = self._decode_end[j] - self._prefill_end[j]
+            if length > 0 and self._decode_end[j] > t:
+                heapq.heappush(self._decode, (self._decode_end[j], j))
+                self._a += self._out[j] * self._decode_end[j] / length
+                self._b += self._out[j] / length
+                self._decoding += 1
+        while self._decode and self._decode[0][0] <= t:
+            end, j = heapq.heappop(self._decode)
+            length = end - self._prefill_end[j]
+            self._a -= self._out[j] * end / length
+            self._b -= self._out[j] / length
+            self._decoding -= 1
+        if not self._decode:   # no float drift left behind
+            self._a = self._b = 0.0
+        waiting = self._prompt_sum[self._p_routed] - self._prompt_sum[self._p_started]
+        prefilling = range(self._p_prefilled, self._p_started)
+        queued = waiting + sum(self._out[j] for j in prefilling) + max(0, round(self._a - t * self._b))
+        return queued, self._decoding + len(prefilling)
 
 
 class _LogicalClock:
@@ -520,8 +552,8 @@ def run_policy(name: str, records: list[TraceRecord], hash_chains: list[list[int
             heapq.heappush(deliveries, (due_at, delivery_order, rep, batch))
             delivery_order += 1
         if not oracle:
-            server.jobs.append((now, start, server.free_at, server.free_at + decode_s * rec.output_length,
-                                rec.input_length, rec.output_length))
+            server.add_job(now, start, server.free_at, server.free_at + decode_s * rec.output_length,
+                           rec.input_length, rec.output_length)
         ttft.append((server.free_at - now) * 1e3)
         tot += rec.input_length
         hit += cached_tok

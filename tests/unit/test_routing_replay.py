@@ -241,13 +241,15 @@ def test_load_report_is_what_the_engine_measures():
 
     r = Replica("r0", TierConfig(hot_blocks=4, warm_blocks=0, block_tokens=1, device="cpu"))
     # (routed, start, prefill_end, decode_end, prompt tokens, output tokens)
-    r.jobs = [(0.0, 0.0, 1.0, 3.0, 900, 200),    # prefilling until 1.0, decoding until 3.0
-              (0.1, 1.0, 1.5, 2.0, 400, 50),     # waiting until 1.0
-              (2.5, 3.0, 3.2, 4.0, 700, 80)]     # not yet routed before 2.5
+    r.add_job(0.0, 0.0, 1.0, 3.0, 900, 200)      # prefilling until 1.0, decoding until 3.0
+    r.add_job(0.1, 1.0, 1.5, 2.0, 400, 50)       # waiting until 1.0
+    r.add_job(2.5, 3.0, 3.2, 4.0, 700, 80)       # not yet routed before 2.5
     assert r.report(0.5) == (200 + 400, 1)
+    assert r.report(1.25) == (round(200 * 1.75 / 2) + 50, 2)   # the first decodes, the second prefills
     assert r.report(2.0) == (100, 1)             # halfway through the first decode; the second is done
     assert r.report(2.6) == (40 + 700, 1)         # a fifth of the decode left; the third waits
-    assert r.report(5.0) == (0, 0) and r.jobs == []
+    assert r.report(3.5) == (50, 1)               # the third decodes: 0.5 of its 0.8 s left
+    assert r.report(5.0) == (0, 0)
 
 
 def test_prefill_service_grows_with_context_and_noise_is_shared_by_policies():
