@@ -4,13 +4,17 @@ Per-worker stats, flush and fault drills go to each live worker's peer
 channel (``actors.peer``; the directory knows their addresses), each call
 bounded; a session's prefetch asks every live worker at once, and the one
 that remembers the session starts it (so it works the same whichever
-ingress replica the request reaches). Policy changes go to the directory.
+ingress replica the request reaches): the explicit endpoint and the one the
+ingress starts when a request's ``X-Session-Id`` header arrives
+(``IngressCore.prefetch_on_arrival``) both go through ``prefetch_session``.
+Policy changes go to the directory.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from actors.peer import UnknownPeerSessionError
@@ -22,16 +26,18 @@ if TYPE_CHECKING:
 log = logging.getLogger("ray.serve")
 
 
-async def _each_worker(core: "IngressCore", op: str, **args) -> dict:
-    """``op`` on every live worker: worker id -> its answer or the exception it raised."""
-    directory = core.router.directory
-    addresses = await directory.peer_addresses()
+async def _each_worker(core: "IngressCore", op: str, *, timeout_s: float | None = None,
+                       addresses_max_age_s: float = 0.0, **args) -> dict:
+    """``op`` on every live worker: worker id -> its answer or the exception it raised.
+    ``timeout_s`` bounds each call (default: the peer clients' own bound);
+    ``addresses_max_age_s``: the live workers' addresses may be that old (0: ask the directory)."""
+    addresses = await core.peer_addresses(addresses_max_age_s)
 
     async def one(worker_id: str):
         client = await core.peers.client(worker_id)
         if client is None:
             raise LookupError(f"worker {worker_id} has no peer channel")
-        return await client.call(op, **args)
+        return await client.call(op, timeout_s=timeout_s, **args)
 
     answers = await asyncio.gather(*[one(w) for w in addresses], return_exceptions=True)
     return dict(zip(addresses, answers))
@@ -67,14 +73,48 @@ async def set_policy(core: "IngressCore", policy) -> dict:
     return {"policy": policy}
 
 
-async def prefetch(core: "IngressCore", tenant, session_id: str) -> dict:
-    """Start promoting a returning session's prefix on the worker that holds it."""
+@dataclass(slots=True)
+class SessionPrefetch:
+    """What asking every worker to prefetch one session found."""
+
+    worker_id: str | None = None   # a worker that knows the session (None: none does)
+    tokens: int = 0                # tokens it started bringing up to HOT (0: already HOT)
+    failures: dict[str, BaseException] = field(default_factory=dict)   # workers that failed otherwise
+
+    @property
+    def outcome(self) -> str:
+        """``started``, ``hot`` (nothing to bring up), ``unknown_session`` or ``failed``
+        (no worker answered and some failed: the one that knows it may be among them)."""
+        if self.worker_id is not None:
+            return "started" if self.tokens else "hot"
+        return "failed" if self.failures else "unknown_session"
+
+
+async def prefetch_session(core: "IngressCore", tenant, session_id: str, *, timeout_s: float | None = None,
+                           addresses_max_age_s: float = 0.0) -> SessionPrefetch:
+    """Ask every live worker to start promoting the session's WARM/COLD prefix; the one
+    that ran the session last remembers it (the session map lives in the workers, so
+    every ingress replica finds it). The key is tenant-scoped: another tenant's id finds nothing."""
     key = core.session_key(tenant, session_id)
-    answers = await _each_worker(core, "prefetch", session_id=key)
+    answers = await _each_worker(core, "prefetch", timeout_s=timeout_s, addresses_max_age_s=addresses_max_age_s,
+                                 session_id=key)
+    found = SessionPrefetch()
     for worker_id, answer in answers.items():
-        if not isinstance(answer, Exception):
-            return {"session_id": session_id, "worker_id": worker_id, "prefetching_tokens": answer}
-    other = [a for a in answers.values() if not isinstance(a, UnknownPeerSessionError)]
-    if other:
-        log.warning("prefetch of %s failed on some workers: %s", session_id, other)
+        if isinstance(answer, UnknownPeerSessionError):
+            continue
+        if isinstance(answer, BaseException):
+            found.failures[worker_id] = answer
+        elif found.worker_id is None or answer > found.tokens:   # several know it: the one bringing most up
+            found.worker_id, found.tokens = worker_id, int(answer)
+    return found
+
+
+async def prefetch(core: "IngressCore", tenant, session_id: str) -> dict:
+    """``POST /v1/sessions/{id}/prefetch``: start promoting a returning session's prefix
+    on the worker that holds it."""
+    found = await prefetch_session(core, tenant, session_id)
+    if found.failures:
+        log.warning("prefetch of %s failed on some workers: %s", session_id, found.failures)
+    if found.worker_id is not None:
+        return {"session_id": session_id, "worker_id": found.worker_id, "prefetching_tokens": found.tokens}
     raise APIError(404, f"unknown session '{session_id}'", param="session_id", code="session_not_found")

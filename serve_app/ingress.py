@@ -21,10 +21,21 @@ them only. The ids behind the model's replies are written through to the
 cluster's ``ReplyStore``; a session's prefetch asks every live worker (the
 one that knows the session starts it); decisions are made on each replica's
 own table copy.
+
+Predictive swap-in: a request whose ``X-Session-Id`` header names a session
+starts that session's prefetch as soon as its headers are in, before its body
+is read and tokenized (``prefetch_on_arrival``), so the session's WARM/COLD
+prefix is on its way back to HOT while the rest of the request arrives. It is
+fire and forget: bounded by ``prefetch_timeout_s``, its outcome counted in
+``prefix_cache_session_prefetches_total`` and failures logged; the request
+never waits for it and never fails because of it. One per request (a resumed
+request does not start another). The body's ``session_id``, when given, names
+the session the request runs under; the header's is the one prefetched.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import secrets
@@ -44,7 +55,7 @@ from cluster.engine.text import ChatPromptBuilder, ReplyMemory
 from cluster.errors import CacheError, InvalidInputError
 from cluster.names import TIER_NAMES
 from cluster.protocol import FinishReason, GenerateRequest, SamplingParams, StreamItem, Tenant
-from serve_app import metrics
+from serve_app import admin, metrics
 from serve_app.auth import Auth, read_json_body
 from serve_app.openapi import add_request_bodies
 from serve_app.protocol import APIError, ApiRequest, Limits, parse_chat, parse_completion
@@ -52,6 +63,12 @@ from serve_app.responses import respond
 from serve_app.timing import RequestClock
 
 log = logging.getLogger("ray.serve")
+
+SESSION_HEADER = "x-session-id"
+MAX_SESSION_ID_CHARS = 128
+# The live workers' peer addresses an arrival prefetch fans out to may be this old: a
+# directory call per request would put the directory on every session request's path.
+PEER_ADDRESSES_MAX_AGE_S = 1.0
 
 
 class IngressCore:
@@ -62,14 +79,16 @@ class IngressCore:
                  admin_keys: str | list | None = None, limits: dict | None = None, retry_after_s: int = 1,
                  admin_without_keys: bool = False, max_resumes: int = 2, block_tokens: int = 16,
                  router: Any = None, peer_secret: str | None = None, shared_replies: bool = True,
-                 ingress_id: str | None = None):
+                 ingress_id: str | None = None, prefetch_timeout_s: float = 2.0):
         """``workers``: the replicas' deployment handle. ``model`` is the replicas'
         model spec (``WorkerConfig.model``): the ingress loads only its tokenizer and
         chat template. ``model_name`` is the id clients send and ``/v1/models`` lists
         (default: the model's own id). ``router``: what decides (default: a
         ``RoutingClient`` on the directory of ``namespace``); ``peer_secret``:
         the app's peer-channel secret, for the admin calls aimed at one worker;
-        ``ingress_id``: this ingress replica's id (responses name it)."""
+        ``ingress_id``: this ingress replica's id (responses name it);
+        ``prefetch_timeout_s``: the bound on a prefetch started by a request's
+        ``X-Session-Id`` header."""
         self.workers = workers
         self.ingress_id = ingress_id
         spec = ModelSpec.parse(model)
@@ -86,6 +105,9 @@ class IngressCore:
         self.router = router if router is not None else RoutingClient(namespace, block_tokens=block_tokens)
         self.peer_secret = peer_secret
         self._peers: PeerDirectory | None = None
+        self._peer_addresses: tuple[float, dict[str, str]] | None = None   # (monotonic time, worker -> address)
+        self.prefetch_timeout_s = prefetch_timeout_s
+        self._prefetching: set[asyncio.Task] = set()   # arrival prefetches in flight (held: not collected)
 
     def install_openapi(self, app) -> None:
         """Describe the hand-parsed request bodies in ``app``'s OpenAPI document."""
@@ -104,6 +126,45 @@ class IngressCore:
             directory = self.router.directory
             self._peers = PeerDirectory(directory.peer_address, secret=self.peer_secret, timeout_s=10.0)
         return self._peers
+
+    async def peer_addresses(self, max_age_s: float = 0.0) -> dict[str, str]:
+        """The live workers' peer channels (worker id -> host:port), from the directory,
+        or as it answered at most ``max_age_s`` ago."""
+        now = time.monotonic()
+        if max_age_s > 0 and self._peer_addresses is not None and now - self._peer_addresses[0] <= max_age_s:
+            return self._peer_addresses[1]
+        addresses = await self.router.directory.peer_addresses()
+        self._peer_addresses = (now, addresses)
+        return addresses
+
+    def prefetch_on_arrival(self, tenant: Tenant | None, session_id: str | None) -> asyncio.Task | None:
+        """Predictive swap-in for a request whose headers name its session: start the
+        session's prefetch in the background and return at once (None: no session)."""
+        if not session_id:
+            return None
+        task = asyncio.get_running_loop().create_task(self._prefetch_session(tenant, session_id))
+        self._prefetching.add(task)
+        task.add_done_callback(self._prefetching.discard)
+        return task
+
+    async def _prefetch_session(self, tenant: Tenant | None, session_id: str) -> str:
+        """One arrival prefetch, its outcome counted and its failures logged, never raised."""
+        try:
+            found = await asyncio.wait_for(
+                admin.prefetch_session(self, tenant, session_id, timeout_s=self.prefetch_timeout_s,
+                                       addresses_max_age_s=PEER_ADDRESSES_MAX_AGE_S), self.prefetch_timeout_s)
+            outcome = found.outcome
+            if found.failures:
+                log.warning("arrival prefetch of session %r failed on %s", session_id,
+                            {w: f"{type(e).__name__}: {e}" for w, e in found.failures.items()})
+        except TimeoutError:
+            outcome = "timeout"
+            log.warning("arrival prefetch of session %r took longer than %g s", session_id, self.prefetch_timeout_s)
+        except Exception as exc:   # e.g. no directory: the request goes on without it
+            outcome = "failed"
+            log.warning("arrival prefetch of session %r failed: %s: %s", session_id, type(exc).__name__, exc)
+        metrics.session_prefetches.inc(tags={"outcome": outcome})
+        return outcome
 
     def render_chat(self, tenant: str | None):
         """The chat renderer for one tenant: its reply memory is the tenant's own."""
@@ -263,6 +324,8 @@ async def handle_generation(core: IngressCore, request, endpoint: str, chat: boo
     """One POST to /v1/completions or /v1/chat/completions, start to end."""
     clock = RequestClock.start()
     tenant = core.authenticate(request)
+    header_session = session_header(request)
+    core.prefetch_on_arrival(tenant, header_session)   # predictive swap-in: while the body is on its way
     body = await core.body(request, clock=clock)
     if chat:
         await core.recall_replies(body, tenant)
@@ -274,9 +337,14 @@ async def handle_generation(core: IngressCore, request, endpoint: str, chat: boo
         # Every request gets a seed: sampling is a function of (seed, position), so a request
         # resumed on another replica continues exactly where the first one stopped.
         gen.seed = secrets.randbits(63)
-    header_session = request.headers.get("x-session-id")
-    if gen.session_id is None and header_session:
-        gen.session_id = header_session[:128]
+    if gen.session_id is None:   # the body's field first, then the header
+        gen.session_id = header_session
     result = await core.complete(gen, tenant, endpoint, chat, clock)
     metrics.requests.inc(tags={"endpoint": endpoint, "status": "200"})
     return result if isinstance(result, Response) else JSONResponse(result)
+
+
+def session_header(request) -> str | None:
+    """The session a request's ``X-Session-Id`` header names (None: none, or empty)."""
+    value = request.headers.get(SESSION_HEADER)
+    return value[:MAX_SESSION_ID_CHARS] if value else None

@@ -22,6 +22,13 @@ Names and labels (the README lists them too):
 | prefix_cache_preemptions_total | counter | worker |
 | prefix_cache_preempted_tokens_total | counter | worker, outcome (resumed_hot, resumed_warm, resumed_cold, recomputed) |
 | prefix_cache_swap_in_bytes_total | counter | worker |
+| prefix_cache_session_prefetches_total | counter | outcome (started, hot, unknown_session, failed, timeout) |
+
+``session_prefetches`` counts the prefetches the ingress started from a
+request's ``X-Session-Id`` header (predictive swap-in), by what they found:
+``started`` (a worker began promoting the session's WARM/COLD prefix), ``hot``
+(nothing to bring up), ``unknown_session`` (no worker remembers it: a first
+turn), ``failed`` or ``timeout`` (logged; the request went on without it).
 
 ``cut_streams`` counts streamed responses that ended early with an error
 event (and ``[DONE]``) because the request could not be finished; a stream is
@@ -70,6 +77,9 @@ preempted_tokens = Counter("prefix_cache_preempted_tokens_total",
                            tag_keys=("worker", "outcome"))
 swap_in_bytes = Counter("prefix_cache_swap_in_bytes_total",
                         "KV bytes of preempted requests brought back from WARM/COLD", tag_keys=("worker",))
+session_prefetches = Counter("prefix_cache_session_prefetches_total",
+                             "Session prefetches started by a request's X-Session-Id header, by outcome",
+                             tag_keys=("outcome",))
 migration_timeouts = Counter("prefix_cache_migration_timeouts_total",
                              "Remote calls of a migration that ran past their bound (then recompute)")
 

@@ -7,8 +7,22 @@ sessions' KV; the host pool and the disk hold the rest. Policies, in one run:
 
 - ``drop``: HOT only, LRU eviction destroys KV;
 - ``tiered``: HOT -> WARM -> COLD, promotion on a hit;
-- ``tiered+prefetch``: as tiered, and a returning session's prefix starts
-  coming back ``--prefetch-lead-s`` before its request.
+- ``tiered+prefetch``: as tiered, and a returning session's prefix is
+  prefetched (promoted in the background) before the engine sees its request.
+  When, is ``--prefetch-trigger`` (one row each, in the order given):
+
+  - ``arrival`` (the default arm, what the app does): the prefetch starts when
+    the request arrives, as the ingress starts it from the ``X-Session-Id``
+    header, knowing nothing in advance; ``--header-lead-s`` (default 0) is how
+    long before the whole request reaches the engine its headers came (body
+    transfer, parsing, tokenizing, routing), the only lead it gets;
+  - ``foresight``: the prefetch starts exactly ``--prefetch-lead-s`` before an
+    arrival the benchmark knows in advance (a client that announces its next
+    turn, e.g. ``POST /v1/sessions/{id}/prefetch`` when its user starts typing).
+
+  Every row carries ``prefetch_trigger`` (``arrival``, ``foresight``, or
+  ``none`` for ``drop`` and ``tiered``) and ``prefetch_lead_s`` (the lead that
+  arm got; null without prefetch).
 
 Time is simulated, compute is real: a discrete-event loop advances the clock
 by the measured wall time of each engine step (so queueing is real), and jumps
@@ -38,6 +52,7 @@ from cluster.engine.checkpoint import ModelSpec, load_model
 from cluster.engine.runner import Engine, EngineRequest, SamplingParams
 
 POLICIES = ("drop", "tiered", "tiered+prefetch")
+TRIGGERS = ("arrival", "foresight")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -54,7 +69,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--think-s", default="30,120", help="think time between turns, seconds (simulated)")
     p.add_argument("--hot-fraction", type=float, default=0.25, help="device pool / sessions' KV (default 0.25)")
     p.add_argument("--decode-tokens", type=int, default=16, help="reply tokens decoded for real per turn")
-    p.add_argument("--prefetch-lead-s", type=float, default=2.0)
+    p.add_argument("--prefetch-lead-s", type=float, default=2.0,
+                   help="the foresight arm's lead: its prefetch starts this long before the arrival (default 2)")
+    p.add_argument("--prefetch-trigger", default=",".join(TRIGGERS),
+                   help="when tiered+prefetch prefetches, one row each: arrival (when the request arrives, no "
+                        "foresight; the default arm) and/or foresight (--prefetch-lead-s before a known arrival); "
+                        "default: arrival,foresight")
+    p.add_argument("--header-lead-s", type=float, default=0.0,
+                   help="the arrival arm's lead: how long before the whole request reaches the engine its "
+                        "headers arrived (default 0: at the same moment)")
     p.add_argument("--block-tokens", type=int, default=16)
     p.add_argument("--copy-gb-per-s", type=float, default=1.0,
                    help="pace background demotions to this rate (CPU-only hosts share DRAM bandwidth with "
@@ -114,7 +137,20 @@ def _make_cache(policy: str, hot_tokens: int, total: int, args, layout, disk_dir
     return TieredCache(cfg, layout)
 
 
-def run_policy(policy: str, model, work: Workload, args, disk_dir: str, prefill_tok_s: float) -> dict:
+def prefetch_lead(trigger: str, args) -> float | None:
+    """How long before its request's arrival an arm's prefetch starts (None: no prefetch)."""
+    return {"arrival": args.header_lead_s, "foresight": args.prefetch_lead_s}.get(trigger)
+
+
+def run_policy(policy: str, model, work: Workload, args, disk_dir: str, prefill_tok_s: float,
+               trigger: str = "none", trace: list | None = None) -> dict:
+    """One arm: ``policy``, and for ``tiered+prefetch`` its ``trigger`` (``arrival`` or ``foresight``).
+    ``trace``: each arrival and prefetch is appended to it as it is handled, as
+    (kind, session, turn, scheduled simulated time, handled simulated time)."""
+    if (policy == "tiered+prefetch") != (trigger in TRIGGERS):
+        raise ValueError(f"policy {policy!r} with prefetch trigger {trigger!r}: tiered+prefetch takes one of "
+                         f"{', '.join(TRIGGERS)}, the others 'none'")
+    lead = prefetch_lead(trigger, args)
     c = model.config
     layout = KVLayout(c.num_layers, c.num_kv_heads, c.head_dim, c.dtype)
     total = work.total_tokens()
@@ -125,13 +161,18 @@ def run_policy(policy: str, model, work: Workload, args, disk_dir: str, prefill_
     history = [list(work.system[work.group[s]]) for s in range(args.sessions)]
     events: list[tuple[float, int, str, int, int]] = []   # (time, seq, kind, session, turn)
     seq = 0
-    for s in range(args.sessions):
-        events.append((work.start[s], seq, "arrive", s, 0))
-        seq += 1
-        if policy == "tiered+prefetch":
-            events.append((work.start[s] - args.prefetch_lead_s, seq, "prefetch", s, 0))
+
+    def arrives(at: float, s: int, turn: int) -> None:
+        # The prefetch goes first: at a lead of 0 it is handled just before its request.
+        nonlocal seq
+        if lead is not None:
+            heapq.heappush(events, (at - lead, seq, "prefetch", s, turn))
             seq += 1
-    heapq.heapify(events)
+        heapq.heappush(events, (at, seq, "arrive", s, turn))
+        seq += 1
+
+    for s in range(args.sessions):
+        arrives(work.start[s], s, 0)
     now = 0.0
     meta: dict[int, tuple[int, int, float, str]] = {}   # request id -> (session, turn, arrival, kind)
     ttft, hits, prompt_tokens, recomputed, failed = [], 0, 0, 0, 0
@@ -144,7 +185,9 @@ def run_policy(policy: str, model, work: Workload, args, disk_dir: str, prefill_
             cache.wait_all()            # copies finish within any real idle gap
             now = events[0][0]
         while events and events[0][0] <= now:
-            _, _, kind, s, turn = heapq.heappop(events)
+            at, _, kind, s, turn = heapq.heappop(events)
+            if trace is not None:
+                trace.append((kind, s, turn, at, now))
             if kind == "prefetch":
                 try:
                     cache.prefetch(session_id=s)
@@ -185,19 +228,15 @@ def run_policy(policy: str, model, work: Workload, args, disk_dir: str, prefill_
                     cont = engine.submit(EngineRequest(history[s], SamplingParams(max_tokens=1), session_id=s))
                     meta[cont.request_id] = (s, turn, now, "reply")
                 if turn + 1 < args.turns:
-                    at = now + work.think[s][turn]
-                    heapq.heappush(events, (at, seq, "arrive", s, turn + 1))
-                    seq += 1
-                    if policy == "tiered+prefetch":
-                        heapq.heappush(events, (at - args.prefetch_lead_s, seq, "prefetch", s, turn + 1))
-                        seq += 1
+                    arrives(now + work.think[s][turn], s, turn + 1)
     wall = time.perf_counter() - wall0
     storms = sum(1 for tokens in windows.values() if tokens > prefill_tok_s * 10)
     stats = cache.stats
     cache.close()
     if not ttft:
         raise RuntimeError(f"policy {policy}: no request completed ({failed} failed); enlarge the pools")
-    return {"bench": "multiturn", "policy": policy, "requests": len(ttft), "failed_requests": failed,
+    return {"bench": "multiturn", "policy": policy, "prefetch_trigger": trigger, "prefetch_lead_s": lead,
+            "requests": len(ttft), "failed_requests": failed,
             "failures": errors,
             "hit_rate": rounded(hits / prompt_tokens if prompt_tokens else 0.0),
             "ttft_ms_mean": rounded(sum(ttft) / len(ttft), 2), "ttft_ms_p50": rounded(percentile(ttft, 50), 2),
@@ -219,11 +258,23 @@ def measure_prefill(model, tokens: int = 2000) -> float:
     return tokens / (time.perf_counter() - t0)
 
 
-def run(args: argparse.Namespace) -> int:
+def arms(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(policy, prefetch trigger) of every row, in order: ``tiered+prefetch`` once per trigger."""
     policies = args.policies.split(",")
     for p in policies:
         if p not in POLICIES:
             raise ValueError(f"unknown policy {p!r}; choose from {', '.join(POLICIES)}")
+    triggers = args.prefetch_trigger.split(",")
+    for t in triggers:
+        if t not in TRIGGERS:
+            raise ValueError(f"unknown prefetch trigger {t!r}; choose from {', '.join(TRIGGERS)}")
+    if args.header_lead_s < 0 or args.prefetch_lead_s < 0:
+        raise ValueError("--header-lead-s and --prefetch-lead-s must be >= 0")
+    return [(p, t) for p in policies for t in (triggers if p == "tiered+prefetch" else ["none"])]
+
+
+def run(args: argparse.Namespace) -> int:
+    todo = arms(args)
     torch.set_num_threads(args.threads)
     spec = ModelSpec.parse(args.model)
     if spec.source == "builtin" and not spec.builtin:
@@ -233,8 +284,8 @@ def run(args: argparse.Namespace) -> int:
     prefill_tok_s = measure_prefill(model)
     results = []
     with tempfile.TemporaryDirectory() as disk_dir:
-        for policy in policies:
-            res = run_policy(policy, model, work, args, disk_dir, prefill_tok_s)
+        for policy, trigger in todo:
+            res = run_policy(policy, model, work, args, disk_dir, prefill_tok_s, trigger)
             results.append(res)
             emit({k: v for k, v in res.items() if not k.startswith("_")} | {"prefill_tokens_per_s": round(prefill_tok_s)})
     if args.plot:
@@ -243,6 +294,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def plot(results: list[dict], path: str) -> None:
-    plot_cdfs([(f"{r['policy']} (p50 {r['ttft_ms_p50']:.0f} ms, hit {r['hit_rate']:.0%})", r["_ttft"])
+    def label(r: dict) -> str:
+        return r["policy"] + (f" ({r['prefetch_trigger']})" if r["prefetch_trigger"] != "none" else "")
+
+    plot_cdfs([(f"{label(r)} (p50 {r['ttft_ms_p50']:.0f} ms, hit {r['hit_rate']:.0%})", r["_ttft"])
                for r in results], path, title="Multi-turn TTFT by cache policy",
               xlabel="time to first token (ms, log scale)")
