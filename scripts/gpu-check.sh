@@ -36,7 +36,7 @@ step cuda-tests 120 "$PY" -m pytest -q -m cuda tests/unit -p no:cacheprovider
 step bench-tiers 60 "$PY" -m cluster.cli bench tiers --gib 1
 step bench-engine 120 "$PY" -m cluster.cli bench engine --device cuda --dtype bfloat16 --threads 8 \
   --prompt-tokens 1000 --concurrency 8 --max-tokens 32
-step bench-multiturn 120 "$PY" -m cluster.cli bench multiturn --model smollm2-135m-instruct --device cuda \
+step bench-multiturn 180 "$PY" -m cluster.cli bench multiturn --model smollm2-135m-instruct --device cuda \
   --dtype bfloat16 --sessions 16 --turns 3 --copy-gb-per-s 0
 echo "== gpu-check done in $(( $(date +%s) - start ))s; JSON lines:"
 cat "$OUT"/bench-*.out 2>/dev/null | grep '^{' || true
