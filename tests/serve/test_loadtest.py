@@ -48,7 +48,8 @@ def test_loadtest_refuses_a_connect_timeout_that_is_not_positive(capsys):
 
 
 def test_a_replica_killed_under_load_loses_no_request_and_cuts_no_stream(app_url):
-    """The kill lands on a replica running requests (the loadtest waits for one); every one of
+    """The kill lands on a replica running requests (the loadtest waits for one; 64-token replies, the limit, keep
+    them running well past the load report it read); every one of
     the 48 completes, the ones the dead replica was serving resumed on the others."""
     from serve_app.tools.faults import ClusterProbe
     from serve_app.tools.loadtest import run_load
@@ -56,7 +57,7 @@ def test_a_replica_killed_under_load_loses_no_request_and_cuts_no_stream(app_url
     probe = ClusterProbe(NAMESPACE)
     replicas = {a.actor_id: a.worker_id for a in probe.replicas()}
     assert len(replicas) == 3
-    report = asyncio.run(run_load(app_url, requests=48, concurrency=8, stream_fraction=0.5, max_tokens=24,
+    report = asyncio.run(run_load(app_url, requests=48, concurrency=8, stream_fraction=0.5, max_tokens=64,
                                   prompt_tokens=96, kill="replica", kill_at=0.5, probe=probe, timeout=60,
                                   recovery_limit_s=90))
     print("loadtest report:", report)
