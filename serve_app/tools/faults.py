@@ -143,15 +143,19 @@ class ClusterProbe:
             return False
         return all(a.worker_id in listed for a in replicas)
 
-    def metric(self, name: str) -> dict[str, float] | None:
+    def metric(self, name: str, nodes: list[dict] | None = None) -> dict[str, float] | None:
         """Every series of the Prometheus metric ``name`` (as Ray exports it: ``ray_`` first)
-        on the alive nodes' metrics endpoints, keyed by node and labels; None when no node
-        answered. Ray exports a process's metrics every ``metrics_report_interval_ms``."""
+        on the alive nodes' metrics endpoints (``nodes``: ``ray.nodes()`` by default), keyed by
+        node and labels; None when no node answered. Ray exports a process's metrics every
+        ``metrics_report_interval_ms``."""
         import httpx
-        import ray
 
+        if nodes is None:
+            import ray
+
+            nodes = ray.nodes()
         series, answered = {}, False
-        for node in ray.nodes():
+        for node in nodes:
             if not node.get("Alive") or not node.get("MetricsExportPort"):
                 continue
             try:

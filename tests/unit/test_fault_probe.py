@@ -84,7 +84,6 @@ def test_the_kill_takes_the_running_replica_with_the_most_work_left():
 
 def test_a_counter_is_read_per_node_and_series(monkeypatch):
     import httpx
-    import ray
 
     pages = {
         "http://10.0.0.1:9001/metrics": ('# TYPE ray_prefix_cache_resumed_requests_total counter\n'
@@ -100,17 +99,15 @@ def test_a_counter_is_read_per_node_and_series(monkeypatch):
         return httpx.Response(200, text=pages[url])
 
     monkeypatch.setattr(httpx, "get", get)
-    monkeypatch.setattr(ray, "nodes", lambda: [
+    nodes = [   # what ray.nodes() lists
         {"NodeID": "n1", "Alive": True, "NodeManagerAddress": "10.0.0.1", "MetricsExportPort": 9001},
         {"NodeID": "n2", "Alive": True, "NodeManagerAddress": "10.0.0.2", "MetricsExportPort": 9002},
         {"NodeID": "n3", "Alive": True, "NodeManagerAddress": "10.0.0.3", "MetricsExportPort": 9003},  # no answer
-        {"NodeID": "n4", "Alive": False, "NodeManagerAddress": "10.0.0.4", "MetricsExportPort": 9004}])
-    series = ClusterProbe("ns").metric("ray_prefix_cache_resumed_requests_total")
+        {"NodeID": "n4", "Alive": False, "NodeManagerAddress": "10.0.0.4", "MetricsExportPort": 9004}]
+    series = ClusterProbe("ns").metric("ray_prefix_cache_resumed_requests_total", nodes)
     assert series == {'n1|ray_prefix_cache_resumed_requests_total{WorkerId="a"': 2.0,
                       "n2|ray_prefix_cache_resumed_requests_total": 1.0}
-    monkeypatch.setattr(ray, "nodes", lambda: [
-        {"NodeID": "n3", "Alive": True, "NodeManagerAddress": "10.0.0.3", "MetricsExportPort": 9003}])
-    assert ClusterProbe("ns").metric("ray_prefix_cache_resumed_requests_total") is None   # nobody answered
+    assert ClusterProbe("ns").metric("ray_prefix_cache_resumed_requests_total", nodes[2:3]) is None   # nobody answered
 
 
 @pytest.mark.parametrize("before, after, resumed", [
