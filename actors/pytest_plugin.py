@@ -107,7 +107,7 @@ class LoopbackCacheCluster:
 
         return ClusterClient(self.namespace, self.config["block_tokens"], **kw)
 
-    def wait_registered(self, timeout_s: float = 60.0) -> None:
+    def wait_registered(self, timeout_s: float = 180.0) -> None:
         import ray
 
         deadline = time.monotonic() + timeout_s
