@@ -26,6 +26,11 @@ class Tier(IntEnum):
 # Plain ints for the hot paths (tree and allocator code index lists with them).
 HOT, WARM, COLD = int(Tier.HOT), int(Tier.WARM), int(Tier.COLD)
 TIER_NAMES = ("hot", "warm", "cold")
+# L3 is not a tier of one replica's tree (no pool, no node lives there): it is the
+# cluster-wide block store (cluster.cache.l3). As a *source* of a request's cached
+# tokens, and in KV events and the directory's index, it is number 3.
+L3 = 3
+SOURCE_NAMES = TIER_NAMES + ("l3",)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -21,7 +21,7 @@ from enum import StrEnum
 from typing import Any, NamedTuple, NewType
 
 from cluster.errors import InvalidInputError
-from cluster.names import TIER_NAMES
+from cluster.names import SOURCE_NAMES
 
 # The version of the peer channel's frames (``actors.peer``): a peer of another
 # version is refused with a clear error instead of misreading a message.
@@ -293,7 +293,7 @@ class StreamItem:
     finish_reason: FinishReason | None = None
     error: str | None = None
     cached_tokens: int = 0
-    tier_hits: tuple[int, int, int] = (0, 0, 0)
+    tier_hits: tuple[int, ...] = (0, 0, 0, 0)   # cached tokens by where they came from: SOURCE_NAMES
     prompt_tokens: int = 0
     worker_id: str | None = None     # the worker that served it
     reason: str | None = None        # the routing decision's reason
@@ -301,7 +301,7 @@ class StreamItem:
     timing: ReplicaTiming | None = None   # on the first token's item
 
     def cached_by_tier(self) -> dict[str, int]:
-        return dict(zip(TIER_NAMES, self.tier_hits))
+        return dict(zip(SOURCE_NAMES, self.tier_hits))
 
 
 @dataclass(frozen=True, slots=True)

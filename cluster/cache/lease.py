@@ -189,6 +189,8 @@ class KVLease:
             if self._own:
                 cache.hot.allocator.seal(self._own[-1])   # no later slots in a block about to enter the tree
                 node = cache._insert(tokens, self._own, self.namespace, start=self._base).node
+                if cache.l3 is not None:   # behind the request, while the sequence is still locked
+                    cache.l3.write_behind(tokens, self.namespace)
             if session_id is not None:
                 cache._note_session(session_id, tokens, self.namespace)
         finally:

@@ -20,6 +20,11 @@ What callers use, and nothing inside:
   ``staging``), ``install`` (target: KV computed elsewhere, cached here).
 - the worker: ``poll``, ``housekeeping`` (idle gaps), ``drop_all``,
   ``add_listener``, ``close``; ``lookup``, ``tier_summary``, ``stats`` to look.
+- L3 (``attach_l3``, ``cluster.cache.l3_tier``): a committed sequence's full
+  blocks are written behind the request; ``ready`` fetches the blocks a
+  waiting request's prompt has past the tree's prefix, and installs them
+  before it is admitted. ``hand_off`` writes what L3 lacks, most valuable
+  first (a replica leaving); ``valuable_prefixes`` names them.
 
 Every one checks its ``owner`` (``cluster.ownership``) when checks are on:
 the cache belongs to one thread, the worker's engine thread.
@@ -38,6 +43,8 @@ from cluster.cache.disk import DiskPool
 from cluster.cache.kv_pool import KVLayout, KVPool, copy_pairs
 from cluster.cache.offload import ImmediateEngine, ThreadEngine, make_copy_engine
 from cluster.cache.lease import KVLease
+from cluster.cache.l3_link import L3Link
+from cluster.cache.l3_tier import L3Tier
 from cluster.cache.radix_tree import RadixTree, TreeNode
 from cluster.cache.staging import HostStaging
 from cluster.errors import ChecksumError, InvalidInputError, PoolExhaustedError
@@ -85,6 +92,7 @@ class TieredCache:
         self.owner: ThreadOwner | None = None   # set by the worker when ownership checks are on
         self._pending_out = [0, 0, 0]   # tokens leaving each tier in flight
         self._sessions: OrderedDict[Any, tuple[Hashable, list[int]]] = OrderedDict()
+        self.l3: L3Link | None = None   # attach_l3
         self.stats = {"demoted_to_warm": 0, "demoted_to_cold": 0, "promoted_tokens": 0, "promotions": 0,
                       "dropped_tokens": 0, "checksum_failures": 0, "demotions_abandoned": 0, "prefetches": 0,
                       "prefetch_unknown_session": 0, "stalls": 0, "promotion_skipped_no_room": 0, "compacted_blocks": 0,
@@ -136,6 +144,10 @@ class TieredCache:
         let none of them run."""
         self._check_owner("ready")
         self.poll()
+        if self.l3 is not None:
+            asked = self.l3.fetch_ahead(tokens, namespace)
+            if asked:   # tiers as found, and what L3 is bringing: [hot, warm, cold, l3]
+                return False, self.tree.peek(tokens, namespace, validate=False)[1] + [asked]
         if not make_room:
             hot, tiers = self.tree.peek(tokens, namespace, validate=False)
             if hot:
@@ -198,6 +210,19 @@ class TieredCache:
         finally:
             lease.release()
 
+    # ------------------------------------------------------------------ L3
+    def attach_l3(self, tier: L3Tier) -> None:
+        """Use L3 through ``tier`` from now on (the cache owns it: ``close`` closes it)."""
+        if tier.block_tokens != self.hot.allocator.block_tokens:
+            raise InvalidInputError(f"L3 blocks of {tier.block_tokens} tokens on a cache of "
+                                    f"{self.hot.allocator.block_tokens}-token blocks")
+        self.l3 = L3Link(self, tier)
+
+    def apply_l3(self) -> int:
+        """Apply what the L3 thread finished (stored blocks reported, fetched ones
+        installed); returns tokens installed."""
+        return 0 if self.l3 is None else self.l3.apply()
+
     # -------------------------------------------------------- housekeeping
     @property
     def kv_device(self) -> torch.device:
@@ -214,6 +239,8 @@ class TieredCache:
     def housekeeping(self) -> None:
         """Idle-gap work: demote past the watermarks, compact sparse blocks."""
         self._check_owner("housekeeping")
+        if self.l3 is not None:
+            self.l3.apply()
         self._enforce_watermarks()
         self._compact_idle()
 
@@ -404,6 +431,8 @@ class TieredCache:
 
     def close(self) -> None:
         self.wait_all()
+        if self.l3 is not None:
+            self.l3.tier.close()
         self.copier.close()
         if self.disk_io is not None:
             self.disk_io.close()

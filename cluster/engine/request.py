@@ -36,7 +36,7 @@ class EngineRequest:
     # Filled in by the engine.
     output: list[int] = field(default_factory=list)
     cached_tokens: int = 0          # prompt tokens served from the cache (at its first admission)
-    tier_hits: list[int] = field(default_factory=lambda: [0, 0, 0])
+    tier_hits: list[int] = field(default_factory=lambda: [0, 0, 0, 0])   # by source: HOT, WARM, COLD, L3
     preemptions: int = 0
     finished: bool = False
     finish_reason: FinishReason | None = None

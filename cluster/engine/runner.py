@@ -42,7 +42,7 @@ from cluster.engine.model import sample
 from cluster.engine.request import EngineRequest, TokenEvent, position_seed
 from cluster.engine.scratch import ScratchKV
 from cluster.errors import CacheError, InvalidInputError, PoolExhaustedError
-from cluster.names import COLD, HOT, WARM
+from cluster.names import COLD, HOT, L3, WARM
 from cluster.ownership import ThreadOwner
 from cluster.protocol import FinishReason, SamplingParams
 from cluster.tokens import as_token_list
@@ -105,7 +105,7 @@ class Engine:
         self.stats = {"prompt_tokens": 0, "cached_tokens": 0, "computed_tokens": 0, "steps": 0,
                       "requests_finished": 0, "requests_failed": 0, "requests_cancelled": 0,
                       "finish_failures": 0, "preemptions": 0, "preempted_tokens": 0, "resumed_hot_tokens": 0,
-                      "resumed_warm_tokens": 0, "resumed_cold_tokens": 0, "recomputed_tokens": 0,
+                      "resumed_warm_tokens": 0, "resumed_cold_tokens": 0, "resumed_l3_tokens": 0, "recomputed_tokens": 0,
                       "swap_in_bytes": 0, "waits_for_room": 0, "waits_for_promotion": 0,
                       "waits_for_shared_prefix": 0, "step_ms": 0.0, "forward_ms": 0.0, "decode_steps": 0,
                       "decode_step_ms": 0.0}
@@ -338,9 +338,9 @@ class Engine:
             self.stats["cached_tokens"] += lease.cached_tokens
         else:   # back after a preemption: what the cache kept of it, and from which tier
             for tier, key in ((HOT, "resumed_hot_tokens"), (WARM, "resumed_warm_tokens"),
-                              (COLD, "resumed_cold_tokens")):
+                              (COLD, "resumed_cold_tokens"), (L3, "resumed_l3_tokens")):
                 self.stats[key] += tiers[tier]
-            self.stats["swap_in_bytes"] += (tiers[WARM] + tiers[COLD]) * self._bytes_per_token
+            self.stats["swap_in_bytes"] += (tiers[WARM] + tiers[COLD] + tiers[L3]) * self._bytes_per_token
             self.stats["recomputed_tokens"] += max(0, req._preempted_len - lease.cached_tokens)
         req._lease = lease
         self._give_scratch(req)
@@ -452,11 +452,18 @@ class Engine:
             req._kv = None
 
 
-def _split(cached: int, tiers: list[int]) -> list[int]:
-    """``cached`` prefix tokens by the tier they were found in (the prefix runs HOT, WARM, COLD)."""
-    hot = min(cached, tiers[HOT])
-    warm = min(cached - hot, tiers[WARM])
-    return [hot, warm, cached - hot - warm]
+def _split(cached: int, found: list[int]) -> list[int]:
+    """``cached`` prefix tokens by where they came from: HOT, WARM, COLD as the
+    scheduler first found them (the prefix runs in that order), then L3 for the
+    rest when it waited for an L3 fetch (``found[L3]``: tokens asked for); else
+    the rest was computed meanwhile by another request sharing it: HOT."""
+    hot = min(cached, found[HOT])
+    warm = min(cached - hot, found[WARM])
+    cold = min(cached - hot - warm, found[COLD])
+    rest = cached - hot - warm - cold
+    if len(found) > L3 and found[L3]:
+        return [hot, warm, cold, rest]
+    return [hot + rest, warm, cold, 0]
 
 
 def _past(req: EngineRequest, length: int | None = None) -> torch.Tensor:

@@ -1,0 +1,269 @@
+"""L3Link: the tiered cache's side of L3 (``TieredCache.attach_l3`` makes one).
+
+``cluster.cache.l3_tier.L3Tier`` does the store I/O on its own thread; this
+class decides what crosses and applies what comes back, on the cache's owner
+thread, with the cache's tree and pools:
+
+- ``write_behind`` (from ``KVLease.commit``): the full blocks of a committed
+  sequence that L3 lacks are copied out of HOT/WARM and queued for writing.
+- ``fetch_ahead`` (from ``TieredCache.ready``): a waiting request whose full
+  blocks run at least ``min_fetch_blocks`` past the tree's prefix gets them
+  fetched; it waits (others run) until ``apply`` installs them.
+- ``valuable_prefixes`` and ``hand_off``: a replica leaving writes what L3
+  lacks, most valuable first, within a time budget (``prefix_value``).
+
+Reading the tree here never touches recency or hit counts: writing a
+sequence to L3 is not a use of it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Hashable, Sequence
+
+import torch
+
+from cluster.cache.allocator import Extent
+from cluster.cache.l3_tier import FetchResult, L3Tier
+from cluster.cache.token_key import encode_tokens
+from cluster.errors import ChecksumError, PoolExhaustedError
+from cluster.hashing import block_hashes
+from cluster.names import COLD, WARM
+
+if TYPE_CHECKING:
+    from cluster.cache.radix_tree import TreeNode
+    from cluster.cache.tiered import TieredCache
+
+# Recompute cost grows faster than the token count (attention reads the whole
+# context): a prefix of n tokens costs n * (1 + n / ATTENTION_TOKENS) token-units.
+ATTENTION_TOKENS = 4096
+# Expected reuse halves every REUSE_HALF_LIFE_S seconds without a hit.
+REUSE_HALF_LIFE_S = 600.0
+
+
+def prefix_value(tokens: int, hits: int, idle_s: float) -> float:
+    """What keeping a prefix is worth: expected reuse (hits so far, decayed by
+    the time since the last one) x the cost of recomputing it."""
+    reuse = (1 + hits) * math.pow(0.5, max(idle_s, 0.0) / REUSE_HALF_LIFE_S)
+    return reuse * tokens * (1 + tokens / ATTENTION_TOKENS)
+
+
+@dataclass(frozen=True, slots=True)
+class ValuedPrefix:
+    """One cached sequence (a leaf's path) and what it is worth."""
+    namespace: Hashable
+    tokens: tuple[int, ...]
+    hits: int
+    idle_s: float
+    value: float
+
+
+def slice_extents(extents: list[Extent], start: int, end: int) -> list[Extent]:
+    """The extents covering tokens ``[start, end)`` of a node (views, nothing moved)."""
+    out, pos = [], 0
+    for e in extents:
+        lo, hi = max(start, pos), min(end, pos + e.length)
+        if lo < hi:
+            out.append(e if (lo, hi) == (pos, pos + e.length) else Extent(e.block_id, e.offset + lo - pos, hi - lo))
+        pos += e.length
+        if pos >= end:
+            break
+    return out
+
+
+class L3Link:
+    def __init__(self, cache: "TieredCache", tier: L3Tier):
+        self.cache = cache
+        self.tier = tier
+        self._applying = False
+        self.stats = {"handoff_blocks": 0, "handoff_bytes": 0, "handoff_prefixes": 0, "handoff_s": 0.0}
+
+    # ------------------------------------------------------------ fetches
+    def fetch_ahead(self, tokens: Sequence[int], namespace: Hashable) -> int:
+        """The tokens an L3 fetch is bringing for ``tokens`` (started here when
+        worth it), 0 when it waits for none. Finished fetches are installed
+        first, so a request whose blocks came back is ready on the next look."""
+        tier = self.tier
+        self.apply()
+        bt = tier.block_tokens
+        full = len(tokens) // bt
+        least = tier.config.min_fetch_blocks
+        if full < least:
+            return 0
+        local = sum(self.cache.tree.peek(tokens, namespace, validate=False)[1])
+        first = local // bt
+        if full - first < least:
+            return 0
+        hashes = block_hashes(tokens[:full * bt], bt, salt=namespace)
+        if not tier.fetching(hashes, first):
+            if not tier.wants_fetch(hashes, first):
+                return 0
+            tier.start_fetch(namespace, tokens, hashes, first)
+        return tier.fetching(hashes, first) * bt
+
+    def apply(self) -> int:
+        """Report stored blocks to the listeners and install fetched ones; returns
+        tokens installed. Not reentrant (installing admits, which polls)."""
+        if self._applying:
+            return 0
+        self._applying = True
+        try:
+            self.tier.take_written()
+            return sum(self._install(r) for r in self.tier.take_fetched() if r.blocks)
+        finally:
+            self._applying = False
+
+    def _install(self, r: FetchResult) -> int:
+        """Cache blocks read from L3 behind the tree's prefix of the same tokens
+        (``TieredCache.install``, with KV that starts at block ``r.first_block``).
+        Nothing is installed when the tree no longer reaches that block (evicted
+        meanwhile) or HOT has no room: counted, and the request computes."""
+        cache, stats = self.cache, self.tier.stats
+        start, end = r.first_block * self.tier.block_tokens, len(r.tokens)
+        lease = cache.admit(r.tokens, r.namespace, compute_last=False, validate=False)
+        try:
+            have = lease.cached_tokens
+            if have >= end:
+                return 0
+            if have < start:
+                self._not_installed(r)
+                return 0
+            lease.append(r.kv[:, :, have - start:].to(cache.kv_device, cache.kv_dtype))
+            lease.commit(r.tokens)
+            stats.installed_tokens += end - have
+            return end - have
+        except PoolExhaustedError:
+            self._not_installed(r)
+            return 0
+        finally:
+            lease.release()
+
+    def _not_installed(self, r: FetchResult) -> None:
+        """Counted, and not fetched again for a while: the request computes
+        instead of waiting on fetches that find no place to land."""
+        self.tier.stats.install_failures += 1
+        self.tier.note_missing(r.first_hash)
+
+    # ------------------------------------------------------------- writes
+    def write_behind(self, tokens: Sequence[int], namespace: Hashable) -> int:
+        """Queue the full blocks of a just-committed ``tokens`` that L3 lacks (as
+        far as this replica knows); their KV is copied out of HOT/WARM here.
+        Returns the blocks queued."""
+        if not self.tier.writes:
+            return 0
+        return self._write(tokens, namespace, allow_cold=False)
+
+    def _write(self, tokens: Sequence[int], namespace: Hashable, *, allow_cold: bool) -> int:
+        tier = self.tier
+        bt = tier.block_tokens
+        full = len(tokens) // bt
+        if not full:
+            return 0
+        hashes = block_hashes(tokens[:full * bt], bt, salt=namespace)
+        todo = tier.unwritten(hashes)
+        if not todo:
+            return 0
+        kv = self._read_blocks(tokens[:full * bt], namespace, todo, allow_cold)
+        if kv is None:
+            return 0
+        return tier.write(tokens, hashes, todo, kv)
+
+    def _spans(self, tokens: Sequence[int], namespace: Hashable) -> list[tuple[int, "TreeNode"]]:
+        """(first token, node) of every node the cached path of ``tokens`` runs
+        through, the edge it ends inside included; nothing touched or split."""
+        tree = self.cache.tree
+        data = encode_tokens(tokens, validate=False)
+        node, pos, path = tree._walk(data, tree.root(namespace), split=False)
+        spans, at = [], 0
+        for n in path:
+            spans.append((at, n))
+            at += len(n.key)
+        if at < len(tokens):
+            child = node.children.get(tokens[at])
+            if child is not None:   # the match ends inside this edge: as far as it agrees
+                spans.append((at, child))
+        return spans
+
+    def _read_blocks(self, tokens: Sequence[int], namespace: Hashable, blocks: list[int],
+                     allow_cold: bool) -> torch.Tensor | None:
+        """The KV of whole blocks ``blocks`` of ``tokens`` as one token-major CPU
+        tensor (a copy), in order; None when part of them is not cached, or only
+        on disk without ``allow_cold`` (no disk read on the request path)."""
+        bt = self.tier.block_tokens
+        spans = self._spans(tokens, namespace)
+        parts = []
+        for b in blocks:
+            lo, hi = b * bt, (b + 1) * bt
+            covered = lo
+            for first, node in spans:
+                end = first + len(node.key)
+                if end <= lo or first >= hi:
+                    continue
+                if node.tier == COLD and not allow_cold:
+                    return None
+                if node.busy and node.tier > WARM:   # its disk slot may be in use by a move
+                    return None
+                a, z = max(lo, first) - first, min(hi, end) - first
+                if list(node.key[a:z]) != list(tokens[first + a:first + z]):
+                    return None   # the edge the match ended in diverges inside the block
+                try:
+                    parts.append(self.cache.pools[node.tier].read(slice_extents(node.extents, a, z)).to("cpu"))
+                except ChecksumError:
+                    return None
+                covered = first + z
+            if covered < hi:
+                return None
+        return torch.cat(parts, dim=2)   # always a copy: a one-extent read is a view of the pool
+
+    # ------------------------------------------------------------ hand-off
+    def valuable_prefixes(self, limit: int | None = None, now: float | None = None) -> list[ValuedPrefix]:
+        """Every cached sequence (each leaf's path), most valuable first (``prefix_value``)."""
+        tree = self.cache.tree
+        now = tree.clock() if now is None else now
+        by_root = {id(root): ns for ns, root in tree.roots.items()}
+        out = []
+        for node in tree.iter_nodes():
+            if node.children:
+                continue
+            # Its hits: those of the chain of nodes only it uses (a shared prefix's
+            # hits belong to every sequence under it, not to this one).
+            hits, up = node.hit_count, node.parent
+            while up.parent is not None and len(up.children) == 1:
+                hits = max(hits, up.hit_count)
+                up = up.parent
+            root = up
+            while root.parent is not None:
+                root = root.parent
+            tokens = tuple(tree.path_tokens(node))
+            idle = now - node.last_access
+            out.append(ValuedPrefix(by_root.get(id(root)), tokens, hits, idle, prefix_value(len(tokens), hits, idle)))
+        out.sort(key=lambda p: -p.value)
+        return out if limit is None else out[:limit]
+
+    def hand_off(self, budget_s: float, order: str = "value") -> dict:
+        """Write every cached sequence's blocks that L3 lacks (COLD ones read from
+        disk too), most valuable first (``order="lru"``: most recent first), then
+        wait for the writes, all within ``budget_s``. Returns what was handed off."""
+        started = time.monotonic()
+        prefixes = self.valuable_prefixes()
+        if order == "lru":
+            prefixes.sort(key=lambda p: p.idle_s)
+        blocks = prefixes_done = 0
+        before = self.tier.stats.bytes_written
+        for p in prefixes:
+            if time.monotonic() - started > budget_s / 2:   # half for the writes themselves
+                break
+            n = self._write(p.tokens, p.namespace, allow_cold=True)
+            blocks += n
+            prefixes_done += 1
+        flushed = self.tier.flush(max(0.0, budget_s - (time.monotonic() - started)))
+        self.apply()
+        elapsed = time.monotonic() - started
+        self.stats["handoff_blocks"] += blocks
+        self.stats["handoff_prefixes"] += prefixes_done
+        self.stats["handoff_bytes"] += self.tier.stats.bytes_written - before
+        self.stats["handoff_s"] += elapsed
+        return {"blocks": blocks, "prefixes": prefixes_done, "of_prefixes": len(prefixes), "flushed": flushed,
+                "seconds": elapsed}

@@ -1,0 +1,423 @@
+"""L3Tier: the tiered cache's side of L3 (write behind, fetch ahead, one I/O thread).
+
+L3 sits beside the tree, not in it: the tree holds what this replica has
+(HOT, WARM, COLD), L3 holds whole blocks for the whole cluster by their
+tenant-salted chained hash (``cluster.cache.l3``). Two flows cross:
+
+- **write behind**: when a request commits its sequence, the engine thread
+  copies the KV of its full blocks that L3 does not have yet (as far as this
+  replica knows: ``written``) out of the pools, and the I/O thread stores
+  them. The request never waits; a write queue over ``max_pending_bytes``
+  drops the newest writes (counted), so a slow store costs L3 coverage, never
+  memory or latency.
+- **fetch ahead**: when the scheduler looks at a waiting request whose full
+  blocks run past what the tree holds, the cache starts a fetch of those
+  blocks (``start_fetch``) and the request waits while others run, as it does
+  for a promotion. The I/O thread reads the leading run of blocks L3 has
+  (verified with their tokens: ``cluster.cache.l3_format``), and the engine
+  thread installs them into the tree (``take_fetched``) before the request is
+  admitted. A fetch is started only where it beats recompute: the measured
+  fetch rate (``set_rates``) must exceed the prefill rate.
+
+Every method but the I/O loop runs on the cache's owner thread. Results come
+back through a queue the owner drains (``take_fetched``, ``take_written``),
+as the copy engines' completions do. Listeners hear which blocks this replica
+stored (and which ones a fetch found missing), so the directory's index knows
+what L3 holds.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable, Sequence
+
+import torch
+
+from cluster.cache.kv_pool import KVLayout
+from cluster.cache.l3 import L3Block, L3Lookup, L3Store, kv_layout_version, l3_key
+from cluster.errors import InvalidInputError
+
+log = logging.getLogger(__name__)
+
+WRITE_POLICIES = ("commit", "off")
+
+
+@dataclass(frozen=True)
+class L3TierConfig:
+    """How the cache uses L3.
+
+    - ``model_id``: part of every key (blocks of another model are never read).
+    - ``write``: ``commit`` stores the full blocks of every committed sequence
+      behind the request (what crash survival needs: a replica killed a moment
+      after a turn has that turn in L3); ``off`` never writes (read only).
+    - ``fetch``: read blocks the tree lacks from L3 before prefill.
+    - ``min_fetch_blocks``: fetch only when at least this many full blocks lie
+      past the tree's prefix (a one-block fetch saves less than its round trip).
+    - ``max_fetch_blocks``: the most blocks one fetch asks for.
+    - ``max_pending_bytes``: KV queued for writing; past it new writes are dropped.
+    - ``max_remembered``: block hashes remembered as written (and as missing).
+    - ``miss_ttl_s``: a block a fetch found missing is not asked for again this long.
+    """
+    model_id: str
+    write: str = "commit"
+    fetch: bool = True
+    min_fetch_blocks: int = 2
+    max_fetch_blocks: int = 1024
+    max_pending_bytes: int = 256 << 20
+    max_remembered: int = 1 << 20
+    miss_ttl_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.write not in WRITE_POLICIES:
+            raise InvalidInputError(f"l3 write policy must be one of {WRITE_POLICIES}, got {self.write!r}")
+        for name in ("min_fetch_blocks", "max_fetch_blocks", "max_pending_bytes", "max_remembered"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise InvalidInputError(f"l3 {name} must be a positive integer, got {v!r}")
+        if not isinstance(self.miss_ttl_s, (int, float)) or self.miss_ttl_s < 0:
+            raise InvalidInputError(f"l3 miss_ttl_s must be >= 0, got {self.miss_ttl_s!r}")
+
+
+@dataclass(slots=True)
+class FetchResult:
+    """Blocks ``[first_block, first_block + blocks)`` of ``tokens`` read from L3
+    (``kv`` covers exactly those tokens, token-major ``[L, 2, T, H, D]``)."""
+    namespace: Hashable
+    tokens: list[int]          # the sequence the fetch was for, up to the last block asked for
+    first_block: int
+    blocks: int                # leading blocks found (0: the first one was missing)
+    kv: torch.Tensor | None
+    missing: list[int]         # hash of the first block not found (empty when all were found)
+    seconds: float             # the I/O thread's time for it
+    first_hash: int = 0        # the hash of block ``first_block`` (what the fetch is known by)
+    bytes: int = 0
+    found: list[int] = field(default_factory=list)   # hashes of the blocks found
+
+
+@dataclass(slots=True)
+class _Fetch:
+    namespace: Hashable
+    tokens: list[int]
+    hashes: list[int]
+    first_block: int
+
+
+@dataclass(slots=True)
+class _Write:
+    blocks: list[L3Block]
+    hashes: list[int]
+    nbytes: int
+
+
+@dataclass
+class L3TierStats:
+    writes_queued: int = 0          # blocks handed to the I/O thread
+    blocks_written: int = 0         # stored (or found already there)
+    write_failures: int = 0
+    writes_dropped: int = 0         # not queued: over max_pending_bytes
+    bytes_written: int = 0
+    fetches: int = 0
+    fetch_blocks_asked: int = 0
+    fetch_blocks_hit: int = 0
+    fetch_misses: int = 0           # fetches that found not even their first block
+    fetch_skipped_slower: int = 0   # a fetch was possible but recompute is faster
+    bytes_fetched: int = 0
+    installed_tokens: int = 0
+    install_failures: int = 0
+    fetch_s: list[float] = field(default_factory=list)   # the latest fetches' times (bounded)
+
+    def as_dict(self) -> dict:
+        out = {k: v for k, v in self.__dict__.items() if k != "fetch_s"}
+        times = sorted(self.fetch_s)
+        out["fetch_ms_p50"] = round(times[len(times) // 2] * 1e3, 3) if times else None
+        out["fetch_ms_p99"] = round(times[min(len(times) - 1, int(0.99 * len(times)))] * 1e3, 3) if times else None
+        return out
+
+
+class _Bounded:
+    """A set of hashes that forgets its oldest entries past ``limit`` (values: a time)."""
+    __slots__ = ("limit", "_d")
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._d: OrderedDict[int, float] = OrderedDict()
+
+    def add(self, h: int, value: float = 0.0) -> None:
+        d = self._d
+        d[h] = value
+        d.move_to_end(h)
+        if len(d) > self.limit:
+            d.popitem(last=False)
+
+    def get(self, h: int) -> float | None:
+        return self._d.get(h)
+
+    def discard(self, h: int) -> None:
+        self._d.pop(h, None)
+
+    def __contains__(self, h: int) -> bool:
+        return h in self._d
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+
+class L3Tier:
+    def __init__(self, store: L3Store, layout: KVLayout, block_tokens: int, config: L3TierConfig, *,
+                 clock: Callable[[], float] = time.monotonic, start_thread: bool = True):
+        """``start_thread=False``: no I/O thread; ``run_pending`` does the I/O on
+        the caller's thread (exact tests)."""
+        self.store = store
+        self.layout = layout
+        self.block_tokens = block_tokens
+        self.config = config
+        self.clock = clock
+        self.version = kv_layout_version(layout, block_tokens)
+        self.written = _Bounded(config.max_remembered)
+        self._missing = _Bounded(config.max_remembered)   # hash -> when a fetch found it missing
+        self._fetching: dict[int, _Fetch] = {}             # first block's hash -> fetch in flight
+        self.fetch_tokens_per_s: float | None = None       # measured (calibration), then observed
+        self.prefill_tokens_per_s: float | None = None
+        self.listeners: list[Any] = []                     # on_l3_stored(hashes), on_l3_removed(hashes)
+        self.stats = L3TierStats()
+        self._cv = threading.Condition()
+        self._fetch_jobs: deque[_Fetch] = deque()
+        self._write_jobs: deque[_Write] = deque()
+        self._done_fetches: deque[FetchResult] = deque()
+        self._done_writes: deque[tuple[list[int], list[bool], int]] = deque()
+        self._pending_bytes = 0
+        self._busy = False
+        self._closed = False
+        self._thread = None
+        if start_thread:
+            self._thread = threading.Thread(target=self._loop, name="l3-io", daemon=True)
+            self._thread.start()
+
+    # ------------------------------------------------------------ policy
+    def set_rates(self, fetch_tokens_per_s: float | None, prefill_tokens_per_s: float | None) -> None:
+        self.fetch_tokens_per_s = fetch_tokens_per_s
+        self.prefill_tokens_per_s = prefill_tokens_per_s
+
+    def faster_than_recompute(self) -> bool:
+        """Whether reading from L3 beats computing the same tokens (both measured;
+        unknown rates count as faster: the first fetches measure it)."""
+        f, p = self.fetch_tokens_per_s, self.prefill_tokens_per_s
+        return f is None or p is None or f > p
+
+    @property
+    def writes(self) -> bool:
+        return self.config.write != "off" and self.store.stats().state != "closed"
+
+    def key(self, block_hash: int):
+        return l3_key(self.config.model_id, self.version, block_hash)
+
+    # ------------------------------------------------------------- writes
+    def unwritten(self, hashes: Sequence[int]) -> list[int]:
+        """Indices of ``hashes`` not known to be in L3."""
+        written = self.written
+        return [i for i, h in enumerate(hashes) if h not in written]
+
+    def write(self, tokens: Sequence[int], hashes: Sequence[int], index: Sequence[int], kv: torch.Tensor) -> int:
+        """Queue blocks ``index`` (indices into ``hashes``) of ``tokens`` for writing;
+        ``kv`` holds exactly those blocks' KV, in order, token-major (a private
+        copy: the caller's pools may change once this returns). Returns the blocks
+        queued (0 when over ``max_pending_bytes``: dropped, counted)."""
+        if not index:
+            return 0
+        bt = self.block_tokens
+        nbytes = kv.numel() * kv.element_size()
+        with self._cv:
+            if self._pending_bytes + nbytes > self.config.max_pending_bytes:
+                self.stats.writes_dropped += len(index)
+                return 0
+            blocks = [L3Block(self.key(hashes[i]), tuple(tokens[i * bt:(i + 1) * bt]),
+                              kv[:, :, j * bt:(j + 1) * bt]) for j, i in enumerate(index)]
+            self._write_jobs.append(_Write(blocks, [hashes[i] for i in index], nbytes))
+            self._pending_bytes += nbytes
+            self.stats.writes_queued += len(index)
+            self._cv.notify()
+        for i in index:   # optimistic: a failed write is forgotten again in take_written
+            self.written.add(hashes[i])
+        return len(index)
+
+    def take_written(self) -> int:
+        """Apply finished writes (owner thread): tell the listeners which blocks L3
+        now holds. Returns the blocks reported stored."""
+        with self._cv:
+            done, self._done_writes = self._done_writes, deque()
+        stored_total = 0
+        for hashes, stored, nbytes in done:
+            ok = [h for h, s in zip(hashes, stored) if s]
+            for h, s in zip(hashes, stored):
+                if not s:
+                    self.written.discard(h)
+            self.stats.blocks_written += len(ok)
+            self.stats.write_failures += len(hashes) - len(ok)
+            self.stats.bytes_written += nbytes
+            stored_total += len(ok)
+            if ok:
+                for listener in self.listeners:
+                    listener.on_l3_stored(ok)
+        return stored_total
+
+    # ------------------------------------------------------------- fetches
+    def wants_fetch(self, hashes: Sequence[int], first_block: int) -> bool:
+        """Whether blocks ``[first_block, len(hashes))`` are worth asking L3 for."""
+        cfg = self.config
+        if not cfg.fetch or len(hashes) - first_block < cfg.min_fetch_blocks:
+            return False
+        h = hashes[first_block]
+        missed = self._missing.get(h)
+        if missed is not None and self.clock() - missed < cfg.miss_ttl_s:
+            return False
+        if not self.faster_than_recompute():
+            self.stats.fetch_skipped_slower += 1
+            return False
+        return True
+
+    def note_missing(self, block_hash: int) -> None:
+        """Do not fetch from this block for ``miss_ttl_s`` (missing, or not installable)."""
+        self._missing.add(block_hash, self.clock())
+
+    def fetching(self, hashes: Sequence[int], first_block: int) -> int:
+        """Blocks a fetch in flight from ``hashes[first_block]`` asked for (0: none)."""
+        job = self._fetching.get(hashes[first_block]) if first_block < len(hashes) else None
+        return 0 if job is None else len(job.hashes) - job.first_block
+
+    def start_fetch(self, namespace: Hashable, tokens: Sequence[int], hashes: Sequence[int],
+                    first_block: int) -> None:
+        """Ask L3 for blocks ``[first_block, len(hashes))`` of ``tokens`` (at most
+        ``max_fetch_blocks``); the answer comes back through ``take_fetched``."""
+        last = min(len(hashes), first_block + self.config.max_fetch_blocks)
+        job = _Fetch(namespace, list(tokens[:last * self.block_tokens]), list(hashes[:last]), first_block)
+        self._fetching[hashes[first_block]] = job
+        self.stats.fetches += 1
+        self.stats.fetch_blocks_asked += last - first_block
+        with self._cv:
+            self._fetch_jobs.append(job)
+            self._cv.notify()
+
+    def take_fetched(self) -> list[FetchResult]:
+        """Finished fetches (owner thread), for the cache to install."""
+        with self._cv:
+            done, self._done_fetches = list(self._done_fetches), deque()
+        now = self.clock()
+        for r in done:
+            self._fetching.pop(r.first_hash, None)
+            for h in r.found:        # in L3: installing them must not write them back
+                self.written.add(h)
+            if r.blocks:
+                self.stats.fetch_blocks_hit += r.blocks
+                self.stats.bytes_fetched += r.bytes
+                times = self.stats.fetch_s
+                times.append(r.seconds)
+                if len(times) > 4096:
+                    del times[:2048]
+                if r.seconds > 0:   # observed rate, smoothed: what the next decisions weigh
+                    rate = r.blocks * self.block_tokens / r.seconds
+                    f = self.fetch_tokens_per_s
+                    self.fetch_tokens_per_s = rate if f is None else 0.8 * f + 0.2 * rate
+            else:
+                self.stats.fetch_misses += 1
+            for h in r.missing:
+                self._missing.add(h, now)
+                if h in self.written:     # it was there once: evicted from L3 since
+                    self.written.discard(h)
+            if r.missing:
+                for listener in self.listeners:
+                    listener.on_l3_removed(r.missing)
+        return done
+
+    # ------------------------------------------------------------ the I/O
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._fetch_jobs or self._write_jobs or self._closed):
+                    self._cv.wait()
+                if self._closed and not (self._fetch_jobs or self._write_jobs):
+                    return
+                job = self._fetch_jobs.popleft() if self._fetch_jobs else self._write_jobs.popleft()
+                self._busy = True
+            try:
+                self._run(job)
+            except Exception:   # the store never raises for store trouble; anything else is a bug
+                log.exception("L3 I/O job failed")
+                self._fail(job)
+            finally:
+                with self._cv:
+                    self._busy = False
+                    self._cv.notify_all()
+
+    def run_pending(self) -> int:
+        """Without an I/O thread: run every queued job here (tests). Returns jobs run."""
+        n = 0
+        while True:
+            with self._cv:
+                if not (self._fetch_jobs or self._write_jobs):
+                    return n
+                job = self._fetch_jobs.popleft() if self._fetch_jobs else self._write_jobs.popleft()
+            self._run(job)
+            n += 1
+
+    def _run(self, job: _Fetch | _Write) -> None:
+        if isinstance(job, _Write):
+            results = self.store.put_blocks(job.blocks)
+            with self._cv:
+                self._pending_bytes -= job.nbytes
+                self._done_writes.append((job.hashes, [r.stored for r in results], job.nbytes))
+            return
+        started = time.perf_counter()
+        bt = self.block_tokens
+        first, hashes, tokens = job.first_block, job.hashes, job.tokens
+        lookups = [L3Lookup(self.key(hashes[i]), tuple(tokens[i * bt:(i + 1) * bt]))
+                   for i in range(first, len(hashes))]
+        results = self.store.get_blocks(lookups)
+        found = 0
+        for r in results:
+            if not r.hit:
+                break
+            found += 1
+        kv = torch.cat([r.kv for r in results[:found]], dim=2) if found else None
+        missing = [hashes[first + found]] if found < len(results) else []
+        out = FetchResult(job.namespace, tokens[:(first + found) * bt], first, found, kv, missing,
+                          time.perf_counter() - started, hashes[first],
+                          0 if kv is None else kv.numel() * kv.element_size(), hashes[first:first + found])
+        with self._cv:
+            self._done_fetches.append(out)
+
+    def _fail(self, job: _Fetch | _Write) -> None:
+        with self._cv:
+            if isinstance(job, _Write):
+                self._pending_bytes -= job.nbytes
+                self._done_writes.append((job.hashes, [False] * len(job.hashes), job.nbytes))
+            else:
+                self._done_fetches.append(FetchResult(job.namespace, [], job.first_block, 0, None, [], 0.0,
+                                                      job.hashes[job.first_block]))
+
+    # ------------------------------------------------------------ lifecycle
+    def pending(self) -> int:
+        """Jobs queued or running."""
+        with self._cv:
+            return len(self._fetch_jobs) + len(self._write_jobs) + int(self._busy)
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait (any thread) until every queued write is done, at most ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        with self._cv:
+            while self._write_jobs or self._busy:
+                left = deadline - time.monotonic()
+                if left <= 0 or self._thread is None:
+                    return False
+                self._cv.wait(left)
+        return True
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout_s)

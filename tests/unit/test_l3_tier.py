@@ -1,0 +1,211 @@
+"""L3 in the tiered cache: write behind at commit, fetch ahead before admission,
+exact outputs from fetched KV, and the guards (a bad block, a full HOT pool, a
+slow store, a full write queue). Two caches sharing one in-process store stand
+for two replicas; tests/distributed runs the same over a real Mooncake master."""
+
+import random
+
+import pytest
+import torch
+
+from cluster.cache.kv_pool import KVLayout
+from cluster.cache.l3_link import prefix_value
+from cluster.cache.l3_memory import MemoryL3Store
+from cluster.cache.l3_tier import L3Tier, L3TierConfig
+from cluster.cache.tiered import TierConfig, TieredCache
+from cluster.engine.model import DecoderModel, ModelConfig
+from cluster.engine.runner import Engine, EngineRequest, SamplingParams
+from cluster.errors import InvalidInputError
+from cluster.hashing import block_hashes
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+BT = 8
+
+
+def toks(seed: int, n: int) -> list[int]:
+    """``n`` token ids of the tiny test vocabulary (259), one sequence per seed."""
+    g = random.Random(seed)
+    return [g.randrange(1, 250) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return DecoderModel(ModelConfig(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
+                                    intermediate_size=128, seed=3))
+
+
+class Listener:
+    def __init__(self):
+        self.stored, self.removed = [], []
+
+    def on_l3_stored(self, hashes):
+        self.stored.extend(hashes)
+
+    def on_l3_removed(self, hashes):
+        self.removed.extend(hashes)
+
+
+def make(model, store, hot=64, warm=0, **l3kw):
+    c = model.config
+    layout = KVLayout(c.num_layers, c.num_kv_heads, c.head_dim)
+    cache = TieredCache(TierConfig(hot_blocks=hot, warm_blocks=warm, block_tokens=BT, device="cpu"), layout)
+    tier = L3Tier(store, layout, BT, L3TierConfig(model_id="test-model", **l3kw), start_thread=False)
+    listener = Listener()
+    tier.listeners.append(listener)
+    cache.attach_l3(tier)
+    return Engine(model, cache, keep_logits=True), tier, listener
+
+
+def run(engine, tier, prompt, max_tokens=3, namespace=None):
+    """Generate to the end, doing the L3 I/O whenever the engine waits for it."""
+    req = engine.submit(EngineRequest(list(prompt), SamplingParams(max_tokens=max_tokens), namespace=namespace))
+    while not req.finished:
+        engine.step()
+        tier.run_pending()
+    engine.complete_finished()
+    tier.run_pending()
+    engine.cache.apply_l3()
+    return req
+
+
+def full_logits(model, tokens):
+    return model.forward_one(torch.tensor(tokens), 0, None)[0]
+
+
+def assert_exact(model, req):
+    ref = full_logits(model, req.prompt + req.output)
+    got = torch.cat(req.logits, dim=0)
+    start = req.cached_tokens
+    assert torch.allclose(got, ref[start:start + got.shape[0]], atol=1e-4, rtol=0)
+
+
+def test_a_turn_written_on_one_replica_is_read_on_another_exactly(model):
+    store = MemoryL3Store()
+    a, tier_a, heard_a = make(model, store)
+    b, tier_b, _ = make(model, store)
+    prompt = toks(1, 42)                       # 42 tokens
+    first = run(a, tier_a, prompt, max_tokens=5)      # commits 42 + 5 = 47 tokens: 5 full blocks
+    seq = prompt + first.output
+    hashes = block_hashes(seq[:40], BT)
+    assert store.num_values == 5 and heard_a.stored == hashes
+    assert tier_a.stats.blocks_written == 5 and tier_a.stats.writes_queued == 5
+
+    follow = seq + [7, 8, 9, 10, 11, 12]              # the next turn lands on the other replica
+    second = run(b, tier_b, follow)
+    assert second.cached_tokens == 40                 # five whole blocks from L3
+    assert second.tier_hits == [0, 0, 0, 40]          # from L3 (installed into HOT before admission)
+    assert tier_b.stats.fetches == 1 and tier_b.stats.fetch_blocks_hit == 5
+    assert tier_b.stats.installed_tokens == 40
+    assert_exact(model, second)
+    # b wrote only what L3 lacked: of the 53 + 3 tokens it committed, blocks 5 and 6.
+    assert tier_b.stats.writes_queued == 2 and store.num_values == 7
+
+
+def test_only_the_leading_run_of_verified_blocks_is_used(model):
+    store = MemoryL3Store()
+    a, tier_a, _ = make(model, store)
+    b, tier_b, heard_b = make(model, store)
+    prompt = toks(100, 48)                    # 48 tokens: 6 blocks
+    run(a, tier_a, prompt, max_tokens=1)
+    hashes = block_hashes(prompt, BT)
+    store.corrupt(tier_a.key(hashes[3]))              # block 3 fails its checksum
+    second = run(b, tier_b, prompt + [1, 2, 3])
+    assert second.cached_tokens == 24                 # blocks 0-2 only
+    assert heard_b.removed == [hashes[3]]             # the directory hears block 3 is not usable
+    assert store.stats().verify_failures == 1
+    assert_exact(model, second)
+
+
+def test_tenants_never_read_each_others_blocks(model):
+    store = MemoryL3Store()
+    a, tier_a, _ = make(model, store)
+    b, tier_b, _ = make(model, store)
+    prompt = toks(200, 40)
+    run(a, tier_a, prompt, max_tokens=1, namespace="tenant-a")
+    other = run(b, tier_b, prompt + [1], namespace="tenant-b")
+    assert other.cached_tokens == 0 and tier_b.stats.fetch_misses == 1
+    same = run(b, tier_b, prompt + [1, 2], namespace="tenant-a")
+    assert same.cached_tokens == 40
+
+
+def test_no_fetch_when_recompute_is_faster_or_the_gap_is_short(model):
+    store = MemoryL3Store()
+    a, tier_a, _ = make(model, store)
+    run(a, tier_a, toks(300, 40), max_tokens=1)
+    b, tier_b, _ = make(model, store)
+    tier_b.set_rates(fetch_tokens_per_s=1_000.0, prefill_tokens_per_s=50_000.0)
+    slow = run(b, tier_b, toks(300, 40) + [5])
+    assert slow.cached_tokens == 0 and tier_b.stats.fetches == 0 and tier_b.stats.fetch_skipped_slower >= 1
+    c, tier_c, _ = make(model, store, min_fetch_blocks=3)
+    short = run(c, tier_c, toks(300, 16) + [5])   # two blocks past an empty tree: under 3
+    assert short.cached_tokens == 0 and tier_c.stats.fetches == 0
+
+
+def test_a_missing_block_is_not_asked_for_again_within_its_ttl(model):
+    store = MemoryL3Store()
+    b, tier_b, _ = make(model, store)
+    prompt = toks(400, 40)
+    run(b, tier_b, prompt, max_tokens=1)   # a miss, then b writes it
+    assert tier_b.stats.fetches == 1 and tier_b.stats.fetch_misses == 1
+    b.cache.drop_all()
+    store.remove(tier_b.key(block_hashes(prompt, BT)[0]))
+    tier_b.written.discard(block_hashes(prompt, BT)[0])
+    again = run(b, tier_b, prompt + [9])
+    assert again.cached_tokens == 0 and tier_b.stats.fetches == 1   # remembered as missing
+
+
+def test_fetched_blocks_that_find_no_room_are_counted_and_the_request_computes(model):
+    store = MemoryL3Store()
+    a, tier_a, _ = make(model, store)
+    prompt = toks(500, 48)
+    run(a, tier_a, prompt, max_tokens=1)
+    b, tier_b, _ = make(model, store, hot=8)
+    blocker = b.cache.admit(toks(900, 40), compute_last=False)   # holds 5 of 8 HOT blocks
+    blocker.reserve(40)
+    blocker.write(torch.zeros(2, 2, 40, 2, 16))
+    result = b.cache.ready(prompt + [1], None)
+    assert result[0] is False and tier_b.stats.fetches == 1
+    tier_b.run_pending()
+    assert b.cache.apply_l3() == 0 and tier_b.stats.install_failures == 1
+    blocker.release()
+    assert b.cache.ready(prompt + [1], None)[0] is True    # no second fetch: it computes
+
+
+def test_a_full_write_queue_drops_writes_and_counts_them(model):
+    store = MemoryL3Store()
+    a, tier_a, _ = make(model, store, max_pending_bytes=4096)   # less than one block of this model's KV
+    run(a, tier_a, toks(600, 40), max_tokens=1)
+    assert tier_a.stats.writes_dropped == 5 and store.num_values == 0
+    assert len(tier_a.written) == 0     # nothing is believed written
+
+
+def test_hand_off_writes_what_l3_lacks_most_valuable_first(model):
+    store = MemoryL3Store()
+    a, tier_a, _ = make(model, store, warm=64, write="off")
+    cold_prompt, hot_prompt = toks(700, 40), toks(800, 64)
+    run(a, tier_a, cold_prompt, max_tokens=1)
+    for _ in range(3):
+        run(a, tier_a, hot_prompt + [1], max_tokens=1)
+    assert store.num_values == 0                      # write="off": nothing written behind
+    a.cache.demote_path(cold_prompt, tier=1)          # WARM blocks are handed off too
+    order = a.cache.l3.valuable_prefixes()
+    assert [len(p.tokens) for p in order][:2] == [66, 41] and order[0].hits >= 3
+    tier_a.config = L3TierConfig(model_id="test-model")   # writes back on, for the hand-off
+    done = a.cache.l3.hand_off(budget_s=5.0)
+    tier_a.run_pending()
+    a.cache.apply_l3()
+    assert done["prefixes"] == 2 and done["blocks"] == 5 + 8
+    assert store.num_values == 13
+
+
+def test_prefix_value_weighs_reuse_recency_and_length():
+    assert prefix_value(1000, 4, 0) > prefix_value(1000, 0, 0)
+    assert prefix_value(1000, 4, 0) > prefix_value(1000, 4, 1200)
+    assert prefix_value(2000, 0, 0) > 2 * prefix_value(1000, 0, 0)   # attention: more than linear
+
+
+def test_config_is_validated():
+    with pytest.raises(InvalidInputError, match="write policy"):
+        L3TierConfig(model_id="m", write="sometimes")
+    with pytest.raises(InvalidInputError, match="min_fetch_blocks"):
+        L3TierConfig(model_id="m", min_fetch_blocks=0)
