@@ -9,6 +9,9 @@
 - transfer: a NIXL READ by this worker's own endpoint into its staging
   blocks, with every block verified (``Migrator.pull_blocks_nixl``), from a
   scratch agent holding blocks of the same size.
+- L3 fetch: blocks of this worker's KV shape written to L3 under keys no
+  request uses, then read back with verification (``L3Store.get_blocks``,
+  what a fetch does), tokens per second; none when L3 is off.
 
 It runs once at start-up, before the engine thread owns the cache, and leaves
 the cache empty and its counters as they were. Missing tiers or NIXL fall back to ratios of what was
@@ -24,6 +27,8 @@ from typing import Callable
 import torch
 
 from actors.migration import Migrator, block_checksum
+from cluster.cache.l3 import L3Block, L3Lookup
+from cluster.cache.l3_tier import L3Tier
 from cluster.cache.tiered import TieredCache
 from cluster.engine.runner import Engine, SamplingParams
 from cluster.names import COLD, WARM
@@ -44,13 +49,17 @@ def calibrate(engine: Engine, migrator: Migrator, *, repeats: int = 2, seed: int
         return torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist()
 
     counters = [(d, dict(d)) for d in (engine.stats, cache.stats, cache.tree.stats)]
+    # Random calibration prompts are no one's prefixes: nothing of them goes to L3.
+    l3, cache.l3 = cache.l3, None
     try:
         prefill = _best(lambda: _timed(lambda: engine.generate(fresh_prompt(), SamplingParams(max_tokens=1)), n),
                         repeats)
         warm = _best(lambda: _promotion(engine, fresh_prompt(), WARM), repeats) if cache.num_tiers > WARM else None
         cold = _best(lambda: _promotion(engine, fresh_prompt(), COLD), repeats) if cache.num_tiers > COLD else None
         transfer = _nixl_rate(migrator, cache) if migrator.nixl is not None else None
+        l3_rate = _l3_rate(cache, l3.tier, gen) if l3 is not None else None
     finally:
+        cache.l3 = l3
         cache.drop_all()
         for live, before in counters:   # the worker's counters start at zero for its requests
             live.clear()
@@ -58,7 +67,7 @@ def calibrate(engine: Engine, migrator: Migrator, *, repeats: int = 2, seed: int
     warm = warm or prefill * 20
     return CostModel(prefill_tokens_per_s=prefill, warm_promote_tokens_per_s=warm,
                      cold_promote_tokens_per_s=cold or warm / 10, transfer_tokens_per_s=transfer or warm / 4,
-                     block_tokens=bt)
+                     block_tokens=bt, l3_fetch_tokens_per_s=l3_rate or 0.0)
 
 
 def _timed(fn: Callable[[], object], tokens: int) -> tuple[int, float]:
@@ -92,6 +101,30 @@ def _promotion(engine: Engine, prompt: list[int], tier: int) -> tuple[int, float
     dt = time.perf_counter() - t0
     lease.release()
     return (lease.promoted_tokens, dt) if lease.promoted_tokens else None
+
+
+def _l3_rate(cache: TieredCache, tier: L3Tier, gen: torch.Generator, nblocks: int = 8) -> float | None:
+    """Write ``nblocks`` blocks of random KV to L3 under hashes no request has
+    (random 64-bit values), read them back verified: tokens per second."""
+    if tier.store.stats().state != "on":
+        return None
+    lay, bt = cache.layout, tier.block_tokens
+    blocks = []
+    for _ in range(nblocks):
+        h = int(torch.randint(0, 1 << 62, (1,), generator=gen)) | (1 << 62)
+        kv = torch.randn(lay.num_layers, 2, bt, lay.num_kv_heads, lay.head_dim, generator=gen).to(cache.kv_dtype)
+        blocks.append(L3Block(tier.key(h), tuple(range(bt)), kv))
+    if not all(r.stored for r in tier.store.put_blocks(blocks)):
+        log.warning("could not write calibration blocks to L3; L3 fetches are not priced")
+        return None
+    lookups = [L3Lookup(b.key, b.tokens) for b in blocks]
+
+    def read() -> tuple[int, float] | None:
+        t0 = time.perf_counter()
+        got = tier.store.get_blocks(lookups)
+        dt = time.perf_counter() - t0
+        return (nblocks * bt, dt) if all(r.hit for r in got) else None
+    return _best(read, 2)
 
 
 def _nixl_rate(migrator: Migrator, cache: TieredCache, nblocks: int = 8) -> float | None:

@@ -53,12 +53,44 @@ class WorkerConfig:
     # Compute the last sampled token's KV when a request ends (a lone forward per
     # finished request) so that the next turn hits one more token: see Engine.
     cache_final_token: bool = False
+    # L3 (cluster.cache.l3_tier): the Mooncake master, "host:port" (None: no L3).
+    # A master that cannot be reached leaves L3 off with one log line; nothing waits.
+    l3_master: str | None = None
+    # "commit": every committed sequence's full blocks are written behind the request
+    # (a replica killed a moment later leaves its sessions in L3); "off": read only.
+    l3_write: str = "commit"
+    # Fetch from L3 only when at least this many full blocks lie past the local prefix.
+    l3_min_fetch_blocks: int = 2
+    # Mooncake's staging buffer for this replica's puts and gets (bounds one batch).
+    l3_buffer_mb: int = 64
+    # Scale-in: a leaving replica hands its prefixes to L3 and to peers within this
+    # many seconds (keep it under Serve's graceful_shutdown_timeout_s).
+    handoff_s: float = 20.0
+    # ... and pushes its most valuable prefixes (at most this many) to surviving replicas.
+    handoff_peer_prefixes: int = 16
+    # Scale-out: before it takes traffic, a new replica pulls the cluster's most valuable
+    # prefixes (its peers' lists) from L3 or from a peer, within these bounds (0 s: off).
+    warmup_s: float = 15.0
+    warmup_mb: int = 256
+    warmup_prefixes: int = 32
 
     def __post_init__(self):
         if self.watchdog_s is not None and not self.watchdog_s > 0:
             raise InvalidInputError(f"watchdog_s must be positive or null, got {self.watchdog_s!r}")
         if not self.migration_timeout_s > 0:
             raise InvalidInputError(f"migration_timeout_s must be positive, got {self.migration_timeout_s!r}")
+        if self.l3_master is not None and (not isinstance(self.l3_master, str) or ":" not in self.l3_master):
+            raise InvalidInputError(f"l3_master must be 'host:port' or null, got {self.l3_master!r}")
+        if self.l3_write not in ("commit", "off"):
+            raise InvalidInputError(f"l3_write must be 'commit' or 'off', got {self.l3_write!r}")
+        for name in ("l3_min_fetch_blocks", "l3_buffer_mb", "handoff_peer_prefixes", "warmup_prefixes"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < (0 if name.endswith("prefixes") else 1):
+                raise InvalidInputError(f"{name} must be a positive integer, got {v!r}")
+        for name in ("handoff_s", "warmup_s", "warmup_mb"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or v < 0:
+                raise InvalidInputError(f"{name} must be a number >= 0, got {v!r}")
 
     @classmethod
     def from_dict(cls, data: dict | None) -> "WorkerConfig":

@@ -8,7 +8,10 @@ The pieces, each in its own module:
 - ``actors.calibration.calibrate``: the ``CostModel`` measured at start-up;
 - ``actors.reporter.EventReporter``: KV events, load and snapshots to the directory;
 - ``actors.peer.PeerServer``: the peer channel other workers and the ingress
-  call this worker on (migrations, admin), when the shell gives it a host.
+  call this worker on (migrations, admin), when the shell gives it a host;
+- L3 (``cluster.cache.l3_tier``) on the Mooncake master ``l3_master`` names,
+  and ``actors.elastic``: the hand-off when the replica leaves, the warm-up
+  before it takes traffic.
 
 This class wires them and offers the few async methods every shell needs.
 It has no Ray dependency of its own: the ``CacheWorker`` actor
@@ -36,6 +39,8 @@ from actors.migration import Migrator, PeerLink
 from actors.peer import PeerServer
 from actors.reporter import EventReporter
 from cluster.cache.kv_pool import KVLayout
+from cluster.cache.l3 import INSTALL_HINT, L3Config, MooncakeL3Store, mooncake_available
+from cluster.cache.l3_tier import L3Tier, L3TierConfig, l3_model_id
 from cluster.cache.tiered import TieredCache
 from cluster.engine.checkpoint import load_model
 from cluster.engine.runner import Engine, EngineRequest
@@ -73,6 +78,7 @@ class WorkerCore:
         mc = self.model.config
         self.layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, mc.dtype)
         self.cache = TieredCache(tiers, self.layout, vocab_size=mc.vocab_size)
+        self.l3 = self._open_l3(peer_host)
         self.engine = Engine(self.model, self.cache, max_batch_tokens=config.max_batch_tokens,
                              max_running=config.max_running, cache_final_token=config.cache_final_token,
                              decode_kernel=config.decode_kernel)
@@ -85,6 +91,9 @@ class WorkerCore:
             self.migration.transfer_tokens_per_s = self.cost.transfer_tokens_per_s
         self.publisher = KVEventPublisher(worker_id, self.cache.tree, tiers.block_tokens)
         self.cache.add_listener(self.publisher)
+        if self.l3 is not None:
+            self.l3.set_rates(self.cost.l3_fetch_tokens_per_s or None, self.cost.prefill_tokens_per_s)
+            self.l3.listeners.append(self.publisher)
         self.directory = directory
         self.on_migration = on_migration
         self.reporter = None
@@ -95,7 +104,7 @@ class WorkerCore:
         self._on_trip = on_trip
         self._wedge = threading.Event()
         self.loop = EngineLoop(worker_id, self.engine, max_queued_requests=config.max_queued_requests,
-                               on_idle=self._idle, on_tick=self.reporter.tick if self.reporter else None,
+                               on_idle=self._idle, on_tick=self._tick,
                                transfer_rate=lambda: self.migration.transfer_tokens_per_s,
                                watchdog_s=config.watchdog_s, on_trip=self._tripped)
         self.migration.on_engine = lambda fn: self.loop.call(fn).result()
@@ -104,6 +113,28 @@ class WorkerCore:
             self.peer = PeerServer(worker_id, self._peer_handlers(), host=peer_host, secret=peer_secret)
         if directory is not None:
             directory.register(worker_id, self.rates(), self.peer.address if self.peer else None)
+
+    def _open_l3(self, host: str | None) -> L3Tier | None:
+        """L3 on the configured master, attached to the cache; None (one log line)
+        without a master, without Mooncake, or when the master cannot be reached."""
+        cfg = self.config
+        if not cfg.l3_master:
+            return None
+        if not mooncake_available():
+            log.warning("L3 off on %s: mooncake is not importable (%s)", self.worker_id, INSTALL_HINT)
+            return None
+        store = MooncakeL3Store(L3Config(master_address=cfg.l3_master, local_hostname=host or "127.0.0.1",
+                                         local_buffer_bytes=cfg.l3_buffer_mb << 20))
+        state = store.stats()
+        if state.state != "on":   # the store logged why, once
+            store.close()
+            return None
+        tier = L3Tier(store, self.layout, cfg.block_tokens,
+                      L3TierConfig(model_id=l3_model_id(self.loaded.model_id, self.model),
+                                   write=cfg.l3_write, min_fetch_blocks=cfg.l3_min_fetch_blocks))
+        self.cache.attach_l3(tier)
+        log.info("worker %s uses L3 at %s (write %s)", self.worker_id, cfg.l3_master, cfg.l3_write)
+        return tier
 
     def _peer_cost(self, directory) -> CostModel | None:
         """A registered peer's measured rates, when this worker may reuse them."""
@@ -151,6 +182,14 @@ class WorkerCore:
 
     def _idle(self) -> None:
         self.cache.housekeeping()
+
+    def _tick(self) -> None:
+        # Engine thread, after every iteration: L3's finished writes become KV events
+        # (and its finished fetches land) before the reporter sends what changed.
+        if self.l3 is not None:
+            self.cache.apply_l3()
+        if self.reporter is not None:
+            self.reporter.tick()
 
     def rates(self) -> MeasuredRates:
         """What this worker measured, as it registers with the directory."""
@@ -243,7 +282,18 @@ class WorkerCore:
                            "ownership_violations": self.loop.owner.violations,
                            "watchdog_trips": self.loop.watchdog_trips},
                 "load": dataclasses.asdict(self.loop.measure_load()), "fragmentation": c.fragmentation(),
-                "protected_tokens": c.protected_tokens, "evictable_tokens": c.evictable_tokens}
+                "protected_tokens": c.protected_tokens, "evictable_tokens": c.evictable_tokens,
+                "l3": self._l3_stats()}
+
+    def _l3_stats(self) -> dict:
+        """The L3 tier's counters (engine thread), the store's, and the hand-off's; state "off" without L3."""
+        if self.l3 is None:
+            return {"state": "off", "master": self.config.l3_master}
+        self.cache.apply_l3()
+        store = dataclasses.asdict(self.l3.store.stats())
+        return {"master": self.config.l3_master, **self.l3.stats.as_dict(), "store": store,
+                "state": store["state"], **self.cache.l3.stats,
+                "fetch_tokens_per_s": self.l3.fetch_tokens_per_s}
 
     async def snapshot(self) -> Snapshot:
         return await self.loop.run(self.publisher.snapshot)
@@ -268,6 +318,8 @@ class WorkerCore:
         if self.peer is not None:
             self.peer.close()
         self.loop.close()
-        self.cache.close()
+        self.cache.close()   # with its L3 thread
+        if self.l3 is not None:
+            self.l3.store.close()
         if self.nixl is not None:
             self.nixl.close()

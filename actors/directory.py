@@ -61,7 +61,7 @@ class DirectoryImpl:
         self._health_task = None
         self.stats = {"decisions": 0, "by_reason": {}, "resyncs": 0, "snapshots": 0, "malformed_batches": 0,
                       "unknown_worker_batches": 0, "gaps": 0, "dropped_workers": 0, "subscribe_polls": 0,
-                      "full_states_sent": 0, "started_at": time.time()}
+                      "full_states_sent": 0, "drained_workers": 0, "started_at": time.time()}
 
     # What the table holds, under the names the directory always had.
     @property
@@ -100,6 +100,9 @@ class DirectoryImpl:
         if self.costs:
             rates = list(self.costs.values())
             kw = {name: min(getattr(r, name) for r in rates) for name in RATE_FIELDS}
+            # L3 is priced only when every worker reads it (the slowest one's rate).
+            l3 = [r.l3_fetch_tokens_per_s for r in rates]
+            kw["l3_fetch_tokens_per_s"] = min(l3) if all(l3) else 0.0
         else:  # nobody measured yet: conservative placeholders, replaced at the first registration
             kw = {"prefill_tokens_per_s": 5_000.0, "warm_promote_tokens_per_s": 1e6,
                   "cold_promote_tokens_per_s": 1e5, "transfer_tokens_per_s": 2.5e5}
@@ -135,6 +138,25 @@ class DirectoryImpl:
         self.stats["dropped_workers"] += 1
         log.warning("worker %s dropped (%s)", worker_id, reason)
         return True
+
+    async def drain_worker(self, worker_id: str) -> bool:
+        """A worker is leaving (scale-in): no new request is routed to it from now
+        on, by this table or any copy; its entries stay until it ``leave``s, so
+        peers can still pull its prefixes."""
+        if worker_id not in self.workers:
+            return False
+        changed = self._change("drain", worker_id)
+        if changed:
+            self.stats["drained_workers"] += 1
+            log.info("worker %s draining", worker_id)
+        return changed
+
+    def handoff_targets(self, worker_id: str) -> list[tuple[str, str]]:
+        """Where a leaving worker hands its prefixes: live workers that are not
+        draining, least loaded first, as (worker id, peer address)."""
+        live = [st for w, st in self.workers.items() if w != worker_id and st.alive and w in self.addresses]
+        live.sort(key=lambda st: (st.queued_tokens, st.running, st.worker_id))
+        return [(st.worker_id, self.addresses[st.worker_id]) for st in live]
 
     async def publish(self, worker_id: str, data: bytes | None, load: LoadReport | None = None) -> str:
         """A worker's KV event batch (msgpack) and/or its current load.

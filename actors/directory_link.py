@@ -119,6 +119,35 @@ class DirectoryLink:
         except Exception as exc:
             log.warning("could not report %s as failed: %s", worker_id, exc)
 
+    async def drain(self, worker_id: str, timeout_s: float = CALL_TIMEOUT_S) -> bool:
+        """Stop routing to ``worker_id`` (it is leaving); False when the directory did not answer."""
+        try:
+            return bool(await asyncio.wait_for((await self.ahandle()).drain_worker.remote(worker_id), timeout_s))
+        except Exception as exc:
+            log.warning("could not mark %s as draining: %s", worker_id, exc)
+            self.forget()
+            return False
+
+    async def leave(self, worker_id: str, timeout_s: float = CALL_TIMEOUT_S) -> bool:
+        """Forget ``worker_id`` and its entries now (it handed off and is going)."""
+        try:
+            return bool(await asyncio.wait_for((await self.ahandle()).drop_worker.remote(worker_id, "left"),
+                                               timeout_s))
+        except Exception as exc:   # its heartbeats stop: the directory drops it within its timeout
+            log.warning("could not deregister %s: %s", worker_id, exc)
+            self.forget()
+            return False
+
+    async def handoff_targets(self, worker_id: str, timeout_s: float = CALL_TIMEOUT_S) -> list[tuple[str, str]]:
+        """(worker id, peer address) of the live workers ``worker_id`` can hand off to, least loaded first."""
+        try:
+            return [tuple(t) for t in await asyncio.wait_for(
+                (await self.ahandle()).handoff_targets.remote(worker_id), timeout_s)]
+        except Exception as exc:
+            log.warning("no hand-off targets from the directory (%s)", type(exc).__name__)
+            self.forget()
+            return []
+
     async def live_workers(self, timeout_s: float = CALL_TIMEOUT_S) -> list[str]:
         return await asyncio.wait_for((await self.ahandle()).live_workers.remote(), timeout_s)
 

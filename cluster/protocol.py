@@ -121,6 +121,7 @@ class RouteDecision:
     migrate_blocks: int = 0          # how many (after the chosen worker's own prefix)
     source: str = "directory"        # who decided: "directory", "router_view" (a table copy), "fallback", "pinned"
     decision_us: float | None = None   # the policy's own time for it (its choose, thread CPU)
+    l3_blocks: int = 0               # blocks the chosen worker will read from L3 past its own prefix
 
     @classmethod
     def pinned(cls, worker_id: str) -> "RouteDecision":
@@ -208,10 +209,12 @@ class MeasuredRates:
     transfer_tokens_per_s: float
     block_tokens: int
     bytes_per_token: int | None = None
+    l3_fetch_tokens_per_s: float | None = None   # reading (and verifying) blocks from L3; None: no L3
 
     def __post_init__(self) -> None:
         for name in RATE_FIELDS:
             _number(getattr(self, name), f"rates {name}", positive=True)
+        _number(self.l3_fetch_tokens_per_s, "rates l3_fetch_tokens_per_s", optional=True, positive=True)
         if _count(self.block_tokens, "rates block_tokens") == 0:
             raise MalformedMessageError("rates block_tokens must be positive, got 0")
         if self.bytes_per_token is not None:
@@ -220,12 +223,14 @@ class MeasuredRates:
     @classmethod
     def of(cls, cost: Any, bytes_per_token: int | None = None) -> "MeasuredRates":
         """The rates of a ``CostModel``."""
+        l3 = float(getattr(cost, "l3_fetch_tokens_per_s", 0.0) or 0.0)
         return cls(*(float(getattr(cost, name)) for name in RATE_FIELDS), int(cost.block_tokens),
-                   None if bytes_per_token is None else int(bytes_per_token))
+                   None if bytes_per_token is None else int(bytes_per_token), l3 or None)
 
     def cost_kwargs(self) -> dict:
         """``CostModel`` keyword arguments."""
-        return {**{name: getattr(self, name) for name in RATE_FIELDS}, "block_tokens": self.block_tokens}
+        return {**{name: getattr(self, name) for name in RATE_FIELDS}, "block_tokens": self.block_tokens,
+                "l3_fetch_tokens_per_s": self.l3_fetch_tokens_per_s or 0.0}
 
     def with_transfer(self, tokens_per_s: float) -> "MeasuredRates":
         return dataclasses.replace(self, transfer_tokens_per_s=tokens_per_s)
@@ -324,6 +329,8 @@ class TableState:
     cost: dict                                   # CostModel fields
     workers: dict[str, tuple[int, int]]          # worker -> (queued_tokens, running)
     index: dict[str, tuple[int, dict]]           # worker -> (last batch seq, {block hash: tier})
+    l3: tuple[int, ...] = ()                     # block hashes L3 holds
+    draining: tuple[str, ...] = ()               # workers taking no new requests
 
 
 @dataclass(frozen=True, slots=True)

@@ -53,7 +53,7 @@ from actors.routing_client import RoutingClient
 from cluster.engine.checkpoint import ModelSpec, load_tokenizer, model_id
 from cluster.engine.text import ChatPromptBuilder, ReplyMemory
 from cluster.errors import CacheError, InvalidInputError
-from cluster.names import TIER_NAMES
+from cluster.names import SOURCE_NAMES
 from cluster.protocol import FinishReason, GenerateRequest, SamplingParams, StreamItem, Tenant
 from serve_app import admin, metrics
 from serve_app.auth import Auth, read_json_body
@@ -252,7 +252,7 @@ class IngressCore:
                         if clock is not None:
                             clock.mark_first(call_wall, route_s, item.timing, route)
                         metrics.ttft.observe(now - start, tags={"endpoint": endpoint})
-                        for tier, n in zip(TIER_NAMES, item.tier_hits):
+                        for tier, n in zip(SOURCE_NAMES, item.tier_hits):
                             if n:
                                 metrics.cached_tokens.inc(n, tags={"tier": tier})
                     elif not whole:

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Sequence
 
 import torch
+import xxhash
 
 from cluster.cache.kv_pool import KVLayout
 from cluster.cache.l3 import L3Block, L3Lookup, L3Store, kv_layout_version, l3_key
@@ -44,6 +45,19 @@ from cluster.errors import InvalidInputError
 log = logging.getLogger(__name__)
 
 WRITE_POLICIES = ("commit", "off")
+
+
+def l3_model_id(name: str, model: Any) -> str:
+    """The model part of L3 keys: the served name and a fingerprint of the
+    weights (a sample of every parameter), so two checkpoints under one name,
+    or two seeds of the built-in model, never read each other's blocks."""
+    digest = xxhash.xxh3_64()
+    for pname, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+        flat = p.detach().reshape(-1)[:64].to("cpu", torch.float32).contiguous()
+        digest.update(pname.encode())
+        digest.update(flat.numpy().tobytes())
+    safe = "".join(c if c.isprintable() and not c.isspace() else "_" for c in name)[:160] or "model"
+    return f"{safe}-{digest.intdigest():016x}"
 
 
 @dataclass(frozen=True)

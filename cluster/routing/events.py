@@ -12,7 +12,10 @@ nothing.
 
 Wire format (msgpack): ``{"v": 1, "w": worker_id, "s": seq, "r": resync,
 "e": [[kind, tier, [hash, ...]], ...]}`` with ``kind`` one of ``stored``,
-``tier``, ``removed``. Sequence numbers start at 1 and grow by one per batch,
+``tier``, ``removed``. Tier 3 (``L3``) is the cluster-wide store, not the
+worker's tree: ``stored`` says the worker wrote those blocks to L3,
+``removed`` that a fetch found them missing there; the directory keeps them
+apart from the worker's own entries (they outlive the worker). Sequence numbers start at 1 and grow by one per batch,
 so the directory sees a lost or reordered batch as a gap.
 
 Back-pressure: the publisher never blocks the worker and never grows without
@@ -31,8 +34,9 @@ from typing import Any
 
 import msgpack
 
-from cluster.cache.radix_tree import COLD, HOT, RadixTree, TreeNode
+from cluster.cache.radix_tree import HOT, RadixTree, TreeNode
 from cluster.errors import InvalidInputError
+from cluster.names import L3
 from cluster.protocol import Snapshot
 
 KINDS = ("stored", "tier", "removed")
@@ -53,7 +57,7 @@ class MalformedBatchError(InvalidInputError):
 class KVEvent:
     kind: str            # "stored" | "tier" | "removed"
     hashes: list[int]    # chained block hashes, root-ward first
-    tier: int            # HOT=0, WARM=1, COLD=2 (for "removed": the tier it left from)
+    tier: int            # HOT=0, WARM=1, COLD=2 (for "removed": the tier it left from); L3=3
 
 
 @dataclass(slots=True)
@@ -98,8 +102,10 @@ class EventBatch:
             kind, tier, hashes = raw
             if kind not in KINDS:
                 raise MalformedBatchError(f"event {i}: unknown kind {kind!r} (want one of {', '.join(KINDS)})")
-            if type(tier) is not int or not HOT <= tier <= COLD:
-                raise MalformedBatchError(f"event {i}: tier {tier!r} out of range [{HOT}, {COLD}]")
+            if type(tier) is not int or not HOT <= tier <= L3:
+                raise MalformedBatchError(f"event {i}: tier {tier!r} out of range [{HOT}, {L3}]")
+            if tier == L3 and kind == "tier":
+                raise MalformedBatchError(f"event {i}: a 'tier' event cannot name L3 (only stored or removed)")
             if not isinstance(hashes, list):
                 raise MalformedBatchError(f"event {i}: hashes must be a list, got {type(hashes).__name__}")
             for h in hashes:
@@ -145,15 +151,24 @@ class KVEventPublisher:
     def on_removed(self, node: TreeNode) -> None:
         self._emit("removed", node, node.tier)
 
+    # ------------------------------------------------ L3 listener API (L3Tier)
+    def on_l3_stored(self, hashes: list[int]) -> None:
+        self._emit_hashes("stored", list(hashes), L3)
+
+    def on_l3_removed(self, hashes: list[int]) -> None:
+        self._emit_hashes("removed", list(hashes), L3)
+
     def node_hashes(self, node: TreeNode) -> list[int]:
         """Hashes of the full blocks whose last token lies in ``node`` (cached on the node)."""
         return node.hashes
 
     def _emit(self, kind: str, node: TreeNode, tier: int) -> None:
-        if self.needs_resync:   # the snapshot will cover it
+        self._emit_hashes(kind, node.hashes, tier)
+
+    def _emit_hashes(self, kind: str, hashes: list[int] | None, tier: int) -> None:
+        if self.needs_resync:   # the snapshot will cover it (L3 events: the next writes will)
             self.stats["dropped_events"] += 1
             return
-        hashes = node.hashes
         if not hashes:
             return
         if len(self._pending) >= self.max_buffer_events:

@@ -10,6 +10,13 @@ its snapshot without a scan of the whole index. With bitmasks, a match costs
 a few integer operations per block however many workers hold it, and per
 worker work happens only where holders drop out or change tier.
 
+L3, the cluster-wide store, is kept apart: ``l3_blocks(hashes)`` is how many
+leading blocks of a chain some worker wrote there (events of tier ``L3``).
+Those entries belong to no worker and stay when the writer is dropped: the
+store outlives it. A fetch that finds a block missing (evicted from L3)
+removes it. The set is bounded (oldest forgotten first); a directory that
+restarts starts it empty and relearns it from the next writes.
+
 Sequence numbers: a worker's batches must arrive as 1, 2, 3, ... A batch that
 skips ahead is a *gap* (something was lost); it is not applied and the worker
 must be reloaded from a snapshot. A batch at or below the last applied one is
@@ -19,11 +26,13 @@ process) starts over from sequence 0 with no entries.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from itertools import compress
-from typing import NamedTuple, Sequence
+from typing import Iterable, NamedTuple, Sequence
 
 from cluster.cache.radix_tree import COLD, HOT
 from cluster.errors import InvalidInputError
+from cluster.names import L3
 from cluster.routing.events import EventBatch, MalformedBatchError
 
 _U64 = 1 << 64
@@ -60,15 +69,17 @@ class _WorkerView:
 class GlobalIndex:
     _MASK_CACHE = 4096   # distinct holder sets remembered by ``workers_of``
 
-    def __init__(self) -> None:
+    def __init__(self, max_l3_entries: int = 1 << 22) -> None:
         self._holders: dict[int, list[int]] = {}     # hash -> [hot, warm, cold] worker bitmasks
         self._workers: dict[str, _WorkerView] = {}
         self._by_bit: list[str | None] = []          # bit -> worker id (None: free)
         self._ids_of_mask: dict[int, list[str]] = {}
         self.version = 0   # changes whenever a worker's bit is assigned or freed
+        self._l3: OrderedDict[int, None] = OrderedDict()   # block hashes L3 holds (as last heard)
+        self.max_l3_entries = max_l3_entries
         self.stats = {"batches": 0, "events": 0, "hashes": 0, "gaps": 0, "duplicates": 0, "resyncs": 0,
                       "unknown_worker": 0, "malformed": 0, "snapshots": 0, "stale_snapshots": 0,
-                      "matches": 0}
+                      "matches": 0, "l3_stored": 0, "l3_removed": 0}
         self.last_error: str | None = None
 
     # ------------------------------------------------------------ membership
@@ -180,7 +191,9 @@ class GlobalIndex:
         nhashes = 0
         for ev in batch.events:
             nhashes += len(ev.hashes)
-            if ev.kind == "removed":
+            if ev.tier == L3:
+                self._apply_l3(ev.kind, ev.hashes)
+            elif ev.kind == "removed":
                 for h in ev.hashes:
                     old = entries.pop(h, None)
                     if old is not None:
@@ -204,6 +217,42 @@ class GlobalIndex:
         self.stats["events"] += len(batch.events)
         self.stats["hashes"] += nhashes
         return "ok"
+
+    # -------------------------------------------------------------------- L3
+    def _apply_l3(self, kind: str, hashes: list[int]) -> None:
+        l3 = self._l3
+        if kind == "removed":
+            for h in hashes:
+                l3.pop(h, None)
+            self.stats["l3_removed"] += len(hashes)
+            return
+        for h in hashes:
+            l3[h] = None
+            l3.move_to_end(h)
+        while len(l3) > self.max_l3_entries:
+            l3.popitem(last=False)
+        self.stats["l3_stored"] += len(hashes)
+
+    def l3_blocks(self, hashes: Sequence[int]) -> int:
+        """How many leading blocks of ``hashes`` L3 holds."""
+        l3 = self._l3
+        n = 0
+        for h in hashes:
+            if h not in l3:
+                break
+            n += 1
+        return n
+
+    @property
+    def num_l3(self) -> int:
+        return len(self._l3)
+
+    def l3_entries(self) -> list[int]:
+        return list(self._l3)
+
+    def load_l3(self, hashes: Iterable[int]) -> None:
+        """Replace the L3 entries (a table copy loading the directory's state)."""
+        self._l3 = OrderedDict.fromkeys(hashes)
 
     def apply_encoded(self, data: bytes) -> str:
         """Decode and apply; "malformed" (counted, message in ``last_error``) for bad bytes."""

@@ -14,9 +14,10 @@ remembers of those decisions (in-flight prefixes, recent work). With
 several routers, each balances its own share, which balances the sum.
 
 Ops: ``register(worker_id, fresh)``, ``drop(worker_id)``,
-``batch(EventBatch)``, ``snapshot(worker_id, seq, entries)``,
-``load(worker_id, queued_tokens, running)``, ``cost(CostModel fields)``,
-``policy(name, kwargs)``.
+``drain(worker_id)`` (a worker leaving: it keeps its entries for migrations
+but is never chosen), ``batch(EventBatch)``, ``snapshot(worker_id, seq,
+entries)``, ``load(worker_id, queued_tokens, running)``, ``cost(CostModel
+fields)``, ``policy(name, kwargs)``.
 
 A replica that misses an op (its cursor fell out of the log, or the
 directory restarted and numbers from 1 again under a new epoch) gets the
@@ -40,7 +41,7 @@ from cluster.routing.index import GlobalIndex
 from cluster.protocol import RouteDecision
 from cluster.routing.policies import CostModel, NoLiveWorkerError, WorkerState, make_policy
 
-OPS = ("register", "drop", "batch", "snapshot", "load", "cost", "policy")
+OPS = ("register", "drop", "drain", "batch", "snapshot", "load", "cost", "policy")
 
 
 class RoutingTable:
@@ -85,6 +86,18 @@ class RoutingTable:
         self.policy.forget_worker(worker_id)
         return True
 
+    def _op_drain(self, worker_id: str) -> bool:
+        st = self.workers.get(worker_id)
+        if st is None or not st.alive:
+            return False
+        st.alive = False   # the policies skip it; its blocks can still be pulled from it
+        self._candidates = None
+        return True
+
+    @property
+    def draining(self) -> list[str]:
+        return [w for w, st in self.workers.items() if not st.alive]
+
     def _op_batch(self, batch: EventBatch) -> str:
         return self.index.apply(batch)
 
@@ -117,10 +130,10 @@ class RoutingTable:
         counts its prefill in the chosen worker's queue until that worker's next
         load report (a burst spreads out); a what-if query passes False."""
         if exclude:
-            candidates = [w for wid, w in self.workers.items() if wid not in exclude]
+            candidates = [w for wid, w in self.workers.items() if wid not in exclude and w.alive]
         else:   # the same list object until membership changes: the policy caches per-list state
             if self._candidates is None:
-                self._candidates = list(self.workers.values())
+                self._candidates = [w for w in self.workers.values() if w.alive]   # draining ones never
             candidates = self._candidates
         if not candidates:
             raise NoLiveWorkerError("no live cache workers registered with the directory")
@@ -143,7 +156,8 @@ class RoutingTable:
         """The whole table as of log position ``seq`` (for a replica that fell behind)."""
         return TableState(epoch, seq, self.policy_name, dict(self.policy_kwargs), dataclasses.asdict(self.cost),
                           {w: (s.queued_tokens, s.running) for w, s in self.workers.items()},
-                          {w: (self.index.last_seq(w), self.index.entries(w)) for w in self.workers})
+                          {w: (self.index.last_seq(w), self.index.entries(w)) for w in self.workers},
+                          tuple(self.index.l3_entries()), tuple(self.draining))
 
     @classmethod
     def from_state(cls, state: TableState, tie_salt: int = 0) -> "RoutingTable":
@@ -153,6 +167,9 @@ class RoutingTable:
             table._op_load(worker_id, queued, running)
             last_seq, entries = state.index.get(worker_id, (0, {}))
             table.index.load_snapshot(worker_id, last_seq, entries)
+        table.index.load_l3(state.l3)
+        for worker_id in state.draining:
+            table._op_drain(worker_id)
         return table
 
 

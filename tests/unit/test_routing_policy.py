@@ -340,3 +340,49 @@ def test_branch_memory_fast_path_learns_what_the_block_by_block_walk_learns():
         expected = slow._observe_each(chain[:max(k, 0)], chain[1:k + 1]) if k > 0 else 0
         assert fast.observe(chain, full) == expected
         assert (fast._cur, fast._old) == (slow._cur, slow._old)
+
+
+# ------------------------------------------------------------------------- L3
+L3_COST = CostModel(prefill_tokens_per_s=1000, warm_promote_tokens_per_s=10_000, cold_promote_tokens_per_s=2000,
+                    transfer_tokens_per_s=5000, block_tokens=100, l3_fetch_tokens_per_s=4000)
+
+
+def test_l3_entries_outlive_their_writer_and_go_when_found_missing():
+    ix = index_with(w0=(0, HOT), w1=(6, HOT))
+    ix.apply(EventBatch("w1", 2, [KVEvent("stored", CHAIN[:5], 3)]))   # w1 wrote 5 blocks to L3
+    assert ix.l3_blocks(CHAIN) == 5 and ix.num_entries("w1") == 6
+    assert ix.drop_worker("w1") == 6                                   # w1's own entries only
+    assert ix.l3_blocks(CHAIN) == 5 and ix.match(CHAIN) == {}
+    ix.apply(EventBatch("w0", 1, [KVEvent("removed", [CHAIN[2]], 3)]))   # a fetch found block 2 missing
+    assert ix.l3_blocks(CHAIN) == 2
+    ix.check_invariants()
+
+
+def test_the_l3_set_is_bounded_oldest_first():
+    ix = GlobalIndex(max_l3_entries=3)
+    ix.register_worker("w0")
+    ix.apply(EventBatch("w0", 1, [KVEvent("stored", CHAIN[:5], 3)]))
+    assert ix.num_l3 == 3 and ix.l3_blocks(CHAIN) == 0 and ix.l3_blocks(CHAIN[2:]) == 3
+
+
+def test_a_prefix_only_l3_holds_is_fetched_where_it_beats_recompute():
+    ix = index_with(w0=(0, HOT), w1=(0, HOT))
+    assert ix.apply(EventBatch("w0", 1, [KVEvent("stored", CHAIN[:5], 3)])) == "ok"   # what a dead replica left
+    d = cost_policy(cost=L3_COST).choose(CHAIN, 600, workers(w0=0, w1=0), ix)
+    assert (d.reason, d.l3_blocks, d.cached_tokens) == ("l3", 5, 500)
+    # 500 tokens from L3 at 4,000/s + 100 computed at 1,000/s, against 0.6 s of prefill.
+    assert d.expected_ttft_s == pytest.approx(0.125 + 0.1)
+    slow = CostModel(**{**L3_COST.__dict__, "l3_fetch_tokens_per_s": 900})   # slower than prefill
+    d = cost_policy(cost=slow).choose(CHAIN, 600, workers(w0=0, w1=0), ix)
+    assert d.reason == "recompute" and d.l3_blocks == 0
+
+
+def test_l3_tops_up_a_holder_and_loses_to_a_longer_local_hit():
+    ix = index_with(w0=(2, HOT), w1=(0, HOT))
+    ix.apply(EventBatch("w0", 2, [KVEvent("stored", CHAIN[:5], 3)]))
+    d = cost_policy(cost=L3_COST).choose(CHAIN, 600, workers(w0=0, w1=0), ix)
+    assert (d.worker_id, d.reason, d.l3_blocks) == ("w0", "l3", 3)    # its 2 blocks, 3 more from L3
+    ix = index_with(w0=(6, HOT), w1=(0, HOT))
+    ix.apply(EventBatch("w0", 2, [KVEvent("stored", CHAIN[:5], 3)]))
+    d = cost_policy(cost=L3_COST).choose(CHAIN, 600, workers(w0=0, w1=0), ix)
+    assert (d.worker_id, d.reason) == ("w0", "local")

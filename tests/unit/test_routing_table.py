@@ -185,3 +185,17 @@ def test_each_replica_breaks_exact_ties_from_its_own_place():
         assert replica.table.policy.tie_salt == 3  # a new policy keeps the copy's place
         assert TableReplica().tie_salt > 0        # routers draw their own at random
     asyncio.run(go())
+
+
+def test_a_draining_worker_is_never_chosen_and_a_copy_learns_it_with_l3():
+    table = RoutingTable(cost=CostModel(block_tokens=BT))
+    for w in ("w0", "w1"):
+        table.apply("register", (w, True))
+    hashes = block_hashes(prompt(12), BT)
+    table.apply("batch", (EventBatch("w0", 1, [KVEvent("stored", hashes, HOT), KVEvent("stored", hashes, 3)]),))
+    assert table.route(hashes, 12).worker_id == "w0"
+    assert table.apply("drain", ("w0",)) is True and table.draining == ["w0"]
+    assert {table.route(hashes, 12).worker_id for _ in range(5)} == {"w1"}
+    copy = RoutingTable.from_state(table.state("e", 7))
+    assert copy.draining == ["w0"] and copy.index.l3_blocks(hashes) == 3
+    assert copy.route(hashes, 12, reserve=False).worker_id == "w1"

@@ -36,6 +36,8 @@ class CostModel:
 
     ``decode_step_s``: a worker that is running requests finishes its current
     decode step before a new prefill starts (0 where decode is not modeled).
+    ``l3_fetch_tokens_per_s``: reading blocks from L3 into a worker (0: no L3);
+    an L3 fetch is priced only where it beats prefill (``l3_pays``).
     """
     prefill_tokens_per_s: float = 10_000.0
     warm_promote_tokens_per_s: float = 150_000.0
@@ -43,6 +45,7 @@ class CostModel:
     transfer_tokens_per_s: float = 75_000.0
     block_tokens: int = 16
     decode_step_s: float = 0.0
+    l3_fetch_tokens_per_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("prefill_tokens_per_s", "warm_promote_tokens_per_s", "cold_promote_tokens_per_s",
@@ -54,6 +57,13 @@ class CostModel:
             raise InvalidInputError(f"block_tokens must be a positive integer, got {self.block_tokens!r}")
         if not isinstance(self.decode_step_s, (int, float)) or self.decode_step_s < 0:
             raise InvalidInputError(f"decode_step_s must be >= 0, got {self.decode_step_s!r}")
+        if not isinstance(self.l3_fetch_tokens_per_s, (int, float)) or self.l3_fetch_tokens_per_s < 0:
+            raise InvalidInputError(f"l3_fetch_tokens_per_s must be >= 0, got {self.l3_fetch_tokens_per_s!r}")
+
+    @property
+    def l3_pays(self) -> bool:
+        """Whether reading a block from L3 is faster than computing it."""
+        return self.l3_fetch_tokens_per_s > self.prefill_tokens_per_s
 
     # ------------------------------------------------------------ components
     def wait_s(self, worker: WorkerState) -> float:
@@ -84,6 +94,15 @@ class CostModel:
         return (warm * bt / self.warm_promote_tokens_per_s + cold * bt / self.cold_promote_tokens_per_s
                 + max(uncached, 0) / self.prefill_tokens_per_s)
 
+    def l3_service_s(self, hit: PrefixHit, l3_blocks: int, num_tokens: int) -> float:
+        """Service time when the worker reads blocks ``[hit.blocks, l3_blocks)`` from
+        L3 before its prefill (its own WARM/COLD blocks promoted as usual)."""
+        bt, hot, warm, cold = self.block_tokens, *hit
+        fetched = max(0, l3_blocks - (hot + warm + cold))
+        uncached = num_tokens - min(max(l3_blocks, hot + warm + cold) * bt, num_tokens)
+        return (warm * bt / self.warm_promote_tokens_per_s + cold * bt / self.cold_promote_tokens_per_s
+                + fetched * bt / self.l3_fetch_tokens_per_s + max(uncached, 0) / self.prefill_tokens_per_s)
+
     def ttft_s(self, worker: WorkerState, hit: PrefixHit, num_tokens: int) -> float:
         return self.wait_s(worker) + self.service_s(hit, num_tokens)
 
@@ -110,7 +129,8 @@ class CostModel:
     def scaled(self, **factors: float) -> "CostModel":
         """This model with some throughputs multiplied (a misestimate, for robustness sweeps)."""
         kw = {f: getattr(self, f) * factors.get(f, 1.0) for f in RATE_FIELDS}
-        return CostModel(**kw, block_tokens=self.block_tokens, decode_step_s=self.decode_step_s)
+        return CostModel(**kw, block_tokens=self.block_tokens, decode_step_s=self.decode_step_s,
+                         l3_fetch_tokens_per_s=self.l3_fetch_tokens_per_s * factors.get("l3_fetch_tokens_per_s", 1.0))
 
     def migrate_ttft_s(self, worker: WorkerState, own: PrefixHit, source: PrefixHit, num_tokens: int) -> float:
         return self.wait_s(worker) + self.migrate_service_s(own, source, num_tokens)

@@ -287,7 +287,11 @@ class CostPolicy(Policy):
     its WARM/COLD hit blocks + prefill of the tokens it lacks. And for each
     candidate that holds less than the best holder: the same worker pulling
     the best holder's extra blocks (reason "migrate"), which the holder first
-    stages from its device.
+    stages from its device. And for each candidate that holds less than L3
+    (the cluster-wide store), where reading a block from L3 beats computing
+    it: the worker fetching the blocks it lacks from L3 (reason "l3"). Only
+    L3 may hold a crashed or departed replica's prefixes: then "l3" is the
+    option that saves the prefill.
 
     What an option costs the requests that come after it:
 
@@ -444,7 +448,8 @@ class CostPolicy(Policy):
                            (rest, rest_ids) if rest and NO_HIT not in groups else None)
 
     # --------------------------------------------------------------- pricing
-    def price(self, cands: _Candidates, num_tokens: int, shared: int, *, idle_only: bool = False) -> list[_Option]:
+    def price(self, cands: _Candidates, num_tokens: int, shared: int, *, idle_only: bool = False,
+              l3_blocks: int = 0) -> list[_Option]:
         """Every option of every candidate, with its score (TTFT + what it costs later).
         ``idle_only``: only the options of the least loaded worker holding
         nothing, priced even where they cannot be cheapest (a replication target
@@ -460,6 +465,7 @@ class CostPolicy(Policy):
             shared = min(shared, source_blocks)
         dup_s = opts.dup_weight * cost.prefill_s(cost.cached_tokens(1, num_tokens))
         wait_s, service_s, migrate_s = cost.wait_s, cost.service_s, cost.migrate_service_s
+        l3_s = cost.l3_service_s if l3_blocks and cost.l3_pays else None
         gain = 1.0 + ww
         source_id = source_w.worker_id
         out = []
@@ -477,6 +483,10 @@ class CostPolicy(Policy):
                 service = migrate_s(h, source, num_tokens)
                 append(_new_option((wait + service * gain + dup, load, w, "migrate", source_blocks,
                                     wait + service, source_id, source_blocks - blocks, dup)))
+            if l3_s is not None and blocks < l3_blocks:
+                service = l3_s(h, l3_blocks, num_tokens)
+                append(_new_option((wait + service * gain + dup, load, w, "l3", l3_blocks,
+                                    wait + service, None, l3_blocks - blocks, dup)))
 
         if not idle_only:
             for h, (load, w) in cands.groups.items():
@@ -488,13 +498,15 @@ class CostPolicy(Policy):
             bound = service_s(NO_HIT, num_tokens) * gain + dup
             if source_blocks:
                 bound = min(bound, migrate_s(NO_HIT, source, num_tokens) * gain + dup)
+            if l3_s is not None:
+                bound = min(bound, l3_s(NO_HIT, l3_blocks, num_tokens) * gain + dup)
             if idle_only or bound <= min(o.score for o in out) + max(opts.tie_s, self._mean_wait):
                 load, w = self._least(*cands.rest, self._recent.scaled)
                 options_of(NO_HIT, load, w)
         return out
 
     def _replica(self, best: _Option, options: list[_Option], cands: _Candidates, num_tokens: int,
-                 shared: int) -> _Option:
+                 shared: int, l3_blocks: int = 0) -> _Option:
         """``best``, or pulling its prefix to a lightly loaded worker when ``best``'s
         holder got more than ``replicate_share`` x the mean recent work."""
         recent = self._recent.scaled          # one scale for all workers: compares directly
@@ -510,7 +522,7 @@ class CostPolicy(Policy):
 
         found = targets(options)
         if not found and cands.rest is not None:   # the idle workers were not priced: price them now
-            found = targets(self.price(cands, num_tokens, shared, idle_only=True))
+            found = targets(self.price(cands, num_tokens, shared, idle_only=True, l3_blocks=l3_blocks))
         if not found:
             return best
         return min(found, key=_SCORE_LOAD)._replace(reason="replicate")
@@ -521,7 +533,8 @@ class CostPolicy(Policy):
         cands = self.candidates(hashes, workers, index)
         shared = self._branches.observe(hashes, num_tokens // cost.block_tokens)
         self._turn += 1
-        options = self.price(cands, num_tokens, shared)
+        l3_blocks = index.l3_blocks(hashes) if cost.l3_pays and hashes and index.num_l3 else 0
+        options = self.price(cands, num_tokens, shared, l3_blocks=l3_blocks)
         best = min(options, key=_SCORE_LOAD)
         # Options that copy no private block and cost within tie_s (or the
         # mean queue wait, if longer) of the cheapest are equally good for
@@ -536,10 +549,13 @@ class CostPolicy(Policy):
             best = ties[0]
         if (self.options.replicate_share and best.reason == "local" and shared * 2 >= best.blocks > 0
                 and cands.inflight_blocks <= cands.source.blocks):
-            best = self._replica(best, options, cands, num_tokens, shared)
+            best = self._replica(best, options, cands, num_tokens, shared, l3_blocks)
         w = best.worker
         self._recent.add(w.worker_id, best.ttft - cost.wait_s(w))
         if self.options.inflight_s and sent:
             self._inflight.record(hashes, len(hashes), w.worker_id, self.clock())
+        if best.reason == "l3":
+            return RouteDecision(w.worker_id, "l3", best.ttft, cost.cached_tokens(best.blocks, num_tokens),
+                                 l3_blocks=best.pulled)
         return RouteDecision(w.worker_id, best.reason, best.ttft, cost.cached_tokens(best.blocks, num_tokens),
                         best.source, best.pulled)

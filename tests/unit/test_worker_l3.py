@@ -1,0 +1,75 @@
+"""Two WorkerCores on one real Mooncake master (no Ray): a turn one worker
+served is read by the other from L3, exactly; with the master gone, L3 is off
+and the worker serves anyway."""
+
+import asyncio
+
+import pytest
+import torch
+
+from cluster.cache.l3 import mooncake_available
+from cluster.cache.l3_master import L3Master, L3MasterConfig
+from cluster.engine.model import DecoderModel, ModelConfig
+from tests.unit.helpers import WORKER_MODEL, make_worker, run_worker
+
+pytestmark = pytest.mark.skipif(not mooncake_available(), reason="mooncake.store is not importable (pip install -e '.[l3]')")
+
+
+def greedy(prompt, n):
+    model = DecoderModel(ModelConfig(**WORKER_MODEL))
+    toks = list(prompt)
+    for _ in range(n):
+        toks.append(int(model.forward_one(torch.tensor(toks), 0, None)[0][-1].argmax()))
+    return toks[len(prompt):]
+
+
+def wait_written(core, blocks, timeout_s=10.0):
+    """Until ``blocks`` blocks were written and reported (the I/O thread runs behind)."""
+    async def go():
+        for _ in range(int(timeout_s / 0.05)):
+            stats = await core.stats()
+            if stats["l3"]["blocks_written"] >= blocks:
+                return stats
+            await asyncio.sleep(0.05)
+        return stats
+    return asyncio.run(go())
+
+
+@pytest.fixture(scope="module")
+def master():
+    with L3Master(L3MasterConfig(holder_segment_bytes=64 << 20)) as m:
+        yield m
+
+
+def test_a_turn_served_by_one_worker_is_read_by_another_from_l3(master):
+    a = make_worker("l3-a", l3_master=master.address, reuse_peer_calibration=False)
+    b = make_worker("l3-b", l3_master=master.address)
+    try:
+        assert a.cost.l3_fetch_tokens_per_s > 0 and b.cost.l3_fetch_tokens_per_s > 0   # measured at start-up
+        # This tiny model computes faster than any store can answer (the guard would
+        # rightly skip L3): price L3 as the real model's would be, to test the path.
+        b.l3.set_rates(fetch_tokens_per_s=1e6, prefill_tokens_per_s=1e3)
+        prompt = [(7 * i) % 250 + 1 for i in range(70)]
+        first = run_worker(a, prompt, max_tokens=4)
+        seq = prompt + [i.token for i in first]
+        stats = wait_written(a, 4)                    # 70 + 3 computed tokens: 4 full 16-token blocks
+        assert stats["l3"]["blocks_written"] == 4 and stats["l3"]["write_failures"] == 0
+        follow = seq + [5, 6, 7]
+        second = run_worker(b, follow, max_tokens=4)
+        assert second[0].cached_tokens == 64 and second[0].tier_hits == (0, 0, 0, 64)
+        assert [i.token for i in second] == greedy(follow, 4)
+        got = asyncio.run(b.stats())["l3"]
+        assert got["fetches"] == 1 and got["fetch_blocks_hit"] == 4 and got["installed_tokens"] == 64
+    finally:
+        a.close()
+        b.close()
+
+
+def test_without_a_reachable_master_l3_is_off_and_the_worker_serves(caplog):
+    core = make_worker("l3-none", l3_master="127.0.0.1:9")   # nothing listens there
+    try:
+        assert core.l3 is None and core.cache.l3 is None and core.cost.l3_fetch_tokens_per_s == 0
+        items = run_worker(core, list(range(1, 40)), max_tokens=2)
+        assert items[-1].finished and items[-1].error is None
+    finally:
+        core.close()
