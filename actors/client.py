@@ -142,3 +142,8 @@ class Completion(NamedTuple):
     @property
     def cached_tokens(self) -> int:
         return self.last.cached_tokens if self.last else 0
+
+    @property
+    def tier_hits(self) -> tuple[int, ...]:
+        """Cached tokens by where they came from (``SOURCE_NAMES``: hot, warm, cold, l3)."""
+        return self.last.tier_hits if self.last else (0, 0, 0, 0)

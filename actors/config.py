@@ -59,6 +59,9 @@ class WorkerConfig:
     # "commit": every committed sequence's full blocks are written behind the request
     # (a replica killed a moment later leaves its sessions in L3); "off": read only.
     l3_write: str = "commit"
+    # "auto": fetch from L3 where the measured fetch rate beats prefill (a small model on
+    # a fast device may compute faster than any store answers); "always"; "off".
+    l3_fetch: str = "auto"
     # Fetch from L3 only when at least this many full blocks lie past the local prefix.
     l3_min_fetch_blocks: int = 2
     # Mooncake's staging buffer for this replica's puts and gets (bounds one batch).
@@ -83,6 +86,8 @@ class WorkerConfig:
             raise InvalidInputError(f"l3_master must be 'host:port' or null, got {self.l3_master!r}")
         if self.l3_write not in ("commit", "off"):
             raise InvalidInputError(f"l3_write must be 'commit' or 'off', got {self.l3_write!r}")
+        if self.l3_fetch not in ("auto", "always", "off"):
+            raise InvalidInputError(f"l3_fetch must be 'auto', 'always' or 'off', got {self.l3_fetch!r}")
         for name in ("l3_min_fetch_blocks", "l3_buffer_mb", "handoff_peer_prefixes", "warmup_prefixes"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < (0 if name.endswith("prefixes") else 1):

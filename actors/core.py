@@ -34,6 +34,7 @@ import torch
 
 from actors.calibration import calibrate
 from actors.config import WorkerConfig
+from actors.elastic import shared_offers
 from actors.engine_loop import EngineLoop, EngineWedgedError, QueueFullError, StreamContext
 from actors.migration import Migrator, PeerLink
 from actors.peer import PeerServer
@@ -44,8 +45,8 @@ from cluster.cache.l3_tier import L3Tier, L3TierConfig, l3_model_id
 from cluster.cache.tiered import TieredCache
 from cluster.engine.checkpoint import load_model
 from cluster.engine.runner import Engine, EngineRequest
-from cluster.protocol import (GenerateRequest, LoadReport, MeasuredRates, MigrationResult, Snapshot, StagedPrefix,
-                              StreamItem, Tenant, WorkerInfo)
+from cluster.protocol import (GenerateRequest, LoadReport, MeasuredRates, MigrationResult, PrefixOffer, Snapshot,
+                              StagedPrefix, StreamItem, Tenant, WorkerInfo)
 from cluster.routing.policies import CostModel
 from cluster.routing.events import KVEventPublisher
 from cluster.transfer.nixl_transport import NixlEndpoint, TransferError, nixl_available, recommended_ucx_env
@@ -103,6 +104,9 @@ class WorkerCore:
                                           wake=lambda: self.loop.wake())
         self._on_trip = on_trip
         self._wedge = threading.Event()
+        # How this worker reaches a holder to pull from it (``link_for(holder_id)``), for
+        # the pulls a leaving peer asks of it; the shell sets it (None: it cannot pull).
+        self.link_for: Callable[[str], Awaitable[PeerLink | None]] | None = None
         self.loop = EngineLoop(worker_id, self.engine, max_queued_requests=config.max_queued_requests,
                                on_idle=self._idle, on_tick=self._tick,
                                transfer_rate=lambda: self.migration.transfer_tokens_per_s,
@@ -131,7 +135,8 @@ class WorkerCore:
             return None
         tier = L3Tier(store, self.layout, cfg.block_tokens,
                       L3TierConfig(model_id=l3_model_id(self.loaded.model_id, self.model),
-                                   write=cfg.l3_write, min_fetch_blocks=cfg.l3_min_fetch_blocks))
+                                   write=cfg.l3_write, fetch=cfg.l3_fetch,
+                                   min_fetch_blocks=cfg.l3_min_fetch_blocks))
         self.cache.attach_l3(tier)
         log.info("worker %s uses L3 at %s (write %s)", self.worker_id, cfg.l3_master, cfg.l3_write)
         return tier
@@ -216,6 +221,45 @@ class WorkerCore:
         async for item in self.loop.stream(req, context):
             yield item
 
+    async def pull(self, offer: PrefixOffer) -> int:
+        """Pull ``offer`` from its holder (a leaving peer hands it on); the tokens installed."""
+        if self.link_for is None or offer.holder == self.worker_id:
+            return 0
+        result = await self.migrate_from(offer.holder, await self.link_for(offer.holder), list(offer.tokens),
+                                         offer.tenant)
+        return result.tokens if result.transport is not None else 0
+
+    async def offers(self, limit: int) -> list[PrefixOffer]:
+        """This worker's most valuable shared prefixes (a new peer warms up with them)."""
+        return await self.loop.run(lambda: shared_offers(self, limit))
+
+    async def wait_idle(self, deadline: float) -> bool:
+        """Until the engine has no request (True), or ``deadline`` (``time.monotonic``)."""
+        while await self.loop.run(self.engine.has_work):
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.05)
+        return True
+
+    async def publish_now(self, timeout_s: float = 5.0) -> bool:
+        """Send what the cache changed (L3's finished writes included) to the directory
+        now and wait for its answer; False without a directory or an answer."""
+        if self.reporter is None:
+            return False
+
+        def send():
+            self.cache.apply_l3()
+            return self.reporter.flush(force=True)
+        fut = await self.loop.run(send)
+        if fut is None:
+            return False
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(fut), timeout_s)
+            return True
+        except Exception as exc:
+            log.warning("publish from %s before leaving failed: %s", self.worker_id, exc)
+            return False
+
     async def prefetch(self, session_id: str | None = None, tokens: list[int] | None = None,
                        namespace: Tenant | None = None) -> int:
         return await self.loop.run(lambda: self.cache.prefetch(session_id, tokens, namespace))
@@ -254,8 +298,15 @@ class WorkerCore:
         async def inject_fault(kind, on=True):
             await asyncio.to_thread(self.inject_fault, kind, on)   # 'wedge' waits until the engine is in it
 
+        async def pull(offer):
+            return await self.pull(PrefixOffer.from_fields(offer))
+
+        async def offers(limit=32):
+            return [o.to_fields() for o in await self.offers(int(limit))]
+
         return {"export": export, "fetch": fetch, "release": self.release, "info": info, "stats": self.stats,
-                "flush": self.flush, "prefetch": prefetch, "inject_fault": inject_fault}
+                "flush": self.flush, "prefetch": prefetch, "inject_fault": inject_fault, "pull": pull,
+                "offers": offers}
 
     # ------------------------------------------------------------ inspection
     def info(self) -> WorkerInfo:

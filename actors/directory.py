@@ -151,12 +151,12 @@ class DirectoryImpl:
             log.info("worker %s draining", worker_id)
         return changed
 
-    def handoff_targets(self, worker_id: str) -> list[tuple[str, str]]:
-        """Where a leaving worker hands its prefixes: live workers that are not
-        draining, least loaded first, as (worker id, peer address)."""
-        live = [st for w, st in self.workers.items() if w != worker_id and st.alive and w in self.addresses]
+    def handoff_targets(self, worker_id: str) -> list[str]:
+        """The other live workers that take requests (not draining), least loaded
+        first: where a leaving worker hands its prefixes, whom a new one asks."""
+        live = [st for w, st in self.workers.items() if w != worker_id and st.alive]
         live.sort(key=lambda st: (st.queued_tokens, st.running, st.worker_id))
-        return [(st.worker_id, self.addresses[st.worker_id]) for st in live]
+        return [st.worker_id for st in live]
 
     async def publish(self, worker_id: str, data: bytes | None, load: LoadReport | None = None) -> str:
         """A worker's KV event batch (msgpack) and/or its current load.

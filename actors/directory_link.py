@@ -138,11 +138,10 @@ class DirectoryLink:
             self.forget()
             return False
 
-    async def handoff_targets(self, worker_id: str, timeout_s: float = CALL_TIMEOUT_S) -> list[tuple[str, str]]:
-        """(worker id, peer address) of the live workers ``worker_id`` can hand off to, least loaded first."""
+    async def handoff_targets(self, worker_id: str, timeout_s: float = CALL_TIMEOUT_S) -> list[str]:
+        """The live workers other than ``worker_id`` that take requests, least loaded first."""
         try:
-            return [tuple(t) for t in await asyncio.wait_for(
-                (await self.ahandle()).handoff_targets.remote(worker_id), timeout_s)]
+            return list(await asyncio.wait_for((await self.ahandle()).handoff_targets.remote(worker_id), timeout_s))
         except Exception as exc:
             log.warning("no hand-off targets from the directory (%s)", type(exc).__name__)
             self.forget()

@@ -6,8 +6,12 @@ Registered through the ``pytest11`` entry point, so any project that installs
 - ``ray_loopback_cluster``: a head and ``--pc-worker-nodes`` worker nodes
   (default 2) of ``ray.cluster_utils.Cluster``, every node on 127.0.0.1, each
   with a custom resource ``pc_node_<i>`` so an actor can be pinned to it.
+- ``l3_master``: a ``mooncake_master`` and its pool holder on loopback for the
+  session (``cluster.cache.l3_master.L3Master``), or None where Mooncake is
+  not installed; stopped at the end.
 - ``cache_cluster``: the directory plus one cache worker per node, small
-  built-in model; yields a ``LoopbackCacheCluster`` with handles and helpers.
+  built-in model, L3 on ``l3_master`` when there is one; yields a
+  ``LoopbackCacheCluster`` with handles and helpers.
 
 The plugin turns on the thread-ownership check (``PREFIX_CACHE_CHECK_THREADS``)
 for the whole session, before Ray starts, so every worker runs with it.
@@ -126,11 +130,31 @@ class LoopbackCacheCluster:
 
 
 @pytest.fixture(scope="session")
-def cache_cluster(ray_loopback_cluster, request):
+def l3_master():
+    from cluster.cache.l3 import mooncake_available
+
+    if not mooncake_available():
+        log.warning("mooncake is not importable: the test cluster runs without L3")
+        yield None
+        return
+    from cluster.cache.l3_master import L3Master, L3MasterConfig
+
+    with L3Master(L3MasterConfig(holder_segment_bytes=256 << 20)) as master:
+        yield master
+
+
+def l3_worker_config(master) -> dict:
+    """Worker config keys for L3 on ``master`` (none without one). The test model
+    computes faster than any store answers, so fetches are forced on."""
+    return {} if master is None else {"l3_master": master.address, "l3_fetch": "always"}
+
+
+@pytest.fixture(scope="session")
+def cache_cluster(ray_loopback_cluster, l3_master, request):
     import ray
 
     n = request.config.getoption("--pc-worker-nodes")
-    cc = LoopbackCacheCluster(ray_loopback_cluster, NAMESPACE, dict(TEST_WORKER_CONFIG))
+    cc = LoopbackCacheCluster(ray_loopback_cluster, NAMESPACE, {**TEST_WORKER_CONFIG, **l3_worker_config(l3_master)})
     cc.start_directory()
     for i in range(n + 1):
         cc.start_worker(i)

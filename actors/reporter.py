@@ -46,11 +46,13 @@ class EventReporter:
         if self.snapshot_wanted:
             self.send_snapshot()
 
-    def flush(self, now: float | None = None) -> None:
+    def flush(self, now: float | None = None, force: bool = False):
+        """Send pending events (and the load); returns the send's future, or None
+        when nothing was sent. ``force``: send the load even within the heartbeat."""
         now = self.clock() if now is None else now
         batch = self.publisher.drain()
-        if batch is None and now - self._last_report < HEARTBEAT_S:
-            return
+        if batch is None and now - self._last_report < HEARTBEAT_S and not force:
+            return None
         self._last_report = now
         if self.on_report is not None:
             self.on_report()
@@ -60,9 +62,10 @@ class EventReporter:
         except Exception as exc:  # the directory may be restarting: resync later
             log.warning("event publish from %s failed: %s", self.worker_id, exc)
             self.snapshot_wanted = True
-            return
+            return None
         if hasattr(status, "add_done_callback"):
             status.add_done_callback(self._on_status)
+        return status
 
     def _on_status(self, fut) -> None:
         # Runs on whatever thread completes the future: only set a flag.

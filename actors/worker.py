@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from typing import Any
 
 import ray
@@ -17,9 +18,11 @@ import ray
 from actors.config import WorkerConfig
 from actors.core import WorkerCore
 from actors.directory_link import DirectoryLink
+from actors.elastic import hand_off, warm_up
 from actors.migration import PeerLink
 from cluster.names import DIRECTORY_NAME, worker_actor_name
-from cluster.protocol import GenerateRequest, LoadReport, Snapshot, StagedPrefix, Tenant, Transport, WorkerInfo
+from cluster.protocol import (GenerateRequest, LoadReport, PrefixOffer, Snapshot, StagedPrefix, Tenant, Transport,
+                              WorkerInfo)
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +37,27 @@ class CacheWorkerImpl:
         cfg = WorkerConfig.from_dict(config)
         self.directory = DirectoryLink(namespace, name=directory_name, create=True, block_tokens=cfg.block_tokens)
         self.core = WorkerCore(worker_id, cfg, directory=self.directory)
+        self.core.link_for = self._link
+        self.ops = ActorPeerOps(self)
+
+    # ------------------------------------------------------------ elasticity
+    async def warm_up(self) -> dict:
+        """Pull the peers' most valuable shared prefixes (``actors.elastic.warm_up``)."""
+        cfg = self.core.config
+        return (await warm_up(self.core, self.ops, budget_s=cfg.warmup_s, max_bytes=cfg.warmup_mb << 20,
+                              max_prefixes=cfg.warmup_prefixes)).as_dict()
+
+    async def leave(self, budget_s: float | None = None) -> dict:
+        """Drain, hand the cache on to L3 and the peers, leave the directory
+        (``actors.elastic.hand_off``); the actor can be killed afterwards."""
+        budget = self.core.config.handoff_s if budget_s is None else budget_s
+        return (await hand_off(self.core, self.ops, budget)).as_dict()
+
+    async def pull(self, offer: PrefixOffer) -> int:
+        return await self.core.pull(offer)
+
+    async def offers(self, limit: int = 32) -> list[PrefixOffer]:
+        return await self.core.offers(limit)
 
     # --------------------------------------------------------------- serving
     async def generate(self, request: GenerateRequest):
@@ -105,6 +129,33 @@ class CacheWorkerImpl:
 
     def ping(self) -> str:
         return self.worker_id
+
+    def pid(self) -> int:
+        """This actor's process id (fault tests kill it with SIGKILL)."""
+        return os.getpid()
+
+
+class ActorPeerOps:
+    """``actors.elastic.PeerOps`` between CacheWorker actors: the directory names
+    the peers, Ray reaches them by their actor names."""
+
+    def __init__(self, worker: CacheWorkerImpl):
+        self.worker = worker
+
+    async def _handle(self, worker_id: str):
+        return await asyncio.to_thread(ray.get_actor, worker_actor_name(worker_id), namespace=self.worker.namespace)
+
+    async def targets(self) -> list[str]:
+        return await self.worker.directory.handoff_targets(self.worker.worker_id)
+
+    async def ask_pull(self, target: str, offer: PrefixOffer) -> int:
+        return await (await self._handle(target)).pull.remote(offer)
+
+    async def offers(self, peer: str, limit: int) -> list[PrefixOffer]:
+        return await (await self._handle(peer)).offers.remote(limit)
+
+    async def link(self, holder: str) -> PeerLink | None:
+        return await self.worker._link(holder)
 
 
 class ActorLink:

@@ -193,6 +193,37 @@ class StagedPrefix:
             raise MalformedMessageError(f"staged prefix is malformed: {exc!r}") from None
 
 
+@dataclass(frozen=True, slots=True)
+class PrefixOffer:
+    """A prefix a worker holds, and what it is worth to keep
+    (``cluster.cache.prefix_value``): what a leaving worker asks a peer to pull,
+    and what a new worker hears of its peers' shared prefixes."""
+
+    holder: str
+    tenant: Tenant | None
+    tokens: tuple[int, ...]
+    value: float = 0.0
+
+    def to_fields(self) -> dict:
+        return {"holder": self.holder, "tenant": self.tenant, "tokens": list(self.tokens), "value": self.value}
+
+    @classmethod
+    def from_fields(cls, fields: Any) -> "PrefixOffer":
+        if not isinstance(fields, dict):
+            raise MalformedMessageError(f"prefix offer must be a map, got {type(fields).__name__}")
+        try:
+            tenant = fields["tenant"]
+            if tenant is not None and not isinstance(tenant, str):
+                raise MalformedMessageError(f"prefix offer tenant must be a string or null, got {tenant!r:.40}")
+            _check_tokens(fields["tokens"], "prefix offer tokens")
+            return cls(str(fields["holder"]), tenant, tuple(fields["tokens"]),
+                       _number(fields.get("value", 0.0), "prefix offer value"))
+        except MalformedMessageError:
+            raise
+        except (KeyError, TypeError, ValueError) as exc:
+            raise MalformedMessageError(f"prefix offer is malformed: {exc!r}") from None
+
+
 RATE_FIELDS = ("prefill_tokens_per_s", "warm_promote_tokens_per_s", "cold_promote_tokens_per_s",
                "transfer_tokens_per_s")
 
@@ -390,5 +421,6 @@ def _check_tokens(tokens: Any, what: str) -> None:
 
 __all__ = ["WIRE_VERSION", "Tenant", "MalformedMessageError", "FinishReason", "Transport", "GREEDY_TEMPERATURE",
            "SamplingParams", "MigrationResult", "RouteDecision", "GenerateRequest", "StagedPrefix", "RATE_FIELDS",
+           "PrefixOffer",
            "MeasuredRates", "WorkerInfo", "Snapshot", "ReplicaTiming", "StreamItem", "TableChange", "TableState",
            "TableUpdate", "LoadReport"]

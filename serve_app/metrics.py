@@ -125,3 +125,49 @@ def report_moves(worker_id: str, stats: dict) -> None:
         if delta > 0:
             tier_moves.inc(delta, tags={"worker": worker_id, "kind": kind})
         last[key] = value
+
+
+# ----------------------------------------------------------------- L3 and elasticity
+l3_blocks = Counter("prefix_cache_l3_blocks_total",
+                    "L3 blocks by operation: written (behind requests and at hand-off), fetched, write_dropped",
+                    tag_keys=("op",))
+l3_fetch = Histogram("prefix_cache_l3_fetch_seconds", "Time of one L3 fetch (read and verify)",
+                     boundaries=_LATENCY_BOUNDARIES)
+handoff_blocks = Counter("prefix_cache_handoff_blocks_total",
+                         "Blocks a leaving replica handed on, by destination (l3, peer)", tag_keys=("to",))
+handoff_seconds = Histogram("prefix_cache_handoff_seconds", "How long a leaving replica's hand-off took",
+                            boundaries=_LATENCY_BOUNDARIES)
+warmup_tokens = Counter("prefix_cache_warmup_tokens_total",
+                        "Tokens of KV a new replica pulled before taking traffic, by source (l3, peer)",
+                        tag_keys=("source",))
+_last_l3: dict[str, dict[str, int]] = {}
+
+
+def report_l3(worker_id: str, stats) -> None:
+    """The L3 tier's counters (``L3TierStats``) since the last report, as deltas."""
+    last = _last_l3.setdefault(worker_id, {})
+    for key, op in (("blocks_written", "written"), ("fetch_blocks_hit", "fetched"), ("writes_dropped", "write_dropped")):
+        value = getattr(stats, key)
+        if value > last.get(key, 0):
+            l3_blocks.inc(value - last.get(key, 0), tags={"op": op})
+        last[key] = value
+    new = min(stats.fetches_timed - last.get("fetches_timed", 0), len(stats.fetch_s))
+    for seconds in stats.fetch_s[len(stats.fetch_s) - new:] if new > 0 else ():
+        l3_fetch.observe(seconds)
+    last["fetches_timed"] = stats.fetches_timed
+
+
+def _inc(counter: Counter, value: int, tags: dict) -> None:
+    if value > 0:   # Ray's counters take positive increments only
+        counter.inc(value, tags=tags)
+
+
+def report_handoff(worker_id: str, report: dict, block_tokens: int) -> None:
+    _inc(handoff_blocks, report.get("l3_blocks", 0), {"to": "l3"})
+    _inc(handoff_blocks, report.get("peer_tokens", 0) // block_tokens, {"to": "peer"})
+    handoff_seconds.observe(report.get("seconds", 0.0))
+
+
+def report_warmup(worker_id: str, report: dict) -> None:
+    _inc(warmup_tokens, report.get("l3_tokens", 0), {"source": "l3"})
+    _inc(warmup_tokens, report.get("peer_tokens", 0), {"source": "peer"})

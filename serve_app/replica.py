@@ -8,10 +8,17 @@ request to the one chosen. Serve carries only the requests (``generate``,
 replica (a peer's migration pull, the ingress's admin calls) reaches it over
 its peer channel (``actors.peer``), which it registers with the directory.
 Metrics are reported here.
+
+Lifetime (``actors.elastic``): before it reports ready, a new replica warms up
+on its peers' most valuable shared prefixes (from L3 or from them); when Serve
+stops it (scale-in, a redeploy), its destructor drains it in the directory and
+hands its cache on to L3 and to the surviving replicas, within ``handoff_s``
+(keep it under the deployment's ``graceful_shutdown_timeout_s``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import ray
@@ -20,8 +27,9 @@ from ray import serve
 from actors.config import WorkerConfig
 from actors.core import WorkerCore
 from actors.directory_link import DirectoryLink
-from actors.peer import PeerClient, PeerDirectory
-from cluster.protocol import GenerateRequest, MigrationResult, StreamItem
+from actors.elastic import hand_off, warm_up
+from actors.peer import PeerClient, PeerDirectory, PeerUnavailableError
+from cluster.protocol import GenerateRequest, MigrationResult, PrefixOffer, StreamItem
 from serve_app import metrics
 
 log = logging.getLogger("ray.serve")
@@ -32,11 +40,13 @@ def _report_metrics(core: WorkerCore) -> None:
     metrics.report_tiers(core.worker_id, core.cache.tier_summary())
     metrics.report_moves(core.worker_id, core.cache.stats)
     metrics.report_engine(core.worker_id, core.engine.stats)
+    if core.l3 is not None:
+        metrics.report_l3(core.worker_id, core.l3.stats)
 
 
 class CacheReplica:
-    def __init__(self, worker_config: dict | None = None, namespace: str = "prefix-cache",
-                 policy: str = "cost", policy_args: dict | None = None, peer_secret: str | None = None):
+    async def __init__(self, worker_config: dict | None = None, namespace: str = "prefix-cache",
+                       policy: str = "cost", policy_args: dict | None = None, peer_secret: str | None = None):
         self.worker_id = serve.get_replica_context().replica_id.unique_id
         cfg = WorkerConfig.from_dict(worker_config)
         self.directory = DirectoryLink(namespace, create=True, policy=policy, block_tokens=cfg.block_tokens,
@@ -45,10 +55,18 @@ class CacheReplica:
         metrics.replica_started(self.worker_id)
         self.peers = PeerDirectory(self.directory.peer_address, secret=peer_secret,
                                    timeout_s=cfg.migration_timeout_s)
-        self.core = WorkerCore(self.worker_id, cfg, directory=self.directory, on_report=_report_metrics,
-                               on_migration=self._count_migration,
-                               on_trip=lambda _reason: metrics.watchdog_trips.inc(tags={"worker": self.worker_id}),
-                               peer_host=ray.util.get_node_ip_address(), peer_secret=peer_secret)
+        # Loading, calibrating and the directory's blocking lookups: off the replica's event loop.
+        self.core = await asyncio.to_thread(
+            WorkerCore, self.worker_id, cfg, directory=self.directory, on_report=_report_metrics,
+            on_migration=self._count_migration,
+            on_trip=lambda _reason: metrics.watchdog_trips.inc(tags={"worker": self.worker_id}),
+            peer_host=ray.util.get_node_ip_address(), peer_secret=peer_secret)
+        self.core.link_for = self._link
+        self.ops = ServePeerOps(self)
+        self.handoff: dict | None = None
+        self.warmup = (await warm_up(self.core, self.ops, budget_s=cfg.warmup_s, max_bytes=cfg.warmup_mb << 20,
+                                     max_prefixes=cfg.warmup_prefixes)).as_dict()
+        metrics.report_warmup(self.worker_id, self.warmup)
 
     def _count_migration(self, result: MigrationResult) -> None:
         if result.transport is not None:
@@ -76,9 +94,47 @@ class CacheReplica:
         # Serve calls this every health_check_period_s; raising makes it replace the replica.
         self.core.health()
 
-    def __del__(self):
-        # Serve calls this when it stops the replica: finish in-flight copies, free the disk file.
+    async def __del__(self):
+        # Serve awaits this when it stops the replica, after its requests drained:
+        # hand the cache on, then finish in-flight copies and free the disk file.
+        core = getattr(self, "core", None)
+        if core is None:   # the constructor never finished: nothing to hand on
+            return
         try:
-            self.core.close()
+            self.handoff = (await hand_off(core, self.ops, core.config.handoff_s)).as_dict()
+            metrics.report_handoff(self.worker_id, self.handoff, core.config.block_tokens)
+        except Exception as exc:   # what L3 already has stays; the peers recompute the rest
+            log.warning("hand-off of %s failed: %s", self.worker_id, exc)
+        try:
+            core.close()
         except Exception as exc:   # the process is going anyway; say what was left behind
             log.warning("cache replica close failed (in-flight copies or the disk file may be left): %s", exc)
+
+
+class ServePeerOps:
+    """``actors.elastic.PeerOps`` between Serve replicas: the directory names the
+    peers, their peer channels reach them."""
+
+    def __init__(self, replica: CacheReplica):
+        self.replica = replica
+
+    async def targets(self) -> list[str]:
+        return await self.replica.directory.handoff_targets(self.replica.worker_id)
+
+    async def _client(self, worker_id: str) -> PeerClient:
+        client = await self.replica.peers.client(worker_id)
+        if client is None:
+            raise PeerUnavailableError(f"no peer channel for {worker_id}")
+        return client
+
+    async def ask_pull(self, target: str, offer: PrefixOffer) -> int:
+        # The pull runs a whole migration on the target: bounded by the hand-off's deadline.
+        return int(await (await self._client(target)).call("pull", timeout_s=self.replica.core.config.handoff_s,
+                                                            offer=offer.to_fields()))
+
+    async def offers(self, peer: str, limit: int) -> list[PrefixOffer]:
+        got = await (await self._client(peer)).call("offers", limit=limit)
+        return [PrefixOffer.from_fields(o) for o in got]
+
+    async def link(self, holder: str) -> PeerClient | None:
+        return await self.replica._link(holder)

@@ -77,7 +77,10 @@ INSTALL_HINT = ("pip install mooncake-transfer-engine-non-cuda==0.3.13.post1 (CP
 # Mooncake reads these when a client is set up; without them an unreachable master
 # blocks setup and every call for 30-90 s (measured). Set only where the user has not.
 MOONCAKE_ENV_DEFAULTS = {"MC_RPC_TIMEOUT_MS": "2000", "MC_RPC_CONNECT_TIMEOUT_MS": "1000",
-                         "MC_STORE_CLIENT_SETUP_RETRIES": "1"}
+                         "MC_STORE_CLIENT_SETUP_RETRIES": "1",
+                         # Mooncake logs every client setup and teardown at INFO (a dozen lines
+                         # each); warnings and errors still show.
+                         "GLOG_minloglevel": "1"}
 
 
 # ------------------------------------------------------------------ interface

@@ -9,8 +9,8 @@ thread, with the cache's tree and pools:
 - ``fetch_ahead`` (from ``TieredCache.ready``): a waiting request whose full
   blocks run at least ``min_fetch_blocks`` past the tree's prefix gets them
   fetched; it waits (others run) until ``apply`` installs them.
-- ``valuable_prefixes`` and ``hand_off``: a replica leaving writes what L3
-  lacks, most valuable first, within a time budget (``prefix_value``).
+- ``queue_hand_off``: a replica leaving writes what L3 lacks, most valuable
+  first (``cluster.cache.prefix_value``); the caller waits for the writes.
 
 Reading the tree here never touches recency or hit counts: writing a
 sequence to L3 is not a use of it.
@@ -18,15 +18,14 @@ sequence to L3 is not a use of it.
 
 from __future__ import annotations
 
-import math
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Hashable, Sequence
 
 import torch
 
 from cluster.cache.allocator import Extent
 from cluster.cache.l3_tier import FetchResult, L3Tier
+from cluster.cache.prefix_value import ValuedPrefix, valuable_prefixes
 from cluster.cache.token_key import encode_tokens
 from cluster.errors import ChecksumError, PoolExhaustedError
 from cluster.hashing import block_hashes
@@ -35,30 +34,6 @@ from cluster.names import COLD, WARM
 if TYPE_CHECKING:
     from cluster.cache.radix_tree import TreeNode
     from cluster.cache.tiered import TieredCache
-
-# Recompute cost grows faster than the token count (attention reads the whole
-# context): a prefix of n tokens costs n * (1 + n / ATTENTION_TOKENS) token-units.
-ATTENTION_TOKENS = 4096
-# Expected reuse halves every REUSE_HALF_LIFE_S seconds without a hit.
-REUSE_HALF_LIFE_S = 600.0
-
-
-def prefix_value(tokens: int, hits: int, idle_s: float) -> float:
-    """What keeping a prefix is worth: expected reuse (hits so far, decayed by
-    the time since the last one) x the cost of recomputing it."""
-    reuse = (1 + hits) * math.pow(0.5, max(idle_s, 0.0) / REUSE_HALF_LIFE_S)
-    return reuse * tokens * (1 + tokens / ATTENTION_TOKENS)
-
-
-@dataclass(frozen=True, slots=True)
-class ValuedPrefix:
-    """One cached sequence (a leaf's path) and what it is worth."""
-    namespace: Hashable
-    tokens: tuple[int, ...]
-    hits: int
-    idle_s: float
-    value: float
-
 
 def slice_extents(extents: list[Extent], start: int, end: int) -> list[Extent]:
     """The extents covering tokens ``[start, end)`` of a node (views, nothing moved)."""
@@ -218,52 +193,40 @@ class L3Link:
         return torch.cat(parts, dim=2)   # always a copy: a one-extent read is a view of the pool
 
     # ------------------------------------------------------------ hand-off
-    def valuable_prefixes(self, limit: int | None = None, now: float | None = None) -> list[ValuedPrefix]:
-        """Every cached sequence (each leaf's path), most valuable first (``prefix_value``)."""
-        tree = self.cache.tree
-        now = tree.clock() if now is None else now
-        by_root = {id(root): ns for ns, root in tree.roots.items()}
-        out = []
-        for node in tree.iter_nodes():
-            if node.children:
-                continue
-            # Its hits: those of the chain of nodes only it uses (a shared prefix's
-            # hits belong to every sequence under it, not to this one).
-            hits, up = node.hit_count, node.parent
-            while up.parent is not None and len(up.children) == 1:
-                hits = max(hits, up.hit_count)
-                up = up.parent
-            root = up
-            while root.parent is not None:
-                root = root.parent
-            tokens = tuple(tree.path_tokens(node))
-            idle = now - node.last_access
-            out.append(ValuedPrefix(by_root.get(id(root)), tokens, hits, idle, prefix_value(len(tokens), hits, idle)))
-        out.sort(key=lambda p: -p.value)
-        return out if limit is None else out[:limit]
+    def valuable_prefixes(self, limit: int | None = None) -> list[ValuedPrefix]:
+        return valuable_prefixes(self.cache.tree, limit)
 
-    def hand_off(self, budget_s: float, order: str = "value") -> dict:
-        """Write every cached sequence's blocks that L3 lacks (COLD ones read from
-        disk too), most valuable first (``order="lru"``: most recent first), then
-        wait for the writes, all within ``budget_s``. Returns what was handed off."""
-        started = time.monotonic()
+    def queue_hand_off(self, deadline: float, order: str = "value") -> dict:
+        """Queue every cached sequence's blocks that L3 lacks for writing (COLD
+        ones read from disk too), most valuable first (``order="lru"``: most
+        recently used first), until ``deadline`` (``time.monotonic``). The caller
+        waits for the writes (``tier.flush``) and then ``apply``s them."""
         prefixes = self.valuable_prefixes()
         if order == "lru":
             prefixes.sort(key=lambda p: p.idle_s)
-        blocks = prefixes_done = 0
-        before = self.tier.stats.bytes_written
+        blocks = done = 0
         for p in prefixes:
-            if time.monotonic() - started > budget_s / 2:   # half for the writes themselves
+            if time.monotonic() > deadline:
                 break
-            n = self._write(p.tokens, p.namespace, allow_cold=True)
-            blocks += n
-            prefixes_done += 1
-        flushed = self.tier.flush(max(0.0, budget_s - (time.monotonic() - started)))
-        self.apply()
-        elapsed = time.monotonic() - started
+            blocks += self._write(p.tokens, p.namespace, allow_cold=True)
+            done += 1
         self.stats["handoff_blocks"] += blocks
-        self.stats["handoff_prefixes"] += prefixes_done
-        self.stats["handoff_bytes"] += self.tier.stats.bytes_written - before
-        self.stats["handoff_s"] += elapsed
-        return {"blocks": blocks, "prefixes": prefixes_done, "of_prefixes": len(prefixes), "flushed": flushed,
-                "seconds": elapsed}
+        self.stats["handoff_prefixes"] += done
+        return {"blocks": blocks, "prefixes": done, "of_prefixes": len(prefixes)}
+
+    def fetch_now(self, tokens: Sequence[int], namespace: Hashable) -> int:
+        """Read what L3 holds of ``tokens`` past the tree's prefix and install it,
+        here and now (a replica warming up before it takes traffic: nothing
+        else runs on its engine). Returns the tokens installed."""
+        tier = self.tier
+        bt = tier.block_tokens
+        full = len(tokens) // bt
+        first = sum(self.cache.tree.peek(tokens, namespace, validate=False)[1]) // bt
+        if full <= first:
+            return 0
+        hashes = block_hashes(tokens[:full * bt], bt, salt=namespace)
+        if tier.fetching(hashes, first):
+            return 0
+        tier.start_fetch(namespace, tokens, hashes, first)
+        tier.wait_fetches(tier.config.max_fetch_blocks * 0.05 + 5.0)
+        return self.apply()

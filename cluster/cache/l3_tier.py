@@ -45,6 +45,7 @@ from cluster.errors import InvalidInputError
 log = logging.getLogger(__name__)
 
 WRITE_POLICIES = ("commit", "off")
+FETCH_POLICIES = ("auto", "always", "off")
 
 
 def l3_model_id(name: str, model: Any) -> str:
@@ -68,7 +69,9 @@ class L3TierConfig:
     - ``write``: ``commit`` stores the full blocks of every committed sequence
       behind the request (what crash survival needs: a replica killed a moment
       after a turn has that turn in L3); ``off`` never writes (read only).
-    - ``fetch``: read blocks the tree lacks from L3 before prefill.
+    - ``fetch``: read blocks the tree lacks from L3 before prefill: ``auto``
+      where the measured fetch rate beats prefill, ``always`` (tests, or an
+      operator who measured otherwise), ``off``.
     - ``min_fetch_blocks``: fetch only when at least this many full blocks lie
       past the tree's prefix (a one-block fetch saves less than its round trip).
     - ``max_fetch_blocks``: the most blocks one fetch asks for.
@@ -78,7 +81,7 @@ class L3TierConfig:
     """
     model_id: str
     write: str = "commit"
-    fetch: bool = True
+    fetch: str = "auto"
     min_fetch_blocks: int = 2
     max_fetch_blocks: int = 1024
     max_pending_bytes: int = 256 << 20
@@ -88,6 +91,8 @@ class L3TierConfig:
     def __post_init__(self) -> None:
         if self.write not in WRITE_POLICIES:
             raise InvalidInputError(f"l3 write policy must be one of {WRITE_POLICIES}, got {self.write!r}")
+        if self.fetch not in FETCH_POLICIES:
+            raise InvalidInputError(f"l3 fetch policy must be one of {FETCH_POLICIES}, got {self.fetch!r}")
         for name in ("min_fetch_blocks", "max_fetch_blocks", "max_pending_bytes", "max_remembered"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
@@ -142,6 +147,7 @@ class L3TierStats:
     bytes_fetched: int = 0
     installed_tokens: int = 0
     install_failures: int = 0
+    fetches_timed: int = 0          # fetches that found blocks, timed (the latest in ``fetch_s``)
     fetch_s: list[float] = field(default_factory=list)   # the latest fetches' times (bounded)
 
     def as_dict(self) -> dict:
@@ -282,13 +288,13 @@ class L3Tier:
     def wants_fetch(self, hashes: Sequence[int], first_block: int) -> bool:
         """Whether blocks ``[first_block, len(hashes))`` are worth asking L3 for."""
         cfg = self.config
-        if not cfg.fetch or len(hashes) - first_block < cfg.min_fetch_blocks:
+        if cfg.fetch == "off" or len(hashes) - first_block < cfg.min_fetch_blocks:
             return False
         h = hashes[first_block]
         missed = self._missing.get(h)
         if missed is not None and self.clock() - missed < cfg.miss_ttl_s:
             return False
-        if not self.faster_than_recompute():
+        if cfg.fetch == "auto" and not self.faster_than_recompute():
             self.stats.fetch_skipped_slower += 1
             return False
         return True
@@ -329,6 +335,7 @@ class L3Tier:
                 self.stats.bytes_fetched += r.bytes
                 times = self.stats.fetch_s
                 times.append(r.seconds)
+                self.stats.fetches_timed += 1
                 if len(times) > 4096:
                     del times[:2048]
                 if r.seconds > 0:   # observed rate, smoothed: what the next decisions weigh
@@ -418,13 +425,30 @@ class L3Tier:
         with self._cv:
             return len(self._fetch_jobs) + len(self._write_jobs) + int(self._busy)
 
+    def wait_fetches(self, timeout_s: float) -> bool:
+        """Wait (any thread) until no fetch is queued or running, at most ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        if self._thread is None:
+            self.run_pending()
+            return True
+        with self._cv:
+            while self._fetch_jobs or self._busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cv.wait(left)
+        return True
+
     def flush(self, timeout_s: float) -> bool:
         """Wait (any thread) until every queued write is done, at most ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
+        if self._thread is None:
+            self.run_pending()
+            return True
         with self._cv:
             while self._write_jobs or self._busy:
                 left = deadline - time.monotonic()
-                if left <= 0 or self._thread is None:
+                if left <= 0:
                     return False
                 self._cv.wait(left)
         return True

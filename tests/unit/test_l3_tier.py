@@ -4,12 +4,13 @@ slow store, a full write queue). Two caches sharing one in-process store stand
 for two replicas; tests/distributed runs the same over a real Mooncake master."""
 
 import random
+import time
 
 import pytest
 import torch
 
 from cluster.cache.kv_pool import KVLayout
-from cluster.cache.l3_link import prefix_value
+from cluster.cache.prefix_value import prefix_value, shared_prefixes
 from cluster.cache.l3_memory import MemoryL3Store
 from cluster.cache.l3_tier import L3Tier, L3TierConfig
 from cluster.cache.tiered import TierConfig, TieredCache
@@ -191,11 +192,22 @@ def test_hand_off_writes_what_l3_lacks_most_valuable_first(model):
     order = a.cache.l3.valuable_prefixes()
     assert [len(p.tokens) for p in order][:2] == [66, 41] and order[0].hits >= 3
     tier_a.config = L3TierConfig(model_id="test-model")   # writes back on, for the hand-off
-    done = a.cache.l3.hand_off(budget_s=5.0)
-    tier_a.run_pending()
-    a.cache.apply_l3()
-    assert done["prefixes"] == 2 and done["blocks"] == 5 + 8
-    assert store.num_values == 13
+    done = a.cache.l3.queue_hand_off(deadline=time.monotonic() + 5.0)
+    assert tier_a.flush(1.0) and a.cache.apply_l3() == 0
+    assert done == {"prefixes": 2, "blocks": 5 + 8, "of_prefixes": 2}
+    assert store.num_values == 13 and tier_a.stats.blocks_written == 13
+
+
+def test_shared_prefixes_are_the_branch_points_most_used_first(model):
+    a, tier_a, _ = make(model, MemoryL3Store(), write="off")
+    system, other = toks(1000, 24), toks(1001, 16)
+    for i in range(3):
+        run(a, tier_a, system + toks(1100 + i, 9), max_tokens=1)
+    for i in range(2):
+        run(a, tier_a, other + toks(1200 + i, 9), max_tokens=1)
+    found = shared_prefixes(a.cache.tree)
+    assert [p.tokens for p in found] == [tuple(system), tuple(other)]
+    assert found[0].hits >= 2 and found[1].namespace is None
 
 
 def test_prefix_value_weighs_reuse_recency_and_length():

@@ -1,0 +1,115 @@
+"""The cache outlives its replicas (issue 23), on a real loopback Ray cluster and a
+real ``mooncake_master``: a crash recovered from L3, a scale-in that hands the
+cache on, a scale-out that starts warm. Exact cached-token counts throughout."""
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+import ray
+
+from cluster.hashing import block_hashes
+from cluster.protocol import SamplingParams
+
+pytestmark = pytest.mark.distributed
+
+BT = 16
+
+
+@pytest.fixture(autouse=True)
+def needs_l3(l3_master):
+    if l3_master is None:
+        pytest.skip("mooncake is not installed: pip install -e '.[l3]' (and libibverbs1)")
+
+
+def prompt_of(seed, n):
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), generator=g).tolist()
+
+
+def complete(cc, prompt, max_tokens=4, worker_id=None):
+    return asyncio.run(cc.client().complete(prompt, SamplingParams(max_tokens=max_tokens), worker_id=worker_id))
+
+
+def l3_stats(cc, worker_id):
+    return ray.get(cc.workers[worker_id].stats.remote())["l3"]
+
+
+def wait_until(predicate, what, timeout_s=20.0):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def restore(cc, worker_id):
+    """A new process for ``worker_id`` (its name freed first: a killed actor keeps it a while)."""
+    ray.kill(cc.workers[worker_id], no_restart=True)
+    cc.workers[worker_id] = cc.start_worker(int(worker_id[1:]))
+    cc.wait_registered()
+
+
+def test_a_killed_replicas_sessions_continue_from_l3(cache_cluster):
+    cc = cache_cluster
+    victim = cc.worker_ids[1]
+    prompt = prompt_of(31, 100)
+    first = complete(cc, prompt, worker_id=victim)
+    assert first.worker_id == victim
+    # 100 prompt + 3 computed output tokens committed (the last one is never computed): 6 full blocks.
+    wait_until(lambda: l3_stats(cc, victim)["blocks_written"] >= 6, "the turn's blocks in L3")
+    pid = ray.get(cc.workers[victim].pid.remote())
+    os.kill(pid, signal.SIGKILL)   # kill -9: no hand-off, nothing flushed
+    wait_until(lambda: victim not in ray.get(cc.directory.live_workers.remote()), "the directory dropping it")
+    try:
+        follow = prompt + first.tokens + prompt_of(32, 10)
+        second = complete(cc, follow)
+        assert second.worker_id != victim
+        assert second.cached_tokens == 96 and second.tier_hits == (0, 0, 0, 96)   # every block from L3
+    finally:
+        restore(cc, victim)
+
+
+def test_scale_in_hands_the_cache_to_l3_and_a_peer(cache_cluster):
+    cc = cache_cluster
+    leaving = cc.worker_ids[2]
+    cc.flush_all()   # only this test's sequence to hand on, nothing of it anywhere yet
+    prompt = prompt_of(41, 90)
+    first = complete(cc, prompt, worker_id=leaving)
+    assert first.worker_id == leaving
+    cc_stats = ray.get(cc.workers[leaving].stats.remote())
+    report = ray.get(cc.workers[leaving].leave.remote(10.0))
+    assert report["drained"] and report["left"] and report["l3_flushed"]
+    assert report["peer_prefixes"] == 1 and report["peer_tokens"] == 93   # 90 + 3 computed tokens
+    assert report["seconds"] < 10.0
+    assert leaving not in ray.get(cc.directory.live_workers.remote())
+    try:
+        # The peer that pulled it has all 93 tokens in HOT; the other one reads the
+        # five whole blocks (80 tokens) that the hand-off and write-behind put in L3.
+        got = {}
+        for i, w in enumerate(w for w in cc.worker_ids if w != leaving):
+            follow = prompt + first.tokens + prompt_of(42 + i, 8)   # the continuations differ from token 94
+            turn = complete(cc, follow, worker_id=w)
+            assert turn.worker_id == w
+            got[w] = (turn.cached_tokens, turn.tier_hits)
+        assert sorted(got.values()) == [(80, (0, 0, 0, 80)), (93, (93, 0, 0, 0))], got
+        assert cc_stats["l3"]["state"] == "on"
+    finally:
+        restore(cc, leaving)
+
+
+def test_a_new_replica_starts_warm_on_the_shared_prefixes(cache_cluster):
+    cc = cache_cluster
+    cc.flush_all()
+    holder = cc.worker_ids[0]
+    system = prompt_of(51, 64)   # a shared system prompt: 4 blocks
+    for i in range(3):
+        complete(cc, system + prompt_of(52 + i, 20), worker_id=holder)
+    newcomer = cc.worker_ids[1]
+    restore(cc, newcomer)   # a fresh process: an empty cache
+    report = ray.get(cc.workers[newcomer].warm_up.remote())
+    assert report["prefixes"] >= 1 and report["tokens"] >= 64
+    turn = complete(cc, system + prompt_of(60, 20), worker_id=newcomer)
+    assert turn.worker_id == newcomer and turn.cached_tokens == 64 and turn.tier_hits[0] == 64
