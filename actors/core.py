@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import threading
 import time
 from typing import AsyncIterator, Awaitable, Callable
@@ -329,7 +330,7 @@ class WorkerCore:
         c = self.cache
         return {"worker_id": self.worker_id, "tiers": c.tier_summary(), "cache": dict(c.stats),
                 "tree": dict(c.tree.stats), "engine": dict(self.engine.stats),
-                "worker": {**self.loop.stats, **self.migration.holder_stats,
+                "worker": {**self.loop.stats, **self.migration.holder_stats, "pid": os.getpid(),
                            "ownership_violations": self.loop.owner.violations,
                            "watchdog_trips": self.loop.watchdog_trips},
                 "load": dataclasses.asdict(self.loop.measure_load()), "fragmentation": c.fragmentation(),
@@ -342,16 +343,27 @@ class WorkerCore:
             return {"state": "off", "master": self.config.l3_master}
         self.cache.apply_l3()
         store = dataclasses.asdict(self.l3.store.stats())
-        return {"master": self.config.l3_master, **self.l3.stats.as_dict(), "store": store,
+        stats = self.l3.stats
+        # What the same fetches would have cost recomputed, at this worker's measured prefill rate.
+        rate = self.cost.prefill_tokens_per_s
+        return {"master": self.config.l3_master, **stats.as_dict(), "store": store,
                 "state": store["state"], **self.cache.l3.stats,
-                "fetch_tokens_per_s": self.l3.fetch_tokens_per_s}
+                "fetch_tokens_per_s": self.l3.fetch_tokens_per_s, "prefill_tokens_per_s": rate,
+                "fetch_samples": [[round(s * 1e3, 3), n, round(n / rate * 1e3, 3)]
+                                  for s, n in zip(stats.fetch_s[-512:], stats.fetch_tokens[-512:])]}
 
     async def snapshot(self) -> Snapshot:
         return await self.loop.run(self.publisher.snapshot)
 
     async def flush(self) -> int:
-        """Drop every unlocked cached prefix, coldest tier first."""
-        return await self.loop.run(self.cache.drop_all)
+        """Drop every unlocked cached prefix, coldest tier first, and this model's
+        blocks in L3 (the cluster's cache; every replica's flush does the same)."""
+        freed = await self.loop.run(self.cache.drop_all)
+        if self.l3 is not None:
+            await asyncio.to_thread(self.l3.flush, 5.0)   # writes still queued would come back
+            await asyncio.to_thread(self.l3.remove_all)
+            await self.loop.run(self.l3.forget)
+        return freed
 
     def healthy(self) -> bool:
         return self.loop.alive()

@@ -20,6 +20,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections import deque
 
 import ray
 
@@ -37,7 +38,10 @@ class DirectoryImpl:
     """Push-based: workers send event batches with their load (every ~100 ms, so
     they double as heartbeats) and, when told, a full snapshot. The directory
     never calls a worker, so it works the same whether workers are plain actors
-    or Serve replicas, and a dead worker costs it nothing but a timeout.
+    or Serve replicas, and a dead worker costs it nothing but a timeout. To see
+    a worker's process die at once (``kill -9``, an OOM kill) rather than after
+    missed heartbeats, it holds one idle connection to each worker's peer
+    channel, which the kernel closes when the process goes.
 
     Its ``RoutingTable`` (index, loads, cost model, policy) changes only
     through ops that are also written to a ``ChangeLog``; routers follow the
@@ -61,7 +65,9 @@ class DirectoryImpl:
         self._health_task = None
         self.stats = {"decisions": 0, "by_reason": {}, "resyncs": 0, "snapshots": 0, "malformed_batches": 0,
                       "unknown_worker_batches": 0, "gaps": 0, "dropped_workers": 0, "subscribe_polls": 0,
-                      "full_states_sent": 0, "drained_workers": 0, "started_at": time.time()}
+                      "full_states_sent": 0, "drained_workers": 0, "process_exits": 0, "started_at": time.time()}
+        self._watches: dict[str, asyncio.Task] = {}
+        self.lifecycle: deque[dict] = deque(maxlen=64)
 
     # What the table holds, under the names the directory always had.
     @property
@@ -121,8 +127,9 @@ class DirectoryImpl:
             self._change("register", worker_id, True)
             log.info("worker %s registered", worker_id)
         self.last_seen[worker_id] = self.clock()
-        if peer_address is not None:
+        if peer_address is not None and self.addresses.get(worker_id) != peer_address:
             self.addresses[worker_id] = peer_address
+            self._watch_process(worker_id, peer_address)
         if rates is not None:
             self.costs[worker_id] = rates
             self._reprice()
@@ -135,11 +142,39 @@ class DirectoryImpl:
         self._change("drop", worker_id)
         for table in (self.costs, self.last_seen, self.addresses):
             table.pop(worker_id, None)
+        watch = self._watches.pop(worker_id, None)
+        if watch is not None and watch is not asyncio.current_task():
+            watch.cancel()
         self.stats["dropped_workers"] += 1
         log.warning("worker %s dropped (%s)", worker_id, reason)
         return True
 
-    async def drain_worker(self, worker_id: str) -> bool:
+    def _watch_process(self, worker_id: str, address: str) -> None:
+        try:
+            self._watches[worker_id] = asyncio.get_running_loop().create_task(self._watch(worker_id, address))
+        except RuntimeError:   # no event loop (in-process use without one): heartbeats decide
+            pass
+
+    async def _watch(self, worker_id: str, address: str) -> None:
+        """Hold an idle connection to the worker's peer channel: the kernel closes it the
+        moment the worker's process dies (``kill -9`` included), and the worker is dropped
+        then, not after missed heartbeats. A wedged process keeps it open (heartbeats and
+        its watchdog handle that)."""
+        host, _, port = address.rpartition(":")
+        try:
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), 5.0)
+        except Exception as exc:   # not reachable from here: heartbeats decide
+            log.info("cannot watch %s at %s (%s); relying on heartbeats", worker_id, address, exc)
+            return
+        try:
+            await reader.read()   # b"" once the other end is gone; the worker never writes to it
+        except Exception:   # reset: gone as well
+            pass
+        finally:
+            writer.close()
+        if self.addresses.get(worker_id) == address and worker_id in self.workers:
+            self.stats["process_exits"] += 1
+            await self.drop_worker(worker_id, "its process exited (peer channel closed)")
         """A worker is leaving (scale-in): no new request is routed to it from now
         on, by this table or any copy; its entries stay until it ``leave``s, so
         peers can still pull its prefixes."""
@@ -150,6 +185,16 @@ class DirectoryImpl:
             self.stats["drained_workers"] += 1
             log.info("worker %s draining", worker_id)
         return changed
+
+    def note_lifecycle(self, worker_id: str, kind: str, report: dict) -> None:
+        """A worker's hand-off or warm-up report (the latest 64 are kept, for stats and benches)."""
+        if kind not in ("handoff", "warmup") or not isinstance(report, dict):
+            raise InvalidInputError(f"lifecycle note must be handoff or warmup with a report, got {kind!r}")
+        self.lifecycle.append({"worker_id": worker_id, "kind": kind, "at": time.time(), **report})
+
+    async def clear_l3(self) -> int:
+        """L3 was flushed: forget which blocks it holds (the entries it had)."""
+        return self._change("l3_clear")
 
     def handoff_targets(self, worker_id: str) -> list[str]:
         """The other live workers that take requests (not draining), least loaded
@@ -274,7 +319,8 @@ class DirectoryImpl:
                                           for w, s in self.workers.items()},
                 "index": dict(getattr(self.index, "stats", {})), "policy": self.policy_name,
                 "log_seq": self.log.seq, "decision_us_p50": self.table.decision_us(0.5),
-                "decision_us_p99": self.table.decision_us(0.99)}
+                "decision_us_p99": self.table.decision_us(0.99), "l3_blocks_known": self.index.num_l3,
+                "draining": self.table.draining, "lifecycle": list(self.lifecycle)}
 
     async def set_policy(self, name: str) -> None:
         """Switch the policy (admin); the configured ``policy_kwargs`` go with the

@@ -147,6 +147,14 @@ class DirectoryLink:
             self.forget()
             return []
 
+    async def note_lifecycle(self, worker_id: str, kind: str, report: dict,
+                             timeout_s: float = CALL_TIMEOUT_S) -> None:
+        """Record a hand-off or warm-up report with the directory (its stats show them)."""
+        try:
+            await asyncio.wait_for((await self.ahandle()).note_lifecycle.remote(worker_id, kind, report), timeout_s)
+        except Exception as exc:
+            log.warning("could not record %s of %s: %s", kind, worker_id, exc)
+
     async def live_workers(self, timeout_s: float = CALL_TIMEOUT_S) -> list[str]:
         return await asyncio.wait_for((await self.ahandle()).live_workers.remote(), timeout_s)
 

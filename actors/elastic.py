@@ -102,6 +102,8 @@ async def hand_off(core: "WorkerCore", ops: PeerOps, budget_s: float, *,
     started = time.monotonic()
     deadline = started + budget_s
     report = HandoffReport(budget_s=budget_s)
+    if budget_s <= 0:   # hand-off off: the worker just goes (its heartbeats stop)
+        return report
     directory = core.directory
     if drain is None and directory is not None:
         drain = lambda: directory.drain(core.worker_id)   # noqa: E731
@@ -129,6 +131,8 @@ async def hand_off(core: "WorkerCore", ops: PeerOps, budget_s: float, *,
     if leave is not None:
         report.left = await leave()
     report.seconds = time.monotonic() - started
+    if directory is not None:
+        await directory.note_lifecycle(core.worker_id, "handoff", report.as_dict())
     log.info("worker %s handed off: %s", core.worker_id, report.as_dict())
     return report
 
@@ -226,6 +230,8 @@ async def warm_up(core: "WorkerCore", ops: PeerOps, *, budget_s: float, max_byte
         report.bytes += got * per_token
     report.seconds = time.monotonic() - started
     log.info("worker %s warmed up: %s", core.worker_id, report.as_dict())
+    if core.directory is not None:
+        await core.directory.note_lifecycle(core.worker_id, "warmup", report.as_dict())
     return report
 
 

@@ -53,10 +53,16 @@ async def cache_stats(core: "IngressCore") -> dict:
 
 
 async def flush(core: "IngressCore") -> dict:
+    """Every worker drops its cached prefixes and this model's blocks in L3; the
+    directory forgets what L3 held."""
     answers = await _each_worker(core, "flush")
     failed = {w: str(a) for w, a in answers.items() if isinstance(a, Exception)}
     if failed:
         log.warning("flush failed on %s", failed)
+    try:
+        await asyncio.wait_for((await core.router.directory.ahandle()).clear_l3.remote(), 10.0)
+    except Exception as exc:   # its L3 entries go stale: fetches that miss correct them
+        log.warning("the directory did not clear its L3 entries: %s", exc)
     return {"flushed_tokens": int(sum(a for a in answers.values() if not isinstance(a, Exception))),
             "workers": sorted(w for w in answers if w not in failed), "failed": failed}
 

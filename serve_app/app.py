@@ -129,6 +129,10 @@ def build_app(args: dict[str, Any] | None = None):
         "max_queued_requests": int(args.pop("max_queued_requests", 256)),
         "health_check_period_s": float(args.pop("health_check_period_s", 2.0)),
         "health_check_timeout_s": 10.0,
+        # A stopping replica drains, then hands its cache on (worker handoff_s) in its
+        # destructor: Serve force-kills it after this long.
+        "graceful_shutdown_timeout_s": float(args.pop("graceful_shutdown_timeout_s",
+                                                      worker_config.handoff_s + 10.0)),
         "request_router_config": RequestRouterConfig(request_router_class=DirectoryRouter),
     }
     autoscaling = args.pop("autoscaling_config", None)

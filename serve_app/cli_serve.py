@@ -1,7 +1,8 @@
 """``prefix-cache serve``: run the app in the foreground on 127.0.0.1:8000.
 
 Without ``--address`` it starts the embedded default (a head and two worker
-nodes on loopback); with ``--address`` it deploys onto that Ray cluster.
+nodes on loopback, and a local L3 master where Mooncake is installed); with
+``--address`` it deploys onto that Ray cluster (L3 on ``--l3-master``).
 Ctrl-C tears down what it started.
 """
 
@@ -26,6 +27,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model spec (default: the embedded SmolLM2-135M-Instruct; "
                                                   "a hub id, a checkpoint directory, a .gguf file, or 'builtin')")
     p.add_argument("--args", default=None, help="extra application args as JSON (merged over the defaults)")
+    p.add_argument("--l3", choices=("on", "off"), default="on",
+                   help="L3 on Mooncake Store (default on: a local master and pool holder are started; "
+                        "off: each replica's cache is its own)")
+    p.add_argument("--l3-pool-mb", type=int, default=1024, help="the local L3 pool, MiB (default 1024)")
+    p.add_argument("--l3-master", default=None,
+                   help="host:port of a running mooncake_master to use instead of starting one")
 
 
 def wait_for_stop(poll_s: float = 0.2, ready: Callable[[], None] | None = None) -> int:
@@ -52,6 +59,8 @@ def run(args: argparse.Namespace) -> int:
     app_args = {"num_replicas": args.replicas, "policy": args.policy, "worker": dict(DEMO_WORKER)}
     if args.model is not None:
         app_args["worker"]["model"] = args.model
+    if args.l3 == "on" and args.l3_master:
+        app_args["worker"]["l3_master"] = args.l3_master
     if args.args:
         app_args.update(json.loads(args.args))
     if not args.address:   # on a cluster of its own, each replica gets the model where it runs
@@ -73,7 +82,8 @@ def run(args: argparse.Namespace) -> int:
         LocalCluster.wait_ready(args.host, args.port, 300)
         local = None
     else:
-        local = LocalCluster(worker_nodes=args.worker_nodes)
+        local = LocalCluster(worker_nodes=args.worker_nodes,
+                             l3_pool_mb=args.l3_pool_mb if args.l3 == "on" and not args.l3_master else 0)
         local.deploy(app_args, port=args.port, host=args.host)
         # What `prefix-cache loadtest --address` (kills, memory) needs.
         print(f"Ray cluster at {local.cluster.address}", flush=True)

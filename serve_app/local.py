@@ -1,11 +1,16 @@
-"""The embedded default: a local multi-node Ray cluster on 127.0.0.1 running the app."""
+"""The embedded default: a local multi-node Ray cluster on 127.0.0.1 running the app,
+with an L3 of its own (a ``mooncake_master`` and a pool holder on loopback, stopped
+with the cluster) where Mooncake is installed."""
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import time
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 # Sized for the embedded SmolLM2-135M-Instruct in float32 (45 KiB of KV per token):
 # 8k tokens HOT (360 MiB) and 16k WARM (720 MiB) per replica.
@@ -30,13 +35,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class LocalCluster:
-    """A head and ``worker_nodes`` Ray nodes, every one on loopback, plus Serve."""
+def start_l3(pool_mb: int):
+    """A local ``mooncake_master`` with a ``pool_mb`` MiB pool holder, or None (one
+    line says why) when Mooncake is not installed or does not start."""
+    from cluster.cache.l3 import INSTALL_HINT, mooncake_available
+    from cluster.cache.l3_master import L3Master, L3MasterConfig, L3MasterError
 
-    def __init__(self, worker_nodes: int = 2, cpus_per_node: int = 2, namespace: str = "prefix-cache"):
+    if not mooncake_available():
+        print(f"L3 off: mooncake is not installed ({INSTALL_HINT})", flush=True)
+        return None
+    try:
+        return L3Master(L3MasterConfig(holder_segment_bytes=pool_mb << 20)).start()
+    except (L3MasterError, OSError) as exc:
+        print(f"L3 off: the local mooncake_master did not start: {exc}", flush=True)
+        return None
+
+
+class LocalCluster:
+    """A head and ``worker_nodes`` Ray nodes, every one on loopback, plus Serve, plus
+    (``l3_pool_mb`` > 0) a local L3 master the replicas use."""
+
+    def __init__(self, worker_nodes: int = 2, cpus_per_node: int = 2, namespace: str = "prefix-cache",
+                 l3_pool_mb: int = 1024):
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # before Ray starts: bind 127.0.0.1
         import ray
         from ray.cluster_utils import Cluster
+
+        self.l3 = start_l3(l3_pool_mb) if l3_pool_mb > 0 else None
 
         self.cluster = Cluster(initialize_head=True, head_node_args={
             "num_cpus": cpus_per_node, "include_dashboard": False})
@@ -51,6 +76,8 @@ class LocalCluster:
 
         from serve_app.app import APP_NAME, build_app
 
+        if self.l3 is not None and "l3_master" not in args.get("worker", {}):
+            args = {**args, "worker": {**args.get("worker", {}), "l3_master": self.l3.address}}
         serve.start(http_options={"host": host, "port": port})
         serve.run(build_app(args), name=APP_NAME, route_prefix="/", blocking=False)
         self.port = port
@@ -101,3 +128,5 @@ class LocalCluster:
         finally:
             ray.shutdown()
             self.cluster.shutdown()
+            if self.l3 is not None:
+                self.l3.stop()

@@ -48,6 +48,7 @@ import abc
 import importlib
 import logging
 import os
+import re
 import socket
 import threading
 import time
@@ -119,6 +120,11 @@ class L3Store(abc.ABC):
     @abc.abstractmethod
     def contains(self, keys: Sequence[L3Key]) -> tuple[bool, ...]:
         """Whether each key is stored (a hint: a later read still verifies)."""
+
+    @abc.abstractmethod
+    def remove_prefix(self, prefix: str) -> int:
+        """Remove every value whose key name starts with ``prefix`` (an admin flush);
+        how many were removed, -1 when the store could not say."""
 
     @abc.abstractmethod
     def close(self) -> None: ...
@@ -454,6 +460,14 @@ class MooncakeL3Store(L3Store):
                     verify_failures=status.count(GetStatus.VERIFY_FAILED),
                     token_mismatches=status.count(GetStatus.TOKEN_MISMATCH))
         return tuple(L3GetResult(q.key, s, kv) for q, s, kv in zip(lookups, status, kvs))
+
+    def remove_prefix(self, prefix: str) -> int:
+        try:
+            self._ensure_on()
+            return int(self._native(lambda: self._client.remove_by_regex("^" + re.escape(prefix)),
+                                    self._clock() + self.config.op_timeout_s))
+        except _Off:
+            return -1
 
     def contains(self, keys: Sequence[L3Key]) -> tuple[bool, ...]:
         if not keys:

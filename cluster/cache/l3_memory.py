@@ -76,6 +76,13 @@ class MemoryL3Store(L3Store):
         with self._lock:
             return tuple(not self._closed and k.name in self._values for k in keys)
 
+    def remove_prefix(self, prefix: str) -> int:
+        with self._lock:
+            names = [n for n in self._values if n.startswith(prefix)]
+            for n in names:
+                self._bytes -= len(self._values.pop(n))
+            return len(names)
+
     def remove(self, key: L3Key) -> bool:
         """Forget one value (as an eviction would); True if it was there."""
         with self._lock:

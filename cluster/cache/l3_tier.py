@@ -149,9 +149,10 @@ class L3TierStats:
     install_failures: int = 0
     fetches_timed: int = 0          # fetches that found blocks, timed (the latest in ``fetch_s``)
     fetch_s: list[float] = field(default_factory=list)   # the latest fetches' times (bounded)
+    fetch_tokens: list[int] = field(default_factory=list)   # ... and the tokens each brought
 
     def as_dict(self) -> dict:
-        out = {k: v for k, v in self.__dict__.items() if k != "fetch_s"}
+        out = {k: v for k, v in self.__dict__.items() if k not in ("fetch_s", "fetch_tokens")}
         times = sorted(self.fetch_s)
         out["fetch_ms_p50"] = round(times[len(times) // 2] * 1e3, 3) if times else None
         out["fetch_ms_p99"] = round(times[min(len(times) - 1, int(0.99 * len(times)))] * 1e3, 3) if times else None
@@ -234,6 +235,16 @@ class L3Tier:
 
     def key(self, block_hash: int):
         return l3_key(self.config.model_id, self.version, block_hash)
+
+    def remove_all(self) -> int:
+        """Remove every block of this model and KV format from L3 (an admin flush;
+        any thread); how many went (-1: unknown). ``forget`` afterwards."""
+        return self.store.remove_prefix(f"pc/{self.config.model_id}/{self.version}/")
+
+    def forget(self) -> None:
+        """Forget which blocks were written or missing (owner thread; after ``remove_all``)."""
+        self.written = _Bounded(self.config.max_remembered)
+        self._missing = _Bounded(self.config.max_remembered)
 
     # ------------------------------------------------------------- writes
     def unwritten(self, hashes: Sequence[int]) -> list[int]:
@@ -333,11 +344,13 @@ class L3Tier:
             if r.blocks:
                 self.stats.fetch_blocks_hit += r.blocks
                 self.stats.bytes_fetched += r.bytes
-                times = self.stats.fetch_s
+                times, sizes = self.stats.fetch_s, self.stats.fetch_tokens
                 times.append(r.seconds)
+                sizes.append(r.blocks * self.block_tokens)
                 self.stats.fetches_timed += 1
                 if len(times) > 4096:
                     del times[:2048]
+                    del sizes[:2048]
                 if r.seconds > 0:   # observed rate, smoothed: what the next decisions weigh
                     rate = r.blocks * self.block_tokens / r.seconds
                     f = self.fetch_tokens_per_s

@@ -17,7 +17,7 @@ Ops: ``register(worker_id, fresh)``, ``drop(worker_id)``,
 ``drain(worker_id)`` (a worker leaving: it keeps its entries for migrations
 but is never chosen), ``batch(EventBatch)``, ``snapshot(worker_id, seq,
 entries)``, ``load(worker_id, queued_tokens, running)``, ``cost(CostModel
-fields)``, ``policy(name, kwargs)``.
+fields)``, ``policy(name, kwargs)``, ``l3_clear()`` (L3 was flushed).
 
 A replica that misses an op (its cursor fell out of the log, or the
 directory restarted and numbers from 1 again under a new epoch) gets the
@@ -41,7 +41,7 @@ from cluster.routing.index import GlobalIndex
 from cluster.protocol import RouteDecision
 from cluster.routing.policies import CostModel, NoLiveWorkerError, WorkerState, make_policy
 
-OPS = ("register", "drop", "drain", "batch", "snapshot", "load", "cost", "policy")
+OPS = ("register", "drop", "drain", "batch", "snapshot", "load", "cost", "policy", "l3_clear")
 
 
 class RoutingTable:
@@ -97,6 +97,11 @@ class RoutingTable:
     @property
     def draining(self) -> list[str]:
         return [w for w, st in self.workers.items() if not st.alive]
+
+    def _op_l3_clear(self) -> int:
+        n = self.index.num_l3
+        self.index.load_l3(())
+        return n
 
     def _op_batch(self, batch: EventBatch) -> str:
         return self.index.apply(batch)

@@ -62,6 +62,9 @@ class Turn:
     completion_tokens: int = 0
     cached_tokens: int = 0
     error: str | None = None
+    started_at: float = 0.0            # time.monotonic() when it was sent
+    worker_id: str | None = None       # the replica that answered (this app's prefix_cache field)
+    cached_by_tier: dict = field(default_factory=dict)   # this app's cached_tokens_by_tier
 
 
 @dataclass
@@ -112,39 +115,7 @@ async def run_workload(base: str, model: str, *, sessions: int, turns: int, syst
             messages.append({"role": "assistant", "content": reply})
 
     async def ask(http, messages, i, t) -> tuple[Turn, str]:
-        body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
-                "stream": True, "stream_options": {"include_usage": True}}
-        started = time.perf_counter()
-        ttft, text, usage, finished = None, [], None, False
-        try:
-            async with http.stream("POST", "/v1/chat/completions", json=body) as resp:
-                if resp.status_code != 200:
-                    detail = (await resp.aread()).decode(errors="replace")[:200]
-                    return Turn(i, t, False, error=f"HTTP {resp.status_code}: {detail}"), ""
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data: "):
-                        continue
-                    if line == "data: [DONE]":
-                        finished = True
-                        break
-                    chunk = json.loads(line[6:])
-                    if "error" in chunk:
-                        return Turn(i, t, False, error=f"stream error: {chunk['error'].get('message', '')[:200]}"), ""
-                    for choice in chunk.get("choices") or []:
-                        piece = (choice.get("delta") or {}).get("content")
-                        if piece and ttft is None:
-                            ttft = time.perf_counter() - started
-                        if piece:
-                            text.append(piece)
-                    if chunk.get("usage"):
-                        usage = chunk["usage"]
-        except Exception as exc:   # no answer at all
-            return Turn(i, t, False, error=f"{type(exc).__name__}: {str(exc)[:200]}"), ""
-        if not finished or usage is None:
-            return Turn(i, t, False, error="the stream ended without its usage and [DONE]"), ""
-        cached = int(((usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0)
-        return Turn(i, t, True, ttft, time.perf_counter() - started, int(usage.get("prompt_tokens", 0)),
-                    int(usage.get("completion_tokens", 0)), cached), "".join(text)
+        return await ask_turn(http, model, messages, i, t, max_tokens)
 
     limits = httpx.Limits(max_connections=sessions + 4, max_keepalive_connections=sessions + 4)
     async with httpx.AsyncClient(base_url=base, timeout=timeout_s, limits=limits) as http:
@@ -152,3 +123,44 @@ async def run_workload(base: str, model: str, *, sessions: int, turns: int, syst
         await asyncio.gather(*[one_session(i, http) for i in range(sessions)])
         result.wall_s = time.perf_counter() - t0
     return result
+
+
+async def ask_turn(http, model: str, messages: list[dict], i: int, t: int, max_tokens: int) -> tuple[Turn, str]:
+    """One streamed chat turn: its measurements and the reply's text (an error ends as a failed Turn)."""
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    started, sent_at = time.perf_counter(), time.monotonic()
+    ttft, text, usage, finished, cache = None, [], None, False, {}
+    try:
+        async with http.stream("POST", "/v1/chat/completions", json=body) as resp:
+            if resp.status_code != 200:
+                detail = (await resp.aread()).decode(errors="replace")[:200]
+                return Turn(i, t, False, error=f"HTTP {resp.status_code}: {detail}", started_at=sent_at), ""
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    finished = True
+                    break
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    return Turn(i, t, False, error=f"stream error: {chunk['error'].get('message', '')[:200]}",
+                                started_at=sent_at), ""
+                for choice in chunk.get("choices") or []:
+                    piece = (choice.get("delta") or {}).get("content")
+                    if piece and ttft is None:
+                        ttft = time.perf_counter() - started
+                    if piece:
+                        text.append(piece)
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                    cache = chunk.get("prefix_cache") or {}   # this app's: None from other servers
+    except Exception as exc:   # no answer at all
+        return Turn(i, t, False, error=f"{type(exc).__name__}: {str(exc)[:200]}", started_at=sent_at), ""
+    if not finished or usage is None:
+        return Turn(i, t, False, error="the stream ended without its usage and [DONE]", started_at=sent_at), ""
+    cached = int(((usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0)
+    return Turn(i, t, True, ttft, time.perf_counter() - started, int(usage.get("prompt_tokens", 0)),
+                int(usage.get("completion_tokens", 0)), cached, None, sent_at, cache.get("worker_id"),
+                dict(cache.get("cached_tokens_by_tier") or {})), "".join(text)
+

@@ -182,8 +182,10 @@ def run(args: argparse.Namespace) -> int:
         for policy, cache in arms:
             if cache != deployed:   # the cache's tiers are the replicas' config: redeploy
                 print(f"redeploying with the {cache} cache ...", flush=True)
-                local.deploy({**app, "worker": {**worker, "warm_blocks": 0 if cache == "drop" else
-                                                DEMO_WORKER["warm_blocks"]}}, port=port)
+                # drop: HOT only, as a GPU-only prefix cache (no WARM, no L3); tiered: all of it.
+                drop = {"warm_blocks": 0, "l3_master": None} if cache == "drop" else \
+                    {"warm_blocks": DEMO_WORKER["warm_blocks"]}
+                local.deploy({**app, "worker": {**worker, **drop}}, port=port)
                 deployed = cache
             with tqdm(total=args.sessions * args.turns, desc=f"{policy + ', ' + cache:>20}", unit="req") as bar:
                 results = asyncio.run(run_arm(base, model, policy, sessions, args, bar))

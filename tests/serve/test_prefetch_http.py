@@ -158,7 +158,7 @@ def test_the_header_brings_a_demoted_session_back_to_hot_before_its_prefill(base
     answer = request.finish()
     cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert cached >= PROMPT_TOKENS
-    assert answer["prefix_cache"]["cached_tokens_by_tier"] == {"hot": cached, "warm": 0, "cold": 0}
+    assert answer["prefix_cache"]["cached_tokens_by_tier"] == {"hot": cached, "warm": 0, "cold": 0, "l3": 0}
     after = worker_stats(base_url)
     assert after["cache"]["prefetches"] == before["cache"]["prefetches"] + 1   # one prefetch for the request
     assert after["engine"]["prompt_tokens"] == before["engine"]["prompt_tokens"] + len(next_prompt)
@@ -185,5 +185,5 @@ def test_without_the_header_or_with_another_tenants_nothing_is_prefetched(base_u
     answer = request.finish()
     cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert cached >= PROMPT_TOKENS
-    assert answer["prefix_cache"]["cached_tokens_by_tier"] == {"hot": 0, "warm": 0, "cold": 0, tier: cached}
+    assert answer["prefix_cache"]["cached_tokens_by_tier"] == {"hot": 0, "warm": 0, "cold": 0, "l3": 0, tier: cached}
     assert worker_stats(base_url)["cache"]["prefetches"] == before["cache"]["prefetches"]

@@ -3,6 +3,7 @@ ops in order and decides exactly what the directory decides; it starts over
 from the whole table when it misses an op or the directory restarts."""
 
 import asyncio
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -199,3 +200,35 @@ def test_a_draining_worker_is_never_chosen_and_a_copy_learns_it_with_l3():
     copy = RoutingTable.from_state(table.state("e", 7))
     assert copy.draining == ["w0"] and copy.index.l3_blocks(hashes) == 3
     assert copy.route(hashes, 12, reserve=False).worker_id == "w1"
+
+
+def test_a_worker_whose_process_exits_is_dropped_at_once():
+    """The directory holds an idle connection to each worker's peer channel; the
+    kernel closes it when the process dies, and the worker goes then, long before
+    its heartbeats would be missed."""
+    async def scenario():
+        closed = asyncio.Event()
+        conns = []
+
+        async def accept(reader, writer):   # a peer channel that never answers, then dies
+            conns.append(writer)
+            await closed.wait()
+            writer.transport.abort()   # what the kernel does to a killed process's sockets
+        server = await asyncio.start_server(accept, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        d = DirectoryImpl(block_tokens=BT, heartbeat_timeout_s=3600)
+        await d.register_worker("w0", RATES, f"127.0.0.1:{port}")
+        await d.register_worker("w1", RATES, None)
+        for _ in range(100):
+            if conns:
+                break
+            await asyncio.sleep(0.01)
+        assert d.live_workers() == ["w0", "w1"] and len(conns) == 1
+        t0 = time.monotonic()
+        closed.set()
+        while "w0" in d.live_workers():
+            await asyncio.sleep(0.01)
+            assert time.monotonic() - t0 < 2.0
+        assert d.live_workers() == ["w1"] and d.stats["process_exits"] == 1
+        server.close()
+    asyncio.run(scenario())
