@@ -175,6 +175,8 @@ class DirectoryImpl:
         if self.addresses.get(worker_id) == address and worker_id in self.workers:
             self.stats["process_exits"] += 1
             await self.drop_worker(worker_id, "its process exited (peer channel closed)")
+
+    async def drain_worker(self, worker_id: str) -> bool:
         """A worker is leaving (scale-in): no new request is routed to it from now
         on, by this table or any copy; its entries stay until it ``leave``s, so
         peers can still pull its prefixes."""

@@ -119,10 +119,25 @@ class DirectoryLink:
         except Exception as exc:
             log.warning("could not report %s as failed: %s", worker_id, exc)
 
+    async def _call(self, method: str, *args, timeout_s: float = CALL_TIMEOUT_S):
+        """One directory call within ``timeout_s``, tried once more on a fresh lookup when
+        the handle failed (the directory restarted: the first call on the old handle
+        fails even though the actor is back)."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        for attempt in (0, 1):
+            try:
+                handle = await self.ahandle()
+                left = deadline - asyncio.get_running_loop().time()
+                return await asyncio.wait_for(getattr(handle, method).remote(*args), max(0.01, left))
+            except RayActorError:
+                self.forget()
+                if attempt or deadline - asyncio.get_running_loop().time() <= 0:
+                    raise
+
     async def drain(self, worker_id: str, timeout_s: float = CALL_TIMEOUT_S) -> bool:
         """Stop routing to ``worker_id`` (it is leaving); False when the directory did not answer."""
         try:
-            return bool(await asyncio.wait_for((await self.ahandle()).drain_worker.remote(worker_id), timeout_s))
+            return bool(await self._call("drain_worker", worker_id, timeout_s=timeout_s))
         except Exception as exc:
             log.warning("could not mark %s as draining: %s", worker_id, exc)
             self.forget()
@@ -131,8 +146,7 @@ class DirectoryLink:
     async def leave(self, worker_id: str, timeout_s: float = CALL_TIMEOUT_S) -> bool:
         """Forget ``worker_id`` and its entries now (it handed off and is going)."""
         try:
-            return bool(await asyncio.wait_for((await self.ahandle()).drop_worker.remote(worker_id, "left"),
-                                               timeout_s))
+            return bool(await self._call("drop_worker", worker_id, "left", timeout_s=timeout_s))
         except Exception as exc:   # its heartbeats stop: the directory drops it within its timeout
             log.warning("could not deregister %s: %s", worker_id, exc)
             self.forget()
@@ -141,7 +155,7 @@ class DirectoryLink:
     async def handoff_targets(self, worker_id: str, timeout_s: float = CALL_TIMEOUT_S) -> list[str]:
         """The live workers other than ``worker_id`` that take requests, least loaded first."""
         try:
-            return list(await asyncio.wait_for((await self.ahandle()).handoff_targets.remote(worker_id), timeout_s))
+            return list(await self._call("handoff_targets", worker_id, timeout_s=timeout_s))
         except Exception as exc:
             log.warning("no hand-off targets from the directory (%s)", type(exc).__name__)
             self.forget()
@@ -151,7 +165,7 @@ class DirectoryLink:
                              timeout_s: float = CALL_TIMEOUT_S) -> None:
         """Record a hand-off or warm-up report with the directory (its stats show them)."""
         try:
-            await asyncio.wait_for((await self.ahandle()).note_lifecycle.remote(worker_id, kind, report), timeout_s)
+            await self._call("note_lifecycle", worker_id, kind, report, timeout_s=timeout_s)
         except Exception as exc:
             log.warning("could not record %s of %s: %s", kind, worker_id, exc)
 

@@ -81,7 +81,7 @@ def test_scale_in_hands_the_cache_to_l3_and_a_peer(cache_cluster):
     assert first.worker_id == leaving
     cc_stats = ray.get(cc.workers[leaving].stats.remote())
     report = ray.get(cc.workers[leaving].leave.remote(10.0))
-    assert report["drained"] and report["left"] and report["l3_flushed"]
+    assert report["drained"] and report["left"] and report["l3_flushed"], report
     assert report["peer_prefixes"] == 1 and report["peer_tokens"] == 93   # 90 + 3 computed tokens
     assert report["seconds"] < 10.0
     assert leaving not in ray.get(cc.directory.live_workers.remote())

@@ -26,10 +26,13 @@ def built(target: str = "k8s") -> list[dict]:
 
 
 def by_kind(target: str = "k8s") -> dict[str, dict]:
+    """Each document under ``kind/name``, and under its kind alone when it is the only one of it."""
     docs = built(target)
-    kinds = {doc["kind"]: doc for doc in docs}
-    assert len(kinds) == len(docs), [d["kind"] for d in docs]
-    return kinds
+    out = {f"{d['kind']}/{d['metadata']['name']}": d for d in docs}
+    assert len(out) == len(docs), [(d["kind"], d["metadata"]["name"]) for d in docs]
+    kinds = [d["kind"] for d in docs]
+    out.update({d["kind"]: d for d in docs if kinds.count(d["kind"]) == 1})
+    return out
 
 
 def rayservice(target: str = "k8s") -> dict:

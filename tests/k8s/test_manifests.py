@@ -48,9 +48,12 @@ def test_build_holds_exactly_these_objects(target):
     """The serve-config ConfigMap is a build input (local-config) and never reaches the cluster;
     no Secret: the real one is created by hand (k8s/README.md, step 3)."""
     names = sorted((d["apiVersion"], d["kind"], d["metadata"]["name"]) for d in built(target))
-    assert names == [("monitoring.coreos.com/v1", "PodMonitor", "prefix-cache-ray"),
+    assert names == [("apps/v1", "Deployment", "prefix-cache-l3-master"),
+                     ("apps/v1", "Deployment", "prefix-cache-l3-pool"),
+                     ("monitoring.coreos.com/v1", "PodMonitor", "prefix-cache-ray"),
                      ("ray.io/v1", "RayService", "prefix-cache"),
-                     ("v1", "ConfigMap", "prefix-cache-grafana-dashboard")]
+                     ("v1", "ConfigMap", "prefix-cache-grafana-dashboard"),
+                     ("v1", "Service", "prefix-cache-l3-master")]
     for doc in built(target):
         assert doc["metadata"]["labels"]["app.kubernetes.io/part-of"] == "prefix-cache"
         assert "namespace" not in doc["metadata"]   # `kubectl -n NAMESPACE apply -k` decides
@@ -145,7 +148,11 @@ def test_readme_overlay_sets_image_and_drops_podmonitor(tmp_path, crds):
     (tmp_path / "deploy").mkdir()
     (tmp_path / "deploy" / "kustomization.yaml").write_text(overlay)
     docs = {d["kind"]: d for d in v.kustomize_build(tmp_path / "deploy")}
-    assert sorted(docs) == ["ConfigMap", "RayService"]
+    assert sorted(docs) == ["ConfigMap", "Deployment", "RayService", "Service"]
+    for d in v.kustomize_build(tmp_path / "deploy"):   # the L3 pods run the same image
+        if d["kind"] == "Deployment":
+            assert [c["image"] for c in d["spec"]["template"]["spec"]["containers"]] == \
+                ["registry.mycorp.io/prefix-cache:0.1.1"]
     rs = docs["RayService"]
     assert [c["image"] for _, _, c in v._containers(v.cluster_spec(rs))] == \
         ["registry.mycorp.io/prefix-cache:0.1.1"] * 2
@@ -219,7 +226,8 @@ def test_serve_config_is_config_yaml_plus_documented_overrides():
         'applications[prefix-cache].args.worker.model.dtype: "float32" -> "bfloat16"',
         'applications[prefix-cache].args.worker.cold_blocks: 0 -> 46000',
         'applications[prefix-cache].args.worker.disk_dir: (unset) -> "/mnt/nvme"',
-        'applications[prefix-cache].args.worker.max_batch_tokens: 512 -> 4096']
+        'applications[prefix-cache].args.worker.max_batch_tokens: 512 -> 4096',
+        'applications[prefix-cache].args.worker.l3_master: (unset) -> "prefix-cache-l3-master:50051"']
 
 
 @pytest.mark.parametrize("overrides,message", [
@@ -485,3 +493,35 @@ def test_no_schemas_found(monkeypatch):
     monkeypatch.setenv(v.SCHEMAS_ENV, "/nonexistent")
     monkeypatch.setattr(v, "REPO", Path("/nonexistent/checkout"))
     assert v.schemas_dir() is None
+
+
+def test_the_replicas_reach_the_l3_master_and_the_pool_registers_with_it():
+    """L3 (k8s/base/l3.yaml): the serve config names the master's Service and port, the Service
+    selects the master's pods by their port names, and the pool pods point at the same address
+    with their own IP as the segment's host."""
+    docs = by_kind("base")
+    master, pool, service = (docs["Deployment/prefix-cache-l3-master"], docs["Deployment/prefix-cache-l3-pool"],
+                             docs["Service/prefix-cache-l3-master"])
+    config = yaml.safe_load(rayservice("base")["spec"]["serveConfigV2"])
+    (app,) = config["applications"]
+    host, port = app["args"]["worker"]["l3_master"].split(":")
+    assert host == service["metadata"]["name"]
+    rpc = next(p for p in service["spec"]["ports"] if p["name"] == "rpc")
+    assert rpc["port"] == int(port)
+    (container,) = master["spec"]["template"]["spec"]["containers"]
+    assert f"--rpc_port={rpc['port']}" in container["args"] and container["command"] == ["mooncake_master"]
+    assert {p["name"]: p["containerPort"] for p in container["ports"]}[rpc["targetPort"]] == rpc["port"]
+    labels = master["spec"]["template"]["metadata"]["labels"]
+    assert all(labels.get(k) == v for k, v in service["spec"]["selector"].items())
+    assert master["spec"]["strategy"]["type"] == "Recreate" and master["spec"]["replicas"] == 1
+    (holder,) = pool["spec"]["template"]["spec"]["containers"]
+    script = " ".join(holder["args"])
+    assert f"--master_server_address={host}:{port}" in script and '--host="$POD_IP"' in script
+    assert {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in holder["env"]} == {"POD_IP": "status.podIP"}
+    # Guaranteed QoS: requests equal limits, and the memory covers the segment.
+    res = holder["resources"]
+    assert res["requests"] == res["limits"]
+    segment_gb = int(script.split("--global_segment_size=")[1].split("GB")[0])
+    assert int(res["limits"]["memory"].rstrip("Gi")) > segment_gb
+    for d in (master, pool):
+        assert d["spec"]["selector"]["matchLabels"].items() <= d["spec"]["template"]["metadata"]["labels"].items()

@@ -502,9 +502,13 @@ def dockerfile_errors(text: str, rayservice: dict, root: Path = REPO) -> list[st
         errors.append(f"FROM {image!r} is not a rayproject/ray CUDA 12 (gpu/cu12x) image")
     elif match[1] != version:
         errors.append(f"FROM {image} is Ray {match[1]}, the manifests' rayVersion is {version}")
-    installs = " ".join(re.findall(r"^RUN\s+pip install([^\n]*)", text, re.MULTILINE)).split()
-    if "." not in installs or not any(arg.strip("'\"").startswith("nixl-cu12") for arg in installs):
-        errors.append("the image must `RUN pip install .` with nixl-cu12")
+    installs = [arg.strip("'\"") for arg in
+                " ".join(re.findall(r"^RUN\s+pip install([^\n]*)", text, re.MULTILINE)).split()]
+    if not any(arg == "." or arg.startswith(".[") for arg in installs) or \
+            not any(arg.startswith("nixl-cu12") for arg in installs):
+        errors.append("the image must `RUN pip install .` (or with extras) with nixl-cu12")
+    if not any(arg.startswith(".[") and "l3-cuda" in arg for arg in installs):
+        errors.append("the image must install the l3-cuda extra: the L3 pods run mooncake_master from it")
     for _, _, c in _containers(spec):
         if c.get("image") and c["image"] not in text:
             errors.append(f"the Dockerfile does not say it builds {c['image']}")
