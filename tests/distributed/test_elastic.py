@@ -113,3 +113,27 @@ def test_a_new_replica_starts_warm_on_the_shared_prefixes(cache_cluster):
     assert report["prefixes"] >= 1 and report["tokens"] >= 64
     turn = complete(cc, system + prompt_of(60, 20), worker_id=newcomer)
     assert turn.worker_id == newcomer and turn.cached_tokens == 64 and turn.tier_hits[0] == 64
+
+
+def test_the_whole_app_restarted_against_a_running_master_finds_its_prefixes_in_l3(cache_cluster):
+    """Every worker and the directory go (a redeploy, a new RayCluster); the master and its
+    pool stay. The new processes start with empty trees and an empty index, and the next
+    turn still reads its prefix from L3 (what survives: L3's blocks; what does not: every
+    HOT/WARM/COLD copy, the directory's index, session memory)."""
+    cc = cache_cluster
+    prompt = prompt_of(71, 120)
+    first = complete(cc, prompt)
+    wait_until(lambda: l3_stats(cc, first.worker_id)["blocks_written"] >= 7, "the turn's blocks in L3")
+    for h in cc.workers.values():
+        ray.kill(h, no_restart=True)
+    ray.kill(cc.directory, no_restart=True)
+    time.sleep(1.0)
+    cc.start_directory()
+    for i in range(len(cc.workers)):
+        cc.workers[f"w{i}"] = cc.start_worker(i)
+    cc.wait_registered()
+    stats = ray.get(cc.directory.get_stats.remote())
+    assert stats["l3_blocks_known"] == 0   # a new directory: it knows nothing of L3
+    follow = prompt + first.tokens + prompt_of(72, 6)
+    second = complete(cc, follow)
+    assert second.cached_tokens == 112 and second.tier_hits == (0, 0, 0, 112)   # 7 blocks of 120 + 3
