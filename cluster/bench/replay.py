@@ -91,6 +91,9 @@ import gc
 import heapq
 import math
 import time
+from dataclasses import replace
+from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 from cluster.bench.common import emit, percentile, rounded
 # The trace and the model of a replica; Replica, ServiceModel and synthetic_chat_trace are re-exported.
@@ -105,6 +108,9 @@ from cluster.bench.traces import SHAPES, shape_trace
 from cluster.routing.policies import POLICIES, RATE_FIELDS, CostModel, WorkerState, make_policy
 from cluster.routing.policies.baselines import APPROX_TREE_DEFAULTS, DEFAULT_APPROX_TREE_DEFAULTS
 from cluster.trace import MOONCAKE_BLOCK_TOKENS, TraceRecord, load_trace
+
+if TYPE_CHECKING:
+    from cluster.bench.replay_elastic import ScaleEvents
 
 ORDER = ("round_robin", "least_loaded", "prefix", "approx_tree", "ray_prefix", "cost", "ideal")
 _CLOCKED = ("approx_tree", "ray_prefix", "cost")   # policies that take the simulated clock
@@ -159,6 +165,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "cost in the simulator's service times (30,500 for Llama-3-8B; 0: no attention term)")
     p.add_argument("--service-noise", type=float, default=0.15,
                    help="production information: sigma of the lognormal noise on every simulated service time")
+    p.add_argument("--scale-events", default=None, metavar="SPEC",
+                   help="scale events at simulated seconds, e.g. scale_in@1200,scale_out@2400,kill@3600: each arm of "
+                        "--scale-arms replays the trace with them and prints replay_scale lines (windows before and "
+                        "after each event; cluster/bench/replay_elastic.py)")
+    p.add_argument("--scale-arms", default="elastic,baseline",
+                   help="with --scale-events: elastic (L3, hand-off, warm-up), baseline (none), handoff_value and "
+                        "handoff_lru (no write-behind, a hand-off of --handoff-blocks blocks in value or LRU order)")
+    p.add_argument("--scale-window-s", type=float, default=300.0, help="with --scale-events: the measured window")
+    p.add_argument("--l3-gbps", type=float, default=5.0,
+                   help="with --scale-events: L3 -> replica bandwidth (Mooncake Store over RDMA; 5)")
+    p.add_argument("--l3-blocks", type=int, default=None,
+                   help="with --scale-events: L3 capacity in blocks (default: the replicas' HOT + WARM together)")
+    p.add_argument("--handoff-blocks", type=int, default=None,
+                   help="with --scale-events: the hand-off's L3 budget in blocks for the handoff_* arms "
+                        "(default: an eighth of a replica's HOT + WARM)")
     p.add_argument("--misestimate", default=None, metavar="F[,F...]",
                    help="also run cost with each of its rate constants (and all of them) multiplied by each "
                         "factor, e.g. 0.5,2; the simulator keeps the true rates")
@@ -166,13 +187,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 # ------------------------------------------------------------ the simulation
 def run_policy(name: str, records: list[TraceRecord], hash_chains: list[list[int]], args,
-               latency: LatencyModel, believed: CostModel | None = None, noise: list | None = None) -> dict:
+               latency: LatencyModel, believed: CostModel | None = None, noise: list | None = None,
+               scale: "ScaleEvents | None" = None) -> dict:
     """Replay ``records`` (``hash_chains[i]``: the routing hashes of record i) under one policy.
 
     ``believed``: the cost model the policy is given (default: the calibrated one
     built from the latency constants), to measure what misestimated constants cost.
     ``noise``: the per-request service-time draws (``ServiceModel.draws``; default
-    drawn from ``--seed``), shared by every policy of a run."""
+    drawn from ``--seed``), shared by every policy of a run.
+    ``scale``: scale events and L3 (``cluster.bench.replay_elastic``): it changes the
+    replicas as the trace reaches each event and reports the windows around them."""
     bt, R = args.block_tokens, args.replicas
     cost = latency.cost_model(bt)
     oracle = bool(getattr(args, "oracle", False))
@@ -192,6 +216,10 @@ def run_policy(name: str, records: list[TraceRecord], hash_chains: list[list[int
         shared = Replica("global", TierConfig(hot_blocks=R * args.hot_blocks, warm_blocks=R * args.warm_blocks,
                                               cold_blocks=R * args.cold_blocks, block_tokens=1, device="cpu"))
     servers = [Replica(f"r{i}", per) for i in range(R)]
+    if scale is None and latency.l3_gbps:
+        latency = LatencyModel(*(getattr(latency, f) for f in ("prefill_tokens_per_s", "kv_bytes_per_token",
+                                                                "h2d_gbps", "disk_gbps", "transfer_gbps")))
+        cost = latency.cost_model(bt)   # no L3 without scale events: the policy does not price it
     for i, r in enumerate(servers):   # report clocks spread over the interval, the same in every run
         r.phase = interval * ((i * 0.618034) % 1.0)
     by_id = {r.worker_id: r for r in servers}
@@ -212,6 +240,8 @@ def run_policy(name: str, records: list[TraceRecord], hash_chains: list[list[int
         kw["defaults"] = getattr(args, "approx_tree_defaults", DEFAULT_APPROX_TREE_DEFAULTS)
     if name in _CLOCKED:
         kw["clock"] = lambda: sim_now[0]
+    if scale is not None and not scale.l3_on:
+        kw["cost"] = replace(kw["cost"], l3_fetch_tokens_per_s=0.0)
     policies = [make_policy(name, **kw) for _ in range(nrouters)]
     if nrouters > 1:   # each router breaks exact ties from its own place, as deployed routers do
         for i, policy in enumerate(policies):
@@ -239,11 +269,30 @@ def run_policy(name: str, records: list[TraceRecord], hash_chains: list[list[int
     # would land inside the timed choose() calls. Collect between requests.
     gc_was_enabled = gc.isenabled()
     gc.disable()
+    sim = None
+    if scale is not None:
+        def new_state(worker_id: str) -> WorkerState:
+            r = by_id.get(worker_id)
+            if r is not None:
+                r.phase = interval * ((len(servers) * 0.618034) % 1.0)
+            return WorkerState(worker_id, 0, 0)
+
+        def publish(replica) -> None:   # its pending events, sent now (after a hand-off or warm-up)
+            nonlocal delivery_order
+            batch = replica.publisher.drain()
+            if batch is not None:
+                heapq.heappush(deliveries, (sim_now[0] + delay, delivery_order, replica, batch))
+                delivery_order += 1
+
+        sim = SimpleNamespace(servers=servers, states=states, by_id=by_id, indexes=indexes, new_state=new_state,
+                              publish=publish)
     for k, (rec, hashes) in enumerate(zip(records, hash_chains)):
         if k % 20_000 == 19_999:
             gc.collect()
         ids = rec.hash_ids
         now = sim_now[0] = rec.timestamp / 1e3 * args.time_scale
+        if scale is not None:
+            scale.before(now, sim)
         due = []
         while deliveries and deliveries[0][0] <= now:
             due.append(heapq.heappop(deliveries))
@@ -304,6 +353,9 @@ def run_policy(name: str, records: list[TraceRecord], hash_chains: list[list[int
                     holder.free_at = max(holder.free_at, now) + stage
                     holder.busy_s += stage
                     staged_s += stage
+        # L3 holds blocks past what the replica has and pulled: read before the prefill
+        # (like pulled blocks, they enter the tree with the request's own at its commit).
+        l3_blocks = scale.extend(hashes, usable + pulled) if scale is not None else 0
         n_new = len(ids) - usable
         if n_new:
             try:
@@ -312,15 +364,17 @@ def run_policy(name: str, records: list[TraceRecord], hash_chains: list[list[int
             except PoolExhaustedError:
                 uncacheable += 1   # longer than what the HOT tier can hold: served, not cached
         lease.release()
-        cached_tok = min((usable + pulled) * bt, rec.input_length)
+        cached_tok = min((usable + pulled + l3_blocks) * bt, rec.input_length)
         local_tok = min(usable * bt, rec.input_length)
+        l3_s = l3_blocks * bt / cost.l3_fetch_tokens_per_s if l3_blocks else 0.0
         if service_model is None:   # oracle: the policy's own formulas
             service = (cost.promote_s(local_tiers[WARM], local_tiers[COLD]) + stage
-                       + cost.transfer_s(pulled, pulled_cold) + cost.prefill_s(max(1, rec.input_length - cached_tok)))
+                       + cost.transfer_s(pulled, pulled_cold) + l3_s
+                       + cost.prefill_s(max(1, rec.input_length - cached_tok)))
         else:
             draw = service_model.noise[k]
             service = (cost.promote_s(local_tiers[WARM], local_tiers[COLD]) * draw[1] + stage
-                       + cost.transfer_s(pulled, pulled_cold) * draw[3]
+                       + (cost.transfer_s(pulled, pulled_cold) + l3_s) * draw[3]
                        + service_model.prefill_s(k, rec.input_length - cached_tok, cached_tok))
         start = max(now, server.free_at)
         server.free_at = start + service
@@ -338,9 +392,13 @@ def run_policy(name: str, records: list[TraceRecord], hash_chains: list[list[int
             server.add_job(now, start, server.free_at, server.free_at + decode_s * rec.output_length,
                            rec.input_length, rec.output_length)
         ttft.append((server.free_at - now) * 1e3)
+        l3_tok = min(l3_blocks * bt, cached_tok - local_tok)
+        if scale is not None:
+            scale.committed(hashes, sim)
+            scale.record(now, rec.input_length, cached_tok, l3_tok, ttft[-1])
         tot += rec.input_length
         hit += cached_tok
-        migrated += cached_tok - local_tok
+        migrated += cached_tok - local_tok - l3_tok
         hot_tok = min(local_tiers[HOT] * bt, local_tok)
         warm_tok = min((local_tiers[HOT] + local_tiers[WARM]) * bt, local_tok) - hot_tok
         tier_hits[HOT] += hot_tok
@@ -410,7 +468,10 @@ def run(args: argparse.Namespace) -> int:
             raise InvalidInputError(f"unknown policy {name!r}; choose from {', '.join(ORDER)} or all")
     seeds = _seeds(args)
     latency = LatencyModel(args.prefill_tokens_per_s, args.kv_bytes_per_token, args.h2d_gbps, args.disk_gbps,
-                           args.transfer_gbps)
+                           args.transfer_gbps, getattr(args, "l3_gbps", 0.0) if getattr(args, "scale_events", None)
+                           else 0.0)
+    if getattr(args, "scale_events", None):
+        return run_scale_events(args, names, latency, seeds)
     by_seed = []
     for seed in seeds:
         records = _records(args, seed)
@@ -434,6 +495,40 @@ def run(args: argparse.Namespace) -> int:
             emit(line)
     if args.plot:
         plot(by_seed[0], args.plot)
+    return 0
+
+
+def run_scale_events(args: argparse.Namespace, names: list[str], latency: LatencyModel, seeds: list[int]) -> int:
+    """``--scale-events``: every policy under every arm of ``--scale-arms`` (see
+    ``cluster.bench.replay_elastic``), one replay line and one replay_scale line per event each."""
+    from cluster.bench.replay_elastic import ScaleEvents, parse_events
+
+    events = parse_events(args.scale_events)
+    arms = args.scale_arms.split(",")
+    per = args.hot_blocks + args.warm_blocks + args.cold_blocks
+    l3_blocks = args.l3_blocks or args.replicas * (args.hot_blocks + args.warm_blocks)
+    handoff = args.handoff_blocks if args.handoff_blocks is not None else per // 8
+    if args.scale_window_s <= 0 or args.l3_gbps <= 0 or l3_blocks <= 0 or handoff < 0:
+        raise InvalidInputError("--scale-window-s, --l3-gbps and --l3-blocks must be positive, --handoff-blocks >= 0")
+    tiers = TierConfig(hot_blocks=args.hot_blocks, warm_blocks=args.warm_blocks, cold_blocks=args.cold_blocks,
+                       block_tokens=1, device="cpu")
+    for seed in seeds:
+        records = _records(args, seed)
+        hash_chains = [block_hashes(r.hash_ids, 1) for r in records]
+        noise = None if args.oracle else ServiceModel.draws(len(records), args.service_noise, seed)
+        for name in names:
+            for arm in arms:
+                scale = ScaleEvents(events, arm, window_s=args.scale_window_s, l3_blocks=l3_blocks,
+                                    handoff_blocks=handoff, make_replica=lambda wid: Replica(wid, tiers))
+                res = run_policy(name, records, hash_chains, args, latency, noise=noise, scale=scale)
+                res["arm"] = arm
+                if not args.trace:
+                    res["seed"] = seed
+                emit(res)
+                base = {"policy": name, "information": res["information"], "replicas": args.replicas,
+                        **({} if args.trace else {"seed": seed})}
+                for row in scale.rows(base):
+                    emit(row)
     return 0
 
 

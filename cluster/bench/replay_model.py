@@ -88,6 +88,7 @@ class LatencyModel:
     h2d_gbps: float
     disk_gbps: float
     transfer_gbps: float
+    l3_gbps: float = 0.0   # reading from L3 into a replica (0: no L3)
 
     def cost_model(self, block_tokens: int) -> CostModel:
         per_tok = self.kv_bytes_per_token
@@ -95,7 +96,8 @@ class LatencyModel:
         return CostModel(prefill_tokens_per_s=self.prefill_tokens_per_s,
                          warm_promote_tokens_per_s=self.h2d_gbps * 1e9 / per_tok,
                          cold_promote_tokens_per_s=1.0 / cold_s_per_tok,
-                         transfer_tokens_per_s=self.transfer_gbps * 1e9 / per_tok, block_tokens=block_tokens)
+                         transfer_tokens_per_s=self.transfer_gbps * 1e9 / per_tok, block_tokens=block_tokens,
+                         l3_fetch_tokens_per_s=self.l3_gbps * 1e9 / per_tok)
 
 
 @dataclass(frozen=True)

@@ -192,7 +192,7 @@ class GlobalIndex:
         for ev in batch.events:
             nhashes += len(ev.hashes)
             if ev.tier == L3:
-                self._apply_l3(ev.kind, ev.hashes)
+                self.note_l3(ev.kind, ev.hashes)
             elif ev.kind == "removed":
                 for h in ev.hashes:
                     old = entries.pop(h, None)
@@ -219,7 +219,8 @@ class GlobalIndex:
         return "ok"
 
     # -------------------------------------------------------------------- L3
-    def _apply_l3(self, kind: str, hashes: list[int]) -> None:
+    def note_l3(self, kind: str, hashes: list[int]) -> None:
+        """Blocks ``stored`` in L3 or found ``removed`` from it (what L3 events carry)."""
         l3 = self._l3
         if kind == "removed":
             for h in hashes:

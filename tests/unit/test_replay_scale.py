@@ -1,0 +1,59 @@
+"""Scale events in the routing replay (cluster/bench/replay_elastic.py): the replicas
+change as the trace reaches each event, L3 serves what a departed replica held only
+in the elastic arms, and the windows count exactly the requests around each event."""
+
+import json
+
+import pytest
+
+from cluster.bench.replay_elastic import parse_events
+from cluster.cli import main
+from cluster.errors import InvalidInputError
+
+ARGS = ["--records", "3000", "--replicas", "4", "--hot-blocks", "48", "--warm-blocks", "96", "--policy", "cost",
+        "--scale-events", "scale_in@40,scale_out@80,kill@110", "--scale-window-s", "20"]
+
+
+def scale_lines(capsys, *extra):
+    assert main(["replay", *ARGS, *extra]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    runs = {r["arm"]: r for r in lines if r["bench"] == "replay"}
+    rows = {(r["arm"], r["event"]): r for r in lines if r["bench"] == "replay_scale"}
+    return runs, rows
+
+
+def test_events_change_the_replicas_and_only_elastic_arms_read_l3(capsys):
+    runs, rows = scale_lines(capsys, "--scale-arms", "elastic,baseline,handoff_value,handoff_lru")
+    assert sorted(runs) == ["baseline", "elastic", "handoff_lru", "handoff_value"]
+    for arm in runs:
+        assert [(rows[arm, e]["replicas_before"], rows[arm, e]["replicas_after"]) for e in
+                ("scale_in", "scale_out", "kill")] == [(4, 3), (3, 4), (4, 3)]
+        for e in ("scale_in", "scale_out", "kill"):   # every request in a window is counted once
+            row = rows[arm, e]
+            assert row["requests_after"] > 0 and row["requests_before"] > 0
+            assert row["recomputed_tokens_after"] >= 0 and 0 <= row["hit_rate_after"] <= 1
+    assert all(rows["baseline", e]["l3_hit_rate_after"] == 0 for e in ("scale_in", "scale_out", "kill"))
+    # Write-behind put the killed replica's sessions in L3: the elastic arm reads them back.
+    assert rows["elastic", "kill"]["l3_hit_rate_after"] > 0
+    assert rows["elastic", "kill"]["recomputed_tokens_after"] < rows["baseline", "kill"]["recomputed_tokens_after"]
+    assert rows["elastic", "scale_out"]["warmup_blocks"] > 0 and rows["baseline", "scale_out"]["warmup_blocks"] == 0
+    # The budgeted arms write at most their budget (an eighth of HOT + WARM: 18 blocks).
+    for arm in ("handoff_value", "handoff_lru"):
+        assert 0 < rows[arm, "scale_in"]["handoff_l3_blocks"] <= 18
+    # Before the first event every arm saw the same requests and the same caches.
+    firsts = {rows[arm, "scale_in"]["recomputed_tokens_before"] for arm in runs}
+    assert len(firsts) == 1
+
+
+def test_the_same_run_twice_gives_the_same_lines(capsys):
+    a = scale_lines(capsys, "--scale-arms", "elastic")[1]
+    b = scale_lines(capsys, "--scale-arms", "elastic")[1]
+    assert a == b
+
+
+def test_bad_specs_are_refused():
+    assert parse_events("kill@5,scale_in@1") == [(1.0, "scale_in"), (5.0, "kill")]
+    with pytest.raises(InvalidInputError, match="unknown event 'explode'"):
+        parse_events("explode@1")
+    with pytest.raises(InvalidInputError, match="needs a time"):
+        parse_events("kill")
