@@ -440,26 +440,20 @@ class L3Tier:
 
     def wait_fetches(self, timeout_s: float) -> bool:
         """Wait (any thread) until no fetch is queued or running, at most ``timeout_s``."""
-        deadline = time.monotonic() + timeout_s
-        if self._thread is None:
-            self.run_pending()
-            return True
-        with self._cv:
-            while self._fetch_jobs or self._busy:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cv.wait(left)
-        return True
+        return self._wait_idle(lambda: self._fetch_jobs, timeout_s)
 
     def flush(self, timeout_s: float) -> bool:
         """Wait (any thread) until every queued write is done, at most ``timeout_s``."""
-        deadline = time.monotonic() + timeout_s
+        return self._wait_idle(lambda: self._write_jobs, timeout_s)
+
+    def _wait_idle(self, queue, timeout_s: float) -> bool:
+        """Until ``queue()`` is empty and no job runs; without an I/O thread, run them here."""
         if self._thread is None:
             self.run_pending()
             return True
+        deadline = time.monotonic() + timeout_s
         with self._cv:
-            while self._write_jobs or self._busy:
+            while queue() or self._busy:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False

@@ -245,9 +245,11 @@ def _event(arm: str, event: str, args, cluster: Cluster, workload: Workload) -> 
     at = time.monotonic()
     lifecycle_before = len(cluster.directory_stats().get("lifecycle", []))
     gone, new, dropped_s = None, None, None
+    effective = at   # when the replica was gone (scale-in: once Serve stopped it)
     if event == "scale_in":
         cluster.scale(len(before_live) - 1)
         gone = (set(before_live) - set(cluster.live_workers())).pop()
+        effective = time.monotonic()
     elif event == "scale_out":
         cluster.scale(len(before_live) + 1)
         new = (set(cluster.live_workers()) - set(before_live)).pop()
@@ -270,20 +272,27 @@ def _event(arm: str, event: str, args, cluster: Cluster, workload: Workload) -> 
     recs = workload.records
     before = _window(recs, at - args.window_s, at)
     after = _window(recs, at, at + args.window_s)
-    # The sessions the event touched, and each one's first turn after it.
-    last_before: dict[int, Record] = {}
-    for r in recs:
-        if r.turn.ok and r.turn.started_at < at:
-            last_before[r.session] = r
-    first_after: dict[int, Record] = {}
-    for r in recs:
-        if r.turn.started_at >= at and r.session not in first_after:
-            first_after[r.session] = r
+    # The sessions the event touched, and each one's first turn after it: a session whose
+    # last turn that *ended* before the replica was gone ran there, and the turn after that
+    # one (a turn in flight at a kill is resumed elsewhere: it is that next turn).
     if event == "scale_out":
-        touched = [r for s, r in first_after.items() if r.turn.ok and r.turn.worker_id == new and r.previous_tokens]
+        first_after: dict[int, Record] = {}
+        for r in recs:
+            if r.turn.started_at >= at and r.session not in first_after:
+                first_after[r.session] = r
+        touched = [r for r in first_after.values() if r.turn.ok and r.turn.worker_id == new and r.previous_tokens]
     else:
-        touched = [r for s, r in first_after.items() if s in last_before and last_before[s].turn.worker_id == gone
-                   and r.previous_tokens]
+        by_session: dict[int, list[Record]] = {}
+        for r in recs:
+            by_session.setdefault(r.session, []).append(r)
+        touched = []
+        for turns in by_session.values():
+            turns.sort(key=lambda r: r.turn.started_at)
+            done = [i for i, r in enumerate(turns) if r.turn.ok and r.turn.started_at + (r.turn.e2e_s or 0) < effective]
+            if done and turns[done[-1]].turn.worker_id == gone and done[-1] + 1 < len(turns):
+                nxt = turns[done[-1] + 1]
+                if nxt.previous_tokens and nxt.turn.started_at < effective + args.window_s:
+                    touched.append(nxt)
     reuse = (sum(min(r.turn.cached_tokens, r.previous_tokens) for r in touched if r.turn.ok)
              / sum(r.previous_tokens for r in touched)) if touched else None
     ttfts = [r.turn.ttft_s for r in after if r.turn.ttft_s is not None]

@@ -10,7 +10,6 @@ import time
 import pytest
 import ray
 
-from cluster.hashing import block_hashes
 from cluster.protocol import SamplingParams
 
 pytestmark = pytest.mark.distributed

@@ -34,3 +34,16 @@ def run_worker(core, prompt, max_tokens=4):
     async def go():
         return [item async for item in core.generate(GenerateRequest(prompt, SamplingParams(max_tokens=max_tokens)))]
     return asyncio.run(go())
+
+
+def greedy_reference(prompt, n, model_config=None):
+    """``n`` greedy tokens after ``prompt`` by full prefills of the seeded model (no cache)."""
+    import torch
+
+    from cluster.engine.model import DecoderModel, ModelConfig
+
+    model = DecoderModel(ModelConfig(**(model_config or WORKER_MODEL)))
+    toks = list(prompt)
+    for _ in range(n):
+        toks.append(int(model.forward_one(torch.tensor(toks), 0, None)[0][-1].argmax()))
+    return toks[len(prompt):]

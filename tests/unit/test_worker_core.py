@@ -14,18 +14,14 @@ from cluster.ownership import ENV_VAR, OwnershipError
 from cluster.protocol import FinishReason, Transport
 from cluster.engine.model import DecoderModel, ModelConfig
 from cluster.transfer.nixl_transport import nixl_available
-from tests.unit.helpers import WORKER_MODEL, TickClock, make_worker, run_worker
+from tests.unit.helpers import WORKER_MODEL, TickClock, greedy_reference, make_worker, run_worker
 
 MODEL = WORKER_MODEL
 make, run = make_worker, run_worker
 
 
 def greedy(prompt, n):
-    model = DecoderModel(ModelConfig(**MODEL))
-    toks = list(prompt)
-    for _ in range(n):
-        toks.append(int(model.forward_one(torch.tensor(toks), 0, None)[0][-1].argmax()))
-    return toks[len(prompt):]
+    return greedy_reference(prompt, n, MODEL)
 
 
 def test_streams_tokens_and_caches_the_turn():

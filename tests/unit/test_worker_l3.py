@@ -5,22 +5,12 @@ and the worker serves anyway."""
 import asyncio
 
 import pytest
-import torch
 
 from cluster.cache.l3 import mooncake_available
 from cluster.cache.l3_master import L3Master, L3MasterConfig
-from cluster.engine.model import DecoderModel, ModelConfig
-from tests.unit.helpers import WORKER_MODEL, make_worker, run_worker
+from tests.unit.helpers import greedy_reference as greedy, make_worker, run_worker
 
 pytestmark = pytest.mark.skipif(not mooncake_available(), reason="mooncake.store is not importable (pip install -e '.[l3]')")
-
-
-def greedy(prompt, n):
-    model = DecoderModel(ModelConfig(**WORKER_MODEL))
-    toks = list(prompt)
-    for _ in range(n):
-        toks.append(int(model.forward_one(torch.tensor(toks), 0, None)[0][-1].argmax()))
-    return toks[len(prompt):]
 
 
 def wait_written(core, blocks, timeout_s=10.0):
