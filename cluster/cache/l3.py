@@ -78,10 +78,7 @@ INSTALL_HINT = ("pip install mooncake-transfer-engine-non-cuda==0.3.13.post1 (CP
 # Mooncake reads these when a client is set up; without them an unreachable master
 # blocks setup and every call for 30-90 s (measured). Set only where the user has not.
 MOONCAKE_ENV_DEFAULTS = {"MC_RPC_TIMEOUT_MS": "2000", "MC_RPC_CONNECT_TIMEOUT_MS": "1000",
-                         "MC_STORE_CLIENT_SETUP_RETRIES": "1",
-                         # Mooncake logs every client setup and teardown at INFO (a dozen lines
-                         # each); warnings and errors still show.
-                         "GLOG_minloglevel": "1"}
+                         "MC_STORE_CLIENT_SETUP_RETRIES": "1"}
 
 
 # ------------------------------------------------------------------ interface
@@ -134,7 +131,15 @@ class L3Store(abc.ABC):
 
 
 # ------------------------------------------------------------------ Mooncake
+def _env_defaults() -> None:
+    """``MOONCAKE_ENV_DEFAULTS`` where the user set none: before the first import of
+    mooncake and before every setup."""
+    for name, value in MOONCAKE_ENV_DEFAULTS.items():
+        os.environ.setdefault(name, value)
+
+
 def mooncake_available() -> bool:
+    _env_defaults()
     try:
         importlib.import_module("mooncake.store")
     except Exception:  # ImportError, or a missing system library (libibverbs)
@@ -263,6 +268,7 @@ class MooncakeL3Store(L3Store):
     # ------------------------------------------------------------- lifecycle
     def _setup(self) -> None:
         cfg = self.config
+        _env_defaults()
         try:
             from mooncake.store import MooncakeDistributedStore, ReplicateConfig
         except Exception as exc:
@@ -272,8 +278,7 @@ class MooncakeL3Store(L3Store):
         if why is not None:
             self._go_off(f"master {cfg.master_address} unreachable at setup ({why})", recoverable=False)
             return
-        for name, value in MOONCAKE_ENV_DEFAULTS.items():
-            os.environ.setdefault(name, value)
+        _env_defaults()
         client = MooncakeDistributedStore()
         try:
             rc = self._worker.call(lambda: client.setup(cfg.local_hostname, "P2PHANDSHAKE", cfg.segment_bytes,
