@@ -158,8 +158,14 @@ class EngineLoop:
                                    prefix_load_s=max(0.0, req.forward_at - req.scheduled_at),
                                    forward_s=max(0.0, req.first_token_at - req.forward_at),
                                    migrate_s=ctx.migrate_s, received_at=ctx.received_at)
+        logprob, top, prompt_lps = None, (), None
+        if token is not None and req.params.logprobs is not None and req.token_logprobs:
+            logprob, top = req.token_logprobs[-1]
+        if token is not None and len(req.output) == 1 and req.prompt_logprobs is not None:
+            k = req.params.prompt_logprobs
+            prompt_lps = tuple(None if e is None else (e[0], tuple(e[1][:k])) for e in req.prompt_logprobs)
         item = StreamItem(token, finished, req.finish_reason, req.error, req.cached_tokens, tuple(req.tier_hits),
-                          len(req.prompt), self.name, ctx.reason, ctx.migration, timing)
+                          len(req.prompt), self.name, ctx.reason, ctx.migration, timing, logprob, top, prompt_lps)
         loop.call_soon_threadsafe(q.put_nowait, item)
         if finished:
             with self._streams_lock:

@@ -70,6 +70,23 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    # Processors (cluster.engine.sampling; each off at its default).
+    top_k: int = 0                       # 0: off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0        # [-2, 2], over this generation's own tokens
+    frequency_penalty: float = 0.0       # [-2, 2], likewise
+    repetition_penalty: float = 1.0      # (0, 2], over prompt and output (transformers' rule)
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias in [-100, 100])
+    min_tokens: int = 0                  # stop tokens are masked until this many were generated
+    # Logprobs of the sampled tokens: None, or k >= 0 (the token's own and the top k).
+    logprobs: int | None = None
+    # Logprobs of the prompt's tokens (echo): None, or k >= 0.
+    prompt_logprobs: int | None = None
+    # The prompt's last ``prior_output`` tokens are this generation's own (a resumed
+    # request): penalties and min_tokens count them as output.
+    prior_output: int = 0
+    # A structured-output constraint (``cluster.engine.grammar.GrammarSpec``), or None.
+    grammar: Any = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -86,10 +103,37 @@ class SamplingParams:
         ids = self.stop_token_ids
         if not isinstance(ids, tuple) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise InvalidInputError(f"stop_token_ids must be a tuple of ints, got {ids!r:.80}")
+        for name, lo, hi in (("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0),
+                             ("min_p", 0.0, 1.0)):
+            _real(getattr(self, name), name, lo, hi)
+        _real(self.repetition_penalty, "repetition_penalty", 0.0, 2.0)
+        if not self.repetition_penalty > 0:
+            raise InvalidInputError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty!r}")
+        for name in ("top_k", "min_tokens", "prior_output"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise InvalidInputError(f"{name} must be an integer >= 0, got {v!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 20):
+                raise InvalidInputError(f"{name} must be an integer in [0, 20] or None, got {v!r}")
+        if not isinstance(self.logit_bias, tuple):
+            raise InvalidInputError(f"logit_bias must be a tuple of (token id, bias), got {self.logit_bias!r:.80}")
+        for pair in self.logit_bias:
+            if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], int)
+                    and not isinstance(pair[0], bool) and pair[0] >= 0):
+                raise InvalidInputError(f"logit_bias entries must be (token id >= 0, bias), got {pair!r:.80}")
+            _real(pair[1], "logit_bias value", -100.0, 100.0)
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
+
+
+def _real(value: Any, what: str, lo: float, hi: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not lo <= value <= hi:
+        raise InvalidInputError(f"{what} must be a number in [{lo:g}, {hi:g}], got {value!r}")
 
 
 @dataclass(slots=True)
@@ -335,6 +379,12 @@ class StreamItem:
     reason: str | None = None        # the routing decision's reason
     migration: MigrationResult | None = None
     timing: ReplicaTiming | None = None   # on the first token's item
+    # With SamplingParams.logprobs: the token's logprob and the top k (token id, logprob).
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+    # With SamplingParams.prompt_logprobs, on the first item: per prompt token
+    # (logprob or None for the first, top k), the same shape as above.
+    prompt_logprobs: tuple | None = None
 
     def cached_by_tier(self) -> dict[str, int]:
         return dict(zip(SOURCE_NAMES, self.tier_hits))

@@ -54,9 +54,10 @@ from cluster.engine.checkpoint import ModelSpec, load_tokenizer, model_id
 from cluster.engine.text import ChatPromptBuilder, ReplyMemory
 from cluster.errors import CacheError, InvalidInputError
 from cluster.names import SOURCE_NAMES
-from cluster.protocol import FinishReason, GenerateRequest, SamplingParams, StreamItem, Tenant
+from cluster.protocol import FinishReason, GenerateRequest, RouteDecision, SamplingParams, StreamItem, Tenant
 from serve_app import admin, metrics
 from serve_app.auth import Auth, read_json_body
+from serve_app.logprobs import TokenNames
 from serve_app.openapi import add_request_bodies
 from serve_app.protocol import APIError, ApiRequest, Limits, parse_chat, parse_completion
 from serve_app.responses import respond
@@ -95,6 +96,7 @@ class IngressCore:
         self.model_name = model_name or model_id(spec)
         self.namespace = namespace
         self.tokenizer = load_tokenizer(spec)
+        self.token_names = TokenNames(self.tokenizer)   # logprobs' token texts
         local = ReplyMemory()
         self.replies = SharedReplies(namespace, local) if shared_replies else local
         self.prompts = ChatPromptBuilder(self.tokenizer, self.replies)
@@ -206,7 +208,9 @@ class IngressCore:
 
     # -------------------------------------------------------------- generation
     async def stream_items(self, gen: ApiRequest, tenant: Tenant | None, endpoint: str,
-                           clock: RequestClock | None = None, whole: bool = False) -> AsyncIterator[StreamItem]:
+                           clock: RequestClock | None = None, whole: bool = False, *, seed: int | None = None,
+                           first_route: RouteDecision | None = None, logprobs: int | None = None,
+                           prompt_logprobs: int | None = None, sibling: bool = False) -> AsyncIterator[StreamItem]:
         """The worker's items for one request. Leaving early (a stop string, a client
         that went away) cancels the request on the worker, which caches what it
         computed and releases its locks.
@@ -215,8 +219,16 @@ class IngressCore:
         request without stop strings), so the replica returns them all from one
         call (``generate_all``) instead of a stream: one message back instead of
         one per token. A failed call then sent nothing, and resuming it starts
-        over on another replica (with the same seed: the same answer)."""
-        params = SamplingParams(gen.max_tokens, gen.temperature, gen.top_p, gen.seed, self.stop_token_ids(gen))
+        over on another replica (with the same seed: the same answer).
+
+        ``seed`` (default the request's), ``first_route`` (the decision for the first
+        attempt: a choice pinned beside its siblings), ``logprobs`` and
+        ``prompt_logprobs``: one choice of a request (``serve_app.responses``);
+        ``sibling``: another choice of the same HTTP request is in flight beside it."""
+        sampling = gen.generation.sampling if gen.generation is not None else {}
+        params = SamplingParams(gen.max_tokens, gen.temperature, gen.top_p, gen.seed if seed is None else seed,
+                                self.stop_token_ids(gen), logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                                **sampling)
         session = self.session_key(tenant, gen.session_id)
         metrics.prompt_tokens.inc(len(gen.prompt))
         start = time.perf_counter()
@@ -232,13 +244,22 @@ class IngressCore:
                 return
             prompt = gen.prompt + sent
             routed = time.perf_counter()
-            route = await self.router.route(prompt, tenant, failed_on or None)
+            if attempt == 0 and first_route is not None:
+                route = first_route
+            else:
+                route = await self.router.route(prompt, tenant, failed_on or None)
             route_s = time.perf_counter() - routed
-            message = GenerateRequest(prompt, dataclasses.replace(params, max_tokens=gen.max_tokens - len(sent)),
-                                      tenant, session, route, tuple(failed_on))
+            # A resumed request: what it sent is prompt now, its own tokens for penalties and
+            # min_tokens; the prompt's logprobs went with the first item already.
+            message = GenerateRequest(prompt, dataclasses.replace(
+                params, max_tokens=gen.max_tokens - len(sent), prior_output=len(sent),
+                prompt_logprobs=params.prompt_logprobs if last is None else None),
+                tenant, session, route, tuple(failed_on))
             finished = False
             worker = None
             call_wall = time.time()
+            if sibling:
+                _own_request_id()
             if whole:
                 stream = self.workers.generate_all.remote(message)
                 items = _items_of(stream)
@@ -301,6 +322,18 @@ class IngressCore:
                        clock: RequestClock | None = None):
         """The OpenAI response for one request: a JSON body, or a streaming response."""
         return await respond(self, gen, tenant, endpoint, chat, clock or RequestClock.start())
+
+
+def _own_request_id() -> None:
+    """Give the next replica call an internal request id of its own. Serve's router
+    keeps pending calls by the id of the HTTP request they serve (a context variable),
+    so concurrent calls for one request (the choices of ``n``) would be taken for one
+    and wait forever; ids are only for tracking, so each choice may have its own.
+    Serve has no public way to set it: this is the one private call in the app."""
+    from ray.serve._private.utils import generate_request_id
+    from ray.serve.context import _set_request_context
+
+    _set_request_context(_internal_request_id=generate_request_id())
 
 
 async def _items_of(call) -> AsyncIterator[StreamItem]:

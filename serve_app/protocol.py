@@ -9,20 +9,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 from cluster.engine.tokenizer import Tokenizer
+from serve_app.errors import APIError
+from serve_app.params import parse_generation
 
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type_: str = "invalid_request_error", headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
-        self.headers = headers or {}
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+__all__ = ["APIError", "ApiRequest", "Limits", "parse_json", "parse_completion", "parse_chat"]
 
 
 @dataclass(frozen=True)
@@ -52,6 +45,8 @@ class ApiRequest:
     session_id: str | None
     model: str
     extra: dict = field(default_factory=dict)
+    generation: Any = None           # serve_app.params.Generation: n, best_of, echo, logprobs, sampling controls
+    prompt_text: str | None = None   # a completion's prompt as the client sent it (echo)
 
 
 def parse_json(raw: bytes, limits: Limits) -> dict:
@@ -90,11 +85,11 @@ def _int(body: dict, name: str, default: int | None, lo: int | None = None, hi: 
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int):
-        raise APIError(422, f"'{name}' must be an integer, got {type(value).__name__}", param=name)
+        raise APIError(400, f"'{name}' must be an integer, got {type(value).__name__}", param=name)
     if lo is not None and value < lo:
-        raise APIError(422, f"'{name}' must be >= {lo}, got {value}", param=name)
+        raise APIError(400, f"'{name}' must be >= {lo}, got {value}", param=name)
     if hi is not None and value > hi:
-        raise APIError(422, f"'{name}' must be <= {hi}, got {value}", param=name, code="limit_exceeded")
+        raise APIError(400, f"'{name}' must be <= {hi}, got {value}", param=name, code="limit_exceeded")
     return value
 
 
@@ -103,19 +98,20 @@ def _float(body: dict, name: str, default: float, lo: float, hi: float, lo_open:
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise APIError(422, f"'{name}' must be a number, got {type(value).__name__}", param=name)
+        raise APIError(400, f"'{name}' must be a number, got {type(value).__name__}", param=name)
     if value > hi or value < lo or (lo_open and value == lo):
         bound = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
-        raise APIError(422, f"'{name}' must be in {bound}, got {value}", param=name)
+        raise APIError(400, f"'{name}' must be in {bound}, got {value}", param=name)
     return float(value)
 
 
-def _common(body: dict, prompt: list[int], limits: Limits, served_model: str, tokenizer: Tokenizer) -> ApiRequest:
+def _common(body: dict, prompt: list[int], limits: Limits, served_model: str, tokenizer: Tokenizer,
+            chat: bool) -> ApiRequest:
     model = body.get("model")
     if model is None:
-        raise APIError(422, "'model' is required", param="model")
+        raise APIError(400, "'model' is required", param="model")
     if not isinstance(model, str):
-        raise APIError(422, f"'model' must be a string, got {type(model).__name__}", param="model")
+        raise APIError(400, f"'model' must be a string, got {type(model).__name__}", param="model")
     if model != served_model:
         raise APIError(404, f"model '{model}' does not exist; this server serves '{served_model}'",
                        param="model", code="model_not_found")
@@ -123,34 +119,33 @@ def _common(body: dict, prompt: list[int], limits: Limits, served_model: str, to
     max_tokens = _int(body, "max_tokens", 16, lo=1, hi=limits.max_tokens)
     if "max_completion_tokens" in body:
         max_tokens = _int(body, "max_completion_tokens", 16, lo=1, hi=limits.max_tokens)
-    n = _int(body, "n", 1, lo=1, hi=1)
-    del n
+    generation = parse_generation(body, chat, tokenizer.vocab_size, max_tokens)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
-        raise APIError(422, f"'stream' must be a boolean, got {type(stream).__name__}", param="stream")
+        raise APIError(400, f"'stream' must be a boolean, got {type(stream).__name__}", param="stream")
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
-        raise APIError(422, "'stream_options' must be an object", param="stream_options")
+        raise APIError(400, "'stream_options' must be an object", param="stream_options")
     include_usage = options.get("include_usage", True)
     if not isinstance(include_usage, bool):
-        raise APIError(422, f"'stream_options.include_usage' must be a boolean, got {type(include_usage).__name__}",
+        raise APIError(400, f"'stream_options.include_usage' must be a boolean, got {type(include_usage).__name__}",
                        param="stream_options.include_usage")
     stop_ids = body.get("stop_token_ids") or []
     if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
-        raise APIError(422, "'stop_token_ids' must be a list of integers", param="stop_token_ids")
+        raise APIError(400, "'stop_token_ids' must be a list of integers", param="stop_token_ids")
     stop = _stop_strings(body.get("stop"))
     ignore_eos = body.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
-        raise APIError(422, f"'ignore_eos' must be a boolean, got {type(ignore_eos).__name__}", param="ignore_eos")
+        raise APIError(400, f"'ignore_eos' must be a boolean, got {type(ignore_eos).__name__}", param="ignore_eos")
     session = body.get("session_id")
     if session is not None and (not isinstance(session, str) or not 0 < len(session) <= 128):
-        raise APIError(422, "'session_id' must be a string of 1 to 128 characters", param="session_id")
+        raise APIError(400, "'session_id' must be a string of 1 to 128 characters", param="session_id")
     return ApiRequest(
         prompt=prompt, max_tokens=max_tokens,
         temperature=_float(body, "temperature", 0.0, 0.0, 2.0),   # default greedy: reproducible
         top_p=_float(body, "top_p", 1.0, 0.0, 1.0, lo_open=True), seed=_int(body, "seed", None, lo=-(1 << 63), hi=(1 << 64) - 1),
         stop_token_ids=stop_ids, stop=stop, ignore_eos=ignore_eos, stream=stream, include_usage=include_usage,
-        session_id=session, model=model)
+        session_id=session, model=model, generation=generation)
 
 
 MAX_STOP_STRINGS = 4
@@ -163,12 +158,12 @@ def _stop_strings(value) -> list[str]:
         return []
     stops = [value] if isinstance(value, str) else value
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-        raise APIError(422, "'stop' must be a string or a list of strings", param="stop")
+        raise APIError(400, "'stop' must be a string or a list of strings", param="stop")
     if len(stops) > MAX_STOP_STRINGS:
-        raise APIError(422, f"'stop' takes at most {MAX_STOP_STRINGS} strings, got {len(stops)}", param="stop")
+        raise APIError(400, f"'stop' takes at most {MAX_STOP_STRINGS} strings, got {len(stops)}", param="stop")
     for s in stops:
         if not 0 < len(s) <= MAX_STOP_CHARS:
-            raise APIError(422, f"each 'stop' string must have 1 to {MAX_STOP_CHARS} characters", param="stop")
+            raise APIError(400, f"each 'stop' string must have 1 to {MAX_STOP_CHARS} characters", param="stop")
         _text(s, "stop")
     return list(dict.fromkeys(stops))
 
@@ -181,28 +176,30 @@ def _check_prompt_length(tokens: int, limits: Limits) -> None:
 
 def parse_completion(body: dict, limits: Limits, served_model: str, tokenizer: Tokenizer) -> ApiRequest:
     if "prompt" not in body:
-        raise APIError(422, "'prompt' is required", param="prompt")
+        raise APIError(400, "'prompt' is required", param="prompt")
     prompt = body["prompt"]
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if isinstance(prompt, str):
         if not prompt:
-            raise APIError(422, "'prompt' must not be empty", param="prompt")
+            raise APIError(400, "'prompt' must not be empty", param="prompt")
         ids = tokenizer.encode(_text(prompt, "prompt"))
     elif isinstance(prompt, list):
         if not prompt:
-            raise APIError(422, "'prompt' must not be empty", param="prompt")
+            raise APIError(400, "'prompt' must not be empty", param="prompt")
         _check_prompt_length(len(prompt), limits)   # before looking at every id of an oversized one
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise APIError(422, "'prompt' must be a string or a list of integer token ids", param="prompt")
+            raise APIError(400, "'prompt' must be a string or a list of integer token ids", param="prompt")
         bad = next((t for t in prompt if not 0 <= t < tokenizer.vocab_size), None)
         if bad is not None:
-            raise APIError(422, f"'prompt' has token id {bad} outside [0, {tokenizer.vocab_size})", param="prompt")
+            raise APIError(400, f"'prompt' has token id {bad} outside [0, {tokenizer.vocab_size})", param="prompt")
         ids = list(prompt)
     else:
-        raise APIError(422, f"'prompt' must be a string or a list of token ids, got {type(prompt).__name__}",
+        raise APIError(400, f"'prompt' must be a string or a list of token ids, got {type(prompt).__name__}",
                        param="prompt")
-    return _common(body, ids, limits, served_model, tokenizer)
+    gen = _common(body, ids, limits, served_model, tokenizer, chat=False)
+    gen.prompt_text = prompt if isinstance(prompt, str) else None
+    return gen
 
 
 ROLES = ("system", "user", "assistant")
@@ -214,22 +211,22 @@ def parse_chat(body: dict, limits: Limits, served_model: str, tokenizer: Tokeniz
     tokenizer's chat template; the ingress passes its ChatPromptBuilder)."""
     messages = body.get("messages")
     if messages is None:
-        raise APIError(422, "'messages' is required", param="messages")
+        raise APIError(400, "'messages' is required", param="messages")
     if not isinstance(messages, list) or not messages:
-        raise APIError(422, "'messages' must be a non-empty list", param="messages")
+        raise APIError(400, "'messages' must be a non-empty list", param="messages")
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
-            raise APIError(422, f"'messages[{i}]' must be an object", param=f"messages[{i}]")
+            raise APIError(400, f"'messages[{i}]' must be an object", param=f"messages[{i}]")
         if m.get("role") not in ROLES:
-            raise APIError(422, f"'messages[{i}].role' must be one of {list(ROLES)}, got {m.get('role')!r}",
+            raise APIError(400, f"'messages[{i}].role' must be one of {list(ROLES)}, got {m.get('role')!r}",
                            param=f"messages[{i}].role")
         if not isinstance(m.get("content"), str):
-            raise APIError(422, f"'messages[{i}].content' must be a string", param=f"messages[{i}].content")
+            raise APIError(400, f"'messages[{i}].content' must be a string", param=f"messages[{i}].content")
         _text(m["content"], f"messages[{i}].content")
     plain = [{"role": m["role"], "content": m["content"]} for m in messages]
     try:
         ids = (render or tokenizer.apply_chat_template)(plain)
     except Exception as exc:   # the template's own checks (jinja's raise_exception), e.g. roles out of order
-        raise APIError(422, f"'messages' cannot be rendered with the model's chat template: {exc}",
+        raise APIError(400, f"'messages' cannot be rendered with the model's chat template: {exc}",
                        param="messages") from None
-    return _common(body, ids, limits, served_model, tokenizer)
+    return _common(body, ids, limits, served_model, tokenizer, chat=True)

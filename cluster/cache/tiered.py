@@ -112,15 +112,19 @@ class TieredCache:
 
     # ------------------------------------------------------------ requests
     def admit(self, prompt: Sequence[int], namespace: Hashable = None, *, compute_last: bool = True,
-              validate: bool = True) -> KVLease:
+              validate: bool = True, max_cached: int | None = None) -> KVLease:
         """A lease on ``prompt``'s KV: its longest cached prefix, promoted to
         HOT (all or nothing) and locked. With ``compute_last`` the last prompt
-        token is left to compute (its logits start the output). The room for
-        the rest is the lease's to reserve (``KVLease.reserve``: a caller that
-        cannot get it releases the lease, and nothing stays locked)."""
+        token is left to compute (its logits start the output); ``max_cached``
+        bounds the prefix used (a request that needs the logits of positions the
+        cache holds computes them again). The room for the rest is the lease's
+        to reserve (``KVLease.reserve``: a caller that cannot get it releases the
+        lease, and nothing stays locked)."""
         self._check_owner("admit")
         m = self._match(prompt, namespace, lock=True, validate=validate)
         usable = min(m.length, len(prompt) - 1) if compute_last else m.length
+        if max_cached is not None:
+            usable = min(usable, max(0, max_cached))
         tl = m.tier_lengths
         hot = min(usable, tl[HOT])
         warm = min(usable - hot, tl[WARM])

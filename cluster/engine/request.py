@@ -50,6 +50,10 @@ class EngineRequest:
     forward_at: float | None = None
     first_token_at: float | None = None
     logits: list[torch.Tensor] = field(default_factory=list)   # kept when keep_logits
+    # With params.logprobs: per sampled token (logprob, top k); with params.prompt_logprobs:
+    # per prompt position (logprob of that token given the ones before, top k), None for the first.
+    token_logprobs: list = field(default_factory=list)
+    prompt_logprobs: list | None = None
     # Private state.
     _lease: KVLease | None = None    # its hold on the cache: prefix locked, its own KV
     _kv: torch.Tensor | None = None  # working copy [L, 2, capacity, H, D]

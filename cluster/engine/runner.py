@@ -38,8 +38,9 @@ from typing import Any, Sequence
 import torch
 
 from cluster.cache.tiered import TieredCache
-from cluster.engine.model import sample
+from cluster.engine.prompt_logprobs import TOP_K, PromptLogprobCache
 from cluster.engine.request import EngineRequest, TokenEvent, position_seed
+from cluster.engine.sampling import positions_logprobs, sample_token, token_logprobs
 from cluster.engine.scratch import ScratchKV
 from cluster.errors import CacheError, InvalidInputError, PoolExhaustedError
 from cluster.names import COLD, HOT, L3, WARM
@@ -102,6 +103,8 @@ class Engine:
         self.scratch = ScratchKV(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cache.kv_dtype, cache.kv_device,
                                  max_idle_bytes=2 * max(max_batch_tokens, 4096) * lay.bytes_per_token())
         self._bytes_per_token = lay.bytes_per_token()
+        # Echo requests' prompt logprobs, kept beside the KV (cluster.engine.prompt_logprobs).
+        self.prompt_logprob_cache = PromptLogprobCache(hot.block_tokens)
         self.stats = {"prompt_tokens": 0, "cached_tokens": 0, "computed_tokens": 0, "steps": 0,
                       "requests_finished": 0, "requests_failed": 0, "requests_cancelled": 0,
                       "finish_failures": 0, "preemptions": 0, "preempted_tokens": 0, "resumed_hot_tokens": 0,
@@ -222,8 +225,10 @@ class Engine:
 
     def _forward(self, plan: list[tuple[EngineRequest, int]]) -> list[torch.Tensor]:
         """One packed forward over the plan; each request's new KV ends up in its
-        working buffer. Returns each request's logits."""
-        last_only = not self.keep_logits and self._last_logits_only
+        working buffer. Returns each request's logits (every position's when a
+        request of the step wants its prompt's logprobs, the last one's otherwise)."""
+        last_only = not self.keep_logits and self._last_logits_only and not any(
+            _wants_prompt_rows(req) for req, _ in plan)
         tokens = [torch.tensor(req.tokens[req._len:req._len + n]) for req, n in plan]
         if self._in_place:
             return self.model.forward_into([(t, req._len, req._kv) for t, (req, _) in zip(tokens, plan)],
@@ -317,8 +322,16 @@ class Engine:
         reserve the first chunk; the chunk's length, or None when it cannot run now
         (no room: it waits, holding nothing; or the cache refused its prompt: it ended)."""
         seq = req.tokens
+        cap = None
+        k = req.params.prompt_logprobs
+        if k is not None:   # positions whose logprobs are unknown are computed, even if the KV is cached
+            if req.prompt_logprobs is None:
+                covered, entries = self.prompt_logprob_cache.covered(req.prompt, req.namespace, k)
+                req.prompt_logprobs = entries + [None] * (len(req.prompt) - covered)
+            known = next((i for i, e in enumerate(req.prompt_logprobs) if e is None and i), len(req.prompt))
+            cap = known - 1 if known < len(req.prompt) else None
         try:
-            lease = self.cache.admit(seq, req.namespace, validate=False)
+            lease = self.cache.admit(seq, req.namespace, validate=False, max_cached=cap)
         except CacheError as exc:
             req.finished, req.finish_reason, req.error = True, FinishReason.ERROR, str(exc)
             self._ended.append(TokenEvent(req, None, True))
@@ -388,18 +401,35 @@ class Engine:
         self.stats["computed_tokens"] += n
         if self.keep_logits:
             req.logits.append(logits)
+        if _wants_prompt_rows(req, start):
+            self._prompt_logprobs(req, start, logits)
         if req.to_compute:
             return None
         if n > 1 and req._lease.uncommitted >= self.cache.hot.allocator.block_tokens:
             # Its prompt is all computed: into the tree now, for the requests that share it.
             req._lease.checkpoint(req.tokens[:req._len])
-        temperature = 0.0 if req.params.greedy else req.params.temperature
         generator = req._generator
         if generator is not None:   # the token at position p depends on (seed, p) only
             generator.manual_seed(position_seed(req.params.seed, len(req.tokens)))
-        token = sample(logits[-1], temperature, req.params.top_p, generator)
+        token = sample_token(logits[-1], req.params, req.prompt, req.output, generator)
+        if req.params.logprobs is not None:
+            req.token_logprobs.append(token_logprobs(logits[-1], token, req.params.logprobs))
         req.output.append(token)
         return token
+
+    def _prompt_logprobs(self, req: EngineRequest, start: int, logits: torch.Tensor) -> None:
+        """The logprobs of the prompt tokens the rows of this chunk predict (row i, at
+        position start + i, predicts token start + i + 1); once the prompt is done,
+        its full blocks go to the prompt logprob cache."""
+        prompt = req.prompt
+        rows = min(logits.shape[0], len(prompt) - 1 - start)
+        if rows > 0:
+            k = max(req.params.prompt_logprobs, TOP_K) if req.params.prompt_logprobs <= TOP_K else \
+                req.params.prompt_logprobs
+            found = positions_logprobs(logits[:rows], prompt[start + 1:start + 1 + rows], k)
+            req.prompt_logprobs[start + 1:start + 1 + rows] = found
+        if start + logits.shape[0] >= len(prompt) and req.params.prompt_logprobs <= TOP_K:
+            self.prompt_logprob_cache.store(prompt, req.namespace, req.prompt_logprobs)
 
     def fail_all(self, error: str) -> None:
         """End every queued and running request with ``error`` (their KV is not
@@ -450,6 +480,13 @@ class Engine:
         if req._kv is not None:
             self.scratch.give(req._kv)
             req._kv = None
+
+
+def _wants_prompt_rows(req: EngineRequest, start: int | None = None) -> bool:
+    """Whether ``req`` needs the logits of every position it computes from ``start``
+    (default: where it is): it wants its prompt's logprobs and is inside its prompt."""
+    return req.params.prompt_logprobs is not None and (req._len if start is None else start) < len(req.prompt) - 1 \
+        and req.prompt_logprobs is not None
 
 
 def _split(cached: int, found: list[int]) -> list[int]:

@@ -163,30 +163,51 @@ BAD = [
     # (body or raw bytes, path, status, message fragment)
     (b"{not json", "/v1/completions", 400, "malformed JSON"),
     (b"[1, 2]", "/v1/completions", 400, "must be a JSON object"),
-    ({"prompt": "x"}, "/v1/completions", 422, "'model' is required"),
-    ({"model": 7, "prompt": "x"}, "/v1/completions", 422, "'model' must be a string"),
+    ({"prompt": "x"}, "/v1/completions", 400, "'model' is required"),
+    ({"model": 7, "prompt": "x"}, "/v1/completions", 400, "'model' must be a string"),
     ({"model": "gpt-4", "prompt": "x"}, "/v1/completions", 404, "does not exist"),
-    ({"model": MODEL}, "/v1/completions", 422, "'prompt' is required"),
-    ({"model": MODEL, "prompt": ""}, "/v1/completions", 422, "must not be empty"),
-    ({"model": MODEL, "prompt": []}, "/v1/completions", 422, "must not be empty"),
-    ({"model": MODEL, "prompt": [1, 999]}, "/v1/completions", 422, "token id 999 outside [0, 259)"),
-    ({"model": MODEL, "prompt": [-1]}, "/v1/completions", 422, "token id -1 outside"),
-    ({"model": MODEL, "prompt": 12}, "/v1/completions", 422, "'prompt' must be a string or a list"),
-    ({"model": MODEL, "prompt": [1.5]}, "/v1/completions", 422, "list of integer token ids"),
-    ({"model": MODEL, "prompt": "x", "max_tokens": -3}, "/v1/completions", 422, "'max_tokens' must be >= 1"),
-    ({"model": MODEL, "prompt": "x", "max_tokens": 10**9}, "/v1/completions", 422, "'max_tokens' must be <= 64"),
-    ({"model": MODEL, "prompt": "x", "max_tokens": "5"}, "/v1/completions", 422, "'max_tokens' must be an integer"),
-    ({"model": MODEL, "prompt": "x", "temperature": 5}, "/v1/completions", 422, "'temperature' must be in"),
-    ({"model": MODEL, "prompt": "x", "temperature": "hot"}, "/v1/completions", 422, "'temperature' must be a number"),
-    ({"model": MODEL, "prompt": "x", "top_p": 0}, "/v1/completions", 422, "'top_p' must be in"),
-    ({"model": MODEL, "prompt": "x", "stream": "yes"}, "/v1/completions", 422, "'stream' must be a boolean"),
-    ({"model": MODEL, "prompt": "x", "n": 2}, "/v1/completions", 422, "'n' must be <= 1"),
-    ({"model": MODEL, "prompt": "x", "stop_token_ids": "x"}, "/v1/completions", 422, "'stop_token_ids'"),
-    ({"model": MODEL, "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "/v1/completions", 422,
+    ({"model": MODEL}, "/v1/completions", 400, "'prompt' is required"),
+    ({"model": MODEL, "prompt": ""}, "/v1/completions", 400, "must not be empty"),
+    ({"model": MODEL, "prompt": []}, "/v1/completions", 400, "must not be empty"),
+    ({"model": MODEL, "prompt": [1, 999]}, "/v1/completions", 400, "token id 999 outside [0, 259)"),
+    ({"model": MODEL, "prompt": [-1]}, "/v1/completions", 400, "token id -1 outside"),
+    ({"model": MODEL, "prompt": 12}, "/v1/completions", 400, "'prompt' must be a string or a list"),
+    ({"model": MODEL, "prompt": [1.5]}, "/v1/completions", 400, "list of integer token ids"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": -3}, "/v1/completions", 400, "'max_tokens' must be >= 1"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": 10**9}, "/v1/completions", 400, "'max_tokens' must be <= 64"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": "5"}, "/v1/completions", 400, "'max_tokens' must be an integer"),
+    ({"model": MODEL, "prompt": "x", "temperature": 5}, "/v1/completions", 400, "'temperature' must be in"),
+    ({"model": MODEL, "prompt": "x", "temperature": "hot"}, "/v1/completions", 400, "'temperature' must be a number"),
+    ({"model": MODEL, "prompt": "x", "top_p": 0}, "/v1/completions", 400, "'top_p' must be in"),
+    ({"model": MODEL, "prompt": "x", "stream": "yes"}, "/v1/completions", 400, "'stream' must be a boolean"),
+    ({"model": MODEL, "prompt": "x", "n": 17}, "/v1/completions", 400, "'n' must be in [1, 16]"),
+    ({"model": MODEL, "prompt": "x", "suffix": "y"}, "/v1/completions", 400, "'suffix' is not supported"),
+    ({"model": MODEL, "prompt": "x", "frobnicate": 1}, "/v1/completions", 400, "unknown parameter 'frobnicate'"),
+    ({"model": MODEL, "prompt": "x", "top_k": 1.5}, "/v1/completions", 400, "'top_k' must be an integer"),
+    ({"model": MODEL, "prompt": "x", "min_p": 2}, "/v1/completions", 400, "'min_p' must be in [0, 1]"),
+    ({"model": MODEL, "prompt": "x", "presence_penalty": -3}, "/v1/completions", 400, "'presence_penalty'"),
+    ({"model": MODEL, "prompt": "x", "frequency_penalty": "a"}, "/v1/completions", 400, "'frequency_penalty'"),
+    ({"model": MODEL, "prompt": "x", "repetition_penalty": 0}, "/v1/completions", 400, "'repetition_penalty'"),
+    ({"model": MODEL, "prompt": "x", "logit_bias": {"x": 1}}, "/v1/completions", 400, "'logit_bias' keys"),
+    ({"model": MODEL, "prompt": "x", "logit_bias": {"5": 101}}, "/v1/completions", 400, "'logit_bias' values"),
+    ({"model": MODEL, "prompt": "x", "logit_bias": {"999": 1}}, "/v1/completions", 400, "'logit_bias' token id"),
+    ({"model": MODEL, "prompt": "x", "min_tokens": -1}, "/v1/completions", 400, "'min_tokens'"),
+    ({"model": MODEL, "prompt": "x", "logprobs": 6}, "/v1/completions", 400, "'logprobs' must be in [0, 5]"),
+    ({"model": MODEL, "prompt": "x", "echo": "yes"}, "/v1/completions", 400, "'echo' must be a boolean"),
+    ({"model": MODEL, "prompt": "x", "best_of": 1, "n": 2}, "/v1/completions", 400, "'best_of' (1) must be >="),
+    ({"model": MODEL, "prompt": "x", "best_of": 3, "stream": True}, "/v1/completions", 400, "cannot be streamed"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "/v1/chat/completions",
+     400, "'top_logprobs' needs 'logprobs': true"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": 3}, "/v1/chat/completions",
+     400, "'logprobs' must be a boolean"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "functions": []}, "/v1/chat/completions",
+     400, "'functions' is not supported"),
+    ({"model": MODEL, "prompt": "x", "stop_token_ids": "x"}, "/v1/completions", 400, "'stop_token_ids'"),
+    ({"model": MODEL, "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "/v1/completions", 400,
      "'stop' takes at most 4 strings"),
-    ({"model": MODEL, "prompt": "x", "stop": [""]}, "/v1/completions", 422, "each 'stop' string must have"),
-    ({"model": MODEL, "prompt": "x", "stop": 5}, "/v1/completions", 422, "'stop' must be a string or a list"),
-    ({"model": MODEL, "prompt": "x", "seed": 1 << 64}, "/v1/completions", 422, "'seed' must be <="),
+    ({"model": MODEL, "prompt": "x", "stop": [""]}, "/v1/completions", 400, "each 'stop' string must have"),
+    ({"model": MODEL, "prompt": "x", "stop": 5}, "/v1/completions", 400, "'stop' must be a string or a list"),
+    ({"model": MODEL, "prompt": "x", "seed": 1 << 64}, "/v1/completions", 400, "'seed' must be <="),
     (b'{"model": "prefix-cache-byte", "prompt": "x", "temperature": NaN}', "/v1/completions", 400,
      "NaN is not a JSON value"),
     (b'{"model": "prefix-cache-byte", "prompt": "\\ud800x"}', "/v1/completions", 400, "lone surrogate"),
@@ -196,16 +217,16 @@ BAD = [
      "nested too deeply"),
     ({"model": MODEL, "prompt": [1] * 3000}, "/v1/completions", 413, "prompt has 3000 tokens; the limit is 2048"),
     ({"model": MODEL, "prompt": "y" * 70000}, "/v1/completions", 413, "exceeds the limit of 65536"),
-    ({"model": MODEL, "prompt": "x", "session_id": "s" * 500}, "/v1/completions", 422, "'session_id'"),
+    ({"model": MODEL, "prompt": "x", "session_id": "s" * 500}, "/v1/completions", 400, "'session_id'"),
     ({"model": MODEL, "prompt": "x", "stream": True, "stream_options": {"include_usage": "no"}}, "/v1/completions",
-     422, "'stream_options.include_usage' must be a boolean"),
-    ({"model": MODEL}, "/v1/chat/completions", 422, "'messages' is required"),
-    ({"model": MODEL, "messages": []}, "/v1/chat/completions", 422, "non-empty list"),
-    ({"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, "/v1/chat/completions", 422,
+     400, "'stream_options.include_usage' must be a boolean"),
+    ({"model": MODEL}, "/v1/chat/completions", 400, "'messages' is required"),
+    ({"model": MODEL, "messages": []}, "/v1/chat/completions", 400, "non-empty list"),
+    ({"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, "/v1/chat/completions", 400,
      "'messages[0].role' must be one of"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": 5}]}, "/v1/chat/completions", 422,
+    ({"model": MODEL, "messages": [{"role": "user", "content": 5}]}, "/v1/chat/completions", 400,
      "'messages[0].content' must be a string"),
-    ({"model": MODEL, "messages": ["hi"]}, "/v1/chat/completions", 422, "'messages[0]' must be an object"),
+    ({"model": MODEL, "messages": ["hi"]}, "/v1/chat/completions", 400, "'messages[0]' must be an object"),
 ]
 
 
@@ -331,3 +352,100 @@ def test_unknown_path_and_method_are_openai_shaped(base_url):
     assert r.json()["error"]["code"] == "not_found"
     r = httpx.get(base_url + "/v1/completions", timeout=30)
     assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+
+
+# ------------------------------------------------------------ n, best_of, logprobs, echo, controls
+def stats_of(base_url):
+    admin = {"Authorization": f"Bearer {KEYS['admin']}"}
+    return httpx.get(base_url + "/v1/cache/stats", headers=admin, timeout=30).json()["workers"]
+
+
+def computed_tokens(base_url):
+    return sum(w["engine"]["computed_tokens"] for w in stats_of(base_url).values())
+
+
+def test_n_choices_are_forks_of_one_prefill(base_url):
+    prompt = tokens(40, 400)
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 1.0, "seed": 11}
+    before = computed_tokens(base_url)
+    r = post(base_url, "/v1/completions", {**body, "n": 4})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2, 3]
+    assert out["usage"]["prompt_tokens"] == 400 and out["usage"]["completion_tokens"] == 16
+    # The prompt was computed once (and each fork its last prompt token and its own tokens).
+    assert computed_tokens(base_url) - before <= 400 + 4 * 5
+    assert len({tuple(c["token_ids"]) for c in out["choices"]}) > 1        # each with its own seed
+    single = post(base_url, "/v1/completions", {**body, "n": 1}).json()
+    assert single["choices"][0]["token_ids"] == out["choices"][0]["token_ids"]   # choice 0: the request's seed
+
+
+def test_best_of_returns_the_most_likely_candidates(base_url):
+    prompt = tokens(41, 60)
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 5, "temperature": 1.0, "seed": 5}
+    every = post(base_url, "/v1/completions", {**body, "n": 4, "logprobs": 0}).json()["choices"]
+    ranked = sorted(every, key=lambda c: -sum(c["logprobs"]["token_logprobs"]))
+    best = post(base_url, "/v1/completions", {**body, "n": 2, "best_of": 4}).json()
+    assert [c["token_ids"] for c in best["choices"]] == [ranked[0]["token_ids"], ranked[1]["token_ids"]]
+    assert best["choices"][0]["logprobs"] is None and best["usage"]["completion_tokens"] == 20
+
+
+def test_completion_logprobs_and_echo(base_url):
+    prompt = tokens(42, 50)
+    r = post(base_url, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 3, "logprobs": 2})
+    lp = r.json()["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 3
+    for chosen, top in zip(lp["token_logprobs"], lp["top_logprobs"]):
+        assert chosen <= 0 and len(top) == 2
+        assert max(top.values()) == pytest.approx(chosen)    # greedy: the sampled token is the top one
+    echoed = post(base_url, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 1, "logprobs": 1,
+                                                "echo": True}).json()["choices"][0]
+    elp = echoed["logprobs"]
+    assert len(elp["token_logprobs"]) == 51 and elp["token_logprobs"][0] is None and elp["top_logprobs"][0] is None
+    assert all(v <= 0 for v in elp["token_logprobs"][1:])
+    assert elp["text_offset"][0] == 0 and elp["text_offset"] == sorted(elp["text_offset"])
+    again = post(base_url, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 1, "logprobs": 1,
+                                               "echo": True}).json()
+    assert again["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(elp["token_logprobs"][:1] and
+                                                                               elp["token_logprobs"], abs=1e-5)
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 32   # the prompt's logprobs came cached too
+
+
+def test_chat_logprobs_shape(base_url):
+    r = post(base_url, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                                "max_tokens": 3, "logprobs": True, "top_logprobs": 2})
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    assert len(content) == 3
+    for entry in content:
+        assert set(entry) == {"token", "logprob", "bytes", "top_logprobs"} and len(entry["top_logprobs"]) == 2
+        assert isinstance(entry["bytes"], list)
+
+
+def test_streamed_n_choices_each_end_and_usage_comes_last(base_url):
+    body = {"model": MODEL, "prompt": tokens(43, 80), "max_tokens": 3, "n": 2, "stream": True, "temperature": 0.8,
+            "seed": 3}
+    with httpx.stream("POST", base_url + "/v1/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {KEYS['a']}"}) as resp:
+        events = sse_events(resp)
+    ids = {0: [], 1: []}
+    finished = set()
+    for ev in events[:-1]:
+        (choice,) = ev["choices"]
+        ids[choice["index"]] += choice["token_ids"]
+        if choice["finish_reason"]:
+            finished.add(choice["index"])
+    assert finished == {0, 1} and events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 6
+    whole = post(base_url, "/v1/completions", {**body, "stream": False}).json()
+    assert [c["token_ids"] for c in whole["choices"]] == [ids[0], ids[1]]
+
+
+def test_logit_bias_and_min_tokens_change_the_answer_as_asked(base_url):
+    body = {"model": MODEL, "prompt": "abc", "max_tokens": 8}
+    forced = post(base_url, "/v1/completions", {**body, "logit_bias": {"120": 100}}).json()["choices"][0]
+    assert forced["token_ids"] == [120] * 8
+    # EOS (257) made certain: without min_tokens it stops at once, with it after 3 tokens.
+    eos = {"257": 100}
+    quick = post(base_url, "/v1/completions", {**body, "logit_bias": eos}).json()["choices"][0]
+    assert quick["token_ids"] == [257] and quick["finish_reason"] == "stop"
+    held = post(base_url, "/v1/completions", {**body, "logit_bias": eos, "min_tokens": 3}).json()["choices"][0]
+    assert len(held["token_ids"]) == 4 and held["token_ids"][-1] == 257 and 257 not in held["token_ids"][:3]

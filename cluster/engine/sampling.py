@@ -1,0 +1,115 @@
+"""What a request samples from one position's logits: its processors, the draw, its logprobs.
+
+Order (vLLM v1's): the grammar's token mask (structured output), ``min_tokens``
+(stop tokens masked until that many were generated), ``logit_bias``, the
+penalties (``repetition_penalty`` over prompt and output, as transformers
+applies it; ``frequency_penalty`` and ``presence_penalty`` over the output, as
+OpenAI defines them), then greedy (argmax) or ``temperature``, ``min_p``,
+``top_k``, ``top_p`` and a draw from the request's generator. A request that
+sets none of them takes exactly the path of ``cluster.engine.model.sample``
+(same floats, same draws), so seeded sampling stays a function of (seed,
+position) and a preempted or resumed request continues exactly.
+
+Logprobs are the model's own: ``log_softmax`` of the raw logits, before any
+processor, temperature or mask (vLLM's default ``raw_logprobs``), so they are
+comparable across requests and equal the model's reference forward.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from cluster.engine.model import sample
+from cluster.protocol import SamplingParams
+
+NEG_INF = float("-inf")
+
+
+def needs_processing(params: SamplingParams) -> bool:
+    """Whether any processor or filter beyond temperature and top_p applies."""
+    return bool(params.min_tokens or params.logit_bias or params.repetition_penalty != 1.0
+                or params.frequency_penalty or params.presence_penalty or params.top_k > 0 or params.min_p > 0)
+
+
+def output_of(prompt: Sequence[int], output: Sequence[int], params: SamplingParams) -> list[int]:
+    """This generation's own tokens so far: those it generated here, after the
+    ones it had generated before a resume (the prompt's last ``prior_output``)."""
+    prior = params.prior_output
+    return (list(prompt[len(prompt) - prior:]) if prior else []) + list(output)
+
+
+def process(logits_row: torch.Tensor, params: SamplingParams, prompt: Sequence[int], output: Sequence[int],
+            mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The logits after the mask, min_tokens, logit_bias and the penalties (a float32 copy)."""
+    logits = logits_row.float().clone()
+    if mask is not None:   # a boolean [vocab]: True where the grammar allows the token
+        logits.masked_fill_(~mask, NEG_INF)
+    own = output_of(prompt, output, params)
+    if params.min_tokens and len(own) < params.min_tokens and params.stop_token_ids:
+        ids = torch.tensor([t for t in params.stop_token_ids if 0 <= t < logits.numel()], dtype=torch.long)
+        logits[ids] = NEG_INF
+    if params.logit_bias:
+        ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.long)
+        logits[ids] += torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32)
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(prompt) | set(output)), dtype=torch.long)
+        if seen.numel():
+            values = logits[seen]
+            pen = params.repetition_penalty
+            logits[seen] = torch.where(values > 0, values / pen, values * pen)
+    if (params.frequency_penalty or params.presence_penalty) and own:
+        counts: dict[int, int] = {}
+        for t in own:
+            counts[t] = counts.get(t, 0) + 1
+        ids = torch.tensor(list(counts), dtype=torch.long)
+        freq = torch.tensor(list(counts.values()), dtype=torch.float32)
+        logits[ids] -= params.frequency_penalty * freq + params.presence_penalty
+    return logits
+
+
+def choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """Draw from processed logits: argmax when greedy; else temperature, min_p, top_k, top_p."""
+    if params.greedy:
+        return int(torch.argmax(logits))
+    if generator is not None and generator.device != logits.device:
+        logits = logits.to(generator.device)
+    logits = logits / params.temperature
+    if params.min_p > 0:
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < params.min_p * probs.max(), NEG_INF)
+    if 0 < params.top_k < logits.numel():
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, NEG_INF)
+    return sample(logits, 1.0, params.top_p, generator)
+
+
+def sample_token(logits_row: torch.Tensor, params: SamplingParams, prompt: Sequence[int], output: Sequence[int],
+                 generator: torch.Generator | None, mask: torch.Tensor | None = None) -> int:
+    """The next token of a request (see the module docstring)."""
+    if mask is None and not needs_processing(params):
+        return sample(logits_row, 0.0 if params.greedy else params.temperature, params.top_p, generator)
+    return choose(process(logits_row, params, prompt, output, mask), params, generator)
+
+
+def token_logprobs(logits_row: torch.Tensor, token: int, k: int) -> tuple[float, tuple[tuple[int, float], ...]]:
+    """(the token's logprob, the ``k`` most likely tokens and theirs), from the raw logits."""
+    lp = torch.log_softmax(logits_row.float(), dim=-1)
+    top: tuple[tuple[int, float], ...] = ()
+    if k:
+        values, ids = torch.topk(lp, min(k, lp.numel()))
+        top = tuple(zip(ids.tolist(), values.tolist()))
+    return float(lp[token]), top
+
+
+def positions_logprobs(logits: torch.Tensor, next_tokens: Sequence[int], k: int) -> list[Any]:
+    """For each row of ``logits`` [T, vocab], the logprob of ``next_tokens[i]`` (the token
+    that row predicts) and the top ``k``: ``[(logprob, ((id, lp), ...)), ...]``."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    ids = torch.tensor(list(next_tokens), dtype=torch.long)
+    chosen = lp[torch.arange(len(ids)), ids].tolist()
+    if not k:
+        return [(c, ()) for c in chosen]
+    values, top_ids = torch.topk(lp, min(k, lp.shape[-1]), dim=-1)
+    return [(c, tuple(zip(i, v))) for c, i, v in zip(chosen, top_ids.tolist(), values.tolist())]
