@@ -44,7 +44,8 @@ from cluster.cache.kv_pool import KVLayout
 from cluster.cache.l3 import INSTALL_HINT, L3Config, MooncakeL3Store, mooncake_available
 from cluster.cache.l3_tier import L3Tier, L3TierConfig, l3_model_id
 from cluster.cache.tiered import TieredCache
-from cluster.engine.checkpoint import load_model
+from cluster.engine.checkpoint import load_model, load_tokenizer
+from cluster.engine.grammar import Grammars, grammar_available
 from cluster.engine.runner import Engine, EngineRequest
 from cluster.protocol import (GenerateRequest, LoadReport, MeasuredRates, MigrationResult, PrefixOffer, Snapshot,
                               StagedPrefix, StreamItem, Tenant, WorkerInfo)
@@ -83,7 +84,7 @@ class WorkerCore:
         self.l3 = self._open_l3(peer_host)
         self.engine = Engine(self.model, self.cache, max_batch_tokens=config.max_batch_tokens,
                              max_running=config.max_running, cache_final_token=config.cache_final_token,
-                             decode_kernel=config.decode_kernel)
+                             decode_kernel=config.decode_kernel, grammars=self._grammars(mc.vocab_size))
         self.nixl = self._open_nixl()
         self.migration = Migrator(worker_id, self.cache, self.nixl, block_tokens=tiers.block_tokens,
                                   bytes_per_token=self.layout.bytes_per_token(),
@@ -118,6 +119,13 @@ class WorkerCore:
             self.peer = PeerServer(worker_id, self._peer_handlers(), host=peer_host, secret=peer_secret)
         if directory is not None:
             directory.register(worker_id, self.rates(), self.peer.address if self.peer else None)
+
+    def _grammars(self, vocab_size: int) -> Grammars | None:
+        """Structured output's matchers for this model's tokenizer (None without llguidance)."""
+        if not grammar_available():
+            log.warning("structured output off on %s: llguidance is not installed", self.worker_id)
+            return None
+        return Grammars(load_tokenizer(self.loaded), vocab_size)
 
     def _open_l3(self, host: str | None) -> L3Tier | None:
         """L3 on the configured master, attached to the cache; None (one log line)

@@ -170,7 +170,7 @@ class IngressCore:
 
     def render_chat(self, tenant: str | None):
         """The chat renderer for one tenant: its reply memory is the tenant's own."""
-        return lambda messages: self.prompts.build(messages, tenant or "").ids
+        return lambda messages, tools=None: self.prompts.build(messages, tenant or "", tools).ids
 
     async def recall_replies(self, body: dict, tenant: str | None) -> None:
         """Before a chat is tokenized: the ids of its assistant replies that another
@@ -228,7 +228,7 @@ class IngressCore:
         sampling = gen.generation.sampling if gen.generation is not None else {}
         params = SamplingParams(gen.max_tokens, gen.temperature, gen.top_p, gen.seed if seed is None else seed,
                                 self.stop_token_ids(gen), logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                                **sampling)
+                                grammar=gen.grammar, **sampling)
         session = self.session_key(tenant, gen.session_id)
         metrics.prompt_tokens.inc(len(gen.prompt))
         start = time.perf_counter()

@@ -16,7 +16,7 @@ _SAMPLING = {
     "temperature": {"type": "number", "minimum": 0, "maximum": 2},
     "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
     "seed": {"type": "integer"},
-    "n": {"type": "integer", "minimum": 1, "maximum": 1},
+    "n": {"type": "integer", "minimum": 1, "maximum": 16},
     "stream": {"type": "boolean"},
     "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
     "stop": {"oneOf": [{"type": "string", "minLength": 1, "maxLength": 256},
@@ -24,6 +24,34 @@ _SAMPLING = {
     "stop_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0}},
     "ignore_eos": {"type": "boolean"},
     "session_id": {"type": "string", "minLength": 1, "maxLength": 128},
+    "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+    "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+    "repetition_penalty": {"type": "number", "exclusiveMinimum": 0, "maximum": 2},
+    "top_k": {"type": "integer", "minimum": -1},
+    "min_p": {"type": "number", "minimum": 0, "maximum": 1},
+    "logit_bias": {"type": "object", "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}},
+    "min_tokens": {"type": "integer", "minimum": 0},
+    "user": {"type": "string"},
+    "metadata": {"type": "object"},
+}
+_FUNCTION = {"type": "object", "required": ["name"], "properties": {
+    "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"}, "description": {"type": "string"},
+    "parameters": {"type": "object"}}}
+_TOOLS = {
+    "tools": {"type": "array", "minItems": 1, "items": {"type": "object", "required": ["type", "function"],
+                                                         "properties": {"type": {"enum": ["function"]},
+                                                                        "function": _FUNCTION}}},
+    "tool_choice": {"oneOf": [{"enum": ["auto", "none", "required"]},
+                              {"type": "object", "properties": {"type": {"enum": ["function"]},
+                                                                "function": {"type": "object"}}}]},
+    "parallel_tool_calls": {"type": "boolean"},
+    "response_format": {"type": "object", "properties": {
+        "type": {"enum": ["text", "json_object", "json_schema"]},
+        "json_schema": {"type": "object", "properties": {"name": {"type": "string"}, "schema": {"type": "object"},
+                                                         "strict": {"type": "boolean"}}}}},
+    "structured_outputs": {"type": "object", "properties": {
+        "json": {"type": "object"}, "regex": {"type": "string"}, "grammar": {"type": "string"},
+        "choice": {"type": "array", "items": {"type": "string"}}}},
 }
 
 
@@ -33,17 +61,21 @@ def completion_schema(model: str, vocab_size: int) -> dict:
         "prompt": {"oneOf": [{"type": "string", "minLength": 1},
                              {"type": "array", "minItems": 1,
                               "items": {"type": "integer", "minimum": 0, "maximum": vocab_size - 1}}]},
+        "echo": {"type": "boolean"}, "logprobs": {"type": "integer", "minimum": 0, "maximum": 5},
+        "best_of": {"type": "integer", "minimum": 1, "maximum": 16},
         **_SAMPLING}}
 
 
 def chat_schema(model: str) -> dict:
     message = {"type": "object", "required": ["role", "content"], "properties": {
-        "role": {"type": "string", "enum": ["system", "user", "assistant"]},
-        "content": {"type": "string"}}}
+        "role": {"type": "string", "enum": ["system", "user", "assistant", "tool"]},
+        "content": {"type": ["string", "null"]}, "tool_call_id": {"type": "string"},
+        "tool_calls": {"type": "array", "items": {"type": "object"}}}}
     return {"type": "object", "required": ["model", "messages"], "properties": {
         "model": {"type": "string", "enum": [model]},
         "messages": {"type": "array", "minItems": 1, "items": message},
-        **_SAMPLING}}
+        "logprobs": {"type": "boolean"}, "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
+        **_SAMPLING, **_TOOLS}}
 
 
 POLICY_SCHEMA = {"type": "object", "required": ["policy"], "properties": {"policy": {"type": "string"}}}

@@ -14,6 +14,7 @@ from typing import Any, Callable
 from cluster.engine.tokenizer import Tokenizer
 from serve_app.errors import APIError
 from serve_app.params import parse_generation
+from serve_app.structured import parse_constraint, parse_tools, plain_messages, validate_tool_messages
 
 __all__ = ["APIError", "ApiRequest", "Limits", "parse_json", "parse_completion", "parse_chat"]
 
@@ -47,6 +48,8 @@ class ApiRequest:
     extra: dict = field(default_factory=dict)
     generation: Any = None           # serve_app.params.Generation: n, best_of, echo, logprobs, sampling controls
     prompt_text: str | None = None   # a completion's prompt as the client sent it (echo)
+    grammar: Any = None              # cluster.engine.grammar.GrammarSpec: the answer's constraint
+    tools: Any = None                # serve_app.structured.Tools: the functions the answer may call
 
 
 def parse_json(raw: bytes, limits: Limits) -> dict:
@@ -202,13 +205,13 @@ def parse_completion(body: dict, limits: Limits, served_model: str, tokenizer: T
     return gen
 
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 
 
 def parse_chat(body: dict, limits: Limits, served_model: str, tokenizer: Tokenizer,
-               render: Callable[[list[dict]], list[int]] | None = None) -> ApiRequest:
-    """``render`` turns the validated messages into prompt ids (default: the
-    tokenizer's chat template; the ingress passes its ChatPromptBuilder)."""
+               render: Callable[..., list[int]] | None = None) -> ApiRequest:
+    """``render(messages, tools=None)`` turns the validated messages into prompt ids
+    (default: the tokenizer's chat template; the ingress passes its ChatPromptBuilder)."""
     messages = body.get("messages")
     if messages is None:
         raise APIError(400, "'messages' is required", param="messages")
@@ -220,13 +223,37 @@ def parse_chat(body: dict, limits: Limits, served_model: str, tokenizer: Tokeniz
         if m.get("role") not in ROLES:
             raise APIError(400, f"'messages[{i}].role' must be one of {list(ROLES)}, got {m.get('role')!r}",
                            param=f"messages[{i}].role")
-        if not isinstance(m.get("content"), str):
+        content = m.get("content")
+        if content is None and m["role"] == "assistant" and m.get("tool_calls"):
+            continue   # an assistant turn that only called tools
+        if not isinstance(content, str):
             raise APIError(400, f"'messages[{i}].content' must be a string", param=f"messages[{i}].content")
-        _text(m["content"], f"messages[{i}].content")
-    plain = [{"role": m["role"], "content": m["content"]} for m in messages]
+        _text(content, f"messages[{i}].content")
+    validate_tool_messages(messages)
+    tools = parse_tools(body)
+    constraint = parse_constraint(body)
+    forced = tools.constraint() if tools is not None and tools.active else None
+    if forced is not None and constraint is not None:
+        raise APIError(400, "a forced 'tool_choice' and 'response_format'/'structured_outputs' cannot both "
+                            "constrain one answer", param="tool_choice")
+    takes_tools = template_takes_tools(tokenizer)
+    plain = plain_messages(messages, tools, takes_tools)
+    template_tools = tools.template_tools() if tools is not None and tools.active and takes_tools else None
     try:
-        ids = (render or tokenizer.apply_chat_template)(plain)
+        if render is not None:
+            ids = render(plain, tools=template_tools)
+        else:
+            ids = tokenizer.apply_chat_template(plain)
     except Exception as exc:   # the template's own checks (jinja's raise_exception), e.g. roles out of order
         raise APIError(400, f"'messages' cannot be rendered with the model's chat template: {exc}",
                        param="messages") from None
-    return _common(body, ids, limits, served_model, tokenizer, chat=True)
+    gen = _common(body, ids, limits, served_model, tokenizer, chat=True)
+    gen.grammar = forced or constraint
+    gen.tools = tools if tools is not None and tools.active else None
+    return gen
+
+
+def template_takes_tools(tokenizer: Tokenizer) -> bool:
+    """Whether the model's chat template renders a ``tools`` list itself."""
+    template = getattr(getattr(tokenizer, "tokenizer", None), "chat_template", None)
+    return isinstance(template, str) and "tools" in template

@@ -33,6 +33,7 @@ from serve_app.errors import APIError
 from serve_app.logprobs import chat_logprobs, completion_logprobs
 from serve_app.output import TextStream
 from serve_app.protocol import ApiRequest
+from serve_app.structured import call_text
 from serve_app.timing import RequestClock
 
 if TYPE_CHECKING:
@@ -141,9 +142,8 @@ async def respond(core: "IngressCore", gen: ApiRequest, tenant: Tenant | None, e
         text = "".join(choice.text)
         finish = choice.out.finish_reason(choice.last)
         if chat:
-            core.remember_reply(tenant, text, choice.out.reply_ids())
-            entry: dict[str, Any] = {"index": i, "message": {"role": "assistant", "content": text},
-                                     "logprobs": None, "finish_reason": finish}
+            message, finish = _chat_message(runner, choice, text, finish)
+            entry: dict[str, Any] = {"index": i, "message": message, "logprobs": None, "finish_reason": finish}
             if runner.want_logprobs is not None:
                 entry["logprobs"] = chat_logprobs(core.token_names, choice.out.ids, choice.entries)
         else:
@@ -157,6 +157,23 @@ async def respond(core: "IngressCore", gen: ApiRequest, tenant: Tenant | None, e
             "model": core.model_name, "choices": body_choices,
             "usage": usage(gen, [c.out.ids for c in choices], first.last),
             "prefix_cache": cache_info(first.last, clock, core.ingress_id)}
+
+
+def _chat_message(runner: ChoiceRunner, choice: Choice, text: str, finish: str) -> tuple[dict, str]:
+    """The assistant message of a chat choice (its tool calls parsed out when the
+    request has tools) and its finish reason; its ids are remembered under the text
+    the next turn will render for it, so that turn reuses their KV."""
+    tools = runner.gen.tools
+    calls: list[dict] = []
+    content: str | None = text
+    if tools is not None:
+        content, calls = tools.parse(text)
+    if not calls:
+        runner.core.remember_reply(runner.tenant, text, choice.out.reply_ids())
+        return {"role": "assistant", "content": text}, finish
+    rendered = (content or "") + "\n".join(call_text(c) for c in calls)
+    runner.core.remember_reply(runner.tenant, rendered, choice.out.reply_ids())
+    return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
 
 
 async def _all(coros) -> list:
@@ -238,6 +255,8 @@ async def _streaming(runner: ChoiceRunner, chat: bool, rid: str, created: int) -
 
     merger = _Merger(iters, firsts)
 
+    hold = chat and gen.tools is not None
+
     async def sse():
         unsent: list[list[int]] = [[] for _ in range(count)]
         unsent_lp: list[list] = [[] for _ in range(count)]
@@ -259,6 +278,10 @@ async def _streaming(runner: ChoiceRunner, chat: bool, rid: str, created: int) -
                     unsent[i].append(item.token)
                     if runner.logprobs is not None:
                         unsent_lp[i].append(choice.entries[-1])
+                    if hold:   # with tools the answer is a call or content: known at its end
+                        if not opened[i]:
+                            yield _sse(chunk(choice, "", [], []))
+                        continue
                     if piece:   # text held back (a partial character or stop string) waits
                         yield _sse(chunk(choice, piece, unsent[i], unsent_lp[i]))
                         unsent[i], unsent_lp[i] = [], []
@@ -277,18 +300,29 @@ async def _streaming(runner: ChoiceRunner, chat: bool, rid: str, created: int) -
             return
         finally:
             await merger.close()
+        finishes = {}
         for choice in choices:
             rest = choice.out.finish()
-            if rest or unsent[choice.index]:
-                yield _sse(chunk(choice, rest, unsent[choice.index], unsent_lp[choice.index]))
-            if chat:
-                core.remember_reply(runner.tenant, choice.out.text, choice.out.reply_ids())
+            finish = choice.out.finish_reason(choice.last)
+            if hold:
+                message, finish = _chat_message(runner, choice, choice.out.text, finish)
+                end = chunk(choice, message["content"] or "", unsent[choice.index], unsent_lp[choice.index])
+                if message.get("tool_calls"):
+                    end["choices"][0]["delta"]["tool_calls"] = [{"index": k, **call}
+                                                                for k, call in enumerate(message["tool_calls"])]
+                yield _sse(end)
+            else:
+                if rest or unsent[choice.index]:
+                    yield _sse(chunk(choice, rest, unsent[choice.index], unsent_lp[choice.index]))
+                if chat:
+                    core.remember_reply(runner.tenant, choice.out.text, choice.out.reply_ids())
+            finishes[choice.index] = finish
         usage_fields = {}
         if gen.include_usage:
             usage_fields = {"usage": usage(gen, [c.out.ids for c in choices], choices[0].last),
                             "prefix_cache": cache_info(choices[0].last, runner.clock, core.ingress_id)}
         for choice in choices:
-            end = chunk(choice, "", [], [], choice.out.finish_reason(choice.last))
+            end = chunk(choice, "", [], [], finishes[choice.index])
             if count == 1:
                 end.update(usage_fields)
             yield _sse(end)

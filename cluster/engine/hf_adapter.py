@@ -275,17 +275,20 @@ class HFTokenizer:
                 f"text {text[:40]!r} tokenizes to a control token even as plain text; rephrase it")
         return list(ids)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The chat template's text for `messages` (already validated), untokenized."""
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> str:
+        """The chat template's text for `messages` (already validated), untokenized;
+        `tools` for a template that renders them."""
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise ValueError("tokenizer has no chat_template")
+        extra = {"tools": tools} if tools else {}
         text = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **extra)
         if not isinstance(text, str):
             raise TypeError(f"chat template rendered a {type(text).__name__}, expected a str")
         return text
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """Whole-text tokenization of the rendered chat.
 
         Where transformers supports it (5.x), control tokens typed inside
@@ -295,6 +298,8 @@ class HFTokenizer:
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise ValueError("tokenizer has no chat_template")
         extra = {"sanitize_control_tokens": True} if self._sanitize_kwarg else {}
+        if tools:
+            extra["tools"] = tools
         ids = self.tokenizer.apply_chat_template(
             [{"role": role, "content": content} for role, content in pairs],
             tokenize=True, add_generation_prompt=True, return_dict=False, **extra,

@@ -61,6 +61,7 @@ class EngineRequest:
     _preempted_len: int = 0          # what it had computed when it was last preempted
     _tiers_found: list[int] | None = None   # where its prefix was when the engine first looked
     _generator: torch.Generator | None = None   # reseeded per position (see position_seed)
+    _matcher: Any = None             # its grammar's matcher (structured output), fed every sampled token
 
     @property
     def tokens(self) -> list[int]:

@@ -60,7 +60,7 @@ DEFAULT_BATCH_TOKENS = 512
 class Engine:
     def __init__(self, model: Any, cache: TieredCache, *, max_batch_tokens: int = DEFAULT_BATCH_TOKENS,
                  max_running: int = 64, keep_logits: bool = False, cache_final_token: bool = True,
-                 decode_kernel: bool = True, clock=time.perf_counter):
+                 decode_kernel: bool = True, grammars: Any = None, clock=time.perf_counter):
         """``max_batch_tokens``: the tokens one step computes at most (decodes and
         prefill chunks together). ``cache_final_token``: when a request ends, also
         compute the KV of its last sampled token (one more forward, alone, per
@@ -69,7 +69,8 @@ class Engine:
         SGLang do: the next turn computes that one token inside its own prefill.
         ``decode_kernel``: the packed decoder attends every decoding request of a
         step in one compiled call per layer (``cluster.engine.kernels``) where it
-        can be built; the torch path otherwise."""
+        can be built; the torch path otherwise. ``grammars``: the tokenizer's
+        ``cluster.engine.grammar.Grammars`` (None: constrained requests are refused)."""
         cfg = model.config
         lay = cache.layout
         if lay is None or (lay.num_layers, lay.num_kv_heads, lay.head_dim) != (
@@ -79,6 +80,7 @@ class Engine:
             raise InvalidInputError("max_batch_tokens and max_running must be >= 1")
         self.model = model
         self.cache = cache
+        self.grammars = grammars
         self.max_batch_tokens = max_batch_tokens
         self.max_running = max_running
         self.keep_logits = keep_logits
@@ -129,6 +131,13 @@ class Engine:
                 f"prompt ({len(request.prompt)} tokens) + max_tokens ({request.params.max_tokens}) needs more KV "
                 f"than this worker's HOT cache can hold for one request ({self.max_request_tokens - 1} tokens); "
                 f"shorten the prompt or lower max_tokens")
+        spec = request.params.grammar
+        if spec is not None:
+            if self.grammars is None:
+                raise InvalidInputError("structured output is not available on this worker (pip install llguidance)")
+            prior = request.params.prior_output
+            request._matcher = self.grammars.matcher(spec, request.prompt[len(request.prompt) - prior:] if prior
+                                                     else ())
         request.request_id = request.request_id or next(self._ids)
         request.submitted_at = self.clock()
         if request.params.seed is not None and not request.params.greedy:
@@ -206,6 +215,8 @@ class Engine:
                 req.first_token_at = self.clock()
             reason = None
             if token in req.params.stop_token_ids:
+                reason = FinishReason.STOP
+            elif req._matcher is not None and req._matcher.is_stopped():   # the grammar is complete
                 reason = FinishReason.STOP
             elif len(req.output) >= req.params.max_tokens:
                 reason = FinishReason.LENGTH
@@ -411,7 +422,14 @@ class Engine:
         generator = req._generator
         if generator is not None:   # the token at position p depends on (seed, p) only
             generator.manual_seed(position_seed(req.params.seed, len(req.tokens)))
-        token = sample_token(logits[-1], req.params, req.prompt, req.output, generator)
+        mask = None
+        if req._matcher is not None:
+            mask = self.grammars.mask(req._matcher)
+            if not mask.any():   # nothing can follow (an error state): end it here
+                raise CacheError(f"the grammar allows no further token: {req._matcher.get_error()[:200]}")
+        token = sample_token(logits[-1], req.params, req.prompt, req.output, generator, mask)
+        if req._matcher is not None:
+            req._matcher.consume_token(token)
         if req.params.logprobs is not None:
             req.token_logprobs.append(token_logprobs(logits[-1], token, req.params.logprobs))
         req.output.append(token)

@@ -66,7 +66,14 @@ def process(logits_row: torch.Tensor, params: SamplingParams, prompt: Sequence[i
         ids = torch.tensor(list(counts), dtype=torch.long)
         freq = torch.tensor(list(counts.values()), dtype=torch.float32)
         logits[ids] -= params.frequency_penalty * freq + params.presence_penalty
-    return logits
+    return _finite(logits)
+
+
+def _finite(logits: torch.Tensor) -> torch.Tensor:
+    """No NaN and no +inf (a repetition penalty near 0 divides a logit past float32's
+    range): +inf becomes the largest finite value, a NaN is never chosen."""
+    big = torch.finfo(logits.dtype).max
+    return torch.nan_to_num(logits, nan=NEG_INF, posinf=big, neginf=NEG_INF)
 
 
 def choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
@@ -75,7 +82,7 @@ def choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         return int(torch.argmax(logits))
     if generator is not None and generator.device != logits.device:
         logits = logits.to(generator.device)
-    logits = logits / params.temperature
+    logits = _finite(logits / params.temperature)
     if params.min_p > 0:
         probs = torch.softmax(logits, dim=-1)
         logits = logits.masked_fill(probs < params.min_p * probs.max(), NEG_INF)

@@ -26,7 +26,7 @@ from cluster.engine.tokenizer import SegmentedChatTokenizer, Tokenizer, validate
 from cluster.errors import InvalidInputError
 
 REPLACEMENT_CHAR = "\ufffd"
-CHAT_ROLES = ("system", "user", "assistant")
+CHAT_ROLES = ("system", "user", "assistant", "tool")   # tool: a function's result (the agent loop)
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 256
 # Prompt tokens decoded in front of the first generated id, as vLLM does: tokenizers
@@ -268,7 +268,7 @@ class ChatPrompt:
 
 
 def validate_chat_messages(messages: object) -> list[tuple[str, str]]:
-    """(role, content) pairs of a chat with roles system/user/assistant, or InvalidInputError."""
+    """(role, content) pairs of a chat with roles system/user/assistant/tool, or InvalidInputError."""
     try:
         pairs = validate_messages(messages)
     except (TypeError, ValueError) as error:
@@ -276,8 +276,7 @@ def validate_chat_messages(messages: object) -> list[tuple[str, str]]:
     for index, (role, _) in enumerate(pairs):
         if role not in CHAT_ROLES:
             raise InvalidInputError(
-                f"messages[{index}]['role'] is {role!r}; supported roles are {', '.join(CHAT_ROLES)}"
-                + (" (tool calls are not supported)" if role == "tool" else ""))
+                f"messages[{index}]['role'] is {role!r}; supported roles are {', '.join(CHAT_ROLES)}")
     return pairs
 
 
@@ -314,18 +313,19 @@ class ChatPromptBuilder:
         self.bridged_messages = 0
         self._template_ids: dict[str, tuple[int, ...]] = {}
 
-    def build(self, messages: object, namespace: str = "") -> ChatPrompt:
-        """Prompt ids for `messages`, ending with the assistant's generation header."""
+    def build(self, messages: object, namespace: str = "", tools: list[dict] | None = None) -> ChatPrompt:
+        """Prompt ids for `messages`, ending with the assistant's generation header;
+        `tools` go to a template that renders them itself (OpenAI's tool list)."""
         pairs = validate_chat_messages(messages)
         chat = [{"role": role, "content": content} for role, content in pairs]
         self.builds += 1
         if not self.segmented:
             return ChatPrompt([int(i) for i in self.tokenizer.apply_chat_template(chat)], 0, False)
         tokenizer: SegmentedChatTokenizer = self.tokenizer  # type: ignore[assignment]
-        rendered = tokenizer.render_chat(chat)
-        templates = self._template_pieces(pairs, rendered)
+        rendered = tokenizer.render_chat(chat, tools=tools) if tools else tokenizer.render_chat(chat)
+        templates = self._template_pieces(pairs, rendered, tools)
         if templates is None:
-            return self._fallback(chat)
+            return self._fallback(chat, tools)
         ids: list[int] = list(self._encode_template(templates[0]))
         bridged = 0
         for (role, content), template in zip(pairs, templates[1:]):
@@ -339,7 +339,7 @@ class ChatPromptBuilder:
                 ids.extend(tokenizer.encode_plain_text(content))
             ids.extend(self._encode_template(template))
         if tokenizer.decode_exact(ids) != rendered:  # e.g. a decoder that strips a leading space per piece
-            return self._fallback(chat)
+            return self._fallback(chat, tools)
         self.bridged_messages += bridged
         return ChatPrompt(ids, bridged, False)
 
@@ -361,14 +361,16 @@ class ChatPromptBuilder:
         self.reply_memory.remember(namespace, text, ids)
         return True
 
-    def _template_pieces(self, pairs: list[tuple[str, str]], rendered: str) -> list[str] | None:
+    def _template_pieces(self, pairs: list[tuple[str, str]], rendered: str,
+                         tools: list[dict] | None = None) -> list[str] | None:
         """The template's text around each content (len(pairs) + 1 pieces), or None if it edits contents."""
         nonce = f"{secrets.randbelow(10**15):015d}"
         sentinels = [f"\ue000{nonce}.{index}\ue001" for index in range(len(pairs))]
         if any(sentinel in content for sentinel in sentinels for _, content in pairs):
             return None
-        marked = self.tokenizer.render_chat(  # type: ignore[attr-defined]
-            [{"role": role, "content": sentinel} for (role, _), sentinel in zip(pairs, sentinels)])
+        marked_chat = [{"role": role, "content": sentinel} for (role, _), sentinel in zip(pairs, sentinels)]
+        marked = (self.tokenizer.render_chat(marked_chat, tools=tools) if tools  # type: ignore[attr-defined]
+                  else self.tokenizer.render_chat(marked_chat))  # type: ignore[attr-defined]
         pieces, position = [], 0
         for sentinel in sentinels:
             found = marked.find(sentinel, position)
@@ -389,6 +391,8 @@ class ChatPromptBuilder:
             self._template_ids[piece] = ids
         return ids
 
-    def _fallback(self, chat: list[dict]) -> ChatPrompt:
+    def _fallback(self, chat: list[dict], tools: list[dict] | None = None) -> ChatPrompt:
         self.fallbacks += 1
+        if tools:
+            return ChatPrompt([int(i) for i in self.tokenizer.apply_chat_template(chat, tools=tools)], 0, True)
         return ChatPrompt([int(i) for i in self.tokenizer.apply_chat_template(chat)], 0, True)

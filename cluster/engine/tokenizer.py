@@ -65,8 +65,9 @@ class SegmentedChatTokenizer(Tokenizer, Protocol):
     @property
     def special_token_ids(self) -> frozenset[int]: ...
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The template's text for validated `messages`."""
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> str:
+        """The template's text for validated `messages` (and `tools`, for a template that takes them)."""
         ...
 
     def encode_control_text(self, text: str) -> list[int]:

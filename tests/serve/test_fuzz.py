@@ -88,7 +88,12 @@ def test_schemathesis_no_5xx(case, app_url):
 
 
 FIELDS = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "seed", "stream",
-          "stream_options", "stop", "stop_token_ids", "ignore_eos", "session_id", "n", "max_completion_tokens"]
+          "stream_options", "stop", "stop_token_ids", "ignore_eos", "session_id", "n", "max_completion_tokens",
+          "best_of", "echo", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
+          "top_k", "min_p", "logit_bias", "min_tokens", "response_format", "structured_outputs", "tools",
+          "tool_choice", "parallel_tool_calls", "user", "metadata"]
+TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {
+    "q": {"type": "string", "maxLength": 4}}, "required": ["q"]}}}
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(min_value=-(1 << 70), max_value=1 << 70)
     | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=40),
@@ -103,7 +108,21 @@ bodies = st.fixed_dictionaries(
               "messages": valid_messages | json_values,
               "max_tokens": st.integers(-3, 12) | json_values,
               "temperature": st.floats(min_value=0, max_value=3) | st.sampled_from([1e-40, 5e-324]),
-              "stop": st.text(min_size=0, max_size=5) | st.lists(st.text(max_size=5), max_size=6)})
+              "stop": st.text(min_size=0, max_size=5) | st.lists(st.text(max_size=5), max_size=6),
+              "n": st.integers(-1, 18) | json_values, "best_of": st.integers(0, 18) | json_values,
+              "logprobs": st.integers(-1, 7) | st.booleans() | json_values,
+              "logit_bias": st.dictionaries(st.sampled_from(["1", "258", "999", "x"]), st.floats(-150, 150),
+                                            max_size=3) | json_values,
+              "response_format": st.sampled_from([{"type": "json_object"}, {"type": "text"}, {"type": "xml"},
+                                                 {"type": "json_schema", "json_schema": {"schema": {"type": "integer"}}}])
+              | json_values,
+              "structured_outputs": st.sampled_from([{"regex": "[ab]{2}"}, {"choice": ["x", "y"]}, {"regex": "("},
+                                                    {"grammar": "start: \"z\""}, {"json": {"type": "bool"}}])
+              | json_values,
+              "tools": st.just([TOOL]) | json_values,
+              "tool_choice": st.sampled_from(["auto", "none", "required", {"type": "function",
+                                                                            "function": {"name": "lookup"}}])
+              | json_values})
 
 
 @given(body=bodies, chat=st.booleans())

@@ -11,6 +11,11 @@ pytestmark = pytest.mark.distributed
 
 KEYS = {"a": "key-tenant-a", "b": "key-tenant-b", "admin": "key-admin"}
 MODEL = "prefix-cache-byte"
+# Short names: the byte tokenizer spends a token a character, and the app's max_tokens is 64.
+TOOL = {"type": "function", "function": {"name": "w", "description": "the weather in a city",
+                                         "parameters": {"type": "object", "properties": {
+                                             "c": {"enum": ["P", "R", "O"]}},
+                                         "required": ["c"], "additionalProperties": False}}}
 
 
 @pytest.fixture(scope="module")
@@ -202,6 +207,17 @@ BAD = [
      400, "'logprobs' must be a boolean"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "functions": []}, "/v1/chat/completions",
      400, "'functions' is not supported"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "structured_outputs": {"regex": "("}},
+     "/v1/chat/completions", 400, "'structured_outputs.regex'"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}},
+     "/v1/chat/completions", 400, "'response_format.type'"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [TOOL],
+      "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "/v1/chat/completions", 400,
+     "'tool_choice' must name one of"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tool_choice": "required"},
+     "/v1/chat/completions", 400, "'tool_choice' needs 'tools'"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+     "/v1/chat/completions", 400, "'tools[0]'"),
     ({"model": MODEL, "prompt": "x", "stop_token_ids": "x"}, "/v1/completions", 400, "'stop_token_ids'"),
     ({"model": MODEL, "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "/v1/completions", 400,
      "'stop' takes at most 4 strings"),
@@ -449,3 +465,59 @@ def test_logit_bias_and_min_tokens_change_the_answer_as_asked(base_url):
     assert quick["token_ids"] == [257] and quick["finish_reason"] == "stop"
     held = post(base_url, "/v1/completions", {**body, "logit_bias": eos, "min_tokens": 3}).json()["choices"][0]
     assert len(held["token_ids"]) == 4 and held["token_ids"][-1] == 257 and 257 not in held["token_ids"][:3]
+
+
+# ------------------------------------------------------------------ structured output and tools
+def chat(base_url, **body):
+    r = post(base_url, "/v1/chat/completions", {"model": MODEL, "max_tokens": 64,
+                                                "messages": [{"role": "user", "content": "Weather in Paris?"}], **body})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_structured_outputs_always_follow_their_constraint(base_url):
+    import re
+    for seed in range(3):
+        pick = chat(base_url, structured_outputs={"choice": ["yes", "no", "maybe"]}, temperature=1.0, seed=seed)
+        assert pick["choices"][0]["message"]["content"] in ("yes", "no", "maybe")
+        code = chat(base_url, structured_outputs={"regex": "[0-9]{3}-[a-z]{2}"}, temperature=1.0, seed=seed)
+        assert re.fullmatch("[0-9]{3}-[a-z]{2}", code["choices"][0]["message"]["content"])
+        schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}},
+                  "required": ["ok", "n"], "additionalProperties": False}
+        out = chat(base_url, response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}},
+                   temperature=1.0, seed=seed)
+        value = json.loads(out["choices"][0]["message"]["content"])
+        assert set(value) == {"ok", "n"} and isinstance(value["ok"], bool) and value["n"] in (1, 2, 3)
+
+
+def test_a_forced_tool_call_parses_and_the_loop_reuses_its_kv(base_url):
+    first = chat(base_url, tools=[TOOL], tool_choice="required", temperature=1.0, seed=4, parallel_tool_calls=False)
+    choice = first["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    (call,) = choice["message"]["tool_calls"]
+    assert call["type"] == "function" and call["function"]["name"] == "w" and call["id"].startswith("call_")
+    assert json.loads(call["function"]["arguments"]) in ({"c": "P"}, {"c": "R"}, {"c": "O"})
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": call["id"], "content": "sunny, 21C"}]
+    second = post(base_url, "/v1/chat/completions", {"model": MODEL, "messages": messages, "tools": [TOOL],
+                                                     "max_tokens": 4}).json()
+    used = first["usage"]["prompt_tokens"] + first["usage"]["completion_tokens"]
+    # The first turn's prompt and the call it generated are cached (all but the call's last token).
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= used - 1
+    named = chat(base_url, tools=[TOOL], tool_choice={"type": "function", "function": {"name": "w"}})
+    assert named["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "w"
+    none = chat(base_url, tools=[TOOL], tool_choice="none", max_tokens=3)
+    assert "tool_calls" not in none["choices"][0]["message"] and none["choices"][0]["finish_reason"] != "tool_calls"
+
+
+def test_a_streamed_tool_call_comes_in_a_delta(base_url):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Weather?"}], "tools": [TOOL],
+            "tool_choice": "required", "max_tokens": 64, "stream": True, "parallel_tool_calls": False}
+    with httpx.stream("POST", base_url + "/v1/chat/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {KEYS['a']}"}) as resp:
+        events = sse_events(resp)
+    deltas = [ev["choices"][0]["delta"] for ev in events if ev["choices"]]
+    calls = [c for d in deltas for c in d.get("tool_calls", [])]
+    assert len(calls) == 1 and calls[0]["index"] == 0 and calls[0]["function"]["name"] == "w"
+    assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"

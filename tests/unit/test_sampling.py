@@ -141,3 +141,12 @@ def test_prompt_and_token_logprobs_equal_a_full_forward_and_are_kept_beside_the_
     ref2 = torch.log_softmax(model.forward_one(torch.tensor(second_prompt), 0, None)[0].float(), -1)
     for i in range(1, len(second_prompt)):
         assert abs(second.prompt_logprobs[i][0] - float(ref2[i - 1, second_prompt[i]])) < 1e-5
+
+
+def test_extreme_values_never_make_the_draw_fail():
+    """A repetition penalty near 0 divides seen logits past float32's range (the fuzz suite
+    found it as a 503): the draw still picks a token, one of the seen ones."""
+    row = logits(6)
+    for t in (0.0, 1e-5, 1.0, 2.0):
+        params = SamplingParams(temperature=t, repetition_penalty=1e-300, seed=1, top_p=0.5, min_p=0.9)
+        assert sample_token(row, params, [1, 2], [3], gen(0)) in (1, 2, 3) or row[[1, 2, 3]].max() <= 0

@@ -1,0 +1,145 @@
+"""Structured output: a grammar a request's tokens must follow, enforced by a token mask.
+
+The library is llguidance (Microsoft's guidance, in Rust; vLLM ships it as one of
+its structured-output backends): JSON schema, regex, a fixed set of choices and
+Lark grammars compile to one kind of matcher, whose next-token mask costs tens
+of microseconds and never depends on other requests. It was chosen over
+xgrammar (vLLM's default; as maintained, and as fast at this scale) because it
+installs with no other package: xgrammar brings triton and a TVM runtime, which a
+CPU deployment would carry for nothing.
+
+A ``GrammarSpec`` is what crosses the wire (inside ``SamplingParams``); each
+replica compiles it against its tokenizer (``Grammars.matcher``) when the request
+is submitted, and the engine asks the matcher for the mask of every token it
+samples (``Grammars.mask``) and feeds it every token sampled. Only constrained
+requests pay for masks; the others sample as before.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from cluster.errors import InvalidInputError
+
+KINDS = ("json_schema", "json_object", "regex", "choice", "lark")
+MAX_SOURCE_CHARS = 64 << 10
+# JSON as json.dumps writes it: no free whitespace (a model cannot pad a value with
+# newlines until max_tokens), the separators a model most likely writes anyway.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def grammar_available() -> bool:
+    try:
+        import llguidance  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarSpec:
+    """One constraint: ``kind`` one of ``KINDS``; ``source`` the JSON schema (text),
+    the regex, the Lark grammar, or the choices as a JSON list of strings."""
+    kind: str
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise InvalidInputError(f"grammar kind must be one of {KINDS}, got {self.kind!r}")
+        if not isinstance(self.source, str) or len(self.source) > MAX_SOURCE_CHARS:
+            raise InvalidInputError(f"grammar source must be a string of at most {MAX_SOURCE_CHARS} characters")
+
+    def grammar(self) -> str:
+        """The llguidance grammar of this constraint (not yet checked)."""
+        from llguidance import LLMatcher
+
+        if self.kind == "json_object":
+            return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+        if self.kind == "json_schema":
+            return LLMatcher.grammar_from_json_schema(self.source, defaults=JSON_OPTIONS)
+        if self.kind == "regex":
+            return LLMatcher.grammar_from_regex(self.source)
+        if self.kind == "choice":
+            choices = json.loads(self.source)
+            return LLMatcher.grammar_from_regex("|".join(re.escape(c) for c in choices))
+        return LLMatcher.grammar_from_lark(self.source)
+
+    def check(self) -> None:
+        """Raise ``InvalidInputError`` naming the problem when this does not compile."""
+        if not grammar_available():
+            raise InvalidInputError("structured output needs llguidance (pip install llguidance)")
+        from llguidance import LLMatcher
+
+        try:
+            error = LLMatcher.validate_grammar(self.grammar())
+        except (ValueError, TypeError) as exc:
+            error = str(exc)
+        if error and not error.startswith("WARNING"):
+            raise InvalidInputError(f"the {self.kind.replace('_', ' ')} does not compile: {error.strip()[:500]}")
+
+
+def choice_spec(choices: Sequence[str]) -> GrammarSpec:
+    return GrammarSpec("choice", json.dumps(list(choices)))
+
+
+class _ByteVocab:
+    """The built-in byte tokenizer as llguidance sees a tokenizer."""
+
+    def __init__(self, tokenizer: Any):
+        self.eos_token_id = tokenizer.eos_id
+        self.bos_token_id = tokenizer.bos_id
+        self.tokens = [bytes([i]) for i in range(256)] + [b"<bos>", b"<eos>", b"<pad>"]
+        self.special_token_ids = [256, 257, 258]
+
+    def __call__(self, text: bytes) -> list[int]:
+        return list(text)
+
+
+class Grammars:
+    """The grammars of one tokenizer: compiles specs into matchers, computes masks."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int):
+        import llguidance
+        import llguidance.hf
+
+        self.vocab_size = vocab_size
+        hf = getattr(tokenizer, "tokenizer", None)
+        if hf is not None:
+            self.tokenizer = llguidance.hf.from_tokenizer(hf, n_vocab=vocab_size,
+                                                          eos_token=list(tokenizer.stop_token_ids))
+        else:
+            self.tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_ByteVocab(tokenizer)),
+                                                    n_vocab=vocab_size)
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer: Any, vocab_size: int) -> "Grammars | None":
+        """None when llguidance is not installed (constrained requests are then refused)."""
+        return cls(tokenizer, vocab_size) if grammar_available() else None
+
+    def matcher(self, spec: GrammarSpec, consumed: Sequence[int] = ()) -> Any:
+        """A fresh matcher for ``spec``, advanced over ``consumed`` (a resumed request's
+        tokens so far); ``InvalidInputError`` when it does not compile or the tokens
+        do not follow it."""
+        from llguidance import LLMatcher
+
+        spec.check()
+        m = LLMatcher(self.tokenizer, spec.grammar(), log_level=0)
+        if m.is_error():
+            raise InvalidInputError(f"the {spec.kind} does not compile: {m.get_error()[:500]}")
+        if consumed and not m.consume_tokens(list(consumed)):
+            raise InvalidInputError("the tokens generated before the resume do not follow the grammar")
+        return m
+
+    def mask(self, matcher: Any) -> torch.Tensor:
+        """The tokens ``matcher`` allows next, as a bool tensor over the model's vocabulary."""
+        bits = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
+        allowed = np.unpackbits(bits, bitorder="little")[:self.vocab_size].astype(bool)
+        out = torch.zeros(self.vocab_size, dtype=torch.bool)
+        out[:allowed.shape[0]] = torch.from_numpy(allowed)
+        return out
