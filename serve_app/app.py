@@ -81,6 +81,16 @@ class Ingress:
         return {"object": "list", "data": [{"id": self.core.model_name, "object": "model", "created": 0,
                                             "owned_by": "prefix-cache-cluster"}]}
 
+    @fastapi_app.post("/tokenize")
+    async def tokenize(self, request: Request):
+        tenant = self.core.authenticate(request)
+        return await self.core.tokenize(await self.core.body(request), tenant)
+
+    @fastapi_app.post("/detokenize")
+    async def detokenize(self, request: Request):
+        self.core.authenticate(request)
+        return self.core.detokenize(await self.core.body(request))
+
     @fastapi_app.get("/healthz")
     async def healthz(self):
         return {"status": "ok"}

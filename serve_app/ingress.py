@@ -50,7 +50,7 @@ from actors.engine_loop import EngineWedgedError, QueueFullError
 from actors.peer import PeerDirectory
 from actors.reply_store import SharedReplies
 from actors.routing_client import RoutingClient
-from cluster.engine.checkpoint import ModelSpec, load_tokenizer, model_id
+from cluster.engine.checkpoint import ModelSpec, load_tokenizer, model_context, model_id
 from cluster.engine.text import ChatPromptBuilder, ReplyMemory
 from cluster.errors import CacheError, InvalidInputError
 from cluster.names import SOURCE_NAMES
@@ -62,6 +62,7 @@ from serve_app.openapi import add_request_bodies
 from serve_app.protocol import APIError, ApiRequest, Limits, parse_chat, parse_completion
 from serve_app.responses import respond
 from serve_app.timing import RequestClock
+from serve_app.token_api import detokenize, tokenize
 
 log = logging.getLogger("ray.serve")
 
@@ -97,6 +98,7 @@ class IngressCore:
         self.namespace = namespace
         self.tokenizer = load_tokenizer(spec)
         self.token_names = TokenNames(self.tokenizer)   # logprobs' token texts
+        self.context = model_context(spec)              # /tokenize's max_model_len
         local = ReplyMemory()
         self.replies = SharedReplies(namespace, local) if shared_replies else local
         self.prompts = ChatPromptBuilder(self.tokenizer, self.replies)
@@ -183,6 +185,15 @@ class IngressCore:
                      if isinstance(m, dict) and m.get("role") == "assistant" and isinstance(m.get("content"), str)]
             if texts:
                 await self.replies.prefetch(tenant or "", texts)
+
+    async def tokenize(self, body: dict, tenant: str | None) -> dict:
+        """``POST /tokenize``: the ids the completion or chat endpoint runs for a body."""
+        await self.recall_replies(body, tenant)
+        return tokenize(body, self.tokenizer, lambda t: self.token_names.name(t)[0], self.model_name,
+                        self.context, self.limits, self.render_chat(tenant))
+
+    def detokenize(self, body: dict) -> dict:
+        return detokenize(body, self.tokenizer, self.model_name, self.context)
 
     def stop_token_ids(self, gen: ApiRequest) -> tuple[int, ...]:
         """The client's stop ids, plus EOS and the model's generation-config stop ids

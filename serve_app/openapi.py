@@ -78,6 +78,21 @@ def chat_schema(model: str) -> dict:
         **_SAMPLING, **_TOOLS}}
 
 
+def tokenize_schema(model: str) -> dict:
+    chat = chat_schema(model)["properties"]
+    return {"type": "object", "properties": {
+        "model": {"type": "string", "enum": [model]}, "prompt": {"type": "string"},
+        "messages": chat["messages"], "tools": chat["tools"], "tool_choice": chat["tool_choice"],
+        "add_special_tokens": {"type": "boolean"}, "add_generation_prompt": {"type": "boolean"},
+        "return_token_strs": {"type": "boolean"}}}
+
+
+def detokenize_schema(model: str, vocab_size: int) -> dict:
+    return {"type": "object", "required": ["tokens"], "properties": {
+        "model": {"type": "string", "enum": [model]},
+        "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": vocab_size - 1}}}}
+
+
 POLICY_SCHEMA = {"type": "object", "required": ["policy"], "properties": {"policy": {"type": "string"}}}
 EMPTY_SCHEMA = {"type": "object"}
 ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error": {
@@ -91,7 +106,8 @@ def add_request_bodies(schema: dict[str, Any], model: str, vocab_size: int) -> d
     error response of every POST endpoint, and bearer auth declared."""
     bodies = {"/v1/completions": completion_schema(model, vocab_size), "/v1/chat/completions": chat_schema(model),
               "/v1/admin/policy": POLICY_SCHEMA, "/v1/cache/flush": EMPTY_SCHEMA,
-              "/v1/sessions/{session_id}/prefetch": EMPTY_SCHEMA}
+              "/v1/sessions/{session_id}/prefetch": EMPTY_SCHEMA, "/tokenize": tokenize_schema(model),
+              "/detokenize": detokenize_schema(model, vocab_size)}
     for path, body in bodies.items():
         operation = schema.get("paths", {}).get(path, {}).get("post")
         if operation is None:

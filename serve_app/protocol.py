@@ -14,9 +14,9 @@ from typing import Any, Callable
 from cluster.engine.tokenizer import Tokenizer
 from serve_app.errors import APIError
 from serve_app.params import parse_generation
-from serve_app.structured import parse_constraint, parse_tools, plain_messages, validate_tool_messages
+from serve_app.structured import Tools, parse_constraint, parse_tools, plain_messages, validate_tool_messages
 
-__all__ = ["APIError", "ApiRequest", "Limits", "parse_json", "parse_completion", "parse_chat"]
+__all__ = ["APIError", "ApiRequest", "Limits", "parse_json", "parse_completion", "parse_chat", "chat_prompt"]
 
 
 @dataclass(frozen=True)
@@ -212,6 +212,22 @@ def parse_chat(body: dict, limits: Limits, served_model: str, tokenizer: Tokeniz
                render: Callable[..., list[int]] | None = None) -> ApiRequest:
     """``render(messages, tools=None)`` turns the validated messages into prompt ids
     (default: the tokenizer's chat template; the ingress passes its ChatPromptBuilder)."""
+    ids, tools = chat_prompt(body, tokenizer, render)
+    constraint = parse_constraint(body)
+    forced = tools.constraint() if tools is not None else None
+    if forced is not None and constraint is not None:
+        raise APIError(400, "a forced 'tool_choice' and 'response_format'/'structured_outputs' cannot both "
+                            "constrain one answer", param="tool_choice")
+    gen = _common(body, ids, limits, served_model, tokenizer, chat=True)
+    gen.grammar = forced or constraint
+    gen.tools = tools
+    return gen
+
+
+def chat_prompt(body: dict, tokenizer: Tokenizer,
+                render: Callable[..., list[int]] | None = None) -> tuple[list[int], Tools | None]:
+    """The prompt ids of a chat body's ``messages`` (and ``tools``), as the chat
+    endpoint runs them, and its active tools (None: none, or ``tool_choice`` none)."""
     messages = body.get("messages")
     if messages is None:
         raise APIError(400, "'messages' is required", param="messages")
@@ -231,14 +247,10 @@ def parse_chat(body: dict, limits: Limits, served_model: str, tokenizer: Tokeniz
         _text(content, f"messages[{i}].content")
     validate_tool_messages(messages)
     tools = parse_tools(body)
-    constraint = parse_constraint(body)
-    forced = tools.constraint() if tools is not None and tools.active else None
-    if forced is not None and constraint is not None:
-        raise APIError(400, "a forced 'tool_choice' and 'response_format'/'structured_outputs' cannot both "
-                            "constrain one answer", param="tool_choice")
+    active = tools if tools is not None and tools.active else None
     takes_tools = template_takes_tools(tokenizer)
     plain = plain_messages(messages, tools, takes_tools)
-    template_tools = tools.template_tools() if tools is not None and tools.active and takes_tools else None
+    template_tools = active.template_tools() if active is not None and takes_tools else None
     try:
         if render is not None:
             ids = render(plain, tools=template_tools)
@@ -247,10 +259,7 @@ def parse_chat(body: dict, limits: Limits, served_model: str, tokenizer: Tokeniz
     except Exception as exc:   # the template's own checks (jinja's raise_exception), e.g. roles out of order
         raise APIError(400, f"'messages' cannot be rendered with the model's chat template: {exc}",
                        param="messages") from None
-    gen = _common(body, ids, limits, served_model, tokenizer, chat=True)
-    gen.grammar = forced or constraint
-    gen.tools = tools if tools is not None and tools.active else None
-    return gen
+    return ids, active
 
 
 def template_takes_tools(tokenizer: Tokenizer) -> bool:

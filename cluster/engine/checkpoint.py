@@ -432,6 +432,15 @@ def load_tokenizer(spec_or_loaded: ModelSpec | LoadedModel | object = None) -> A
     return HFTokenizer.from_pretrained(directory)
 
 
+def model_context(spec: ModelSpec | object = None) -> int:
+    """The model's context length in tokens (its ``max_position_embeddings``)."""
+    spec = ModelSpec.parse(spec)
+    directory = resolve_checkpoint(spec)
+    if directory is None:
+        return spec.builtin_config().max_position
+    return int(model_config_from_hf(_read_json(directory / "config.json"), spec.dtype).max_position)
+
+
 def _model_id(spec: ModelSpec, directory: Path) -> str:
     if spec.source.lower() == DEFAULT_MODEL:
         return SMOLLM2_MODEL_ID

@@ -132,3 +132,20 @@ def test_hypothesis_bodies_no_5xx(app_url, body, chat):
     r = httpx.post(app_url + path, headers=HEADERS, json=body, timeout=60)
     assert_well_behaved(r.status_code, r.content, r.headers.get("content-type", ""))
     assert_healthy(app_url)
+
+
+TOKEN_FIELDS = ["model", "prompt", "messages", "tools", "tool_choice", "add_special_tokens", "add_generation_prompt",
+                "return_token_strs", "tokens", "continue_final_message", "chat_template"]
+token_bodies = st.fixed_dictionaries({}, optional={
+    **{name: json_values for name in TOKEN_FIELDS},
+    "model": st.just(MODEL) | json_values, "prompt": st.text(max_size=60) | json_values,
+    "messages": valid_messages | json_values, "tools": st.just([TOOL]) | json_values,
+    "tokens": st.lists(st.integers(-5, 300), max_size=20) | json_values,
+    "add_special_tokens": st.booleans() | json_values, "return_token_strs": st.booleans() | json_values})
+
+
+@given(body=token_bodies, path=st.sampled_from(["/tokenize", "/detokenize"]))
+@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+def test_hypothesis_tokenize_bodies_no_5xx(app_url, body, path):
+    r = httpx.post(app_url + path, headers=HEADERS, json=body, timeout=60)
+    assert_well_behaved(r.status_code, r.content, r.headers.get("content-type", ""))

@@ -243,6 +243,19 @@ BAD = [
     ({"model": MODEL, "messages": [{"role": "user", "content": 5}]}, "/v1/chat/completions", 400,
      "'messages[0].content' must be a string"),
     ({"model": MODEL, "messages": ["hi"]}, "/v1/chat/completions", 400, "'messages[0]' must be an object"),
+    ({"prompt": "x", "messages": []}, "/tokenize", 400, "exactly one of 'prompt'"),
+    ({}, "/tokenize", 400, "exactly one of 'prompt'"),
+    ({"prompt": 5}, "/tokenize", 400, "'prompt' must be a string"),
+    ({"model": "gpt-4", "prompt": "x"}, "/tokenize", 404, "does not exist"),
+    ({"prompt": "x", "add_special_tokens": 1}, "/tokenize", 400, "'add_special_tokens' must be a boolean"),
+    ({"prompt": "x", "foo": 1}, "/tokenize", 400, "unknown parameter 'foo' for /tokenize"),
+    ({"messages": [{"role": "user", "content": "x"}], "continue_final_message": True}, "/tokenize", 400,
+     "'continue_final_message' is not supported"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "/tokenize", 400, "'messages[0].role'"),
+    ({}, "/detokenize", 400, "'tokens' is required"),
+    ({"tokens": [1, 999]}, "/detokenize", 400, "token id 999 outside [0, 259)"),
+    ({"tokens": "abc"}, "/detokenize", 400, "list of integer token ids"),
+    ({"tokens": [1], "prompt": "x"}, "/detokenize", 400, "unknown parameter 'prompt' for /detokenize"),
 ]
 
 
@@ -521,3 +534,23 @@ def test_a_streamed_tool_call_comes_in_a_delta(base_url):
     calls = [c for d in deltas for c in d.get("tool_calls", [])]
     assert len(calls) == 1 and calls[0]["index"] == 0 and calls[0]["function"]["name"] == "w"
     assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_tokenize_gives_the_ids_the_endpoints_run_and_detokenize_inverts_it(base_url):
+    r = post(base_url, "/tokenize", {"model": MODEL, "prompt": "héllo", "return_token_strs": True})
+    assert r.status_code == 200, r.text
+    ids = list("héllo".encode())
+    assert r.json() == {"count": len(ids), "max_model_len": 8192, "tokens": ids,
+                        "token_strs": ["h", "bytes:\\xc3", "bytes:\\xa9", "l", "l", "o"]}
+    assert post(base_url, "/tokenize", {"prompt": "hi", "add_special_tokens": True}).json()["tokens"] == [256, 104, 105]
+    # A completion of the same text runs exactly the ids /tokenize counted.
+    done = post(base_url, "/v1/completions", {"model": MODEL, "prompt": "héllo", "max_tokens": 1}).json()
+    assert done["usage"]["prompt_tokens"] == len(ids)
+    # Chat: the template's ids, as the chat endpoint counts them.
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    tok = post(base_url, "/tokenize", {"messages": messages}).json()
+    assert tok["tokens"] == [256, *"<|system|>\nbe brief\n<|user|>\nhi\n<|assistant|>\n".encode()]
+    reply = chat(base_url, messages=messages, max_tokens=1)
+    assert reply["usage"]["prompt_tokens"] == tok["count"]
+    assert post(base_url, "/detokenize", {"model": MODEL, "tokens": ids}).json() == {"prompt": "héllo"}
+    assert post(base_url, "/tokenize", {"prompt": "x"}, key="").status_code == 401
