@@ -86,6 +86,11 @@ class Ingress:
         tenant = self.core.authenticate(request)
         return await self.core.tokenize(await self.core.body(request), tenant)
 
+    @fastapi_app.get("/tokenizer_info")
+    async def tokenizer_info(self, request: Request):
+        self.core.authenticate(request)
+        return self.core.tokenizer_info()
+
     @fastapi_app.post("/detokenize")
     async def detokenize(self, request: Request):
         self.core.authenticate(request)

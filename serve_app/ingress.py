@@ -59,10 +59,10 @@ from serve_app import admin, metrics
 from serve_app.auth import Auth, read_json_body
 from serve_app.logprobs import TokenNames
 from serve_app.openapi import add_request_bodies
-from serve_app.protocol import APIError, ApiRequest, Limits, parse_chat, parse_completion
-from serve_app.responses import respond
+from serve_app.protocol import APIError, ApiRequest, Limits, batch_prompts, parse_chat, parse_completion
+from serve_app.responses import merge_batch, respond
 from serve_app.timing import RequestClock
-from serve_app.token_api import detokenize, tokenize
+from serve_app.token_api import detokenize, tokenize, tokenizer_info
 
 log = logging.getLogger("ray.serve")
 
@@ -191,6 +191,10 @@ class IngressCore:
         await self.recall_replies(body, tenant)
         return tokenize(body, self.tokenizer, lambda t: self.token_names.name(t)[0], self.model_name,
                         self.context, self.limits, self.render_chat(tenant))
+
+    def tokenizer_info(self) -> dict:
+        """``GET /tokenizer_info`` (vLLM's): what a client needs to use the tokenizer remotely."""
+        return tokenizer_info(self.tokenizer, self.context)
 
     def detokenize(self, body: dict) -> dict:
         return detokenize(body, self.tokenizer, self.model_name, self.context)
@@ -375,6 +379,9 @@ async def handle_generation(core: IngressCore, request, endpoint: str, chat: boo
         await core.recall_replies(body, tenant)
         gen = parse_chat(body, core.limits, core.model_name, core.tokenizer, core.render_chat(tenant))
     else:
+        prompts = batch_prompts(body)
+        if prompts is not None and len(prompts) > 1:
+            return await _batch(core, body, prompts, tenant, header_session, clock)
         gen = parse_completion(body, core.limits, core.model_name, core.tokenizer)
     clock.mark_parsed()
     if gen.seed is None:
@@ -386,6 +393,38 @@ async def handle_generation(core: IngressCore, request, endpoint: str, chat: boo
     result = await core.complete(gen, tenant, endpoint, chat, clock)
     metrics.requests.inc(tags={"endpoint": endpoint, "status": "200"})
     return result if isinstance(result, Response) else JSONResponse(result)
+
+
+BATCH_CONCURRENCY = 8     # prompts of one request in flight at once (the rest wait their turn)
+MAX_BATCH_SEQUENCES = 64  # prompts x (n or best_of) of one request
+
+
+async def _batch(core: IngressCore, body: dict, prompts: list, tenant: Tenant | None, header_session: str | None,
+                 clock: RequestClock) -> Response:
+    """A completions request with several prompts: each is its own request (routed on
+    its own: prompts that share a context go where it is cached), run side by side;
+    one answer with their choices in order (prompt i's choice j at index i * n + j)."""
+    gens = [parse_completion({**body, "prompt": p}, core.limits, core.model_name, core.tokenizer) for p in prompts]
+    runs = sum(g.generation.choices_to_run if g.generation is not None else 1 for g in gens)
+    if runs > MAX_BATCH_SEQUENCES:
+        raise APIError(400, f"{len(gens)} prompts with {runs // len(gens)} sequences each are {runs} sequences; "
+                            f"at most {MAX_BATCH_SEQUENCES} per request", param="prompt")
+    clock.mark_parsed()
+    seed = gens[0].seed if gens[0].seed is not None else secrets.randbits(63)
+    for gen in gens:
+        gen.seed, gen.batched = seed, True
+        if gen.session_id is None:
+            gen.session_id = header_session
+    clocks = [clock] + [RequestClock.start() for _ in gens[1:]]
+    gate = asyncio.Semaphore(BATCH_CONCURRENCY)
+
+    async def one(gen: ApiRequest, c: RequestClock) -> dict:
+        async with gate:
+            return await core.complete(gen, tenant, "completions", False, c)
+
+    bodies = await asyncio.gather(*(one(g, c) for g, c in zip(gens, clocks)))
+    metrics.requests.inc(tags={"endpoint": "completions", "status": "200"})
+    return JSONResponse(merge_batch(bodies))
 
 
 def session_header(request) -> str | None:

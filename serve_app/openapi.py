@@ -56,11 +56,13 @@ _TOOLS = {
 
 
 def completion_schema(model: str, vocab_size: int) -> dict:
+    ids = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0, "maximum": vocab_size - 1}}
     return {"type": "object", "required": ["model", "prompt"], "properties": {
         "model": {"type": "string", "enum": [model]},
-        "prompt": {"oneOf": [{"type": "string", "minLength": 1},
-                             {"type": "array", "minItems": 1,
-                              "items": {"type": "integer", "minimum": 0, "maximum": vocab_size - 1}}]},
+        "prompt": {"oneOf": [{"type": "string", "minLength": 1}, ids,
+                             {"type": "array", "minItems": 1, "maxItems": 64,
+                              "items": {"type": "string", "minLength": 1}},
+                             {"type": "array", "minItems": 1, "maxItems": 64, "items": ids}]},
         "echo": {"type": "boolean"}, "logprobs": {"type": "integer", "minimum": 0, "maximum": 5},
         "best_of": {"type": "integer", "minimum": 1, "maximum": 16},
         **_SAMPLING}}

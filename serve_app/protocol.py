@@ -50,6 +50,7 @@ class ApiRequest:
     prompt_text: str | None = None   # a completion's prompt as the client sent it (echo)
     grammar: Any = None              # cluster.engine.grammar.GrammarSpec: the answer's constraint
     tools: Any = None                # serve_app.structured.Tools: the functions the answer may call
+    batched: bool = False            # one of several prompts of one completions request
 
 
 def parse_json(raw: bytes, limits: Limits) -> dict:
@@ -177,11 +178,35 @@ def _check_prompt_length(tokens: int, limits: Limits) -> None:
                        param="prompt", code="context_length_exceeded")
 
 
+MAX_BATCH_PROMPTS = 64
+
+
+def batch_prompts(body: dict) -> list | None:
+    """The prompts of a completions body that sends several (a list of strings, or a
+    list of token-id lists), each to be answered as its own request; None for one
+    prompt. A list of one is one prompt."""
+    prompt = body.get("prompt")
+    if not isinstance(prompt, list) or not prompt:
+        return None
+    if all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt):
+        if len(prompt) > MAX_BATCH_PROMPTS:
+            raise APIError(400, f"'prompt' has {len(prompt)} prompts; at most {MAX_BATCH_PROMPTS} per request",
+                           param="prompt")
+        if body.get("stream") is True and len(prompt) > 1:
+            raise APIError(400, "several prompts in one request cannot be streamed; send one request per prompt "
+                                "or set 'stream' to false", param="stream")
+        return prompt
+    if any(isinstance(p, (str, list)) for p in prompt):
+        raise APIError(400, "'prompt' must be a string, a list of token ids, a list of strings or a list of "
+                            "token-id lists (not a mix)", param="prompt")
+    return None
+
+
 def parse_completion(body: dict, limits: Limits, served_model: str, tokenizer: Tokenizer) -> ApiRequest:
     if "prompt" not in body:
         raise APIError(400, "'prompt' is required", param="prompt")
     prompt = body["prompt"]
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, str):
         if not prompt:

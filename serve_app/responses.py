@@ -96,7 +96,7 @@ class ChoiceRunner:
                                       whole, seed=choice_seed(self.gen.seed, index), first_route=route,
                                       logprobs=self.logprobs,
                                       prompt_logprobs=self.prompt_logprobs if index == 0 else None,
-                                      sibling=self.count > 1)
+                                      sibling=self.count > 1 or self.gen.batched)
 
     def take(self, choice: Choice, item: StreamItem) -> str:
         """Account one item to its choice; the text it makes safe to send."""
@@ -385,6 +385,24 @@ class _Merger:
         await asyncio.gather(*(self.tasks or []), return_exceptions=True)
         for it in self.iters:
             await it.aclose()
+
+
+def merge_batch(bodies: list[dict]) -> dict:
+    """One completions answer from the answers of a request's prompts, in order: the
+    choices re-indexed across them, usage summed; ``prefix_cache`` is the first
+    prompt's, ``prefix_cache_by_prompt`` every prompt's."""
+    out = dict(bodies[0])
+    choices, totals, cached = [], {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}, 0
+    for body in bodies:
+        for choice in body["choices"]:
+            choices.append({**choice, "index": len(choices)})
+        for key in totals:
+            totals[key] += body["usage"][key]
+        cached += body["usage"]["prompt_tokens_details"]["cached_tokens"]
+    out["choices"] = choices
+    out["usage"] = {**totals, "prompt_tokens_details": {"cached_tokens": cached}}
+    out["prefix_cache_by_prompt"] = [body["prefix_cache"] for body in bodies]
+    return out
 
 
 def usage(gen: ApiRequest, outputs: list[list[int]], last: StreamItem | None) -> dict:

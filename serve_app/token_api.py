@@ -5,7 +5,9 @@ runs for it) or ``messages`` (and ``tools``: the ids ``/v1/chat/completions``
 runs for them, through the same chat template and reply memory) and answers
 ``{"count", "max_model_len", "tokens"}`` (and ``token_strs`` when
 ``return_token_strs`` is true). ``POST /detokenize`` takes ``tokens`` and answers
-``{"prompt"}``. ``model`` is optional; when sent it must be the served model.
+``{"prompt"}``. ``GET /tokenizer_info`` names the special tokens and the chat
+template (lm-eval's ``local-completions`` finds the three and tokenizes through
+them instead of downloading a tokenizer). ``model`` is optional; when sent it must be the served model.
 
 One difference from vLLM, so a count here is the count the server runs:
 ``add_special_tokens`` defaults to false for ``prompt`` too, because
@@ -101,3 +103,16 @@ def detokenize(body: dict, tokenizer: Any, served_model: str, context: int) -> d
     if bad is not None:
         raise APIError(400, f"'tokens' has token id {bad} outside [0, {tokenizer.vocab_size})", param="tokens")
     return {"prompt": tokenizer.decode(tokens)}
+
+
+def tokenizer_info(tokenizer: Any, context: int) -> dict:
+    hf = getattr(tokenizer, "tokenizer", None)
+    if hf is None:   # the built-in byte tokenizer: its specials have no text of their own
+        return {"tokenizer_class": type(tokenizer).__name__, "eos_token": None, "bos_token": None,
+                "pad_token": None, "eos_token_id": tokenizer.eos_id, "bos_token_id": tokenizer.bos_id,
+                "model_max_length": context, "vocab_size": tokenizer.vocab_size}
+    template = getattr(hf, "chat_template", None)
+    return {"tokenizer_class": type(hf).__name__, "eos_token": hf.eos_token, "bos_token": hf.bos_token,
+            "pad_token": hf.pad_token, "unk_token": hf.unk_token, "eos_token_id": tokenizer.eos_id,
+            "bos_token_id": tokenizer.bos_id, "model_max_length": context, "vocab_size": tokenizer.vocab_size,
+            "chat_template": template if isinstance(template, str) else None}

@@ -243,6 +243,11 @@ BAD = [
     ({"model": MODEL, "messages": [{"role": "user", "content": 5}]}, "/v1/chat/completions", 400,
      "'messages[0].content' must be a string"),
     ({"model": MODEL, "messages": ["hi"]}, "/v1/chat/completions", 400, "'messages[0]' must be an object"),
+    ({"model": MODEL, "prompt": ["a", [1]]}, "/v1/completions", 400, "(not a mix)"),
+    ({"model": MODEL, "prompt": ["a", "b"], "stream": True}, "/v1/completions", 400, "cannot be streamed"),
+    ({"model": MODEL, "prompt": ["a"] * 65}, "/v1/completions", 400, "at most 64 per request"),
+    ({"model": MODEL, "prompt": ["a"] * 5, "n": 16}, "/v1/completions", 400, "are 80 sequences"),
+    ({"model": MODEL, "prompt": [[1], [999]]}, "/v1/completions", 400, "token id 999 outside"),
     ({"prompt": "x", "messages": []}, "/tokenize", 400, "exactly one of 'prompt'"),
     ({}, "/tokenize", 400, "exactly one of 'prompt'"),
     ({"prompt": 5}, "/tokenize", 400, "'prompt' must be a string"),
@@ -554,3 +559,34 @@ def test_tokenize_gives_the_ids_the_endpoints_run_and_detokenize_inverts_it(base
     assert reply["usage"]["prompt_tokens"] == tok["count"]
     assert post(base_url, "/detokenize", {"model": MODEL, "tokens": ids}).json() == {"prompt": "héllo"}
     assert post(base_url, "/tokenize", {"prompt": "x"}, key="").status_code == 401
+
+
+def test_several_prompts_are_answered_in_order_each_as_alone(base_url):
+    prompts = ["one prompt", "another prompt", "a third"]
+    alone = [post(base_url, "/v1/completions", {"model": MODEL, "prompt": p, "max_tokens": 4, "n": 2,
+                                                "temperature": 1.0, "seed": 5}).json() for p in prompts]
+    both = post(base_url, "/v1/completions", {"model": MODEL, "prompt": prompts, "max_tokens": 4, "n": 2,
+                                              "temperature": 1.0, "seed": 5})
+    assert both.status_code == 200, both.text
+    body = both.json()
+    assert [c["index"] for c in body["choices"]] == list(range(6))
+    assert [c["token_ids"] for c in body["choices"]] == [c["token_ids"] for a in alone for c in a["choices"]]
+    assert body["usage"]["prompt_tokens"] == sum(len(p.encode()) for p in prompts)
+    assert body["usage"]["completion_tokens"] == sum(a["usage"]["completion_tokens"] for a in alone)
+    assert len(body["prefix_cache_by_prompt"]) == 3
+    # Token-id lists too (as lm-eval sends them), and a list of one is one prompt.
+    ids = post(base_url, "/v1/completions", {"model": MODEL, "prompt": [list(p.encode()) for p in prompts],
+                                             "max_tokens": 4, "n": 2, "temperature": 1.0, "seed": 5}).json()
+    assert [c["token_ids"] for c in ids["choices"]] == [c["token_ids"] for c in body["choices"]]
+    one = post(base_url, "/v1/completions", {"model": MODEL, "prompt": [prompts[0]], "max_tokens": 4, "n": 2,
+                                             "temperature": 1.0, "seed": 5}).json()
+    assert one["choices"] == alone[0]["choices"] and "prefix_cache_by_prompt" not in one
+
+
+def test_tokenizer_info_names_the_specials(base_url):
+    info = post(base_url, "/tokenize", {"prompt": "x"})   # warm
+    info = httpx.get(base_url + "/tokenizer_info", headers={"Authorization": f"Bearer {KEYS['a']}"}, timeout=30)
+    assert info.status_code == 200
+    assert info.json() == {"tokenizer_class": "ByteTokenizer", "eos_token": None, "bos_token": None,
+                           "pad_token": None, "eos_token_id": 257, "bos_token_id": 256,
+                           "model_max_length": 8192, "vocab_size": 259}

@@ -134,3 +134,85 @@ def test_admin_endpoints_are_off_without_keys(base_url):
     for path, body in (("/v1/cache/flush", {}), ("/v1/admin/policy", {"policy": "round_robin"})):
         r = httpx.post(base_url + path, json=body, timeout=30)
         assert r.status_code == 403 and r.json()["error"]["code"] == "admin_disabled", r.text
+
+
+# ------------------------------------------------------------ the API's real clients
+def test_echo_and_logprobs_equal_transformers_own_forward(base_url):
+    """Prompt logprobs (echo) and the generated tokens' logprobs and top-3 equal
+    log_softmax of transformers' forward of the same checkpoint in float32, the
+    second time with the prompt's logprobs read from beside its cached KV."""
+    import torch
+    import transformers
+
+    from cluster.engine.checkpoint import resolve_checkpoint
+
+    text = "The quick brown fox jumps over the lazy dog. A prefix cache keeps the keys and values"
+    ids = httpx.post(base_url + "/tokenize", json={"prompt": text}, timeout=30).json()["tokens"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(resolve_checkpoint(None)), dtype=torch.float32)
+    for attempt in range(2):
+        r = httpx.post(base_url + "/v1/completions", timeout=120, json={
+            "model": MODEL, "prompt": text, "max_tokens": 6, "echo": True, "logprobs": 3})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        out = choice["token_ids"]
+        with torch.no_grad():
+            ref = torch.log_softmax(model(torch.tensor([ids + out])).logits[0].float(), -1)
+        lp = choice["logprobs"]
+        assert lp["token_logprobs"][0] is None and len(lp["token_logprobs"]) == len(ids) + len(out)
+        for pos in range(1, len(ids) + len(out)):
+            token = (ids + out)[pos]
+            assert abs(lp["token_logprobs"][pos] - float(ref[pos - 1, token])) < 1e-4, (attempt, pos)
+            got = sorted(lp["top_logprobs"][pos].values(), reverse=True)[:3]
+            assert torch.allclose(torch.tensor(got), torch.topk(ref[pos - 1], 3).values, atol=1e-4), (attempt, pos)
+        if attempt == 1:
+            assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(ids) - 16
+
+
+def test_lm_eval_local_completions_equals_its_hf_model(base_url):
+    """lm-eval's local-completions against the server (remote tokenizer, batched
+    token-id prompts, echo + logprobs) and lm-eval's hf model on the same weights:
+    the same accuracy and per-choice loglikelihoods within 1e-4."""
+    pytest.importorskip("lm_eval")
+    from cluster.engine.checkpoint import resolve_checkpoint
+    from serve_app.tools.api_clients import QUESTIONS, lm_eval_compare
+
+    result = lm_eval_compare(base_url, MODEL, resolve_checkpoint(None), batch_size=4)
+    assert result["choices"] == 4 * len(QUESTIONS)
+    assert result["acc_server"] == result["acc_hf"]
+    assert result["max_abs_diff"] < 1e-4, result
+    assert [max(range(4), key=xs.__getitem__) for xs in result["server_loglikelihoods"]] == \
+        [max(range(4), key=xs.__getitem__) for xs in result["hf_loglikelihoods"]]
+
+
+def test_openai_client_tool_loop_reuses_the_first_step(base_url):
+    """The official client's agent loop: a call forced by name parses, and the next
+    step's cached tokens cover the first step's prompt and reply (all but the
+    reply's stop token, which was sampled but never run through the model)."""
+    pytest.importorskip("openai")
+    from serve_app.tools.api_clients import openai_tool_loop
+
+    r = openai_tool_loop(base_url, MODEL)
+    assert r["finish_reason_1"] == "tool_calls" and r["tool"] == "get_weather"
+    assert isinstance(r["arguments"]["city"], str) and set(r["arguments"]) == {"city"}
+    assert r["cached_tokens_2"] >= r["prompt_tokens_1"] + r["completion_tokens_1"] - 1, r
+    assert r["prompt_tokens_2"] > r["prompt_tokens_1"] + r["completion_tokens_1"]
+
+
+def test_bench_api_parts_print_their_figures(base_url):
+    """``prefix-cache bench api``'s structured and echo parts against this server
+    (the command starts its own; n_fork and lm_eval read admin stats, off here)."""
+    import argparse
+
+    from serve_app.tools import bench_api
+
+    p = argparse.ArgumentParser()
+    bench_api.add_arguments(p)
+    args = p.parse_args(["--repeats", "1", "--max-tokens", "6", "--prompt-tokens", "64"])
+    api = bench_api.Api(base_url, MODEL)
+    row = bench_api.structured(api, args)
+    for kind in ("unconstrained", "regex", "json_schema"):
+        assert row[f"ms_per_token_{kind}"] > 0 and row[f"tokens_{kind}"] >= 3
+    assert set(row) >= {"overhead_pct_regex", "overhead_pct_json_schema", "other_overhead_pct_beside_regex"}
+    prompts = [f"Prompt number {i}: " + "tell me about caches. " * 8 for i in range(11)]
+    row = bench_api.echo(api, prompts, args)
+    assert row["cold_echo_ms"] > 0 and row["cached_echo_ms"] > 0 and "cached_echo_overhead_pct" in row
