@@ -279,6 +279,8 @@ def chat_prompt(body: dict, tokenizer: Tokenizer,
     try:
         if render is not None:
             ids = render(plain, tools=template_tools)
+        elif template_tools is not None:
+            ids = tokenizer.apply_chat_template(plain, tools=template_tools)
         else:
             ids = tokenizer.apply_chat_template(plain)
     except Exception as exc:   # the template's own checks (jinja's raise_exception), e.g. roles out of order

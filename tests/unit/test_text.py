@@ -441,3 +441,45 @@ def test_chat_validation(messages, message: str) -> None:
         validate_chat_messages(messages)
     with pytest.raises(InvalidInputError, match=message):
         ChatPromptBuilder(ByteTokenizer()).build(messages)
+
+
+# ------------------------------------------------------------------ tools in the prompt
+TOOL = {"type": "function", "function": {"name": "get_weather", "description": "weather now",
+                                         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTOOLS:{% for t in tools %} {{ t.function.name }}{% endfor %}<|im_end|>\n"
+    "{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def _chat_ids(tok, **body):
+    """The prompt both ways the app renders one: the tokenizer's template, and the
+    ingress's prompt builder (reply memory); they must agree."""
+    from serve_app.protocol import Limits, parse_chat
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "Weather in Paris?"}], **body}
+    builder = ChatPromptBuilder(tok, ReplyMemory())
+    direct = parse_chat(body, Limits(), "m", tok).prompt
+    built = parse_chat(body, Limits(), "m", tok, lambda m, tools=None: builder.build(m, "", tools).ids).prompt
+    assert direct == built
+    return direct
+
+
+def test_tools_go_through_a_template_that_takes_them_and_a_fallback_prompt_otherwise(smol_dir) -> None:
+    from serve_app.protocol import template_takes_tools
+
+    plain = HFTokenizer.from_pretrained(smol_dir)
+    assert not template_takes_tools(plain)             # SmolLM2's template has no tools
+    text = plain.decode_exact(_chat_ids(plain, tools=[TOOL]))
+    assert "You can call these functions:" in text and '"name": "get_weather"' in text
+    assert "TOOLS:" not in text
+
+    aware = HFTokenizer.from_pretrained(smol_dir)
+    aware.tokenizer.chat_template = TOOLS_TEMPLATE
+    assert template_takes_tools(aware)
+    text = aware.decode_exact(_chat_ids(aware, tools=[TOOL]))
+    assert text.startswith("<|im_start|>system\nTOOLS: get_weather<|im_end|>\n")
+    assert "You can call these functions:" not in text
+    # tool_choice none: the tools stay out of the prompt, either way.
+    assert "get_weather" not in aware.decode_exact(_chat_ids(aware, tools=[TOOL], tool_choice="none"))
+    assert "get_weather" not in plain.decode_exact(_chat_ids(plain, tools=[TOOL], tool_choice="none"))
