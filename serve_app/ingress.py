@@ -61,6 +61,7 @@ from serve_app.logprobs import TokenNames
 from serve_app.openapi import add_request_bodies
 from serve_app.protocol import APIError, ApiRequest, Limits, batch_prompts, parse_chat, parse_completion
 from serve_app.responses import merge_batch, respond
+from serve_app.structured import assistant_texts
 from serve_app.timing import RequestClock
 from serve_app.token_api import detokenize, tokenize, tokenizer_info
 
@@ -179,12 +180,9 @@ class IngressCore:
         ingress replica saw (a cache: without them the replies are tokenized as sent)."""
         if not isinstance(self.replies, SharedReplies):
             return
-        messages = body.get("messages")
-        if isinstance(messages, list):
-            texts = [m["content"] for m in messages[-64:]
-                     if isinstance(m, dict) and m.get("role") == "assistant" and isinstance(m.get("content"), str)]
-            if texts:
-                await self.replies.prefetch(tenant or "", texts)
+        texts = assistant_texts(body.get("messages"))
+        if texts:
+            await self.replies.prefetch(tenant or "", texts)
 
     async def tokenize(self, body: dict, tenant: str | None) -> dict:
         """``POST /tokenize``: the ids the completion or chat endpoint runs for a body."""

@@ -226,6 +226,25 @@ def call_text(call: dict) -> str:
                                       separators=(", ", ": ")) + "</tool_call>"
 
 
+def assistant_texts(messages: object) -> list[str]:
+    """The assistant contents a chat body's template will render (tool calls as the
+    text the model wrote, as ``plain_messages`` makes them); best effort: a
+    malformed message is skipped here and refused by the chat endpoint."""
+    texts = []
+    for m in messages[-64:] if isinstance(messages, list) else ():
+        if not isinstance(m, dict) or m.get("role") != "assistant":
+            continue
+        content, calls = m.get("content"), m.get("tool_calls")
+        try:
+            if calls:
+                texts.append((content or "") + "\n".join(call_text(c) for c in calls))
+            elif isinstance(content, str):
+                texts.append(content)
+        except (TypeError, AttributeError, KeyError):
+            continue
+    return texts
+
+
 def plain_messages(messages: list[dict], tools: Tools | None, template_takes_tools: bool) -> list[dict]:
     """The agent loop's messages as (role, content) turns the chat template renders:
     an assistant's tool calls as the text it wrote, a ``tool`` result as a turn of

@@ -187,7 +187,8 @@ def test_lm_eval_local_completions_equals_its_hf_model(base_url):
 def test_openai_client_tool_loop_reuses_the_first_step(base_url):
     """The official client's agent loop: a call forced by name parses, and the next
     step's cached tokens cover the first step's prompt and reply (all but the
-    reply's stop token, which was sampled but never run through the model)."""
+    reply's stop token, which was sampled but never run through the model),
+    whichever of the two ingress replicas each step reaches."""
     pytest.importorskip("openai")
     from serve_app.tools.api_clients import openai_tool_loop
 

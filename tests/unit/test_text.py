@@ -483,3 +483,37 @@ def test_tools_go_through_a_template_that_takes_them_and_a_fallback_prompt_other
     # tool_choice none: the tools stay out of the prompt, either way.
     assert "get_weather" not in aware.decode_exact(_chat_ids(aware, tools=[TOOL], tool_choice="none"))
     assert "get_weather" not in plain.decode_exact(_chat_ids(plain, tools=[TOOL], tool_choice="none"))
+
+
+def test_a_tool_call_another_ingress_remembered_is_bridged_here(smol: HFTokenizer) -> None:
+    """An ingress that did not answer step 1 of an agent loop asks the reply store for
+    ``assistant_texts`` of step 2's messages: they must be the very keys the answering
+    ingress remembered the call under, or step 2 recomputes the call's KV."""
+    from serve_app.protocol import Limits, parse_chat
+    from serve_app.structured import assistant_texts, call_text
+
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    wrote = call_text(call)   # what a constrained answer writes, and what responses remember it under
+    pieces = [wrote[:7], wrote[7:20], wrote[20:]]   # a split the tokenizer would not choose
+    sampled = [i for piece in pieces for i in smol.encode(piece)]
+    assert sampled != smol.encode(wrote) and smol.decode(sampled) == wrote
+    answering = ChatPromptBuilder(smol, ReplyMemory())
+    assert answering.remember_reply("t", wrote, sampled)
+
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "tool_calls": [call]},   # the openai client drops content None
+                {"role": "tool", "tool_call_id": "call_1", "content": '{"sky": "sunny"}'},
+                {"role": "assistant", "content": "Sunny."},
+                {"role": "user", "content": "And tomorrow?"}]
+    assert assistant_texts(messages) == [wrote, "Sunny."]
+    other = ChatPromptBuilder(smol, ReplyMemory())   # the other ingress, after its reply-store prefetch
+    for text in assistant_texts(messages):
+        ids = answering.reply_memory.recall("t", text)
+        if ids is not None:
+            other.reply_memory.remember("t", text, ids)
+    body = {"model": "m", "messages": messages, "tools": [TOOL]}
+    prompt = parse_chat(body, Limits(), "m", smol, lambda m, tools=None: other.build(m, "t", tools).ids).prompt
+    assert other.bridged_messages == 1   # the call's sampled ids, not a re-tokenization
+    start = next(i for i in range(len(prompt)) if prompt[i:i + len(sampled)] == sampled)
+    assert smol.decode(prompt[start:start + len(sampled)]) == wrote
+    assert assistant_texts([{"role": "assistant", "tool_calls": [{"function": 3}]}, "junk"]) == []
