@@ -59,6 +59,12 @@ class QueueFullError(CacheError):
     """The worker's queue bound is reached; the caller should retry later (HTTP 429)."""
 
 
+# The engine thread's wait between idle iterations (housekeeping, L3 results, the
+# reporter's tick): it doubles from MIN to MAX while nothing arrives.
+IDLE_WAIT_MIN_S = 0.01
+IDLE_WAIT_MAX_S = 0.08
+
+
 class EngineWedgedError(CacheError):
     """The worker's engine made no progress for ``watchdog_s`` with work queued;
     its requests are failed and the worker is unhealthy for good. The request
@@ -109,9 +115,11 @@ class EngineLoop:
     # ------------------------------------------------------------ engine thread
     def _loop(self) -> None:
         self.owner.bind()
+        idle_wait = IDLE_WAIT_MIN_S
         while not self._stop.is_set():
             self._run_commands()
             if self.engine.has_work():
+                idle_wait = IDLE_WAIT_MIN_S
                 try:
                     events = self.engine.step(defer_finish=True)
                 except Exception as exc:   # never let the engine thread die: fail the step's requests
@@ -127,7 +135,12 @@ class EngineLoop:
             else:  # idle gap: housekeeping that must never delay a batch
                 if self._on_idle is not None:
                     self._on_idle()
-                self._wake.wait(0.01)
+                # New work and commands set the event, so the wait costs them nothing;
+                # it only spaces the idle housekeeping, more widely the longer it idles.
+                if self._wake.wait(idle_wait):
+                    idle_wait = IDLE_WAIT_MIN_S
+                else:
+                    idle_wait = min(IDLE_WAIT_MAX_S, idle_wait * 2)
                 self._wake.clear()
             self.load_report = self.measure_load()
             self._progress_at = self.clock()

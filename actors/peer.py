@@ -152,6 +152,10 @@ class PeerServer:
                 await writer.drain()
         except Exception as exc:   # a broken connection ends that connection only
             log.info("peer connection to %s ended: %s", self.name, exc)
+        except asyncio.CancelledError:
+            # close() cancels open connections. Ending normally, not cancelled: Python
+            # 3.11's stream callback calls task.exception() and would log a traceback.
+            pass
         finally:
             self._connections.discard(task)
             writer.close()

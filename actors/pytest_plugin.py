@@ -16,8 +16,11 @@ Registered through the ``pytest11`` entry point, so any project that installs
 The plugin turns on the thread-ownership check (``PREFIX_CACHE_CHECK_THREADS``)
 for the whole session, before Ray starts, so every worker runs with it.
 
-Both are session-scoped: starting Ray costs seconds, so the suite pays it once.
-Tests that kill actors restore what they killed (``cache_cluster.restart``).
+All are session-scoped: starting Ray costs seconds, so the suite pays it once.
+Tests that kill actors restore what they killed (``cache_cluster.restart_worker``).
+``cache_cluster`` stops right after the last collected test that uses it, not at
+the end of the session: its idle actors would otherwise share the cores with
+every test after it.
 """
 
 from __future__ import annotations
@@ -56,6 +59,26 @@ def pytest_addoption(parser):
     group = parser.getgroup("prefix-cache")
     group.addoption("--pc-worker-nodes", type=int, default=2,
                     help="worker nodes of the loopback Ray cluster (default 2, plus the head)")
+
+
+_LAST_USER = pytest.StashKey[str]()
+_LIVE_CLUSTERS: list["LoopbackCacheCluster"] = []
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(session, config, items):
+    # After any reordering plugin: the last test, in run order, that uses the cluster.
+    users = [item.nodeid for item in items if "cache_cluster" in getattr(item, "fixturenames", ())]
+    if users:
+        config.stash[_LAST_USER] = users[-1]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield
+    if item.nodeid == item.config.stash.get(_LAST_USER, None):
+        for cc in _LIVE_CLUSTERS:
+            cc.shutdown()
 
 
 def node_resource(i: int) -> str:
@@ -106,6 +129,29 @@ class LoopbackCacheCluster:
                                          resources={node_resource(i): 0.01}, num_gpus=0)
         return self.workers[wid]
 
+    def restart_worker(self, worker_id: str) -> None:
+        """A new process for ``worker_id`` (the old one killed first, its name freed: a
+        killed actor keeps it a while), registered with the directory."""
+        import ray
+
+        ray.kill(self.workers[worker_id], no_restart=True)
+        self.start_worker(int(worker_id[1:]))
+        self.wait_registered()
+
+    def shutdown(self) -> None:
+        """Kill the workers and the directory (idempotent)."""
+        import ray
+
+        for h in self.workers.values():
+            try:
+                ray.kill(h, no_restart=True)
+            except Exception as exc:   # already gone (a test killed it): nothing left to stop
+                log.debug("teardown: worker actor already gone: %s", exc)
+        self.workers.clear()
+        if self.directory is not None:
+            ray.kill(self.directory, no_restart=True)
+            self.directory = None
+
     def client(self, **kw):
         from actors.client import ClusterClient
 
@@ -151,19 +197,13 @@ def l3_worker_config(master) -> dict:
 
 @pytest.fixture(scope="session")
 def cache_cluster(ray_loopback_cluster, l3_master, request):
-    import ray
-
     n = request.config.getoption("--pc-worker-nodes")
     cc = LoopbackCacheCluster(ray_loopback_cluster, NAMESPACE, {**TEST_WORKER_CONFIG, **l3_worker_config(l3_master)})
     cc.start_directory()
     for i in range(n + 1):
         cc.start_worker(i)
     cc.wait_registered()
+    _LIVE_CLUSTERS.append(cc)
     yield cc
-    for h in cc.workers.values():
-        try:
-            ray.kill(h)
-        except Exception as exc:   # already gone (a test killed it): nothing left to stop
-            log.debug("teardown: worker actor already gone: %s", exc)
-    if cc.directory is not None:
-        ray.kill(cc.directory, no_restart=True)
+    cc.shutdown()
+    _LIVE_CLUSTERS.remove(cc)

@@ -1,8 +1,8 @@
 """EventReporter: a worker's KV events and load, sent to the directory.
 
 Runs on the engine thread (``tick`` after every iteration): pending events go
-out at most every 20 ms, the load alone every 100 ms (a heartbeat), never
-blocking generation. Any status but "ok" (a gap, a resync, an unknown worker
+out at most every 20 ms, the load alone every 100 ms while it changes and every
+500 ms while it does not (a heartbeat), never blocking generation. Any status but "ok" (a gap, a resync, an unknown worker
 after a directory restart) or a failed send makes the next tick push a full
 snapshot.
 """
@@ -14,11 +14,11 @@ import time
 from typing import Callable
 
 from cluster.protocol import LoadReport
-from cluster.routing.events import EVENT_INTERVAL_S, HEARTBEAT_S, KVEventPublisher
+from cluster.routing.events import EVENT_INTERVAL_S, HEARTBEAT_S, IDLE_HEARTBEAT_S, KVEventPublisher
 
 log = logging.getLogger(__name__)
 
-__all__ = ["EVENT_INTERVAL_S", "HEARTBEAT_S", "EventReporter"]
+__all__ = ["EVENT_INTERVAL_S", "HEARTBEAT_S", "IDLE_HEARTBEAT_S", "EventReporter"]
 
 
 class EventReporter:
@@ -37,6 +37,7 @@ class EventReporter:
         self.snapshot_wanted = False   # set from any thread; read and cleared on the engine thread
         self._last_events = 0.0
         self._last_report = 0.0
+        self._last_load: LoadReport | None = None
 
     def tick(self) -> None:
         now = self.clock()
@@ -51,14 +52,20 @@ class EventReporter:
         when nothing was sent. ``force``: send the load even within the heartbeat."""
         now = self.clock() if now is None else now
         batch = self.publisher.drain()
-        if batch is None and now - self._last_report < HEARTBEAT_S and not force:
-            return None
-        self._last_report = now
+        since = now - self._last_report
+        if batch is None and not force:
+            if since < HEARTBEAT_S:
+                return None
+            load = self.load()
+            if load == self._last_load and since < IDLE_HEARTBEAT_S:
+                return None
+        else:
+            load = self.load()
+        self._last_report, self._last_load = now, load
         if self.on_report is not None:
             self.on_report()
         try:
-            status = self.directory.publish(self.worker_id, batch.encode() if batch is not None else None,
-                                            self.load())
+            status = self.directory.publish(self.worker_id, batch.encode() if batch is not None else None, load)
         except Exception as exc:  # the directory may be restarting: resync later
             log.warning("event publish from %s failed: %s", self.worker_id, exc)
             self.snapshot_wanted = True

@@ -41,10 +41,12 @@ from cluster.protocol import Snapshot
 
 KINDS = ("stored", "tier", "removed")
 # How often a worker sends (actors/reporter.py; the routing replay models the same):
-# pending events with its load at most every EVENT_INTERVAL_S, the load alone every
-# HEARTBEAT_S when nothing changed.
+# pending events with its load at most every EVENT_INTERVAL_S, a changed load alone
+# every HEARTBEAT_S, and an unchanged one every IDLE_HEARTBEAT_S (liveness: the
+# directory drops a worker it has not heard from for 3 s).
 EVENT_INTERVAL_S = 0.02
 HEARTBEAT_S = 0.1
+IDLE_HEARTBEAT_S = 0.5
 WIRE_VERSION = 1
 _U64 = 1 << 64
 

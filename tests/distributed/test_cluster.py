@@ -178,9 +178,7 @@ def test_killing_a_worker_mid_request_loses_no_request(cache_cluster, reference)
     while victim in ray.get(cc.directory.live_workers.remote()):
         assert time.monotonic() < deadline, "directory never dropped the dead worker"
         time.sleep(0.1)
-    # Restore the worker for the rest of the session.
-    cc.workers[victim] = cc.start_worker(int(victim[1:]))
-    cc.wait_registered()
+    cc.restart_worker(victim)   # for the rest of the session
 
 
 def test_directory_restart_rebuilds_the_index(cache_cluster):

@@ -44,13 +44,6 @@ def wait_until(predicate, what, timeout_s=20.0):
         time.sleep(0.1)
 
 
-def restore(cc, worker_id):
-    """A new process for ``worker_id`` (its name freed first: a killed actor keeps it a while)."""
-    ray.kill(cc.workers[worker_id], no_restart=True)
-    cc.workers[worker_id] = cc.start_worker(int(worker_id[1:]))
-    cc.wait_registered()
-
-
 def test_a_killed_replicas_sessions_continue_from_l3(cache_cluster):
     cc = cache_cluster
     victim = cc.worker_ids[1]
@@ -68,7 +61,7 @@ def test_a_killed_replicas_sessions_continue_from_l3(cache_cluster):
         assert second.worker_id != victim
         assert second.cached_tokens == 96 and second.tier_hits == (0, 0, 0, 96)   # every block from L3
     finally:
-        restore(cc, victim)
+        cc.restart_worker(victim)
 
 
 def test_scale_in_hands_the_cache_to_l3_and_a_peer(cache_cluster):
@@ -96,7 +89,7 @@ def test_scale_in_hands_the_cache_to_l3_and_a_peer(cache_cluster):
         assert sorted(got.values()) == [(80, (0, 0, 0, 80)), (93, (93, 0, 0, 0))], got
         assert cc_stats["l3"]["state"] == "on"
     finally:
-        restore(cc, leaving)
+        cc.restart_worker(leaving)
 
 
 def test_a_new_replica_starts_warm_on_the_shared_prefixes(cache_cluster):
@@ -107,7 +100,7 @@ def test_a_new_replica_starts_warm_on_the_shared_prefixes(cache_cluster):
     for i in range(3):
         complete(cc, system + prompt_of(52 + i, 20), worker_id=holder)
     newcomer = cc.worker_ids[1]
-    restore(cc, newcomer)   # a fresh process: an empty cache
+    cc.restart_worker(newcomer)   # a fresh process: an empty cache
     report = ray.get(cc.workers[newcomer].warm_up.remote())
     assert report["prefixes"] >= 1 and report["tokens"] >= 64
     turn = complete(cc, system + prompt_of(60, 20), worker_id=newcomer)

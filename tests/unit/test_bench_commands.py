@@ -146,7 +146,8 @@ def test_results_file_gets_exactly_the_lines_the_command_printed(tmp_path, capsy
     """``--results FILE``: the raw JSON lines a page quotes are written by the command itself."""
     out = tmp_path / "fragmentation.jsonl"
     out.write_text('{"earlier": "line"}\n')   # appended to, never overwritten
-    assert main(["bench", "fragmentation", "--pool-tokens", "4096", "--results", str(out)]) == 0
+    assert main(["bench", "fragmentation", "--pool-tokens", "4096", "--steps", "300", "--repeats", "1",
+                 "--results", str(out)]) == 0
     printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     written = out.read_text().splitlines()
     assert printed and written == ['{"earlier": "line"}'] + printed
