@@ -103,7 +103,7 @@ class WorkerCore:
         if directory is not None:
             self.reporter = EventReporter(worker_id, self.publisher, directory, lambda: self.loop.load_report,
                                           on_report=(lambda: on_report(self)) if on_report else None,
-                                          wake=lambda: self.loop.wake())
+                                          wake=lambda: self.loop.wake(), register=self._register)
         self._on_trip = on_trip
         self._wedge = threading.Event()
         # How this worker reaches a holder to pull from it (``link_for(holder_id)``), for
@@ -118,7 +118,12 @@ class WorkerCore:
         if peer_host is not None:
             self.peer = PeerServer(worker_id, self._peer_handlers(), host=peer_host, secret=peer_secret)
         if directory is not None:
-            directory.register(worker_id, self.rates(), self.peer.address if self.peer else None)
+            self._register()
+            self.reporter.start_heartbeat(alive=self.loop.alive)
+
+    def _register(self) -> None:
+        """Register with the directory: measured rates and the peer channel's address."""
+        self.directory.register(self.worker_id, self.rates(), self.peer.address if self.peer else None)
 
     def _grammars(self, vocab_size: int) -> Grammars | None:
         """Structured output's matchers for this model's tokenizer (None without llguidance)."""
@@ -366,11 +371,18 @@ class WorkerCore:
     async def flush(self) -> int:
         """Drop every unlocked cached prefix, coldest tier first, and this model's
         blocks in L3 (the cluster's cache; every replica's flush does the same)."""
-        freed = await self.loop.run(self.cache.drop_all)
-        if self.l3 is not None:
-            await asyncio.to_thread(self.l3.flush, 5.0)   # writes still queued would come back
-            await asyncio.to_thread(self.l3.remove_all)
-            await self.loop.run(self.l3.forget)
+        l3 = self.l3
+
+        def drop() -> int:
+            freed = self.cache.drop_all()
+            if l3 is not None:   # queued writes would store what the removal below removes
+                l3.drop_queued_writes()
+            return freed
+        freed = await self.loop.run(drop)
+        if l3 is not None:
+            await asyncio.to_thread(l3.flush, 5.0)   # the write in flight, if any
+            await asyncio.to_thread(l3.remove_all)
+            await self.loop.run(l3.forget)
         return freed
 
     def healthy(self) -> bool:
@@ -386,6 +398,8 @@ class WorkerCore:
 
     def close(self) -> None:
         self._wedge.set()
+        if self.reporter is not None:
+            self.reporter.close()
         if self.peer is not None:
             self.peer.close()
         self.loop.close()

@@ -2,14 +2,22 @@
 
 Runs on the engine thread (``tick`` after every iteration): pending events go
 out at most every 20 ms, the load alone every 100 ms while it changes and every
-500 ms while it does not (a heartbeat), never blocking generation. Any status but "ok" (a gap, a resync, an unknown worker
-after a directory restart) or a failed send makes the next tick push a full
-snapshot.
-"""
+500 ms while it does not (a heartbeat), never blocking generation. Any status
+but "ok" (a gap, a resync, an unknown worker after a directory restart) or a
+failed send makes the next tick push a full snapshot; "unknown worker" (the
+directory restarted, or dropped this worker) makes it register again first,
+with its measured rates and peer address (without them admin calls, session
+prefetch and pulls from this worker could not reach it).
 
+A heartbeat thread (``start_heartbeat``) sends the latest load when the engine
+thread has sent nothing for 500 ms: one step longer than the directory's 3 s
+liveness bound (a long prefill on shared cores) must not get a live worker
+dropped with its index entries.
+"""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Callable
 
@@ -24,9 +32,11 @@ __all__ = ["EVENT_INTERVAL_S", "HEARTBEAT_S", "IDLE_HEARTBEAT_S", "EventReporter
 class EventReporter:
     def __init__(self, worker_id: str, publisher: KVEventPublisher, directory, load: Callable[[], LoadReport],
                  on_report: Callable[[], None] | None = None, wake: Callable[[], None] = lambda: None,
-                 clock: Callable[[], float] = time.monotonic):
+                 register: Callable[[], None] | None = None, clock: Callable[[], float] = time.monotonic):
         """``directory``: a ``DirectoryLink`` (or anything with ``publish`` and
-        ``push_snapshot``); ``on_report`` runs before each send (metrics)."""
+        ``push_snapshot``); ``on_report`` runs before each send (metrics);
+        ``register`` registers the worker again (rates, peer address); ``load``
+        must be safe to call from the heartbeat thread (an immutable snapshot)."""
         self.worker_id = worker_id
         self.publisher = publisher
         self.directory = directory
@@ -34,16 +44,28 @@ class EventReporter:
         self.on_report = on_report
         self.wake = wake
         self.clock = clock
+        self.register = register
         self.snapshot_wanted = False   # set from any thread; read and cleared on the engine thread
+        self.register_wanted = False   # likewise
+        self.heartbeats = 0            # sent by the heartbeat thread
         self._last_events = 0.0
-        self._last_report = 0.0
+        self._last_report = 0.0        # any thread, under _lock
         self._last_load: LoadReport | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
 
     def tick(self) -> None:
         now = self.clock()
         if now - self._last_events > EVENT_INTERVAL_S:
             self._last_events = now
             self.flush(now)
+        if self.register_wanted and self.register is not None:
+            self.register_wanted = False
+            try:
+                self.register()
+            except Exception as exc:   # the next "unknown_worker" asks again
+                log.warning("registering %s again failed: %s", self.worker_id, exc)
         if self.snapshot_wanted:
             self.send_snapshot()
 
@@ -52,16 +74,17 @@ class EventReporter:
         when nothing was sent. ``force``: send the load even within the heartbeat."""
         now = self.clock() if now is None else now
         batch = self.publisher.drain()
-        since = now - self._last_report
-        if batch is None and not force:
-            if since < HEARTBEAT_S:
-                return None
-            load = self.load()
-            if load == self._last_load and since < IDLE_HEARTBEAT_S:
-                return None
-        else:
-            load = self.load()
-        self._last_report, self._last_load = now, load
+        with self._lock:
+            since = now - self._last_report
+            if batch is None and not force:
+                if since < HEARTBEAT_S:
+                    return None
+                load = self.load()
+                if load == self._last_load and since < IDLE_HEARTBEAT_S:
+                    return None
+            else:
+                load = self.load()
+            self._last_report, self._last_load = now, load
         if self.on_report is not None:
             self.on_report()
         try:
@@ -81,8 +104,45 @@ class EventReporter:
         except Exception:
             status = "failed"
         if status != "ok":
+            if status == "unknown_worker":
+                self.register_wanted = True
             self.snapshot_wanted = True
             self.wake()
+
+    # ------------------------------------------------------------ heartbeat
+    def start_heartbeat(self, alive: Callable[[], bool] = lambda: True) -> None:
+        """Start the heartbeat thread; it beats only while ``alive()`` (a wedged
+        worker must stay dropped)."""
+        def run() -> None:
+            while not self._stop.wait(IDLE_HEARTBEAT_S / 2):
+                if alive():
+                    self.beat()
+        self._thread = threading.Thread(target=run, name=f"heartbeat-{self.worker_id}", daemon=True)
+        self._thread.start()
+
+    def beat(self) -> bool:
+        """(heartbeat thread) Send the latest load if nothing went out for
+        ``IDLE_HEARTBEAT_S``; True if it sent."""
+        now = self.clock()
+        with self._lock:
+            if now - self._last_report < IDLE_HEARTBEAT_S:
+                return False
+            self._last_report = now
+        try:
+            status = self.directory.publish(self.worker_id, None, self.load())
+        except Exception as exc:   # the directory may be restarting: the engine thread resyncs
+            log.warning("heartbeat from %s failed: %s", self.worker_id, exc)
+            self.snapshot_wanted = True
+            return False
+        self.heartbeats += 1
+        if hasattr(status, "add_done_callback"):
+            status.add_done_callback(self._on_status)
+        return True
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
 
     def send_snapshot(self) -> None:
         self.snapshot_wanted = False

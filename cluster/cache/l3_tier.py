@@ -137,7 +137,7 @@ class L3TierStats:
     writes_queued: int = 0          # blocks handed to the I/O thread
     blocks_written: int = 0         # stored (or found already there)
     write_failures: int = 0
-    writes_dropped: int = 0         # not queued: over max_pending_bytes
+    writes_dropped: int = 0         # not stored: over max_pending_bytes, or queued when a flush came
     bytes_written: int = 0
     fetches: int = 0
     fetch_blocks_asked: int = 0
@@ -441,6 +441,21 @@ class L3Tier:
     def wait_fetches(self, timeout_s: float) -> bool:
         """Wait (any thread) until no fetch is queued or running, at most ``timeout_s``."""
         return self._wait_idle(lambda: self._fetch_jobs, timeout_s)
+
+    def drop_queued_writes(self) -> int:
+        """Drop the writes that have not started (owner thread; an admin flush, whose
+        removal they would otherwise outlive). Returns the blocks dropped."""
+        with self._cv:
+            jobs, self._write_jobs = self._write_jobs, deque()
+            for job in jobs:
+                self._pending_bytes -= job.nbytes
+            self._cv.notify_all()
+        dropped = sum(len(job.hashes) for job in jobs)
+        for job in jobs:
+            for h in job.hashes:
+                self.written.discard(h)
+        self.stats.writes_dropped += dropped
+        return dropped
 
     def flush(self, timeout_s: float) -> bool:
         """Wait (any thread) until every queued write is done, at most ``timeout_s``."""

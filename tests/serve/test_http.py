@@ -328,7 +328,13 @@ def test_metrics_are_exported(base_url):
 def test_routing_goes_on_while_the_directory_is_gone_and_recovers(base_url):
     directory = ray.get_actor("prefix-cache-directory", namespace="prefix-cache-serve-test")
     prompt = tokens(8, 120)
-    post(base_url, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 1})
+    deadline = time.monotonic() + 30
+    while True:   # until the router's copy knows where the prompt is (its KV events arrive after the reply)
+        r = post(base_url, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 1})
+        if (r.json()["prefix_cache"]["routed_by"], r.json()["prefix_cache"]["reason"]) == ("router_view", "local"):
+            break
+        assert time.monotonic() < deadline, r.json()["prefix_cache"]
+        time.sleep(0.1)
     old_epoch = ray.get(directory.subscribe.remote(None, 0, 0), timeout=30).epoch
     ray.kill(directory, no_restart=True)   # gone for good: the router cannot ask it
     # Served at once: on the router's copy of the table while it is fresh, else on the least
@@ -351,6 +357,12 @@ def test_routing_goes_on_while_the_directory_is_gone_and_recovers(base_url):
         assert time.monotonic() < deadline, f"routing did not recover: {info}"
     new = ray.get_actor("prefix-cache-directory", namespace="prefix-cache-serve-test")
     assert ray.get(new.subscribe.remote(None, 0, 0), timeout=30).epoch != old_epoch
+    # Every replica registered again with its peer address (admin calls, session prefetch
+    # and pulls reach a replica through it), not only as a name its reports carry.
+    while len(ray.get(new.peer_addresses.remote(), timeout=30)) < 2:
+        assert time.monotonic() < deadline, ray.get(new.peer_addresses.remote(), timeout=30)
+        time.sleep(0.2)
+    assert sorted(ray.get(new.peer_addresses.remote(), timeout=30)) == sorted(ray.get(new.live_workers.remote()))
 
 
 def test_policy_args_reach_the_directory_and_its_routers(base_url):

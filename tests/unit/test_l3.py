@@ -227,6 +227,19 @@ def _python(code: str, args: dict) -> subprocess.Popen:
 
 
 @needs_mooncake
+def test_removing_a_prefix_takes_blocks_just_read_too(store):
+    """An admin flush right after traffic: Mooncake leases what was read (10 s
+    here) and its plain remove skips leased objects; the flush must not."""
+    read, unread = make_blocks("rm-m", "t", 3, 31), make_blocks("rm-m", "t", 2, 32)
+    other = make_blocks("rm-k", "t", 2, 33)
+    assert all(r.status is PutStatus.STORED for r in store.put_blocks(read + unread + other))
+    assert all(r.status is GetStatus.HIT for r in store.get_blocks(lookups(read)))
+    assert store.remove_prefix("pc/rm-m/") == 5
+    assert store.contains([b.key for b in read + unread]) == (False,) * 5
+    assert store.contains([b.key for b in other]) == (True, True)   # another model's stay
+
+
+@needs_mooncake
 def test_another_process_reads_what_this_one_wrote(l3, store):
     blocks = make_blocks("shared", "t", 3, seed=13)
     assert all(r.status is PutStatus.STORED for r in store.put_blocks(blocks))

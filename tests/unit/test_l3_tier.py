@@ -180,6 +180,25 @@ def test_a_full_write_queue_drops_writes_and_counts_them(model):
     assert len(tier_a.written) == 0     # nothing is believed written
 
 
+def test_a_flush_drops_the_writes_still_queued(model):
+    """An admin flush removes this model's blocks from L3; writes queued before it
+    must not store them again afterwards (the demo's next arm found them there)."""
+    store = MemoryL3Store()
+    a, tier_a, heard = make(model, store)
+    req = a.submit(EngineRequest(toks(700, 40), SamplingParams(max_tokens=1)))
+    while not req.finished:
+        tier_a.run_pending()   # the fetch ahead (a miss)
+        a.step()               # the last step commits: the write is queued
+    a.complete_finished()
+    assert tier_a.pending() == 1 and store.num_values == 0   # 5 blocks queued, not stored yet
+    a.cache.drop_all()
+    assert tier_a.drop_queued_writes() == 5
+    assert tier_a.run_pending() == 0 and store.num_values == 0 and tier_a.pending() == 0
+    a.cache.apply_l3()
+    assert tier_a.stats.writes_dropped == 5 and tier_a.stats.blocks_written == 0 and heard.stored == []
+    assert len(tier_a.written) == 0     # nothing is believed written
+
+
 def test_hand_off_writes_what_l3_lacks_most_valuable_first(model):
     store = MemoryL3Store()
     a, tier_a, _ = make(model, store, warm=64, write="off")

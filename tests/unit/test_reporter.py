@@ -1,0 +1,116 @@
+"""EventReporter against a recording directory: when the load goes out, the
+heartbeat that covers a long engine step, and registering again after the
+directory forgot the worker (no Ray: the directory is a fake with futures)."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+
+from actors.reporter import HEARTBEAT_S, IDLE_HEARTBEAT_S, EventReporter
+from cluster.protocol import LoadReport
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+class Publisher:
+    def drain(self):
+        return None
+
+    def snapshot(self):
+        return "snapshot"
+
+
+class Directory:
+    def __init__(self):
+        self.calls: list[tuple] = []
+        self.status = "ok"
+
+    def publish(self, worker_id, batch, load):
+        self.calls.append(("publish", worker_id, load))
+        fut = cf.Future()
+        fut.set_result(self.status)
+        return fut
+
+    def push_snapshot(self, worker_id, snapshot):
+        self.calls.append(("snapshot", worker_id, snapshot))
+
+
+def make(load):
+    clock, directory, registered = Clock(), Directory(), []
+    reporter = EventReporter("w0", Publisher(), directory, lambda: load[0], clock=clock,
+                             register=lambda: registered.append(clock.now))
+    return reporter, directory, clock, registered
+
+
+def test_an_unchanged_load_goes_out_every_idle_heartbeat_and_a_changed_one_sooner():
+    load = [LoadReport(0, 0)]
+    reporter, directory, clock, _ = make(load)
+    reporter.tick()
+    assert len(directory.calls) == 1
+    clock.now += HEARTBEAT_S + 0.01
+    reporter.tick()
+    assert len(directory.calls) == 1                 # unchanged, within the idle heartbeat
+    clock.now += IDLE_HEARTBEAT_S
+    reporter.tick()
+    assert len(directory.calls) == 2                 # the idle heartbeat
+    load[0] = LoadReport(40, 1)
+    clock.now += HEARTBEAT_S + 0.01
+    reporter.tick()
+    assert directory.calls[-1] == ("publish", "w0", LoadReport(40, 1)) and len(directory.calls) == 3
+
+
+def test_the_heartbeat_thread_covers_a_long_engine_step_and_only_then():
+    load = [LoadReport(7, 1)]
+    reporter, directory, clock, _ = make(load)
+    reporter.tick()                                  # the engine thread reported
+    clock.now += IDLE_HEARTBEAT_S / 2
+    assert not reporter.beat() and len(directory.calls) == 1
+    for _ in range(8):                               # a 4 s step: no tick from the engine thread
+        clock.now += IDLE_HEARTBEAT_S
+        assert reporter.beat()
+    assert len(directory.calls) == 9 and reporter.heartbeats == 8
+    assert all(c == ("publish", "w0", LoadReport(7, 1)) for c in directory.calls)
+    clock.now += HEARTBEAT_S + 0.01
+    reporter.tick()                                  # the step ended: nothing new to say yet
+    assert len(directory.calls) == 9
+
+
+def test_a_worker_the_directory_forgot_registers_again_then_sends_its_snapshot():
+    load = [LoadReport(0, 0)]
+    reporter, directory, clock, registered = make(load)
+    directory.status = "unknown_worker"
+    assert reporter.beat()                           # the heartbeat thread hears "unknown_worker"
+    assert reporter.register_wanted and reporter.snapshot_wanted
+    directory.status = "ok"
+    clock.now += 0.05
+    reporter.tick()                                  # engine thread: register, then the snapshot
+    assert registered == [clock.now] and directory.calls[-1] == ("snapshot", "w0", "snapshot")
+    assert not reporter.register_wanted and not reporter.snapshot_wanted
+    clock.now += 0.05
+    reporter.tick()
+    assert len(registered) == 1                      # once
+
+
+def test_other_statuses_resync_without_registering():
+    load = [LoadReport(0, 0)]
+    reporter, directory, clock, registered = make(load)
+    directory.status = "gap"
+    reporter.tick()
+    clock.now += 0.05
+    reporter.tick()
+    assert registered == [] and directory.calls[-1] == ("snapshot", "w0", "snapshot")
+
+
+def test_the_heartbeat_thread_stops_with_the_reporter_and_skips_a_dead_engine():
+    load = [LoadReport(0, 0)]
+    reporter, directory, clock, _ = make(load)
+    reporter.start_heartbeat(alive=lambda: False)
+    reporter.close()
+    assert reporter._thread is not None and not reporter._thread.is_alive()
+    assert directory.calls == []
