@@ -103,7 +103,8 @@ class WorkerCore:
         if directory is not None:
             self.reporter = EventReporter(worker_id, self.publisher, directory, lambda: self.loop.load_report,
                                           on_report=(lambda: on_report(self)) if on_report else None,
-                                          wake=lambda: self.loop.wake(), register=self._register)
+                                          wake=lambda: self.loop.wake(),
+                                          register=lambda: self._register(fresh=False))
         self._on_trip = on_trip
         self._wedge = threading.Event()
         # How this worker reaches a holder to pull from it (``link_for(holder_id)``), for
@@ -121,9 +122,9 @@ class WorkerCore:
             self._register()
             self.reporter.start_heartbeat(alive=self.loop.alive)
 
-    def _register(self) -> None:
+    def _register(self, fresh: bool = True) -> None:
         """Register with the directory: measured rates and the peer channel's address."""
-        self.directory.register(self.worker_id, self.rates(), self.peer.address if self.peer else None)
+        self.directory.register(self.worker_id, self.rates(), self.peer.address if self.peer else None, fresh)
 
     def _grammars(self, vocab_size: int) -> Grammars | None:
         """Structured output's matchers for this model's tokenizer (None without llguidance)."""

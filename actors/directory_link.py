@@ -65,8 +65,11 @@ class DirectoryLink:
             self.forget()
 
     # --------------------------------------------------------------- workers
-    def register(self, worker_id: str, rates: MeasuredRates, peer_address: str | None = None) -> None:
-        self.handle().register_worker.remote(worker_id, rates, peer_address)
+    def register(self, worker_id: str, rates: MeasuredRates, peer_address: str | None = None,
+                 fresh: bool = True) -> None:
+        """``fresh``: a new process (the directory forgets what an earlier one of the same
+        id held); False when a live worker registers again before its snapshot."""
+        self.handle().register_worker.remote(worker_id, rates, peer_address, fresh)
 
     def measured_rates(self, bytes_per_token: int, block_tokens: int,
                        timeout_s: float = 2.0) -> MeasuredRates | None:

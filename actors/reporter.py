@@ -4,10 +4,11 @@ Runs on the engine thread (``tick`` after every iteration): pending events go
 out at most every 20 ms, the load alone every 100 ms while it changes and every
 500 ms while it does not (a heartbeat), never blocking generation. Any status
 but "ok" (a gap, a resync, an unknown worker after a directory restart) or a
-failed send makes the next tick push a full snapshot; "unknown worker" (the
-directory restarted, or dropped this worker) makes it register again first,
-with its measured rates and peer address (without them admin calls, session
-prefetch and pulls from this worker could not reach it).
+failed send makes the next tick push a full snapshot, and every snapshot goes
+after registering again, with the worker's measured rates and peer address: a
+directory that restarted, or dropped this worker, would otherwise know it only
+as a name its reports carry (and admin calls, session prefetch and pulls from
+this worker would reach nothing).
 
 A heartbeat thread (``start_heartbeat``) sends the latest load when the engine
 thread has sent nothing for 500 ms: one step longer than the directory's 3 s
@@ -46,7 +47,6 @@ class EventReporter:
         self.clock = clock
         self.register = register
         self.snapshot_wanted = False   # set from any thread; read and cleared on the engine thread
-        self.register_wanted = False   # likewise
         self.heartbeats = 0            # sent by the heartbeat thread
         self._last_events = 0.0
         self._last_report = 0.0        # any thread, under _lock
@@ -60,12 +60,6 @@ class EventReporter:
         if now - self._last_events > EVENT_INTERVAL_S:
             self._last_events = now
             self.flush(now)
-        if self.register_wanted and self.register is not None:
-            self.register_wanted = False
-            try:
-                self.register()
-            except Exception as exc:   # the next "unknown_worker" asks again
-                log.warning("registering %s again failed: %s", self.worker_id, exc)
         if self.snapshot_wanted:
             self.send_snapshot()
 
@@ -104,8 +98,6 @@ class EventReporter:
         except Exception:
             status = "failed"
         if status != "ok":
-            if status == "unknown_worker":
-                self.register_wanted = True
             self.snapshot_wanted = True
             self.wake()
 
@@ -148,6 +140,8 @@ class EventReporter:
         self.snapshot_wanted = False
         snapshot = self.publisher.snapshot()
         try:
+            if self.register is not None:   # first: the snapshot must not register it as a bare name
+                self.register()
             self.directory.push_snapshot(self.worker_id, snapshot)
         except Exception as exc:
             log.warning("snapshot push from %s failed: %s", self.worker_id, exc)

@@ -360,7 +360,9 @@ def test_routing_goes_on_while_the_directory_is_gone_and_recovers(base_url):
     # Every replica registered again with its peer address (admin calls, session prefetch
     # and pulls reach a replica through it), not only as a name its reports carry.
     while len(ray.get(new.peer_addresses.remote(), timeout=30)) < 2:
-        assert time.monotonic() < deadline, ray.get(new.peer_addresses.remote(), timeout=30)
+        assert time.monotonic() < deadline, (ray.get(new.peer_addresses.remote(), timeout=30),
+                                             ray.get(new.live_workers.remote(), timeout=30),
+                                             ray.get(new.get_stats.remote(), timeout=30))
         time.sleep(0.2)
     assert sorted(ray.get(new.peer_addresses.remote(), timeout=30)) == sorted(ray.get(new.live_workers.remote()))
 

@@ -175,7 +175,7 @@ class RatesOnlyDirectory:
         self.asked.append((bytes_per_token, block_tokens))
         return self.rates
 
-    def register(self, worker_id, rates, peer_address=None):
+    def register(self, worker_id, rates, peer_address=None, fresh=True):
         self.registered.append(worker_id)
 
 

@@ -86,25 +86,30 @@ def test_a_worker_the_directory_forgot_registers_again_then_sends_its_snapshot()
     reporter, directory, clock, registered = make(load)
     directory.status = "unknown_worker"
     assert reporter.beat()                           # the heartbeat thread hears "unknown_worker"
-    assert reporter.register_wanted and reporter.snapshot_wanted
+    assert reporter.snapshot_wanted and registered == []
     directory.status = "ok"
     clock.now += 0.05
     reporter.tick()                                  # engine thread: register, then the snapshot
     assert registered == [clock.now] and directory.calls[-1] == ("snapshot", "w0", "snapshot")
-    assert not reporter.register_wanted and not reporter.snapshot_wanted
+    assert not reporter.snapshot_wanted
     clock.now += 0.05
     reporter.tick()
     assert len(registered) == 1                      # once
 
 
-def test_other_statuses_resync_without_registering():
+def test_a_failed_send_resyncs_by_registering_and_pushing_a_snapshot():
+    """The directory was killed: the send fails, and the new directory must get the
+    worker's rates and address before its snapshot (a snapshot alone registers it
+    as a bare name: admin calls and pulls would not reach it)."""
     load = [LoadReport(0, 0)]
     reporter, directory, clock, registered = make(load)
-    directory.status = "gap"
-    reporter.tick()
-    clock.now += 0.05
-    reporter.tick()
-    assert registered == [] and directory.calls[-1] == ("snapshot", "w0", "snapshot")
+
+    def gone(*args):
+        raise RuntimeError("the actor is dead")
+    directory.publish = gone
+    reporter.tick()                                  # the send fails; the same tick resyncs
+    assert registered == [clock.now] and directory.calls == [("snapshot", "w0", "snapshot")]
+    assert not reporter.snapshot_wanted
 
 
 def test_the_heartbeat_thread_stops_with_the_reporter_and_skips_a_dead_engine():
