@@ -81,10 +81,14 @@ class EventReporter:
             self._last_report, self._last_load = now, load
         if self.on_report is not None:
             self.on_report()
+        return self._publish(batch.encode() if batch is not None else None, load, "event publish")
+
+    def _publish(self, data: bytes | None, load: LoadReport, what: str):
+        """One send (any thread); its status, or None when the send failed."""
         try:
-            status = self.directory.publish(self.worker_id, batch.encode() if batch is not None else None, load)
+            status = self.directory.publish(self.worker_id, data, load)
         except Exception as exc:  # the directory may be restarting: resync later
-            log.warning("event publish from %s failed: %s", self.worker_id, exc)
+            log.warning("%s from %s failed: %s", what, self.worker_id, exc)
             self.snapshot_wanted = True
             return None
         if hasattr(status, "add_done_callback"):
@@ -120,15 +124,9 @@ class EventReporter:
             if now - self._last_report < IDLE_HEARTBEAT_S:
                 return False
             self._last_report = now
-        try:
-            status = self.directory.publish(self.worker_id, None, self.load())
-        except Exception as exc:   # the directory may be restarting: the engine thread resyncs
-            log.warning("heartbeat from %s failed: %s", self.worker_id, exc)
-            self.snapshot_wanted = True
+        if self._publish(None, self.load(), "heartbeat") is None:
             return False
         self.heartbeats += 1
-        if hasattr(status, "add_done_callback"):
-            status.add_done_callback(self._on_status)
         return True
 
     def close(self) -> None:

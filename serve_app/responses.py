@@ -33,7 +33,7 @@ from serve_app.errors import APIError
 from serve_app.logprobs import chat_logprobs, completion_logprobs
 from serve_app.output import TextStream
 from serve_app.protocol import ApiRequest
-from serve_app.structured import call_text
+from serve_app.structured import assistant_text
 from serve_app.timing import RequestClock
 
 if TYPE_CHECKING:
@@ -171,8 +171,7 @@ def _chat_message(runner: ChoiceRunner, choice: Choice, text: str, finish: str) 
     if not calls:
         runner.core.remember_reply(runner.tenant, text, choice.out.reply_ids())
         return {"role": "assistant", "content": text}, finish
-    rendered = (content or "") + "\n".join(call_text(c) for c in calls)
-    runner.core.remember_reply(runner.tenant, rendered, choice.out.reply_ids())
+    runner.core.remember_reply(runner.tenant, assistant_text(content, calls), choice.out.reply_ids())
     return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
 
 

@@ -226,6 +226,13 @@ def call_text(call: dict) -> str:
                                       separators=(", ", ": ")) + "</tool_call>"
 
 
+def assistant_text(content: str | None, calls: list[dict]) -> str:
+    """The text an assistant turn with tool ``calls`` renders as: the calls as the
+    model wrote them. One rule for the prompt, for the ids a reply is remembered
+    under and for the texts another ingress asks the reply store for."""
+    return (content or "") + "\n".join(call_text(c) for c in calls)
+
+
 def assistant_texts(messages: object) -> list[str]:
     """The assistant contents a chat body's template will render (tool calls as the
     text the model wrote, as ``plain_messages`` makes them); best effort: a
@@ -237,7 +244,7 @@ def assistant_texts(messages: object) -> list[str]:
         content, calls = m.get("content"), m.get("tool_calls")
         try:
             if calls:
-                texts.append((content or "") + "\n".join(call_text(c) for c in calls))
+                texts.append(assistant_text(content, calls))
             elif isinstance(content, str):
                 texts.append(content)
         except (TypeError, AttributeError, KeyError):
@@ -253,9 +260,7 @@ def plain_messages(messages: list[dict], tools: Tools | None, template_takes_too
     for i, m in enumerate(messages):
         role = m["role"]
         if role == "assistant" and m.get("tool_calls"):
-            calls = m["tool_calls"]
-            content = (m.get("content") or "") + "\n".join(call_text(c) for c in calls)
-            out.append({"role": "assistant", "content": content})
+            out.append({"role": "assistant", "content": assistant_text(m.get("content"), m["tool_calls"])})
         elif role == "tool":
             out.append({"role": "tool", "content": m["content"]})
         else:

@@ -16,6 +16,7 @@ Bounded: a fixed number of examples per operation, no deadline.
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import httpx
@@ -80,15 +81,14 @@ def assert_healthy(url: str) -> None:
 
 
 HEALTH_EVERY = 8   # cases between two full checks (a replica round trip each): most cases are 4xx
-_cases = [0]
+_cases = itertools.count(1)
 
 
 def check_health(url: str) -> None:
     """A plain request answered, every ``HEALTH_EVERY`` cases (a case that broke a
     replica also shows as a 5xx on the cases after it, which every case asserts
     against; the module's last test checks every replica by name)."""
-    _cases[0] += 1
-    if _cases[0] % HEALTH_EVERY == 0:
+    if next(_cases) % HEALTH_EVERY == 0:
         assert_healthy(url)
 
 

@@ -35,7 +35,7 @@ def test_a_turn_served_by_one_worker_is_read_by_another_from_l3(master):
     a = make_worker("l3-a", l3_master=master.address, reuse_peer_calibration=False)
     b = make_worker("l3-b", l3_master=master.address)
     try:
-        assert a.cost.l3_fetch_tokens_per_s > 0 and b.cost.l3_fetch_tokens_per_s > 0   # measured at start-up
+        assert a.l3.store.stats().state == b.l3.store.stats().state == "on"
         # This tiny model computes faster than any store can answer (the guard would
         # rightly skip L3): price L3 as the real model's would be, to test the path.
         b.l3.set_rates(fetch_tokens_per_s=1e6, prefill_tokens_per_s=1e3)
