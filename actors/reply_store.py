@@ -54,6 +54,14 @@ class SharedReplies:
                                              lifetime="detached", max_restarts=-1, num_cpus=0).remote()
         return self._store
 
+    def start(self) -> None:
+        """Find or create the store now (its process starts in the background);
+        a failure here is retried at the first use."""
+        try:
+            self._handle()
+        except Exception as exc:   # the store is a cache: the ingress serves without it
+            log.info("reply store unavailable at start (%s)", exc)
+
     def recall(self, tenant: str, text: str) -> list[int] | None:
         return self.local.recall(tenant, text)
 

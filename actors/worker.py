@@ -20,6 +20,7 @@ from actors.core import WorkerCore
 from actors.directory_link import DirectoryLink
 from actors.elastic import hand_off, warm_up
 from actors.migration import PeerLink
+from cluster.engine import openmp
 from cluster.names import DIRECTORY_NAME, worker_actor_name
 from cluster.protocol import (GenerateRequest, LoadReport, PrefixOffer, Snapshot, StagedPrefix, Tenant, Transport,
                               WorkerInfo)
@@ -193,6 +194,8 @@ def start_worker(worker_id: str, config: dict | None = None, *, namespace: str =
         num_gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
     opts["num_gpus"] = num_gpus
     opts["num_cpus"] = 0 if num_gpus else 1
+    if not num_gpus and (env := openmp.worker_env()):   # the OpenMP runtime of a CPU worker's process
+        opts["runtime_env"] = {"env_vars": env}
     if resources:
         opts["resources"] = resources
     return CacheWorker.options(**opts).remote(worker_id, config, namespace, directory_name)

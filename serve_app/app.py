@@ -45,6 +45,7 @@ from ray.serve.config import RequestRouterConfig
 from fastapi import Request
 
 from actors.core import WorkerConfig
+from cluster.engine import openmp
 from cluster.routing.policies import make_policy
 from serve_app import admin
 from serve_app.http_app import make_fastapi
@@ -138,8 +139,11 @@ def build_app(args: dict[str, Any] | None = None):
     worker_config = WorkerConfig.from_dict(worker)   # a bad worker config or model spec fails here
     block_tokens = worker_config.block_tokens
     gpus = float(args.pop("gpus_per_replica", 0))
+    actor_opts: dict[str, Any] = {"num_gpus": gpus, "num_cpus": 0 if gpus else 1}
+    if not gpus and (env := openmp.worker_env()):   # the OpenMP runtime of a CPU replica's process
+        actor_opts["runtime_env"] = {"env_vars": env}
     replica_opts: dict[str, Any] = {
-        "ray_actor_options": {"num_gpus": gpus, "num_cpus": 0 if gpus else 1},
+        "ray_actor_options": actor_opts,
         "max_ongoing_requests": int(args.pop("max_ongoing_requests", 64)),
         "max_queued_requests": int(args.pop("max_queued_requests", 256)),
         "health_check_period_s": float(args.pop("health_check_period_s", 2.0)),

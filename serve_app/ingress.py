@@ -102,6 +102,8 @@ class IngressCore:
         self.context = model_context(spec)              # /tokenize's max_model_len
         local = ReplyMemory()
         self.replies = SharedReplies(namespace, local) if shared_replies else local
+        if shared_replies:   # its process starts with the app, not in the middle of the first replies
+            self.replies.start()
         self.prompts = ChatPromptBuilder(self.tokenizer, self.replies)
         self.limits = Limits(**(limits or {}))
         self.auth = Auth(api_keys, admin_keys, admin_without_keys)

@@ -98,12 +98,17 @@ class Engine:
         self._in_place = hasattr(model, "forward_into")
         self.decode_kernel = model.use_decode_kernel(decode_kernel) if hasattr(model, "use_decode_kernel") \
             else False
+        # The faster of MKL's two linear layouts for each row count, measured on this machine.
+        self.linear_layouts = model.tune_linears() if hasattr(model, "tune_linears") else {}
         hot = cache.hot.allocator
         # What one request may hold alone: HOT, less a block of slack for a copy-on-write tail.
         self.max_request_tokens = hot.capacity_tokens - hot.block_tokens
         # Working KV buffers, reused: a fresh one would page-fault its way in on every request.
+        # Idle ones are kept up to twice what HOT holds: the buffers of a HOT pool's worth of
+        # sessions between their turns (rounded up to the scratch granule) fit.
+        idle_tokens = 2 * max(max_batch_tokens, 4096, hot.capacity_tokens)
         self.scratch = ScratchKV(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cache.kv_dtype, cache.kv_device,
-                                 max_idle_bytes=2 * max(max_batch_tokens, 4096) * lay.bytes_per_token())
+                                 max_idle_bytes=idle_tokens * lay.bytes_per_token())
         self._bytes_per_token = lay.bytes_per_token()
         # Echo requests' prompt logprobs, kept beside the KV (cluster.engine.prompt_logprobs).
         self.prompt_logprob_cache = PromptLogprobCache(hot.block_tokens)

