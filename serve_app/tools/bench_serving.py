@@ -18,8 +18,9 @@ model's real replies go back each turn, greedy decoding):
   caching on, its CPU threads bound to the same cores, and the same KV
   budget: ``--hot-tokens`` in 32-token blocks (vLLM's CPU block size must
   be a multiple of 32), plus the one block vLLM keeps as its null block,
-  with Intel's OpenMP runtime preloaded from its venv when there (vLLM's
-  documented CPU setup; its wheel depends on ``intel-openmp``).
+  with Intel's OpenMP runtime preloaded from its venv and the system's
+  tcmalloc when installed (vLLM's documented CPU setup; its wheel depends on
+  ``intel-openmp``; Debian's ``libtcmalloc-minimal4``).
 
 Each arm prints one JSON row: ``requests``, ``failed``, ``wall_s``,
 ``output_tokens_per_s``, ``ttft_ms_p50/p99``, ``ttft_ms_first_turn_p50``,
@@ -46,6 +47,8 @@ from cluster.bench.common import emit, rounded
 from serve_app.tools.chat_workload import run_workload, system_prompt
 
 VLLM_BLOCK_TOKENS = 32   # vLLM's CPU backend needs a multiple of 32
+TCMALLOC_PATHS = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib64/libtcmalloc_minimal.so.4",
+                  "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -67,6 +70,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peer-openmp", choices=["intel", "gnu"], default="intel",
                    help="vLLM's OpenMP runtime: intel (libiomp5 from its venv preloaded, its documented CPU "
                         "setup) or gnu (as its wheel runs without a preload)")
+    p.add_argument("--peer-tcmalloc", action=argparse.BooleanOptionalAction, default=True,
+                   help="preload the system's tcmalloc into vLLM where installed (its documented CPU setup)")
     p.add_argument("--arms", default=None, help="comma-separated subset of prefix-cache,vllm-cpu to run")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
@@ -137,8 +142,15 @@ def _vllm_command(args, model_dir: Path, hot_tokens: int, port: int) -> tuple[li
     # vLLM's documented CPU setup preloads Intel's OpenMP runtime (its wheel depends on
     # intel-openmp): the peer gets it as this app's workers do, so neither runs the other's.
     venv_lib = Path(args.peer_python).absolute().parent.parent / "lib"   # the venv's, not its base Python's
+    preload = []
     if args.peer_openmp == "intel" and (venv_lib / "libiomp5.so").is_file():
-        env["LD_PRELOAD"] = str(venv_lib / "libiomp5.so")
+        preload.append(str(venv_lib / "libiomp5.so"))
+    # And tcmalloc where the system has it (Debian: libtcmalloc-minimal4), the rest of that setup.
+    tcmalloc = next((str(p) for p in TCMALLOC_PATHS if Path(p).is_file()), None) if args.peer_tcmalloc else None
+    if tcmalloc:
+        preload.insert(0, tcmalloc)
+    if preload:
+        env["LD_PRELOAD"] = ":".join(preload)
     return cmd, env
 
 
@@ -180,7 +192,7 @@ def run_vllm(args, model_dir: Path, system: str, hot_tokens: int) -> dict:
         row["prefix_cache_hit_rate"] = rounded(hits / queries, 4) if queries else None
         return {"impl": "vllm-cpu", "hot_tokens": hot_tokens, "block_tokens": VLLM_BLOCK_TOKENS,
                 "cpus": args.peer_cpus, "openmp": "intel" if "libiomp5" in env.get("LD_PRELOAD", "") else "gnu",
-                **row}
+                "tcmalloc": "tcmalloc" in env.get("LD_PRELOAD", ""), **row}
     finally:
         _stop_group(proc)
         log.close()

@@ -154,9 +154,9 @@ def test_results_file_gets_exactly_the_lines_the_command_printed(tmp_path, capsy
     assert all(json.loads(line)["bench"] == "fragmentation" for line in printed)
 
 
-def test_bench_serving_starts_vllm_with_its_documented_openmp_runtime(tmp_path) -> None:
-    """The peer gets Intel's OpenMP runtime from its own venv (vLLM's documented CPU setup)
-    unless --peer-openmp gnu; never this process's preload."""
+def test_bench_serving_starts_vllm_with_its_documented_cpu_setup(tmp_path, monkeypatch) -> None:
+    """The peer gets Intel's OpenMP runtime from its own venv and the system's tcmalloc
+    (vLLM's documented CPU setup) unless told otherwise; never this process's preload."""
     import argparse
     import json
 
@@ -176,8 +176,16 @@ def test_bench_serving_starts_vllm_with_its_documented_openmp_runtime(tmp_path) 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     base = ["--peer", "vllm", "--peer-python", str(venv / "bin" / "python")]
-    cmd, env = _vllm_command(parser.parse_args(base), model, 5824, 8000)
+    cmd, env = _vllm_command(parser.parse_args(base + ["--no-peer-tcmalloc"]), model, 5824, 8000)
     assert env["LD_PRELOAD"] == str(venv / "lib" / "libiomp5.so")
     assert cmd[cmd.index("--num-gpu-blocks-override") + 1] == str(5824 // 32 + 1)
-    _, env = _vllm_command(parser.parse_args(base + ["--peer-openmp", "gnu"]), model, 5824, 8000)
+    _, env = _vllm_command(parser.parse_args(base + ["--peer-openmp", "gnu", "--no-peer-tcmalloc"]), model, 5824, 8000)
     assert "LD_PRELOAD" not in env
+    # tcmalloc, where the system has it, goes first.
+    import serve_app.tools.bench_serving as bench_serving
+
+    (tmp_path / "libtcmalloc_minimal.so.4").write_bytes(b"")
+    monkeypatch.setattr(bench_serving, "TCMALLOC_PATHS",
+                        (str(tmp_path / "nowhere.so"), str(tmp_path / "libtcmalloc_minimal.so.4")))
+    _, env = _vllm_command(parser.parse_args(base), model, 5824, 8000)
+    assert env["LD_PRELOAD"] == f"{tmp_path / 'libtcmalloc_minimal.so.4'}:{venv / 'lib' / 'libiomp5.so'}"
