@@ -19,21 +19,17 @@ those families add to the plain Llama block.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
-import os
-import platform
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cluster.engine import linear_layouts
+from cluster.engine.linear_layouts import linear as _linear
 from cluster.engine.tokenizer import BYTE_VOCAB_SIZE
 from cluster.names import DTYPES
 INIT_STD = 0.02
@@ -241,85 +237,6 @@ def rope_tables(config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
     return angles.cos().float(), angles.sin().float()
 
 
-# Row counts for which ``_linear`` computes W @ x^T until the model's own layouts are
-# measured (``DecoderModel.tune_linears``): MKL's sgemm reads the weights of a few-row
-# x @ W^T at a quarter of the speed it streams them for a few-column W @ x^T on one CPU
-# (AMD EPYC, AVX2, 2 cores: 139 vs 76 ms a step for 16 rows of a 135M model) and at twice
-# it on another (Xeon, AVX-512, 2 cores: 25 vs 59 ms for 2 rows). Both are MKL's exact sgemm.
-FEW_ROWS = range(2, 65)
-# Row counts the tuning measures; a count between two takes the layout of the one below it.
-TUNED_ROWS = (1, 2, 4, 8, 16, 32, 64)
-# Measured layouts by machine, torch, threads, dtype and weight shapes: kept in this process and in
-# a file (``PREFIX_CACHE_TUNING_DIR``, default ~/.cache/prefix-cache), so a machine measures once,
-# not every replica that starts (replicas start together, and time each other's loading).
-TUNING_DIR_ENV = "PREFIX_CACHE_TUNING_DIR"
-_tuned_layouts: dict[str, tuple[bool, ...]] = {}
-
-
-def _tuning_file() -> Path:
-    return Path(os.environ.get(TUNING_DIR_ENV) or "~/.cache/prefix-cache").expanduser() / "linear-layouts.json"
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _load_tuned(key: str) -> tuple[bool, ...] | None:
-    try:
-        value = json.loads(_tuning_file().read_text()).get(key)
-    except (OSError, ValueError, AttributeError):
-        return None
-    if isinstance(value, list) and value and all(isinstance(v, bool) for v in value):
-        return tuple(value)
-    return None
-
-
-def _store_tuned(key: str, layouts: tuple[bool, ...]) -> None:
-    path = _tuning_file()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            known = json.loads(path.read_text())
-            known = known if isinstance(known, dict) else {}
-        except (OSError, ValueError):
-            known = {}
-        known[key] = list(layouts)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(known, indent=1))
-        tmp.replace(path)   # atomic: a concurrent reader sees the old file or the new one
-    except OSError:   # a read-only home: this process keeps its measurement
-        pass
-
-
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-            transposed: bool | None = None) -> torch.Tensor:
-    """``F.linear`` of a 2-D ``x`` in one of MKL's two layouts: ``x @ W^T`` or, with
-    ``transposed``, ``(W @ x^T)^T`` (default: by ``FEW_ROWS``)."""
-    if transposed is None:
-        transposed = x.shape[0] in FEW_ROWS
-    if not transposed:
-        return F.linear(x, weight, bias)
-    out = torch.mm(weight, x.t()).t().contiguous()
-    return out if bias is None else out.add_(bias)
-
-
-def _time_layout(weights: list[torch.Tensor], rows: int, transposed: bool, repeats: int) -> float:
-    xs = [torch.randn(rows, w.shape[1], dtype=w.dtype, device=w.device) for w in weights]
-    best = float("inf")
-    for _ in range(repeats + 1):   # the first pass warms up
-        began = time.perf_counter()
-        for w, x in zip(weights, xs):
-            _linear(x, w, None, transposed)
-        best = min(best, time.perf_counter() - began)
-    return best
-
-
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     first, second = x.chunk(2, dim=-1)
     return torch.cat((-second, first), dim=-1)
@@ -513,37 +430,19 @@ class DecoderModel(nn.Module):
             self._decode_kernel = decode_attention()
         return self._decode_kernel is not None
 
-    def tune_linears(self, repeats: int = 1) -> dict[int, str]:
-        """Measure, for each of ``TUNED_ROWS``, which of MKL's two layouts runs this
-        model's linears faster on this machine and these threads, and use it from
-        now on (rows above the last count: ``x @ W^T``). Both layouts are the same
-        exact sgemm, so logits stay within float32 rounding of each other. One
-        measurement per machine, torch, thread count and set of weight shapes
-        (about 2 s for a 135M model on 2 cores), kept in ``linear-layouts.json``
-        under ``PREFIX_CACHE_TUNING_DIR``; CPU only. Returns the layout per
-        measured row count."""
+    def tune_linears(self) -> dict[int, str]:
+        """Use, per row count, the faster of MKL's two linear layouts on this machine
+        (``cluster.engine.linear_layouts``: measured once a machine); CPU only.
+        Returns the layout per measured row count."""
         if self.device.type != "cpu":
             return {}
         weights = [w for layer in self.layers for w in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj,
                                                           layer.down_proj)] + [self.output_weight]
-        shapes = hashlib.sha256(repr([tuple(w.shape) for w in weights]).encode()).hexdigest()[:16]
-        key = f"{_cpu_name()}|torch {torch.__version__}|{torch.get_num_threads()} threads|{self.config.dtype}|{shapes}"
-        layouts = _tuned_layouts.get(key) or _load_tuned(key)
-        if layouts is None or len(layouts) != TUNED_ROWS[-1] + 1:
-            faster = {rows: _time_layout(weights, rows, True, repeats) < _time_layout(weights, rows, False, repeats)
-                      for rows in TUNED_ROWS}
-            below = [max(r for r in TUNED_ROWS if r <= rows) for rows in range(1, TUNED_ROWS[-1] + 1)]
-            layouts = (False,) + tuple(faster[r] for r in below)
-            _store_tuned(key, layouts)
-        _tuned_layouts[key] = layouts
-        self._transposed_rows = layouts
-        return {rows: "W @ x^T" if layouts[rows] else "x @ W^T" for rows in TUNED_ROWS}
+        self._transposed_rows = linear_layouts.tuned(weights, self.config.dtype)
+        return linear_layouts.describe(self._transposed_rows)
 
     def _transposed(self, rows: int) -> bool:
-        layouts = self._transposed_rows
-        if layouts is None:
-            return rows in FEW_ROWS
-        return rows < len(layouts) and layouts[rows]
+        return linear_layouts.transposed(self._transposed_rows, rows)
 
     def _forward(self, checked: list[tuple[torch.Tensor, int]], attend, last_logits_only: bool,
                  decodes: "_Decodes | None" = None) -> list[torch.Tensor]:

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import cluster.engine.model as model_module
+from cluster.engine import linear_layouts
 from cluster.engine.model import (
     CausalLM,
     DecoderModel,
@@ -390,11 +391,11 @@ def test_both_linear_layouts_give_the_same_logits_at_every_row_count() -> None:
 
 
 def test_tuned_layouts_cover_every_row_count_and_are_measured_once_a_machine(monkeypatch, tmp_path) -> None:
-    monkeypatch.setenv(model_module.TUNING_DIR_ENV, str(tmp_path))
-    monkeypatch.setattr(model_module, "_tuned_layouts", {})
+    monkeypatch.setenv(linear_layouts.TUNING_DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(linear_layouts, "_known", {})
     model = DecoderModel(SMALL)
     tuned = model.tune_linears()
-    assert sorted(tuned) == list(model_module.TUNED_ROWS)
+    assert sorted(tuned) == list(linear_layouts.TUNED_ROWS)
     assert set(tuned.values()) <= {"W @ x^T", "x @ W^T"}
     # Row counts between two measured ones take the layout of the one below; beyond the last, x @ W^T.
     assert model._transposed(3) == (tuned[2] == "W @ x^T")
@@ -403,15 +404,15 @@ def test_tuned_layouts_cover_every_row_count_and_are_measured_once_a_machine(mon
     assert (tmp_path / "linear-layouts.json").is_file()
 
     # Another process on this machine (an empty in-process table) reads the file instead of measuring.
-    monkeypatch.setattr(model_module, "_tuned_layouts", {})
+    monkeypatch.setattr(linear_layouts, "_known", {})
 
     def no_measuring(*args, **kwargs):
         raise AssertionError("measured again")
 
-    monkeypatch.setattr(model_module, "_time_layout", no_measuring)
+    monkeypatch.setattr(linear_layouts, "_time", no_measuring)
     assert DecoderModel(SMALL).tune_linears() == tuned
     # A damaged file is measured over, not trusted.
     (tmp_path / "linear-layouts.json").write_text("{not json")
-    monkeypatch.setattr(model_module, "_tuned_layouts", {})
+    monkeypatch.setattr(linear_layouts, "_known", {})
     with pytest.raises(AssertionError, match="measured again"):
         DecoderModel(SMALL).tune_linears()
