@@ -347,6 +347,8 @@ class WorkerCore:
         c = self.cache
         return {"worker_id": self.worker_id, "tiers": c.tier_summary(), "cache": dict(c.stats),
                 "tree": dict(c.tree.stats), "engine": dict(self.engine.stats),
+                "scratch": {**self.engine.scratch.stats, "arena_tokens": self.engine.scratch.arena_tokens,
+                            "arena_free_tokens": self.engine.scratch.arena_free_tokens},
                 "worker": {**self.loop.stats, **self.migration.holder_stats, "pid": os.getpid(),
                            "openmp": openmp.runtime(), "torch_threads": torch.get_num_threads(),
                            "ownership_violations": self.loop.owner.violations,

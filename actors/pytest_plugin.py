@@ -53,6 +53,10 @@ def pytest_configure(config):
     # replica the tests start inherits it, so a cache touched off its engine thread
     # fails the test that did it.
     os.environ.setdefault(OWNERSHIP_ENV_VAR, "1")
+    # The test clusters' workers run at the priority the app's do (nice 0, not Ray's 15).
+    from actors.config import serve_at_normal_priority
+
+    serve_at_normal_priority()
 
 
 def pytest_addoption(parser):

@@ -1,6 +1,7 @@
 """The cluster on a real multi-node Ray cluster on loopback (fixtures: actors.pytest_plugin)."""
 
 import asyncio
+import os
 import time
 
 import pytest
@@ -231,6 +232,14 @@ def test_engine_state_stayed_on_the_engine_threads(cache_cluster):
     for wid, handle in cc.workers.items():
         assert ray.get(handle.info.remote()).ownership_checks, wid
         assert ray.get(handle.stats.remote())["worker"]["ownership_violations"] == 0, wid
+
+
+def test_workers_run_at_normal_priority(cache_cluster):
+    """Ray starts worker processes at nice 15 unless told otherwise; the cluster's run at 0
+    (``actors.config.serve_at_normal_priority``), beside the raylet, not below it."""
+    for wid, handle in cache_cluster.workers.items():
+        pid = ray.get(handle.stats.remote())["worker"]["pid"]
+        assert os.getpriority(os.PRIO_PROCESS, pid) == 0, wid
 
 
 def test_cpu_workers_run_their_threads_on_intel_openmp(cache_cluster):

@@ -239,11 +239,32 @@ def test_working_kv_buffers_are_reused_and_give_exact_results(model, tmp_path):
     first = eng.generate(prompt, SamplingParams(max_tokens=3))
     again = eng.generate(prompt + first.output + [5, 6], SamplingParams(max_tokens=3))
     other = eng.generate(list(range(100, 150)), SamplingParams(max_tokens=3))
-    # One buffer of the same capacity class served all three (contents left by the last one).
-    assert eng.scratch.stats == {"taken": 3, "reused": 2, "freed": 0} and eng.scratch.idle_bytes > 0
+    # The arena served all three, one after the other from its start (contents left by the
+    # last one), and has it all back.
+    assert eng.scratch.stats == {"taken": 3, "arena": 3, "reused": 0, "allocated": 0, "freed": 0}
+    assert eng.scratch.arena_free_tokens == eng.scratch.arena_tokens > 0
     for req in (first, again, other):
         assert_exact(model, req)
         assert req._kv is None
+
+
+def test_working_kv_past_the_arena_is_allocated_and_reused(model, tmp_path):
+    c = model.config
+    cfg = TierConfig(hot_blocks=64, warm_blocks=64, cold_blocks=0, block_tokens=8, device="cpu")
+    eng = Engine(model, TieredCache(cfg, KVLayout(c.num_layers, c.num_kv_heads, c.head_dim)), keep_logits=True,
+                 scratch_arena_tokens=64)
+    prompt = list(range(60))
+    first = eng.generate(prompt, SamplingParams(max_tokens=3))       # 63 tokens: the arena's 64
+    assert eng.scratch.stats["arena"] == 1
+    both = [eng.submit(EngineRequest(prompt + first.output + [5, 6], SamplingParams(max_tokens=3))),
+            eng.submit(EngineRequest(list(range(100, 150)), SamplingParams(max_tokens=3)))]
+    while eng.has_work():
+        eng.step()
+    # Together they do not fit in 64 tokens: one took a buffer of its own, kept idle after.
+    assert eng.scratch.stats["arena"] == 2 and eng.scratch.stats["allocated"] == 1
+    assert eng.scratch.idle_bytes > 0 and eng.scratch.arena_free_tokens == 64
+    for req in [first] + both:
+        assert_exact(model, req)
 
 
 def test_idle_working_kv_is_bounded():
@@ -257,3 +278,43 @@ def test_idle_working_kv_is_bounded():
     # Two 256-token buffers fit the bound; the 512-token class one does not and is freed.
     assert pool.stats["freed"] == 1 and pool.idle_bytes == 2 * (2 * 2 * 256 * 2 * 4 * 4)
     assert pool.take(200)._base is not None and pool.stats["reused"] == 1
+
+
+def test_the_arena_carves_coalesces_and_never_overlaps():
+    from cluster.engine.scratch import ARENA_GRANULE, ScratchKV
+
+    g = ARENA_GRANULE
+    pool = ScratchKV(2, 2, 4, torch.float32, "cpu", max_idle_bytes=0, arena_tokens=4 * g)
+    a, b, c = pool.take(g), pool.take(2 * g - 5), pool.take(1)
+    assert [tuple(v.shape) for v in (a, b, c)] == [(2, 2, 2, g, 4), (2, 2, 2, 2 * g - 5, 4), (2, 2, 2, 1, 4)]
+    assert pool.arena_free_tokens == 0 and pool.stats["arena"] == 3
+    for value, view in enumerate((a, b, c)):
+        view.fill_(value)
+    assert a.eq(0).all() and b.eq(1).all() and c.eq(2).all()   # three disjoint ranges
+    extra = pool.take(1)   # the arena is full: allocated, and freed when given back (no idle room)
+    assert pool.stats["allocated"] == 1
+    pool.give(extra)
+    assert pool.stats["freed"] == 1
+    pool.give(a)
+    pool.give(c)
+    assert pool._free == [(0, g), (3 * g, g)]
+    assert pool.take(2 * g) is not None and pool.stats["allocated"] == 2   # no free range holds 2 granules
+    pool.give(b)   # joins both neighbours: one range again
+    assert pool._free == [(0, 4 * g)] and pool.arena_free_tokens == 4 * g
+    assert pool.take(4 * g).data_ptr() == pool._arena.data_ptr()
+
+
+def test_the_arena_is_faulted_in_when_it_is_made():
+    import resource
+
+    from cluster.engine.scratch import ScratchKV
+
+    tokens, elems = 4096, 4 * 2 * 2 * 64   # 16 MiB: 4,096 pages
+    pool = ScratchKV(4, 2, 64, torch.float32, "cpu", max_idle_bytes=0, arena_tokens=tokens)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    views = [pool.take(512) for _ in range(tokens // 512)]
+    for v in views:
+        v.fill_(1.0)   # every page of the arena written
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    assert pool.stats["arena"] == 8 and tokens * elems * 4 // 4096 == 4096
+    assert faults < 100, f"{faults} page faults writing a pre-faulted arena of 4,096 pages"
