@@ -73,7 +73,7 @@ class Engine:
         can be built; the torch path otherwise. ``grammars``: the tokenizer's
         ``cluster.engine.grammar.Grammars`` (None: constrained requests are refused).
         ``scratch_arena_tokens``: the working KV faulted in at start-up
-        (``cluster.engine.scratch``; None: as much as HOT holds on the CPU, none on CUDA)."""
+        (``cluster.engine.scratch``; None: twice what HOT holds on the CPU, none on CUDA)."""
         cfg = model.config
         lay = cache.layout
         if lay is None or (lay.num_layers, lay.num_kv_heads, lay.head_dim) != (

@@ -46,7 +46,7 @@ class ScratchKV:
         self.idle_bytes = 0
         self.stats = {"taken": 0, "arena": 0, "reused": 0, "allocated": 0, "freed": 0}
         self._token_elems = num_layers * 2 * num_kv_heads * head_dim
-        arena_tokens = -(-max(arena_tokens, 0) // ARENA_GRANULE) * ARENA_GRANULE
+        arena_tokens = _round_up(arena_tokens, ARENA_GRANULE) if arena_tokens > 0 else 0
         # zeros, not empty: the fill faults every page in now, at start-up, not in a request.
         self._arena = (torch.zeros(arena_tokens * self._token_elems, dtype=dtype, device=self.device)
                        if arena_tokens else None)
@@ -61,11 +61,12 @@ class ScratchKV:
     def take(self, tokens: int) -> torch.Tensor:
         """A ``[layers, 2, kv_heads, tokens, head_dim]`` view of a buffer (contents undefined)."""
         self.stats["taken"] += 1
-        base = self._carve(-(-max(tokens, 1) // ARENA_GRANULE) * ARENA_GRANULE)
-        capacity = -(-max(tokens, 1) // self.granule) * self.granule
+        base = self._carve(_round_up(tokens, ARENA_GRANULE))
         if base is not None:
             self.stats["arena"] += 1
-        elif self._idle.get(capacity):
+            return base[:, :, :, :tokens]
+        capacity = _round_up(tokens, self.granule)
+        if self._idle.get(capacity):
             base = self._idle[capacity].pop()
             self.idle_bytes -= base.nbytes
             self.stats["reused"] += 1
@@ -115,3 +116,7 @@ class ScratchKV:
             self._free[i - 1] = (start, length)
             return
         self._free.insert(i, (start, length))
+
+
+def _round_up(tokens: int, unit: int) -> int:
+    return -(-max(tokens, 1) // unit) * unit
