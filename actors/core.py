@@ -351,6 +351,7 @@ class WorkerCore:
                             "arena_free_tokens": self.engine.scratch.arena_free_tokens},
                 "worker": {**self.loop.stats, **self.migration.holder_stats, "pid": os.getpid(),
                            "openmp": openmp.runtime(), "torch_threads": torch.get_num_threads(),
+                           "linear_layouts": self.engine.linear_layouts,
                            "ownership_violations": self.loop.owner.violations,
                            "watchdog_trips": self.loop.watchdog_trips},
                 "load": dataclasses.asdict(self.loop.measure_load()), "fragmentation": c.fragmentation(),

@@ -1,16 +1,30 @@
-"""Which of MKL's two layouts a linear of a given row count runs in, measured per machine.
+"""Which of MKL's three ways a linear of a given row count runs, measured per machine.
 
-``linear(x, W, b, transposed)`` is ``F.linear`` computed as ``x @ W^T`` or, transposed,
-as ``(W @ x^T)^T``: the same exact sgemm, results within float32 rounding of each
-other, speeds that flip between CPUs. MKL reads the weights of a few-row ``x @ W^T``
-at a quarter of the speed it streams them for a few-column ``W @ x^T`` on one CPU (AMD
-EPYC, AVX2, 2 cores: 139 vs 76 ms a step for 16 rows of a 135M model) and at twice it
-on another (Xeon, AVX-512, 2 cores: 25 vs 59 ms for 2 rows). So ``tuned`` times both
-over a model's own weights for each of ``TUNED_ROWS`` and keeps the answer per CPU,
-torch version, thread count, dtype and weight shapes: in this process and in
-``linear-layouts.json`` under ``PREFIX_CACHE_TUNING_DIR`` (default
-``~/.cache/prefix-cache``), so a machine measures once, not every replica that starts
-(replicas start together, and would time each other's loading).
+``linear(x, W, b, layout)`` is ``F.linear`` computed as ``x @ W^T`` (``PLAIN``), as
+``(W @ x^T)^T`` (``TRANSPOSED``), or with MKL's packed sgemm over a copy of ``W``
+packed once (``PACKED``: ``torch.ops.mkl._mkl_linear``, what torch's own CPU
+compiler uses for float32 linears): the same float32 products, results within
+float32 rounding of each other (no reduced precision in any), speeds that flip
+between CPUs. MKL reads the weights of a few-row ``x @ W^T`` at a quarter of the
+speed it streams them for a few-column ``W @ x^T`` on one CPU (AMD EPYC, AVX2, 2
+cores: 139 vs 76 ms a step for 16 rows of a 135M model) and at twice it on another
+(Xeon, AVX-512, 2 cores: 25 vs 59 ms for 2 rows); on that Xeon the packed copy runs
+the layers' linears of 8-32 rows 1.5-2.7x faster than either, and the output head
+of 33 rows and more at half their speed. So ``tuned`` times the layouts over a
+model's own weights, one group at a time (the layers' linears, the head), for each
+of ``TUNED_ROWS``, and keeps the answer per CPU, torch version, thread count, dtype
+and weight shapes: in this process and in ``linear-layouts.json`` under
+``PREFIX_CACHE_TUNING_DIR`` (default ``~/.cache/prefix-cache``), so a machine
+measures once, not every replica that starts (replicas start together, and would
+time each other's loading). A packed copy costs memory (2-5x its weight: MKL pads
+it), so a model packs only the weights of a group some row count runs packed.
+
+``PACKED`` is opt-in (``PREFIX_CACHE_MKL_PACKED=1``): its sums run in another order
+than ``x @ W^T``, the order transformers' own forward uses, and through the 30 layers
+of SmolLM2-135M the difference grows past the 1e-4 the engine's logits are held to
+(measured on the Xeon: 8.6e-5 at most over 30 chat prompts, 1.3e-3 on a 4-token
+prompt of random ids; ``x @ W^T`` is bitwise equal). A decode step of 16 sequences
+of 400 tokens takes 66 ms with it, 85 without.
 """
 
 from __future__ import annotations
@@ -25,55 +39,91 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+PLAIN, TRANSPOSED, PACKED = 0, 1, 2
+NAMES = {PLAIN: "x @ W^T", TRANSPOSED: "W @ x^T", PACKED: "packed"}
 # Until a model is tuned, the row counts that take W @ x^T (the AMD VM's answer).
 FEW_ROWS = range(2, 65)
 # Row counts measured; a count between two takes the layout of the one below it, above the last x @ W^T.
 TUNED_ROWS = (1, 2, 4, 8, 16, 32, 64)
 TUNING_DIR_ENV = "PREFIX_CACHE_TUNING_DIR"
-_known: dict[str, tuple[bool, ...]] = {}   # this process's answers, by key
+PACKED_ENV = "PREFIX_CACHE_MKL_PACKED"
+PACK_ROWS = 16   # the row count a weight is packed for (the packed copy serves any count)
+Layouts = tuple[int, ...]   # per row count 0..TUNED_ROWS[-1], one of PLAIN, TRANSPOSED, PACKED
+_known: dict[str, Layouts] = {}   # this process's answers, by key
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool) -> torch.Tensor:
-    """``F.linear`` of a 2-D ``x`` in the layout ``transposed`` names."""
-    if not transposed:
+def packed_available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether MKL's packed sgemm serves here: float32 and torch built with MKL."""
+    return (dtype == torch.float32 and torch.backends.mkl.is_available()
+            and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight"))
+
+
+def packed_enabled(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether ``tuned`` may pick ``PACKED``: available and asked for (``PREFIX_CACHE_MKL_PACKED=1``)."""
+    return os.environ.get(PACKED_ENV, "0").strip() == "1" and packed_available(dtype)
+
+
+def worker_env(environ: "os._Environ | dict | None" = None) -> dict[str, str]:
+    """``PREFIX_CACHE_MKL_PACKED`` as the environment that builds an app has it, for its
+    CPU replicas' ``runtime_env`` (empty when unset)."""
+    environ = os.environ if environ is None else environ
+    return {PACKED_ENV: environ[PACKED_ENV]} if PACKED_ENV in environ else {}
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """MKL's packed copy of a ``[out, in]`` float32 CPU weight (for ``linear(..., PACKED, packed)``)."""
+    return torch.ops.mkl._mkl_reorder_linear_weight(weight.detach().contiguous(), PACK_ROWS)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layout: int,
+           packed: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` of a 2-D ``x`` in ``layout`` (``PACKED`` needs ``packed``, ``pack(weight)``)."""
+    if layout == PACKED and packed is not None:
+        return torch.ops.mkl._mkl_linear(x, packed, weight, bias, x.shape[0])
+    if layout != TRANSPOSED:
         return F.linear(x, weight, bias)
     out = torch.mm(weight, x.t()).t().contiguous()
     return out if bias is None else out.add_(bias)
 
 
-def transposed(layouts: tuple[bool, ...] | None, rows: int) -> bool:
-    """Whether ``rows`` rows take W @ x^T under ``layouts`` (None: not tuned, ``FEW_ROWS``)."""
+def layout_for(layouts: Layouts | None, rows: int) -> int:
+    """The layout ``rows`` rows take under ``layouts`` (None: not tuned, ``FEW_ROWS`` transposed)."""
     if layouts is None:
-        return rows in FEW_ROWS
-    return rows < len(layouts) and layouts[rows]
+        return TRANSPOSED if rows in FEW_ROWS else PLAIN
+    return layouts[rows] if rows < len(layouts) else PLAIN
 
 
-def describe(layouts: tuple[bool, ...]) -> dict[int, str]:
-    return {rows: "W @ x^T" if layouts[rows] else "x @ W^T" for rows in TUNED_ROWS}
+def describe(layouts: Layouts) -> dict[int, str]:
+    return {rows: NAMES[layouts[rows]] for rows in TUNED_ROWS}
 
 
-def tuned(weights: list[torch.Tensor], dtype: str) -> tuple[bool, ...]:
-    """Per row count 0..``TUNED_ROWS[-1]``, whether W @ x^T is the faster layout for
-    ``weights`` here: remembered, read from the tuning file, or measured (and stored)."""
+def tuned(weights: list[torch.Tensor], dtype: str) -> Layouts:
+    """Per row count 0..``TUNED_ROWS[-1]``, the fastest layout for ``weights`` here:
+    remembered, read from the tuning file, or measured (and stored)."""
+    candidates = [PLAIN, TRANSPOSED] + ([PACKED] if packed_enabled(weights[0].dtype) else [])
     shapes = hashlib.sha256(repr([tuple(w.shape) for w in weights]).encode()).hexdigest()[:16]
-    key = f"{_cpu_name()}|torch {torch.__version__}|{torch.get_num_threads()} threads|{dtype}|{shapes}"
-    layouts = _known.get(key) or _load(key)
+    key = (f"{_cpu_name()}|torch {torch.__version__}|{torch.get_num_threads()} threads|{dtype}|{shapes}|"
+           f"{'+'.join(NAMES[c] for c in candidates)}")
+    layouts = _known.get(key) or _load(key, candidates)
     if layouts is None:
-        faster = {rows: _time(weights, rows, True) < _time(weights, rows, False) for rows in TUNED_ROWS}
+        packs = [pack(w) for w in weights] if PACKED in candidates else None
+        fastest = {rows: min(candidates, key=lambda c: _time(weights, rows, c, packs)) for rows in TUNED_ROWS}
         below = [max(r for r in TUNED_ROWS if r <= rows) for rows in range(1, TUNED_ROWS[-1] + 1)]
-        layouts = (False,) + tuple(faster[r] for r in below)
+        layouts = (PLAIN,) + tuple(fastest[r] for r in below)
         _store(key, layouts)
     _known[key] = layouts
     return layouts
 
 
-def _time(weights: list[torch.Tensor], rows: int, transposed: bool, repeats: int = 1) -> float:
+def _time(weights: list[torch.Tensor], rows: int, layout: int, packs: list[torch.Tensor] | None,
+          repeats: int = 1) -> float:
     xs = [torch.randn(rows, w.shape[1], dtype=w.dtype, device=w.device) for w in weights]
+    packs = packs or [None] * len(weights)
     best = float("inf")
     for _ in range(repeats + 1):   # the first pass warms up
         began = time.perf_counter()
-        for w, x in zip(weights, xs):
-            linear(x, w, None, transposed)
+        for w, x, p in zip(weights, xs, packs):
+            linear(x, w, None, layout, p)
         best = min(best, time.perf_counter() - began)
     return best
 
@@ -100,14 +150,15 @@ def _read_file() -> dict:
     return known if isinstance(known, dict) else {}
 
 
-def _load(key: str) -> tuple[bool, ...] | None:
+def _load(key: str, candidates: list[int]) -> Layouts | None:
     value = _read_file().get(key)
-    if isinstance(value, list) and len(value) == TUNED_ROWS[-1] + 1 and all(isinstance(v, bool) for v in value):
+    if isinstance(value, list) and len(value) == TUNED_ROWS[-1] + 1 and \
+            all(type(v) is int and v in candidates for v in value):
         return tuple(value)
     return None
 
 
-def _store(key: str, layouts: tuple[bool, ...]) -> None:
+def _store(key: str, layouts: Layouts) -> None:
     path = _tuning_file()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -306,7 +306,11 @@ class DecoderModel(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self._decode_kernel = None   # see use_decode_kernel
-        self._transposed_rows: tuple[bool, ...] | None = None   # see tune_linears
+        # See tune_linears: the layout per row count of the layers' linears and of the head, and
+        # the packed copies of the weights whose group runs packed at some row count (by id).
+        self._layer_layouts: linear_layouts.Layouts | None = None
+        self._head_layouts: linear_layouts.Layouts | None = None
+        self._packed: dict[int, torch.Tensor] = {}
         if init_weights:
             self._init_weights()
         self.eval()
@@ -430,19 +434,26 @@ class DecoderModel(nn.Module):
             self._decode_kernel = decode_attention()
         return self._decode_kernel is not None
 
-    def tune_linears(self) -> dict[int, str]:
-        """Use, per row count, the faster of MKL's two linear layouts on this machine
-        (``cluster.engine.linear_layouts``: measured once a machine); CPU only.
-        Returns the layout per measured row count."""
+    def tune_linears(self) -> dict[str, dict[int, str]]:
+        """Use, per row count, the fastest of MKL's linear layouts on this machine
+        (``cluster.engine.linear_layouts``: measured once a machine), for the layers'
+        linears and for the output head apart; CPU only. Returns the layout per
+        measured row count of each group."""
         if self.device.type != "cpu":
             return {}
-        weights = [w for layer in self.layers for w in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj,
-                                                          layer.down_proj)] + [self.output_weight]
-        self._transposed_rows = linear_layouts.tuned(weights, self.config.dtype)
-        return linear_layouts.describe(self._transposed_rows)
+        layers = [w for layer in self.layers for w in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj,
+                                                         layer.down_proj)]
+        self._layer_layouts = linear_layouts.tuned(layers, self.config.dtype)
+        self._head_layouts = linear_layouts.tuned([self.output_weight], self.config.dtype)
+        self._packed = {}
+        for weights, layouts in ((layers, self._layer_layouts), ([self.output_weight], self._head_layouts)):
+            if linear_layouts.PACKED in layouts:
+                self._packed.update((id(w), linear_layouts.pack(w)) for w in weights)
+        return {"layers": linear_layouts.describe(self._layer_layouts),
+                "head": linear_layouts.describe(self._head_layouts)}
 
-    def _transposed(self, rows: int) -> bool:
-        return linear_layouts.transposed(self._transposed_rows, rows)
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layout: int) -> torch.Tensor:
+        return _linear(x, weight, bias, layout, self._packed.get(id(weight)))
 
     def _forward(self, checked: list[tuple[torch.Tensor, int]], attend, last_logits_only: bool,
                  decodes: "_Decodes | None" = None) -> list[torch.Tensor]:
@@ -463,10 +474,10 @@ class DecoderModel(nn.Module):
         kv_width = c.num_kv_heads * c.head_dim
 
         hidden = self.embed[tokens]
-        wide = self._transposed(hidden.shape[0])   # the faster layout for this many rows
+        layout = linear_layouts.layout_for(self._layer_layouts, hidden.shape[0])   # the fastest for these rows
         for layer_index, layer in enumerate(self.layers):
             attn_in = _rms_norm(hidden, layer.attn_norm, c.rms_norm_eps)
-            qkv = _linear(attn_in, layer.qkv_proj, layer.qkv_bias, wide)
+            qkv = self._linear(attn_in, layer.qkv_proj, layer.qkv_bias, layout)
             # q and k side by side as [N, heads + kv_heads, head_dim]: one norm and one rotation.
             qk = qkv[:, :q_width + kv_width].view(-1, c.num_heads + c.num_kv_heads, c.head_dim)
             if layer.qk_norm is not None:
@@ -483,16 +494,16 @@ class DecoderModel(nn.Module):
                 if decodes is not None and item_index in decodes.items:
                     continue
                 attn_out[begin:end] = attend(layer_index, q[begin:end], k[begin:end], v[begin:end], item_index)
-            hidden = hidden + _linear(attn_out.view(-1, q_width), layer.o_proj, layer.o_bias, wide)
+            hidden = hidden + self._linear(attn_out.view(-1, q_width), layer.o_proj, layer.o_bias, layout)
             mlp_in = _rms_norm(hidden, layer.mlp_norm, c.rms_norm_eps)
-            gate, up = _linear(mlp_in, layer.gate_up_proj, layer.gate_up_bias, wide).chunk(2, dim=-1)
-            hidden = hidden + _linear(F.silu(gate) * up, layer.down_proj, layer.down_bias, wide)
+            gate, up = self._linear(mlp_in, layer.gate_up_proj, layer.gate_up_bias, layout).chunk(2, dim=-1)
+            hidden = hidden + self._linear(F.silu(gate) * up, layer.down_proj, layer.down_bias, layout)
 
         if last_logits_only:
             hidden = hidden[[end - 1 for _, end in bounds]]
             bounds = [(i, i + 1) for i in range(len(bounds))]
-        logits = _linear(_rms_norm(hidden, self.final_norm, c.rms_norm_eps), self.output_weight, None,
-                         self._transposed(hidden.shape[0])).float()
+        logits = self._linear(_rms_norm(hidden, self.final_norm, c.rms_norm_eps), self.output_weight, None,
+                              linear_layouts.layout_for(self._head_layouts, hidden.shape[0])).float()
         return [logits[begin:end] for begin, end in bounds]
 
     def _attend(

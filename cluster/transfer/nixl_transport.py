@@ -57,6 +57,14 @@ import torch
 
 log = logging.getLogger(__name__)
 
+# The progress thread's idle poll timeout. It once was 100 us, which NIXL rounds up to
+# 1 ms: a thousand wake-ups a second in every replica, each one preempting a thread of
+# the engine's OpenMP team on a busy core while the other waits at the barrier (one
+# such 1 ms poller beside a 2-thread decode on 2 cores: 67 -> 76 ms a step). Incoming
+# traffic wakes the thread through the UCX workers' event fds, so a long timeout costs
+# transfers nothing (``prefix-cache bench transfer``: the same READ times).
+PROGRESS_POLL_US = 100_000
+
 __all__ = ["NixlEndpoint", "TransferError", "nixl_available", "recommended_ucx_env"]
 
 _BACKEND = "UCX"
@@ -105,9 +113,12 @@ def _make_agent(name: str, progress_delay_us: int | None) -> Any:
     """A ``nixl_agent`` without backends whose progress thread sleeps between polls.
 
     ``nixl_agent`` hard-codes the progress thread's delay to 0, which spins a
-    whole core per agent forever (measured 3.0 CPU-s per idle 3 s; 0.05 with
-    100 us, bandwidth unchanged). The wrapper only touches its C++ agent via
-    ``.agent``, so swap in one built from our config before any backend exists.
+    whole core per agent forever (measured 3.0 CPU-s per idle 3 s). The wrapper
+    only touches its C++ agent via ``.agent``, so swap in one built from our
+    config before any backend exists. The delay is the timeout of the thread's
+    ``poll`` on the UCX workers' event fds (rounded up to whole ms): traffic
+    wakes it at once, the timeout only spaces its idle wake-ups
+    (``PROGRESS_POLL_US``).
     """
     _skip_ib_modules_without_rdma()
     from nixl import _bindings
@@ -192,7 +203,7 @@ class NixlEndpoint:
         *,
         ucx_env: Mapping[str, str] | None = None,
         ucx_params: Mapping[str, str] | None = None,
-        progress_delay_us: int | None = 100,
+        progress_delay_us: int | None = PROGRESS_POLL_US,
     ) -> None:
         """``ucx_params`` go to the UCX backend (e.g. ``num_workers``); ``progress_delay_us=None``
         disables the progress thread, which leaves peers unable to read from us."""

@@ -375,19 +375,28 @@ def test_decode_kernel_equals_the_torch_path_at_every_length_on_the_vector_path(
         assert torch.equal(buffers[b][1, 0, :, n], k_new[b]) and torch.equal(buffers[b][1, 1, :, n], v_new[b])
 
 
-def test_both_linear_layouts_give_the_same_logits_at_every_row_count() -> None:
-    """``tune_linears`` may pick either of MKL's layouts per row count: the packed
-    forward's logits and KV agree between them within float32 rounding."""
+def test_every_linear_layout_gives_the_same_logits_at_every_row_count() -> None:
+    """``tune_linears`` may pick any of MKL's layouts per row count, for the layers and the
+    head apart: the packed forward's logits and KV agree between them within float32 rounding."""
     model = DecoderModel(SMALL)
     items = [(tokens_of(1 + i % 3, seed=i), 0, None) for i in range(40)]   # 1..64 rows packed
+    layouts = [linear_layouts.PLAIN, linear_layouts.TRANSPOSED]
+    if linear_layouts.packed_available():
+        layouts.append(linear_layouts.PACKED)
+        weights = [w for layer in model.layers for w in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj,
+                                                          layer.down_proj)] + [model.output_weight]
+        model._packed = {id(w): linear_layouts.pack(w) for w in weights}
     for rows in (1, 2, 5, 16, 40):
         outs = []
-        for layout in (False, True):
-            model._transposed_rows = (False,) + (layout,) * 64
-            outs.append(model.forward_batch(items[:rows]))
-        for (la, ka), (lb, kb) in zip(*outs):
-            torch.testing.assert_close(la, lb, atol=1e-5, rtol=0)
-            torch.testing.assert_close(ka, kb, atol=1e-5, rtol=0)
+        for layer_layout in layouts:
+            for head_layout in layouts:
+                model._layer_layouts = (0,) + (layer_layout,) * 64
+                model._head_layouts = (0,) + (head_layout,) * 64
+                outs.append(model.forward_batch(items[:rows]))
+        for other in outs[1:]:
+            for (la, ka), (lb, kb) in zip(outs[0], other):
+                torch.testing.assert_close(la, lb, atol=1e-5, rtol=0)
+                torch.testing.assert_close(ka, kb, atol=1e-5, rtol=0)
 
 
 def test_tuned_layouts_cover_every_row_count_and_are_measured_once_a_machine(monkeypatch, tmp_path) -> None:
@@ -395,12 +404,18 @@ def test_tuned_layouts_cover_every_row_count_and_are_measured_once_a_machine(mon
     monkeypatch.setattr(linear_layouts, "_known", {})
     model = DecoderModel(SMALL)
     tuned = model.tune_linears()
-    assert sorted(tuned) == list(linear_layouts.TUNED_ROWS)
-    assert set(tuned.values()) <= {"W @ x^T", "x @ W^T"}
-    # Row counts between two measured ones take the layout of the one below; beyond the last, x @ W^T.
-    assert model._transposed(3) == (tuned[2] == "W @ x^T")
-    assert model._transposed(63) == (tuned[32] == "W @ x^T")
-    assert model._transposed(65) is False and model._transposed(4096) is False
+    assert sorted(tuned) == ["head", "layers"]
+    for group, layouts in (("layers", model._layer_layouts), ("head", model._head_layouts)):
+        assert sorted(tuned[group]) == list(linear_layouts.TUNED_ROWS)
+        assert set(tuned[group].values()) <= set(linear_layouts.NAMES.values())
+        # Row counts between two measured ones take the layout of the one below; beyond the last, x @ W^T.
+        assert linear_layouts.NAMES[linear_layouts.layout_for(layouts, 3)] == tuned[group][2]
+        assert linear_layouts.NAMES[linear_layouts.layout_for(layouts, 63)] == tuned[group][32]
+        assert linear_layouts.layout_for(layouts, 65) == linear_layouts.layout_for(layouts, 4096) == 0
+    # A group some row count runs packed has its weights packed; the others none.
+    packed_layers = linear_layouts.PACKED in model._layer_layouts
+    assert (id(model.layers[0].qkv_proj) in model._packed) == packed_layers
+    assert (id(model.output_weight) in model._packed) == (linear_layouts.PACKED in model._head_layouts)
     assert (tmp_path / "linear-layouts.json").is_file()
 
     # Another process on this machine (an empty in-process table) reads the file instead of measuring.
@@ -416,3 +431,37 @@ def test_tuned_layouts_cover_every_row_count_and_are_measured_once_a_machine(mon
     monkeypatch.setattr(linear_layouts, "_known", {})
     with pytest.raises(AssertionError, match="measured again"):
         DecoderModel(SMALL).tune_linears()
+
+
+@pytest.mark.parametrize("opt_in", [None, "1"])
+def test_packed_layout_is_picked_only_when_asked_for(monkeypatch, tmp_path, opt_in) -> None:
+    """MKL's packed sgemm sums in another order than transformers' forward, so ``tuned``
+    considers it only with ``PREFIX_CACHE_MKL_PACKED=1``; then, where it is the fastest,
+    the group runs packed and its weights have packed copies."""
+    if not linear_layouts.packed_available():
+        pytest.skip("torch without MKL's packed sgemm")
+    monkeypatch.setenv(linear_layouts.TUNING_DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(linear_layouts, "_known", {})
+    if opt_in is None:
+        monkeypatch.delenv(linear_layouts.PACKED_ENV, raising=False)
+    else:
+        monkeypatch.setenv(linear_layouts.PACKED_ENV, opt_in)
+    # A machine where packed always wins, then transposed, then plain.
+    monkeypatch.setattr(linear_layouts, "_time", lambda weights, rows, layout, packs: -float(layout))
+    model = DecoderModel(SMALL)
+    tuned = model.tune_linears()
+    expected = "packed" if opt_in == "1" else "W @ x^T"
+    assert set(tuned["layers"].values()) == set(tuned["head"].values()) == {expected}
+    assert len(model._packed) == (4 * SMALL.num_layers + 1 if opt_in == "1" else 0)
+    logits = model.forward_batch([(tokens_of(1, seed=s), 0, None) for s in range(4)])
+    monkeypatch.setattr(model, "_layer_layouts", None)
+    monkeypatch.setattr(model, "_head_layouts", None)
+    model._packed = {}
+    for (la, _), (lb, _) in zip(logits, model.forward_batch([(tokens_of(1, seed=s), 0, None) for s in range(4)])):
+        torch.testing.assert_close(la, lb, atol=1e-5, rtol=0)
+
+
+def test_the_packed_opt_in_travels_to_replicas_as_set_where_the_app_is_built() -> None:
+    assert linear_layouts.worker_env({}) == {}
+    assert linear_layouts.worker_env({"PREFIX_CACHE_MKL_PACKED": "1"}) == {"PREFIX_CACHE_MKL_PACKED": "1"}
+    assert linear_layouts.worker_env({"PREFIX_CACHE_MKL_PACKED": "0"}) == {"PREFIX_CACHE_MKL_PACKED": "0"}
