@@ -30,7 +30,11 @@ prompt tokens over prompt tokens, from the usage each server reports),
 for vLLM, ``prefix_cache_hit_rate`` (``vllm:prefix_cache_hits_total`` over
 ``..._queries_total``); ``openmp``, the OpenMP runtime each arm ran; for this app, ``engine_step_ms_mean``,
 ``engine_decode_step_ms_mean`` and ``engine_busy_share`` (the replicas' step wall
-time over the workload's). A ``summary`` row compares them.
+time over the workload's), ``mkl_packed`` (a replica ran MKL's packed linears,
+``PREFIX_CACHE_MKL_PACKED=1``) and ``ttft_parts_ms_first_turn_p50`` /
+``ttft_parts_ms_later_turns_p50`` (the median of each part of the time to first
+token, from the app's per-request ``prefix_cache.timing_ms``: ``serve_app.timing``).
+A ``summary`` row compares them.
 """
 
 from __future__ import annotations

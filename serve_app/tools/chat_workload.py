@@ -65,6 +65,7 @@ class Turn:
     started_at: float = 0.0            # time.monotonic() when it was sent
     worker_id: str | None = None       # the replica that answered (this app's prefix_cache field)
     cached_by_tier: dict = field(default_factory=dict)   # this app's cached_tokens_by_tier
+    timing_ms: dict = field(default_factory=dict)        # this app's TTFT by part (serve_app.timing)
 
 
 @dataclass
@@ -91,7 +92,26 @@ class WorkloadResult:
                 "ttft_ms_later_turns_p50": ms(later, 50), "ttft_ms_later_turns_p99": ms(later, 99),
                 "e2e_ms_p50": ms(e2e, 50),
                 "cached_token_share": rounded(sum(t.cached_tokens for t in ok) / prompt, 4) if prompt else 0.0,
-                "errors": sorted({t.error for t in self.turns if t.error})[:5]}
+                "errors": sorted({t.error for t in self.turns if t.error})[:5],
+                **_ttft_parts(ok)}
+
+
+# Where a first token's time went, by part, as the app reports it (serve_app.timing); the sum is ``ttft``.
+TTFT_PARTS = ("read_body", "parse_tokenize", "route", "to_replica", "migrate", "replica_queue", "prefix_load",
+              "first_forward", "stream_back", "ingress_other")
+
+
+def _ttft_parts(ok: list[Turn]) -> dict:
+    """The median of each TTFT part over the first turns and over the later ones, where the
+    server reports them (this app's ``prefix_cache.timing_ms``; nothing for other servers)."""
+    out = {}
+    for key, turns in (("ttft_parts_ms_first_turn_p50", [t for t in ok if t.turn == 0]),
+                       ("ttft_parts_ms_later_turns_p50", [t for t in ok if t.turn > 0])):
+        timed = [t.timing_ms for t in turns if t.timing_ms]
+        if timed:
+            out[key] = {part: rounded(percentile([float(m.get(part) or 0.0) for m in timed], 50), 1)
+                        for part in TTFT_PARTS}
+    return out
 
 
 async def run_workload(base: str, model: str, *, sessions: int, turns: int, system: str, max_tokens: int,
@@ -162,5 +182,5 @@ async def ask_turn(http, model: str, messages: list[dict], i: int, t: int, max_t
     cached = int(((usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0)
     return Turn(i, t, True, ttft, time.perf_counter() - started, int(usage.get("prompt_tokens", 0)),
                 int(usage.get("completion_tokens", 0)), cached, None, sent_at, cache.get("worker_id"),
-                dict(cache.get("cached_tokens_by_tier") or {})), "".join(text)
+                dict(cache.get("cached_tokens_by_tier") or {}), dict(cache.get("timing_ms") or {})), "".join(text)
 

@@ -189,3 +189,23 @@ def test_bench_serving_starts_vllm_with_its_documented_cpu_setup(tmp_path, monke
                         (str(tmp_path / "nowhere.so"), str(tmp_path / "libtcmalloc_minimal.so.4")))
     _, env = _vllm_command(parser.parse_args(base), model, 5824, 8000)
     assert env["LD_PRELOAD"] == f"{tmp_path / 'libtcmalloc_minimal.so.4'}:{venv / 'lib' / 'libiomp5.so'}"
+
+
+def test_chat_workload_summary_gives_the_median_ttft_parts_where_the_server_reports_them() -> None:
+    from serve_app.tools.chat_workload import TTFT_PARTS, Turn, WorkloadResult
+
+    def turn(session, t, queue_ms, forward_ms, timing=True):
+        parts = {"replica_queue": queue_ms, "first_forward": forward_ms, "ttft": queue_ms + forward_ms} if timing else {}
+        return Turn(session, t, True, (queue_ms + forward_ms) / 1e3, 1.0, 10, 4, 5, timing_ms=parts)
+
+    result = WorkloadResult([turn(0, 0, 600.0, 300.0), turn(1, 0, 0.0, 900.0), turn(2, 0, 620.0, 310.0),
+                             turn(0, 1, 10.0, 200.0), turn(1, 1, 30.0, 220.0)], wall_s=5.0)
+    row = result.summary()
+    first, later = row["ttft_parts_ms_first_turn_p50"], row["ttft_parts_ms_later_turns_p50"]
+    assert set(first) == set(later) == set(TTFT_PARTS)
+    assert (first["replica_queue"], first["first_forward"]) == (600.0, 310.0)
+    assert (later["replica_queue"], later["first_forward"]) == (10.0, 200.0)   # of two, the lower (percentile)
+    assert first["read_body"] == 0.0   # a part the server did not report counts as none
+    # Another server (no timing): no parts, the rest of the row as before.
+    other = WorkloadResult([turn(0, 0, 600.0, 300.0, timing=False)], wall_s=1.0).summary()
+    assert "ttft_parts_ms_first_turn_p50" not in other and other["ttft_ms_first_turn_p50"] == 900.0
