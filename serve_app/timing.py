@@ -42,6 +42,11 @@ from dataclasses import dataclass
 from cluster.protocol import ReplicaTiming, RouteDecision
 
 
+# The parts of ``breakdown_ms`` that add up to the time to first token, in order.
+TTFT_PARTS = ("read_body", "parse_tokenize", "route", "to_replica", "migrate", "replica_queue", "prefix_load",
+              "first_forward", "stream_back", "ingress_other")
+
+
 @dataclass(slots=True)
 class RequestClock:
     received: float                      # perf_counter at the handler's start

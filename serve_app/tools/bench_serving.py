@@ -91,6 +91,7 @@ def _workload(args, base: str, model: str, system: str) -> dict:
 def run_ours(args, model_id: str, system: str, hot_tokens: int) -> dict:
     import httpx
 
+    from cluster.engine import linear_layouts
     from serve_app.local import DEMO_WORKER, LocalCluster, free_port
 
     block = DEMO_WORKER["block_tokens"]
@@ -112,7 +113,8 @@ def run_ours(args, model_id: str, system: str, hot_tokens: int) -> dict:
         row["preemptions"] = sum(e.get("preemptions", 0) for e in engines)
         row["openmp"] = sorted({w.get("worker", {}).get("openmp", "unknown") for w in stats.get("workers", {}).values()})
         # Whether a replica runs MKL's packed sgemm (opt-in, PREFIX_CACHE_MKL_PACKED=1: cluster.engine.linear_layouts).
-        row["mkl_packed"] = any("packed" in layouts.values() for w in stats.get("workers", {}).values()
+        packed = linear_layouts.NAMES[linear_layouts.PACKED]
+        row["mkl_packed"] = any(packed in layouts.values() for w in stats.get("workers", {}).values()
                                 for layouts in (w.get("worker", {}).get("linear_layouts") or {}).values())
         row["recomputed_tokens"] = sum(e.get("recomputed_tokens", 0) for e in engines)
         row["resumed_warm_tokens"] = sum(e.get("resumed_warm_tokens", 0) for e in engines)

@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 
 from cluster.bench.common import percentile, rounded
+from serve_app.timing import TTFT_PARTS
 
 WORDS = ("the platform keeps every answer short and precise while customers ask about latency cost cache tokens "
          "context windows replicas routing memory pressure trains museums recipes soup bread apples vegetables "
@@ -94,11 +95,6 @@ class WorkloadResult:
                 "cached_token_share": rounded(sum(t.cached_tokens for t in ok) / prompt, 4) if prompt else 0.0,
                 "errors": sorted({t.error for t in self.turns if t.error})[:5],
                 **_ttft_parts(ok)}
-
-
-# Where a first token's time went, by part, as the app reports it (serve_app.timing); the sum is ``ttft``.
-TTFT_PARTS = ("read_body", "parse_tokenize", "route", "to_replica", "migrate", "replica_queue", "prefix_load",
-              "first_forward", "stream_back", "ingress_other")
 
 
 def _ttft_parts(ok: list[Turn]) -> dict:

@@ -192,7 +192,8 @@ def test_bench_serving_starts_vllm_with_its_documented_cpu_setup(tmp_path, monke
 
 
 def test_chat_workload_summary_gives_the_median_ttft_parts_where_the_server_reports_them() -> None:
-    from serve_app.tools.chat_workload import TTFT_PARTS, Turn, WorkloadResult
+    from serve_app.timing import TTFT_PARTS
+    from serve_app.tools.chat_workload import Turn, WorkloadResult
 
     def turn(session, t, queue_ms, forward_ms, timing=True):
         parts = {"replica_queue": queue_ms, "first_forward": forward_ms, "ttft": queue_ms + forward_ms} if timing else {}

@@ -1,0 +1,214 @@
+"""The asynchronous copies between tiers, for ``TieredCache`` (a mixin of it).
+
+A demotion moves idle nodes of one tier a tier down, a promotion brings a
+path's nodes up to HOT, each as one ``Move`` on a copy engine (``copier`` for
+HOT <-> WARM, ``disk_io`` for COLD); ``_complete`` applies a finished one on
+the owner's thread (from ``poll``), and ``_make_room`` frees blocks of a full
+tier by demoting (and waiting) or dropping. The state they share is the
+cache's: ``pools``, ``tree``, ``copier``, ``disk_io``, ``layout``, ``stats``,
+the in-flight ``_moves`` and ``_pending_out``.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from cluster.cache.allocator import Extent
+from cluster.cache.kv_pool import copy_pairs
+from cluster.cache.radix_tree import TreeNode
+from cluster.cache.tier_types import Move, MoveKind
+from cluster.errors import ChecksumError, PoolExhaustedError
+from cluster.names import HOT, WARM
+
+
+class TierMoves:
+    def _wait_move(self, move: Move) -> None:
+        try:
+            move.engine.wait(move.op_id)
+        except BaseException:
+            pass  # the error arrives through poll
+        while (id(move.engine), move.op_id) in self._moves:
+            if not self.poll():
+                time.sleep(0.0005)
+
+    def _make_room(self, tier: int, blocks: int) -> bool:
+        """Synchronously free ``blocks`` in ``tier``: demote (wait) or drop. False if stuck."""
+        alloc = self.pools[tier].allocator
+        target = alloc.free_blocks + blocks
+        self.stats["stalls"] += 1
+        passed_over: list[TreeNode] = []
+        try:
+            return self._free_blocks_until(tier, target, passed_over)
+        finally:
+            for node in passed_over:
+                self.tree.requeue(node)
+
+    def _free_blocks_until(self, tier: int, target: int, passed_over: list[TreeNode]) -> bool:
+        alloc = self.pools[tier].allocator
+        while alloc.free_blocks < target:
+            self.poll()
+            last_tier = tier == self.num_tiers - 1
+            node = self.tree.pop_candidate(tier, leaves_only=last_tier)
+            if node is None:
+                pending = [m for m in self._moves.values() if tier in m.src_tiers]
+                if not pending:
+                    return alloc.free_blocks >= target
+                self._wait_move(pending[0])
+                continue
+            if last_tier:
+                self.stats["dropped_tokens"] += self.tree.drop(node)
+            else:
+                move = self._start_demotion(node)
+                if move is None:
+                    if not node.children:  # the next tier is stuck too: drop instead of failing
+                        self.stats["dropped_tokens"] += self.tree.drop(node)
+                    else:
+                        passed_over.append(node)
+                    continue
+                self._wait_move(move)
+        return True
+
+    def _start_demotion(self, nodes: TreeNode | list[TreeNode]) -> Move | None:
+        """Move nodes of one tier one tier down, as a single asynchronous copy
+        (consecutive whole blocks coalesce). Nodes whose room cannot be found
+        below stay where they are; None when none could start."""
+        nodes = [nodes] if isinstance(nodes, TreeNode) else list(nodes)
+        src = nodes[0].tier
+        dst = src + 1
+        move = Move(MoveKind.DEMOTE, [], [], dst, [], None)
+        for node in nodes:
+            assert node.tier == src and not node.busy, "a batch demotes idle nodes of one tier"
+            node.busy = move  # reserved: making room below may merge or drop idle nodes
+        taken, dst_exts = [], []
+        for node in nodes:
+            try:
+                dst_exts.append(self._allocate(dst, len(node.key), private_tail=False))
+                taken.append(node)
+            except PoolExhaustedError:
+                break
+        for node in nodes[len(taken):]:
+            node.busy = None
+        if not taken:
+            return None
+        move.nodes, move.src_tiers, move.dst_extents = taken, [src] * len(taken), dst_exts
+        if self.layout is None:
+            move.engine = self.copier
+            move.op_id = self.copier.submit(lambda: None)
+        elif dst == WARM:
+            pairs = []
+            for node, ext in zip(taken, dst_exts):
+                pairs.extend(copy_pairs(self.pools[src], node.extents, self.pools[dst], ext))
+            move.engine = self.copier
+            move.op_id = self.copier.submit_copies(pairs)
+        else:
+            warm, cold = self.pools[src], self.pools[dst]
+            jobs = [(list(node.extents), ext) for node, ext in zip(taken, dst_exts)]
+            pacer = self.disk_io.pacer
+
+            def write_all() -> None:
+                for src_ext, dst_ext in jobs:
+                    kv = warm.read(src_ext)
+                    cold.write(dst_ext, kv)
+                    pacer.account(kv.numel() * kv.element_size())
+
+            move.engine = self.disk_io
+            move.op_id = self.disk_io.submit(write_all)
+        for node in taken:
+            self._pending_out[src] += len(node.key)
+        self._moves[(id(move.engine), move.op_id)] = move
+        return move
+
+    def _start_promotion(self, nodes: list[TreeNode], *, background: bool = False) -> Move | None:
+        """Bring ``nodes`` up to HOT in one asynchronous copy: a root-ward-first
+        run of one path, or several such runs, parents before children."""
+        for n in nodes:
+            self.tree.lock(n)  # nothing on these paths may move or go meanwhile
+        dst_exts: list[list[Extent]] = []
+        try:
+            for n in nodes:
+                dst_exts.append(self._allocate(HOT, len(n.key), private_tail=False))
+        except PoolExhaustedError:
+            for ext in dst_exts:
+                self.hot.allocator.free(ext)
+            for n in nodes:
+                self.tree.unlock(n)
+            self.stats["promotion_skipped_no_room"] += 1
+            return None
+        move = Move(MoveKind.PROMOTE, list(nodes), [n.tier for n in nodes], HOT, dst_exts, None)
+        if self.layout is None:
+            move.engine = self.copier
+            move.op_id = self.copier.submit(lambda: None)
+        elif all(n.tier == WARM for n in nodes):
+            pairs = []
+            for n, ext in zip(nodes, dst_exts):
+                pairs.extend(copy_pairs(self.pools[WARM], n.extents, self.hot, ext))
+            move.engine = self.copier
+            # A request waits for a synchronous promotion: only prefetches are paced.
+            move.op_id = self.copier.submit_copies(pairs, paced=background)
+        else:
+            jobs = [(self.pools[n.tier], list(n.extents), ext) for n, ext in zip(nodes, dst_exts)]
+            hot, failed = self.hot, move.failed_index
+            pacer = self.disk_io.pacer if background else None
+
+            def bring_up() -> None:
+                for i, (pool, src, dst) in enumerate(jobs):
+                    try:
+                        kv = pool.read(src)
+                    except ChecksumError:
+                        failed.append(i)
+                        raise
+                    hot.write(dst, kv.to(hot.device))
+                    if pacer is not None:
+                        pacer.account(kv.numel() * kv.element_size())
+                if hot.device.type == "cuda":
+                    torch.cuda.current_stream(hot.device).synchronize()
+
+            move.engine = self.disk_io
+            move.op_id = self.disk_io.submit(bring_up)
+        for n in nodes:
+            n.busy = move
+        self._moves[(id(move.engine), move.op_id)] = move
+        return move
+
+    def _promote_sync(self, nodes: list[TreeNode]) -> int:
+        move = self._start_promotion(nodes)
+        if move is None:
+            return 0
+        self._wait_move(move)
+        return sum(len(n.key) for n in nodes if n.alive and n.tier == HOT)
+
+    def _complete(self, move: Move, error: BaseException | None) -> None:
+        for n in move.nodes:
+            n.busy = None
+        if move.kind is MoveKind.DEMOTE:
+            src, dst = move.src_tiers[0], move.dst_tier
+            for node, dst_ext in zip(move.nodes, move.dst_extents):
+                self._pending_out[src] -= len(node.key)
+                if error is not None or node.lock_ref:
+                    # Failed copy, or the source got locked meanwhile: keep the source.
+                    self.pools[dst].allocator.free(dst_ext)
+                    self.stats["demotions_abandoned"] += 1
+                    self.tree.requeue(node)
+                    continue
+                self.pools[src].allocator.free(node.extents)
+                self.tree.retier(node, dst, dst_ext)
+                self.stats["demoted_to_warm" if dst == WARM else "demoted_to_cold"] += 1
+            return
+        # Promotion: apply root-ward first so tiers stay monotone along the path.
+        for n in move.nodes:
+            self.tree.unlock(n)
+        bad = move.failed_index[0] if move.failed_index else (0 if error is not None else len(move.nodes))
+        for i, (node, ext) in enumerate(zip(move.nodes, move.dst_extents)):
+            if i < bad:
+                self.pools[node.tier].allocator.free(node.extents)
+                self.tree.retier(node, HOT, ext)
+                self.stats["promoted_tokens"] += len(node.key)
+            else:
+                self.hot.allocator.free(ext)
+        self.stats["promotions"] += 1
+        if bad < len(move.nodes):
+            if isinstance(error, ChecksumError):
+                self.stats["checksum_failures"] += 1
+            self.stats["dropped_tokens"] += self.tree.drop_subtree(move.nodes[bad])
