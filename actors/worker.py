@@ -20,7 +20,7 @@ from actors.core import WorkerCore
 from actors.directory_link import DirectoryLink
 from actors.elastic import hand_off, warm_up
 from actors.migration import PeerLink
-from cluster.engine import linear_layouts, openmp
+from cluster.engine.worker_env import cpu_worker_env
 from cluster.names import DIRECTORY_NAME, worker_actor_name
 from cluster.protocol import (GenerateRequest, LoadReport, PrefixOffer, Snapshot, StagedPrefix, Tenant, Transport,
                               WorkerInfo)
@@ -194,8 +194,8 @@ def start_worker(worker_id: str, config: dict | None = None, *, namespace: str =
         num_gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
     opts["num_gpus"] = num_gpus
     opts["num_cpus"] = 0 if num_gpus else 1
-    # The OpenMP runtime of a CPU worker's process, and whether its linears may run packed.
-    if not num_gpus and (env := {**openmp.worker_env(), **linear_layouts.worker_env()}):
+    # A CPU worker's process: its allocator, its OpenMP runtime, whether its linears may run packed.
+    if not num_gpus and (env := cpu_worker_env()):
         opts["runtime_env"] = {"env_vars": env}
     if resources:
         opts["resources"] = resources

@@ -45,7 +45,7 @@ from ray.serve.config import RequestRouterConfig
 from fastapi import Request
 
 from actors.core import WorkerConfig
-from cluster.engine import linear_layouts, openmp
+from cluster.engine.worker_env import cpu_worker_env
 from cluster.routing.policies import make_policy
 from serve_app import admin
 from serve_app.http_app import make_fastapi
@@ -140,8 +140,8 @@ def build_app(args: dict[str, Any] | None = None):
     block_tokens = worker_config.block_tokens
     gpus = float(args.pop("gpus_per_replica", 0))
     actor_opts: dict[str, Any] = {"num_gpus": gpus, "num_cpus": 0 if gpus else 1}
-    # The OpenMP runtime of a CPU replica's process, and whether its linears may run packed.
-    if not gpus and (env := {**openmp.worker_env(), **linear_layouts.worker_env()}):
+    # A CPU replica's process: its allocator, its OpenMP runtime, whether its linears may run packed.
+    if not gpus and (env := cpu_worker_env()):
         actor_opts["runtime_env"] = {"env_vars": env}
     replica_opts: dict[str, Any] = {
         "ray_actor_options": actor_opts,

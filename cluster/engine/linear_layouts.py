@@ -1,4 +1,4 @@
-"""Which of MKL's three ways a linear of a given row count runs, measured per machine.
+"""Which of four ways a linear of a given row count runs, measured per machine.
 
 ``linear(x, W, b, layout)`` is ``F.linear`` computed as ``x @ W^T`` (``PLAIN``), as
 ``(W @ x^T)^T`` (``TRANSPOSED``), or with MKL's packed sgemm over a copy of ``W``
@@ -25,6 +25,19 @@ of SmolLM2-135M the difference grows past the 1e-4 the engine's logits are held 
 (measured on the Xeon: 8.6e-5 at most over 30 chat prompts, 1.3e-3 on a 4-token
 prompt of random ids; ``x @ W^T`` is bitwise equal). A decode step of 16 sequences
 of 400 tokens takes 66 ms with it, 85 without.
+
+``BLOCKED`` runs the compiled kernel of ``cluster/engine/kernels/blocked_linear.cpp``
+over a copy of ``W`` cut into column panels: it sums each output in the order MKL's
+sgemm uses for a large batch (K in parts as MKL's threads split it, each part in
+balanced blocks of at most ``kc``, one FMA after the other within a block), so at
+every row count it gives the numbers ``x @ W^T`` gives for a prompt of a few dozen
+tokens, bit for bit, and it reads each weight once a step for all rows. MKL itself
+takes another path (another order, and a third to half of the memory's speed) below
+4 to 16 rows. The order is not assumed: ``blocked_order`` finds the parts and block
+size for which the kernel equals MKL's large-batch result bit for bit on the group's
+own weight shapes, with this process's threads, and without such an order (another
+CPU, another MKL, a bias added in another order) the layout is not a candidate. On
+the Xeon 2-core VM the layers' linears of 16 rows took 32 ms against MKL's 42.
 """
 
 from __future__ import annotations
@@ -36,11 +49,13 @@ import platform
 import time
 from pathlib import Path
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
-PLAIN, TRANSPOSED, PACKED = 0, 1, 2
-NAMES = {PLAIN: "x @ W^T", TRANSPOSED: "W @ x^T", PACKED: "packed"}
+PLAIN, TRANSPOSED, PACKED, BLOCKED = 0, 1, 2, 3
+NAMES = {PLAIN: "x @ W^T", TRANSPOSED: "W @ x^T", PACKED: "packed", BLOCKED: "blocked"}
 # Until a model is tuned, the row counts that take W @ x^T (the AMD VM's answer).
 FEW_ROWS = range(2, 65)
 # Row counts measured; a count between two takes the layout of the one below it, above the last x @ W^T.
@@ -48,8 +63,68 @@ TUNED_ROWS = (1, 2, 4, 8, 16, 32, 64)
 TUNING_DIR_ENV = "PREFIX_CACHE_TUNING_DIR"
 PACKED_ENV = "PREFIX_CACHE_MKL_PACKED"
 PACK_ROWS = 16   # the row count a weight is packed for (the packed copy serves any count)
-Layouts = tuple[int, ...]   # per row count 0..TUNED_ROWS[-1], one of PLAIN, TRANSPOSED, PACKED
+Layouts = tuple[int, ...]   # per row count 0..TUNED_ROWS[-1], one of PLAIN, TRANSPOSED, PACKED, BLOCKED
 _known: dict[str, Layouts] = {}   # this process's answers, by key
+# The orders ``blocked_order`` tries: MKL's parts (its threads, or one) x block sizes.
+BLOCK_SIZES = (384, 256, 512, 192, 320, 128)
+CHECK_ROWS = (1024,)   # the long prompt whose numbers the blocked kernel must give (see blocked_order)
+_orders: dict[str, "tuple[int, int] | None"] = {}   # this process's answers, by shapes and threads
+
+
+@dataclass(frozen=True)
+class Panels:
+    """A weight cut into the blocked kernel's column panels, and the order to sum in."""
+
+    panels: torch.Tensor   # [ceil(N / 64), K, 64]
+    n: int
+    parts: int
+    kc: int
+
+
+def blocked_order(pairs: "list[tuple[torch.Tensor, torch.Tensor | None]]") -> tuple[int, int] | None:
+    """(parts, kc) for which the blocked kernel gives, for every (weight, bias) of
+    ``pairs``, exactly what ``F.linear`` gives for batches of ``CHECK_ROWS`` rows, at
+    1, 3, 5, 16 and 64 rows; None when no order tried does (or no kernel: float32 CPU only)."""
+    weights = [w for w, _ in pairs]
+    if weights[0].dtype != torch.float32 or weights[0].device.type != "cpu":
+        return None
+    from cluster.engine import kernels
+
+    module = kernels.blocked_linear()
+    if module is None:
+        return None
+    shapes = sorted({(tuple(w.shape), b is not None) for w, b in pairs})
+    key = f"{torch.get_num_threads()}|{shapes}"
+    if key in _orders:
+        return _orders[key]
+    sample = {}
+    for w, b in pairs:   # one weight (with its bias) of each shape
+        sample.setdefault((tuple(w.shape), b is not None), (w, b))
+    gen = torch.Generator().manual_seed(0)
+    checks = []
+    for w, b in sample.values():
+        x = torch.randn(max(CHECK_ROWS), w.shape[1], generator=gen)
+        p = module.pack_panels(w.detach().contiguous())
+        checks.extend((x, p, w, b, F.linear(x[:rows], w, b)) for rows in CHECK_ROWS)
+    found = None
+    for parts in dict.fromkeys((torch.get_num_threads(), 1, 2)):
+        for kc in BLOCK_SIZES:
+            if all(torch.equal(linear(x[:rows], w, b, BLOCKED, Panels(p, w.shape[0], parts, kc)), ref[:rows])
+                   for x, p, w, b, ref in checks for rows in (1, 3, 5, 16, min(64, ref.shape[0]))):
+                found = (parts, kc)
+                break
+        if found:
+            break
+    _orders[key] = found
+    return found
+
+
+def panels(weight: torch.Tensor, order: tuple[int, int]) -> Panels:
+    """``weight`` cut into the blocked kernel's panels, to sum in ``order`` (``blocked_order``)."""
+    from cluster.engine import kernels
+
+    module = kernels.blocked_linear()
+    return Panels(module.pack_panels(weight.detach().contiguous()), weight.shape[0], *order)
 
 
 def packed_available(dtype: torch.dtype = torch.float32) -> bool:
@@ -76,9 +151,15 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layout: int,
-           packed: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` of a 2-D ``x`` in ``layout`` (``PACKED`` needs ``packed``, ``pack(weight)``)."""
-    if layout == PACKED and packed is not None:
+           packed: "torch.Tensor | Panels | None" = None) -> torch.Tensor:
+    """``F.linear`` of a 2-D ``x`` in ``layout`` (``PACKED`` needs ``packed``, ``pack(weight)``;
+    ``BLOCKED`` its ``Panels``)."""
+    if layout == BLOCKED and isinstance(packed, Panels):
+        from cluster.engine import kernels
+
+        out = kernels.blocked_linear().blocked_linear(x, packed.panels, packed.n, packed.parts, packed.kc)
+        return out if bias is None else out.add_(bias)
+    if layout == PACKED and isinstance(packed, torch.Tensor):
         return torch.ops.mkl._mkl_linear(x, packed, weight, bias, x.shape[0])
     if layout != TRANSPOSED:
         return F.linear(x, weight, bias)
@@ -97,17 +178,21 @@ def describe(layouts: Layouts) -> dict[int, str]:
     return {rows: NAMES[layouts[rows]] for rows in TUNED_ROWS}
 
 
-def tuned(weights: list[torch.Tensor], dtype: str) -> Layouts:
+def tuned(weights: list[torch.Tensor], dtype: str, biases: "list[torch.Tensor | None] | None" = None) -> Layouts:
     """Per row count 0..``TUNED_ROWS[-1]``, the fastest layout for ``weights`` here:
     remembered, read from the tuning file, or measured (and stored)."""
-    candidates = [PLAIN, TRANSPOSED] + ([PACKED] if packed_enabled(weights[0].dtype) else [])
+    order = blocked_order(list(zip(weights, biases or [None] * len(weights))))
+    candidates = [PLAIN, TRANSPOSED] + ([PACKED] if packed_enabled(weights[0].dtype) else []) + \
+        ([BLOCKED] if order is not None else [])
     shapes = hashlib.sha256(repr([tuple(w.shape) for w in weights]).encode()).hexdigest()[:16]
     key = (f"{_cpu_name()}|torch {torch.__version__}|{torch.get_num_threads()} threads|{dtype}|{shapes}|"
            f"{'+'.join(NAMES[c] for c in candidates)}")
     layouts = _known.get(key) or _load(key, candidates)
     if layouts is None:
-        packs = [pack(w) for w in weights] if PACKED in candidates else None
-        fastest = {rows: min(candidates, key=lambda c: _time(weights, rows, c, packs)) for rows in TUNED_ROWS}
+        copies = {PACKED: [pack(w) for w in weights] if PACKED in candidates else None,
+                  BLOCKED: [panels(w, order) for w in weights] if BLOCKED in candidates else None}
+        fastest = {rows: min(candidates, key=lambda c: _time(weights, rows, c, copies.get(c)))
+                   for rows in TUNED_ROWS}
         below = [max(r for r in TUNED_ROWS if r <= rows) for rows in range(1, TUNED_ROWS[-1] + 1)]
         layouts = (PLAIN,) + tuple(fastest[r] for r in below)
         _store(key, layouts)
@@ -115,8 +200,7 @@ def tuned(weights: list[torch.Tensor], dtype: str) -> Layouts:
     return layouts
 
 
-def _time(weights: list[torch.Tensor], rows: int, layout: int, packs: list[torch.Tensor] | None,
-          repeats: int = 1) -> float:
+def _time(weights: list[torch.Tensor], rows: int, layout: int, packs: "list | None", repeats: int = 1) -> float:
     xs = [torch.randn(rows, w.shape[1], dtype=w.dtype, device=w.device) for w in weights]
     packs = packs or [None] * len(weights)
     best = float("inf")

@@ -307,10 +307,11 @@ class DecoderModel(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         self._decode_kernel = None   # see use_decode_kernel
         # See tune_linears: the layout per row count of the layers' linears and of the head, and
-        # the packed copies of the weights whose group runs packed at some row count (by id).
+        # the copies (MKL-packed, panels) of the weights whose group runs on them at some row count,
+        # by (layout, id).
         self._layer_layouts: linear_layouts.Layouts | None = None
         self._head_layouts: linear_layouts.Layouts | None = None
-        self._packed: dict[int, torch.Tensor] = {}
+        self._packed: dict[tuple[int, int], object] = {}
         if init_weights:
             self._init_weights()
         self.eval()
@@ -441,19 +442,26 @@ class DecoderModel(nn.Module):
         measured row count of each group."""
         if self.device.type != "cpu":
             return {}
-        layers = [w for layer in self.layers for w in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj,
-                                                         layer.down_proj)]
-        self._layer_layouts = linear_layouts.tuned(layers, self.config.dtype)
+        pairs = [(w, b) for layer in self.layers for w, b in (
+            (layer.qkv_proj, layer.qkv_bias), (layer.o_proj, layer.o_bias),
+            (layer.gate_up_proj, layer.gate_up_bias), (layer.down_proj, layer.down_bias))]
+        layers, biases = [w for w, _ in pairs], [b for _, b in pairs]
+        self._layer_layouts = linear_layouts.tuned(layers, self.config.dtype, biases)
         self._head_layouts = linear_layouts.tuned([self.output_weight], self.config.dtype)
         self._packed = {}
-        for weights, layouts in ((layers, self._layer_layouts), ([self.output_weight], self._head_layouts)):
+        for group, layouts in ((pairs, self._layer_layouts), ([(self.output_weight, None)], self._head_layouts)):
+            # Only the copies some row count of the group runs on (each costs its weight's memory or more).
             if linear_layouts.PACKED in layouts:
-                self._packed.update((id(w), linear_layouts.pack(w)) for w in weights)
+                self._packed.update(((linear_layouts.PACKED, id(w)), linear_layouts.pack(w)) for w, _ in group)
+            if linear_layouts.BLOCKED in layouts:
+                order = linear_layouts.blocked_order(group)
+                self._packed.update(((linear_layouts.BLOCKED, id(w)), linear_layouts.panels(w, order))
+                                    for w, _ in group)
         return {"layers": linear_layouts.describe(self._layer_layouts),
                 "head": linear_layouts.describe(self._head_layouts)}
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layout: int) -> torch.Tensor:
-        return _linear(x, weight, bias, layout, self._packed.get(id(weight)))
+        return _linear(x, weight, bias, layout, self._packed.get((layout, id(weight))))
 
     def _forward(self, checked: list[tuple[torch.Tensor, int]], attend, last_logits_only: bool,
                  decodes: "_Decodes | None" = None) -> list[torch.Tensor]:

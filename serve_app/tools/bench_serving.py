@@ -51,8 +51,6 @@ from cluster.bench.common import emit, rounded
 from serve_app.tools.chat_workload import run_workload, system_prompt
 
 VLLM_BLOCK_TOKENS = 32   # vLLM's CPU backend needs a multiple of 32
-TCMALLOC_PATHS = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib64/libtcmalloc_minimal.so.4",
-                  "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -112,6 +110,7 @@ def run_ours(args, model_id: str, system: str, hot_tokens: int) -> dict:
         engines = [w.get("engine", {}) for w in stats.get("workers", {}).values()]
         row["preemptions"] = sum(e.get("preemptions", 0) for e in engines)
         row["openmp"] = sorted({w.get("worker", {}).get("openmp", "unknown") for w in stats.get("workers", {}).values()})
+        row["malloc"] = sorted({w.get("worker", {}).get("malloc", "unknown") for w in stats.get("workers", {}).values()})
         # Whether a replica runs MKL's packed sgemm (opt-in, PREFIX_CACHE_MKL_PACKED=1: cluster.engine.linear_layouts).
         packed = linear_layouts.NAMES[linear_layouts.PACKED]
         row["mkl_packed"] = any(packed in layouts.values() for w in stats.get("workers", {}).values()
@@ -135,6 +134,7 @@ def run_ours(args, model_id: str, system: str, hot_tokens: int) -> dict:
 # ------------------------------------------------------------------------ vLLM
 def _vllm_command(args, model_dir: Path, hot_tokens: int, port: int) -> tuple[list[str], dict]:
     blocks = -(-hot_tokens // VLLM_BLOCK_TOKENS) + 1   # vLLM holds one block back as its null block
+    from cluster.engine import allocator
     from cluster.engine.checkpoint import _read_json, model_config_from_hf
 
     cfg = model_config_from_hf(_read_json(model_dir / "config.json"))
@@ -155,7 +155,7 @@ def _vllm_command(args, model_dir: Path, hot_tokens: int, port: int) -> tuple[li
     if args.peer_openmp == "intel" and (venv_lib / "libiomp5.so").is_file():
         preload.append(str(venv_lib / "libiomp5.so"))
     # And tcmalloc where the system has it (Debian: libtcmalloc-minimal4), the rest of that setup.
-    tcmalloc = next((str(p) for p in TCMALLOC_PATHS if Path(p).is_file()), None) if args.peer_tcmalloc else None
+    tcmalloc = allocator.tcmalloc_library() if args.peer_tcmalloc else None
     if tcmalloc:
         preload.insert(0, tcmalloc)
     if preload:

@@ -375,17 +375,25 @@ def test_decode_kernel_equals_the_torch_path_at_every_length_on_the_vector_path(
         assert torch.equal(buffers[b][1, 0, :, n], k_new[b]) and torch.equal(buffers[b][1, 1, :, n], v_new[b])
 
 
+def _linears(model: DecoderModel) -> list[torch.Tensor]:
+    return [w for layer in model.layers for w in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj,
+                                                   layer.down_proj)] + [model.output_weight]
+
+
 def test_every_linear_layout_gives_the_same_logits_at_every_row_count() -> None:
-    """``tune_linears`` may pick any of MKL's layouts per row count, for the layers and the
-    head apart: the packed forward's logits and KV agree between them within float32 rounding."""
+    """``tune_linears`` may pick any layout per row count, for the layers and the head
+    apart: the packed forward's logits and KV agree between them within float32 rounding."""
     model = DecoderModel(SMALL)
     items = [(tokens_of(1 + i % 3, seed=i), 0, None) for i in range(40)]   # 1..64 rows packed
     layouts = [linear_layouts.PLAIN, linear_layouts.TRANSPOSED]
     if linear_layouts.packed_available():
         layouts.append(linear_layouts.PACKED)
-        weights = [w for layer in model.layers for w in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj,
-                                                          layer.down_proj)] + [model.output_weight]
-        model._packed = {id(w): linear_layouts.pack(w) for w in weights}
+        model._packed = {(linear_layouts.PACKED, id(w)): linear_layouts.pack(w) for w in _linears(model)}
+    order = linear_layouts.blocked_order([(w, None) for w in _linears(model)])
+    if order is not None:
+        layouts.append(linear_layouts.BLOCKED)
+        model._packed.update(((linear_layouts.BLOCKED, id(w)), linear_layouts.panels(w, order))
+                             for w in _linears(model))
     for rows in (1, 2, 5, 16, 40):
         outs = []
         for layer_layout in layouts:
@@ -414,8 +422,12 @@ def test_tuned_layouts_cover_every_row_count_and_are_measured_once_a_machine(mon
         assert linear_layouts.layout_for(layouts, 65) == linear_layouts.layout_for(layouts, 4096) == 0
     # A group some row count runs packed has its weights packed; the others none.
     packed_layers = linear_layouts.PACKED in model._layer_layouts
-    assert (id(model.layers[0].qkv_proj) in model._packed) == packed_layers
-    assert (id(model.output_weight) in model._packed) == (linear_layouts.PACKED in model._head_layouts)
+    assert ((linear_layouts.PACKED, id(model.layers[0].qkv_proj)) in model._packed) == packed_layers
+    assert ((linear_layouts.PACKED, id(model.output_weight)) in model._packed) == \
+        (linear_layouts.PACKED in model._head_layouts)
+    for group, weight in ((model._layer_layouts, model.layers[-1].down_proj), (model._head_layouts,
+                                                                                model.output_weight)):
+        assert ((linear_layouts.BLOCKED, id(weight)) in model._packed) == (linear_layouts.BLOCKED in group)
     assert (tmp_path / "linear-layouts.json").is_file()
 
     # Another process on this machine (an empty in-process table) reads the file instead of measuring.
@@ -446,13 +458,16 @@ def test_packed_layout_is_picked_only_when_asked_for(monkeypatch, tmp_path, opt_
         monkeypatch.delenv(linear_layouts.PACKED_ENV, raising=False)
     else:
         monkeypatch.setenv(linear_layouts.PACKED_ENV, opt_in)
-    # A machine where packed always wins, then transposed, then plain.
-    monkeypatch.setattr(linear_layouts, "_time", lambda weights, rows, layout, packs: -float(layout))
+    # A machine where packed always wins, then transposed, then blocked, then plain.
+    rank = {linear_layouts.PACKED: 0, linear_layouts.TRANSPOSED: 1, linear_layouts.BLOCKED: 2,
+            linear_layouts.PLAIN: 3}
+    monkeypatch.setattr(linear_layouts, "_time", lambda weights, rows, layout, packs: rank[layout])
     model = DecoderModel(SMALL)
     tuned = model.tune_linears()
     expected = "packed" if opt_in == "1" else "W @ x^T"
     assert set(tuned["layers"].values()) == set(tuned["head"].values()) == {expected}
-    assert len(model._packed) == (4 * SMALL.num_layers + 1 if opt_in == "1" else 0)
+    assert sum(key[0] == linear_layouts.PACKED for key in model._packed) == \
+        (4 * SMALL.num_layers + 1 if opt_in == "1" else 0)
     logits = model.forward_batch([(tokens_of(1, seed=s), 0, None) for s in range(4)])
     monkeypatch.setattr(model, "_layer_layouts", None)
     monkeypatch.setattr(model, "_head_layouts", None)

@@ -9,11 +9,17 @@ dispatch costs more than the arithmetic on a CPU (about 480 calls a step for
 16 sequences of a 30-layer model). Float32 on the CPU; its results equal the
 torch path's to about 1e-7.
 
-The build takes about a minute once per machine (cached under
+``blocked_linear`` (``blocked_linear.cpp``): a float32 linear over the weight packed
+into column panels that gives, at any row count, the numbers MKL's sgemm gives for
+a large batch, bit for bit, reading each weight once for all rows
+(``cluster.engine.linear_layouts``, layout ``blocked``, checks it against MKL before
+using it).
+
+Each build takes up to a minute once per machine (cached under
 ``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``; concurrent
-builds wait on the loader's lock). When it cannot be built (no compiler,
-``PREFIX_CACHE_KERNELS=0``), ``decode_attention()`` is None, the reason is
-logged once, and the model keeps its torch path.
+builds wait on the loader's lock). When one cannot be built (no compiler,
+``PREFIX_CACHE_KERNELS=0``), its function here is None, the reason is logged
+once, and the model keeps its torch path.
 """
 
 from __future__ import annotations
@@ -28,34 +34,46 @@ log = logging.getLogger(__name__)
 
 ENV_VAR = "PREFIX_CACHE_KERNELS"
 _lock = threading.Lock()
-_state: dict[str, Any] = {"module": None, "tried": False, "error": None}
+_state: dict[str, dict[str, Any]] = {name: {"module": None, "tried": False, "error": None}
+                                     for name in ("decode_attention", "blocked_linear")}
 
 
-def decode_attention() -> Any:
-    """The compiled ``decode_attention`` function, or None (see the module docstring)."""
+def _module(name: str) -> Any:
+    """The compiled module of ``<name>.cpp``, built on first use, or None (see above)."""
     with _lock:
-        if not _state["tried"]:
-            _state["tried"] = True
+        state = _state[name]
+        if not state["tried"]:
+            state["tried"] = True
             if os.environ.get(ENV_VAR, "1") in ("0", "false", "no"):
-                _state["error"] = f"{ENV_VAR}=0"
+                state["error"] = f"{ENV_VAR}=0"
             else:
                 try:
                     from torch.utils.cpp_extension import load
 
-                    _state["module"] = load(
-                        name="prefix_cache_decode_attention",
-                        sources=[str(Path(__file__).with_name("decode_attention.cpp"))],
+                    state["module"] = load(
+                        name=f"prefix_cache_{name}", sources=[str(Path(__file__).with_name(f"{name}.cpp"))],
                         extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
                 except Exception as exc:   # no compiler or headers: the torch path serves, slower
-                    _state["error"] = f"{type(exc).__name__}: {exc}"
-            if _state["error"]:
-                log.warning("decode attention kernel unavailable (%s); using the torch path", _state["error"])
-        module = _state["module"]
+                    state["error"] = f"{type(exc).__name__}: {exc}"
+            if state["error"]:
+                log.warning("%s kernel unavailable (%s); using the torch path", name, state["error"])
+        return state["module"]
+
+
+def decode_attention() -> Any:
+    """The compiled ``decode_attention`` function, or None (see the module docstring)."""
+    module = _module("decode_attention")
     return None if module is None else module.decode_attention
 
 
-def status() -> str:
+def blocked_linear() -> Any:
+    """The compiled module with ``pack_panels``, ``blocked_linear`` and ``isa``, or None."""
+    return _module("blocked_linear")
+
+
+def status(name: str = "decode_attention") -> str:
     """'compiled', 'not built yet', or why it is unavailable."""
-    if not _state["tried"]:
+    state = _state[name]
+    if not state["tried"]:
         return "not built yet"
-    return "compiled" if _state["module"] is not None else f"unavailable: {_state['error']}"
+    return "compiled" if state["module"] is not None else f"unavailable: {state['error']}"

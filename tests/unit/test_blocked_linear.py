@@ -1,0 +1,125 @@
+"""The blocked linear (cluster/engine/kernels/blocked_linear.cpp, layout ``blocked`` of
+cluster/engine/linear_layouts.py): the order it sums in, and MKL's large-batch numbers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from cluster.engine import kernels, linear_layouts
+from cluster.engine.model import DecoderModel, ModelConfig
+
+SMALL = ModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                    intermediate_size=160, vocab_size=300, max_position=256)
+
+
+@pytest.fixture(scope="module")
+def module():
+    built = kernels.blocked_linear()
+    if built is None:
+        pytest.skip(f"blocked linear kernel: {kernels.status('blocked_linear')}")
+    return built
+
+
+def _balanced(n: int, size: int) -> list[int]:
+    pieces = -(-n // size)
+    return [n // pieces + (1 if i < n % pieces else 0) for i in range(pieces)]
+
+
+def reference(x: np.ndarray, w: np.ndarray, parts: int, kc: int) -> np.ndarray:
+    """The documented order, one output at a time: K in ``parts`` balanced parts, each in
+    balanced blocks of at most ``kc``; a block one fused multiply-add after the other from
+    zero (a product of two float32 is exact in float64: the sum in float64 rounded to
+    float32 is the FMA but where the float64 sum lands on a float32 tie, which these
+    fixed inputs do not); the blocks of a part added left to right, then the parts."""
+    m_rows, k_total = x.shape
+    out = np.zeros((m_rows, w.shape[0]), dtype=np.float32)
+    for m in range(m_rows):
+        for n in range(w.shape[0]):
+            total, k = None, 0
+            for part_size in _balanced(k_total, -(-k_total // parts)):
+                part = None
+                for size in _balanced(part_size, kc):
+                    acc = np.float32(0)
+                    for j in range(k, k + size):
+                        acc = np.float32(np.float64(x[m, j]) * np.float64(w[n, j]) + np.float64(acc))
+                    k += size
+                    part = acc if part is None else np.float32(part + acc)
+                total = part if total is None else np.float32(total + part)
+            out[m, n] = total
+    return out
+
+
+@pytest.mark.parametrize("rows,n,k,parts,kc", [(1, 64, 40, 1, 40), (3, 70, 40, 2, 16), (6, 130, 37, 2, 7),
+                                               (5, 17, 50, 3, 12)])
+def test_the_kernel_sums_in_the_order_it_is_told(module, rows, n, k, parts, kc) -> None:
+    """Every output, to the bit, for panels cut at 64 columns with a ragged last one, rows
+    in tiles of four with a remainder, parts and blocks of unequal sizes."""
+    gen = torch.Generator().manual_seed(rows * 1000 + n)
+    x = (torch.randint(-8, 8, (rows, k), generator=gen).float() / 8)
+    w = (torch.randint(-8, 8, (n, k), generator=gen).float() / 16) + torch.randn(n, k, generator=gen) * 1e-3
+    got = module.blocked_linear(x, module.pack_panels(w), n, parts, kc)
+    assert got.shape == (rows, n)
+    assert np.array_equal(got.numpy(), reference(x.numpy(), w.numpy(), parts, kc))
+
+
+def test_a_found_order_gives_mkl_large_batch_numbers_at_every_row_count(module) -> None:
+    """Where ``blocked_order`` finds an order on this machine (the linears of SmolLM2-135M:
+    its shapes, random weights), the kernel gives at each row count exactly the rows
+    ``F.linear`` gives for a prompt of 1024 tokens: the numbers no longer depend on how
+    many rows a step has (MKL's own change below 16 rows, and between 64 and 160 for some)."""
+    gen = torch.Generator().manual_seed(7)
+    pairs = [(torch.randn(n, k, generator=gen) * 0.05, None) for n, k in ((1728, 576), (576, 576), (3072, 576),
+                                                                          (576, 1536))]
+    order = linear_layouts.blocked_order(pairs)
+    if order is None:
+        pytest.skip("no summation order of MKL's found on this machine: the layout is not used here")
+    for weight, _ in pairs:
+        x = torch.randn(1024, weight.shape[1], generator=gen)
+        big = torch.nn.functional.linear(x, weight)
+        p = linear_layouts.panels(weight, order)
+        for rows in (*range(1, 20), 31, 32, 33, 64, 100, 128, 200):
+            assert torch.equal(linear_layouts.linear(x[:rows], weight, None, linear_layouts.BLOCKED, p), big[:rows])
+
+
+def test_a_wrong_order_or_a_bias_added_differently_is_not_used(module, monkeypatch) -> None:
+    """With no block size that matches MKL's, ``blocked_order`` says None and ``tuned``
+    leaves the layout out, however fast it would be."""
+    monkeypatch.setattr(linear_layouts, "BLOCK_SIZES", (5,))
+    monkeypatch.setattr(linear_layouts, "_orders", {})
+    monkeypatch.setattr(linear_layouts, "_known", {})
+    weight = torch.randn(96, 576)
+    assert linear_layouts.blocked_order([(weight, None)]) is None
+    monkeypatch.setattr(linear_layouts, "_time", lambda weights, rows, layout, packs:
+                        -1.0 if layout == linear_layouts.BLOCKED else float(layout))
+    assert linear_layouts.BLOCKED not in linear_layouts.tuned([weight], "float32")
+
+
+def test_a_model_running_blocked_gives_one_prompt_the_logits_of_a_large_batch(module, monkeypatch,
+                                                                                 tmp_path) -> None:
+    """A prompt forwarded alone (its few rows on the kernel) gets bit for bit the logits and
+    KV it gets inside a 64-row batch on MKL; and tuning builds the panels of a group only
+    when some row count of it runs blocked."""
+    monkeypatch.setenv(linear_layouts.TUNING_DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(linear_layouts, "_known", {})
+    monkeypatch.setattr(linear_layouts, "_time", lambda weights, rows, layout, packs:
+                        -1.0 if layout == linear_layouts.BLOCKED else float(layout))
+    model = DecoderModel(SMALL)
+    tuned = model.tune_linears()
+    if linear_layouts.BLOCKED not in model._layer_layouts:
+        pytest.skip("no summation order of MKL's found on this machine")
+    assert set(tuned["layers"].values()) == {"blocked"}
+    assert all((linear_layouts.BLOCKED, id(w)) in model._packed for w in (model.layers[0].qkv_proj,
+                                                                           model.layers[1].down_proj))
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, SMALL.vocab_size, (n,), generator=gen) for n in (3, 5, 8, 16, 32)]
+    assert linear_layouts.layout_for(model._layer_layouts, 64) == linear_layouts.BLOCKED
+    model._layer_layouts = model._layer_layouts[:1] + (linear_layouts.PLAIN,) * 64   # the batch on MKL
+    batch = model.forward_batch([(p, 0, None) for p in prompts])
+    model.tune_linears()   # blocked again (remembered)
+    for prompt, (logits, kv) in zip(prompts, batch):
+        alone_logits, alone_kv = model.forward_batch([(prompt, 0, None)])[0]
+        assert torch.equal(alone_kv, kv)
+        if linear_layouts.BLOCKED in model._head_layouts:
+            assert torch.equal(alone_logits, logits)
