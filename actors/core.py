@@ -44,7 +44,7 @@ from cluster.cache.kv_pool import KVLayout
 from cluster.cache.l3 import INSTALL_HINT, L3Config, MooncakeL3Store, mooncake_available
 from cluster.cache.l3_tier import L3Tier, L3TierConfig, l3_model_id
 from cluster.cache.tiered import TieredCache
-from cluster.engine import allocator, openmp
+from cluster.engine import malloc, openmp
 from cluster.engine.checkpoint import load_model, load_tokenizer
 from cluster.engine.grammar import Grammars, grammar_available
 from cluster.engine.runner import Engine, EngineRequest
@@ -87,7 +87,7 @@ class WorkerCore:
                              max_running=config.max_running, cache_final_token=config.cache_final_token,
                              decode_kernel=config.decode_kernel, grammars=self._grammars(mc.vocab_size))
         log.info("worker %s: OpenMP %s, allocator %s, %d torch threads, linear layouts by row count %s",
-                 worker_id, openmp.runtime(), allocator.runtime(), torch.get_num_threads(), self.engine.linear_layouts)
+                 worker_id, openmp.runtime(), malloc.runtime(), torch.get_num_threads(), self.engine.linear_layouts)
         self.nixl = self._open_nixl()
         self.migration = Migrator(worker_id, self.cache, self.nixl, block_tokens=tiers.block_tokens,
                                   bytes_per_token=self.layout.bytes_per_token(),
@@ -350,7 +350,7 @@ class WorkerCore:
                 "scratch": {**self.engine.scratch.stats, "arena_tokens": self.engine.scratch.arena_tokens,
                             "arena_free_tokens": self.engine.scratch.arena_free_tokens},
                 "worker": {**self.loop.stats, **self.migration.holder_stats, "pid": os.getpid(),
-                           "openmp": openmp.runtime(), "malloc": allocator.runtime(),
+                           "openmp": openmp.runtime(), "malloc": malloc.runtime(),
                            "torch_threads": torch.get_num_threads(),
                            "linear_layouts": self.engine.linear_layouts,
                            "ownership_violations": self.loop.owner.violations,

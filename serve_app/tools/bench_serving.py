@@ -134,7 +134,7 @@ def run_ours(args, model_id: str, system: str, hot_tokens: int) -> dict:
 # ------------------------------------------------------------------------ vLLM
 def _vllm_command(args, model_dir: Path, hot_tokens: int, port: int) -> tuple[list[str], dict]:
     blocks = -(-hot_tokens // VLLM_BLOCK_TOKENS) + 1   # vLLM holds one block back as its null block
-    from cluster.engine import allocator
+    from cluster.engine import malloc
     from cluster.engine.checkpoint import _read_json, model_config_from_hf
 
     cfg = model_config_from_hf(_read_json(model_dir / "config.json"))
@@ -155,7 +155,7 @@ def _vllm_command(args, model_dir: Path, hot_tokens: int, port: int) -> tuple[li
     if args.peer_openmp == "intel" and (venv_lib / "libiomp5.so").is_file():
         preload.append(str(venv_lib / "libiomp5.so"))
     # And tcmalloc where the system has it (Debian: libtcmalloc-minimal4), the rest of that setup.
-    tcmalloc = allocator.tcmalloc_library() if args.peer_tcmalloc else None
+    tcmalloc = malloc.tcmalloc_library() if args.peer_tcmalloc else None
     if tcmalloc:
         preload.insert(0, tcmalloc)
     if preload:

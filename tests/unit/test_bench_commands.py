@@ -182,10 +182,10 @@ def test_bench_serving_starts_vllm_with_its_documented_cpu_setup(tmp_path, monke
     _, env = _vllm_command(parser.parse_args(base + ["--peer-openmp", "gnu", "--no-peer-tcmalloc"]), model, 5824, 8000)
     assert "LD_PRELOAD" not in env
     # tcmalloc, where the system has it, goes first.
-    from cluster.engine import allocator
+    from cluster.engine import malloc
 
     (tmp_path / "libtcmalloc_minimal.so.4").write_bytes(b"")
-    monkeypatch.setattr(allocator, "TCMALLOC_PATHS",
+    monkeypatch.setattr(malloc, "TCMALLOC_PATHS",
                         (str(tmp_path / "nowhere.so"), str(tmp_path / "libtcmalloc_minimal.so.4")))
     _, env = _vllm_command(parser.parse_args(base), model, 5824, 8000)
     assert env["LD_PRELOAD"] == f"{tmp_path / 'libtcmalloc_minimal.so.4'}:{venv / 'lib' / 'libiomp5.so'}"
