@@ -2,8 +2,8 @@
 
 Everything else (async request handlers, migrations, snapshots, stats) hands
 it a command (``call``/``run``) that it runs between two batches, so no lock
-guards the tree and the forward pass never waits on a caller. Tokens go back
-to each request's event loop through ``call_soon_threadsafe``.
+guards the tree and the forward pass never waits on a caller. A step's tokens go
+back to their requests' event loop through one ``call_soon_threadsafe`` per loop.
 
 Owned by the engine thread: ``engine`` (its queues and stats), the cache, the
 streams table, ``stats``. Published for other threads: ``load_report`` (a
@@ -71,6 +71,12 @@ class EngineWedgedError(CacheError):
     itself is fine: it can be resumed on another worker."""
 
 
+def _put_all(items: list) -> None:
+    """(on a caller's event loop) Each (queue, item) of a step, in order."""
+    for q, item in items:
+        q.put_nowait(item)
+
+
 class EngineLoop:
     def __init__(self, name: str, engine: Engine, *, max_queued_requests: int,
                  on_idle: Callable[[], None] | None = None, on_tick: Callable[[], None] | None = None,
@@ -127,8 +133,7 @@ class EngineLoop:
                     self.stats["engine_step_failures"] += 1
                     self.engine.fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
                     events = self.engine.drain_ended()
-                for ev in events:
-                    self._deliver(ev.request, ev.token, ev.finished)
+                self._deliver_all(events)
                 # The last tokens are on their way: now cache their sequences and unlock
                 # (the client does not wait for the final token's KV or the insert).
                 self.engine.complete_finished()
@@ -159,10 +164,26 @@ class EngineLoop:
                 except BaseException as exc:
                     fut.set_exception(exc)
 
-    def _deliver(self, req: EngineRequest, token: int | None, finished: bool) -> None:
+    def _deliver_all(self, events) -> None:
+        """Hand a step's items to their streams: one wake-up of each caller's event loop for
+        the whole step, not one a token (each wake-up takes a core from the next step's
+        forward for a moment, and with two threads on two cores the other one waits)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for ev in events:
+            posted = self._item(ev.request, ev.token, ev.finished)
+            if posted is not None:
+                by_loop.setdefault(posted[0], []).append(posted[1:])
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:   # that caller's event loop is closed: nobody is waiting
+                pass
+
+    def _item(self, req: EngineRequest, token: int | None, finished: bool):
+        """(caller's loop, its queue, the StreamItem) for one event, or None (no stream)."""
         entry = self._streams.get(req.request_id)
         if entry is None:
-            return
+            return None
         loop, q, entered, ctx = entry
         timing = None
         if token is not None and len(req.output) == 1 and None not in (req.scheduled_at, req.admitted_at,
@@ -179,10 +200,10 @@ class EngineLoop:
             prompt_lps = tuple(None if e is None else (e[0], tuple(e[1][:k])) for e in req.prompt_logprobs)
         item = StreamItem(token, finished, req.finish_reason, req.error, req.cached_tokens, tuple(req.tier_hits),
                           len(req.prompt), self.name, ctx.reason, ctx.migration, timing, logprob, top, prompt_lps)
-        loop.call_soon_threadsafe(q.put_nowait, item)
         if finished:
             with self._streams_lock:
                 self._streams.pop(req.request_id, None)
+        return loop, q, item
 
     # --------------------------------------------------------- watchdog thread
     def _watch(self) -> None:
