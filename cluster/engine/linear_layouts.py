@@ -59,7 +59,7 @@ NAMES = {PLAIN: "x @ W^T", TRANSPOSED: "W @ x^T", PACKED: "packed", BLOCKED: "bl
 # Until a model is tuned, the row counts that take W @ x^T (the AMD VM's answer).
 FEW_ROWS = range(2, 65)
 # Row counts measured; a count between two takes the layout of the one below it, above the last x @ W^T.
-TUNED_ROWS = (1, 2, 4, 8, 16, 32, 64)
+TUNED_ROWS = (1, 2, 4, 8, 16, 32, 64, 96, 128)
 TUNING_DIR_ENV = "PREFIX_CACHE_TUNING_DIR"
 PACKED_ENV = "PREFIX_CACHE_MKL_PACKED"
 PACK_ROWS = 16   # the row count a weight is packed for (the packed copy serves any count)

@@ -115,7 +115,7 @@ def test_a_model_running_blocked_gives_one_prompt_the_logits_of_a_large_batch(mo
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, SMALL.vocab_size, (n,), generator=gen) for n in (3, 5, 8, 16, 32)]
     assert linear_layouts.layout_for(model._layer_layouts, 64) == linear_layouts.BLOCKED
-    model._layer_layouts = model._layer_layouts[:1] + (linear_layouts.PLAIN,) * 64   # the batch on MKL
+    model._layer_layouts = (linear_layouts.PLAIN,) * len(model._layer_layouts)   # the batch on MKL
     batch = model.forward_batch([(p, 0, None) for p in prompts])
     model.tune_linears()   # blocked again (remembered)
     for prompt, (logits, kv) in zip(prompts, batch):

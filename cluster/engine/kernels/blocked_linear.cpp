@@ -86,16 +86,22 @@ void panel_generic(const float* x, const float* panel, float* y, int64_t M, int6
 template <int R>
 __attribute__((target("avx512f"))) void tile_avx512(const float* x, const float* panel, int64_t K, int64_t k0,
                                                      int64_t k1, const Block& b, float* acc_buf, float* part_buf,
-                                                     float* total_buf, const float* ahead) {
+                                                     float* total_buf, const float* ahead, int64_t tile,
+                                                     int64_t tiles) {
   __m512 acc[R][4];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < 4; ++v)
       acc[r][v] = k0 == b.begin ? _mm512_setzero_ps() : _mm512_loadu_ps(acc_buf + r * kPanel + 16 * v);
+  // The tiles of a range share asking for the next range's lines: this tile every
+  // tiles-th row of it, spread over its own iterations.
+  int64_t next = tile;
   for (int64_t k = k0; k < k1; ++k) {
     const float* w = panel + k * kPanel;
-    if (ahead != nullptr)   // the first tile of a range asks for the panel's next lines
-      for (int v = 0; v < 4; ++v) _mm_prefetch(reinterpret_cast<const char*>(ahead + (k - k0) * kPanel + 16 * v),
+    if (k - k0 == next) {
+      for (int v = 0; v < 4; ++v) _mm_prefetch(reinterpret_cast<const char*>(ahead + next * kPanel + 16 * v),
                                                _MM_HINT_T0);
+      next += tiles;
+    }
     __m512 wv[4];
     for (int v = 0; v < 4; ++v) wv[v] = _mm512_loadu_ps(w + 16 * v);
     for (int r = 0; r < R; ++r) {
@@ -130,17 +136,18 @@ __attribute__((target("avx512f"))) void panel_avx512(const float* x, const float
       const int64_t k1 = std::min(b.end, k0 + kRange);
       // The next range's lines (past K: the next panel's first, as the panels lie one after the other).
       const float* ahead = panel + k1 * kPanel;
+      const int64_t tiles = (M + 3) / 4;
       int64_t m = 0;
       for (; m + 4 <= M; m += 4)
         tile_avx512<4>(x + m * K, panel, K, k0, k1, b, acc_buf + m * kPanel, part_buf + m * kPanel,
-                       total_buf + m * kPanel, m == 0 ? ahead : nullptr);
+                       total_buf + m * kPanel, ahead, m / 4, tiles);
       switch (M - m) {
         case 3: tile_avx512<3>(x + m * K, panel, K, k0, k1, b, acc_buf + m * kPanel, part_buf + m * kPanel,
-                               total_buf + m * kPanel, m == 0 ? ahead : nullptr); break;
+                               total_buf + m * kPanel, ahead, m / 4, tiles); break;
         case 2: tile_avx512<2>(x + m * K, panel, K, k0, k1, b, acc_buf + m * kPanel, part_buf + m * kPanel,
-                               total_buf + m * kPanel, m == 0 ? ahead : nullptr); break;
+                               total_buf + m * kPanel, ahead, m / 4, tiles); break;
         case 1: tile_avx512<1>(x + m * K, panel, K, k0, k1, b, acc_buf + m * kPanel, part_buf + m * kPanel,
-                               total_buf + m * kPanel, m == 0 ? ahead : nullptr); break;
+                               total_buf + m * kPanel, ahead, m / 4, tiles); break;
         default: break;
       }
     }
