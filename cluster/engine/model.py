@@ -493,15 +493,20 @@ class DecoderModel(nn.Module):
             qk = _apply_rope(qk, cos, sin)
             q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
             v = qkv[:, q_width + kv_width:].view(-1, c.num_kv_heads, c.head_dim)
-            attn_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-            if decodes is not None:
-                rows = decodes.rows
-                attn_out[rows] = decodes.kernel(q[rows].contiguous(), k[rows].contiguous(), v[rows].contiguous(),
-                                                decodes.buffers, layer_index, decodes.positions, c.head_dim ** -0.5)
-            for item_index, (begin, end) in enumerate(bounds):
-                if decodes is not None and item_index in decodes.items:
-                    continue
-                attn_out[begin:end] = attend(layer_index, q[begin:end], k[begin:end], v[begin:end], item_index)
+            if decodes is not None and len(decodes.items) == len(bounds):   # every item decodes: no gather
+                attn_out = decodes.kernel(q.contiguous(), k.contiguous(), v.contiguous(), decodes.buffers,
+                                          layer_index, decodes.positions, c.head_dim ** -0.5)
+            else:
+                attn_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+                if decodes is not None:
+                    rows = decodes.rows
+                    attn_out[rows] = decodes.kernel(q[rows].contiguous(), k[rows].contiguous(),
+                                                    v[rows].contiguous(), decodes.buffers, layer_index,
+                                                    decodes.positions, c.head_dim ** -0.5)
+                for item_index, (begin, end) in enumerate(bounds):
+                    if decodes is not None and item_index in decodes.items:
+                        continue
+                    attn_out[begin:end] = attend(layer_index, q[begin:end], k[begin:end], v[begin:end], item_index)
             hidden = hidden + self._linear(attn_out.view(-1, q_width), layer.o_proj, layer.o_bias, layout)
             mlp_in = _rms_norm(hidden, layer.mlp_norm, c.rms_norm_eps)
             gate, up = self._linear(mlp_in, layer.gate_up_proj, layer.gate_up_bias, layout).chunk(2, dim=-1)

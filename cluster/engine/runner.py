@@ -40,7 +40,7 @@ import torch
 from cluster.cache.tiered import TieredCache
 from cluster.engine.prompt_logprobs import TOP_K, PromptLogprobCache
 from cluster.engine.request import EngineRequest, TokenEvent, position_seed
-from cluster.engine.sampling import positions_logprobs, sample_token, token_logprobs
+from cluster.engine.sampling import needs_processing, positions_logprobs, sample_token, token_logprobs
 from cluster.engine.scratch import ScratchKV
 from cluster.errors import CacheError, InvalidInputError, PoolExhaustedError
 from cluster.names import COLD, HOT, L3, WARM
@@ -215,9 +215,10 @@ class Engine:
         self.stats["steps"] += 1
         self.stats["forward_ms"] += forward_ms
         decodes_only = all(n == 1 and req.output for req, n in plan)
+        greedy = self._greedy_tokens(plan, outputs)
         for (req, n), logits in zip(plan, outputs):
             try:
-                token = self._advance(req, n, logits)
+                token = self._advance(req, n, logits, greedy.get(id(req)))
             except Exception as exc:  # this request fails; the batch, the engine and the cache go on
                 self._finish(req, FinishReason.ERROR, keep=False, error=f"{type(exc).__name__}: {exc}")
                 continue
@@ -415,9 +416,26 @@ class Engine:
                 self.stats["finish_failures"] += 1
                 log.warning("could not cache request %s after it finished: %s", req.request_id, exc)
 
-    def _advance(self, req: EngineRequest, n: int, logits: torch.Tensor) -> int | None:
+    @staticmethod
+    def _greedy_tokens(plan: list[tuple[EngineRequest, int]], outputs: list[torch.Tensor]) -> dict[int, int]:
+        """The next token of every request of the step that samples plainly greedy (no grammar,
+        no processor, no logprobs), by ``id``: one argmax over their last rows together
+        instead of one a request (the same index: the first of the largest). A row with a
+        NaN is left to ``sample_token``, which refuses it."""
+        rows = [(req, logits[-1]) for (req, n), logits in zip(plan, outputs)
+                if n == req.to_compute and req._matcher is None and req.params.greedy
+                and req.params.logprobs is None and not needs_processing(req.params)]
+        if len(rows) < 2:
+            return {}
+        last = torch.stack([row for _, row in rows]).float()
+        clean = ~torch.isnan(last).any(dim=1)
+        tokens = torch.argmax(last, dim=1)
+        return {id(req): int(t) for (req, _), t, ok in zip(rows, tokens.tolist(), clean.tolist()) if ok}
+
+    def _advance(self, req: EngineRequest, n: int, logits: torch.Tensor, greedy: int | None = None) -> int | None:
         """Store one request's new KV (from its working buffer into its lease); sample
-        its next token when its sequence is all computed (None: a prompt chunk, more to come)."""
+        its next token when its sequence is all computed (None: a prompt chunk, more to come;
+        ``greedy``: its token, when ``_greedy_tokens`` took it already)."""
         start = req._len
         req._lease.write(req._kv[:, :, :, start:start + n].transpose(2, 3))   # into its reserved room
         req._len = start + n
@@ -439,7 +457,8 @@ class Engine:
             mask = self.grammars.mask(req._matcher)
             if not mask.any():   # nothing can follow (an error state): end it here
                 raise CacheError(f"the grammar allows no further token: {req._matcher.get_error()[:200]}")
-        token = sample_token(logits[-1], req.params, req.prompt, req.output, generator, mask)
+        token = greedy if greedy is not None else sample_token(logits[-1], req.params, req.prompt, req.output,
+                                                               generator, mask)
         if req._matcher is not None:
             req._matcher.consume_token(token)
         if req.params.logprobs is not None:

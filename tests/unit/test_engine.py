@@ -130,6 +130,36 @@ def test_batched_requests_equal_one_at_a_time(model, tmp_path):
         assert_exact(model, r)
 
 
+def test_the_greedy_requests_of_a_step_take_one_argmax_with_the_tokens_of_their_own(model, tmp_path):
+    """Plain greedy requests are sampled together (one argmax over their rows), the others
+    one by one; every request gets the tokens it gets alone."""
+    params = [SamplingParams(max_tokens=6), SamplingParams(max_tokens=6, temperature=0.7, seed=3),
+              SamplingParams(max_tokens=6), SamplingParams(max_tokens=6, logprobs=2),
+              SamplingParams(max_tokens=6, repetition_penalty=1.3), SamplingParams(max_tokens=6)]
+    prompts = [list(range(i + 5, i + 30)) for i in range(len(params))]
+    solo = [make_engine(model, tmp_path / f"s{i}", cold=0).generate(pr, pa).output
+            for i, (pr, pa) in enumerate(zip(prompts, params))]
+    eng = make_engine(model, tmp_path, cold=0)
+    reqs = [eng.submit(EngineRequest(pr, pa)) for pr, pa in zip(prompts, params)]
+    while eng.has_work():
+        eng.step()
+    assert [r.output for r in reqs] == solo
+
+
+def test_batched_greedy_leaves_a_nan_row_to_the_request_own_sampling(model, tmp_path):
+    """The first of equal maxima, as torch.argmax of one row; a row with a NaN gets no
+    token here (its own sampling refuses it, failing that request only)."""
+    eng = make_engine(model, tmp_path, cold=0)
+    reqs = [EngineRequest([1, 2, 3], SamplingParams(max_tokens=2)) for _ in range(3)]
+    for r in reqs:
+        r._len = len(r.tokens) - 1   # one token left to compute: this step samples
+    rows = [torch.tensor([[0.0, 2.0, 2.0, 1.0]]), torch.tensor([[0.0, float("nan"), 5.0, 1.0]]),
+            torch.tensor([[3.0, -1.0, 3.0, 0.0]])]
+    got = eng._greedy_tokens([(r, 1) for r in reqs], rows)
+    assert got == {id(reqs[0]): 1, id(reqs[2]): 0}
+    assert eng._greedy_tokens([(reqs[0], 1)], rows[:1]) == {}   # one request: its own sampling
+
+
 def test_seeded_sampling_is_reproducible(model, tmp_path):
     eng = make_engine(model, tmp_path, cold=0)
     p = SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=11)
