@@ -125,7 +125,7 @@ class Engine:
                       "resumed_warm_tokens": 0, "resumed_cold_tokens": 0, "resumed_l3_tokens": 0, "recomputed_tokens": 0,
                       "swap_in_bytes": 0, "waits_for_room": 0, "waits_for_promotion": 0,
                       "waits_for_shared_prefix": 0, "step_ms": 0.0, "forward_ms": 0.0, "decode_steps": 0,
-                      "decode_step_ms": 0.0}
+                      "decode_step_ms": 0.0, "decode_rows": 0}
 
     # ------------------------------------------------------------------ API
     def submit(self, request: EngineRequest) -> EngineRequest:
@@ -245,6 +245,7 @@ class Engine:
         if decodes_only:
             self.stats["decode_steps"] += 1
             self.stats["decode_step_ms"] += step_ms
+            self.stats["decode_rows"] += len(plan)
         return events + self.drain_ended()
 
     def _forward(self, plan: list[tuple[EngineRequest, int]]) -> list[torch.Tensor]:

@@ -29,8 +29,8 @@ prompt tokens over prompt tokens, from the usage each server reports),
 ``preemptions`` (the engine's; vLLM's ``vllm:num_preemptions_total``) and,
 for vLLM, ``prefix_cache_hit_rate`` (``vllm:prefix_cache_hits_total`` over
 ``..._queries_total``); ``openmp``, the OpenMP runtime each arm ran; for this app, ``engine_step_ms_mean``,
-``engine_decode_step_ms_mean`` and ``engine_busy_share`` (the replicas' step wall
-time over the workload's), ``mkl_packed`` (a replica ran MKL's packed linears,
+``engine_decode_step_ms_mean``, ``engine_decode_batch_mean`` (sequences a decode
+step) and ``engine_busy_share`` (the replicas' step wall time over the workload's), ``mkl_packed`` (a replica ran MKL's packed linears,
 ``PREFIX_CACHE_MKL_PACKED=1``) and ``ttft_parts_ms_first_turn_p50`` /
 ``ttft_parts_ms_later_turns_p50`` (the median of each part of the time to first
 token, from the app's per-request ``prefix_cache.timing_ms``: ``serve_app.timing``).
@@ -123,6 +123,8 @@ def run_ours(args, model_id: str, system: str, hot_tokens: int) -> dict:
         row["engine_step_ms_mean"] = round(step_ms / steps, 1) if steps else None
         row["engine_decode_step_ms_mean"] = (round(sum(e.get("decode_step_ms", 0.0) for e in engines) / decodes, 1)
                                              if decodes else None)
+        row["engine_decode_batch_mean"] = (round(sum(e.get("decode_rows", 0) for e in engines) / decodes, 1)
+                                           if decodes else None)
         row["engine_busy_share"] = round(step_ms / 1e3 / len(engines) / row["wall_s"], 3) if engines and \
             row.get("wall_s") else None
         return {"impl": "prefix-cache", "replicas": args.replicas, "torch_threads": args.torch_threads,

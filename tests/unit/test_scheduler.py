@@ -205,8 +205,12 @@ def test_step_times_are_counted_and_decode_only_steps_apart():
     done = run_all(engine, [(list(range(10)), SamplingParams(max_tokens=5))])
     stats = engine.stats
     assert len(done[0].output) == 5
-    assert (stats["steps"], stats["decode_steps"]) == (3 + 4, 4)
+    assert (stats["steps"], stats["decode_steps"], stats["decode_rows"]) == (3 + 4, 4, 4)
     assert stats["step_ms"] >= stats["forward_ms"] > 0 and stats["step_ms"] >= stats["decode_step_ms"] > 0
+    # Two sequences decoding together: each decode step counts both rows.
+    engine = make_engine(hot_blocks=16, budget=64)
+    run_all(engine, [(list(range(10)), SamplingParams(max_tokens=4)), (list(range(20, 29)), SamplingParams(max_tokens=4))])
+    assert (engine.stats["decode_steps"], engine.stats["decode_rows"]) == (3, 6)
 
 
 def test_waiting_prefixes_in_warm_do_not_push_each_other_out():
