@@ -18,12 +18,13 @@
 //
 // Vectorised across N: each lane holds one output and runs its own chain of FMAs, so
 // the vector width (AVX-512, AVX2, none) does not change a sum. Each panel is read once
-// from memory for all rows (tiles of 4 rows reread it from the cache); the panels are
-// split over ATen's threads.
+// from memory for all rows (tiles of 4 rows reread it from the cache); ATen's threads
+// take the panels one at a time.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <string>
 #include <vector>
@@ -243,9 +244,14 @@ torch::Tensor blocked_linear(const torch::Tensor& x, const torch::Tensor& panels
   const float* xp = xc.data_ptr<float>();
   const float* pp = panels.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+  // Panels are handed out one at a time (an atomic counter, not ATen's static halves): a
+  // thread the OS preempts (a wake-up of another process on its core) holds up only the
+  // panel it is on while the other threads take the rest, instead of its whole half.
+  std::atomic<int64_t> next{0};
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), P);
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     std::vector<float> scratch(isa == Isa::kAvx512 ? 3 * M * kPanel : 0);
-    for (int64_t p = begin; p < end; ++p) {
+    for (int64_t p; (p = next.fetch_add(1, std::memory_order_relaxed)) < P;) {
       const int64_t width = std::min(kPanel, n - p * kPanel);
       const float* panel = pp + p * K * kPanel;
       float* yc = yp + p * kPanel;

@@ -5,7 +5,7 @@
 // [layers, 2, kv_heads, capacity, head_dim] at its position, then each query
 // head attends over that buffer's first position + 1 keys (its KV head's
 // keys are contiguous rows: read once for the whole group of query heads).
-// Work is split over (sequence, kv head) on ATen's thread pool. Float32 only;
+// Work is split over (sequence, kv head) items, handed to ATen's threads one at a time. Float32 only;
 // dot products and the softmax in float32, as the reference matmul path. On AVX2
 // the softmax runs eight lanes at a time with a vector exp (Cephes' expf, as ATen's
 // own vectorized softmax does with Sleef's): libm's scalar exp was a third of the
@@ -13,6 +13,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <vector>
 #if defined(__x86_64__)
@@ -223,9 +225,14 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_new, torch::Tens
   const float* vp = v_new.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float s = static_cast<float>(scale);
-  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // (sequence, KV head) items are handed out one at a time (an atomic counter, not ATen's
+  // static halves): a thread the OS preempts holds up only the item it is on.
+  const int64_t items = batch * kv_heads;
+  std::atomic<int64_t> next{0};
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), items);
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     std::vector<float> scores;
-    for (int64_t i = begin; i < end; ++i) {
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
       const int64_t b = i / kv_heads, h = i % kv_heads, pos = positions[b];
       const auto& buf = buffers[b];
       float* keys = bases[b] + layer * buf.stride(0) + 0 * buf.stride(1) + h * caps[b];
