@@ -34,6 +34,11 @@ from cluster.engine.tokenizer import BYTE_VOCAB_SIZE
 from cluster.names import DTYPES
 INIT_STD = 0.02
 QUERY_CHUNK = 256  # queries per attention call when a cached prefix precedes them
+# New tokens after a prefix that the compiled kernel attends (one call a layer for all such
+# items); longer ones go to SDPA, whose flash kernel is faster from about 30 tokens on (Xeon
+# 2-core VM: 15 items of 20 tokens after 420 plus a decode, a step 416 -> 384 ms; one item of
+# 60 beside 4 decodes 98.7 -> 101.5 ms, of 120 164.9 -> 175.4 ms).
+EXTEND_MAX = 24
 ROPE_TYPES = ("default", "linear", "llama3")
 
 BatchItem = tuple[torch.Tensor, int, "torch.Tensor | None"]
@@ -306,6 +311,7 @@ class DecoderModel(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self._decode_kernel = None   # see use_decode_kernel
+        self._extend_kernel = None
         # See tune_linears: the layout per row count of the layers' linears and of the head, and
         # the copies (MKL-packed, panels) of the weights whose group runs on them at some row count,
         # by (layout, id).
@@ -413,26 +419,28 @@ class DecoderModel(nn.Module):
             return self._attend(q, kv[layer_index, 0, :, :end], kv[layer_index, 1, :, :end], start_pos)
 
         decodes = None
-        kernel = self._decode_kernel
-        if kernel is not None:
-            index = [i for i, (t, p, _) in enumerate(checked) if t.numel() == 1 and p > 0]
+        kernel = self._extend_kernel
+        if kernel is not None:   # items after a prefix, decoding or adding up to EXTEND_MAX tokens
+            index = [i for i, (t, p, _) in enumerate(checked) if t.numel() <= EXTEND_MAX and p > 0]
             if index:
-                rows, offset = [], 0
+                rows, offset, chosen = [], 0, set(index)
                 for i, (t, _, _) in enumerate(checked):
-                    if i in index:
-                        rows.append(offset)
+                    if i in chosen:
+                        rows.extend(range(offset, offset + t.numel()))
                     offset += t.numel()
-                decodes = _Decodes(kernel, set(index), torch.tensor(rows, dtype=torch.long),
-                                   [checked[i][2] for i in index], [checked[i][1] for i in index])
+                decodes = _Decodes(kernel, chosen, torch.tensor(rows, dtype=torch.long),
+                                   [checked[i][2] for i in index], [checked[i][1] for i in index],
+                                   [checked[i][0].numel() for i in index])
         return self._forward([(t, p) for t, p, _ in checked], attend, last_logits_only, decodes)
 
     def use_decode_kernel(self, on: bool = True) -> bool:
-        """Attend the decoding sequences of ``forward_into`` with the compiled kernel
+        """Attend the items of ``forward_into`` that follow a prefix with at most
+        ``EXTEND_MAX`` new tokens (decodes, later turns) with the compiled kernel
         (``cluster.engine.kernels``; float32 on the CPU); True when it is in use."""
-        self._decode_kernel = None
+        self._decode_kernel = self._extend_kernel = None
         if on and self.config.dtype == "float32" and self.device.type == "cpu":
-            from cluster.engine.kernels import decode_attention
-            self._decode_kernel = decode_attention()
+            from cluster.engine.kernels import decode_attention, extend_attention
+            self._decode_kernel, self._extend_kernel = decode_attention(), extend_attention()
         return self._decode_kernel is not None
 
     def tune_linears(self) -> dict[str, dict[int, str]]:
@@ -493,16 +501,16 @@ class DecoderModel(nn.Module):
             qk = _apply_rope(qk, cos, sin)
             q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
             v = qkv[:, q_width + kv_width:].view(-1, c.num_kv_heads, c.head_dim)
-            if decodes is not None and len(decodes.items) == len(bounds):   # every item decodes: no gather
+            if decodes is not None and len(decodes.items) == len(bounds):   # all on the kernel: no gather
                 attn_out = decodes.kernel(q.contiguous(), k.contiguous(), v.contiguous(), decodes.buffers,
-                                          layer_index, decodes.positions, c.head_dim ** -0.5)
+                                          layer_index, decodes.positions, decodes.counts, c.head_dim ** -0.5)
             else:
                 attn_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
                 if decodes is not None:
                     rows = decodes.rows
                     attn_out[rows] = decodes.kernel(q[rows].contiguous(), k[rows].contiguous(),
                                                     v[rows].contiguous(), decodes.buffers, layer_index,
-                                                    decodes.positions, c.head_dim ** -0.5)
+                                                    decodes.positions, decodes.counts, c.head_dim ** -0.5)
                 for item_index, (begin, end) in enumerate(bounds):
                     if decodes is not None and item_index in decodes.items:
                         continue
@@ -562,13 +570,15 @@ class DecoderModel(nn.Module):
 
 @dataclass(frozen=True, slots=True)
 class _Decodes:
-    """The items of one forward that decode a single token, for the batched kernel."""
+    """The items of one forward attended by the batched kernel (after a prefix, at most
+    ``EXTEND_MAX`` new tokens each)."""
 
     kernel: object
     items: set
-    rows: torch.Tensor          # their rows in the packed tokens
+    rows: torch.Tensor          # their tokens' rows in the packed tokens
     buffers: list               # their KV buffers, head-major
-    positions: list             # each one's new token's position
+    positions: list             # each one's first new token's position
+    counts: list                # each one's new tokens
 
 
 def sample(

@@ -7,7 +7,10 @@ sequence's keys, the work split over (sequence, KV head) on ATen's threads.
 In the torch path that is a handful of small ops per sequence per layer, whose
 dispatch costs more than the arithmetic on a CPU (about 480 calls a step for
 16 sequences of a 30-layer model). Float32 on the CPU; its results equal the
-torch path's to about 1e-7.
+torch path's to about 1e-7. ``extend_attention``, from the same source: the same for a
+few new tokens per sequence after its cached prefix, each attending causally (a later
+turn's prompt, a burst of sessions behind one system prompt), instead of an SDPA call
+with a mask per sequence per layer.
 
 ``blocked_linear`` (``blocked_linear.cpp``): a float32 linear over the weight packed
 into column panels that gives, at any row count, the numbers MKL's sgemm gives for
@@ -64,6 +67,12 @@ def decode_attention() -> Any:
     """The compiled ``decode_attention`` function, or None (see the module docstring)."""
     module = _module("decode_attention")
     return None if module is None else module.decode_attention
+
+
+def extend_attention() -> Any:
+    """The compiled ``extend_attention`` function (a few new tokens per sequence), or None."""
+    module = _module("decode_attention")
+    return None if module is None else module.extend_attention
 
 
 def blocked_linear() -> Any:

@@ -1,11 +1,13 @@
 // Decode attention for a batch of sequences, each in a KV buffer of its own, in place.
 //
-// One call per layer for every sequence of a step that decodes one token:
-// the token's K and V are written into its sequence's head-major buffer
-// [layers, 2, kv_heads, capacity, head_dim] at its position, then each query
-// head attends over that buffer's first position + 1 keys (its KV head's
-// keys are contiguous rows: read once for the whole group of query heads).
-// Work is split over (sequence, kv head) items, handed to ATen's threads one at a time. Float32 only;
+// One call per layer for every sequence of a step that decodes one token, or adds a
+// few (``extend_attention``: a later turn's new tokens after its cached prefix): the
+// tokens' K and V are written into their sequence's head-major buffer
+// [layers, 2, kv_heads, capacity, head_dim] at their positions, then each query
+// head of each new token attends over that buffer's keys up to its own position (its
+// KV head's keys are contiguous rows: read once for the whole group of query heads).
+// Work is split over (sequence, kv head) items, handed to ATen's threads one at a
+// time. Float32 only;
 // dot products and the softmax in float32, as the reference matmul path. On AVX2
 // the softmax runs eight lanes at a time with a vector exp (Cephes' expf, as ATen's
 // own vectorized softmax does with Sleef's): libm's scalar exp was a third of the
@@ -195,30 +197,39 @@ void attend_one(const float* q, const float* keys, const float* values, float* o
 
 }  // namespace
 
-// q [B, heads, D]; k_new, v_new [B, kv_heads, D]; buffers: B tensors [L, 2, kv_heads, cap, D];
-// positions[b]: where sequence b's new token goes. Returns [B, heads, D].
-torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_new, torch::Tensor v_new,
+// q [T, heads, D]; k_new, v_new [T, kv_heads, D]: the new tokens of B sequences one after
+// the other, counts[b] of sequence b (T their sum), at positions[b].. in its buffer;
+// buffers: B tensors [L, 2, kv_heads, cap, D]. Each new token attends causally: over its
+// sequence's keys up to its own position. Returns [T, heads, D].
+torch::Tensor extend_attention(torch::Tensor q, torch::Tensor k_new, torch::Tensor v_new,
                                std::vector<torch::Tensor> buffers, int64_t layer,
-                               std::vector<int64_t> positions, double scale) {
-  TORCH_CHECK(q.dtype() == torch::kFloat32 && q.is_contiguous() && q.dim() == 3, "q: contiguous float32 [B, H, D]");
-  TORCH_CHECK(k_new.is_contiguous() && v_new.is_contiguous(), "k_new, v_new: contiguous [B, KVH, D]");
-  const int64_t batch = q.size(0), heads = q.size(1), head_dim = q.size(2);
+                               std::vector<int64_t> positions, std::vector<int64_t> counts, double scale) {
+  TORCH_CHECK(q.dtype() == torch::kFloat32 && q.is_contiguous() && q.dim() == 3, "q: contiguous float32 [T, H, D]");
+  TORCH_CHECK(k_new.is_contiguous() && v_new.is_contiguous(), "k_new, v_new: contiguous [T, KVH, D]");
+  const int64_t total = q.size(0), heads = q.size(1), head_dim = q.size(2);
+  const int64_t batch = static_cast<int64_t>(buffers.size());
   const int64_t kv_heads = k_new.size(1), group = heads / kv_heads;
-  TORCH_CHECK(static_cast<int64_t>(buffers.size()) == batch && static_cast<int64_t>(positions.size()) == batch,
-              "one buffer and one position per sequence");
-  TORCH_CHECK(heads % kv_heads == 0 && k_new.size(0) == batch && k_new.size(2) == head_dim, "shapes disagree");
+  TORCH_CHECK(static_cast<int64_t>(positions.size()) == batch && static_cast<int64_t>(counts.size()) == batch,
+              "one buffer, one position and one count per sequence");
+  TORCH_CHECK(heads % kv_heads == 0 && k_new.size(0) == total && v_new.size(0) == total &&
+              k_new.size(2) == head_dim, "shapes disagree");
   std::vector<float*> bases(batch);
-  std::vector<int64_t> caps(batch);
+  std::vector<int64_t> caps(batch), offsets(batch);
+  int64_t offset = 0;
   for (int64_t b = 0; b < batch; ++b) {
     const auto& buf = buffers[b];
     TORCH_CHECK(buf.dtype() == torch::kFloat32 && buf.dim() == 5 && buf.size(2) == kv_heads &&
                 buf.size(4) == head_dim && buf.stride(4) == 1 && buf.stride(3) == head_dim,
                 "buffer ", b, ": float32 [L, 2, kv_heads, cap, head_dim] with contiguous rows");
     TORCH_CHECK(layer >= 0 && layer < buf.size(0), "layer out of range");
-    TORCH_CHECK(positions[b] >= 0 && positions[b] < buf.size(3), "position ", positions[b], " outside buffer ", b);
+    TORCH_CHECK(counts[b] >= 1 && positions[b] >= 0 && positions[b] + counts[b] <= buf.size(3),
+                "positions ", positions[b], "..+", counts[b], " outside buffer ", b);
     bases[b] = buf.data_ptr<float>();
     caps[b] = buf.stride(2);   // elements from one kv head's rows to the next's
+    offsets[b] = offset;
+    offset += counts[b];
   }
+  TORCH_CHECK(offset == total, "the counts add up to ", offset, ", not to q's ", total, " rows");
   auto out = torch::empty_like(q);
   const float* qp = q.data_ptr<float>();
   const float* kp = k_new.data_ptr<float>();
@@ -237,20 +248,39 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_new, torch::Tens
       const auto& buf = buffers[b];
       float* keys = bases[b] + layer * buf.stride(0) + 0 * buf.stride(1) + h * caps[b];
       float* values = bases[b] + layer * buf.stride(0) + 1 * buf.stride(1) + h * caps[b];
-      const float* kn = kp + (b * kv_heads + h) * head_dim;
-      const float* vn = vp + (b * kv_heads + h) * head_dim;
-      for (int64_t d = 0; d < head_dim; ++d) {
-        keys[pos * head_dim + d] = kn[d];
-        values[pos * head_dim + d] = vn[d];
+      for (int64_t t = 0; t < counts[b]; ++t) {   // the new tokens' K and V into the buffer
+        const int64_t row = offsets[b] + t;
+        const float* kn = kp + (row * kv_heads + h) * head_dim;
+        const float* vn = vp + (row * kv_heads + h) * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) {
+          keys[(pos + t) * head_dim + d] = kn[d];
+          values[(pos + t) * head_dim + d] = vn[d];
+        }
       }
-      scores.resize(group * (pos + 1));
-      attend_one(qp + (b * heads + h * group) * head_dim, keys, values, op + (b * heads + h * group) * head_dim,
-                 group, head_dim, pos + 1, s, scores.data());
+      scores.resize(group * (pos + counts[b]));
+      for (int64_t t = 0; t < counts[b]; ++t) {   // token t sees keys 0..pos + t
+        const int64_t row = offsets[b] + t;
+        attend_one(qp + (row * heads + h * group) * head_dim, keys, values, op + (row * heads + h * group) * head_dim,
+                   group, head_dim, pos + t + 1, s, scores.data());
+      }
     }
   });
   return out;
 }
 
+// One new token per sequence: q [B, heads, D]; k_new, v_new [B, kv_heads, D]; positions[b]:
+// where sequence b's new token goes. Returns [B, heads, D].
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_new, torch::Tensor v_new,
+                               std::vector<torch::Tensor> buffers, int64_t layer,
+                               std::vector<int64_t> positions, double scale) {
+  TORCH_CHECK(static_cast<int64_t>(buffers.size()) == q.size(0) && static_cast<int64_t>(positions.size()) == q.size(0),
+              "one buffer and one position per sequence");
+  return extend_attention(q, k_new, v_new, buffers, layer, positions, std::vector<int64_t>(positions.size(), 1),
+                          scale);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "batched decode attention over per-sequence KV buffers, in place");
+  m.def("extend_attention", &extend_attention,
+        "batched causal attention of a few new tokens per sequence over per-sequence KV buffers, in place");
 }
