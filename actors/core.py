@@ -352,7 +352,7 @@ class WorkerCore:
                 "worker": {**self.loop.stats, **self.migration.holder_stats, "pid": os.getpid(),
                            "openmp": openmp.runtime(), "malloc": malloc.runtime(),
                            "torch_threads": torch.get_num_threads(),
-                           "linear_layouts": self.engine.linear_layouts,
+                           "linear_layouts": self.engine.linear_layouts, "decode_kernel": self.engine.decode_kernel,
                            "ownership_violations": self.loop.owner.violations,
                            "watchdog_trips": self.loop.watchdog_trips},
                 "load": dataclasses.asdict(self.loop.measure_load()), "fragmentation": c.fragmentation(),
