@@ -49,7 +49,7 @@ from cluster.engine.worker_env import cpu_worker_env
 from cluster.routing.policies import make_policy
 from serve_app import admin
 from serve_app.http_app import make_fastapi
-from serve_app.ingress import IngressCore, handle_generation
+from serve_app.ingress import IngressCore, handle_generation, replica_calls_of
 from serve_app.replica import CacheReplica as CacheReplicaImpl
 from serve_app.router import DirectoryRouter
 
@@ -165,7 +165,8 @@ def build_app(args: dict[str, Any] | None = None):
                 "api_keys": args.pop("api_keys", None), "admin_keys": args.pop("admin_keys", None),
                 "admin_without_keys": bool(args.pop("admin_without_keys", False)),
                 "limits": args.pop("limits", None), "max_resumes": int(args.pop("max_resumes", 2)),
-                "block_tokens": block_tokens, "peer_secret": peer_secret}
+                "block_tokens": block_tokens, "peer_secret": peer_secret,
+                "replica_calls": replica_calls_of(args.pop("replica_calls", "grpc"))}
     ingress_opts: dict[str, Any] = {}
     ingress_autoscaling = args.pop("ingress_autoscaling_config", None)
     ingress_replicas = args.pop("ingress_replicas", None)

@@ -45,6 +45,7 @@ from typing import Any, AsyncIterator
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from ray.exceptions import RayActorError
+from ray.serve.handle import DeploymentHandle
 
 from actors.engine_loop import EngineWedgedError, QueueFullError
 from actors.peer import PeerDirectory
@@ -82,7 +83,7 @@ class IngressCore:
                  admin_keys: str | list | None = None, limits: dict | None = None, retry_after_s: int = 1,
                  admin_without_keys: bool = False, max_resumes: int = 2, block_tokens: int = 16,
                  router: Any = None, peer_secret: str | None = None, shared_replies: bool = True,
-                 ingress_id: str | None = None, prefetch_timeout_s: float = 2.0):
+                 ingress_id: str | None = None, prefetch_timeout_s: float = 2.0, replica_calls: str = "grpc"):
         """``workers``: the replicas' deployment handle. ``model`` is the replicas'
         model spec (``WorkerConfig.model``): the ingress loads only its tokenizer and
         chat template. ``model_name`` is the id clients send and ``/v1/models`` lists
@@ -91,7 +92,10 @@ class IngressCore:
         the app's peer-channel secret, for the admin calls aimed at one worker;
         ``ingress_id``: this ingress replica's id (responses name it);
         ``prefetch_timeout_s``: the bound on a prefetch started by a request's
-        ``X-Session-Id`` header."""
+        ``X-Session-Id`` header; ``replica_calls`` (``replica_calls_of``): how calls
+        and their streams reach the replicas."""
+        if replica_calls_of(replica_calls) == "grpc" and isinstance(workers, DeploymentHandle):
+            workers = workers.options(_by_reference=False)
         self.workers = workers
         self.ingress_id = ingress_id
         spec = ModelSpec.parse(model)
@@ -337,6 +341,22 @@ class IngressCore:
                        clock: RequestClock | None = None):
         """The OpenAI response for one request: a JSON body, or a streaming response."""
         return await respond(self, gen, tenant, endpoint, chat, clock or RequestClock.start())
+
+
+REPLICA_CALLS = ("grpc", "object_ref")
+
+
+def replica_calls_of(value: Any) -> str:
+    """How the ingress's calls reach the cache replicas (the app arg ``replica_calls``):
+    ``grpc`` (default), Serve's direct gRPC channel from handle to replica, each streamed
+    item one message on it; ``object_ref``, Ray's object references and streaming
+    generators (Serve's default), a task and an object per item. Measured on 2 cores
+    (``bench serving``, one replica, 16 chat sessions): 84.5 -> 88.3 output tokens/s and
+    the replica's decode step 65-72 -> 59 ms with ``grpc``, as each token costs the
+    ingress and the replica less CPU beside the engine."""
+    if value not in REPLICA_CALLS:
+        raise ValueError(f"replica_calls must be one of {list(REPLICA_CALLS)}, got {value!r}")
+    return value
 
 
 def _own_request_id() -> None:
