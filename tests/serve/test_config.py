@@ -58,3 +58,30 @@ def test_policy_args_are_checked_when_the_app_is_built():
         build_app({"policy": "prefix", "policy_args": {"replicate_share": 1.5}})
     with pytest.raises(ValueError, match="policy_args must be a mapping"):
         build_app({"policy_args": "replicate_share=1.5"})
+
+
+def test_replica_calls_default_to_grpc_and_a_bad_choice_is_named():
+    """The ingress reaches the replicas over Serve's direct gRPC channel unless told
+    ``object_ref``; a handle it is given is switched to it, anything else is kept."""
+    import pytest
+    from ray.serve.handle import DeploymentHandle
+
+    from serve_app.app import build_app
+    from serve_app.ingress import IngressCore
+
+    assert type(build_app({"replica_calls": "object_ref"})).__name__ == "Application"
+    with pytest.raises(ValueError, match="replica_calls must be one of \\['grpc', 'object_ref'\\], got 'rpc'"):
+        build_app({"replica_calls": "rpc"})
+
+    class Recording(DeploymentHandle):   # records how the ingress sets its handle up
+        def __init__(self):
+            self.calls = []
+
+        def options(self, **kwargs):
+            self.calls.append(kwargs)
+            return self
+
+    for choice, calls in (("grpc", [{"_by_reference": False}]), ("object_ref", [])):
+        handle = Recording()
+        IngressCore(handle, model=None, shared_replies=False, router=object(), replica_calls=choice)
+        assert handle.calls == calls
