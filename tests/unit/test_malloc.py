@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from cluster.engine import malloc, openmp
+from cluster.engine import malloc
 from cluster.engine.worker_env import cpu_worker_env
 
 KEPT = {"MALLOC_MMAP_THRESHOLD_": malloc.GLIBC_MMAP_THRESHOLD,
@@ -24,12 +24,7 @@ def tcmalloc(monkeypatch, tmp_path):
     return str(lib)
 
 
-@pytest.fixture
-def iomp(monkeypatch, tmp_path):
-    lib = tmp_path / "libiomp5.so"
-    lib.write_bytes(b"")
-    monkeypatch.setattr(openmp, "intel_openmp_library", lambda: str(lib))
-    return str(lib)
+from tests.unit.test_openmp import library as iomp  # noqa: E402,F401  (the same fake libiomp5 fixture)
 
 
 def test_tcmalloc_is_the_default_where_the_system_has_it(tcmalloc) -> None:
@@ -52,7 +47,7 @@ def test_glibc_and_system_are_chosen_by_name(tcmalloc) -> None:
         malloc.worker_env({"PREFIX_CACHE_MALLOC": "jemalloc"})
 
 
-def test_a_worker_preloads_the_allocator_first_then_openmp_then_what_was_there(tcmalloc, iomp) -> None:
+def test_a_worker_preloads_the_allocator_first_then_openmp_then_what_was_there(tcmalloc, iomp) -> None:  # noqa: F811 (a fixture)
     env = cpu_worker_env({"LD_PRELOAD": "/opt/libfoo.so", "PREFIX_CACHE_MKL_PACKED": "1"})
     assert env == {"LD_PRELOAD": f"{tcmalloc}:{iomp}:/opt/libfoo.so", "KMP_BLOCKTIME": "1",
                    "PREFIX_CACHE_MKL_PACKED": "1"}
