@@ -390,7 +390,8 @@ class DecoderModel(nn.Module):
 
     @torch.no_grad()
     def forward_into(
-        self, items: Sequence[tuple[torch.Tensor, int, torch.Tensor]], last_logits_only: bool = False
+        self, items: Sequence[tuple[torch.Tensor, int, torch.Tensor]], last_logits_only: bool = False,
+        shared: Sequence[tuple[int, int] | None] | None = None,
     ) -> list[torch.Tensor]:
         """The same forward, keeping each sequence's KV in a buffer of its own, in place.
 
@@ -428,9 +429,10 @@ class DecoderModel(nn.Module):
                     if i in chosen:
                         rows.extend(range(offset, offset + t.numel()))
                     offset += t.numel()
+                donors, lengths = _donors(index, shared, [checked[i][1] for i in index])
                 decodes = _Decodes(kernel, chosen, torch.tensor(rows, dtype=torch.long),
                                    [checked[i][2] for i in index], [checked[i][1] for i in index],
-                                   [checked[i][0].numel() for i in index])
+                                   [checked[i][0].numel() for i in index], donors, lengths)
         return self._forward([(t, p) for t, p, _ in checked], attend, last_logits_only, decodes)
 
     def use_decode_kernel(self, on: bool = True) -> bool:
@@ -503,14 +505,16 @@ class DecoderModel(nn.Module):
             v = qkv[:, q_width + kv_width:].view(-1, c.num_kv_heads, c.head_dim)
             if decodes is not None and len(decodes.items) == len(bounds):   # all on the kernel: no gather
                 attn_out = decodes.kernel(q.contiguous(), k.contiguous(), v.contiguous(), decodes.buffers,
-                                          layer_index, decodes.positions, decodes.counts, c.head_dim ** -0.5)
+                                          layer_index, decodes.positions, decodes.counts, c.head_dim ** -0.5,
+                                          decodes.donors, decodes.shared)
             else:
                 attn_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
                 if decodes is not None:
                     rows = decodes.rows
                     attn_out[rows] = decodes.kernel(q[rows].contiguous(), k[rows].contiguous(),
                                                     v[rows].contiguous(), decodes.buffers, layer_index,
-                                                    decodes.positions, decodes.counts, c.head_dim ** -0.5)
+                                                    decodes.positions, decodes.counts, c.head_dim ** -0.5,
+                                                    decodes.donors, decodes.shared)
                 for item_index, (begin, end) in enumerate(bounds):
                     if decodes is not None and item_index in decodes.items:
                         continue
@@ -579,6 +583,27 @@ class _Decodes:
     buffers: list               # their KV buffers, head-major
     positions: list             # each one's first new token's position
     counts: list                # each one's new tokens
+    donors: list                # per kernel item: the kernel item whose buffer it reads its shared prefix from
+    shared: list                # ... and that prefix's length (both empty: none shares)
+
+
+def _donors(index: list[int], shared, positions: list[int]) -> tuple[list[int], list[int]]:
+    """``forward_into``'s ``shared`` entries as the kernel's (donor, length) lists over its own
+    items; an entry whose donor is not one of them, or that would read past what either has
+    computed before this step, is dropped (that item reads its own buffer)."""
+    if not shared:
+        return [], []
+    at = {item: k for k, item in enumerate(index)}
+    donors, lengths = [-1] * len(index), [0] * len(index)
+    for k, item in enumerate(index):
+        entry = shared[item]
+        if entry is None or entry[0] not in at or entry[0] == item:
+            continue
+        d = at[entry[0]]
+        n = min(entry[1], positions[k], positions[d])
+        if n > 0:
+            donors[k], lengths[k] = d, n
+    return (donors, lengths) if any(n for n in lengths) else ([], [])
 
 
 def sample(

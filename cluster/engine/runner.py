@@ -41,6 +41,7 @@ from cluster.cache.tiered import TieredCache
 from cluster.engine.prompt_logprobs import TOP_K, PromptLogprobCache
 from cluster.engine.request import EngineRequest, TokenEvent, position_seed
 from cluster.engine.sampling import needs_processing, positions_logprobs, sample_token, token_logprobs
+from cluster.engine import shared_prefix
 from cluster.engine.scratch import ScratchKV
 from cluster.errors import CacheError, InvalidInputError, PoolExhaustedError
 from cluster.names import COLD, HOT, L3, WARM
@@ -117,6 +118,9 @@ class Engine:
         self.scratch = ScratchKV(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cache.kv_dtype, cache.kv_device,
                                  max_idle_bytes=room * lay.bytes_per_token(), arena_tokens=scratch_arena_tokens)
         self._bytes_per_token = lay.bytes_per_token()
+        # Running requests whose buffers begin with the same (checked) bytes read them from
+        # one buffer in the attention kernel (cluster.engine.shared_prefix); same results.
+        self.share_prefixes = True
         # Echo requests' prompt logprobs, kept beside the KV (cluster.engine.prompt_logprobs).
         self.prompt_logprob_cache = PromptLogprobCache(hot.block_tokens)
         self.stats = {"prompt_tokens": 0, "cached_tokens": 0, "computed_tokens": 0, "steps": 0,
@@ -125,7 +129,8 @@ class Engine:
                       "resumed_warm_tokens": 0, "resumed_cold_tokens": 0, "resumed_l3_tokens": 0, "recomputed_tokens": 0,
                       "swap_in_bytes": 0, "waits_for_room": 0, "waits_for_promotion": 0,
                       "waits_for_shared_prefix": 0, "step_ms": 0.0, "forward_ms": 0.0, "decode_steps": 0,
-                      "decode_step_ms": 0.0, "decode_rows": 0}
+                      "decode_step_ms": 0.0, "decode_rows": 0, "shared_prefix_joins": 0,
+                      "shared_prefix_reads": 0}
 
     # ------------------------------------------------------------------ API
     def submit(self, request: EngineRequest) -> EngineRequest:
@@ -256,8 +261,11 @@ class Engine:
             _wants_prompt_rows(req) for req, _ in plan)
         tokens = [torch.tensor(req.tokens[req._len:req._len + n]) for req, n in plan]
         if self._in_place:
+            shared = shared_prefix.reads(plan) if self.share_prefixes else None
+            if shared is not None:
+                self.stats["shared_prefix_reads"] += sum(n for _, n in filter(None, shared))
             return self.model.forward_into([(t, req._len, req._kv) for t, (req, _) in zip(tokens, plan)],
-                                           last_logits_only=last_only)
+                                           last_logits_only=last_only, shared=shared)
         items = [(t, req._len, _past(req) if req._len else None) for t, (req, _) in zip(tokens, plan)]
         outputs = (self.model.forward_batch(items, last_logits_only=True) if last_only
                    else self.model.forward_batch(items))
@@ -385,6 +393,8 @@ class Engine:
         req._kv = self.scratch.take(req.capacity)
         lease.read_prefix_into(_past(req, lease.cached_tokens))
         req._len = lease.cached_tokens
+        if self.share_prefixes and self._in_place and shared_prefix.join(req, self.running, _common_prefix):
+            self.stats["shared_prefix_joins"] += 1
         return n
 
     def _preempt(self, req: EngineRequest) -> None:
@@ -527,6 +537,7 @@ class Engine:
             self.stats["requests_finished" if error is None else "requests_failed"] += 1
 
     def _give_scratch(self, req: EngineRequest) -> None:
+        shared_prefix.forget(req)
         if req._kv is not None:
             self.scratch.give(req._kv)
             req._kv = None

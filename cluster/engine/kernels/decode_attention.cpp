@@ -41,16 +41,39 @@ void softmax_rows(float* scores, int64_t rows, int64_t length) {
   }
 }
 
-void attend_generic(const float* q, const float* keys, const float* values, float* out, int64_t group,
+// Where one sequence's keys and values are: rows below ``split`` in a buffer of another
+// sequence of the step whose rows there hold the same bytes (a shared prefix, read once
+// for all of them while it is in the cache), the rest in its own. Rows are indexed from
+// position 0 in both; the arithmetic is the same whichever buffer a row is read from.
+struct Rows {
+  const float* shared_keys;
+  const float* shared_values;
+  int64_t split;
+  const float* keys;
+  const float* values;
+  const float* key(int64_t s, int64_t head_dim) const { return (s < split ? shared_keys : keys) + s * head_dim; }
+  const float* value(int64_t s, int64_t head_dim) const {
+    return (s < split ? shared_values : values) + s * head_dim;
+  }
+};
+
+void attend_generic(const float* q, const Rows& rows, float* out, int64_t group,
                     int64_t head_dim, int64_t length, float scale, float* scores) {
   // scores[g * length + s] = q_g . k_s * scale
   for (int64_t s = 0; s < length; ++s) {
-    const float* k = keys + s * head_dim;
+    const float* k = rows.key(s, head_dim);
     for (int64_t g = 0; g < group; ++g) {
+      // Eight partial sums in a fixed pattern, not a vectorizer's reduction: that one peels
+      // elements to align the loads, so its order (and last bits) would follow the address.
       const float* qg = q + g * head_dim;
-      float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-      for (int64_t d = 0; d < head_dim; ++d) acc += qg[d] * k[d];
+      float lanes[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      int64_t d = 0;
+      for (; d + 8 <= head_dim; d += 8) {
+#pragma omp simd
+        for (int j = 0; j < 8; ++j) lanes[j] += qg[d + j] * k[d + j];
+      }
+      for (; d < head_dim; ++d) lanes[d & 7] += qg[d] * k[d];
+      const float acc = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
       scores[g * length + s] = acc * scale;
     }
   }
@@ -61,7 +84,7 @@ void attend_generic(const float* q, const float* keys, const float* values, floa
     for (int64_t d = 0; d < head_dim; ++d) o[d] = 0.f;
     for (int64_t s = 0; s < length; ++s) {
       const float p = row[s];
-      const float* v = values + s * head_dim;
+      const float* v = rows.value(s, head_dim);
 #pragma omp simd
       for (int64_t d = 0; d < head_dim; ++d) o[d] += p * v[d];
     }
@@ -139,33 +162,39 @@ void softmax_rows_avx2(float* scores, int64_t rows, int64_t length) {
 
 // head_dim == 64: each row of keys and values is eight 8-float vectors.
 __attribute__((target("avx2,fma")))
-void attend_avx2_64(const float* q, const float* keys, const float* values, float* out, int64_t group,
+void attend_avx2_64(const float* q, const Rows& rows, float* out, int64_t group,
                     int64_t length, float scale, float* scores) {
+  const int64_t split = std::min(rows.split, length);
   for (int64_t g = 0; g < group; ++g) {
     const float* qg = q + g * 64;
     __m256 qv[8];
     for (int j = 0; j < 8; ++j) qv[j] = _mm256_loadu_ps(qg + 8 * j);
     float* row = scores + g * length;
-    int64_t s = 0;
-    for (; s + 4 <= length; s += 4) {   // four keys at a time: four independent accumulations
-      const float* k0 = keys + s * 64;
-      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-      for (int j = 0; j < 8; ++j) {
-        a0 = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(k0 + 8 * j), a0);
-        a1 = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(k0 + 64 + 8 * j), a1);
-        a2 = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(k0 + 128 + 8 * j), a2);
-        a3 = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(k0 + 192 + 8 * j), a3);
+    // Each key's score is its own accumulation: the same whichever segment it falls in.
+    for (int segment = 0; segment < 2; ++segment) {
+      const int64_t end = segment == 0 ? split : length;
+      const float* keys = segment == 0 ? rows.shared_keys : rows.keys;
+      int64_t s = segment == 0 ? 0 : split;
+      for (; s + 4 <= end; s += 4) {   // four keys at a time: four independent accumulations
+        const float* k0 = keys + s * 64;
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+        for (int j = 0; j < 8; ++j) {
+          a0 = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(k0 + 8 * j), a0);
+          a1 = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(k0 + 64 + 8 * j), a1);
+          a2 = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(k0 + 128 + 8 * j), a2);
+          a3 = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(k0 + 192 + 8 * j), a3);
+        }
+        row[s] = hsum(a0) * scale;
+        row[s + 1] = hsum(a1) * scale;
+        row[s + 2] = hsum(a2) * scale;
+        row[s + 3] = hsum(a3) * scale;
       }
-      row[s] = hsum(a0) * scale;
-      row[s + 1] = hsum(a1) * scale;
-      row[s + 2] = hsum(a2) * scale;
-      row[s + 3] = hsum(a3) * scale;
-    }
-    for (; s < length; ++s) {
-      const float* k = keys + s * 64;
-      __m256 a = _mm256_setzero_ps();
-      for (int j = 0; j < 8; ++j) a = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(k + 8 * j), a);
-      row[s] = hsum(a) * scale;
+      for (; s < end; ++s) {
+        const float* k = keys + s * 64;
+        __m256 a = _mm256_setzero_ps();
+        for (int j = 0; j < 8; ++j) a = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(k + 8 * j), a);
+        row[s] = hsum(a) * scale;
+      }
     }
   }
   softmax_rows_avx2(scores, group, length);
@@ -173,9 +202,9 @@ void attend_avx2_64(const float* q, const float* keys, const float* values, floa
     const float* row = scores + g * length;
     __m256 o[8];
     for (int j = 0; j < 8; ++j) o[j] = _mm256_setzero_ps();
-    for (int64_t s = 0; s < length; ++s) {
+    for (int64_t s = 0; s < length; ++s) {   // in position order, as without a shared prefix
       const __m256 p = _mm256_set1_ps(row[s]);
-      const float* v = values + s * 64;
+      const float* v = (s < split ? rows.shared_values : rows.values) + s * 64;
       for (int j = 0; j < 8; ++j) o[j] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * j), o[j]);
     }
     for (int j = 0; j < 8; ++j) _mm256_storeu_ps(out + g * 64 + 8 * j, o[j]);
@@ -183,16 +212,16 @@ void attend_avx2_64(const float* q, const float* keys, const float* values, floa
 }
 #endif
 
-void attend_one(const float* q, const float* keys, const float* values, float* out, int64_t group,
+void attend_one(const float* q, const Rows& rows, float* out, int64_t group,
                 int64_t head_dim, int64_t length, float scale, float* scores) {
 #if defined(__x86_64__)
   static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   if (avx2 && head_dim == 64) {
-    attend_avx2_64(q, keys, values, out, group, length, scale, scores);
+    attend_avx2_64(q, rows, out, group, length, scale, scores);
     return;
   }
 #endif
-  attend_generic(q, keys, values, out, group, head_dim, length, scale, scores);
+  attend_generic(q, rows, out, group, head_dim, length, scale, scores);
 }
 
 }  // namespace
@@ -200,10 +229,18 @@ void attend_one(const float* q, const float* keys, const float* values, float* o
 // q [T, heads, D]; k_new, v_new [T, kv_heads, D]: the new tokens of B sequences one after
 // the other, counts[b] of sequence b (T their sum), at positions[b].. in its buffer;
 // buffers: B tensors [L, 2, kv_heads, cap, D]. Each new token attends causally: over its
-// sequence's keys up to its own position. Returns [T, heads, D].
+// sequence's keys up to its own position. Optional ``donors``/``shared`` (one each per
+// sequence, or empty): sequence b reads its first shared[b] positions from the buffer of
+// sequence donors[b] of the same call (-1: none), whose rows there hold the same bytes as
+// its own (the caller's promise: it checked them); shared[b] <= positions[b] and
+// <= positions[donors[b]], so no row this call writes is read from a donor. The results
+// are bit for bit those of reading every row from the sequence's own buffer; the point
+// is that a prefix many sequences share is read from memory once a layer, not once each.
+// Returns [T, heads, D].
 torch::Tensor extend_attention(torch::Tensor q, torch::Tensor k_new, torch::Tensor v_new,
                                std::vector<torch::Tensor> buffers, int64_t layer,
-                               std::vector<int64_t> positions, std::vector<int64_t> counts, double scale) {
+                               std::vector<int64_t> positions, std::vector<int64_t> counts, double scale,
+                               std::vector<int64_t> donors, std::vector<int64_t> shared) {
   TORCH_CHECK(q.dtype() == torch::kFloat32 && q.is_contiguous() && q.dim() == 3, "q: contiguous float32 [T, H, D]");
   TORCH_CHECK(k_new.is_contiguous() && v_new.is_contiguous(), "k_new, v_new: contiguous [T, KVH, D]");
   const int64_t total = q.size(0), heads = q.size(1), head_dim = q.size(2);
@@ -230,6 +267,15 @@ torch::Tensor extend_attention(torch::Tensor q, torch::Tensor k_new, torch::Tens
     offset += counts[b];
   }
   TORCH_CHECK(offset == total, "the counts add up to ", offset, ", not to q's ", total, " rows");
+  TORCH_CHECK(donors.size() == shared.size() && (donors.empty() || static_cast<int64_t>(donors.size()) == batch),
+              "donors and shared: one each per sequence, or none");
+  for (int64_t b = 0; b < static_cast<int64_t>(donors.size()); ++b) {
+    const int64_t d = donors[b];
+    TORCH_CHECK(d >= -1 && d < batch, "donor ", d, " of sequence ", b, " is not a sequence of the call");
+    TORCH_CHECK(d < 0 ? shared[b] == 0 : (shared[b] >= 0 && shared[b] <= positions[b] && shared[b] <= positions[d]),
+                "sequence ", b, " reads ", shared[b], " shared positions: more than its own (", positions[b],
+                ") or its donor's (", d < 0 ? 0 : positions[d], ") computed ones");
+  }
   auto out = torch::empty_like(q);
   const float* qp = q.data_ptr<float>();
   const float* kp = k_new.data_ptr<float>();
@@ -248,6 +294,14 @@ torch::Tensor extend_attention(torch::Tensor q, torch::Tensor k_new, torch::Tens
       const auto& buf = buffers[b];
       float* keys = bases[b] + layer * buf.stride(0) + 0 * buf.stride(1) + h * caps[b];
       float* values = bases[b] + layer * buf.stride(0) + 1 * buf.stride(1) + h * caps[b];
+      Rows rows{keys, values, 0, keys, values};
+      if (!donors.empty() && donors[b] >= 0 && shared[b] > 0) {
+        const int64_t d = donors[b];
+        const auto& donor = buffers[d];
+        rows.shared_keys = bases[d] + layer * donor.stride(0) + 0 * donor.stride(1) + h * caps[d];
+        rows.shared_values = bases[d] + layer * donor.stride(0) + 1 * donor.stride(1) + h * caps[d];
+        rows.split = shared[b];
+      }
       for (int64_t t = 0; t < counts[b]; ++t) {   // the new tokens' K and V into the buffer
         const int64_t row = offsets[b] + t;
         const float* kn = kp + (row * kv_heads + h) * head_dim;
@@ -260,7 +314,7 @@ torch::Tensor extend_attention(torch::Tensor q, torch::Tensor k_new, torch::Tens
       scores.resize(group * (pos + counts[b]));
       for (int64_t t = 0; t < counts[b]; ++t) {   // token t sees keys 0..pos + t
         const int64_t row = offsets[b] + t;
-        attend_one(qp + (row * heads + h * group) * head_dim, keys, values, op + (row * heads + h * group) * head_dim,
+        attend_one(qp + (row * heads + h * group) * head_dim, rows, op + (row * heads + h * group) * head_dim,
                    group, head_dim, pos + t + 1, s, scores.data());
       }
     }
@@ -276,11 +330,14 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_new, torch::Tens
   TORCH_CHECK(static_cast<int64_t>(buffers.size()) == q.size(0) && static_cast<int64_t>(positions.size()) == q.size(0),
               "one buffer and one position per sequence");
   return extend_attention(q, k_new, v_new, buffers, layer, positions, std::vector<int64_t>(positions.size(), 1),
-                          scale);
+                          scale, {}, {});
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "batched decode attention over per-sequence KV buffers, in place");
   m.def("extend_attention", &extend_attention,
-        "batched causal attention of a few new tokens per sequence over per-sequence KV buffers, in place");
+        "batched causal attention of a few new tokens per sequence over per-sequence KV buffers, in place",
+        pybind11::arg("q"), pybind11::arg("k_new"), pybind11::arg("v_new"), pybind11::arg("buffers"),
+        pybind11::arg("layer"), pybind11::arg("positions"), pybind11::arg("counts"), pybind11::arg("scale"),
+        pybind11::arg("donors") = std::vector<int64_t>(), pybind11::arg("shared") = std::vector<int64_t>());
 }
