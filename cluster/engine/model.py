@@ -28,17 +28,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cluster.engine import linear_layouts
+from cluster.engine import attention, linear_layouts
+from cluster.engine.attention import EXTEND_MAX  # noqa: F401  (re-exported: the kernel's reach)
 from cluster.engine.linear_layouts import linear as _linear
 from cluster.engine.tokenizer import BYTE_VOCAB_SIZE
 from cluster.names import DTYPES
 INIT_STD = 0.02
-QUERY_CHUNK = 256  # queries per attention call when a cached prefix precedes them
-# New tokens after a prefix that the compiled kernel attends (one call a layer for all such
-# items); longer ones go to SDPA, whose flash kernel is faster from about 30 tokens on (Xeon
-# 2-core VM: 15 items of 20 tokens after 420 plus a decode, a step 416 -> 384 ms; one item of
-# 60 beside 4 decodes 98.7 -> 101.5 ms, of 120 164.9 -> 175.4 ms).
-EXTEND_MAX = 24
 ROPE_TYPES = ("default", "linear", "llama3")
 
 BatchItem = tuple[torch.Tensor, int, "torch.Tensor | None"]
@@ -419,20 +414,7 @@ class DecoderModel(nn.Module):
             kv[layer_index, 1, :, start_pos:end] = v.transpose(0, 1)
             return self._attend(q, kv[layer_index, 0, :, :end], kv[layer_index, 1, :, :end], start_pos)
 
-        decodes = None
-        kernel = self._extend_kernel
-        if kernel is not None:   # items after a prefix, decoding or adding up to EXTEND_MAX tokens
-            index = [i for i, (t, p, _) in enumerate(checked) if t.numel() <= EXTEND_MAX and p > 0]
-            if index:
-                rows, offset, chosen = [], 0, set(index)
-                for i, (t, _, _) in enumerate(checked):
-                    if i in chosen:
-                        rows.extend(range(offset, offset + t.numel()))
-                    offset += t.numel()
-                donors, lengths = _donors(index, shared, [checked[i][1] for i in index])
-                decodes = _Decodes(kernel, chosen, torch.tensor(rows, dtype=torch.long),
-                                   [checked[i][2] for i in index], [checked[i][1] for i in index],
-                                   [checked[i][0].numel() for i in index], donors, lengths)
+        decodes = attention.kernel_items(self._extend_kernel, checked, shared)
         return self._forward([(t, p) for t, p, _ in checked], attend, last_logits_only, decodes)
 
     def use_decode_kernel(self, on: bool = True) -> bool:
@@ -474,7 +456,7 @@ class DecoderModel(nn.Module):
         return _linear(x, weight, bias, layout, self._packed.get((layout, id(weight))))
 
     def _forward(self, checked: list[tuple[torch.Tensor, int]], attend, last_logits_only: bool,
-                 decodes: "_Decodes | None" = None) -> list[torch.Tensor]:
+                 decodes: "attention.KernelItems | None" = None) -> list[torch.Tensor]:
         """The packed forward over every item's new tokens; ``attend(layer, q, k, v, item)``
         stores one item's new K/V where it keeps them and returns its attention output.
         ``decodes``: the items that decode one token, attended all at once per layer."""
@@ -534,76 +516,9 @@ class DecoderModel(nn.Module):
     def _attend(
         self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start_pos: int
     ) -> torch.Tensor:
-        """q [T, heads, hd] at positions start_pos.., keys/values [kv_heads, start_pos + T, hd]
-        (head-major: each head's keys contiguous rows, whichever buffer they live in)."""
-        num_new = q.shape[0]
-        c = self.config
-        if num_new == 1 and start_pos:
-            # Decode: one query sees every key. Plain matmuls, query heads grouped by their
-            # KV head (a [kv_heads, group, hd] x [kv_heads, hd, S] batched product).
-            group = c.num_heads // c.num_kv_heads
-            grouped = q.view(c.num_kv_heads, group, c.head_dim)
-            scores = torch.matmul(grouped, keys.transpose(1, 2)) * (c.head_dim ** -0.5)
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
-            return torch.matmul(probs, values).view(1, c.num_heads, c.head_dim)
-        q = q.transpose(0, 1).unsqueeze(0)
-        # SDPA's enable_gqa lets query head h read K/V head h // group without a per-head copy.
-        keys = keys.unsqueeze(0)
-        values = values.unsqueeze(0)
-        gqa = c.num_heads != c.num_kv_heads
-        if start_pos == 0:
-            # No past: SDPA's top-left causal mask is exact, and its fused kernel skips the
-            # masked half (twice as fast as an explicit mask for a long prefill).
-            out = F.scaled_dot_product_attention(q, keys, values, is_causal=num_new > 1, enable_gqa=gqa)
-        else:
-            # New token i sits at absolute position start_pos + i and sees keys 0..start_pos + i.
-            # With an explicit mask the kernel computes every score, so queries go in chunks that
-            # each see only the keys up to their last position: the masked-out work stays small.
-            out = torch.empty_like(q)
-            for begin in range(0, num_new, QUERY_CHUNK):
-                end = min(begin + QUERY_CHUNK, num_new)
-                visible = start_pos + end
-                query_pos = torch.arange(start_pos + begin, visible, device=q.device)
-                mask = torch.arange(visible, device=q.device)[None, :] <= query_pos[:, None]
-                out[:, :, begin:end] = F.scaled_dot_product_attention(
-                    q[:, :, begin:end], keys[:, :, :visible], values[:, :, :visible], attn_mask=mask,
-                    enable_gqa=gqa,
-                )
-        return out[0].transpose(0, 1)
-
-
-@dataclass(frozen=True, slots=True)
-class _Decodes:
-    """The items of one forward attended by the batched kernel (after a prefix, at most
-    ``EXTEND_MAX`` new tokens each)."""
-
-    kernel: object
-    items: set
-    rows: torch.Tensor          # their tokens' rows in the packed tokens
-    buffers: list               # their KV buffers, head-major
-    positions: list             # each one's first new token's position
-    counts: list                # each one's new tokens
-    donors: list                # per kernel item: the kernel item whose buffer it reads its shared prefix from
-    shared: list                # ... and that prefix's length (both empty: none shares)
-
-
-def _donors(index: list[int], shared, positions: list[int]) -> tuple[list[int], list[int]]:
-    """``forward_into``'s ``shared`` entries as the kernel's (donor, length) lists over its own
-    items; an entry whose donor is not one of them, or that would read past what either has
-    computed before this step, is dropped (that item reads its own buffer)."""
-    if not shared:
-        return [], []
-    at = {item: k for k, item in enumerate(index)}
-    donors, lengths = [-1] * len(index), [0] * len(index)
-    for k, item in enumerate(index):
-        entry = shared[item]
-        if entry is None or entry[0] not in at or entry[0] == item:
-            continue
-        d = at[entry[0]]
-        n = min(entry[1], positions[k], positions[d])
-        if n > 0:
-            donors[k], lengths[k] = d, n
-    return (donors, lengths) if any(n for n in lengths) else ([], [])
+        """q [T, heads, hd] at positions start_pos.., keys/values [kv_heads, start_pos + T, hd]:
+        ``attention.attend_torch`` with this model's shapes."""
+        return attention.attend_torch(self.config, q, keys, values, start_pos)
 
 
 def sample(

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import cluster.engine.model as model_module
-from cluster.engine import linear_layouts
+from cluster.engine import attention, linear_layouts
 from cluster.engine.model import (
     CausalLM,
     DecoderModel,
@@ -136,7 +136,7 @@ def test_chunked_attention_over_a_cached_prefix_is_exact(
     # Queries after a cached prefix are attended in chunks of QUERY_CHUNK; any chunking is exact.
     tokens = tokens_of(40, seed=8)
     full_logits, full_kv = model.forward_one(tokens, 0, None)
-    monkeypatch.setattr(model_module, "QUERY_CHUNK", chunk)
+    monkeypatch.setattr(attention, "QUERY_CHUNK", chunk)
     logits, kv = model.forward_one(tokens[11:], 11, full_kv[:, :, :11])
     torch.testing.assert_close(logits, full_logits[11:], atol=1e-4, rtol=0)
     torch.testing.assert_close(kv, full_kv[:, :, 11:], atol=1e-4, rtol=0)
