@@ -88,6 +88,12 @@ class KVLease:
         if self.cached_tokens:
             self.cache.hot.read_into(self._prefix, out)
 
+    @property
+    def prefix_extents(self) -> tuple[Extent, ...]:
+        """Where in HOT the cached prefix's KV lies (what ``read_prefix_into`` copies): the
+        prefix stays locked, so those slots keep these bytes for as long as the lease is open."""
+        return tuple(self._prefix)
+
     def read(self) -> torch.Tensor:
         """All the KV the lease holds, ``[layers, 2, length, heads, dim]`` (a copy)."""
         self._check("read")

@@ -18,10 +18,13 @@ import torch.nn.functional as F
 
 QUERY_CHUNK = 256  # queries per attention call when a cached prefix precedes them
 # New tokens after a prefix that the compiled kernel attends (one call a layer for all such
-# items); longer ones go to SDPA, whose flash kernel is faster from about 30 tokens on (Xeon
+# items); longer ones go to SDPA, whose flash kernel is faster from about 40 tokens on (Xeon
 # 2-core VM: 15 items of 20 tokens after 420 plus a decode, a step 416 -> 384 ms; one item of
-# 60 beside 4 decodes 98.7 -> 101.5 ms, of 120 164.9 -> 175.4 ms).
-EXTEND_MAX = 24
+# 60 beside 4 decodes 98.7 -> 101.5 ms, of 120 164.9 -> 175.4 ms). With the kernel reading a
+# shared prefix once (cluster.engine.shared_prefix), 15 items after a shared 420 plus a
+# decode: 25 tokens each 461 -> 436 ms, 32 each 540 -> 529 ms, 40 each 630 -> 626 ms, 64
+# each 906 -> 940 ms.
+EXTEND_MAX = 32
 
 
 def attend_torch(config, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start_pos: int) -> torch.Tensor:

@@ -60,7 +60,8 @@ class EngineRequest:
     _len: int = 0                    # tokens of the sequence whose KV is computed
     _preempted_len: int = 0          # what it had computed when it was last preempted
     _kv_group: Any = None            # cluster.engine.shared_prefix: requests whose buffers begin alike
-    _kv_shared: int = 0              # ... for this many positions (checked byte for byte)
+    _kv_shared: int = 0              # ... for this many positions (known to hold the same bytes)
+    _kv_source: tuple = ()           # the HOT slots its cached prefix was read from (its lease keeps them)
     _tiers_found: list[int] | None = None   # where its prefix was when the engine first looked
     _generator: torch.Generator | None = None   # reseeded per position (see position_seed)
     _matcher: Any = None             # its grammar's matcher (structured output), fed every sampled token

@@ -393,7 +393,8 @@ class Engine:
         req._kv = self.scratch.take(req.capacity)
         lease.read_prefix_into(_past(req, lease.cached_tokens))
         req._len = lease.cached_tokens
-        if self.share_prefixes and self._in_place and shared_prefix.join(req, self.running, _common_prefix):
+        if self.share_prefixes and self._in_place and \
+                shared_prefix.join(req, self.running, _common_prefix, lease.prefix_extents):
             self.stats["shared_prefix_joins"] += 1
         return n
 

@@ -12,16 +12,29 @@ tokens: 27 -> 17 ms), and every result is the same bit for bit: the kernel does 
 same arithmetic in the same order, only from another address
 (``extend_attention``'s ``donors``/``shared``).
 
-Whether two buffers hold the same bytes is checked, not assumed: when a request is
-admitted, the running request with which it has the longest common token prefix
-(at least ``MIN_TOKENS``) is compared with it over that prefix, byte for byte
-(``torch.equal``: about 2 ms for 420 tokens of the 135M model, once per
-admission). KV for the same tokens computed in different batches can differ in its
-last bits, so equal tokens alone would not do. Matching requests form a group; a
-request's buffer never changes below its computed length while it runs (a
-preempted request is checked afresh when it is admitted again), so what was
-checked stays true for as long as both run. In each step the group's member with the
-longest checked prefix lends its buffer to the others of the step.
+Whether two buffers hold the same bytes is known, not assumed. KV for the same
+tokens computed in different batches can differ in its last bits, so equal tokens
+alone do not do. When a request is admitted (its cached prefix just copied from
+HOT into its buffer):
+
+- if a running request's buffer was filled from the same HOT slots for its first
+  positions (``KVLease.prefix_extents``, recorded at each admission), those
+  positions hold the same bytes: both copies were read from slots the first
+  request's lease has kept locked since, and a locked slot's bytes never change
+  (no eviction, demotion, compaction or merge touches a locked node; a split or a
+  copy-on-write append leaves its bytes where they are). Nothing is compared;
+- otherwise (the running request computed that prefix itself, say) the one it
+  shares the longest token prefix with is compared with it over that prefix, byte
+  for byte (``torch.equal``: about 2 ms for 420 tokens of the 135M model).
+
+Matching requests (at least ``MIN_TOKENS`` positions) form a group; a request's
+buffer never changes below its computed length while it runs (a preempted request
+is looked at afresh when it is admitted again), so what was established stays true
+for as long as both run. In each step the group's member known to match furthest
+lends its buffer to the others of the step. In a burst of sessions behind one
+system prompt only the first follower is compared (with the request that computed
+the prompt); the others match its HOT slots (15 checks, 33 ms of the step that
+admits them, before).
 
 State lives on the requests (``_kv_group``, ``_kv_shared``) and is touched only on the
 engine thread, as the rest of the engine's state.
@@ -45,23 +58,54 @@ class Group:
 
 
 def forget(req) -> None:
-    """``req`` got a new working buffer (admitted, again after a preemption): nothing is
-    known about its bytes until it is checked."""
-    req._kv_group, req._kv_shared = None, 0
+    """``req`` got a new working buffer (admitted, again after a preemption), or gave its
+    buffer back: nothing is known about its bytes."""
+    req._kv_group, req._kv_shared, req._kv_source = None, 0, ()
 
 
-def join(req, running: Iterable, common_prefix) -> int:
-    """Check ``req``'s freshly loaded prefix against the running request it shares the
-    longest token prefix with, and join that request's group when the bytes are the
-    same. Returns the positions ``req`` may read from the group (0: none)."""
+def same_slots(a: Sequence, b: Sequence) -> int:
+    """How many positions from the start two lists of extents (``block_id``, ``offset``,
+    ``length``) name the same slots of the same blocks, however they are cut."""
+    i = j = ai = bj = n = 0
+    while i < len(a) and j < len(b):
+        ea, eb = a[i], b[j]
+        if ea.block_id != eb.block_id or ea.offset + ai != eb.offset + bj:
+            break
+        step = min(ea.length - ai, eb.length - bj)
+        n, ai, bj = n + step, ai + step, bj + step
+        if ai == ea.length:
+            i, ai = i + 1, 0
+        if bj == eb.length:
+            j, bj = j + 1, 0
+    return n
+
+
+def join(req, running: Iterable, common_prefix, source: Sequence = ()) -> int:
+    """Join ``req`` (its prefix just read from HOT slots ``source``) to the group of a
+    running request whose buffer begins with the same bytes: one read from the same
+    slots, or else the one it shares the longest token prefix with, compared byte for
+    byte. Returns the positions ``req`` may read from the group (0: none)."""
     forget(req)
+    req._kv_source = tuple(source)
     if req._len < MIN_TOKENS:
         return 0
+    running = [o for o in running if o is not req and o._kv is not None and o.namespace == req.namespace]
+    twin, twin_n = None, 0
+    for other in running:
+        n = same_slots(req._kv_source, other._kv_source)
+        if other._kv_group is not None:
+            n = min(n, other._kv_shared)
+        if n > twin_n or (n == twin_n and twin is not None and twin._kv_group is None
+                          and other._kv_group is not None):
+            twin, twin_n = other, n
+    if twin_n >= MIN_TOKENS:
+        if twin._kv_group is None:
+            twin._kv_group, twin._kv_shared = Group(), twin_n
+        req._kv_group, req._kv_shared = twin._kv_group, twin_n
+        return twin_n
     seq = req.tokens[:req._len]
     best, best_n = None, 0
     for other in running:
-        if other is req or other._kv is None or other.namespace != req.namespace:
-            continue
         n = common_prefix(seq, other.tokens[:other._len])
         # A member of a group already (and so lending to others) wins ties: one buffer is read.
         if n > best_n or (n == best_n and best is not None and best._kv_group is None

@@ -67,7 +67,7 @@ def test_the_kernel_refuses_reads_past_what_lender_or_borrower_computed():
 
 def _req(tokens, kv, namespace=None):
     return SimpleNamespace(tokens=list(tokens), _len=len(tokens), _kv=kv, namespace=namespace,
-                           _kv_group=None, _kv_shared=0)
+                           _kv_group=None, _kv_shared=0, _kv_source=())
 
 
 def test_join_checks_the_bytes_not_only_the_tokens(monkeypatch):
@@ -134,3 +134,29 @@ def test_sessions_behind_one_system_prompt_share_reads_with_the_same_logits(tmp_
         assert a.output == b.output
         assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
         assert a._kv_group is None   # finished: its buffer went back, and with it what was known of it
+
+
+def test_extents_name_the_same_slots_however_they_are_cut():
+    from cluster.cache.allocator import Extent as E
+    assert shared_prefix.same_slots([E(3, 0, 16), E(5, 0, 8)], [E(3, 0, 8), E(3, 8, 8), E(5, 0, 4)]) == 20
+    assert shared_prefix.same_slots([E(3, 0, 16)], [E(3, 1, 15)]) == 0
+    assert shared_prefix.same_slots([E(3, 0, 16), E(6, 0, 8)], [E(3, 0, 16), E(5, 0, 8)]) == 16
+    assert shared_prefix.same_slots([], [E(3, 0, 16)]) == 0
+
+
+def test_requests_whose_prefixes_were_read_from_the_same_slots_join_without_a_comparison(monkeypatch):
+    """The slots' owner holds them locked, so their bytes did not change between the two reads:
+    nothing is compared (torch.equal would raise here), and the longest match lends."""
+    from cluster.cache.allocator import Extent as E
+    monkeypatch.setattr(shared_prefix, "MIN_TOKENS", 4)
+    monkeypatch.setattr(shared_prefix.torch, "equal", lambda *a: pytest.fail("compared bytes"))
+    kv = torch.zeros(1, 2, 1, 32, 4)
+    a = _req(range(20), kv)
+    shared_prefix.join(a, [], _common_prefix, [E(7, 0, 16), E(9, 0, 4)])
+    b = _req(range(24), kv)
+    assert shared_prefix.join(b, [a], _common_prefix, [E(7, 0, 16), E(9, 0, 8)]) == 20
+    assert a._kv_group is b._kv_group and (a._kv_shared, b._kv_shared) == (20, 20)
+    c = _req(range(24), kv)   # matches b's slots over 24, but b is known to match the group over 20
+    assert shared_prefix.join(c, [a, b], _common_prefix, [E(7, 0, 16), E(9, 0, 8)]) == 20
+    shared_prefix.forget(c)
+    assert (c._kv_group, c._kv_shared, c._kv_source) == (None, 0, ())
