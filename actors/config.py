@@ -75,6 +75,9 @@ class WorkerConfig:
     # "auto": fetch from L3 where the measured fetch rate beats prefill (a small model on
     # a fast device may compute faster than any store answers); "always"; "off".
     l3_fetch: str = "auto"
+    # The nice value of the thread that writes to L3 (0-19; 0: the process's priority).
+    # Writes wait for nobody: at 19 they take the cores the engine leaves free.
+    l3_write_nice: int = 19
     # Fetch from L3 only when at least this many full blocks lie past the local prefix.
     l3_min_fetch_blocks: int = 2
     # Mooncake's staging buffer for this replica's puts and gets (bounds one batch).
@@ -101,6 +104,9 @@ class WorkerConfig:
             raise InvalidInputError(f"l3_write must be 'commit' or 'off', got {self.l3_write!r}")
         if self.l3_fetch not in ("auto", "always", "off"):
             raise InvalidInputError(f"l3_fetch must be 'auto', 'always' or 'off', got {self.l3_fetch!r}")
+        if isinstance(self.l3_write_nice, bool) or not isinstance(self.l3_write_nice, int) or \
+                not 0 <= self.l3_write_nice <= 19:
+            raise InvalidInputError(f"l3_write_nice must be an integer in 0..19, got {self.l3_write_nice!r}")
         for name in ("l3_min_fetch_blocks", "l3_buffer_mb", "handoff_peer_prefixes", "warmup_prefixes"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < (0 if name.endswith("prefixes") else 1):

@@ -29,6 +29,7 @@ what L3 holds.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict, deque
@@ -78,6 +79,11 @@ class L3TierConfig:
     - ``max_pending_bytes``: KV queued for writing; past it new writes are dropped.
     - ``max_remembered``: block hashes remembered as written (and as missing).
     - ``miss_ttl_s``: a block a fetch found missing is not asked for again this long.
+    - ``write_nice``: the nice value of the thread that writes (0-19; 0: as the rest of
+      the process). Fetches have a thread of their own at the process's priority: a
+      request may be waiting for one. Writes wait for nobody, so by default they take
+      the cores when the engine leaves them (between steps, in its Python stretches)
+      instead of beside its two threads.
     """
     model_id: str
     write: str = "commit"
@@ -87,6 +93,7 @@ class L3TierConfig:
     max_pending_bytes: int = 256 << 20
     max_remembered: int = 1 << 20
     miss_ttl_s: float = 10.0
+    write_nice: int = 19
 
     def __post_init__(self) -> None:
         if self.write not in WRITE_POLICIES:
@@ -99,6 +106,8 @@ class L3TierConfig:
                 raise InvalidInputError(f"l3 {name} must be a positive integer, got {v!r}")
         if not isinstance(self.miss_ttl_s, (int, float)) or self.miss_ttl_s < 0:
             raise InvalidInputError(f"l3 miss_ttl_s must be >= 0, got {self.miss_ttl_s!r}")
+        if isinstance(self.write_nice, bool) or not isinstance(self.write_nice, int) or not 0 <= self.write_nice <= 19:
+            raise InvalidInputError(f"l3 write_nice must be an integer in 0..19, got {self.write_nice!r}")
 
 
 @dataclass(slots=True)
@@ -190,8 +199,9 @@ class _Bounded:
 class L3Tier:
     def __init__(self, store: L3Store, layout: KVLayout, block_tokens: int, config: L3TierConfig, *,
                  clock: Callable[[], float] = time.monotonic, start_thread: bool = True):
-        """``start_thread=False``: no I/O thread; ``run_pending`` does the I/O on
-        the caller's thread (exact tests)."""
+        """``start_thread=False``: no I/O threads; ``run_pending`` does the I/O on
+        the caller's thread (exact tests). Otherwise two: ``l3-fetch`` and ``l3-write``
+        (at ``config.write_nice``), each taking its own queue's jobs in order."""
         self.store = store
         self.layout = layout
         self.block_tokens = block_tokens
@@ -211,12 +221,14 @@ class L3Tier:
         self._done_fetches: deque[FetchResult] = deque()
         self._done_writes: deque[tuple[list[int], list[bool], int]] = deque()
         self._pending_bytes = 0
-        self._busy = False
+        self._busy = {"fetch": False, "write": False}   # a job of that queue is running
         self._closed = False
-        self._thread = None
+        self._threads: list[threading.Thread] = []
         if start_thread:
-            self._thread = threading.Thread(target=self._loop, name="l3-io", daemon=True)
-            self._thread.start()
+            for kind in ("fetch", "write"):
+                thread = threading.Thread(target=self._loop, args=(kind,), name=f"l3-{kind}", daemon=True)
+                thread.start()
+                self._threads.append(thread)
 
     # ------------------------------------------------------------ policy
     def set_rates(self, fetch_tokens_per_s: float | None, prefill_tokens_per_s: float | None) -> None:
@@ -270,7 +282,7 @@ class L3Tier:
             self._write_jobs.append(_Write(blocks, [hashes[i] for i in index], nbytes))
             self._pending_bytes += nbytes
             self.stats.writes_queued += len(index)
-            self._cv.notify()
+            self._cv.notify_all()   # two I/O threads wait on it: wake the one whose queue it is
         for i in index:   # optimistic: a failed write is forgotten again in take_written
             self.written.add(hashes[i])
         return len(index)
@@ -330,7 +342,7 @@ class L3Tier:
         self.stats.fetch_blocks_asked += last - first_block
         with self._cv:
             self._fetch_jobs.append(job)
-            self._cv.notify()
+            self._cv.notify_all()   # two I/O threads wait on it: wake the one whose queue it is
 
     def take_fetched(self) -> list[FetchResult]:
         """Finished fetches (owner thread), for the cache to install."""
@@ -367,15 +379,18 @@ class L3Tier:
         return done
 
     # ------------------------------------------------------------ the I/O
-    def _loop(self) -> None:
+    def _loop(self, kind: str) -> None:
+        if kind == "write" and self.config.write_nice:
+            _lower_priority(self.config.write_nice)
+        name = f"_{kind}_jobs"   # looked up each time: drop_queued_writes swaps the queue
         while True:
             with self._cv:
-                while not (self._fetch_jobs or self._write_jobs or self._closed):
+                while not (getattr(self, name) or self._closed):
                     self._cv.wait()
-                if self._closed and not (self._fetch_jobs or self._write_jobs):
+                if self._closed and not getattr(self, name):
                     return
-                job = self._fetch_jobs.popleft() if self._fetch_jobs else self._write_jobs.popleft()
-                self._busy = True
+                job = getattr(self, name).popleft()
+                self._busy[kind] = True
             try:
                 self._run(job)
             except Exception:   # the store never raises for store trouble; anything else is a bug
@@ -383,7 +398,7 @@ class L3Tier:
                 self._fail(job)
             finally:
                 with self._cv:
-                    self._busy = False
+                    self._busy[kind] = False
                     self._cv.notify_all()
 
     def run_pending(self) -> int:
@@ -436,11 +451,11 @@ class L3Tier:
     def pending(self) -> int:
         """Jobs queued or running."""
         with self._cv:
-            return len(self._fetch_jobs) + len(self._write_jobs) + int(self._busy)
+            return len(self._fetch_jobs) + len(self._write_jobs) + sum(self._busy.values())
 
     def wait_fetches(self, timeout_s: float) -> bool:
         """Wait (any thread) until no fetch is queued or running, at most ``timeout_s``."""
-        return self._wait_idle(lambda: self._fetch_jobs, timeout_s)
+        return self._wait_idle(lambda: self._fetch_jobs, "fetch", timeout_s)
 
     def drop_queued_writes(self) -> int:
         """Drop the writes that have not started (owner thread; an admin flush, whose
@@ -459,16 +474,16 @@ class L3Tier:
 
     def flush(self, timeout_s: float) -> bool:
         """Wait (any thread) until every queued write is done, at most ``timeout_s``."""
-        return self._wait_idle(lambda: self._write_jobs, timeout_s)
+        return self._wait_idle(lambda: self._write_jobs, "write", timeout_s)
 
-    def _wait_idle(self, queue, timeout_s: float) -> bool:
-        """Until ``queue()`` is empty and no job runs; without an I/O thread, run them here."""
-        if self._thread is None:
+    def _wait_idle(self, queue, kind: str, timeout_s: float) -> bool:
+        """Until ``queue()`` is empty and none of its jobs runs; without I/O threads, run them here."""
+        if not self._threads:
             self.run_pending()
             return True
         deadline = time.monotonic() + timeout_s
         with self._cv:
-            while queue() or self._busy:
+            while queue() or self._busy[kind]:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
@@ -479,5 +494,15 @@ class L3Tier:
         with self._cv:
             self._closed = True
             self._cv.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
+        deadline = time.monotonic() + timeout_s
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+
+def _lower_priority(nice: int) -> None:
+    """This thread's nice value to ``nice`` (Linux: per thread); where that cannot be done it
+    keeps the process's, and says so once."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+    except (AttributeError, OSError) as exc:   # another platform, or not permitted
+        log.info("L3 writes keep the process's priority (%s)", exc)

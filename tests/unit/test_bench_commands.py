@@ -210,3 +210,17 @@ def test_chat_workload_summary_gives_the_median_ttft_parts_where_the_server_repo
     # Another server (no timing): no parts, the rest of the row as before.
     other = WorkloadResult([turn(0, 0, 600.0, 300.0, timing=False)], wall_s=1.0).summary()
     assert "ttft_parts_ms_first_turn_p50" not in other and other["ttft_ms_first_turn_p50"] == 900.0
+
+
+def test_bench_serving_names_how_the_ingress_calls_the_replicas() -> None:
+    """``--replica-calls`` takes the app arg's choices (grpc by default) and nothing else."""
+    import argparse
+
+    from serve_app.tools.bench_serving import add_arguments
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    assert p.parse_args([]).replica_calls == "grpc"
+    assert p.parse_args(["--replica-calls", "object_ref"]).replica_calls == "object_ref"
+    with pytest.raises(SystemExit):
+        p.parse_args(["--replica-calls", "pigeons"])

@@ -235,7 +235,46 @@ def test_prefix_value_weighs_reuse_recency_and_length():
     assert prefix_value(2000, 0, 0) > 2 * prefix_value(1000, 0, 0)   # attention: more than linear
 
 
+def test_a_fetch_does_not_wait_behind_a_write_and_writes_run_at_low_priority(model):
+    """Writes and fetches have a thread each: a write stuck in the store holds up no fetch
+    (a request may be waiting for that one), and the write thread runs at ``write_nice``."""
+    import os
+    import threading
+
+    class SlowPuts(MemoryL3Store):
+        def __init__(self):
+            super().__init__()
+            self.release, self.writer_nice = threading.Event(), None
+
+        def put_blocks(self, blocks):
+            self.writer_nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+            assert self.release.wait(30)
+            return super().put_blocks(blocks)
+
+    store = SlowPuts()
+    c = model.config
+    layout = KVLayout(c.num_layers, c.num_kv_heads, c.head_dim)
+    tier = L3Tier(store, layout, BT, L3TierConfig(model_id="test-model", write_nice=7))
+    try:
+        tokens = toks(900, 24)
+        hashes = block_hashes(tokens, BT, salt=None)
+        kv = torch.zeros(c.num_layers, 2, len(tokens), c.num_kv_heads, c.head_dim)
+        assert tier.write(tokens, hashes, [0, 1, 2], kv) == 3
+        tier.start_fetch(None, tokens, hashes, 0)
+        assert tier.wait_fetches(10)                 # answered (misses) while the write is stuck
+        assert [r.blocks for r in tier.take_fetched()] == [0] and tier.pending() == 1
+        store.release.set()
+        assert tier.flush(10) and tier.pending() == 0
+        process_nice = os.getpriority(os.PRIO_PROCESS, 0)
+        assert store.writer_nice == max(7, process_nice)
+    finally:
+        store.release.set()
+        tier.close()
+
+
 def test_config_is_validated():
+    with pytest.raises(InvalidInputError, match="write_nice"):
+        L3TierConfig(model_id="m", write_nice=20)
     with pytest.raises(InvalidInputError, match="write policy"):
         L3TierConfig(model_id="m", write="sometimes")
     with pytest.raises(InvalidInputError, match="min_fetch_blocks"):
