@@ -36,7 +36,7 @@ system prompt only the first follower is compared (with the request that compute
 the prompt); the others match its HOT slots (15 checks, 33 ms of the step that
 admits them, before).
 
-State lives on the requests (``_kv_group``, ``_kv_shared``) and is touched only on the
+State lives on the requests (``_kv_group``, ``_kv_shared``, ``_kv_source``) and is touched only on the
 engine thread, as the rest of the engine's state.
 """
 
