@@ -96,6 +96,7 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 from cluster.bench.common import emit, percentile, rounded
+from cluster.bench.replay_report import plot, seed_summary
 # The trace and the model of a replica; Replica, ServiceModel and synthetic_chat_trace are re-exported.
 from cluster.bench.replay_model import LatencyModel, Replica, ServiceModel, _tiers_between, synthetic_chat_trace  # noqa: F401
 from cluster.cache.radix_tree import COLD, HOT, WARM
@@ -471,6 +472,8 @@ def run(args: argparse.Namespace) -> int:
                            args.transfer_gbps, getattr(args, "l3_gbps", 0.0) if getattr(args, "scale_events", None)
                            else 0.0)
     if getattr(args, "scale_events", None):
+        from cluster.bench.replay_elastic import run_scale_events
+
         return run_scale_events(args, names, latency, seeds)
     by_seed = []
     for seed in seeds:
@@ -495,40 +498,6 @@ def run(args: argparse.Namespace) -> int:
             emit(line)
     if args.plot:
         plot(by_seed[0], args.plot)
-    return 0
-
-
-def run_scale_events(args: argparse.Namespace, names: list[str], latency: LatencyModel, seeds: list[int]) -> int:
-    """``--scale-events``: every policy under every arm of ``--scale-arms`` (see
-    ``cluster.bench.replay_elastic``), one replay line and one replay_scale line per event each."""
-    from cluster.bench.replay_elastic import ScaleEvents, parse_events
-
-    events = parse_events(args.scale_events)
-    arms = args.scale_arms.split(",")
-    per = args.hot_blocks + args.warm_blocks + args.cold_blocks
-    l3_blocks = args.l3_blocks or args.replicas * (args.hot_blocks + args.warm_blocks)
-    handoff = args.handoff_blocks if args.handoff_blocks is not None else per // 8
-    if args.scale_window_s <= 0 or args.l3_gbps <= 0 or l3_blocks <= 0 or handoff < 0:
-        raise InvalidInputError("--scale-window-s, --l3-gbps and --l3-blocks must be positive, --handoff-blocks >= 0")
-    tiers = TierConfig(hot_blocks=args.hot_blocks, warm_blocks=args.warm_blocks, cold_blocks=args.cold_blocks,
-                       block_tokens=1, device="cpu")
-    for seed in seeds:
-        records = _records(args, seed)
-        hash_chains = [block_hashes(r.hash_ids, 1) for r in records]
-        noise = None if args.oracle else ServiceModel.draws(len(records), args.service_noise, seed)
-        for name in names:
-            for arm in arms:
-                scale = ScaleEvents(events, arm, window_s=args.scale_window_s, l3_blocks=l3_blocks,
-                                    handoff_blocks=handoff, make_replica=lambda wid: Replica(wid, tiers))
-                res = run_policy(name, records, hash_chains, args, latency, noise=noise, scale=scale)
-                res["arm"] = arm
-                if not args.trace:
-                    res["seed"] = seed
-                emit(res)
-                base = {"policy": name, "information": res["information"], "replicas": args.replicas,
-                        **({} if args.trace else {"seed": seed})}
-                for row in scale.rows(base):
-                    emit(row)
     return 0
 
 
@@ -561,63 +530,6 @@ def _records(args: argparse.Namespace, seed: int) -> list[TraceRecord]:
         raise InvalidInputError("the trace has no records")
     records.sort(key=lambda r: r.timestamp)
     return records
-
-
-SEED_METRICS = ("hit_rate", "load_imbalance", "busy_imbalance", "ttft_ms_p99")
-
-
-def seed_summary(seeds: list[int], by_seed: list[list[dict]]) -> list[dict]:
-    """One line per policy over the seeds: each metric's mean, min, max and
-    values by seed, and against every other policy of the run the seeds on
-    which it had the strictly higher hit rate, the strictly lower
-    load_imbalance and the strictly lower p99 TTFT."""
-    first = by_seed[0]
-    lines = []
-    for k, res in enumerate(first):
-        runs = [results[k] for results in by_seed]
-        line = {"bench": "replay_seeds", "policy": res["policy"], "information": res["information"],
-                "records": res["records"],
-                "replicas": res["replicas"], "seeds": seeds}
-        if "shape" in res:
-            line["shape"] = res["shape"]
-        if res.get("policy_args"):
-            line["policy_args"] = res["policy_args"]
-        for m in SEED_METRICS:
-            values = [r[m] for r in runs]
-            line[f"{m}_mean"] = rounded(sum(values) / len(values), 1 if m.startswith("ttft_ms") else 4)
-            line[f"{m}_min"], line[f"{m}_max"] = min(values), max(values)
-            line[f"{m}_by_seed"] = values
-        line["versus"] = {
-            other["policy"]: {
-                "higher_hit_rate": sum(r[k]["hit_rate"] > r[j]["hit_rate"] for r in by_seed),
-                "lower_load_imbalance": sum(r[k]["load_imbalance"] < r[j]["load_imbalance"] for r in by_seed),
-                "lower_ttft_ms_p99": sum(r[k]["ttft_ms_p99"] < r[j]["ttft_ms_p99"] for r in by_seed)}
-            for j, other in enumerate(first) if j != k}
-        lines.append(line)
-    return lines
-
-
-def plot(results: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = [r["policy"] for r in results]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    ax1.bar(names, [r["hit_rate"] for r in results], color="tab:blue")
-    ax1.set_ylabel("prefix hit rate (cached input tokens / input tokens)")
-    ax1.set_ylim(0, 1)
-    ax2.bar(names, [r["ttft_ms_p99"] for r in results], color="tab:red")
-    ax2.set_ylabel("p99 TTFT (ms, log scale)")
-    ax2.set_yscale("log")
-    for ax in (ax1, ax2):
-        ax.tick_params(axis="x", rotation=30)
-        ax.grid(True, axis="y", alpha=0.3)
-    r0 = results[0]
-    fig.suptitle(f"Routing policies: {r0['records']:,} requests, {r0['replicas']} replicas")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
 
 
 def misestimate_sweep(records, hash_chains, args, latency: LatencyModel, results: list[dict],

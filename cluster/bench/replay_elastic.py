@@ -28,12 +28,15 @@ in the same length before it, what the hand-off and warm-up moved.
 
 from __future__ import annotations
 
+import argparse
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from cluster.bench.common import percentile, rounded
+from cluster.bench.common import emit, percentile, rounded
+from cluster.bench.replay_model import LatencyModel, Replica, ServiceModel
 from cluster.cache.prefix_value import shared_prefixes, valuable_prefixes
+from cluster.cache.tiered import TierConfig
 from cluster.errors import InvalidInputError
 from cluster.hashing import block_hashes
 
@@ -235,3 +238,37 @@ def _install(replica: Any, tokens: tuple[int, ...]) -> int:
         return 0
     finally:
         lease.release()
+
+
+def run_scale_events(args: argparse.Namespace, names: list[str], latency: LatencyModel, seeds: list[int]) -> int:
+    """``--scale-events``: every policy under every arm of ``--scale-arms`` (see
+    ``cluster.bench.replay_elastic``), one replay line and one replay_scale line per event each."""
+    from cluster.bench.replay import _records, run_policy   # replay imports this module lazily
+
+    events = parse_events(args.scale_events)
+    arms = args.scale_arms.split(",")
+    per = args.hot_blocks + args.warm_blocks + args.cold_blocks
+    l3_blocks = args.l3_blocks or args.replicas * (args.hot_blocks + args.warm_blocks)
+    handoff = args.handoff_blocks if args.handoff_blocks is not None else per // 8
+    if args.scale_window_s <= 0 or args.l3_gbps <= 0 or l3_blocks <= 0 or handoff < 0:
+        raise InvalidInputError("--scale-window-s, --l3-gbps and --l3-blocks must be positive, --handoff-blocks >= 0")
+    tiers = TierConfig(hot_blocks=args.hot_blocks, warm_blocks=args.warm_blocks, cold_blocks=args.cold_blocks,
+                       block_tokens=1, device="cpu")
+    for seed in seeds:
+        records = _records(args, seed)
+        hash_chains = [block_hashes(r.hash_ids, 1) for r in records]
+        noise = None if args.oracle else ServiceModel.draws(len(records), args.service_noise, seed)
+        for name in names:
+            for arm in arms:
+                scale = ScaleEvents(events, arm, window_s=args.scale_window_s, l3_blocks=l3_blocks,
+                                    handoff_blocks=handoff, make_replica=lambda wid: Replica(wid, tiers))
+                res = run_policy(name, records, hash_chains, args, latency, noise=noise, scale=scale)
+                res["arm"] = arm
+                if not args.trace:
+                    res["seed"] = seed
+                emit(res)
+                base = {"policy": name, "information": res["information"], "replicas": args.replicas,
+                        **({} if args.trace else {"seed": seed})}
+                for row in scale.rows(base):
+                    emit(row)
+    return 0

@@ -382,14 +382,13 @@ class L3Tier:
     def _loop(self, kind: str) -> None:
         if kind == "write" and self.config.write_nice:
             _lower_priority(self.config.write_nice)
-        name = f"_{kind}_jobs"   # looked up each time: drop_queued_writes swaps the queue
         while True:
             with self._cv:
-                while not (getattr(self, name) or self._closed):
+                while not (self._jobs(kind) or self._closed):
                     self._cv.wait()
-                if self._closed and not getattr(self, name):
+                if self._closed and not self._jobs(kind):
                     return
-                job = getattr(self, name).popleft()
+                job = self._jobs(kind).popleft()
                 self._busy[kind] = True
             try:
                 self._run(job)
@@ -455,7 +454,7 @@ class L3Tier:
 
     def wait_fetches(self, timeout_s: float) -> bool:
         """Wait (any thread) until no fetch is queued or running, at most ``timeout_s``."""
-        return self._wait_idle(lambda: self._fetch_jobs, "fetch", timeout_s)
+        return self._wait_idle("fetch", timeout_s)
 
     def drop_queued_writes(self) -> int:
         """Drop the writes that have not started (owner thread; an admin flush, whose
@@ -474,16 +473,21 @@ class L3Tier:
 
     def flush(self, timeout_s: float) -> bool:
         """Wait (any thread) until every queued write is done, at most ``timeout_s``."""
-        return self._wait_idle(lambda: self._write_jobs, "write", timeout_s)
+        return self._wait_idle("write", timeout_s)
 
-    def _wait_idle(self, queue, kind: str, timeout_s: float) -> bool:
-        """Until ``queue()`` is empty and none of its jobs runs; without I/O threads, run them here."""
+    def _jobs(self, kind: str) -> deque:
+        """The queue of ``kind`` ("fetch" or "write"), looked up each time: ``drop_queued_writes``
+        swaps the write queue for a new one."""
+        return self._fetch_jobs if kind == "fetch" else self._write_jobs
+
+    def _wait_idle(self, kind: str, timeout_s: float) -> bool:
+        """Until ``kind``'s queue is empty and none of its jobs runs; without I/O threads, run them here."""
         if not self._threads:
             self.run_pending()
             return True
         deadline = time.monotonic() + timeout_s
         with self._cv:
-            while queue() or self._busy[kind]:
+            while self._jobs(kind) or self._busy[kind]:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False

@@ -305,8 +305,7 @@ class DecoderModel(nn.Module):
         cos, sin = rope_tables(config)   # float32, whatever the model dtype
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self._decode_kernel = None   # see use_decode_kernel
-        self._extend_kernel = None
+        self._extend_kernel = None   # see use_decode_kernel
         # See tune_linears: the layout per row count of the layers' linears and of the head, and
         # the copies (MKL-packed, panels) of the weights whose group runs on them at some row count,
         # by (layout, id).
@@ -421,11 +420,11 @@ class DecoderModel(nn.Module):
         """Attend the items of ``forward_into`` that follow a prefix with at most
         ``EXTEND_MAX`` new tokens (decodes, later turns) with the compiled kernel
         (``cluster.engine.kernels``; float32 on the CPU); True when it is in use."""
-        self._decode_kernel = self._extend_kernel = None
+        self._extend_kernel = None
         if on and self.config.dtype == "float32" and self.device.type == "cpu":
-            from cluster.engine.kernels import decode_attention, extend_attention
-            self._decode_kernel, self._extend_kernel = decode_attention(), extend_attention()
-        return self._decode_kernel is not None
+            from cluster.engine.kernels import extend_attention
+            self._extend_kernel = extend_attention()
+        return self._extend_kernel is not None
 
     def tune_linears(self) -> dict[str, dict[int, str]]:
         """Use, per row count, the fastest of MKL's linear layouts on this machine

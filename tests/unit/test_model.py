@@ -367,7 +367,7 @@ def test_decode_kernel_equals_the_torch_path_at_every_length_on_the_vector_path(
         keys = torch.cat([buffers[b][1, 0, :, :n], k_new[b, :, None]], dim=1)
         values = torch.cat([buffers[b][1, 1, :, :n], v_new[b, :, None]], dim=1)
         want.append(model._attend(q[b:b + 1], keys, values, n)[0])
-    got = model._decode_kernel(q, k_new, v_new, buffers, 1, lengths, 64 ** -0.5)
+    got = model._extend_kernel(q, k_new, v_new, buffers, 1, lengths, [1] * len(lengths), 64 ** -0.5)
     # Outputs of magnitude ~10: float32 sums of 300 terms in another order differ by
     # up to about 1e-5 relative (seen: 1.3e-5 absolute on an output of 1.4).
     torch.testing.assert_close(got, torch.stack(want), atol=1e-5, rtol=2e-5)

@@ -1,16 +1,15 @@
 """Compiled CPU kernels of the packed decoder, built on first use with torch's C++ extension loader.
 
-``decode_attention`` (``decode_attention.cpp``): one call per layer for every
-sequence of a step that decodes one token, each in its own head-major KV
-buffer: the token's K/V written in place, every query head attending over its
-sequence's keys, the work split over (sequence, KV head) on ATen's threads.
-In the torch path that is a handful of small ops per sequence per layer, whose
+``extend_attention`` (``decode_attention.cpp``): one call per layer for every
+sequence of a step that decodes one token or adds a few after its cached prefix
+(a later turn's prompt, a burst of sessions behind one system prompt), each in
+its own head-major KV buffer: the new tokens' K/V written in place, every query
+head of each new token attending causally over its sequence's keys, the work
+split over (sequence, KV head) on ATen's threads. In the torch path that is a
+handful of small ops (or an SDPA call with a mask) per sequence per layer, whose
 dispatch costs more than the arithmetic on a CPU (about 480 calls a step for
 16 sequences of a 30-layer model). Float32 on the CPU; its results equal the
-torch path's to about 1e-7. ``extend_attention``, from the same source: the same for a
-few new tokens per sequence after its cached prefix, each attending causally (a later
-turn's prompt, a burst of sessions behind one system prompt), instead of an SDPA call
-with a mask per sequence per layer.
+torch path's to about 1e-7.
 
 ``blocked_linear`` (``blocked_linear.cpp``): a float32 linear over the weight packed
 into column panels that gives, at any row count, the numbers MKL's sgemm gives for
@@ -61,12 +60,6 @@ def _module(name: str) -> Any:
             if state["error"]:
                 log.warning("%s kernel unavailable (%s); using the torch path", name, state["error"])
         return state["module"]
-
-
-def decode_attention() -> Any:
-    """The compiled ``decode_attention`` function, or None (see the module docstring)."""
-    module = _module("decode_attention")
-    return None if module is None else module.decode_attention
 
 
 def extend_attention() -> Any:

@@ -204,7 +204,7 @@ void attend_avx2_64(const float* q, const Rows& rows, float* out, int64_t group,
     for (int j = 0; j < 8; ++j) o[j] = _mm256_setzero_ps();
     for (int64_t s = 0; s < length; ++s) {   // in position order, as without a shared prefix
       const __m256 p = _mm256_set1_ps(row[s]);
-      const float* v = (s < split ? rows.shared_values : rows.values) + s * 64;
+      const float* v = rows.value(s, 64);
       for (int j = 0; j < 8; ++j) o[j] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * j), o[j]);
     }
     for (int j = 0; j < 8; ++j) _mm256_storeu_ps(out + g * 64 + 8 * j, o[j]);
@@ -322,19 +322,7 @@ torch::Tensor extend_attention(torch::Tensor q, torch::Tensor k_new, torch::Tens
   return out;
 }
 
-// One new token per sequence: q [B, heads, D]; k_new, v_new [B, kv_heads, D]; positions[b]:
-// where sequence b's new token goes. Returns [B, heads, D].
-torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_new, torch::Tensor v_new,
-                               std::vector<torch::Tensor> buffers, int64_t layer,
-                               std::vector<int64_t> positions, double scale) {
-  TORCH_CHECK(static_cast<int64_t>(buffers.size()) == q.size(0) && static_cast<int64_t>(positions.size()) == q.size(0),
-              "one buffer and one position per sequence");
-  return extend_attention(q, k_new, v_new, buffers, layer, positions, std::vector<int64_t>(positions.size(), 1),
-                          scale, {}, {});
-}
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &decode_attention, "batched decode attention over per-sequence KV buffers, in place");
   m.def("extend_attention", &extend_attention,
         "batched causal attention of a few new tokens per sequence over per-sequence KV buffers, in place",
         pybind11::arg("q"), pybind11::arg("k_new"), pybind11::arg("v_new"), pybind11::arg("buffers"),
