@@ -71,6 +71,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3, help="TTFT samples per arm, taken in turns (best reported)")
     p.add_argument("--threads", type=int, default=1, help="torch threads for both arms (default 1)")
     p.add_argument("--block-tokens", type=int, default=16)
+    p.add_argument("--cuda-graphs", choices=("on", "off"), default="on",
+                   help="on CUDA: decode steps replay a captured graph per batch-size bucket (default on)")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -96,7 +98,7 @@ class EngineArm:
                          device=str(device))
         cache = TieredCache(cfg, KVLayout(c.num_layers, c.num_kv_heads, c.head_dim, c.dtype), vocab_size=c.vocab_size)
         self.engine = Engine(model, cache, max_batch_tokens=max(4096, args.prompt_tokens),
-                             max_running=max(64, args.concurrency))
+                             max_running=max(64, args.concurrency), cuda_graphs=args.cuda_graphs == "on")
         self.device = device
 
     def run(self, prompts: list[list[int]], max_tokens: int) -> list[EngineRequest]:
@@ -270,7 +272,9 @@ def run(args: argparse.Namespace) -> int:
                 "decode_tokens_per_s": rounded(decode, 2),
                 "throughput_tokens_per_s": rounded(ours_throughput, 2),
                 "greedy_match": rounded(match, 4),
-                "greedy_token_match": rounded(token_match, 4)}
+                "greedy_token_match": rounded(token_match, 4),
+                "decode_kernel": bool(ours.engine.decode_kernel), "cuda_graphs": bool(ours.engine.cuda_graphs),
+                "graph_replays": getattr(loaded.model, "graph_stats", {}).get("replays", 0)}
     ours_row["cold_ttft_vs_transformers"] = rounded(ours_row["ttft_ms_cold"] / hf_cold_ms, 3)
     ours_row["decode_vs_transformers"] = rounded(decode / hf_decode, 3)
     ours_row["throughput_vs_transformers_sequential"] = rounded(ours_throughput / hf_sequential, 2)

@@ -61,7 +61,7 @@ class DiskPool:
         return torch.frombuffer(buf, dtype=self.layout.torch_dtype).view(self.block_shape)
 
     def _write_block(self, b: int, block: torch.Tensor) -> None:
-        data = block.contiguous().numpy().tobytes()
+        data = block.contiguous().view(torch.uint8).numpy().tobytes()   # any dtype: numpy has no bfloat16
         checksum = xxhash.xxh3_64_intdigest(data) or 1
         if os.pwrite(self._fd, data, b * self.block_bytes) != self.block_bytes:
             raise DiskTierError(f"short write to disk block {b} of {self.path}")

@@ -11,6 +11,7 @@ the in-flight ``_moves`` and ``_pending_out``.
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -21,6 +22,8 @@ from cluster.cache.radix_tree import TreeNode
 from cluster.cache.tier_types import Move, MoveKind
 from cluster.errors import ChecksumError, PoolExhaustedError
 from cluster.names import HOT, WARM
+
+log = logging.getLogger(__name__)
 
 
 class TierMoves:
@@ -61,13 +64,20 @@ class TierMoves:
                 self.stats["dropped_tokens"] += self.tree.drop(node)
             else:
                 move = self._start_demotion(node)
-                if move is None:
-                    if not node.children:  # the next tier is stuck too: drop instead of failing
-                        self.stats["dropped_tokens"] += self.tree.drop(node)
-                    else:
-                        passed_over.append(node)
-                    continue
-                self._wait_move(move)
+                if move is not None:
+                    self._wait_move(move)
+                    if move.error is None or not node.alive or node.tier != tier:
+                        continue
+                    # The next tier failed the copy (a disk error): the node stays here, and
+                    # demoting it again would fail again, forever. Drop it like a stuck one.
+                    self.stats["demotion_failures"] += 1
+                    if self.stats["demotion_failures"] == 1:
+                        log.warning("demotion from tier %d failed (%s: %s); dropping instead", tier,
+                                    type(move.error).__name__, move.error)
+                if not node.children and not node.lock_ref and node.alive:
+                    self.stats["dropped_tokens"] += self.tree.drop(node)   # the next tier is stuck too
+                else:
+                    passed_over.append(node)
         return True
 
     def _start_demotion(self, nodes: TreeNode | list[TreeNode]) -> Move | None:
@@ -180,6 +190,7 @@ class TierMoves:
         return sum(len(n.key) for n in nodes if n.alive and n.tier == HOT)
 
     def _complete(self, move: Move, error: BaseException | None) -> None:
+        move.error = error
         for n in move.nodes:
             n.busy = None
         if move.kind is MoveKind.DEMOTE:

@@ -81,6 +81,7 @@ class Move:
     engine: CopyEngine | None
     op_id: int = 0
     failed_index: list[int] = field(default_factory=list)
+    error: BaseException | None = None   # set when the copy failed (applied by _complete)
 
 
 @dataclass(slots=True)

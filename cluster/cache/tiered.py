@@ -95,7 +95,8 @@ class TieredCache(TierMoves):
         self._sessions: OrderedDict[Any, tuple[Hashable, list[int]]] = OrderedDict()
         self.l3: L3Link | None = None   # attach_l3
         self.stats = {"demoted_to_warm": 0, "demoted_to_cold": 0, "promoted_tokens": 0, "promotions": 0,
-                      "dropped_tokens": 0, "checksum_failures": 0, "demotions_abandoned": 0, "prefetches": 0,
+                      "dropped_tokens": 0, "checksum_failures": 0, "demotions_abandoned": 0, "demotion_failures": 0,
+                      "prefetches": 0,
                       "prefetch_unknown_session": 0, "stalls": 0, "promotion_skipped_no_room": 0, "compacted_blocks": 0,
                       "checkpoints_deferred": 0}
 

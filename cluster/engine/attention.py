@@ -1,5 +1,6 @@
 """Attention of the packed decoder: the torch path (SDPA, matmuls for one decode) and the
-batch of items the compiled kernels attend (``cluster.engine.kernels``).
+batch of items the compiled kernels attend (``cluster.engine.kernels``: C++ on the CPU,
+Triton on CUDA).
 
 ``DecoderModel.forward_into`` attends each layer's items one of two ways: items after a
 cached prefix with at most ``EXTEND_MAX`` new tokens (decodes, a later turn's few tokens, a
@@ -79,6 +80,15 @@ class KernelItems:
     counts: list                # each one's new tokens
     donors: list                # per kernel item: the kernel item whose buffer it reads its shared prefix from
     shared: list                # ... and that prefix's length (both empty: none shares)
+    batch: object = None        # CUDA: the same on the device (``triton_attention.Batch``), built once a forward
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+        """One layer for all these items: their rows' q/k/v (contiguous, in order), the new
+        K/V written into their buffers; the attention output of those rows."""
+        if self.batch is not None:
+            return self.kernel.extend_attention(q, k, v, self.batch, layer, scale)
+        return self.kernel(q, k, v, self.buffers, layer, self.positions, self.counts, scale, self.donors,
+                           self.shared)
 
 
 def _donors(index: list[int], shared, positions: list[int]) -> tuple[list[int], list[int]]:
@@ -115,5 +125,9 @@ def kernel_items(kernel, checked: Sequence[tuple[torch.Tensor, int, torch.Tensor
             rows.extend(range(offset, offset + t.numel()))
         offset += t.numel()
     donors, lengths = _donors(index, shared, [checked[i][1] for i in index])
-    return KernelItems(kernel, chosen, torch.tensor(rows, dtype=torch.long), [checked[i][2] for i in index],
-                       [checked[i][1] for i in index], [checked[i][0].numel() for i in index], donors, lengths)
+    buffers, positions = [checked[i][2] for i in index], [checked[i][1] for i in index]
+    counts = [checked[i][0].numel() for i in index]
+    # CUDA (the Triton module): the table the launches read, on the device once for every layer.
+    batch = kernel.prepare(buffers, positions, counts, donors, lengths) if hasattr(kernel, "prepare") else None
+    return KernelItems(kernel, chosen, torch.tensor(rows, dtype=torch.long, device=buffers[0].device), buffers,
+                       positions, counts, donors, lengths, batch)

@@ -306,6 +306,7 @@ class DecoderModel(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self._extend_kernel = None   # see use_decode_kernel
+        self._graphs = None          # see use_cuda_graphs
         # See tune_linears: the layout per row count of the layers' linears and of the head, and
         # the copies (MKL-packed, panels) of the weights whose group runs on them at some row count,
         # by (layout, id).
@@ -404,7 +405,12 @@ class DecoderModel(nn.Module):
             if kv.shape[3] < start_pos + tokens.numel():
                 raise ValueError(f"{where}kv buffer of {kv.shape[3]} positions cannot take "
                                  f"{start_pos} + {tokens.numel()} tokens")
-            checked.append((tokens.to(self.device), start_pos, kv))
+            checked.append((tokens, start_pos, kv))
+        if self._graphs is not None:   # CUDA: a step of decodes alone replays a captured graph
+            logits = self._graphs.run(checked, shared)
+            if logits is not None:
+                return logits
+        checked = [(tokens.to(self.device), start_pos, kv) for tokens, start_pos, kv in checked]
 
         def attend(layer_index, q, k, v, item_index):
             _, start_pos, kv = checked[item_index]
@@ -420,11 +426,28 @@ class DecoderModel(nn.Module):
         """Attend the items of ``forward_into`` that follow a prefix with at most
         ``EXTEND_MAX`` new tokens (decodes, later turns) with the compiled kernel
         (``cluster.engine.kernels``; float32 on the CPU); True when it is in use."""
-        self._extend_kernel = None
+        self._extend_kernel, self._graphs = None, None
         if on and self.config.dtype == "float32" and self.device.type == "cpu":
             from cluster.engine.kernels import extend_attention
             self._extend_kernel = extend_attention()
+        elif on and self.device.type == "cuda":
+            from cluster.engine.kernels import cuda_extend_attention
+            self._extend_kernel = cuda_extend_attention()
         return self._extend_kernel is not None
+
+    def use_cuda_graphs(self, on: bool = True, sizes: Sequence[int] | None = None) -> bool:
+        """On CUDA with the Triton attention in use (``use_decode_kernel``): replay a CUDA
+        graph per batch-size bucket for ``forward_into`` steps of decodes alone
+        (``cluster.engine.cuda_graphs``); True when on."""
+        self._graphs = None
+        if on and self.device.type == "cuda" and hasattr(self._extend_kernel, "prepare"):
+            from cluster.engine.cuda_graphs import DEFAULT_SIZES, DecodeGraphs
+            self._graphs = DecodeGraphs(self, self._extend_kernel, sizes or DEFAULT_SIZES)
+        return self._graphs is not None
+
+    @property
+    def graph_stats(self) -> dict[str, int]:
+        return dict(self._graphs.stats) if self._graphs is not None else {}
 
     def tune_linears(self) -> dict[str, dict[int, str]]:
         """Use, per row count, the fastest of MKL's linear layouts on this machine
@@ -459,14 +482,22 @@ class DecoderModel(nn.Module):
         """The packed forward over every item's new tokens; ``attend(layer, q, k, v, item)``
         stores one item's new K/V where it keeps them and returns its attention output.
         ``decodes``: the items that decode one token, attended all at once per layer."""
-        c = self.config
-
         tokens = torch.cat([t for t, _ in checked]) if len(checked) > 1 else checked[0][0]
         positions = torch.cat([torch.arange(p, p + t.numel(), device=self.device) for t, p in checked])
         bounds, offset = [], 0
         for t, _ in checked:
             bounds.append((offset, offset + t.numel()))
             offset += t.numel()
+        logits, bounds = self._layers(tokens, positions, bounds, attend, last_logits_only, decodes)
+        return [logits[begin:end] for begin, end in bounds]
+
+    def _layers(self, tokens: torch.Tensor, positions: torch.Tensor, bounds: list[tuple[int, int]], attend,
+                last_logits_only: bool, decodes: "attention.KernelItems | None"
+                ) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+        """``_forward`` on the packed tokens and their positions (device tensors; what a CUDA
+        graph captures, ``cluster.engine.cuda_graphs``): the logits of all rows kept (the
+        last of each item with ``last_logits_only``) and each item's rows in them."""
+        c = self.config
         cos = self.rope_cos[positions].unsqueeze(1)
         sin = self.rope_sin[positions].unsqueeze(1)
         q_width = c.num_heads * c.head_dim
@@ -485,17 +516,14 @@ class DecoderModel(nn.Module):
             q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
             v = qkv[:, q_width + kv_width:].view(-1, c.num_kv_heads, c.head_dim)
             if decodes is not None and len(decodes.items) == len(bounds):   # all on the kernel: no gather
-                attn_out = decodes.kernel(q.contiguous(), k.contiguous(), v.contiguous(), decodes.buffers,
-                                          layer_index, decodes.positions, decodes.counts, c.head_dim ** -0.5,
-                                          decodes.donors, decodes.shared)
+                attn_out = decodes.attend(q.contiguous(), k.contiguous(), v.contiguous(), layer_index,
+                                          c.head_dim ** -0.5)
             else:
                 attn_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
                 if decodes is not None:
                     rows = decodes.rows
-                    attn_out[rows] = decodes.kernel(q[rows].contiguous(), k[rows].contiguous(),
-                                                    v[rows].contiguous(), decodes.buffers, layer_index,
-                                                    decodes.positions, decodes.counts, c.head_dim ** -0.5,
-                                                    decodes.donors, decodes.shared)
+                    attn_out[rows] = decodes.attend(q[rows].contiguous(), k[rows].contiguous(),
+                                                    v[rows].contiguous(), layer_index, c.head_dim ** -0.5)
                 for item_index, (begin, end) in enumerate(bounds):
                     if decodes is not None and item_index in decodes.items:
                         continue
@@ -510,7 +538,7 @@ class DecoderModel(nn.Module):
             bounds = [(i, i + 1) for i in range(len(bounds))]
         logits = self._linear(_rms_norm(hidden, self.final_norm, c.rms_norm_eps), self.output_weight, None,
                               linear_layouts.layout_for(self._head_layouts, hidden.shape[0])).float()
-        return [logits[begin:end] for begin, end in bounds]
+        return logits, bounds
 
     def _attend(
         self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start_pos: int

@@ -61,7 +61,8 @@ DEFAULT_BATCH_TOKENS = 512
 class Engine:
     def __init__(self, model: Any, cache: TieredCache, *, max_batch_tokens: int = DEFAULT_BATCH_TOKENS,
                  max_running: int = 64, keep_logits: bool = False, cache_final_token: bool = True,
-                 decode_kernel: bool = True, grammars: Any = None, clock=time.perf_counter,
+                 decode_kernel: bool = True, cuda_graphs: bool = True, grammars: Any = None,
+                 clock=time.perf_counter,
                  scratch_arena_tokens: int | None = None):
         """``max_batch_tokens``: the tokens one step computes at most (decodes and
         prefill chunks together). ``cache_final_token``: when a request ends, also
@@ -71,7 +72,9 @@ class Engine:
         SGLang do: the next turn computes that one token inside its own prefill.
         ``decode_kernel``: the packed decoder attends every decoding request of a
         step in one compiled call per layer (``cluster.engine.kernels``) where it
-        can be built; the torch path otherwise. ``grammars``: the tokenizer's
+        can be built (Triton on CUDA); the torch path otherwise. ``cuda_graphs``: on
+        CUDA, with that kernel, steps of decodes alone replay a graph captured per
+        batch-size bucket (``cluster.engine.cuda_graphs``). ``grammars``: the tokenizer's
         ``cluster.engine.grammar.Grammars`` (None: constrained requests are refused).
         ``scratch_arena_tokens``: the working KV faulted in at start-up
         (``cluster.engine.scratch``; None: twice what HOT holds on the CPU, none on CUDA)."""
@@ -102,6 +105,7 @@ class Engine:
         self._in_place = hasattr(model, "forward_into")
         self.decode_kernel = model.use_decode_kernel(decode_kernel) if hasattr(model, "use_decode_kernel") \
             else False
+        self.cuda_graphs = model.use_cuda_graphs(cuda_graphs) if hasattr(model, "use_cuda_graphs") else False
         # The faster of MKL's two linear layouts for each row count, measured on this machine.
         self.linear_layouts = model.tune_linears() if hasattr(model, "tune_linears") else {}
         hot = cache.hot.allocator

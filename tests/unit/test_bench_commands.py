@@ -86,7 +86,7 @@ GPU_CHECK = Path(__file__).resolve().parents[2] / "scripts" / "gpu-check.sh"
 def test_gpu_check_script_is_valid_bash_and_names_every_step():
     subprocess.run(["bash", "-n", str(GPU_CHECK)], check=True)
     text = GPU_CHECK.read_text()
-    for step in ("-m cuda", "bench tiers", "bench engine --device cuda --dtype bfloat16", "bench multiturn"):
+    for step in ("-m cuda", "bench tiers", "--device cuda --dtype bfloat16", "--cuda-graphs off", "bench multiturn"):
         assert step in text, step
 
 
@@ -122,17 +122,21 @@ def test_gpu_check_script_runs_every_step_in_order_past_a_failed_one(tmp_path):
     calls = (tmp_path / "bin" / "calls.log").read_text().splitlines()
     assert [c.split()[:3] if c.startswith("python -m") else c.split()[:2] for c in calls] == [
         ["bash", ".ci/install"], ["python", "-c"], ["python", "-m", "pytest"],
-        ["python", "-m", "cluster.cli"], ["python", "-m", "cluster.cli"], ["python", "-m", "cluster.cli"]]
-    assert "-m cuda tests/unit" in calls[2]
-    assert [c.split()[3:5] for c in calls[3:]] == [["bench", "tiers"], ["bench", "engine"], ["bench", "multiturn"]]
-    steps = ["install", "cuda-tests", "bench-tiers", "bench-engine", "bench-multiturn"]
+        ["python", "-m", "cluster.cli"], ["python", "-m", "cluster.cli"], ["python", "-m", "cluster.cli"],
+        ["python", "-m", "cluster.cli"]]
+    assert "-m cuda" in calls[2] and "tests/unit/test_cuda_engine.py" in calls[2].split()
+    assert [c.split()[3:5] for c in calls[3:]] == [["bench", "tiers"], ["bench", "engine"], ["bench", "engine"],
+                                                   ["bench", "multiturn"]]
+    assert "--cuda-graphs off" not in calls[4] and calls[5].endswith("--cuda-graphs off")
+    steps = ["install", "cuda-tests", "bench-tiers", "bench-engine", "bench-engine-eager", "bench-multiturn"]
     assert [line.split(":")[0][3:] for line in done.stdout.splitlines() if ": rc=" in line] == steps
     assert "== cuda-tests: rc=1 in" in done.stdout and "1 failed" in done.stdout   # its stderr tail shown
-    assert done.stdout.count(": rc=0 in") == 4
+    assert done.stdout.count(": rc=0 in") == 5
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(
         f"{s}.{ext}" for s in steps for ext in ("out", "err"))
     # The closing JSON lines: every bench's, in the order of their output files' names.
-    assert done.stdout.splitlines()[-3:] == ['{"bench": "engine"}', '{"bench": "multiturn"}', '{"bench": "tiers"}']
+    assert done.stdout.splitlines()[-4:] == ['{"bench": "engine"}', '{"bench": "engine"}', '{"bench": "multiturn"}',
+                                             '{"bench": "tiers"}']
 
 
 def test_gpu_check_script_stops_at_once_without_a_gpu(tmp_path):

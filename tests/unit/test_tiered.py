@@ -27,12 +27,12 @@ def make(tmp_path, hot=8, warm=8, cold=16, **kw):
     return TieredCache(cfg, LAYOUT, clock=TickClock())
 
 
-def put(cache, tokens, namespace=None):
+def put(cache, tokens, namespace=None, kv=None):
     """Cache ``tokens`` with their KV (what a request's lease does); returns the node of the last token."""
     lease = cache.admit(tokens, namespace, compute_last=False)
     try:
         if lease.cached_tokens < len(tokens):
-            lease.append(kv_for(tokens)[:, :, lease.cached_tokens:])
+            lease.append((kv_for(tokens) if kv is None else kv)[:, :, lease.cached_tokens:])
             return lease.commit(tokens)
         return lease._node
     finally:
@@ -79,6 +79,40 @@ def test_round_trip_hot_warm_cold_hot_is_bit_exact(tmp_path):
     assert m.tier_lengths == [0, 0, 10] and m.length == 10 and m.promoted_tokens == 10
     assert node.tier == HOT
     assert torch.equal(m.kv, expected)
+    cache.check_invariants()
+    cache.close()
+
+
+def test_bfloat16_kv_round_trips_through_the_disk_tier(tmp_path):
+    layout = KVLayout(num_layers=2, num_kv_heads=1, head_dim=4, dtype="bfloat16")
+    cfg = TierConfig(hot_blocks=8, warm_blocks=8, cold_blocks=16, block_tokens=4, disk_dir=str(tmp_path), device="cpu")
+    cache = TieredCache(cfg, layout, clock=TickClock())
+    toks = list(range(10))
+    node = put(cache, toks, kv=kv_for(toks).to(torch.bfloat16))
+    demote(cache, node, COLD)
+    m = match(cache, toks)
+    assert m.tier_lengths == [0, 0, 10] and torch.equal(m.kv, kv_for(toks).to(torch.bfloat16))
+    cache.close()
+
+
+def test_a_failing_disk_write_drops_instead_of_retrying_forever(tmp_path, monkeypatch):
+    """Making room in WARM when every copy to COLD fails (EIO, say): the WARM nodes are
+    dropped, once each, and the room is made; nothing retries the same failing write."""
+    cache = make(tmp_path, hot=8, warm=2, cold=8)
+    nodes = [put(cache, [i] * 4) for i in range(2)]
+    for node in nodes:
+        demote(cache, node, WARM)
+    assert cache.pools[WARM].allocator.free_blocks == 0
+    writes = []
+
+    def failing_write(extents, kv):
+        writes.append(len(extents))
+        raise DiskTierError("EIO")
+
+    monkeypatch.setattr(cache.pools[COLD], "write", failing_write)
+    assert cache._make_room(WARM, 2)
+    assert writes == [1, 1] and not any(n.alive for n in nodes)
+    assert cache.stats["demotion_failures"] == 2 and cache.stats["dropped_tokens"] == 8
     cache.check_invariants()
     cache.close()
 

@@ -1,4 +1,5 @@
-"""Compiled CPU kernels of the packed decoder, built on first use with torch's C++ extension loader.
+"""Compiled kernels of the packed decoder: on the CPU built on first use with torch's C++
+extension loader, on CUDA in Triton (``cuda_extend_attention``: ``triton_attention.py``).
 
 ``extend_attention`` (``decode_attention.cpp``): one call per layer for every
 sequence of a step that decodes one token or adds a few after its cached prefix
@@ -66,6 +67,28 @@ def extend_attention() -> Any:
     """The compiled ``extend_attention`` function (a few new tokens per sequence), or None."""
     module = _module("decode_attention")
     return None if module is None else module.extend_attention
+
+
+def cuda_extend_attention() -> Any:
+    """The Triton module of the same batched attention for CUDA tensors
+    (``triton_attention``: ``prepare``, ``extend_attention``), or None where Triton does not
+    import (a CPU build of torch ships without it)."""
+    with _lock:
+        state = _state.setdefault("triton_attention", {"module": None, "tried": False, "error": None})
+        if not state["tried"]:
+            state["tried"] = True
+            if os.environ.get(ENV_VAR, "1") in ("0", "false", "no"):
+                state["error"] = f"{ENV_VAR}=0"
+            else:
+                try:
+                    from cluster.engine.kernels import triton_attention
+
+                    state["module"] = triton_attention
+                except Exception as exc:   # no Triton: the torch path serves
+                    state["error"] = f"{type(exc).__name__}: {exc}"
+            if state["error"]:
+                log.warning("triton_attention unavailable (%s); using the torch path", state["error"])
+        return state["module"]
 
 
 def blocked_linear() -> Any:

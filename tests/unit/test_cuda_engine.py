@@ -1,0 +1,148 @@
+"""The packed decoder and the engine on CUDA: the Triton attention (``kernels/triton_attention``)
+equals the torch path, CUDA-graph decode steps (``cluster.engine.cuda_graphs``) equal eager
+ones, and the engine on a CUDA HOT pool produces what the model's own reference forward
+predicts. Skipped without a CUDA device and Triton (the GPU check script runs them), except
+the engine test's CPU twin."""
+
+import pytest
+import torch
+
+from cluster.cache.kv_pool import KVLayout
+from cluster.cache.tiered import TierConfig, TieredCache
+from cluster.engine import attention
+from cluster.engine.model import DecoderModel, ModelConfig
+from cluster.engine.runner import Engine, EngineRequest, SamplingParams
+
+CUDA = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+CONFIG = dict(num_layers=3, hidden_size=192, num_heads=6, num_kv_heads=2, head_dim=32, intermediate_size=256,
+              vocab_size=400, seed=5)
+TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    from cluster.engine.kernels import cuda_extend_attention
+
+    module = cuda_extend_attention()
+    if module is None:
+        pytest.skip("Triton is not importable here")
+    return module
+
+
+class _Shapes:
+    num_heads, num_kv_heads, head_dim = 6, 2, 32
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, marks=CUDA), pytest.param(torch.bfloat16, marks=CUDA)])
+def test_triton_attention_equals_the_torch_path(kernel, dtype):
+    c, layer = _Shapes, 1
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    items = [(1, 70), (5, 130), (1, 3), (32, 40), (1, 200)]   # (new tokens, cached prefix)
+    buffers = [torch.randn(2, 2, c.num_kv_heads, start + n + 9, c.head_dim, generator=gen, device="cuda",
+                           dtype=dtype) for n, start in items]
+    buffers[4][:, :, :, :100] = buffers[1][:, :, :, :100]   # item 4 shares item 1's first 100 positions
+    rows = sum(n for n, _ in items)
+    q = torch.randn(rows, c.num_heads, c.head_dim, generator=gen, device="cuda", dtype=dtype)
+    k = torch.randn(rows, c.num_kv_heads, c.head_dim, generator=gen, device="cuda", dtype=dtype)
+    v = torch.randn(rows, c.num_kv_heads, c.head_dim, generator=gen, device="cuda", dtype=dtype)
+    expected_buffers = [b.clone() for b in buffers]
+    outs, r = [], 0
+    for (n, start), b in zip(items, expected_buffers):
+        b[layer, 0, :, start:start + n] = k[r:r + n].transpose(0, 1)
+        b[layer, 1, :, start:start + n] = v[r:r + n].transpose(0, 1)
+        outs.append(attention.attend_torch(c, q[r:r + n], b[layer, 0, :, :start + n], b[layer, 1, :, :start + n],
+                                           start))
+        r += n
+    expected = torch.cat(outs).float()
+    buffers[4][:, :, :, :100] = 0.0   # what item 4 reads there must come from item 1's buffer
+    batch = kernel.prepare(buffers, [s for _, s in items], [n for n, _ in items],
+                           donors=[-1, -1, -1, -1, 1], shared=[0, 0, 0, 0, 100])
+    out = kernel.extend_attention(q, k, v, batch, layer, c.head_dim ** -0.5)
+    assert (out.float() - expected).abs().max().item() < TOL[dtype]
+    for got, want in zip(buffers[:4], expected_buffers[:4]):
+        assert torch.equal(got, want)   # the new K/V were written in place, nothing else touched
+    assert torch.equal(buffers[4][:, :, :, 100:], expected_buffers[4][:, :, :, 100:])
+
+
+def _model(dtype: str, device: str) -> DecoderModel:
+    return DecoderModel(ModelConfig(**CONFIG, dtype=dtype)).to(device)
+
+
+@pytest.mark.parametrize("dtype", [pytest.param("float32", marks=CUDA), pytest.param("bfloat16", marks=CUDA)])
+def test_graph_decode_steps_equal_eager_and_the_cpu_model(kernel, dtype):
+    torch_dtype = getattr(torch, dtype)
+    gpu = _model(dtype, "cuda")
+    assert gpu.use_decode_kernel() and gpu.use_cuda_graphs(sizes=(1, 4, 8))
+    eager = _model(dtype, "cuda")
+    assert eager.use_decode_kernel() and not eager.use_cuda_graphs(False)
+    cpu = _model("float32", "cpu")
+    cpu.use_decode_kernel(False)
+    c = gpu.config
+    prompts = [list(range(3 + i, 40 + 7 * i)) for i in range(3)]
+
+    def buffers(model, device, dt):
+        return [torch.zeros(c.num_layers, 2, c.num_kv_heads, 128, c.head_dim, dtype=dt, device=device)
+                for _ in prompts]
+
+    kv = {"gpu": buffers(gpu, "cuda", torch_dtype), "eager": buffers(eager, "cuda", torch_dtype),
+          "cpu": buffers(cpu, "cpu", torch.float32)}
+    models = {"gpu": gpu, "eager": eager, "cpu": cpu}
+    lengths = [len(p) for p in prompts]
+    for name, model in models.items():
+        model.forward_into([(torch.tensor(p), 0, b) for p, b in zip(prompts, kv[name])], last_logits_only=True)
+    next_tokens = [[11, 12, 13], [14, 15, 16], [17, 18, 19], [20, 21, 22]]
+    for step, toks in enumerate(next_tokens):
+        # Step 2 adds a few tokens to the second sequence (an eager step on the kernel), the rest decode.
+        tokens = [torch.tensor([t]) for t in toks]
+        if step == 2:
+            tokens[1] = torch.tensor([toks[1], 5, 6, 7])
+        got = {name: model.forward_into([(t, n, b) for t, n, b in zip(tokens, lengths, kv[name])],
+                                        last_logits_only=True)
+               for name, model in models.items()}
+        lengths = [n + t.numel() for n, t in zip(lengths, tokens)]
+        for i in range(len(prompts)):
+            graph, plain, reference = got["gpu"][i][-1], got["eager"][i][-1], got["cpu"][i][-1]
+            assert torch.allclose(graph, plain, atol=TOL[torch_dtype], rtol=0)
+            assert torch.allclose(graph.cpu(), reference, atol=TOL[torch_dtype] * 10, rtol=TOL[torch_dtype])
+    stats = gpu.graph_stats
+    assert stats["captured"] == 1 and stats["replays"] == 3 and stats["eager"] == 2   # the prefill, step 2
+    for got, want in zip(kv["gpu"], kv["eager"]):
+        assert torch.allclose(got.float(), want.float(), atol=TOL[torch_dtype], rtol=0)
+
+
+def _engine(model, device, blocks=64, block_tokens=8):
+    c = model.config
+    cfg = TierConfig(hot_blocks=blocks, warm_blocks=blocks, cold_blocks=0, block_tokens=block_tokens, device=device)
+    cache = TieredCache(cfg, KVLayout(c.num_layers, c.num_kv_heads, c.head_dim, c.dtype))
+    return Engine(model, cache, keep_logits=True)
+
+
+# The same run on the CPU (its compiled kernel) keeps the test's own logic checked where CI runs.
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+def test_engine_matches_the_reference_forward(device, request):
+    if device == "cuda":
+        request.getfixturevalue("kernel")
+    model = _model("float32", device)
+    engine = _engine(model, device)
+    assert engine.cuda_graphs == (device == "cuda") and (engine.decode_kernel or device == "cpu")
+    system = list(range(50, 110))
+    reqs = [engine.submit(EngineRequest(system + [i, i + 1, i + 2], SamplingParams(max_tokens=6))) for i in range(5)]
+    while engine.has_work():
+        engine.step()
+    assert [(r.error, len(r.output)) for r in reqs] == [(None, 6)] * 5
+    follow = engine.submit(EngineRequest(reqs[0].prompt + reqs[0].output + [7, 8], SamplingParams(max_tokens=4)))
+    while engine.has_work():
+        engine.step()
+    assert (follow.error, len(follow.output)) == (None, 4)
+    assert follow.cached_tokens == len(reqs[0].prompt) + 6   # the whole first turn, its reply included
+    for req in reqs + [follow]:
+        tokens = req.prompt + req.output
+        reference = model.forward_one(torch.tensor(tokens), 0, None)[0]
+        got = torch.cat(req.logits, dim=0)
+        start = req.cached_tokens
+        assert torch.allclose(got, reference[start:start + got.shape[0]].to(got.device), atol=1e-4, rtol=0)
+        assert req.output == reference[len(req.prompt) - 1:-1].argmax(dim=-1).tolist()
+    if device == "cuda":
+        assert model.graph_stats["replays"] >= 5 and "capture_failures" not in model.graph_stats
+    engine.cache.check_invariants()
