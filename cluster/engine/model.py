@@ -306,6 +306,7 @@ class DecoderModel(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self._extend_kernel = None   # see use_decode_kernel
+        self._small_ops = None       # the compiled rms_norm and rope (CPU, float32), likewise
         self._graphs = None          # see use_cuda_graphs
         # See tune_linears: the layout per row count of the layers' linears and of the head, and
         # the copies (MKL-packed, panels) of the weights whose group runs on them at some row count,
@@ -425,11 +426,15 @@ class DecoderModel(nn.Module):
     def use_decode_kernel(self, on: bool = True) -> bool:
         """Attend the items of ``forward_into`` that follow a prefix with at most
         ``EXTEND_MAX`` new tokens (decodes, later turns) with the compiled kernel
-        (``cluster.engine.kernels``; float32 on the CPU); True when it is in use."""
-        self._extend_kernel, self._graphs = None, None
+        (``cluster.engine.kernels``; float32 on the CPU, Triton on CUDA); True when it
+        is in use. On the CPU the norms and the rotary embedding then run compiled too
+        (one call each instead of five or six ops: at a decode step's few rows the
+        dispatch costs more than the arithmetic)."""
+        self._extend_kernel, self._graphs, self._small_ops = None, None, None
         if on and self.config.dtype == "float32" and self.device.type == "cpu":
-            from cluster.engine.kernels import extend_attention
+            from cluster.engine.kernels import extend_attention, small_ops
             self._extend_kernel = extend_attention()
+            self._small_ops = small_ops()
         elif on and self.device.type == "cuda":
             from cluster.engine.kernels import cuda_extend_attention
             self._extend_kernel = cuda_extend_attention()
@@ -505,14 +510,17 @@ class DecoderModel(nn.Module):
 
         hidden = self.embed[tokens]
         layout = linear_layouts.layout_for(self._layer_layouts, hidden.shape[0])   # the fastest for these rows
+        norm, rope = _rms_norm, _apply_rope
+        if self._small_ops is not None:
+            norm, rope = self._small_ops.rms_norm, self._small_ops.rope
         for layer_index, layer in enumerate(self.layers):
-            attn_in = _rms_norm(hidden, layer.attn_norm, c.rms_norm_eps)
+            attn_in = norm(hidden, layer.attn_norm, c.rms_norm_eps)
             qkv = self._linear(attn_in, layer.qkv_proj, layer.qkv_bias, layout)
             # q and k side by side as [N, heads + kv_heads, head_dim]: one norm and one rotation.
             qk = qkv[:, :q_width + kv_width].view(-1, c.num_heads + c.num_kv_heads, c.head_dim)
             if layer.qk_norm is not None:
-                qk = _rms_norm(qk, layer.qk_norm, c.rms_norm_eps)
-            qk = _apply_rope(qk, cos, sin)
+                qk = norm(qk, layer.qk_norm, c.rms_norm_eps)
+            qk = rope(qk, cos, sin)
             q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
             v = qkv[:, q_width + kv_width:].view(-1, c.num_kv_heads, c.head_dim)
             if decodes is not None and len(decodes.items) == len(bounds):   # all on the kernel: no gather
@@ -529,14 +537,14 @@ class DecoderModel(nn.Module):
                         continue
                     attn_out[begin:end] = attend(layer_index, q[begin:end], k[begin:end], v[begin:end], item_index)
             hidden = hidden + self._linear(attn_out.view(-1, q_width), layer.o_proj, layer.o_bias, layout)
-            mlp_in = _rms_norm(hidden, layer.mlp_norm, c.rms_norm_eps)
+            mlp_in = norm(hidden, layer.mlp_norm, c.rms_norm_eps)
             gate, up = self._linear(mlp_in, layer.gate_up_proj, layer.gate_up_bias, layout).chunk(2, dim=-1)
             hidden = hidden + self._linear(F.silu(gate) * up, layer.down_proj, layer.down_bias, layout)
 
         if last_logits_only:
             hidden = hidden[[end - 1 for _, end in bounds]]
             bounds = [(i, i + 1) for i in range(len(bounds))]
-        logits = self._linear(_rms_norm(hidden, self.final_norm, c.rms_norm_eps), self.output_weight, None,
+        logits = self._linear(norm(hidden, self.final_norm, c.rms_norm_eps), self.output_weight, None,
                               linear_layouts.layout_for(self._head_layouts, hidden.shape[0])).float()
         return logits, bounds
 

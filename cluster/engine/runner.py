@@ -444,8 +444,10 @@ class Engine:
         if len(rows) < 2:
             return {}
         last = torch.stack([row for _, row in rows]).float()
-        clean = ~torch.isnan(last).any(dim=1)
         tokens = torch.argmax(last, dim=1)
+        # argmax propagates NaN (a row holding one answers a NaN's index), so the chosen
+        # values alone tell which rows have one: no second pass over the vocabulary.
+        clean = ~torch.isnan(last.gather(1, tokens[:, None])[:, 0])
         return {id(req): int(t) for (req, _), t, ok in zip(rows, tokens.tolist(), clean.tolist()) if ok}
 
     def _advance(self, req: EngineRequest, n: int, logits: torch.Tensor, greedy: int | None = None) -> int | None:

@@ -69,6 +69,11 @@ def extend_attention() -> Any:
     return None if module is None else module.extend_attention
 
 
+def small_ops() -> Any:
+    """The compiled module's ``rms_norm`` and ``rope`` (float32, CPU), or None."""
+    return _module("decode_attention")
+
+
 def cuda_extend_attention() -> Any:
     """The Triton module of the same batched attention for CUDA tensors
     (``triton_attention``: ``prepare``, ``extend_attention``), or None where Triton does not

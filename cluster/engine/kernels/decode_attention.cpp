@@ -322,7 +322,92 @@ torch::Tensor extend_attention(torch::Tensor q, torch::Tensor k_new, torch::Tens
   return out;
 }
 
+// RMSNorm over the last dimension, float32, as the packed decoder's torch path computes it
+// (y = weight * (x * 1 / sqrt(mean(x^2) + eps))) in one call instead of five ops: at a
+// decode step's few rows each op's dispatch costs more than its arithmetic (61 norms a
+// step for a 30-layer model). The sum of squares runs in eight fixed lanes, so a row's
+// result does not depend on its address; rows are split over ATen's threads from 64 on.
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat, "rms_norm: float32 only");
+  TORCH_CHECK(!x.is_cuda() && !weight.is_cuda(), "rms_norm: CPU tensors only");
+  const int64_t d = x.size(-1);
+  // weight: [d], or [..., d] matching x's trailing dimensions (per-head weights: q_norm's
+  // rows then k_norm's, over q and k side by side); row r uses weight row r mod its rows.
+  TORCH_CHECK(weight.dim() >= 1 && weight.dim() <= x.dim() &&
+              x.sizes().slice(x.dim() - weight.dim()).equals(weight.sizes()),
+              "rms_norm: weight must be [", d, "] or x's trailing dimensions, got ", weight.sizes());
+  auto xc = x.contiguous();
+  auto wc = weight.contiguous();
+  auto out = torch::empty_like(xc);
+  const int64_t rows = d ? xc.numel() / d : 0;
+  const float* xp = xc.data_ptr<float>();
+  const float* wp = wc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  const int64_t weight_rows = d ? wc.numel() / d : 1;
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* xr = xp + r * d;
+      const float* wr = wp + (r % weight_rows) * d;
+      float* yr = op + r * d;
+      float lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      int64_t i = 0;
+      for (; i + 8 <= d; i += 8)
+        for (int l = 0; l < 8; ++l) lanes[l] += xr[i + l] * xr[i + l];
+      for (; i < d; ++i) lanes[i % 8] += xr[i] * xr[i];
+      const float sum = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+      const float inv = 1.0f / std::sqrt(sum / static_cast<float>(d) + e);
+      for (int64_t j = 0; j < d; ++j) yr[j] = wr[j] * (xr[j] * inv);
+    }
+  });
+  return out;
+}
+
+// Rotary embedding of x [N, heads, head_dim] (rows' last dimension contiguous, any row
+// strides: the q/k columns of the fused qkv output) with cos, sin [N, 1, head_dim]:
+// out = x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1], into a new contiguous
+// tensor, in one call instead of six ops.
+torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
+              "rope: float32 only");
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "rope: x must be [N, heads, head_dim] with contiguous rows");
+  const int64_t n = x.size(0), heads = x.size(1), d = x.size(2), half = d / 2;
+  TORCH_CHECK(d % 2 == 0, "rope: head_dim must be even");
+  auto c = cos.reshape({n, d}).contiguous();
+  auto sn = sin.reshape({n, d}).contiguous();
+  auto out = torch::empty({n, heads, d}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* cp = c.data_ptr<float>();
+  const float* sp = sn.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t s0 = x.stride(0), s1 = x.stride(1);
+  at::parallel_for(0, n * heads, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t t = r / heads, h = r % heads;
+      const float* xr = xp + t * s0 + h * s1;
+      const float* cr = cp + t * d;
+      const float* sr = sp + t * d;
+      float* yr = op + r * d;
+      for (int64_t j = 0; j < half; ++j) {
+        const float a = xr[j] * cr[j];
+        const float b = -xr[j + half] * sr[j];
+        yr[j] = a + b;
+      }
+      for (int64_t j = half; j < d; ++j) {
+        const float a = xr[j] * cr[j];
+        const float b = xr[j - half] * sr[j];
+        yr[j] = a + b;
+      }
+    }
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rope", &rope, "rotary embedding (float32, CPU)", pybind11::arg("x"), pybind11::arg("cos"),
+        pybind11::arg("sin"));
+  m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension (float32, CPU)",
+        pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("eps"));
   m.def("extend_attention", &extend_attention,
         "batched causal attention of a few new tokens per sequence over per-sequence KV buffers, in place",
         pybind11::arg("q"), pybind11::arg("k_new"), pybind11::arg("v_new"), pybind11::arg("buffers"),
