@@ -83,10 +83,12 @@ class KernelItems:
     batch: object = None        # CUDA: the same on the device (``triton_attention.Batch``), built once a forward
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
-        """One layer for all these items: their rows' q/k/v (contiguous, in order), the new
-        K/V written into their buffers; the attention output of those rows."""
+        """One layer for all these items: their rows' q/k/v (in order; each row's heads
+        contiguous), the new K/V written into their buffers; the attention output of those
+        rows."""
         if self.batch is not None:
-            return self.kernel.extend_attention(q, k, v, self.batch, layer, scale)
+            return self.kernel.extend_attention(q.contiguous(), k.contiguous(), v.contiguous(), self.batch, layer,
+                                                scale)
         return self.kernel(q, k, v, self.buffers, layer, self.positions, self.counts, scale, self.donors,
                            self.shared)
 

@@ -524,14 +524,12 @@ class DecoderModel(nn.Module):
             q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
             v = qkv[:, q_width + kv_width:].view(-1, c.num_kv_heads, c.head_dim)
             if decodes is not None and len(decodes.items) == len(bounds):   # all on the kernel: no gather
-                attn_out = decodes.attend(q.contiguous(), k.contiguous(), v.contiguous(), layer_index,
-                                          c.head_dim ** -0.5)
+                attn_out = decodes.attend(q, k, v, layer_index, c.head_dim ** -0.5)
             else:
                 attn_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
                 if decodes is not None:
                     rows = decodes.rows
-                    attn_out[rows] = decodes.attend(q[rows].contiguous(), k[rows].contiguous(),
-                                                    v[rows].contiguous(), layer_index, c.head_dim ** -0.5)
+                    attn_out[rows] = decodes.attend(q[rows], k[rows], v[rows], layer_index, c.head_dim ** -0.5)
                 for item_index, (begin, end) in enumerate(bounds):
                     if decodes is not None and item_index in decodes.items:
                         continue

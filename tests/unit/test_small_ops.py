@@ -72,3 +72,28 @@ def test_a_model_with_the_compiled_ops_gives_the_torch_paths_logits(ops):
     got, got_kv = compiled.forward_one(tokens)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     torch.testing.assert_close(got_kv, want_kv, atol=1e-5, rtol=0)
+
+
+def test_extend_attention_reads_q_k_v_columns_in_place():
+    """The kernel takes q, k and v as the columns of the fused qkv output (each token's
+    heads contiguous, rows strided): the same output and buffers as contiguous copies."""
+    kernel = kernels.extend_attention()
+    if kernel is None:
+        pytest.skip(f"the compiled kernels are unavailable here: {kernels.status()}")
+    heads, kv_heads, d, rows = 6, 2, 16, 3
+    g = torch.Generator().manual_seed(5)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * d, generator=g)
+    q = qkv[:, :heads * d].view(rows, heads, d)
+    k = qkv[:, heads * d:(heads + kv_heads) * d].view(rows, kv_heads, d)
+    v = qkv[:, (heads + kv_heads) * d:].view(rows, kv_heads, d)
+    assert not q.is_contiguous() and not v.is_contiguous()
+    base = torch.randn(2, 2, kv_heads, 20, d, generator=g)
+    outs, buffers = [], []
+    for args in ((q, k, v), (q.contiguous(), k.contiguous(), v.contiguous())):
+        bufs = [base.clone(), base.clone()]
+        outs.append(kernel(*args, bufs, 1, [7, 11], [1, 2], d ** -0.5, [], []))
+        buffers.append(bufs)
+    assert torch.equal(outs[0], outs[1])
+    assert all(torch.equal(a, b) for a, b in zip(*buffers))
+    with pytest.raises(RuntimeError, match="each token's heads contiguous"):
+        kernel(q.transpose(1, 2), k, v, [base.clone(), base.clone()], 1, [7, 11], [1, 2], d ** -0.5, [], [])

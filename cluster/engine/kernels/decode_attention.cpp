@@ -241,9 +241,13 @@ torch::Tensor extend_attention(torch::Tensor q, torch::Tensor k_new, torch::Tens
                                std::vector<torch::Tensor> buffers, int64_t layer,
                                std::vector<int64_t> positions, std::vector<int64_t> counts, double scale,
                                std::vector<int64_t> donors, std::vector<int64_t> shared) {
-  TORCH_CHECK(q.dtype() == torch::kFloat32 && q.is_contiguous() && q.dim() == 3, "q: contiguous float32 [T, H, D]");
-  TORCH_CHECK(k_new.is_contiguous() && v_new.is_contiguous(), "k_new, v_new: contiguous [T, KVH, D]");
+  // q [T, H, D], k_new and v_new [T, KVH, D]: each token's heads contiguous, any stride from
+  // one token to the next (the q, k and v columns of the fused qkv output, uncopied).
+  TORCH_CHECK(q.dtype() == torch::kFloat32 && k_new.dtype() == torch::kFloat32 && v_new.dtype() == torch::kFloat32 &&
+              q.dim() == 3 && k_new.dim() == 3 && v_new.dim() == 3, "q, k_new, v_new: float32 [T, heads, D]");
   const int64_t total = q.size(0), heads = q.size(1), head_dim = q.size(2);
+  for (const auto* t : {&q, &k_new, &v_new})
+    TORCH_CHECK(t->stride(2) == 1 && t->stride(1) == head_dim, "q, k_new, v_new: each token's heads contiguous");
   const int64_t batch = static_cast<int64_t>(buffers.size());
   const int64_t kv_heads = k_new.size(1), group = heads / kv_heads;
   TORCH_CHECK(static_cast<int64_t>(positions.size()) == batch && static_cast<int64_t>(counts.size()) == batch,
@@ -276,10 +280,11 @@ torch::Tensor extend_attention(torch::Tensor q, torch::Tensor k_new, torch::Tens
                 "sequence ", b, " reads ", shared[b], " shared positions: more than its own (", positions[b],
                 ") or its donor's (", d < 0 ? 0 : positions[d], ") computed ones");
   }
-  auto out = torch::empty_like(q);
+  auto out = torch::empty({total, heads, head_dim}, q.options());
   const float* qp = q.data_ptr<float>();
   const float* kp = k_new.data_ptr<float>();
   const float* vp = v_new.data_ptr<float>();
+  const int64_t q_row = q.stride(0), k_row = k_new.stride(0), v_row = v_new.stride(0);
   float* op = out.data_ptr<float>();
   const float s = static_cast<float>(scale);
   // (sequence, KV head) items are handed out one at a time (an atomic counter, not ATen's
@@ -304,8 +309,8 @@ torch::Tensor extend_attention(torch::Tensor q, torch::Tensor k_new, torch::Tens
       }
       for (int64_t t = 0; t < counts[b]; ++t) {   // the new tokens' K and V into the buffer
         const int64_t row = offsets[b] + t;
-        const float* kn = kp + (row * kv_heads + h) * head_dim;
-        const float* vn = vp + (row * kv_heads + h) * head_dim;
+        const float* kn = kp + row * k_row + h * head_dim;
+        const float* vn = vp + row * v_row + h * head_dim;
         for (int64_t d = 0; d < head_dim; ++d) {
           keys[(pos + t) * head_dim + d] = kn[d];
           values[(pos + t) * head_dim + d] = vn[d];
@@ -314,7 +319,7 @@ torch::Tensor extend_attention(torch::Tensor q, torch::Tensor k_new, torch::Tens
       scores.resize(group * (pos + counts[b]));
       for (int64_t t = 0; t < counts[b]; ++t) {   // token t sees keys 0..pos + t
         const int64_t row = offsets[b] + t;
-        attend_one(qp + (row * heads + h * group) * head_dim, rows, op + (row * heads + h * group) * head_dim,
+        attend_one(qp + row * q_row + h * group * head_dim, rows, op + (row * heads + h * group) * head_dim,
                    group, head_dim, pos + t + 1, s, scores.data());
       }
     }
