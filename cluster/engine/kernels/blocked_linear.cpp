@@ -275,6 +275,9 @@ std::string isa_name() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_panels", &pack_panels, "a weight [N, K] as column panels [ceil(N / 64), K, 64]");
-  m.def("blocked_linear", &blocked_linear, "x @ W^T over W's panels in MKL's large-batch order (float32, CPU)");
+  // The GIL is released while a kernel runs (as torch's own ops do): the replica's event loop
+  // thread streams tokens beside the forward instead of waiting for it between two ops.
+  m.def("blocked_linear", &blocked_linear, "x @ W^T over W's panels in MKL's large-batch order (float32, CPU)",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("isa", &isa_name, "the instruction set blocked_linear runs on this CPU");
 }

@@ -409,13 +409,17 @@ torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // The GIL is released while a kernel runs (as torch's own ops do): the replica's event loop
+  // thread streams tokens beside the forward instead of waiting for it between two ops.
+  using release_gil = pybind11::call_guard<pybind11::gil_scoped_release>;
   m.def("rope", &rope, "rotary embedding (float32, CPU)", pybind11::arg("x"), pybind11::arg("cos"),
-        pybind11::arg("sin"));
+        pybind11::arg("sin"), release_gil());
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension (float32, CPU)",
-        pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("eps"));
+        pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("eps"), release_gil());
   m.def("extend_attention", &extend_attention,
         "batched causal attention of a few new tokens per sequence over per-sequence KV buffers, in place",
         pybind11::arg("q"), pybind11::arg("k_new"), pybind11::arg("v_new"), pybind11::arg("buffers"),
         pybind11::arg("layer"), pybind11::arg("positions"), pybind11::arg("counts"), pybind11::arg("scale"),
-        pybind11::arg("donors") = std::vector<int64_t>(), pybind11::arg("shared") = std::vector<int64_t>());
+        pybind11::arg("donors") = std::vector<int64_t>(), pybind11::arg("shared") = std::vector<int64_t>(),
+        release_gil());
 }
