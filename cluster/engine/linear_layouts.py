@@ -151,20 +151,26 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layout: int,
-           packed: "torch.Tensor | Panels | None" = None) -> torch.Tensor:
+           packed: "torch.Tensor | Panels | None" = None, residual: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` of a 2-D ``x`` in ``layout`` (``PACKED`` needs ``packed``, ``pack(weight)``;
-    ``BLOCKED`` its ``Panels``)."""
+    ``BLOCKED`` its ``Panels``); with ``residual``, ``residual + F.linear(...)`` (the blocked
+    kernel adds it inside its call: one op fewer a layer, the same bits)."""
     if layout == BLOCKED and isinstance(packed, Panels):
         from cluster.engine import kernels
 
+        if bias is None and residual is not None:
+            return kernels.blocked_linear().blocked_linear(x, packed.panels, packed.n, packed.parts, packed.kc,
+                                                           residual)
         out = kernels.blocked_linear().blocked_linear(x, packed.panels, packed.n, packed.parts, packed.kc)
-        return out if bias is None else out.add_(bias)
-    if layout == PACKED and isinstance(packed, torch.Tensor):
-        return torch.ops.mkl._mkl_linear(x, packed, weight, bias, x.shape[0])
-    if layout != TRANSPOSED:
-        return F.linear(x, weight, bias)
-    out = torch.mm(weight, x.t()).t().contiguous()
-    return out if bias is None else out.add_(bias)
+        out = out if bias is None else out.add_(bias)
+    elif layout == PACKED and isinstance(packed, torch.Tensor):
+        out = torch.ops.mkl._mkl_linear(x, packed, weight, bias, x.shape[0])
+    elif layout != TRANSPOSED:
+        out = F.linear(x, weight, bias)
+    else:
+        out = torch.mm(weight, x.t()).t().contiguous()
+        out = out if bias is None else out.add_(bias)
+    return out if residual is None else residual + out
 
 
 def layout_for(layouts: Layouts | None, rows: int) -> int:

@@ -479,8 +479,9 @@ class DecoderModel(nn.Module):
         return {"layers": linear_layouts.describe(self._layer_layouts),
                 "head": linear_layouts.describe(self._head_layouts)}
 
-    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layout: int) -> torch.Tensor:
-        return _linear(x, weight, bias, layout, self._packed.get((layout, id(weight))))
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layout: int,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        return _linear(x, weight, bias, layout, self._packed.get((layout, id(weight))), residual)
 
     def _forward(self, checked: list[tuple[torch.Tensor, int]], attend, last_logits_only: bool,
                  decodes: "attention.KernelItems | None" = None) -> list[torch.Tensor]:
@@ -534,10 +535,10 @@ class DecoderModel(nn.Module):
                     if decodes is not None and item_index in decodes.items:
                         continue
                     attn_out[begin:end] = attend(layer_index, q[begin:end], k[begin:end], v[begin:end], item_index)
-            hidden = hidden + self._linear(attn_out.view(-1, q_width), layer.o_proj, layer.o_bias, layout)
+            hidden = self._linear(attn_out.view(-1, q_width), layer.o_proj, layer.o_bias, layout, residual=hidden)
             mlp_in = norm(hidden, layer.mlp_norm, c.rms_norm_eps)
             gate, up = self._linear(mlp_in, layer.gate_up_proj, layer.gate_up_bias, layout).chunk(2, dim=-1)
-            hidden = hidden + self._linear(F.silu(gate) * up, layer.down_proj, layer.down_bias, layout)
+            hidden = self._linear(F.silu(gate) * up, layer.down_proj, layer.down_bias, layout, residual=hidden)
 
         if last_logits_only:
             hidden = hidden[[end - 1 for _, end in bounds]]

@@ -64,6 +64,20 @@ def test_the_kernel_sums_in_the_order_it_is_told(module, rows, n, k, parts, kc) 
     assert np.array_equal(got.numpy(), reference(x.numpy(), w.numpy(), parts, kc))
 
 
+@pytest.mark.parametrize("rows", [1, 8, 37])
+def test_a_residual_is_added_inside_the_call_with_the_bits_of_a_separate_add(module, rows) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    x, w = torch.randn(rows, 96, generator=gen), torch.randn(130, 96, generator=gen)
+    residual = torch.randn(rows, 130, generator=gen) * 100
+    panels = module.pack_panels(w)
+    plain = module.blocked_linear(x, panels, 130, 2, 32)
+    assert torch.equal(module.blocked_linear(x, panels, 130, 2, 32, residual), residual + plain)
+    assert torch.equal(linear_layouts.linear(x, w, None, linear_layouts.PLAIN, None, residual),
+                       residual + torch.nn.functional.linear(x, w))
+    with pytest.raises(RuntimeError, match="residual float32 \\[M, n\\]"):
+        module.blocked_linear(x, panels, 130, 2, 32, residual[:, :64])
+
+
 def test_a_found_order_gives_mkl_large_batch_numbers_at_every_row_count(module) -> None:
     """Where ``blocked_order`` finds an order on this machine (the linears of SmolLM2-135M:
     its shapes, random weights), the kernel gives at each row count exactly the rows

@@ -225,8 +225,10 @@ torch::Tensor pack_panels(const torch::Tensor& weight) {
 }
 
 // y = x @ W^T over W's panels, in the order described above; x [M, K] float32, n = N.
+// With ``residual`` ([M, n], float32): residual + x @ W^T, added in one pass after the product
+// (one rounding, as ``residual + y`` in torch: the same bits), inside the one call.
 torch::Tensor blocked_linear(const torch::Tensor& x, const torch::Tensor& panels, int64_t n, int64_t parts,
-                             int64_t kc) {
+                             int64_t kc, const c10::optional<torch::Tensor>& residual) {
   TORCH_CHECK(x.dim() == 2 && panels.dim() == 3 && panels.size(2) == kPanel && x.size(1) == panels.size(1),
               "blocked_linear: x [M, K], panels [P, K, 64]");
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && panels.scalar_type() == torch::kFloat32,
@@ -237,7 +239,14 @@ torch::Tensor blocked_linear(const torch::Tensor& x, const torch::Tensor& panels
   const torch::Tensor xc = x.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1), P = panels.size(0);
   torch::Tensor y = torch::empty({M, n}, xc.options());
+  torch::Tensor rc;
+  if (residual.has_value()) {
+    TORCH_CHECK(residual->scalar_type() == torch::kFloat32 && residual->dim() == 2 && residual->size(0) == M &&
+                residual->size(1) == n && residual->device().is_cpu(), "blocked_linear: residual float32 [M, n]");
+    rc = residual->contiguous();
+  }
   if (M == 0) return y;
+  const float* rp = rc.defined() ? rc.data_ptr<float>() : nullptr;
   TORCH_CHECK(K > 0, "blocked_linear: K >= 1");
   const std::vector<Block> blocks = blocks_of(K, std::min(parts, K), kc);
   static const Isa isa = best_isa();
@@ -262,6 +271,13 @@ torch::Tensor blocked_linear(const torch::Tensor& x, const torch::Tensor& panels
       panel_generic(xp, panel, yc, M, K, n, width, blocks);
     }
   });
+  if (rp != nullptr) {
+    float* yp_all = y.data_ptr<float>();
+    at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t m = begin; m < end; ++m)
+        for (int64_t j = 0; j < n; ++j) yp_all[m * n + j] = rp[m * n + j] + yp_all[m * n + j];
+    });
+  }
   return y;
 }
 
@@ -278,6 +294,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The GIL is released while a kernel runs (as torch's own ops do): the replica's event loop
   // thread streams tokens beside the forward instead of waiting for it between two ops.
   m.def("blocked_linear", &blocked_linear, "x @ W^T over W's panels in MKL's large-batch order (float32, CPU)",
-        pybind11::call_guard<pybind11::gil_scoped_release>());
+        pybind11::arg("x"), pybind11::arg("panels"), pybind11::arg("n"), pybind11::arg("parts"), pybind11::arg("kc"),
+        pybind11::arg("residual") = pybind11::none(), pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("isa", &isa_name, "the instruction set blocked_linear runs on this CPU");
 }
