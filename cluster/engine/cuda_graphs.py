@@ -34,10 +34,10 @@ DEFAULT_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 
 
 class _Captured:
-    __slots__ = ("graph", "inputs", "logits", "size")
+    __slots__ = ("graph", "inputs", "logits")
 
-    def __init__(self, graph, inputs, logits, size):
-        self.graph, self.inputs, self.logits, self.size = graph, inputs, logits, size
+    def __init__(self, graph, inputs, logits):
+        self.graph, self.inputs, self.logits = graph, inputs, logits
 
 
 class DecodeGraphs:
@@ -54,7 +54,7 @@ class DecodeGraphs:
                                   device=model.device)
         self._graphs: dict[int, _Captured] = {}
         self._pool = None
-        self.stats = {"captured": 0, "replays": 0, "eager": 0}
+        self.stats = {"captured": 0, "replays": 0, "eager": 0, "capture_failures": 0}
 
     def bucket(self, n: int) -> int | None:
         return next((size for size in self.sizes if size >= n), None)
@@ -77,7 +77,7 @@ class DecodeGraphs:
                 log.warning("CUDA graph capture of %d decodes failed (%s: %s); decode steps run eagerly",
                             size, type(exc).__name__, exc)
                 self.sizes, self._graphs = [], {}
-                self.stats["capture_failures"] = self.stats.get("capture_failures", 0) + 1
+                self.stats["capture_failures"] += 1
                 torch.cuda.synchronize(self.model.device)
                 return None
         pad = size - n
@@ -94,22 +94,18 @@ class DecodeGraphs:
 
     def _capture(self, size: int) -> _Captured:
         model, kernel = self.model, self.kernel
-        meta = kernel.META
-        inputs = torch.zeros(size * (meta + 3), dtype=torch.int64, device=model.device)
-        # Valid contents for the warm-up and capture launches: every row on the dummy buffer.
+        # The tokens, then the attention's batch (one row an item); valid contents for the
+        # warm-up and capture launches: every row on the dummy buffer.
         table, row_item, row_pos = kernel.host_rows([self._dummy] * size, [1] * size, [1] * size)
-        inputs.copy_(torch.tensor([0] * size + table + row_item + row_pos, dtype=torch.int64))
+        inputs = torch.tensor([0] * size + table + row_item + row_pos, dtype=torch.int64).to(model.device)
         tokens = inputs[:size]
-        table_view = inputs[size:size + size * meta].view(size, meta)
-        row_item_view = inputs[size + size * meta:size + size * meta + size]
-        row_pos_view = inputs[size + size * meta + size:]
-        batch = kernel.Batch(table_view, row_item_view, row_pos_view, size)
+        batch = kernel.Batch.of(inputs[size:], size, size)
         decodes = attention.KernelItems(kernel, set(range(size)), torch.arange(size, device=model.device), [],
                                         [], [], [], [], batch)
         bounds = [(i, i + 1) for i in range(size)]
 
         def forward() -> torch.Tensor:   # one row per item: every row's logits are its last
-            return model._layers(tokens, row_pos_view, bounds, None, False, decodes)[0]
+            return model._layers(tokens, batch.row_pos, bounds, None, False, decodes)[0]
 
         stream = torch.cuda.Stream(device=model.device)
         stream.wait_stream(torch.cuda.current_stream(model.device))
@@ -123,7 +119,7 @@ class DecodeGraphs:
         # thread_local: the tier copy engine's thread may use CUDA while this one captures.
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             logits = forward()
-        captured = _Captured(graph, inputs, logits, size)
+        captured = _Captured(graph, inputs, logits)
         self._graphs[size] = captured
         self.stats["captured"] += 1
         return captured

@@ -144,5 +144,5 @@ def test_engine_matches_the_reference_forward(device, request):
         assert torch.allclose(got, reference[start:start + got.shape[0]].to(got.device), atol=1e-4, rtol=0)
         assert req.output == reference[len(req.prompt) - 1:-1].argmax(dim=-1).tolist()
     if device == "cuda":
-        assert model.graph_stats["replays"] >= 5 and "capture_failures" not in model.graph_stats
+        assert model.graph_stats["replays"] >= 5 and model.graph_stats["capture_failures"] == 0
     engine.cache.check_invariants()

@@ -38,11 +38,12 @@ log = logging.getLogger(__name__)
 ENV_VAR = "PREFIX_CACHE_KERNELS"
 _lock = threading.Lock()
 _state: dict[str, dict[str, Any]] = {name: {"module": None, "tried": False, "error": None}
-                                     for name in ("decode_attention", "blocked_linear")}
+                                     for name in ("decode_attention", "blocked_linear", "triton_attention")}
 
 
-def _module(name: str) -> Any:
-    """The compiled module of ``<name>.cpp``, built on first use, or None (see above)."""
+def _load(name: str, build) -> Any:
+    """``build()``'s module, built once on first use, or None when it cannot be (the reason
+    logged once; ``PREFIX_CACHE_KERNELS=0`` turns every kernel off)."""
     with _lock:
         state = _state[name]
         if not state["tried"]:
@@ -51,16 +52,22 @@ def _module(name: str) -> Any:
                 state["error"] = f"{ENV_VAR}=0"
             else:
                 try:
-                    from torch.utils.cpp_extension import load
-
-                    state["module"] = load(
-                        name=f"prefix_cache_{name}", sources=[str(Path(__file__).with_name(f"{name}.cpp"))],
-                        extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
-                except Exception as exc:   # no compiler or headers: the torch path serves, slower
+                    state["module"] = build()
+                except Exception as exc:   # no compiler, headers or Triton: the torch path serves, slower
                     state["error"] = f"{type(exc).__name__}: {exc}"
             if state["error"]:
                 log.warning("%s kernel unavailable (%s); using the torch path", name, state["error"])
         return state["module"]
+
+
+def _module(name: str) -> Any:
+    """The compiled module of ``<name>.cpp``, built on first use, or None (see above)."""
+    def build():
+        from torch.utils.cpp_extension import load
+
+        return load(name=f"prefix_cache_{name}", sources=[str(Path(__file__).with_name(f"{name}.cpp"))],
+                    extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+    return _load(name, build)
 
 
 def extend_attention() -> Any:
@@ -78,22 +85,11 @@ def cuda_extend_attention() -> Any:
     """The Triton module of the same batched attention for CUDA tensors
     (``triton_attention``: ``prepare``, ``extend_attention``), or None where Triton does not
     import (a CPU build of torch ships without it)."""
-    with _lock:
-        state = _state.setdefault("triton_attention", {"module": None, "tried": False, "error": None})
-        if not state["tried"]:
-            state["tried"] = True
-            if os.environ.get(ENV_VAR, "1") in ("0", "false", "no"):
-                state["error"] = f"{ENV_VAR}=0"
-            else:
-                try:
-                    from cluster.engine.kernels import triton_attention
+    def build():
+        from cluster.engine.kernels import triton_attention
 
-                    state["module"] = triton_attention
-                except Exception as exc:   # no Triton: the torch path serves
-                    state["error"] = f"{type(exc).__name__}: {exc}"
-            if state["error"]:
-                log.warning("triton_attention unavailable (%s); using the torch path", state["error"])
-        return state["module"]
+        return triton_attention
+    return _load("triton_attention", build)
 
 
 def blocked_linear() -> Any:

@@ -42,6 +42,13 @@ class Batch:
     row_pos: torch.Tensor
     rows: int
 
+    @classmethod
+    def of(cls, flat: torch.Tensor, items: int, rows: int) -> "Batch":
+        """The batch over ``flat`` (int64 on the device: ``host_rows``' three lists one after
+        the other), as views: refilling ``flat`` refills the batch (a CUDA graph's input)."""
+        return cls(flat[:items * META].view(items, META), flat[items * META:items * META + rows],
+                   flat[items * META + rows:items * META + 2 * rows], rows)
+
 
 def _entry(buffer: torch.Tensor, donor: torch.Tensor, shared: int) -> list[int]:
     if buffer.stride(-1) != 1 or donor.stride(-1) != 1:
@@ -60,24 +67,21 @@ def host_rows(buffers, positions, counts, donors=(), shared=()) -> tuple[list[in
     return table, row_item, row_pos
 
 
-def prepare(buffers, positions, counts, donors=(), shared=(), device=None) -> Batch:
-    """The ``Batch`` of these items (one host-to-device copy)."""
+def prepare(buffers, positions, counts, donors=(), shared=()) -> Batch:
+    """The ``Batch`` of these items, on their buffers' device (one host-to-device copy)."""
     table, row_item, row_pos = host_rows(buffers, positions, counts, donors, shared)
-    flat = torch.tensor(table + row_item + row_pos, dtype=torch.int64)
-    flat = flat.to(device if device is not None else buffers[0].device, non_blocking=False)
-    n, rows = len(positions), len(row_item)
-    return Batch(flat[:n * META].view(n, META), flat[n * META:n * META + rows],
-                 flat[n * META + rows:], rows)
+    flat = torch.tensor(table + row_item + row_pos, dtype=torch.int64).to(buffers[0].device)
+    return Batch.of(flat, len(positions), len(row_item))
 
 
 @triton.jit(do_not_specialize=["layer"])
 def _write_kv(k_ptr, v_ptr, table_ptr, row_item_ptr, row_pos_ptr, layer,
-              KVH: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
+              KVH: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, META: tl.constexpr):
     row = tl.program_id(0)
     h = tl.program_id(1)
     item = tl.load(row_item_ptr + row)
     pos = tl.load(row_pos_ptr + row)
-    entry = table_ptr + item * 12
+    entry = table_ptr + item * META
     base = tl.load(entry).to(tl.pointer_type(k_ptr.dtype.element_ty))
     s_layer, s_kv, s_head, s_pos = tl.load(entry + 1), tl.load(entry + 2), tl.load(entry + 3), tl.load(entry + 4)
     d = tl.arange(0, BLOCK_D)
@@ -119,12 +123,13 @@ def _attend_span(q, m_i, l_i, acc, base, s_layer, s_kv, s_head, s_pos, layer, h,
 @triton.jit(do_not_specialize=["layer"])
 def _extend_attention(q_ptr, out_ptr, table_ptr, row_item_ptr, row_pos_ptr, layer, scale,
                       H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr,
-                      BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+                      BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+                      META: tl.constexpr):
     row = tl.program_id(0)
     h = tl.program_id(1)
     item = tl.load(row_item_ptr + row)
     pos = tl.load(row_pos_ptr + row)
-    entry = table_ptr + item * 12
+    entry = table_ptr + item * META
     elem = q_ptr.dtype.element_ty
     own = tl.load(entry).to(tl.pointer_type(elem))
     donor = tl.load(entry + 5).to(tl.pointer_type(elem))
@@ -163,9 +168,9 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: B
     group = heads // kv_heads
     grid = (rows, kv_heads)
     _write_kv[grid](k, v, batch.table, batch.row_item, batch.row_pos, layer, KVH=kv_heads, D=head_dim,
-                    BLOCK_D=block_d)
+                    BLOCK_D=block_d, META=META)
     _extend_attention[grid](q, out, batch.table, batch.row_item, batch.row_pos, layer, scale,
                             H=heads, KVH=kv_heads, D=head_dim, GROUP=group,
                             BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=BLOCK_N,
-                            IEEE=q.dtype == torch.float32)
+                            IEEE=q.dtype == torch.float32, META=META)
     return out
