@@ -58,8 +58,12 @@ PLAIN, TRANSPOSED, PACKED, BLOCKED = 0, 1, 2, 3
 NAMES = {PLAIN: "x @ W^T", TRANSPOSED: "W @ x^T", PACKED: "packed", BLOCKED: "blocked"}
 # Until a model is tuned, the row counts that take W @ x^T (the AMD VM's answer).
 FEW_ROWS = range(2, 65)
-# Row counts measured; a count between two takes the layout of the one below it, above the last x @ W^T.
-TUNED_ROWS = (1, 2, 4, 8, 16, 32, 64, 96, 128)
+# Row counts measured; a count between two takes the layout of the one below it, above the last the
+# last's. They reach the default step budget (512 tokens): prefill chunks run on them too.
+TUNED_ROWS = (1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256, 384, 512)
+# Above this many rows a layout is timed over a sample of the group's weights (``TIME_SAMPLE``
+# of them): a prompt's rows cost the whole group seconds a pass, and the shapes repeat a layer.
+SAMPLE_ABOVE_ROWS, TIME_SAMPLE = 128, 8
 TUNING_DIR_ENV = "PREFIX_CACHE_TUNING_DIR"
 PACKED_ENV = "PREFIX_CACHE_MKL_PACKED"
 PACK_ROWS = 16   # the row count a weight is packed for (the packed copy serves any count)
@@ -177,7 +181,7 @@ def layout_for(layouts: Layouts | None, rows: int) -> int:
     """The layout ``rows`` rows take under ``layouts`` (None: not tuned, ``FEW_ROWS`` transposed)."""
     if layouts is None:
         return TRANSPOSED if rows in FEW_ROWS else PLAIN
-    return layouts[rows] if rows < len(layouts) else PLAIN
+    return layouts[min(rows, len(layouts) - 1)]
 
 
 def describe(layouts: Layouts) -> dict[int, str]:
@@ -207,6 +211,8 @@ def tuned(weights: list[torch.Tensor], dtype: str, biases: "list[torch.Tensor | 
 
 
 def _time(weights: list[torch.Tensor], rows: int, layout: int, packs: "list | None", repeats: int = 1) -> float:
+    if rows > SAMPLE_ABOVE_ROWS:
+        weights, packs = weights[:TIME_SAMPLE], packs and packs[:TIME_SAMPLE]
     xs = [torch.randn(rows, w.shape[1], dtype=w.dtype, device=w.device) for w in weights]
     packs = packs or [None] * len(weights)
     best = float("inf")

@@ -137,3 +137,25 @@ def test_a_model_running_blocked_gives_one_prompt_the_logits_of_a_large_batch(mo
         assert torch.equal(alone_kv, kv)
         if linear_layouts.BLOCKED in model._head_layouts:
             assert torch.equal(alone_logits, logits)
+
+
+def test_a_long_prompt_on_the_kernel_gets_mkls_numbers_bit_for_bit(module, monkeypatch, tmp_path) -> None:
+    """Prefill chunks run blocked too (``TUNED_ROWS`` reach the step budget): a prompt of 250
+    rows, which the kernel cuts into tasks of a panel for 64 of its rows (the last one short),
+    gets the logits and KV MKL's ``x @ W^T`` gives it, bit for bit."""
+    monkeypatch.setenv(linear_layouts.TUNING_DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(linear_layouts, "_known", {})
+    monkeypatch.setattr(linear_layouts, "_time", lambda weights, rows, layout, packs:
+                        -1.0 if layout == linear_layouts.BLOCKED else float(layout))
+    model = DecoderModel(SMALL)
+    model.tune_linears()
+    if linear_layouts.BLOCKED not in model._layer_layouts:
+        pytest.skip("no summation order of MKL's found on this machine")
+    assert linear_layouts.layout_for(model._layer_layouts, 250) == linear_layouts.BLOCKED
+    prompt = torch.randint(0, SMALL.vocab_size, (250,), generator=torch.Generator().manual_seed(5))
+    blocked_logits, blocked_kv = model.forward_batch([(prompt, 0, None)])[0]
+    model._layer_layouts = (linear_layouts.PLAIN,) * len(model._layer_layouts)
+    model._head_layouts = (linear_layouts.PLAIN,) * len(model._head_layouts)
+    logits, kv = model.forward_batch([(prompt, 0, None)])[0]
+    assert torch.equal(blocked_kv, kv)
+    assert torch.equal(blocked_logits, logits)

@@ -452,11 +452,13 @@ def test_tuned_layouts_cover_every_row_count_and_are_measured_once_a_machine(mon
     for group, layouts in (("layers", model._layer_layouts), ("head", model._head_layouts)):
         assert sorted(tuned[group]) == list(linear_layouts.TUNED_ROWS)
         assert set(tuned[group].values()) <= set(linear_layouts.NAMES.values())
-        # Row counts between two measured ones take the layout of the one below; beyond the last, x @ W^T.
+        # Row counts between two measured ones take the layout of the one below; beyond the last, the last's.
         assert linear_layouts.NAMES[linear_layouts.layout_for(layouts, 3)] == tuned[group][2]
         assert linear_layouts.NAMES[linear_layouts.layout_for(layouts, 63)] == tuned[group][32]
         assert linear_layouts.NAMES[linear_layouts.layout_for(layouts, 127)] == tuned[group][96]
-        assert linear_layouts.layout_for(layouts, 129) == linear_layouts.layout_for(layouts, 4096) == 0
+        assert linear_layouts.NAMES[linear_layouts.layout_for(layouts, 129)] == tuned[group][128]
+        last = linear_layouts.TUNED_ROWS[-1]
+        assert linear_layouts.NAMES[linear_layouts.layout_for(layouts, 4096)] == tuned[group][last]
     # A group some row count runs packed has its weights packed; the others none.
     packed_layers = linear_layouts.PACKED in model._layer_layouts
     assert ((linear_layouts.PACKED, id(model.layers[0].qkv_proj)) in model._packed) == packed_layers

@@ -56,6 +56,40 @@ def test_the_first_token_carries_the_replica_timing():
         core.close()
 
 
+def test_a_request_that_cannot_run_yet_makes_the_loop_wait_not_spin():
+    """Work queued that no step can take yet (its prefix on its way up to HOT): the engine
+    loop waits between the empty steps (``PENDING_WAIT_S``, or until woken), then runs it."""
+    from actors import engine_loop
+
+    core = make("w-p")
+    try:
+        waits = []
+
+        class Recording(type(core.loop._wake)):
+            def wait(self, timeout=None):
+                waits.append(timeout)
+                return super().wait(timeout)
+
+        core.loop._wake = Recording()
+        real_ready, not_ready = core.engine.cache.ready, [5]
+
+        def ready(*args, **kwargs):   # the first five looks: the prefix is still on its way up
+            if not_ready[0]:
+                not_ready[0] -= 1
+                return False, [0, 0, 0, 0]
+            return real_ready(*args, **kwargs)
+
+        core.engine.cache.ready = ready
+        prompt = list(range(40))
+        items = run(core, prompt)
+        assert [i.token for i in items] == greedy(prompt, 4)
+        assert core.engine.stats["waits_for_promotion"] == 5
+        # One wait after each of the five empty steps (none after a step that ran a forward).
+        assert waits.count(engine_loop.PENDING_WAIT_S) == 5
+    finally:
+        core.close()
+
+
 def test_queue_bound_rejects_with_queue_full():
     core = make("w-b", max_queued_requests=0)
     try:

@@ -19,7 +19,7 @@
 // Vectorised across N: each lane holds one output and runs its own chain of FMAs, so
 // the vector width (AVX-512, AVX2, none) does not change a sum. Each panel is read once
 // from memory for all rows (tiles of 4 rows reread it from the cache); ATen's threads
-// take the panels one at a time.
+// take the panels (for a long prompt: a panel for some of its rows) one at a time.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -35,6 +35,7 @@
 namespace {
 
 constexpr int64_t kPanel = 64;   // columns of a panel
+constexpr int64_t kSplitRows = 128, kChunkRows = 64;   // see blocked_linear's tasks
 
 std::vector<int64_t> balanced(int64_t n, int64_t max_size) {
   const int64_t pieces = (n + max_size - 1) / max_size;
@@ -253,22 +254,33 @@ torch::Tensor blocked_linear(const torch::Tensor& x, const torch::Tensor& panels
   const float* xp = xc.data_ptr<float>();
   const float* pp = panels.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  // Panels are handed out one at a time (an atomic counter, not ATen's static halves): a
+  // Work goes out one task at a time (an atomic counter, not ATen's static halves): a
   // thread the OS preempts (a wake-up of another process on its core) holds up only the
-  // panel it is on while the other threads take the rest, instead of its whole half.
+  // task it is on while the other threads take the rest, instead of its whole half. A task
+  // is one panel for all rows; from kSplitRows rows on (a prompt's chunk: compute-bound,
+  // the panel rereads come from the core's cache) one panel for kChunkRows of them, so a
+  // layer of a few panels (9 for a 576-wide output) still splits evenly between threads.
+  // Each output's sum is the same whichever task computes it.
+  const int64_t chunk = M >= kSplitRows ? kChunkRows : M;
+  const int64_t chunks = (M + chunk - 1) / chunk, tasks = P * chunks;
   std::atomic<int64_t> next{0};
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), P);
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), tasks);
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    std::vector<float> scratch(isa == Isa::kAvx512 ? 3 * M * kPanel : 0);
-    for (int64_t p; (p = next.fetch_add(1, std::memory_order_relaxed)) < P;) {
+    std::vector<float> scratch(isa == Isa::kAvx512 ? 3 * chunk * kPanel : 0);
+    for (int64_t t; (t = next.fetch_add(1, std::memory_order_relaxed)) < tasks;) {
+      const int64_t p = t / chunks, m0 = (t % chunks) * chunk, rows = std::min(chunk, M - m0);
       const int64_t width = std::min(kPanel, n - p * kPanel);
       const float* panel = pp + p * K * kPanel;
-      float* yc = yp + p * kPanel;
+      const float* xc_rows = xp + m0 * K;
+      float* yc = yp + m0 * n + p * kPanel;
 #if defined(__x86_64__)
-      if (isa == Isa::kAvx512) { panel_avx512(xp, panel, yc, M, K, n, width, blocks, scratch.data()); continue; }
-      if (isa == Isa::kAvx2) { panel_avx2(xp, panel, yc, M, K, n, width, blocks); continue; }
+      if (isa == Isa::kAvx512) {
+        panel_avx512(xc_rows, panel, yc, rows, K, n, width, blocks, scratch.data());
+        continue;
+      }
+      if (isa == Isa::kAvx2) { panel_avx2(xc_rows, panel, yc, rows, K, n, width, blocks); continue; }
 #endif
-      panel_generic(xp, panel, yc, M, K, n, width, blocks);
+      panel_generic(xc_rows, panel, yc, rows, K, n, width, blocks);
     }
   });
   if (rp != nullptr) {
