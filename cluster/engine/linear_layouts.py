@@ -37,7 +37,10 @@ takes another path (another order, and a third to half of the memory's speed) be
 size for which the kernel equals MKL's large-batch result bit for bit on the group's
 own weight shapes, with this process's threads, and without such an order (another
 CPU, another MKL, a bias added in another order) the layout is not a candidate. On
-the Xeon 2-core VM the layers' linears of 16 rows took 32 ms against MKL's 42.
+the Xeon 2-core VM the layers' linears of 16 rows took 32 ms against MKL's 42. The tuned
+row counts reach the step budget, so a prompt's chunk runs on it where it is faster: on
+an AMD EPYC (AVX-512, 2 cores) a 418-token prompt's linears at 173-193 GFLOPS against
+MKL's 137 inside the model, with the same bits.
 """
 
 from __future__ import annotations

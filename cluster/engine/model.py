@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cluster.engine import attention, linear_layouts
+from cluster.engine import attention, layer_loop, linear_layouts
 from cluster.engine.attention import EXTEND_MAX  # noqa: F401  (re-exported: the kernel's reach)
 from cluster.engine.linear_layouts import linear as _linear
 from cluster.engine.tokenizer import BYTE_VOCAB_SIZE
@@ -308,6 +308,7 @@ class DecoderModel(nn.Module):
         self._extend_kernel = None   # see use_decode_kernel
         self._small_ops = None       # the compiled rms_norm and rope (CPU, float32), likewise
         self._graphs = None          # see use_cuda_graphs
+        self._compiled_layers = None  # the layer loop in one call (layer_loop), where it applies
         # See tune_linears: the layout per row count of the layers' linears and of the head, and
         # the copies (MKL-packed, panels) of the weights whose group runs on them at some row count,
         # by (layout, id).
@@ -430,7 +431,7 @@ class DecoderModel(nn.Module):
         is in use. On the CPU the norms and the rotary embedding then run compiled too
         (one call each instead of five or six ops: at a decode step's few rows the
         dispatch costs more than the arithmetic)."""
-        self._extend_kernel, self._graphs, self._small_ops = None, None, None
+        self._extend_kernel, self._graphs, self._small_ops, self._compiled_layers = None, None, None, None
         if on and self.config.dtype == "float32" and self.device.type == "cpu":
             from cluster.engine.kernels import extend_attention, small_ops
             self._extend_kernel = extend_attention()
@@ -438,6 +439,7 @@ class DecoderModel(nn.Module):
         elif on and self.device.type == "cuda":
             from cluster.engine.kernels import cuda_extend_attention
             self._extend_kernel = cuda_extend_attention()
+        self._compiled_layers = layer_loop.compiled_layers(self)
         return self._extend_kernel is not None
 
     def use_cuda_graphs(self, on: bool = True, sizes: Sequence[int] | None = None) -> bool:
@@ -476,6 +478,7 @@ class DecoderModel(nn.Module):
                 order = linear_layouts.blocked_order(group)
                 self._packed.update(((linear_layouts.BLOCKED, id(w)), linear_layouts.panels(w, order))
                                     for w, _ in group)
+        self._compiled_layers = layer_loop.compiled_layers(self)
         return {"layers": linear_layouts.describe(self._layer_layouts),
                 "head": linear_layouts.describe(self._head_layouts)}
 
@@ -514,7 +517,11 @@ class DecoderModel(nn.Module):
         norm, rope = _rms_norm, _apply_rope
         if self._small_ops is not None:
             norm, rope = self._small_ops.rms_norm, self._small_ops.rope
-        for layer_index, layer in enumerate(self.layers):
+        loop = self._compiled_layers if decodes is not None and decodes.batch is None and \
+            len(decodes.items) == len(bounds) and layout == linear_layouts.BLOCKED else None
+        if loop is not None:   # every sequence on the kernel, the linears blocked: the loop in one call
+            hidden = loop(hidden, cos, sin, decodes)
+        for layer_index, layer in enumerate(self.layers if loop is None else ()):
             attn_in = norm(hidden, layer.attn_norm, c.rms_norm_eps)
             qkv = self._linear(attn_in, layer.qkv_proj, layer.qkv_bias, layout)
             # q and k side by side as [N, heads + kv_heads, head_dim]: one norm and one rotation.

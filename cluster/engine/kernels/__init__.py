@@ -18,6 +18,11 @@ a large batch, bit for bit, reading each weight once for all rows
 (``cluster.engine.linear_layouts``, layout ``blocked``, checks it against MKL before
 using it).
 
+``decoder_layers`` (``layers.cpp``): a step's whole layer loop in one call, for a step
+whose every sequence runs on ``extend_attention`` and whose linears run blocked: the
+same kernels and ATen ops in the same order as the model's Python loop, so the same
+bits, without the GIL and a Python dispatch per op (``DecoderModel._layers``).
+
 Each build takes up to a minute once per machine (cached under
 ``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``; concurrent
 builds wait on the loader's lock). When one cannot be built (no compiler,
@@ -38,7 +43,7 @@ log = logging.getLogger(__name__)
 ENV_VAR = "PREFIX_CACHE_KERNELS"
 _lock = threading.Lock()
 _state: dict[str, dict[str, Any]] = {name: {"module": None, "tried": False, "error": None}
-                                     for name in ("decode_attention", "blocked_linear", "triton_attention")}
+                                     for name in ("decode_attention", "blocked_linear", "layers", "triton_attention")}
 
 
 def _load(name: str, build) -> Any:
@@ -95,6 +100,14 @@ def cuda_extend_attention() -> Any:
 def blocked_linear() -> Any:
     """The compiled module with ``pack_panels``, ``blocked_linear`` and ``isa``, or None."""
     return _module("blocked_linear")
+
+
+def decoder_layers() -> Any:
+    """The compiled layer loop of a step whose sequences all run on the batched kernel and
+    whose linears run blocked (``layers.cpp``: the two modules above built into one, the
+    loop with the GIL released), or None."""
+    module = _module("layers")
+    return None if module is None else module.decoder_layers
 
 
 def status(name: str = "decode_attention") -> str:

@@ -301,6 +301,8 @@ std::string isa_name() {
   }
 }
 
+// layers.cpp builds this file into its own module, without this one's bindings.
+#ifndef PREFIX_CACHE_NO_BINDINGS
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_panels", &pack_panels, "a weight [N, K] as column panels [ceil(N / 64), K, 64]");
   // The GIL is released while a kernel runs (as torch's own ops do): the replica's event loop
@@ -310,3 +312,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("residual") = pybind11::none(), pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("isa", &isa_name, "the instruction set blocked_linear runs on this CPU");
 }
+#endif

@@ -408,6 +408,8 @@ torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
   return out;
 }
 
+// layers.cpp builds this file into its own module, without this one's bindings.
+#ifndef PREFIX_CACHE_NO_BINDINGS
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The GIL is released while a kernel runs (as torch's own ops do): the replica's event loop
   // thread streams tokens beside the forward instead of waiting for it between two ops.
@@ -423,3 +425,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("donors") = std::vector<int64_t>(), pybind11::arg("shared") = std::vector<int64_t>(),
         release_gil());
 }
+#endif
