@@ -95,3 +95,22 @@ def test_steps_the_loop_does_not_cover_take_the_python_loop(monkeypatch, tmp_pat
     # Without the batched kernel there is no compiled loop at all.
     model.use_decode_kernel(False)
     assert model._compiled_layers is None
+
+
+def test_the_layer_loop_module_is_rebuilt_when_a_kernel_it_includes_changes(monkeypatch, tmp_path):
+    """The extension loader decides whether a built module is current from the listed source
+    and the flags; ``layers.cpp`` includes the two kernels, so their contents go into its flags."""
+    import hashlib
+    from pathlib import Path
+
+    import torch.utils.cpp_extension
+
+    seen = []
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", lambda **kwargs: seen.append(kwargs) or object())
+    monkeypatch.setitem(kernels._state, "layers", {"module": None, "tried": False, "error": None})
+    kernels._module("layers")
+    here = Path(kernels.__file__).parent
+    want = hashlib.sha256((here / "blocked_linear.cpp").read_bytes() +
+                          (here / "decode_attention.cpp").read_bytes()).hexdigest()[:16]
+    assert seen and f"-DPREFIX_CACHE_INCLUDES={want}" in seen[0]["extra_cflags"]
+    assert seen[0]["sources"] == [str(here / "layers.cpp")]

@@ -65,13 +65,24 @@ def _load(name: str, build) -> Any:
         return state["module"]
 
 
+# The sources a module's .cpp includes: the loader hashes only the listed source to decide
+# whether a built module is current, so their contents go into its flags (a changed kernel
+# rebuilds the layer loop that includes it).
+INCLUDES = {"layers": ("blocked_linear.cpp", "decode_attention.cpp")}
+
+
 def _module(name: str) -> Any:
     """The compiled module of ``<name>.cpp``, built on first use, or None (see above)."""
     def build():
+        import hashlib
+
         from torch.utils.cpp_extension import load
 
-        return load(name=f"prefix_cache_{name}", sources=[str(Path(__file__).with_name(f"{name}.cpp"))],
-                    extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+        here = Path(__file__).parent
+        digest = hashlib.sha256(b"".join((here / f).read_bytes() for f in INCLUDES.get(name, ()))).hexdigest()
+        flags = ["-O3", "-fopenmp"] + ([f"-DPREFIX_CACHE_INCLUDES={digest[:16]}"] if name in INCLUDES else [])
+        return load(name=f"prefix_cache_{name}", sources=[str(here / f"{name}.cpp")],
+                    extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
     return _load(name, build)
 
 
