@@ -517,11 +517,12 @@ class DecoderModel(nn.Module):
         norm, rope = _rms_norm, _apply_rope
         if self._small_ops is not None:
             norm, rope = self._small_ops.rms_norm, self._small_ops.rope
-        loop = self._compiled_layers if decodes is not None and decodes.batch is None and \
-            len(decodes.items) == len(bounds) and layout == linear_layouts.BLOCKED else None
-        if loop is not None:   # every sequence on the kernel, the linears blocked: the loop in one call
+        all_on_kernel = decodes is not None and len(decodes.items) == len(bounds)
+        loop = self._compiled_layers if all_on_kernel and layout == linear_layouts.BLOCKED else None
+        if loop is not None:   # every sequence on the kernel, the linears blocked: the loop in one call (CPU)
             hidden = loop(hidden, cos, sin, decodes)
-        for layer_index, layer in enumerate(self.layers if loop is None else ()):
+        python_layers = self.layers if loop is None else ()
+        for layer_index, layer in enumerate(python_layers):
             attn_in = norm(hidden, layer.attn_norm, c.rms_norm_eps)
             qkv = self._linear(attn_in, layer.qkv_proj, layer.qkv_bias, layout)
             # q and k side by side as [N, heads + kv_heads, head_dim]: one norm and one rotation.
@@ -531,7 +532,7 @@ class DecoderModel(nn.Module):
             qk = rope(qk, cos, sin)
             q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
             v = qkv[:, q_width + kv_width:].view(-1, c.num_kv_heads, c.head_dim)
-            if decodes is not None and len(decodes.items) == len(bounds):   # all on the kernel: no gather
+            if all_on_kernel:   # no gather
                 attn_out = decodes.attend(q, k, v, layer_index, c.head_dim ** -0.5)
             else:
                 attn_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)

@@ -47,3 +47,33 @@ def greedy_reference(prompt, n, model_config=None):
     for _ in range(n):
         toks.append(int(model.forward_one(torch.tensor(toks), 0, None)[0][-1].argmax()))
     return toks[len(prompt):]
+
+
+def compiled_or_skip(built, name: str):
+    """A compiled kernel (module or function) ``built``, or skip the test where ``name``'s
+    module could not be built here (no compiler, ``PREFIX_CACHE_KERNELS=0``)."""
+    import pytest
+
+    from cluster.engine import kernels
+
+    if built is None:
+        pytest.skip(f"the compiled {name} kernel is unavailable here: {kernels.status(name)}")
+    return built
+
+
+def tune_blocked(model, monkeypatch, tmp_path) -> dict:
+    """``model.tune_linears()`` into a fresh tuning directory with the blocked layout timed
+    fastest at every row count (its result); skips where no summation order of MKL's is
+    found on this machine (the layout is then never used)."""
+    import pytest
+
+    from cluster.engine import linear_layouts
+
+    monkeypatch.setenv(linear_layouts.TUNING_DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(linear_layouts, "_known", {})
+    monkeypatch.setattr(linear_layouts, "_time", lambda weights, rows, layout, packs:
+                        -1.0 if layout == linear_layouts.BLOCKED else float(layout))
+    tuned = model.tune_linears()
+    if linear_layouts.BLOCKED not in model._layer_layouts:
+        pytest.skip("no summation order of MKL's found on this machine")
+    return tuned

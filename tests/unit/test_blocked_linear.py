@@ -9,6 +9,7 @@ import torch
 
 from cluster.engine import kernels, linear_layouts
 from cluster.engine.model import DecoderModel, ModelConfig
+from tests.unit.helpers import compiled_or_skip, tune_blocked
 
 SMALL = ModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                     intermediate_size=160, vocab_size=300, max_position=256)
@@ -16,10 +17,7 @@ SMALL = ModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, h
 
 @pytest.fixture(scope="module")
 def module():
-    built = kernels.blocked_linear()
-    if built is None:
-        pytest.skip(f"blocked linear kernel: {kernels.status('blocked_linear')}")
-    return built
+    return compiled_or_skip(kernels.blocked_linear(), "blocked_linear")
 
 
 def _balanced(n: int, size: int) -> list[int]:
@@ -115,14 +113,8 @@ def test_a_model_running_blocked_gives_one_prompt_the_logits_of_a_large_batch(mo
     """A prompt forwarded alone (its few rows on the kernel) gets bit for bit the logits and
     KV it gets inside a 64-row batch on MKL; and tuning builds the panels of a group only
     when some row count of it runs blocked."""
-    monkeypatch.setenv(linear_layouts.TUNING_DIR_ENV, str(tmp_path))
-    monkeypatch.setattr(linear_layouts, "_known", {})
-    monkeypatch.setattr(linear_layouts, "_time", lambda weights, rows, layout, packs:
-                        -1.0 if layout == linear_layouts.BLOCKED else float(layout))
     model = DecoderModel(SMALL)
-    tuned = model.tune_linears()
-    if linear_layouts.BLOCKED not in model._layer_layouts:
-        pytest.skip("no summation order of MKL's found on this machine")
+    tuned = tune_blocked(model, monkeypatch, tmp_path)
     assert set(tuned["layers"].values()) == {"blocked"}
     assert all((linear_layouts.BLOCKED, id(w)) in model._packed for w in (model.layers[0].qkv_proj,
                                                                            model.layers[1].down_proj))
@@ -143,14 +135,8 @@ def test_a_long_prompt_on_the_kernel_gets_mkls_numbers_bit_for_bit(module, monke
     """Prefill chunks run blocked too (``TUNED_ROWS`` reach the step budget): a prompt of 250
     rows, which the kernel cuts into tasks of a panel for 64 of its rows (the last one short),
     gets the logits and KV MKL's ``x @ W^T`` gives it, bit for bit."""
-    monkeypatch.setenv(linear_layouts.TUNING_DIR_ENV, str(tmp_path))
-    monkeypatch.setattr(linear_layouts, "_known", {})
-    monkeypatch.setattr(linear_layouts, "_time", lambda weights, rows, layout, packs:
-                        -1.0 if layout == linear_layouts.BLOCKED else float(layout))
     model = DecoderModel(SMALL)
-    model.tune_linears()
-    if linear_layouts.BLOCKED not in model._layer_layouts:
-        pytest.skip("no summation order of MKL's found on this machine")
+    tune_blocked(model, monkeypatch, tmp_path)
     assert linear_layouts.layout_for(model._layer_layouts, 250) == linear_layouts.BLOCKED
     prompt = torch.randint(0, SMALL.vocab_size, (250,), generator=torch.Generator().manual_seed(5))
     blocked_logits, blocked_kv = model.forward_batch([(prompt, 0, None)])[0]

@@ -9,6 +9,7 @@ import torch
 
 from cluster.engine import kernels, linear_layouts
 from cluster.engine.model import DecoderModel, ModelConfig
+from tests.unit.helpers import compiled_or_skip, tune_blocked
 
 SMALL = ModelConfig(hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16,
                     intermediate_size=160, vocab_size=300, max_position=256, seed=4)
@@ -17,21 +18,16 @@ WITH_EVERYTHING = dataclasses.replace(SMALL, qk_norm=True, qkv_bias=True, o_bias
 
 
 def blocked_model(config: ModelConfig, monkeypatch, tmp_path) -> DecoderModel:
-    monkeypatch.setenv(linear_layouts.TUNING_DIR_ENV, str(tmp_path))
-    monkeypatch.setattr(linear_layouts, "_known", {})
-    monkeypatch.setattr(linear_layouts, "_time", lambda weights, rows, layout, packs:
-                        -1.0 if layout == linear_layouts.BLOCKED else float(layout))
     model = DecoderModel(config)
-    if not model.use_decode_kernel(True) or kernels.decoder_layers() is None:
-        pytest.skip(f"the compiled kernels are unavailable here: {kernels.status('layers')}")
+    compiled_or_skip(kernels.extend_attention(), "decode_attention")
+    compiled_or_skip(kernels.decoder_layers(), "layers")
+    model.use_decode_kernel(True)
     if config.qkv_bias or config.o_bias:
         with torch.no_grad():   # lively biases, not the seeded init's small ones
             for layer in model.layers:
                 for bias in (layer.qkv_bias, layer.o_bias, layer.gate_up_bias, layer.down_bias):
                     bias.copy_(torch.randn(bias.shape, generator=torch.Generator().manual_seed(bias.numel())))
-    model.tune_linears()
-    if linear_layouts.BLOCKED not in model._layer_layouts:
-        pytest.skip("no summation order of MKL's found on this machine")
+    tune_blocked(model, monkeypatch, tmp_path)
     return model
 
 
