@@ -53,10 +53,10 @@ def pytest_configure(config):
     # replica the tests start inherits it, so a cache touched off its engine thread
     # fails the test that did it.
     os.environ.setdefault(OWNERSHIP_ENV_VAR, "1")
-    # The test clusters' workers run at the priority the app's do (nice 0, not Ray's 15).
-    from actors.config import serve_at_normal_priority
+    # The test clusters run with the app's environment (nice 0, not Ray's 15; Serve's settings).
+    from actors.config import prepare_serving_env
 
-    serve_at_normal_priority()
+    prepare_serving_env()
 
 
 def pytest_addoption(parser):

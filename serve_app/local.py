@@ -58,9 +58,9 @@ class LocalCluster:
     def __init__(self, worker_nodes: int = 2, cpus_per_node: int = 2, namespace: str = "prefix-cache",
                  l3_pool_mb: int = 1024):
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # before Ray starts: bind 127.0.0.1
-        from actors.config import serve_at_normal_priority
+        from actors.config import prepare_serving_env
 
-        serve_at_normal_priority()   # replicas at nice 0, not Ray's 15 (actors/config.py)
+        prepare_serving_env()   # replicas at nice 0, Serve's gRPC and loop settings (actors/config.py)
         import ray
         from ray.cluster_utils import Cluster
 

@@ -24,7 +24,8 @@ model's real replies go back each turn, greedy decoding):
 
 Each arm prints one JSON row: ``requests``, ``failed``, ``wall_s``,
 ``output_tokens_per_s``, ``ttft_ms_p50/p99``, ``ttft_ms_first_turn_p50``,
-``ttft_ms_later_turns_p50``, ``e2e_ms_p50``, ``cached_token_share`` (cached
+``ttft_ms_later_turns_p50``, ``e2e_ms_p50``, ``tpot_ms_p50/p99`` (a request's time per
+output token after its first: end-to-end less TTFT over the tokens after the first), ``cached_token_share`` (cached
 prompt tokens over prompt tokens, from the usage each server reports),
 ``preemptions`` (the engine's; vLLM's ``vllm:num_preemptions_total``) and,
 for vLLM, ``prefix_cache_hit_rate`` (``vllm:prefix_cache_hits_total`` over
@@ -268,7 +269,8 @@ def _compare(ours: dict, peer: dict) -> dict:
         return rounded(ours[key] / peer[key], 3) if ours.get(key) and peer.get(key) else None
 
     out = {"throughput_vs_peer": ratio("output_tokens_per_s")}
-    for key in ("ttft_ms_p50", "ttft_ms_p99", "ttft_ms_first_turn_p50", "ttft_ms_later_turns_p50", "e2e_ms_p50"):
+    for key in ("ttft_ms_p50", "ttft_ms_p99", "ttft_ms_first_turn_p50", "ttft_ms_later_turns_p50", "e2e_ms_p50",
+                "tpot_ms_p50"):
         out[f"{key}_vs_peer"] = ratio(key)
     out["goal_no_failures"] = ours["failed"] == 0
     out["goal_throughput_ge_peer"] = (out["throughput_vs_peer"] or 0) >= 1.0

@@ -80,6 +80,8 @@ class WorkloadResult:
         first = [t.ttft_s for t in ok if t.turn == 0 and t.ttft_s is not None]
         later = [t.ttft_s for t in ok if t.turn > 0 and t.ttft_s is not None]
         e2e = [t.e2e_s for t in ok if t.e2e_s is not None]
+        tpot = [(t.e2e_s - t.ttft_s) / (t.completion_tokens - 1) for t in ok
+                if t.e2e_s is not None and t.ttft_s is not None and t.completion_tokens > 1]
         prompt = sum(t.prompt_tokens for t in ok)
 
         def ms(values: list[float], q: float) -> float | None:
@@ -91,7 +93,7 @@ class WorkloadResult:
                 "ttft_ms_p50": ms(ttft, 50), "ttft_ms_p99": ms(ttft, 99),
                 "ttft_ms_first_turn_p50": ms(first, 50), "ttft_ms_first_turn_p99": ms(first, 99),
                 "ttft_ms_later_turns_p50": ms(later, 50), "ttft_ms_later_turns_p99": ms(later, 99),
-                "e2e_ms_p50": ms(e2e, 50),
+                "e2e_ms_p50": ms(e2e, 50), "tpot_ms_p50": ms(tpot, 50), "tpot_ms_p99": ms(tpot, 99),
                 "cached_token_share": rounded(sum(t.cached_tokens for t in ok) / prompt, 4) if prompt else 0.0,
                 "errors": sorted({t.error for t in self.turns if t.error})[:5],
                 **_ttft_parts(ok)}

@@ -236,10 +236,22 @@ def test_engine_state_stayed_on_the_engine_threads(cache_cluster):
 
 def test_workers_run_at_normal_priority(cache_cluster):
     """Ray starts worker processes at nice 15 unless told otherwise; the cluster's run at 0
-    (``actors.config.serve_at_normal_priority``), beside the raylet, not below it."""
+    (``actors.config.prepare_serving_env``), beside the raylet, not below it."""
     for wid, handle in cache_cluster.workers.items():
         pid = ray.get(handle.stats.remote())["worker"]["pid"]
         assert os.getpriority(os.PRIO_PROCESS, pid) == 0, wid
+
+
+def test_workers_start_with_the_serving_environment(cache_cluster):
+    """Every process the cluster's raylets start inherits ``actors.config.SERVING_ENV`` (Serve
+    reads its settings when its modules load, in each replica and in the proxy)."""
+    from actors.config import SERVING_ENV
+
+    for wid, handle in cache_cluster.workers.items():
+        pid = ray.get(handle.stats.remote())["worker"]["pid"]
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+        assert {name: env.get(name.encode(), b"").decode() for name in SERVING_ENV} == SERVING_ENV, wid
 
 
 def test_cpu_workers_run_their_threads_on_intel_openmp(cache_cluster):

@@ -124,10 +124,14 @@ def test_cache_node_values():
     assert (env["UCX_TLS"], env["UCX_NET_DEVICES"]) == ("rc,ud,tcp,sm,self,cuda_copy,cuda_ipc", "mlx5_0:1")
     for which in ("requests", "limits"):
         assert container["resources"][which]["rdma/hca_shared_devices_a"] == 1
-    # Replicas run at nice 0, not the 15 the raylet gives its workers by default (both pods'
-    # raylets start workers; the Ingress may land on the head).
+    # Both pods' raylets start workers (the Ingress and the proxy may land on the head) with the
+    # serving environment the local and test clusters use: nice 0, not the raylet's default 15,
+    # and Serve's gRPC and event-loop settings (actors.config.SERVING_ENV).
+    from actors.config import SERVING_ENV
+
     for c in (_head(rs), container):
-        assert {e["name"]: e.get("value") for e in c["env"]}["RAY_worker_niceness"] == "0"
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        assert {name: env.get(name) for name in SERVING_ENV} == SERVING_ENV
 
 
 def test_tcp_overlay_changes_only_ucx_and_rdma():
@@ -433,7 +437,7 @@ _UCX_NET = '                  - {name: UCX_NET_DEVICES, value: "mlx5_0:1"}\n'
 BROKEN_TREES = [
     # the tcp patch finds the env entries by position: a reordered base fails the build, naming the entry
     ("tcp-patch-on-reordered-env", "overlays/tcp", _edit("base/rayservice.yaml", _UCX_TLS + _UCX_NET, _UCX_NET + _UCX_TLS),
-     "testing value /spec/rayClusterConfig/workerGroupSpecs/0/template/spec/containers/0/env/6/name failed"),
+     "testing value /spec/rayClusterConfig/workerGroupSpecs/0/template/spec/containers/0/env/9/name failed"),
     ("no-rendered-serve-config", "", lambda root: (root / "base/serve-config.yaml").unlink(),
      "serve-config.yaml: no such file or directory"),
     # a base that already lost its RDMA resource: the overlay says which key it could not remove

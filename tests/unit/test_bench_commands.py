@@ -216,6 +216,17 @@ def test_chat_workload_summary_gives_the_median_ttft_parts_where_the_server_repo
     assert "ttft_parts_ms_first_turn_p50" not in other and other["ttft_ms_first_turn_p50"] == 900.0
 
 
+def test_chat_workload_time_per_output_token_is_the_time_after_the_first_over_the_tokens_after_it() -> None:
+    from serve_app.tools.chat_workload import Turn, WorkloadResult
+
+    # (ttft s, e2e s, completion tokens): 24 tokens in 0.5 + 23 x 0.08 s; 11 in 0.3 + 10 x 0.1 s;
+    # a one-token answer has no time per token; a failed turn counts nowhere.
+    turns = [Turn(0, 0, True, 0.5, 0.5 + 23 * 0.08, 10, 24, 0), Turn(1, 0, True, 0.3, 0.3 + 10 * 0.1, 10, 11, 0),
+             Turn(2, 0, True, 0.2, 0.2, 10, 1, 0), Turn(3, 0, False, error="HTTP 503")]
+    row = WorkloadResult(turns, wall_s=2.0).summary()
+    assert (row["tpot_ms_p50"], row["tpot_ms_p99"]) == (80.0, 100.0)   # of two, p50 the lower
+
+
 def test_bench_serving_names_how_the_ingress_calls_the_replicas() -> None:
     """``--replica-calls`` takes the app arg's choices (grpc by default) and nothing else."""
     import argparse

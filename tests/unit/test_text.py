@@ -517,3 +517,36 @@ def test_a_tool_call_another_ingress_remembered_is_bridged_here(smol: HFTokenize
     start = next(i for i in range(len(prompt)) if prompt[i:i + len(sampled)] == sampled)
     assert smol.decode(prompt[start:start + len(sampled)]) == wrote
     assert assistant_texts([{"role": "assistant", "tool_calls": [{"function": 3}]}, "junk"]) == []
+
+
+def test_contents_seen_before_are_not_tokenized_again_and_give_the_same_ids(smol: HFTokenizer) -> None:
+    """The builder keeps each content's plain-text ids (a chat resends its system prompt and its
+    earlier turns every turn): a chat built from the cache has the ids a fresh builder gives."""
+    system = "You are a careful assistant. " * 40
+    turns = [{"role": "system", "content": system}, {"role": "user", "content": "What is a cache?"},
+             {"role": "assistant", "content": "A store of earlier results."}, {"role": "user", "content": "Why?"}]
+    warm = ChatPromptBuilder(smol)
+    first = warm.build(turns[:2])
+    assert warm.content_hits == 0
+    later = warm.build(turns)   # the system prompt and the first question again
+    assert warm.content_hits == 2
+    assert later.ids == ChatPromptBuilder(smol).build(turns).ids
+    assert later.ids[:len(first.ids) - 5] == first.ids[:-5]   # up to the generation header
+    other_session = warm.build([{"role": "system", "content": system}, {"role": "user", "content": "Hi"}])
+    assert warm.content_hits == 3 and other_session.ids == ChatPromptBuilder(smol).build(
+        [{"role": "system", "content": system}, {"role": "user", "content": "Hi"}]).ids
+
+
+def test_content_cache_is_bounded_and_does_not_keep_a_huge_content(smol: HFTokenizer) -> None:
+    builder = ChatPromptBuilder(smol)
+    builder._CONTENT_CACHE_TOKENS = 160   # a content of up to 10 tokens is kept; at most 160 in all
+    for i in range(40):
+        builder.build([{"role": "user", "content": f"question number {i} please"}])
+    assert 0 < builder._content_tokens <= 160
+    assert builder._content_tokens == sum(len(ids) for ids in builder._content_ids.values())
+    assert "question number 39 please" in builder._content_ids          # most recent kept
+    assert "question number 0 please" not in builder._content_ids       # least recent evicted
+    long = "word " * 50   # more than a sixteenth of the bound: tokenized, not kept
+    assert builder.build([{"role": "user", "content": long}]).ids == ChatPromptBuilder(smol).build(
+        [{"role": "user", "content": long}]).ids
+    assert long not in builder._content_ids
