@@ -36,7 +36,10 @@ step) and ``engine_busy_share`` (the replicas' step wall time over the workload'
 ``PREFIX_CACHE_MKL_PACKED=1``) and ``ttft_parts_ms_first_turn_p50`` /
 ``ttft_parts_ms_later_turns_p50`` (the median of each part of the time to first
 token, from the app's per-request ``prefix_cache.timing_ms``: ``serve_app.timing``).
-A ``summary`` row compares them.
+A ``summary`` row compares them. With ``--pairs N`` the arms run N times, each
+pair in the other order, every row carries its ``pair``, and a last
+``summary_of_pairs`` row gives each ratio's median, lowest and highest and how
+many pairs met each goal.
 """
 
 from __future__ import annotations
@@ -81,6 +84,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peer-tcmalloc", action=argparse.BooleanOptionalAction, default=True,
                    help="preload the system's tcmalloc into vLLM where installed (its documented CPU setup)")
     p.add_argument("--arms", default=None, help="comma-separated subset of prefix-cache,vllm-cpu to run")
+    p.add_argument("--pairs", type=int, default=1,
+                   help="run the arms this many times, each pair in the other order, and print the median, "
+                        "lowest and highest of each ratio (summary_of_pairs)")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
 
@@ -237,7 +243,7 @@ def run(args: argparse.Namespace) -> int:
     from cluster.engine.checkpoint import ModelSpec, load_tokenizer, resolve_checkpoint
     from serve_app.local import DEMO_WORKER, prepare_model
 
-    for name in ("sessions", "turns", "max_tokens", "replicas", "torch_threads"):
+    for name in ("sessions", "turns", "max_tokens", "replicas", "torch_threads", "pairs"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     if args.peer and not args.peer_python:
@@ -248,20 +254,46 @@ def run(args: argparse.Namespace) -> int:
     model_id = prepare_model(args.model)
     spec = ModelSpec.parse(args.model)
     system = system_prompt(load_tokenizer(spec), args.system_tokens, args.seed)
-    rows = []
-    if "prefix-cache" in arms:
-        rows.append(run_ours(args, model_id, system, hot_tokens))
-        emit({"bench": "serving", **rows[-1]})
+    model_dir = None
     if args.peer == "vllm" and "vllm-cpu" in arms:
         model_dir = resolve_checkpoint(spec)
         if model_dir is None:
             raise ValueError("--peer vllm needs a real checkpoint (not the builtin test model)")
-        rows.append(run_vllm(args, model_dir, system, hot_tokens))
-        emit({"bench": "serving", **rows[-1]})
-    if len(rows) == 2:
-        ours, peer = rows
-        emit({"bench": "serving", "impl": "summary", **_compare(ours, peer)})
+    runners = {"prefix-cache": lambda: run_ours(args, model_id, system, hot_tokens),
+               "vllm-cpu": lambda: run_vllm(args, model_dir, system, hot_tokens)}
+    order = [arm for arm in ("prefix-cache", "vllm-cpu") if arm in arms and (arm != "vllm-cpu" or model_dir)]
+    compares = []
+    for i in range(args.pairs):
+        # Each pair in the other order: a machine that drifts over the run (a neighbour's load,
+        # thermal state) favours neither arm.
+        rows = {}
+        for arm in order if i % 2 == 0 else order[::-1]:
+            rows[arm] = runners[arm]()
+            emit({"bench": "serving", **({"pair": i + 1} if args.pairs > 1 else {}), **rows[arm]})
+        if len(rows) == 2:
+            compares.append(_compare(rows["prefix-cache"], rows["vllm-cpu"]))
+            emit({"bench": "serving", "impl": "summary", **({"pair": i + 1} if args.pairs > 1 else {}),
+                  **compares[-1]})
+    if len(compares) > 1:
+        emit({"bench": "serving", "impl": "summary_of_pairs", **_over_pairs(compares)})
     return 0
+
+
+def _over_pairs(compares: list[dict]) -> dict:
+    """The median, lowest and highest of each ratio over the pairs, and how many pairs met each
+    goal: on a machine whose run-to-run spread is as wide as the gap, one pair decides nothing."""
+    out: dict = {"pairs": len(compares)}
+    for key in compares[0]:
+        if key.endswith("_vs_peer"):
+            values = sorted(c[key] for c in compares if c.get(key) is not None)
+            if values:
+                mid = len(values) // 2
+                median = values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+                out[f"{key}_median"] = rounded(median, 3)
+                out[f"{key}_min"], out[f"{key}_max"] = values[0], values[-1]
+        elif key.startswith("goal_"):
+            out[f"{key}_pairs"] = sum(1 for c in compares if c[key])
+    return out
 
 
 def _compare(ours: dict, peer: dict) -> dict:

