@@ -48,6 +48,7 @@ import argparse
 import asyncio
 import os
 import signal
+import statistics
 import subprocess
 import time
 from pathlib import Path
@@ -285,12 +286,10 @@ def _over_pairs(compares: list[dict]) -> dict:
     out: dict = {"pairs": len(compares)}
     for key in compares[0]:
         if key.endswith("_vs_peer"):
-            values = sorted(c[key] for c in compares if c.get(key) is not None)
+            values = [c[key] for c in compares if c.get(key) is not None]
             if values:
-                mid = len(values) // 2
-                median = values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
-                out[f"{key}_median"] = rounded(median, 3)
-                out[f"{key}_min"], out[f"{key}_max"] = values[0], values[-1]
+                out[f"{key}_median"] = rounded(statistics.median(values), 3)
+                out[f"{key}_min"], out[f"{key}_max"] = min(values), max(values)
         elif key.startswith("goal_"):
             out[f"{key}_pairs"] = sum(1 for c in compares if c[key])
     return out
