@@ -63,6 +63,7 @@ class EngineRequest:
     _kv_shared: int = 0              # ... for this many positions (known to hold the same bytes)
     _kv_source: tuple = ()           # the HOT slots its cached prefix was read from (its lease keeps them)
     _tiers_found: list[int] | None = None   # where its prefix was when the engine first looked
+    _awaited: bool = False           # a waiting request counts on this prefill's checkpoint
     _generator: torch.Generator | None = None   # reseeded per position (see position_seed)
     _matcher: Any = None             # its grammar's matcher (structured output), fed every sampled token
 

@@ -328,14 +328,18 @@ class Engine:
         return plan
 
     def _behind_shared_prefill(self, req: EngineRequest, cached: int) -> bool:
-        """Whether a running request still filling its prompt shares at least a block
-        more of ``req``'s sequence than the cache holds: ``req`` then waits for that
-        prefill's checkpoint instead of computing the same KV beside it."""
+        """Whether a running request still filling its prompt computes at least a block of
+        what ``req`` would compute beyond the cache, or all of it but ``req``'s last token (an
+        identical prompt): ``req`` then waits for that prefill's checkpoint (taken even for
+        less than a block once awaited) instead of computing the same KV beside it."""
         seq = req.tokens
-        bt = self.cache.hot.allocator.block_tokens
+        need = min(self.cache.hot.allocator.block_tokens, len(seq) - 1 - cached)
+        if need < 1:
+            return False
         for other in self.running:
             if other.to_compute > 1 and other.namespace == req.namespace and \
-                    _common_prefix(seq, other.tokens) - cached >= bt:
+                    _common_prefix(seq, other.tokens) - cached >= need:
+                other._awaited = True
                 return True
         return False
 
@@ -464,9 +468,12 @@ class Engine:
             self._prompt_logprobs(req, start, logits)
         if req.to_compute:
             return None
-        if n > 1 and req._lease.uncommitted >= self.cache.hot.allocator.block_tokens:
-            # Its prompt is all computed: into the tree now, for the requests that share it.
+        if n > 1 and (req._lease.uncommitted >= self.cache.hot.allocator.block_tokens
+                      or (req._awaited and req._lease.uncommitted)):
+            # Its prompt is all computed: into the tree now, for the requests that share it
+            # (less than a block only for one that waits on it: a checkpoint seals a block).
             req._lease.checkpoint(req.tokens[:req._len])
+        req._awaited = False
         generator = req._generator
         if generator is not None:   # the token at position p depends on (seed, p) only
             generator.manual_seed(position_seed(req.params.seed, len(req.tokens)))

@@ -197,6 +197,41 @@ def test_a_burst_sharing_a_system_prompt_computes_it_once():
     check_drained(engine)
 
 
+
+def test_identical_prompts_compute_their_tail_beyond_the_cache_once():
+    """Six requests after a cached 64-token prefix, two prompts three times each (chats
+    asking the same first question): less than a block (BT = 4) is new, and only the first
+    of each computes it; the other two wait that step, find it checkpointed and compute
+    their last token only. The same outputs as alone."""
+    system = [(5 * i) % 64 for i in range(64)]
+    engine = make_engine(hot_blocks=256, budget=256)
+    run_all(engine, [(system + [63], SamplingParams(max_tokens=1))])   # the prefix, cached
+    before = engine.stats["computed_tokens"]
+    tails = ([1, 2, 3], [6, 7, 8])
+    requests = [(system + tails[i // 3], SamplingParams(max_tokens=3)) for i in range(6)]
+    want = reference_outputs(requests)
+    done = run_all(engine, requests)
+    assert [r.output for r in done] == want
+    assert [r.cached_tokens for r in done] == [64, 66, 66, 64, 66, 66]
+    # The first of each: its 3 new tokens, then 2 decodes; the others: their last token, 2 decodes.
+    assert engine.stats["computed_tokens"] - before == 2 * ((3 + 2) + 2 * (1 + 2))
+    assert engine.stats["waits_for_shared_prefix"] >= 4
+    check_drained(engine)
+
+
+def test_a_request_one_token_past_the_cache_does_not_wait():
+    """With only its last token left to compute beyond the cache, a request has nothing
+    to wait for: it goes in the same step as the longer prompt that shares its prefix."""
+    system = [(3 * i) % 64 for i in range(32)]
+    engine = make_engine(hot_blocks=256, budget=256)
+    run_all(engine, [(system + [7], SamplingParams(max_tokens=1))])
+    requests = [(system + [1, 2, 3], SamplingParams(max_tokens=2)), (system + [1], SamplingParams(max_tokens=2))]
+    done = run_all(engine, requests)
+    assert [r.output for r in done] == reference_outputs(requests)
+    assert [r.cached_tokens for r in done] == [32, 32]
+    assert engine.stats["waits_for_shared_prefix"] == 0
+    check_drained(engine)
+
 def test_step_times_are_counted_and_decode_only_steps_apart():
     """A 10-token prompt under a 4-token budget: three prefill chunks (the last one samples
     the first token), then one decode step per further token; the wall time of each is
