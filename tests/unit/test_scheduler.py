@@ -66,13 +66,15 @@ request_st = st.tuples(
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(requests=st.lists(request_st, min_size=1, max_size=8), spare_blocks=st.integers(0, 24),
        warm_blocks=st.sampled_from([0, 4, 64]), budget=st.sampled_from([3, 8, 64]),
-       shared=st.lists(st.integers(0, 63), max_size=12))
+       shared=st.lists(st.integers(0, 63), max_size=12), repeats=st.lists(st.integers(0, 7), max_size=3))
 def test_every_request_completes_with_the_tokens_of_unlimited_memory(requests, spare_blocks, warm_blocks, budget,
-                                                                     shared):
-    """Random prompts (some sharing a prefix), lengths, sampling, budgets and HOT sizes
-    down to one request's worth: nothing fails, nothing differs from a run with room to spare."""
+                                                                     shared, repeats):
+    """Random prompts (some sharing a prefix, some sent twice: repeats wait for a fill),
+    lengths, sampling, budgets and HOT sizes down to one request's worth: nothing fails,
+    nothing differs from a run with room to spare."""
     reqs = [(shared + prompt, SamplingParams(max_tokens=n, temperature=0.0 if seed is None else 0.9,
                                              seed=seed)) for prompt, n, seed in requests]
+    reqs += [reqs[i % len(reqs)] for i in repeats]
     longest = max(len(p) + params.max_tokens + 1 for p, params in reqs)
     hot_blocks = -(-longest // BT) + 1 + spare_blocks   # one request's worth (and the engine's slack block)
     engine = make_engine(hot_blocks, warm_blocks, budget=budget)
