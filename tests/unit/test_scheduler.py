@@ -199,7 +199,6 @@ def test_a_burst_sharing_a_system_prompt_computes_it_once():
     check_drained(engine)
 
 
-
 def test_identical_prompts_compute_their_tail_beyond_the_cache_once():
     """Six requests after a cached 64-token prefix, two prompts three times each (chats
     asking the same first question): less than a block (BT = 4) is new, and only the first
@@ -233,6 +232,7 @@ def test_a_request_one_token_past_the_cache_does_not_wait():
     assert [r.cached_tokens for r in done] == [32, 32]
     assert engine.stats["waits_for_shared_prefix"] == 0
     check_drained(engine)
+
 
 def test_step_times_are_counted_and_decode_only_steps_apart():
     """A 10-token prompt under a 4-token budget: three prefill chunks (the last one samples
