@@ -57,3 +57,18 @@ def as_token_list(tokens: Sequence[int], vocab_size: int | None = None, *, allow
                 f"token ids must be < vocab_size={vocab_size}; found {hi} at index {tokens.index(hi)}"
             )
     return tokens
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token lists (slice compares run in C)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n   # a[:lo] == b[:lo] and a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Hashable, Sequence
 
+from cluster.engine.sampling import positions_logprobs
 from cluster.hashing import block_hashes
 
 TOP_K = 5   # OpenAI's completions API asks for at most 5
@@ -65,3 +66,25 @@ class PromptLogprobCache:
             self.stats["stored_blocks"] += 1
             if len(self._blocks) > self.max_blocks:
                 self._blocks.popitem(last=False)
+
+
+def wants_prompt_rows(req, start: int | None = None) -> bool:
+    """Whether engine request ``req`` needs the logits of every position it computes from
+    ``start`` (default: where it is): it wants its prompt's logprobs and is inside its prompt."""
+    return req.params.prompt_logprobs is not None and (req._len if start is None else start) < len(req.prompt) - 1 \
+        and req.prompt_logprobs is not None
+
+
+def record_prompt_logprobs(cache: PromptLogprobCache, req, start: int, logits) -> None:
+    """The logprobs of ``req``'s prompt tokens that the rows of its chunk from ``start``
+    predict (row i, at position start + i, predicts token start + i + 1); once the prompt is
+    done, its full blocks go to ``cache``."""
+    prompt = req.prompt
+    rows = min(logits.shape[0], len(prompt) - 1 - start)
+    if rows > 0:
+        k = max(req.params.prompt_logprobs, TOP_K) if req.params.prompt_logprobs <= TOP_K else \
+            req.params.prompt_logprobs
+        found = positions_logprobs(logits[:rows], prompt[start + 1:start + 1 + rows], k)
+        req.prompt_logprobs[start + 1:start + 1 + rows] = found
+    if start + logits.shape[0] >= len(prompt) and req.params.prompt_logprobs <= TOP_K:
+        cache.store(prompt, req.namespace, req.prompt_logprobs)

@@ -38,16 +38,16 @@ from typing import Any, Sequence
 import torch
 
 from cluster.cache.tiered import TieredCache
-from cluster.engine.prompt_logprobs import TOP_K, PromptLogprobCache
+from cluster.engine.prompt_logprobs import PromptLogprobCache, record_prompt_logprobs, wants_prompt_rows
 from cluster.engine.request import EngineRequest, TokenEvent, position_seed
-from cluster.engine.sampling import needs_processing, positions_logprobs, sample_token, token_logprobs
+from cluster.engine.sampling import greedy_tokens, sample_token, token_logprobs
 from cluster.engine import shared_prefix
 from cluster.engine.scratch import ScratchKV
 from cluster.errors import CacheError, InvalidInputError, PoolExhaustedError
 from cluster.names import COLD, HOT, L3, WARM
 from cluster.ownership import ThreadOwner
 from cluster.protocol import FinishReason, SamplingParams
-from cluster.tokens import as_token_list
+from cluster.tokens import as_token_list, common_prefix
 
 __all__ = ["Engine", "EngineRequest", "SamplingParams", "TokenEvent", "position_seed"]
 
@@ -97,6 +97,7 @@ class Engine:
         self.running: list[EngineRequest] = []   # in admission order: the newest is preempted first
         self._ended: list[TokenEvent] = []   # requests that ended outside a sampled token
         self._finishing: list[tuple[EngineRequest, FinishReason]] = []   # ended by a token, not yet cached
+        self._twins: dict[int, list[EngineRequest]] = {}   # by id of a fill: waiting identical prompts
         self._ids = itertools.count(1)
         self.owner: ThreadOwner | None = None   # the worker's engine thread, when ownership checks are on
         self._last_logits_only = "last_logits_only" in inspect.signature(model.forward_batch).parameters
@@ -134,7 +135,7 @@ class Engine:
                       "swap_in_bytes": 0, "waits_for_room": 0, "waits_for_promotion": 0,
                       "waits_for_shared_prefix": 0, "step_ms": 0.0, "forward_ms": 0.0, "decode_steps": 0,
                       "decode_step_ms": 0.0, "decode_rows": 0, "shared_prefix_joins": 0,
-                      "shared_prefix_reads": 0}
+                      "shared_prefix_reads": 0, "forked_prompts": 0}
 
     # ------------------------------------------------------------------ API
     def submit(self, request: EngineRequest) -> EngineRequest:
@@ -224,29 +225,16 @@ class Engine:
         self.stats["steps"] += 1
         self.stats["forward_ms"] += forward_ms
         decodes_only = all(n == 1 and req.output for req, n in plan)
-        greedy = self._greedy_tokens(plan, outputs)
+        greedy = greedy_tokens(plan, outputs)
         for (req, n), logits in zip(plan, outputs):
             try:
                 token = self._advance(req, n, logits, greedy.get(id(req)))
             except Exception as exc:  # this request fails; the batch, the engine and the cache go on
                 self._finish(req, FinishReason.ERROR, keep=False, error=f"{type(exc).__name__}: {exc}")
                 continue
-            if token is None:   # a chunk of a prompt that is not done yet
-                continue
-            if req.first_token_at is None:
-                req.first_token_at = self.clock()
-            reason = None
-            if token in req.params.stop_token_ids:
-                reason = FinishReason.STOP
-            elif req._matcher is not None and req._matcher.is_stopped():   # the grammar is complete
-                reason = FinishReason.STOP
-            elif len(req.output) >= req.params.max_tokens:
-                reason = FinishReason.LENGTH
-            if reason:
-                req.finished, req.finish_reason = True, reason
-                self.running.remove(req)
-                self._finishing.append((req, reason))
-            events.append(TokenEvent(req, token, req.finished))
+            if token is not None:   # else a chunk of a prompt that is not done yet
+                self._emitted(req, token, events)
+        self._fork_twins(plan, outputs, events)
         if not defer_finish:
             self.complete_finished()
         step_ms = (time.perf_counter() - began) * 1e3   # forward, sampling, finishing
@@ -257,12 +245,59 @@ class Engine:
             self.stats["decode_rows"] += len(plan)
         return events + self.drain_ended()
 
+    def _emitted(self, req: EngineRequest, token: int, events: list[TokenEvent]) -> None:
+        """``req`` sampled ``token``: its event, and its end when the token ends it."""
+        if req.first_token_at is None:
+            req.first_token_at = self.clock()
+        reason = None
+        if token in req.params.stop_token_ids:
+            reason = FinishReason.STOP
+        elif req._matcher is not None and req._matcher.is_stopped():   # the grammar is complete
+            reason = FinishReason.STOP
+        elif len(req.output) >= req.params.max_tokens:
+            reason = FinishReason.LENGTH
+        if reason:
+            req.finished, req.finish_reason = True, reason
+            self.running.remove(req)
+            self._finishing.append((req, reason))
+        events.append(TokenEvent(req, token, req.finished))
+
+    def _fork_twins(self, plan: list[tuple[EngineRequest, int]], outputs: list[torch.Tensor],
+                    events: list[TokenEvent]) -> None:
+        """Waiting requests whose sequence is exactly what a fill of this step just completed
+        (``_behind_shared_prefill``) start from it: the fill's checkpoint holds all of their
+        KV and its last logits row is theirs too (the same tokens at the same positions), so
+        each is admitted with nothing to compute and samples its first token from that row
+        (its own parameters and seed) now, a step before it would have computed its last
+        token. One whose admission finds less (the fill failed, no room) stays waiting."""
+        twins, self._twins = self._twins, {}
+        for (fill, _), logits in zip(plan, outputs):
+            if id(fill) not in twins or fill.error is not None or fill._len != len(fill.tokens) - 1:
+                continue
+            for twin in twins[id(fill)]:
+                if twin.finished or twin not in self.waiting or len(self.running) >= self.max_running or \
+                        twin.tokens != fill.tokens[:-1] or self._admit(twin, 0, whole=True) is None:
+                    continue
+                self.waiting.remove(twin)
+                self.running.append(twin)
+                twin.scheduled_at = twin.scheduled_at or fill.scheduled_at
+                twin.forward_at = twin.forward_at or fill.forward_at
+                self.stats["forked_prompts"] += 1
+                if self.keep_logits:
+                    twin.logits.append(logits[-1:])
+                try:
+                    token = self._sample(twin, logits)
+                except Exception as exc:   # as in ``step``: this request fails, nothing else
+                    self._finish(twin, FinishReason.ERROR, keep=False, error=f"{type(exc).__name__}: {exc}")
+                    continue
+                self._emitted(twin, token, events)
+
     def _forward(self, plan: list[tuple[EngineRequest, int]]) -> list[torch.Tensor]:
         """One packed forward over the plan; each request's new KV ends up in its
         working buffer. Returns each request's logits (every position's when a
         request of the step wants its prompt's logprobs, the last one's otherwise)."""
         last_only = not self.keep_logits and self._last_logits_only and not any(
-            _wants_prompt_rows(req) for req, _ in plan)
+            wants_prompt_rows(req) for req, _ in plan)
         tokens = [torch.tensor(req.tokens[req._len:req._len + n]) for req, n in plan]
         if self._in_place:
             shared = shared_prefix.reads(plan) if self.share_prefixes else None
@@ -281,6 +316,7 @@ class Engine:
         """This step's batch: (request, tokens to compute), every one with its HOT room reserved."""
         budget = self.max_batch_tokens
         plan: list[tuple[EngineRequest, int]] = []
+        self._twins = {}
         planned: set[int] = set()
         decoding = [r for r in self.running if r.to_compute == 1]
         filling = [r for r in self.running if r.to_compute > 1]
@@ -336,12 +372,15 @@ class Engine:
         seq, need = req.tokens, min(self.cache.hot.allocator.block_tokens, len(req.tokens) - 1 - cached)
         if need < 1:   # only its last token left: nothing another fill could save it
             return False
-        for other in self.running:
-            if other.to_compute > 1 and other.namespace == req.namespace and \
-                    _common_prefix(seq, other.tokens) - cached >= need:
-                other._awaited = True
-                return True
-        return False
+        fills = [o for o in self.running if o.to_compute > 1 and o.namespace == req.namespace
+                 and common_prefix(seq, o.tokens) - cached >= need]
+        if not fills:
+            return False
+        same = next((o for o in fills if o.tokens == seq), None)
+        (same or fills[0])._awaited = True
+        if same is not None and req.params.prompt_logprobs is None:   # identical: it starts from that fill
+            self._twins.setdefault(id(same), []).append(req)
+        return True
 
     def _reserve_or_preempt(self, req: EngineRequest, n: int, planned: set[int]) -> bool:
         """Room for ``n`` more tokens of ``req``; preempts the newest running request
@@ -358,10 +397,11 @@ class Engine:
                 if victim is req:
                     return False
 
-    def _admit(self, req: EngineRequest, budget: int) -> int | None:
+    def _admit(self, req: EngineRequest, budget: int, whole: bool = False) -> int | None:
         """Lease the sequence's cached prefix, read it into the working buffer and
         reserve the first chunk; the chunk's length, or None when it cannot run now
-        (no room: it waits, holding nothing; or the cache refused its prompt: it ended)."""
+        (no room: it waits, holding nothing; or the cache refused its prompt: it ended).
+        ``whole``: the entire sequence must be cached (a twin, ``_fork_twins``), else None."""
         seq = req.tokens
         cap = None
         k = req.params.prompt_logprobs
@@ -372,14 +412,17 @@ class Engine:
             known = next((i for i, e in enumerate(req.prompt_logprobs) if e is None and i), len(req.prompt))
             cap = known - 1 if known < len(req.prompt) else None
         try:
-            lease = self.cache.admit(seq, req.namespace, validate=False, max_cached=cap)
+            lease = self.cache.admit(seq, req.namespace, validate=False, max_cached=cap, compute_last=not whole)
         except CacheError as exc:
             req.finished, req.finish_reason, req.error = True, FinishReason.ERROR, str(exc)
             self._ended.append(TokenEvent(req, None, True))
             return None
         n = min(len(seq) - lease.cached_tokens, budget)
         try:
-            lease.reserve(n)
+            if whole and lease.cached_tokens < len(seq):
+                raise PoolExhaustedError("a twin's sequence is not all cached")   # it waits, as for room
+            if n:
+                lease.reserve(n)
         except PoolExhaustedError:
             lease.release()
             return None
@@ -402,7 +445,7 @@ class Engine:
         lease.read_prefix_into(_past(req, lease.cached_tokens))
         req._len = lease.cached_tokens
         if self.share_prefixes and self._in_place and \
-                shared_prefix.join(req, self.running, _common_prefix, lease.prefix_extents):
+                shared_prefix.join(req, self.running, lease.prefix_extents):
             self.stats["shared_prefix_joins"] += 1
         return n
 
@@ -436,36 +479,18 @@ class Engine:
                 self.stats["finish_failures"] += 1
                 log.warning("could not cache request %s after it finished: %s", req.request_id, exc)
 
-    @staticmethod
-    def _greedy_tokens(plan: list[tuple[EngineRequest, int]], outputs: list[torch.Tensor]) -> dict[int, int]:
-        """The next token of every request of the step that samples plainly greedy (no grammar,
-        no processor, no logprobs), by ``id``: one argmax over their last rows together
-        instead of one a request (the same index: the first of the largest). A row with a
-        NaN is left to ``sample_token``, which refuses it."""
-        rows = [(req, logits[-1]) for (req, n), logits in zip(plan, outputs)
-                if n == req.to_compute and req._matcher is None and req.params.greedy
-                and req.params.logprobs is None and not needs_processing(req.params)]
-        if len(rows) < 2:
-            return {}
-        last = torch.stack([row for _, row in rows]).float()
-        tokens = torch.argmax(last, dim=1)
-        # argmax propagates NaN (a row holding one answers a NaN's index), so the chosen
-        # values alone tell which rows have one: no second pass over the vocabulary.
-        clean = ~torch.isnan(last.gather(1, tokens[:, None])[:, 0])
-        return {id(req): int(t) for (req, _), t, ok in zip(rows, tokens.tolist(), clean.tolist()) if ok}
-
     def _advance(self, req: EngineRequest, n: int, logits: torch.Tensor, greedy: int | None = None) -> int | None:
         """Store one request's new KV (from its working buffer into its lease); sample
         its next token when its sequence is all computed (None: a prompt chunk, more to come;
-        ``greedy``: its token, when ``_greedy_tokens`` took it already)."""
+        ``greedy``: its token, when ``greedy_tokens`` took it already)."""
         start = req._len
         req._lease.write(req._kv[:, :, :, start:start + n].transpose(2, 3))   # into its reserved room
         req._len = start + n
         self.stats["computed_tokens"] += n
         if self.keep_logits:
             req.logits.append(logits)
-        if _wants_prompt_rows(req, start):
-            self._prompt_logprobs(req, start, logits)
+        if wants_prompt_rows(req, start):
+            record_prompt_logprobs(self.prompt_logprob_cache, req, start, logits)
         if req.to_compute:
             return None
         if n > 1 and (req._lease.uncommitted >= self.cache.hot.allocator.block_tokens
@@ -474,6 +499,10 @@ class Engine:
             # (less than a block only for one that waits on it: a checkpoint seals a block).
             req._lease.checkpoint(req.tokens[:req._len])
         req._awaited = False
+        return self._sample(req, logits, greedy)
+
+    def _sample(self, req: EngineRequest, logits: torch.Tensor, greedy: int | None = None) -> int:
+        """Sample ``req``'s next token from the last row of ``logits`` and append it."""
         generator = req._generator
         if generator is not None:   # the token at position p depends on (seed, p) only
             generator.manual_seed(position_seed(req.params.seed, len(req.tokens)))
@@ -490,20 +519,6 @@ class Engine:
             req.token_logprobs.append(token_logprobs(logits[-1], token, req.params.logprobs))
         req.output.append(token)
         return token
-
-    def _prompt_logprobs(self, req: EngineRequest, start: int, logits: torch.Tensor) -> None:
-        """The logprobs of the prompt tokens the rows of this chunk predict (row i, at
-        position start + i, predicts token start + i + 1); once the prompt is done,
-        its full blocks go to the prompt logprob cache."""
-        prompt = req.prompt
-        rows = min(logits.shape[0], len(prompt) - 1 - start)
-        if rows > 0:
-            k = max(req.params.prompt_logprobs, TOP_K) if req.params.prompt_logprobs <= TOP_K else \
-                req.params.prompt_logprobs
-            found = positions_logprobs(logits[:rows], prompt[start + 1:start + 1 + rows], k)
-            req.prompt_logprobs[start + 1:start + 1 + rows] = found
-        if start + logits.shape[0] >= len(prompt) and req.params.prompt_logprobs <= TOP_K:
-            self.prompt_logprob_cache.store(prompt, req.namespace, req.prompt_logprobs)
 
     def fail_all(self, error: str) -> None:
         """End every queued and running request with ``error`` (their KV is not
@@ -557,13 +572,6 @@ class Engine:
             req._kv = None
 
 
-def _wants_prompt_rows(req: EngineRequest, start: int | None = None) -> bool:
-    """Whether ``req`` needs the logits of every position it computes from ``start``
-    (default: where it is): it wants its prompt's logprobs and is inside its prompt."""
-    return req.params.prompt_logprobs is not None and (req._len if start is None else start) < len(req.prompt) - 1 \
-        and req.prompt_logprobs is not None
-
-
 def _split(cached: int, found: list[int]) -> list[int]:
     """``cached`` prefix tokens by where they came from: HOT, WARM, COLD as the
     scheduler first found them (the prefix runs in that order), then L3 for the
@@ -584,17 +592,3 @@ def _past(req: EngineRequest, length: int | None = None) -> torch.Tensor:
     the pools and the model's ``forward_batch`` take."""
     return req._kv[:, :, :, :req._len if length is None else length].transpose(2, 3)
 
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix of two token lists (slice compares run in C)."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n   # a[:lo] == b[:lo] and a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo

@@ -120,3 +120,21 @@ def positions_logprobs(logits: torch.Tensor, next_tokens: Sequence[int], k: int)
         return [(c, ()) for c in chosen]
     values, top_ids = torch.topk(lp, min(k, lp.shape[-1]), dim=-1)
     return [(c, tuple(zip(i, v))) for c, i, v in zip(chosen, top_ids.tolist(), values.tolist())]
+
+
+def greedy_tokens(plan: Sequence[tuple[Any, int]], outputs: Sequence[torch.Tensor]) -> dict[int, int]:
+    """The next token of every request of a step (``plan``: the engine's ``(request, tokens)``)
+    that samples plainly greedy (no grammar, no processor, no logprobs), by ``id``: one argmax
+    over their last rows together instead of one a request (the same index: the first of the
+    largest). A row with a NaN is left to ``sample_token``, which refuses it."""
+    rows = [(req, logits[-1]) for (req, n), logits in zip(plan, outputs)
+            if n == req.to_compute and req._matcher is None and req.params.greedy
+            and req.params.logprobs is None and not needs_processing(req.params)]
+    if len(rows) < 2:
+        return {}
+    last = torch.stack([row for _, row in rows]).float()
+    tokens = torch.argmax(last, dim=1)
+    # argmax propagates NaN (a row holding one answers a NaN's index), so the chosen
+    # values alone tell which rows have one: no second pass over the vocabulary.
+    clean = ~torch.isnan(last.gather(1, tokens[:, None])[:, 0])
+    return {id(req): int(t) for (req, _), t, ok in zip(rows, tokens.tolist(), clean.tolist()) if ok}

@@ -46,6 +46,8 @@ from typing import Iterable, Sequence
 
 import torch
 
+from cluster.tokens import common_prefix
+
 # Shorter common prefixes are not worth the check: the read they save is as small as it.
 MIN_TOKENS = 64
 
@@ -80,7 +82,7 @@ def same_slots(a: Sequence, b: Sequence) -> int:
     return n
 
 
-def join(req, running: Iterable, common_prefix, source: Sequence = ()) -> int:
+def join(req, running: Iterable, source: Sequence = ()) -> int:
     """Join ``req`` (its prefix just read from HOT slots ``source``) to the group of a
     running request whose buffer begins with the same bytes: one read from the same
     slots, or else the one it shares the longest token prefix with, compared byte for

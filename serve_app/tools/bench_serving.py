@@ -31,7 +31,8 @@ prompt tokens over prompt tokens, from the usage each server reports),
 for vLLM, ``prefix_cache_hit_rate`` (``vllm:prefix_cache_hits_total`` over
 ``..._queries_total``); ``openmp``, the OpenMP runtime each arm ran; for this app, ``engine_step_ms_mean``,
 ``engine_decode_step_ms_mean``, ``engine_decode_batch_mean`` (sequences a decode
-step) and ``engine_busy_share`` (the replicas' step wall time over the workload's), ``replica_calls``
+step), ``forked_prompts`` (requests whose prompt another request of the burst computed,
+started from its fill with nothing to compute) and ``engine_busy_share`` (the replicas' step wall time over the workload's), ``replica_calls``
 (``--replica-calls``: how the ingress called the replicas, Serve's gRPC channel or object references), ``mkl_packed`` (a replica ran MKL's packed linears,
 ``PREFIX_CACHE_MKL_PACKED=1``) and ``ttft_parts_ms_first_turn_p50`` /
 ``ttft_parts_ms_later_turns_p50`` (the median of each part of the time to first
@@ -131,6 +132,8 @@ def run_ours(args, model_id: str, system: str, hot_tokens: int) -> dict:
                                 for layouts in (w.get("worker", {}).get("linear_layouts") or {}).values())
         row["recomputed_tokens"] = sum(e.get("recomputed_tokens", 0) for e in engines)
         row["resumed_warm_tokens"] = sum(e.get("resumed_warm_tokens", 0) for e in engines)
+        # Identical prompts of a burst that started from another's fill (``Engine._fork_twins``).
+        row["forked_prompts"] = sum(e.get("forked_prompts", 0) for e in engines)
         # Where a turn's time goes inside the replicas: their steps' wall time (calibration excluded).
         steps, decodes = sum(e.get("steps", 0) for e in engines), sum(e.get("decode_steps", 0) for e in engines)
         step_ms = sum(e.get("step_ms", 0.0) for e in engines)

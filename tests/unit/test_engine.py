@@ -8,6 +8,7 @@ from cluster.cache.radix_tree import COLD, HOT, WARM
 from cluster.cache.tiered import TierConfig, TieredCache
 from cluster.engine.model import DecoderModel, ModelConfig
 from cluster.engine.runner import Engine, EngineRequest, SamplingParams
+from cluster.engine.sampling import greedy_tokens
 from cluster.errors import InvalidInputError
 
 TOL = 1e-4
@@ -146,18 +147,17 @@ def test_the_greedy_requests_of_a_step_take_one_argmax_with_the_tokens_of_their_
     assert [r.output for r in reqs] == solo
 
 
-def test_batched_greedy_leaves_a_nan_row_to_the_request_own_sampling(model, tmp_path):
+def test_batched_greedy_leaves_a_nan_row_to_the_request_own_sampling():
     """The first of equal maxima, as torch.argmax of one row; a row with a NaN gets no
     token here (its own sampling refuses it, failing that request only)."""
-    eng = make_engine(model, tmp_path, cold=0)
     reqs = [EngineRequest([1, 2, 3], SamplingParams(max_tokens=2)) for _ in range(3)]
     for r in reqs:
         r._len = len(r.tokens) - 1   # one token left to compute: this step samples
     rows = [torch.tensor([[0.0, 2.0, 2.0, 1.0]]), torch.tensor([[0.0, float("nan"), 5.0, 1.0]]),
             torch.tensor([[3.0, -1.0, 3.0, 0.0]])]
-    got = eng._greedy_tokens([(r, 1) for r in reqs], rows)
+    got = greedy_tokens([(r, 1) for r in reqs], rows)
     assert got == {id(reqs[0]): 1, id(reqs[2]): 0}
-    assert eng._greedy_tokens([(reqs[0], 1)], rows[:1]) == {}   # one request: its own sampling
+    assert greedy_tokens([(reqs[0], 1)], rows[:1]) == {}   # one request: its own sampling
 
 
 def test_seeded_sampling_is_reproducible(model, tmp_path):

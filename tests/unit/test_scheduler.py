@@ -69,7 +69,7 @@ request_st = st.tuples(
        shared=st.lists(st.integers(0, 63), max_size=12), repeats=st.lists(st.integers(0, 7), max_size=3))
 def test_every_request_completes_with_the_tokens_of_unlimited_memory(requests, spare_blocks, warm_blocks, budget,
                                                                      shared, repeats):
-    """Random prompts (some sharing a prefix, some sent twice: repeats wait for a fill),
+    """Random prompts (some sharing a prefix, some sent twice: repeats wait for a fill or start from it),
     lengths, sampling, budgets and HOT sizes down to one request's worth: nothing fails,
     nothing differs from a run with room to spare."""
     reqs = [(shared + prompt, SamplingParams(max_tokens=n, temperature=0.0 if seed is None else 0.9,
@@ -202,21 +202,24 @@ def test_a_burst_sharing_a_system_prompt_computes_it_once():
 def test_identical_prompts_compute_their_tail_beyond_the_cache_once():
     """Six requests after a cached 64-token prefix, two prompts three times each (chats
     asking the same first question): less than a block (BT = 4) is new, and only the first
-    of each computes it; the other two wait that step, find it checkpointed and compute
-    their last token only. The same outputs as alone."""
+    of each computes it; the other two wait that step and start from it in the same step
+    (its checkpoint holds their whole prompt, its last logits row is theirs): nothing of
+    their prompts is computed. The same outputs as alone, sampled or greedy."""
     system = [(5 * i) % 64 for i in range(64)]
     engine = make_engine(hot_blocks=256, budget=256)
     run_all(engine, [(system + [63], SamplingParams(max_tokens=1))])   # the prefix, cached
-    before = engine.stats["computed_tokens"]
+    before, steps = engine.stats["computed_tokens"], engine.stats["steps"]
     tails = ([1, 2, 3], [6, 7, 8])
-    requests = [(system + tails[i // 3], SamplingParams(max_tokens=3)) for i in range(6)]
+    params = (SamplingParams(max_tokens=3), SamplingParams(max_tokens=3, temperature=0.8, seed=7))
+    requests = [(system + tails[i // 3], params[i % 2]) for i in range(6)]
     want = reference_outputs(requests)
     done = run_all(engine, requests)
     assert [r.output for r in done] == want
-    assert [r.cached_tokens for r in done] == [64, 66, 66, 64, 66, 66]
-    # The first of each: its 3 new tokens, then 2 decodes; the others: their last token, 2 decodes.
-    assert engine.stats["computed_tokens"] - before == 2 * ((3 + 2) + 2 * (1 + 2))
-    assert engine.stats["waits_for_shared_prefix"] >= 4
+    assert [r.cached_tokens for r in done] == [64, 67, 67, 64, 67, 67]
+    # The first of each: its 3 new tokens, then 2 decodes; the others: 2 decodes.
+    assert engine.stats["computed_tokens"] - before == 2 * ((3 + 2) + 2 * 2)
+    assert engine.stats["forked_prompts"] == 4 and engine.stats["waits_for_shared_prefix"] == 4
+    assert engine.stats["steps"] - steps == 3   # every first token in the first step
     check_drained(engine)
 
 

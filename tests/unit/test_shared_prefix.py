@@ -11,7 +11,7 @@ from cluster.cache.kv_pool import KVLayout
 from cluster.cache.tiered import TierConfig, TieredCache
 from cluster.engine import shared_prefix
 from cluster.engine.model import DecoderModel, ModelConfig
-from cluster.engine.runner import Engine, EngineRequest, SamplingParams, _common_prefix
+from cluster.engine.runner import Engine, EngineRequest, SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -76,19 +76,19 @@ def test_join_checks_the_bytes_not_only_the_tokens(monkeypatch):
     kv = torch.randn(2, 2, 1, 32, 8, generator=g)
     a = _req(range(20), kv.clone())
     b = _req(list(range(12)) + [99] * 6, kv.clone())   # 12 tokens in common with a
-    assert shared_prefix.join(b, [a], _common_prefix) == 12
+    assert shared_prefix.join(b, [a]) == 12
     assert a._kv_group is b._kv_group and (a._kv_shared, b._kv_shared) == (12, 12)
     # The same tokens with KV computed otherwise (a last bit differs): not joined.
     c = _req(range(20), kv.clone())
     c._kv[1, 1, 0, 5, 3] = torch.nextafter(c._kv[1, 1, 0, 5, 3], torch.tensor(1e9))
-    assert shared_prefix.join(c, [a, b], _common_prefix) == 0 and c._kv_group is None
+    assert shared_prefix.join(c, [a, b]) == 0 and c._kv_group is None
     # Another tenant's identical bytes are not looked at; nor a prefix below MIN_TOKENS.
-    assert shared_prefix.join(_req(range(20), kv.clone(), namespace="t2"), [a], _common_prefix) == 0
-    assert shared_prefix.join(_req([0, 1, 2, 7, 7], kv.clone()), [a], _common_prefix) == 0
+    assert shared_prefix.join(_req(range(20), kv.clone(), namespace="t2"), [a]) == 0
+    assert shared_prefix.join(_req([0, 1, 2, 7, 7], kv.clone()), [a]) == 0
     # A member of a group lends at most what it was checked for: d shares 20 tokens with a,
     # but a is known to match the group only over 12.
     d = _req(range(20), kv.clone())
-    assert shared_prefix.join(d, [a], _common_prefix) == 12 and d._kv_group is a._kv_group
+    assert shared_prefix.join(d, [a]) == 12 and d._kv_group is a._kv_group
 
 
 def test_each_step_reads_from_the_member_checked_furthest():
@@ -152,11 +152,11 @@ def test_requests_whose_prefixes_were_read_from_the_same_slots_join_without_a_co
     monkeypatch.setattr(shared_prefix.torch, "equal", lambda *a: pytest.fail("compared bytes"))
     kv = torch.zeros(1, 2, 1, 32, 4)
     a = _req(range(20), kv)
-    shared_prefix.join(a, [], _common_prefix, [E(7, 0, 16), E(9, 0, 4)])
+    shared_prefix.join(a, [], [E(7, 0, 16), E(9, 0, 4)])
     b = _req(range(24), kv)
-    assert shared_prefix.join(b, [a], _common_prefix, [E(7, 0, 16), E(9, 0, 8)]) == 20
+    assert shared_prefix.join(b, [a], [E(7, 0, 16), E(9, 0, 8)]) == 20
     assert a._kv_group is b._kv_group and (a._kv_shared, b._kv_shared) == (20, 20)
     c = _req(range(24), kv)   # matches b's slots over 24, but b is known to match the group over 20
-    assert shared_prefix.join(c, [a, b], _common_prefix, [E(7, 0, 16), E(9, 0, 8)]) == 20
+    assert shared_prefix.join(c, [a, b], [E(7, 0, 16), E(9, 0, 8)]) == 20
     shared_prefix.forget(c)
     assert (c._kv_group, c._kv_shared, c._kv_source) == (None, 0, ())
