@@ -15,6 +15,7 @@ from cluster.engine.model import DecoderModel, ModelConfig
 from cluster.engine.runner import Engine, EngineRequest, SamplingParams
 from cluster.errors import InvalidInputError
 from cluster.names import WARM
+from cluster.protocol import FinishReason
 
 BT = 4
 MODEL = DecoderModel(ModelConfig(num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8,
@@ -220,6 +221,28 @@ def test_identical_prompts_compute_their_tail_beyond_the_cache_once():
     assert engine.stats["computed_tokens"] - before == 2 * ((3 + 2) + 2 * 2)
     assert engine.stats["forked_prompts"] == 4 and engine.stats["waits_for_shared_prefix"] == 4
     assert engine.stats["steps"] - steps == 3   # every first token in the first step
+    check_drained(engine)
+
+
+def test_twins_that_end_on_their_first_token_and_one_that_wants_prompt_logprobs():
+    """Identical prompts behind a fill: one with max_tokens=1 and one whose first token is
+    a stop token end on the token they take from the fill (their leases end, nothing stays
+    locked); one asking for its prompt's logprobs does not start from the fill (it needs its
+    rows) but waits and computes them. Every output as alone."""
+    system = [(7 * i) % 64 for i in range(40)]
+    engine = make_engine(hot_blocks=256, budget=256)
+    run_all(engine, [(system + [1], SamplingParams(max_tokens=1))])   # the prefix, cached
+    prompt = system + [9, 8, 7]
+    first = reference_outputs([(prompt, SamplingParams(max_tokens=4))])[0]
+    requests = [(prompt, SamplingParams(max_tokens=4)), (prompt, SamplingParams(max_tokens=1)),
+                (prompt, SamplingParams(max_tokens=4, stop_token_ids=(first[0],))),
+                (prompt, SamplingParams(max_tokens=2, prompt_logprobs=1))]
+    done = run_all(engine, requests)
+    assert [r.output for r in done] == [first, first[:1], first[:1], first[:2]]
+    assert [r.finish_reason for r in done] == [FinishReason.LENGTH, FinishReason.LENGTH, FinishReason.STOP,
+                                               FinishReason.LENGTH]
+    assert engine.stats["forked_prompts"] == 2
+    assert done[3].prompt_logprobs[-1] is not None and done[3].cached_tokens < len(prompt)
     check_drained(engine)
 
 
