@@ -367,8 +367,9 @@ class Engine:
         """Whether a running request still filling its prompt computes at least a block of
         what ``req`` would compute beyond the cache, or all of it but ``req``'s last token (an
         identical prompt): ``req`` then waits for that prefill's checkpoint (taken even for
-        less than a block once awaited) instead of computing the same KV beside it. One step: a
-        waiting request is looked at only with budget left, so every fill was planned to its end."""
+        less than a block once awaited) instead of computing the same KV beside it; one whose
+        sequence is that fill's starts from it at the end of this step (``_fork_twins``). One step:
+        a waiting request is looked at only with budget left, so every fill was planned to its end."""
         seq, need = req.tokens, min(self.cache.hot.allocator.block_tokens, len(req.tokens) - 1 - cached)
         if need < 1:   # only its last token left: nothing another fill could save it
             return False
