@@ -21,11 +21,10 @@ from __future__ import annotations
 import argparse
 import gc
 import multiprocessing as mp
-import sys
 import time
-import types
 
 from cluster.bench.common import emit, rounded
+from cluster.bench.footprint import footprint, per_token
 from cluster.cache.allocator import AllocatorConfig, BlockAllocator
 from cluster.cache.radix_tree import RadixTree
 from cluster.cache.token_key import TOKEN_BYTES, encode_tokens
@@ -80,41 +79,13 @@ def replay(sequences: list[list[int]], block_tokens: int, capacity_tokens: int, 
             tree.unlock(m.last_node)
     seconds = time.perf_counter() - start
     nodes = sum(1 for _ in tree.iter_nodes())
-    objects, index_bytes = _footprint(list(tree.roots.values()))
+    objects, index_bytes = footprint(list(tree.roots.values()))
     cached = tree.total_tokens
     return {"records": len(sequences), "tokens": total, "seconds": rounded(seconds),
             "match_insert_per_s": rounded(len(sequences) / seconds, 1), "tokens_per_s": rounded(total / seconds, 1),
             "hit_rate": rounded(hit / total if total else 0.0), "nodes": nodes,
             "evicted_tokens": tree.stats["evicted_tokens"], "cached_tokens": cached,
-            **_per_token(nodes, objects, index_bytes, cached)}
-
-
-def _per_token(nodes: int, objects: int, index_bytes: int, cached: int) -> dict:
-    return {"nodes_per_cached_token": rounded(nodes / max(cached, 1), 6),
-            "objects_per_cached_token": rounded(objects / max(cached, 1), 6),
-            "index_bytes_per_cached_token": rounded(index_bytes / max(cached, 1), 3)}
-
-
-def _footprint(roots: list) -> tuple[int, int]:
-    """Python objects reachable from the tree roots and their sizes
-    (``sys.getsizeof``, plus tensor storage), classes and modules excluded."""
-    seen: set[int] = set()
-    stack = list(roots)
-    count = size = 0
-    skip = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType)
-    while stack:
-        obj = stack.pop()
-        if id(obj) in seen or isinstance(obj, skip) or obj is None:
-            continue
-        seen.add(id(obj))
-        count += 1
-        size += sys.getsizeof(obj)
-        storage = getattr(obj, "untyped_storage", None)
-        if storage is not None and callable(storage):
-            size += storage().nbytes()
-            continue
-        stack.extend(gc.get_referents(obj))
-    return count, size
+            **per_token(nodes, objects, index_bytes, cached)}
 
 
 def _vm_kib(field: str) -> int:

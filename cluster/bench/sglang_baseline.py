@@ -29,6 +29,7 @@ import warnings
 from array import array
 
 from cluster.bench.common import rounded
+from cluster.bench.footprint import footprint, per_token
 
 INSTALL_HINT = (
     "sglang is not installed: it is a comparison baseline only, never a project dependency. "
@@ -141,7 +142,6 @@ def run_sglang_replay(sequences: list[list[int]], capacity_tokens: int) -> dict:
         cache.insert(sg.InsertParams(key=key, value=value))
         cache.dec_lock_ref(node)
     seconds = time.perf_counter() - start
-    from cluster.bench.radix import _footprint, _per_token
 
     nodes, stack = 0, [cache.root_node]
     while stack:
@@ -149,9 +149,9 @@ def run_sglang_replay(sequences: list[list[int]], capacity_tokens: int) -> dict:
         nodes += 1
         stack.extend(n.children.values())
     cached = cache.evictable_size() + cache.protected_size()
-    objects, index_bytes = _footprint([cache.root_node])
+    objects, index_bytes = footprint([cache.root_node])
     return {"impl": "sglang", "version": sg.version, "records": len(sequences), "tokens": total,
             "seconds": rounded(seconds), "match_insert_per_s": rounded(len(sequences) / seconds, 1),
             "tokens_per_s": rounded(total / seconds, 1), "hit_rate": rounded(hit / total if total else 0.0),
             "nodes": nodes - 1, "evicted_tokens": alloc.freed, "cached_tokens": cached,
-            **_per_token(nodes - 1, objects, index_bytes, cached)}
+            **per_token(nodes - 1, objects, index_bytes, cached)}

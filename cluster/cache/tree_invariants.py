@@ -7,7 +7,7 @@ from __future__ import annotations
 from array import array
 from typing import TYPE_CHECKING
 
-from cluster.cache.radix_tree import TreeNode
+from cluster.cache.tree_node import TreeNode
 from cluster.hashing import block_hashes
 
 if TYPE_CHECKING:
