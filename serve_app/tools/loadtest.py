@@ -268,9 +268,7 @@ async def _busiest_replica(probe: ClusterProbe, load_done: asyncio.Event):
 
 def _resumed_since(probe: ClusterProbe, before: dict[str, float] | None, last_request: float) -> int | None:
     """Requests resumed since ``before`` (the series of the ingress's resume counter), read once
-    the last request's increments have been exported: one report interval (and a second) after
-    it, and while it still reads none, again each second up to three intervals (an export
-    runs late on a loaded machine)."""
+    the last request's increments have been exported: one report interval (and a second) after it."""
     import ray
 
     try:
@@ -278,17 +276,11 @@ def _resumed_since(probe: ClusterProbe, before: dict[str, float] | None, last_re
     except Exception:   # Ray's own default
         interval_s = 10.0
     time.sleep(max(0.0, last_request + interval_s + 1.0 - time.monotonic()))
-    if before is None:
+    after = probe.metric(RESUMED_SERIES)
+    if before is None or after is None:
         return None
-    while True:
-        after = probe.metric(RESUMED_SERIES)
-        if after is None:
-            return None
-        # Per series: an ingress process that started meanwhile counts from 0, one that is gone counts nothing.
-        resumed = int(sum(max(0.0, value - before.get(key, 0.0)) for key, value in after.items()))
-        if resumed or time.monotonic() > last_request + 3 * interval_s + 1.0:
-            return resumed
-        time.sleep(1.0)
+    # Per series: an ingress process that started meanwhile counts from 0, one that is gone counts nothing.
+    return int(sum(max(0.0, value - before.get(key, 0.0)) for key, value in after.items()))
 
 
 def _wait_whole(probe: ClusterProbe, killed: dict, limit_s: float) -> float | None:
