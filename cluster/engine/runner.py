@@ -276,7 +276,7 @@ class Engine:
                 continue
             for twin in twins[id(fill)]:
                 if twin.finished or twin not in self.waiting or len(self.running) >= self.max_running or \
-                        twin.tokens != fill.tokens[:-1] or self._admit(twin, 0, whole=True) is None:
+                        self._admit(twin, 0, whole=True) is None:
                     continue
                 self.waiting.remove(twin)
                 self.running.append(twin)
@@ -418,10 +418,11 @@ class Engine:
             req.finished, req.finish_reason, req.error = True, FinishReason.ERROR, str(exc)
             self._ended.append(TokenEvent(req, None, True))
             return None
+        if whole and lease.cached_tokens < len(seq):   # a twin's sequence is not all cached: it waits
+            lease.release()
+            return None
         n = min(len(seq) - lease.cached_tokens, budget)
         try:
-            if whole and lease.cached_tokens < len(seq):
-                raise PoolExhaustedError("a twin's sequence is not all cached")   # it waits, as for room
             if n:
                 lease.reserve(n)
         except PoolExhaustedError:
