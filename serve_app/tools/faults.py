@@ -108,12 +108,13 @@ class ClusterProbe:
         (_, running), victim = min(busy, key=lambda b: (-b[0][0], b[1].actor_id))
         return victim, running
 
-    def kill(self, what: str, victim: ActorRecord | None = None) -> dict:
-        """Kill one replica (``victim``, else a fixed choice among the live ones) or the directory."""
+    def kill(self, what: str, victim: ActorRecord | None = None, replicas: list[ActorRecord] | None = None) -> dict:
+        """Kill one replica (``victim``, else a fixed choice among the live ones: ``replicas``, read
+        from the actor table when not given) or the directory."""
         import ray
 
         if what == "replica":
-            replicas = sorted(self.replicas(), key=lambda a: a.actor_id)
+            replicas = sorted(self.replicas() if replicas is None else replicas, key=lambda a: a.actor_id)
             if not replicas:
                 raise RuntimeError("no CacheReplica actor is alive")
             victim = victim or random.Random(0).choice(replicas)

@@ -210,13 +210,20 @@ async def run_load(url: str, *, requests: int, concurrency: int, stream_fraction
 
         load_done = asyncio.Event()
 
+        # Read before the load starts: scraping every node's endpoint can take a second or more on a
+        # loaded machine, and read at kill time it pushed the kill to the load's tail, onto a replica
+        # whose last request ended before the kill landed.
+        # The replicas too: the GCS actor table a long-lived cluster returns (dead actors included) is slow.
+        resumed_before = await asyncio.to_thread(probe.metric, RESUMED_SERIES) if kill else None
+        replicas = await asyncio.to_thread(probe.replicas) if kill == "replica" else None
+
         async def killer():
             nonlocal killed
             await asyncio.sleep(kill_at)
-            resumed_before = await asyncio.to_thread(probe.metric, RESUMED_SERIES)
-            victim, in_flight = (await _busiest_replica(probe, load_done)) if kill == "replica" else (None, None)
-            killed = await asyncio.to_thread(probe.kill, kill, victim)
+            victim, in_flight = (await _busiest_replica(probe, replicas, load_done)) if replicas else (None, None)
+            killed = await asyncio.to_thread(probe.kill, kill, victim, replicas)
             killed["at"] = time.monotonic()
+            killed["s"] = round(time.perf_counter() - t0, 2)
             killed["in_flight"] = in_flight
             killed["resumed_before"] = resumed_before
             recovery["s"] = await asyncio.to_thread(_wait_whole, probe, killed, recovery_limit_s)
@@ -248,15 +255,15 @@ async def run_load(url: str, *, requests: int, concurrency: int, stream_fraction
             "recovery_s": recovery.get("s"), "kill": kill, "kill_at_s": kill_at if kill else None,
             "killed_worker": killed["worker_id"] if killed else None,
             "in_flight_at_kill": killed["in_flight"] if killed else None, "resumed": resumed,
+            "killed_at_s": killed["s"] if killed else None,
             "wall_s": round(wall, 2), "concurrency": concurrency, "stream_fraction": stream_fraction,
             "rss_mib_before": rss_before, "rss_mib_after": probe.rss_mib() if probe else None,
             **_hostile_report(hostile_concurrency, hostile_seen, hostile_rate, wall)}
 
 
-async def _busiest_replica(probe: ClusterProbe, load_done: asyncio.Event):
-    """Wait until some replica is running requests and return it with their count; once the
+async def _busiest_replica(probe: ClusterProbe, replicas: list, load_done: asyncio.Event):
+    """Wait until one of ``replicas`` is running requests and return it with their count; once the
     load has ended with none running, (None, 0): the kill then takes a fixed choice."""
-    replicas = await asyncio.to_thread(probe.replicas)
     while True:
         found = await asyncio.to_thread(probe.busiest_replica, replicas)
         if found is not None:
