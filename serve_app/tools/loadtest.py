@@ -27,9 +27,10 @@ choice). With a kill the report adds:
   killed, by its last load report (null for the directory);
 - ``resumed``: requests the ingress resumed on another replica during the
   run: the increase of ``prefix_cache_resumed_requests_total`` over the Ray
-  nodes' metrics endpoints from the kill until one metrics report interval
+  nodes' metrics endpoints from just before the load until one metrics report interval
   (``metrics_report_interval_ms``, 10 s by default) after the last request
   (null when no node's endpoint answered);
+- ``killed_at_s``: when the kill landed, in seconds from the load's start;
 - ``recovery_s``: the time from the kill until the app is whole again: the
   killed actor gone (the directory: back), as many replicas alive as
   before, and the directory's routing table listing every live replica and
