@@ -77,6 +77,12 @@ class WorkerConfig:
     # before the watchdog declares it wedged (None: no watchdog). Above the longest
     # legitimate step (a full max_batch_tokens prefill on this hardware).
     watchdog_s: float | None = 10.0
+    # When work comes to an idle engine, its first step waits for what follows closely, until
+    # gather_quiet_ms pass without an arrival and gather_max_ms at most (0: no wait): a burst
+    # of sessions behind one system prompt reaches the replica over tens of milliseconds, and
+    # taken together its requests ride on the prompt's fill in one step (Engine._ride).
+    gather_quiet_ms: float = 10.0
+    gather_max_ms: float = 60.0
     # Bound on each remote call of a migration (export, info, object-store pull):
     # a holder that is gone or slow costs at most this per call, then recompute.
     migration_timeout_s: float = 2.0
@@ -117,6 +123,10 @@ class WorkerConfig:
     def __post_init__(self):
         if self.watchdog_s is not None and not self.watchdog_s > 0:
             raise InvalidInputError(f"watchdog_s must be positive or null, got {self.watchdog_s!r}")
+        for name in ("gather_quiet_ms", "gather_max_ms"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1000:
+                raise InvalidInputError(f"{name} must be a number of milliseconds in [0, 1000], got {value!r}")
         if not self.migration_timeout_s > 0:
             raise InvalidInputError(f"migration_timeout_s must be positive, got {self.migration_timeout_s!r}")
         if self.l3_master is not None and (not isinstance(self.l3_master, str) or ":" not in self.l3_master):

@@ -116,7 +116,8 @@ class WorkerCore:
         self.loop = EngineLoop(worker_id, self.engine, max_queued_requests=config.max_queued_requests,
                                on_idle=self._idle, on_tick=self._tick,
                                transfer_rate=lambda: self.migration.transfer_tokens_per_s,
-                               watchdog_s=config.watchdog_s, on_trip=self._tripped)
+                               watchdog_s=config.watchdog_s, on_trip=self._tripped,
+                               gather_s=(config.gather_quiet_ms / 1e3, config.gather_max_ms / 1e3))
         self.migration.on_engine = lambda fn: self.loop.call(fn).result()
         self.peer = None
         if peer_host is not None:

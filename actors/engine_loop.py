@@ -87,13 +87,15 @@ class EngineLoop:
                  on_idle: Callable[[], None] | None = None, on_tick: Callable[[], None] | None = None,
                  transfer_rate: Callable[[], float | None] = lambda: None,
                  watchdog_s: float | None = 10.0, on_trip: Callable[[str], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, gather_s: tuple[float, float] = (0.0, 0.0)):
         """``on_idle`` runs in idle gaps (housekeeping), ``on_tick`` after every
         iteration (event reports); both on the engine thread. ``watchdog_s``:
         the longest the engine may go without finishing an iteration while it
         has work (None: no watchdog); ``on_trip(reason)`` runs on the watchdog
-        thread when it trips."""
+        thread when it trips. ``gather_s``: (quiet, most) seconds the first step after an
+        idle gap waits for more work (``_gather``)."""
         self.name = name
+        self.gather_quiet_s, self.gather_max_s = gather_s
         self.engine = engine
         self.cache = engine.cache
         self.max_queued_requests = max_queued_requests
@@ -152,6 +154,7 @@ class EngineLoop:
                 # it only spaces the idle housekeeping, more widely the longer it idles.
                 if self._wake.wait(idle_wait):
                     idle_wait = IDLE_WAIT_MIN_S
+                    self._gather()
                 else:
                     idle_wait = min(IDLE_WAIT_MAX_S, idle_wait * 2)
                 self._wake.clear()
@@ -159,6 +162,19 @@ class EngineLoop:
             self._progress_at = self.clock()
             if self._on_tick is not None and self.wedged is None:   # a tripped worker stays dropped
                 self._on_tick()
+
+    def _gather(self) -> None:
+        """Work came to an idle engine: wait for what follows it closely, until ``gather_quiet_s``
+        pass without a new arrival (``gather_max_s`` at most), so one step takes a burst whole:
+        sessions behind one system prompt then ride on its fill (``Engine._ride``) instead of
+        waiting a step for it. A lone request pays ``gather_quiet_s``; a loaded engine never
+        waits (it is not idle)."""
+        if self.gather_max_s <= 0 or self.gather_quiet_s <= 0:
+            return
+        end = self.clock() + self.gather_max_s
+        self._wake.clear()
+        while (left := end - self.clock()) > 0 and self._wake.wait(min(self.gather_quiet_s, left)):
+            self._wake.clear()
 
     def _run_commands(self) -> None:
         while True:

@@ -93,15 +93,16 @@ class KernelItems:
                            self.shared)
 
 
-def _donors(index: list[int], shared, positions: list[int]) -> tuple[list[int], list[int]]:
-    """``forward_into``'s ``shared`` entries as the kernel's (donor, length) lists over its own
-    items; an entry whose donor is not one of them, or that would read past what either has
-    computed before this step, is dropped (that item reads its own buffer)."""
+def _donors(index: list[int], shared, positions: list[int], readers: int) -> tuple[list[int], list[int]]:
+    """``forward_into``'s ``shared`` entries of the kernel's first ``readers`` items as its
+    (donor, length) lists over all its items; an entry whose donor is not one of them, or
+    that would read past what either holds (``positions``), is dropped (that item reads its
+    own buffer)."""
     if not shared:
         return [], []
     at = {item: k for k, item in enumerate(index)}
     donors, lengths = [-1] * len(index), [0] * len(index)
-    for k, item in enumerate(index):
+    for k, item in enumerate(index[:readers]):
         entry = shared[item]
         if entry is None or entry[0] not in at or entry[0] == item:
             continue
@@ -126,9 +127,16 @@ def kernel_items(kernel, checked: Sequence[tuple[torch.Tensor, int, torch.Tensor
         if i in chosen:
             rows.extend(range(offset, offset + t.numel()))
         offset += t.numel()
-    donors, lengths = _donors(index, shared, [checked[i][1] for i in index])
-    buffers, positions = [checked[i][2] for i in index], [checked[i][1] for i in index]
-    counts = [checked[i][0].numel() for i in index]
+    readers = len(index)
+    if shared and not hasattr(kernel, "prepare"):
+        # Items off the kernel that its items read from (a prompt being filled, read by the
+        # requests behind it in the same step): donors of no new tokens, whose rows up to
+        # the end of this step's tokens the torch path writes first in each layer.
+        index += sorted({shared[i][0] for i in index if shared[i] is not None} - chosen)
+    positions = [checked[i][1] + (0 if k < readers else checked[i][0].numel()) for k, i in enumerate(index)]
+    donors, lengths = _donors(index, shared, positions, readers)
+    buffers = [checked[i][2] for i in index]
+    counts = [checked[i][0].numel() if k < readers else 0 for k, i in enumerate(index)]
     # CUDA (the Triton module): the table the launches read, on the device once for every layer.
     batch = kernel.prepare(buffers, positions, counts, donors, lengths) if hasattr(kernel, "prepare") else None
     return KernelItems(kernel, chosen, torch.tensor(rows, dtype=torch.long, device=buffers[0].device), buffers,

@@ -536,13 +536,13 @@ class DecoderModel(nn.Module):
                 attn_out = decodes.attend(q, k, v, layer_index, c.head_dim ** -0.5)
             else:
                 attn_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-                if decodes is not None:
-                    rows = decodes.rows
-                    attn_out[rows] = decodes.attend(q[rows], k[rows], v[rows], layer_index, c.head_dim ** -0.5)
-                for item_index, (begin, end) in enumerate(bounds):
+                for item_index, (begin, end) in enumerate(bounds):   # first: the kernel may read their K/V
                     if decodes is not None and item_index in decodes.items:
                         continue
                     attn_out[begin:end] = attend(layer_index, q[begin:end], k[begin:end], v[begin:end], item_index)
+                if decodes is not None:
+                    rows = decodes.rows
+                    attn_out[rows] = decodes.attend(q[rows], k[rows], v[rows], layer_index, c.head_dim ** -0.5)
             hidden = self._linear(attn_out.view(-1, q_width), layer.o_proj, layer.o_bias, layout, residual=hidden)
             mlp_in = norm(hidden, layer.mlp_norm, c.rms_norm_eps)
             gate, up = self._linear(mlp_in, layer.gate_up_proj, layer.gate_up_bias, layout).chunk(2, dim=-1)

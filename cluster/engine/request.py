@@ -20,6 +20,7 @@ import torch
 import xxhash
 
 from cluster.cache.lease import KVLease
+from cluster.names import COLD, HOT, L3, WARM
 from cluster.protocol import FinishReason, SamplingParams
 
 
@@ -64,6 +65,7 @@ class EngineRequest:
     _kv_source: tuple = ()           # the HOT slots its cached prefix was read from (its lease keeps them)
     _tiers_found: list[int] | None = None   # where its prefix was when the engine first looked
     _awaited: bool = False           # a waiting request counts on this prefill's checkpoint
+    _rider: Any = None               # (fill, positions) it reads from the fill's buffer in this step
     _generator: torch.Generator | None = None   # reseeded per position (see position_seed)
     _matcher: Any = None             # its grammar's matcher (structured output), fed every sampled token
 
@@ -98,3 +100,17 @@ def position_seed(seed: int, position: int) -> int:
     the first run would have.
     """
     return xxhash.xxh3_64_intdigest(struct.pack("<QQ", seed % (1 << 64), position))
+
+
+def split_by_tier(cached: int, found: list[int]) -> list[int]:
+    """``cached`` prefix tokens by where they came from: HOT, WARM, COLD as the
+    scheduler first found them (the prefix runs in that order), then L3 for the
+    rest when it waited for an L3 fetch (``found[L3]``: tokens asked for); else
+    the rest was computed meanwhile by another request sharing it: HOT."""
+    hot = min(cached, found[HOT])
+    warm = min(cached - hot, found[WARM])
+    cold = min(cached - hot - warm, found[COLD])
+    rest = cached - hot - warm - cold
+    if len(found) > L3 and found[L3]:
+        return [hot, warm, cold, rest]
+    return [hot + rest, warm, cold, 0]

@@ -38,8 +38,9 @@ from typing import Any, Sequence
 import torch
 
 from cluster.cache.tiered import TieredCache
+from cluster.engine.bursts import BurstScheduling
 from cluster.engine.prompt_logprobs import PromptLogprobCache, record_prompt_logprobs, wants_prompt_rows
-from cluster.engine.request import EngineRequest, TokenEvent, position_seed
+from cluster.engine.request import EngineRequest, TokenEvent, position_seed, split_by_tier
 from cluster.engine.sampling import greedy_tokens, sample_token, token_logprobs
 from cluster.engine import shared_prefix
 from cluster.engine.scratch import ScratchKV
@@ -47,7 +48,7 @@ from cluster.errors import CacheError, InvalidInputError, PoolExhaustedError
 from cluster.names import COLD, HOT, L3, WARM
 from cluster.ownership import ThreadOwner
 from cluster.protocol import FinishReason, SamplingParams
-from cluster.tokens import as_token_list, common_prefix
+from cluster.tokens import as_token_list
 
 __all__ = ["Engine", "EngineRequest", "SamplingParams", "TokenEvent", "position_seed"]
 
@@ -58,7 +59,7 @@ log = logging.getLogger(__name__)
 DEFAULT_BATCH_TOKENS = 512
 
 
-class Engine:
+class Engine(BurstScheduling):
     def __init__(self, model: Any, cache: TieredCache, *, max_batch_tokens: int = DEFAULT_BATCH_TOKENS,
                  max_running: int = 64, keep_logits: bool = False, cache_final_token: bool = True,
                  decode_kernel: bool = True, cuda_graphs: bool = True, grammars: Any = None,
@@ -107,6 +108,9 @@ class Engine:
         self.decode_kernel = model.use_decode_kernel(decode_kernel) if hasattr(model, "use_decode_kernel") \
             else False
         self.cuda_graphs = model.use_cuda_graphs(cuda_graphs) if hasattr(model, "use_cuda_graphs") else False
+        # Requests behind a prompt filled in the same step read its KV as each layer writes it
+        # (``_ride``): the CPU kernel takes such a donor, the Triton one not yet.
+        self.riders = self._in_place and self.decode_kernel and torch.device(cache.kv_device).type == "cpu"
         # The faster of MKL's two linear layouts for each row count, measured on this machine.
         self.linear_layouts = model.tune_linears() if hasattr(model, "tune_linears") else {}
         hot = cache.hot.allocator
@@ -135,7 +139,8 @@ class Engine:
                       "swap_in_bytes": 0, "waits_for_room": 0, "waits_for_promotion": 0,
                       "waits_for_shared_prefix": 0, "step_ms": 0.0, "forward_ms": 0.0, "decode_steps": 0,
                       "decode_step_ms": 0.0, "decode_rows": 0, "shared_prefix_joins": 0,
-                      "shared_prefix_reads": 0, "forked_prompts": 0}
+                      "shared_prefix_reads": 0, "forked_prompts": 0,
+                      "riders": 0, "riders_back": 0}
 
     # ------------------------------------------------------------------ API
     def submit(self, request: EngineRequest) -> EngineRequest:
@@ -228,6 +233,10 @@ class Engine:
         greedy = greedy_tokens(plan, outputs)
         for (req, n), logits in zip(plan, outputs):
             try:
+                if req._rider is not None:   # its lease, now that its fill's checkpoint is in
+                    if not self._seat(req):
+                        continue
+                    n = req.to_compute
                 token = self._advance(req, n, logits, greedy.get(id(req)))
             except Exception as exc:  # this request fails; the batch, the engine and the cache go on
                 self._finish(req, FinishReason.ERROR, keep=False, error=f"{type(exc).__name__}: {exc}")
@@ -262,36 +271,6 @@ class Engine:
             self._finishing.append((req, reason))
         events.append(TokenEvent(req, token, req.finished))
 
-    def _fork_twins(self, plan: list[tuple[EngineRequest, int]], outputs: list[torch.Tensor],
-                    events: list[TokenEvent]) -> None:
-        """Waiting requests whose sequence is exactly what a fill of this step just completed
-        (``_behind_shared_prefill``) start from it: the fill's checkpoint holds all of their
-        KV and its last logits row is theirs too (the same tokens at the same positions), so
-        each is admitted with nothing to compute and samples its first token from that row
-        (its own parameters and seed) now, a step before it would have computed its last
-        token. One whose admission finds less (the fill failed, no room) stays waiting."""
-        twins, self._twins = self._twins, {}
-        for (fill, _), logits in zip(plan, outputs):
-            if id(fill) not in twins or fill.error is not None or fill._len != len(fill.tokens) - 1:
-                continue
-            for twin in twins[id(fill)]:
-                if twin.finished or twin not in self.waiting or len(self.running) >= self.max_running or \
-                        self._admit(twin, 0, whole=True) is None:
-                    continue
-                self.waiting.remove(twin)
-                self.running.append(twin)
-                twin.scheduled_at = twin.scheduled_at or fill.scheduled_at
-                twin.forward_at = twin.forward_at or fill.forward_at
-                self.stats["forked_prompts"] += 1
-                if self.keep_logits:
-                    twin.logits.append(logits[-1:])
-                try:
-                    token = self._sample(twin, logits)
-                except Exception as exc:   # as in ``step``: this request fails, nothing else
-                    self._finish(twin, FinishReason.ERROR, keep=False, error=f"{type(exc).__name__}: {exc}")
-                    continue
-                self._emitted(twin, token, events)
-
     def _forward(self, plan: list[tuple[EngineRequest, int]]) -> list[torch.Tensor]:
         """One packed forward over the plan; each request's new KV ends up in its
         working buffer. Returns each request's logits (every position's when a
@@ -303,6 +282,10 @@ class Engine:
             shared = shared_prefix.reads(plan) if self.share_prefixes else None
             if shared is not None:
                 self.stats["shared_prefix_reads"] += sum(n for _, n in filter(None, shared))
+            if any(req._rider is not None for req, _ in plan):   # riders read their fill's buffer
+                at = {id(req): i for i, (req, _) in enumerate(plan)}
+                shared = [(at[id(req._rider[0])], req._rider[1]) if req._rider is not None else entry
+                          for (req, _), entry in zip(plan, shared or [None] * len(plan))]
             return self.model.forward_into([(t, req._len, req._kv) for t, (req, _) in zip(tokens, plan)],
                                            last_logits_only=last_only, shared=shared)
         items = [(t, req._len, _past(req) if req._len else None) for t, (req, _) in zip(tokens, plan)]
@@ -345,6 +328,9 @@ class Engine:
                 self.stats["waits_for_promotion"] += 1
                 promoting = True
                 continue
+            if self._ride(req, sum(tiers), plan, budget):   # computes its rest beside a fill of this step
+                budget -= plan[-1][1]
+                continue
             if self._behind_shared_prefill(req, sum(tiers)):   # computed for it by another in a step or so
                 self.stats["waits_for_shared_prefix"] += 1
                 continue
@@ -363,26 +349,6 @@ class Engine:
             budget -= n
         return plan
 
-    def _behind_shared_prefill(self, req: EngineRequest, cached: int) -> bool:
-        """Whether a running request still filling its prompt computes at least a block of
-        what ``req`` would compute beyond the cache, or all of it but ``req``'s last token (an
-        identical prompt): ``req`` then waits for that prefill's checkpoint (taken even for
-        less than a block once awaited) instead of computing the same KV beside it; one whose
-        sequence is that fill's starts from it at the end of this step (``_fork_twins``). One step:
-        a waiting request is looked at only with budget left, so every fill was planned to its end."""
-        seq, need = req.tokens, min(self.cache.hot.allocator.block_tokens, len(req.tokens) - 1 - cached)
-        if need < 1:   # only its last token left: nothing another fill could save it
-            return False
-        fills = [o for o in self.running if o.to_compute > 1 and o.namespace == req.namespace
-                 and common_prefix(seq, o.tokens) - cached >= need]
-        if not fills:
-            return False
-        same = next((o for o in fills if o.tokens == seq), None)
-        (same or fills[0])._awaited = True
-        if same is not None and req.params.prompt_logprobs is None:   # identical: it starts from that fill
-            self._twins.setdefault(id(same), []).append(req)
-        return True
-
     def _reserve_or_preempt(self, req: EngineRequest, n: int, planned: set[int]) -> bool:
         """Room for ``n`` more tokens of ``req``; preempts the newest running request
         not yet in this step's batch until there is room (False: ``req`` itself was it)."""
@@ -398,11 +364,13 @@ class Engine:
                 if victim is req:
                     return False
 
-    def _admit(self, req: EngineRequest, budget: int, whole: bool = False) -> int | None:
+    def _admit(self, req: EngineRequest, budget: int, need: int = 0) -> int | None:
         """Lease the sequence's cached prefix, read it into the working buffer and
         reserve the first chunk; the chunk's length, or None when it cannot run now
         (no room: it waits, holding nothing; or the cache refused its prompt: it ended).
-        ``whole``: the entire sequence must be cached (a twin, ``_fork_twins``), else None."""
+        ``need``: the prefix the cache must hold, else None: the whole sequence for a twin
+        (``_fork_twins``), the positions a rider read (``_seat``; its buffer is kept: it holds
+        the rest it computed)."""
         seq = req.tokens
         cap = None
         k = req.params.prompt_logprobs
@@ -413,12 +381,13 @@ class Engine:
             known = next((i for i, e in enumerate(req.prompt_logprobs) if e is None and i), len(req.prompt))
             cap = known - 1 if known < len(req.prompt) else None
         try:
-            lease = self.cache.admit(seq, req.namespace, validate=False, max_cached=cap, compute_last=not whole)
+            lease = self.cache.admit(seq, req.namespace, validate=False, max_cached=cap,
+                                     compute_last=need < len(seq))
         except CacheError as exc:
             req.finished, req.finish_reason, req.error = True, FinishReason.ERROR, str(exc)
             self._ended.append(TokenEvent(req, None, True))
             return None
-        if whole and lease.cached_tokens < len(seq):   # a twin's sequence is not all cached: it waits
+        if lease.cached_tokens < need:   # the prefix it needs (a twin's whole sequence) is not all cached: it waits
             lease.release()
             return None
         n = min(len(seq) - lease.cached_tokens, budget)
@@ -428,7 +397,7 @@ class Engine:
         except PoolExhaustedError:
             lease.release()
             return None
-        tiers = _split(lease.cached_tokens, req._tiers_found or list(lease.tier_hits))
+        tiers = split_by_tier(lease.cached_tokens, req._tiers_found or list(lease.tier_hits))
         if req.admitted_at is None:
             req.cached_tokens = lease.cached_tokens
             req.tier_hits = tiers
@@ -442,8 +411,11 @@ class Engine:
             self.stats["swap_in_bytes"] += (tiers[WARM] + tiers[COLD] + tiers[L3]) * self._bytes_per_token
             self.stats["recomputed_tokens"] += max(0, req._preempted_len - lease.cached_tokens)
         req._lease = lease
-        self._give_scratch(req)
-        req._kv = self.scratch.take(req.capacity)
+        if req._len < need or not need:   # a rider keeps the buffer that holds what it computed
+            self._give_scratch(req)
+            req._kv = self.scratch.take(req.capacity)
+        else:
+            shared_prefix.forget(req)
         lease.read_prefix_into(_past(req, lease.cached_tokens))
         req._len = lease.cached_tokens
         if self.share_prefixes and self._in_place and \
@@ -572,20 +544,6 @@ class Engine:
         if req._kv is not None:
             self.scratch.give(req._kv)
             req._kv = None
-
-
-def _split(cached: int, found: list[int]) -> list[int]:
-    """``cached`` prefix tokens by where they came from: HOT, WARM, COLD as the
-    scheduler first found them (the prefix runs in that order), then L3 for the
-    rest when it waited for an L3 fetch (``found[L3]``: tokens asked for); else
-    the rest was computed meanwhile by another request sharing it: HOT."""
-    hot = min(cached, found[HOT])
-    warm = min(cached - hot, found[WARM])
-    cold = min(cached - hot - warm, found[COLD])
-    rest = cached - hot - warm - cold
-    if len(found) > L3 and found[L3]:
-        return [hot, warm, cold, rest]
-    return [hot + rest, warm, cold, 0]
 
 
 def _past(req: EngineRequest, length: int | None = None) -> torch.Tensor:

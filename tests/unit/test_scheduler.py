@@ -182,21 +182,47 @@ def test_only_the_chunks_reserve_room_and_no_step_exceeds_the_budget():
     torch.testing.assert_close(torch.tensor(computed), torch.tensor(sum(10 + 7 * i + 4 for i in range(6))))
 
 
-def test_a_burst_sharing_a_system_prompt_computes_it_once():
-    """Eight requests arrive together with a 64-token prompt in common: the first
-    computes it and checkpoints it into the tree when its prefill ends; the others
-    wait that step for it instead of computing the same KV beside it."""
+@pytest.mark.parametrize("riders", [True, False])
+def test_a_burst_sharing_a_system_prompt_computes_it_once(riders):
+    """Eight requests arrive together with a 64-token prompt in common: the first computes
+    it and checkpoints it into the tree when its prefill ends. The others compute their own
+    3 tokens in the same step, reading the prompt's KV from the first one's buffer as each
+    layer writes it, and take their leases from its checkpoint after the step (riders); or,
+    without riders, wait that step for the checkpoint. Either way nothing is computed twice
+    and every output is as alone; riders take one step less."""
     system = [(5 * i) % 64 for i in range(64)]
     requests = [(system + [i, i + 1, i + 2], SamplingParams(max_tokens=3)) for i in range(8)]
     want = reference_outputs(requests)
     engine = make_engine(hot_blocks=256, budget=256)
+    assert engine.riders   # the CPU kernel is built in this environment
+    engine.riders = riders
     done = run_all(engine, requests)
     assert [r.output for r in done] == want
     assert [r.cached_tokens for r in done] == [0] + [64] * 7
     # Each computed token once: the shared prompt, then 3 + 2 more per request (the prefill's
     # tail and the decodes after the first sampled token).
     assert engine.stats["computed_tokens"] == 64 + 8 * (3 + 2)
-    assert engine.stats["waits_for_shared_prefix"] >= 7
+    if riders:
+        assert (engine.stats["riders"], engine.stats["riders_back"]) == (7, 0)
+        assert engine.stats["waits_for_shared_prefix"] == 0
+        assert engine.stats["steps"] == 1 + 2   # every first token from the first step
+    else:
+        assert engine.stats["riders"] == 0 and engine.stats["waits_for_shared_prefix"] == 7
+        assert engine.stats["steps"] == 2 + 2
+    check_drained(engine)
+
+
+def test_a_rider_without_room_after_its_step_waits_and_computes_again():
+    """HOT holds the shared prompt and little more: a rider whose rest finds no room after
+    the step goes back to waiting (its step's work dropped) and computes that rest again
+    later; every output is as alone and nothing stays locked."""
+    system = [(5 * i) % 64 for i in range(64)]
+    requests = [(system + [i, i + 1, i + 2], SamplingParams(max_tokens=3)) for i in range(4)]
+    want = reference_outputs(requests)
+    engine = make_engine(hot_blocks=19, budget=256)   # 76 tokens: 67 of the first and a few more
+    done = run_all(engine, requests)
+    assert [r.output for r in done] == want
+    assert engine.stats["riders"] == 3 and engine.stats["riders_back"] >= 1
     check_drained(engine)
 
 

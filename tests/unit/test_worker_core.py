@@ -100,6 +100,41 @@ def test_queue_bound_rejects_with_queue_full():
         core.close()
 
 
+def test_a_burst_reaching_an_idle_worker_goes_in_one_step_riding_on_its_shared_prompt():
+    """Four requests behind one uncached 48-token prompt reach an idle worker a few
+    milliseconds apart: the first step waits for them (the gather window) and takes them
+    all, the first filling the prompt and the other three riding on it, so every first
+    token comes out of that one step, each request's tokens the model's own."""
+    from cluster.protocol import GenerateRequest, SamplingParams
+
+    core = make("w-burst", gather_quiet_ms=200, gather_max_ms=1000)
+    system = [(7 * i) % 60 for i in range(48)]
+    prompts = [system + [i + 1, i + 2, i + 3] for i in range(4)]
+
+    async def one(prompt, delay):
+        await asyncio.sleep(delay)
+        return [item async for item in core.generate(GenerateRequest(prompt, SamplingParams(max_tokens=3)))]
+
+    async def burst():
+        return await asyncio.gather(*[one(p, 0.005 * k) for k, p in enumerate(prompts)])
+
+    try:
+        results = asyncio.run(burst())
+        assert [[i.token for i in items] for items in results] == [greedy(p, 3) for p in prompts]
+        stats = core.engine.stats
+        assert (stats["riders"], stats["riders_back"]) == (3, 0)
+        assert stats["steps"] == 1 + 2   # the burst's step, then two decode steps
+    finally:
+        core.close()
+
+
+def test_gather_window_settings_are_checked():
+    with pytest.raises(ValueError, match="gather_max_ms must be a number of milliseconds"):
+        WorkerConfig.from_dict({"gather_max_ms": -1})
+    with pytest.raises(ValueError, match="gather_quiet_ms must be a number of milliseconds"):
+        WorkerConfig.from_dict({"gather_quiet_ms": True})
+
+
 def test_unknown_worker_config_keys_are_rejected():
     with pytest.raises(ValueError, match="unknown worker config keys: \\['hot_block'\\]"):
         WorkerConfig.from_dict({"hot_block": 3})

@@ -233,7 +233,9 @@ void attend_one(const float* q, const Rows& rows, float* out, int64_t group,
 // sequence, or empty): sequence b reads its first shared[b] positions from the buffer of
 // sequence donors[b] of the same call (-1: none), whose rows there hold the same bytes as
 // its own (the caller's promise: it checked them); shared[b] <= positions[b] and
-// <= positions[donors[b]], so no row this call writes is read from a donor. The results
+// <= positions[donors[b]], so no row this call writes is read from a donor. A sequence of
+// no new tokens (counts[b] == 0) is only a donor: a buffer whose first positions[b] rows
+// are written (by the caller, before this call: a prefill's K/V of this layer). The results
 // are bit for bit those of reading every row from the sequence's own buffer; the point
 // is that a prefix many sequences share is read from memory once a layer, not once each.
 // Returns [T, heads, D].
@@ -263,7 +265,7 @@ torch::Tensor extend_attention(torch::Tensor q, torch::Tensor k_new, torch::Tens
                 buf.size(4) == head_dim && buf.stride(4) == 1 && buf.stride(3) == head_dim,
                 "buffer ", b, ": float32 [L, 2, kv_heads, cap, head_dim] with contiguous rows");
     TORCH_CHECK(layer >= 0 && layer < buf.size(0), "layer out of range");
-    TORCH_CHECK(counts[b] >= 1 && positions[b] >= 0 && positions[b] + counts[b] <= buf.size(3),
+    TORCH_CHECK(counts[b] >= 0 && positions[b] >= 0 && positions[b] + counts[b] <= buf.size(3),
                 "positions ", positions[b], "..+", counts[b], " outside buffer ", b);
     bases[b] = buf.data_ptr<float>();
     caps[b] = buf.stride(2);   // elements from one kv head's rows to the next's
