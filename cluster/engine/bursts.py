@@ -49,6 +49,25 @@ class BurstScheduling:
             self._twins.setdefault(id(same), []).append(req)
         return True
 
+    def _twins_past_budget(self, plan: list[tuple[EngineRequest, int]], left: list[EngineRequest]) -> None:
+        """The waiting requests ``left`` out of a step whose budget ran out:
+        those whose sequence is exactly a prompt this step fills to its end start from it after
+        the step all the same (``_fork_twins``): they compute nothing, so they need no budget.
+        Without this, twins behind the budget's end computed their last token a step later."""
+        fills = {}
+        for fill, n in plan:
+            if fill._len + n == len(fill.tokens) and not fill.output and fill.to_compute > 1:
+                fills.setdefault((fill.namespace, tuple(fill.tokens)), fill)
+        if not fills:
+            return
+        for req in left:
+            fill = fills.get((req.namespace, tuple(req.tokens)))
+            if fill is None or req.output or req.params.prompt_logprobs is not None:
+                continue
+            fill._awaited = True   # it checkpoints even less than a block: the twin's lease reads it
+            self._twins.setdefault(id(fill), []).append(req)
+            self.stats["waits_for_shared_prefix"] += 1
+
     def _ride(self, req: EngineRequest, cached: int, plan: list[tuple[EngineRequest, int]], budget: int) -> bool:
         """Whether ``req`` rides on a prompt this step fills to its end on the torch path: it
         shares more than the cache holds with it and the rest of ``req`` is a kernel item's

@@ -314,8 +314,11 @@ class Engine(BurstScheduling):
                 planned.add(id(req))
                 budget -= n
         promoting = False   # an older waiting request's prefix is on its way up
-        for req in list(self.waiting):
+        queue = list(self.waiting)
+        for i, req in enumerate(queue):
             if budget <= 0 or len(self.running) >= self.max_running:
+                if budget <= 0:   # identical prompts of this step's fills still start from them
+                    self._twins_past_budget(plan, queue[i:])
                 break
             # Promotions that make room, oldest first and one at a time; behind it only
             # those that fit in free blocks. Started for every waiting request at once,

@@ -32,7 +32,8 @@ for vLLM, ``prefix_cache_hit_rate`` (``vllm:prefix_cache_hits_total`` over
 ``..._queries_total``); ``openmp``, the OpenMP runtime each arm ran; for this app, ``engine_step_ms_mean``,
 ``engine_decode_step_ms_mean``, ``engine_decode_batch_mean`` (sequences a decode
 step), ``forked_prompts`` (requests whose prompt another request of the burst computed,
-started from its fill with nothing to compute) and ``engine_busy_share`` (the replicas' step wall time over the workload's), ``replica_calls``
+started from its fill with nothing to compute), ``riders`` / ``riders_back`` (requests that computed
+their rest in the step that filled the prompt they follow; those sent back to wait after it) and ``engine_busy_share`` (the replicas' step wall time over the workload's), ``replica_calls``
 (``--replica-calls``: how the ingress called the replicas, Serve's gRPC channel or object references), ``mkl_packed`` (a replica ran MKL's packed linears,
 ``PREFIX_CACHE_MKL_PACKED=1``) and ``ttft_parts_ms_first_turn_p50`` /
 ``ttft_parts_ms_later_turns_p50`` (the median of each part of the time to first
@@ -134,6 +135,10 @@ def run_ours(args, model_id: str, system: str, hot_tokens: int) -> dict:
         row["resumed_warm_tokens"] = sum(e.get("resumed_warm_tokens", 0) for e in engines)
         # Identical prompts of a burst that started from another's fill (``Engine._fork_twins``).
         row["forked_prompts"] = sum(e.get("forked_prompts", 0) for e in engines)
+        # Requests that computed their rest in the step that filled the prompt before them
+        # (``Engine._ride``), and those sent back to wait after it (no checkpoint or no room).
+        row["riders"] = sum(e.get("riders", 0) for e in engines)
+        row["riders_back"] = sum(e.get("riders_back", 0) for e in engines)
         # Where a turn's time goes inside the replicas: their steps' wall time (calibration excluded).
         steps, decodes = sum(e.get("steps", 0) for e in engines), sum(e.get("decode_steps", 0) for e in engines)
         step_ms = sum(e.get("step_ms", 0.0) for e in engines)

@@ -250,6 +250,28 @@ def test_identical_prompts_compute_their_tail_beyond_the_cache_once():
     check_drained(engine)
 
 
+def test_twins_past_the_end_of_the_budget_still_start_from_their_fill():
+    """A fill and three riders take the whole step budget (67 + 3 x 3 = 76 tokens); two
+    requests behind them ask exactly the fill's prompt. They need no budget (they compute
+    nothing), so they start from the fill in the same step all the same: all six first
+    tokens come out of one step, every output as alone, nothing computed twice."""
+    system = [(5 * i) % 64 for i in range(64)]
+    fill = system + [1, 2, 3]
+    requests = [(fill, SamplingParams(max_tokens=3))]
+    requests += [(system + [10 + i, 11 + i, 12 + i], SamplingParams(max_tokens=3)) for i in range(3)]
+    requests += [(fill, SamplingParams(max_tokens=3)), (fill, SamplingParams(max_tokens=3, temperature=0.8, seed=3))]
+    want = reference_outputs(requests)
+    engine = make_engine(hot_blocks=256, budget=67 + 3 * 3)
+    assert engine.riders
+    done = run_all(engine, requests)
+    assert [r.output for r in done] == want
+    assert [r.cached_tokens for r in done] == [0, 64, 64, 64, 67, 67]
+    assert (engine.stats["riders"], engine.stats["forked_prompts"]) == (3, 2)
+    assert engine.stats["computed_tokens"] == 64 + 4 * 3 + 6 * 2   # the prompts once, then the decodes
+    assert engine.stats["steps"] == 1 + 2   # every first token from the first step
+    check_drained(engine)
+
+
 def test_twins_that_end_on_their_first_token_and_one_that_wants_prompt_logprobs():
     """Identical prompts behind a fill: one with max_tokens=1 and one whose first token is
     a stop token end on the token they take from the fill (their leases end, nothing stays
