@@ -45,8 +45,18 @@ class BurstScheduling:
             return False
         same = next((o for o in fills if o.tokens == seq), None)
         (same or fills[0])._awaited = True
-        if same is not None and req.params.prompt_logprobs is None:   # identical: it starts from that fill
-            self._twins.setdefault(id(same), []).append(req)
+        if same is not None:
+            self._twin(req, same)
+        return True
+
+    def _twin(self, req: EngineRequest, fill: EngineRequest) -> bool:
+        """``req``'s sequence is ``fill``'s: it starts from the fill after the step
+        (``_fork_twins``), for which the fill checkpoints even less than a block. Not one
+        that wants its prompt's logprobs (it needs its own rows): False, and it waits."""
+        if req.params.prompt_logprobs is not None:
+            return False
+        fill._awaited = True
+        self._twins.setdefault(id(fill), []).append(req)
         return True
 
     def _twins_past_budget(self, plan: list[tuple[EngineRequest, int]], left: list[EngineRequest]) -> None:
@@ -54,19 +64,12 @@ class BurstScheduling:
         those whose sequence is exactly a prompt this step fills to its end start from it after
         the step all the same (``_fork_twins``): they compute nothing, so they need no budget.
         Without this, twins behind the budget's end computed their last token a step later."""
-        fills = {}
-        for fill, n in plan:
-            if fill._len + n == len(fill.tokens) and not fill.output and fill.to_compute > 1:
-                fills.setdefault((fill.namespace, tuple(fill.tokens)), fill)
-        if not fills:
-            return
+        fills = {(fill.namespace, tuple(fill.tokens)): fill for fill, n in reversed(plan)
+                 if n > 1 and fill._len + n == len(fill.tokens)}
         for req in left:
             fill = fills.get((req.namespace, tuple(req.tokens)))
-            if fill is None or req.output or req.params.prompt_logprobs is not None:
-                continue
-            fill._awaited = True   # it checkpoints even less than a block: the twin's lease reads it
-            self._twins.setdefault(id(fill), []).append(req)
-            self.stats["waits_for_shared_prefix"] += 1
+            if fill is not None and self._twin(req, fill):
+                self.stats["waits_for_shared_prefix"] += 1
 
     def _ride(self, req: EngineRequest, cached: int, plan: list[tuple[EngineRequest, int]], budget: int) -> bool:
         """Whether ``req`` rides on a prompt this step fills to its end on the torch path: it
