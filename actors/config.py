@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from cluster.cache.tiered import TierConfig
 from cluster.engine.checkpoint import ModelSpec
+from cluster.engine.runner import DEFAULT_TIME_SLICE_S
 from cluster.errors import InvalidInputError
 
 # A worker's tier sizes when the config names none (TierConfig itself has no default HOT size).
@@ -83,6 +84,16 @@ class WorkerConfig:
     # taken together its requests ride on the prompt's fill in one step (Engine._ride).
     gather_quiet_ms: float = 10.0
     gather_max_ms: float = 60.0
+    # Scheduling policies for requests that share a prompt being filled (cluster.engine.bursts):
+    # ``riders`` compute their rest in the fill's step; ``shared_fills``: a request whose part
+    # beyond the cache another's prefill computes waits for it (and an identical prompt starts
+    # from it). Off: each request computes its own part.
+    riders: bool = True
+    shared_fills: bool = True
+    # Time slicing: a request waiting for HOT room that running decodes hold gets the room of
+    # the newest one that has decoded this long (seconds; it yields: its KV goes to the cache
+    # and it resumes exactly). Null: waiting requests wait for decodes to finish.
+    time_slice_s: float | None = DEFAULT_TIME_SLICE_S
     # Bound on each remote call of a migration (export, info, object-store pull):
     # a holder that is gone or slow costs at most this per call, then recompute.
     migration_timeout_s: float = 2.0
@@ -127,6 +138,14 @@ class WorkerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1000:
                 raise InvalidInputError(f"{name} must be a number of milliseconds in [0, 1000], got {value!r}")
+        if self.time_slice_s is not None and (isinstance(self.time_slice_s, bool) or
+                                              not isinstance(self.time_slice_s, (int, float)) or
+                                              not 0 < self.time_slice_s <= 3600):
+            raise InvalidInputError(f"time_slice_s must be a number of seconds in (0, 3600] or null, "
+                                    f"got {self.time_slice_s!r}")
+        for name in ("riders", "shared_fills"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidInputError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not self.migration_timeout_s > 0:
             raise InvalidInputError(f"migration_timeout_s must be positive, got {self.migration_timeout_s!r}")
         if self.l3_master is not None and (not isinstance(self.l3_master, str) or ":" not in self.l3_master):

@@ -86,6 +86,9 @@ class WorkerCore:
         self.engine = Engine(self.model, self.cache, max_batch_tokens=config.max_batch_tokens,
                              max_running=config.max_running, cache_final_token=config.cache_final_token,
                              decode_kernel=config.decode_kernel, grammars=self._grammars(mc.vocab_size))
+        self.engine.riders = self.engine.riders and config.riders
+        self.engine.shared_fills = config.shared_fills
+        self.engine.time_slice_s = config.time_slice_s
         log.info("worker %s: OpenMP %s, allocator %s, %d torch threads, linear layouts by row count %s",
                  worker_id, openmp.runtime(), malloc.runtime(), torch.get_num_threads(), self.engine.linear_layouts)
         self.nixl = self._open_nixl()

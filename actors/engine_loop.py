@@ -223,7 +223,8 @@ class EngineLoop:
             k = req.params.prompt_logprobs
             prompt_lps = tuple(None if e is None else (e[0], tuple(e[1][:k])) for e in req.prompt_logprobs)
         item = StreamItem(token, finished, req.finish_reason, req.error, req.cached_tokens, tuple(req.tier_hits),
-                          len(req.prompt), self.name, ctx.reason, ctx.migration, timing, logprob, top, prompt_lps)
+                          len(req.prompt), self.name, ctx.reason, ctx.migration, timing, logprob, top, prompt_lps,
+                          tiers_found=tuple(req.tiers_found))
         if finished:
             with self._streams_lock:
                 self._streams.pop(req.request_id, None)

@@ -385,9 +385,15 @@ class StreamItem:
     # With SamplingParams.prompt_logprobs, on the first item: per prompt token
     # (logprob or None for the first, top k), the same shape as above.
     prompt_logprobs: tuple | None = None
+    # What the tiers held of its prompt when the engine first looked, by SOURCE_NAMES (L3: asked
+    # for): beside ``tier_hits``, what it used.
+    tiers_found: tuple[int, ...] = (0, 0, 0, 0)
 
     def cached_by_tier(self) -> dict[str, int]:
         return dict(zip(SOURCE_NAMES, self.tier_hits))
+
+    def found_by_tier(self) -> dict[str, int]:
+        return dict(zip(SOURCE_NAMES, self.tiers_found))
 
 
 @dataclass(frozen=True, slots=True)

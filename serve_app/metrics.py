@@ -23,6 +23,18 @@ Names and labels (the README lists them too):
 | prefix_cache_preempted_tokens_total | counter | worker, outcome (resumed_hot, resumed_warm, resumed_cold, recomputed) |
 | prefix_cache_swap_in_bytes_total | counter | worker |
 | prefix_cache_session_prefetches_total | counter | outcome (started, hot, unknown_session, failed, timeout) |
+| prefix_cache_recomputed_held_tokens_total | counter | worker, tier (hot, warm, cold) |
+| prefix_cache_recompute_chosen_tokens_total | counter | worker |
+| prefix_cache_dropped_tokens_total | counter | worker, tier, reason (last_tier, lower_full, copy_failed, checksum, flush) |
+| prefix_cache_dropped_with_room_tokens_total | counter | worker |
+| prefix_cache_commit_tail_discarded_tokens_total | counter | worker |
+
+``recomputed_held_tokens`` counts prompt tokens a request computed although a
+tier held their KV when it was admitted, outside a measured cost decision
+(``recompute_chosen_tokens``); ``dropped_with_room_tokens`` counts tokens that
+left a tier while the tier below had room for them, and
+``commit_tail_discarded_tokens`` new KV the tree could not take. All three are
+defects: they stay 0.
 
 ``session_prefetches`` counts the prefetches the ingress started from a
 request's ``X-Session-Id`` header (predictive swap-in), by what they found:
@@ -83,6 +95,19 @@ session_prefetches = Counter("prefix_cache_session_prefetches_total",
 migration_timeouts = Counter("prefix_cache_migration_timeouts_total",
                              "Remote calls of a migration that ran past their bound (then recompute)")
 
+recomputed_held = Counter("prefix_cache_recomputed_held_tokens_total",
+                          "Prompt tokens recomputed although a tier held their KV (a defect: stays 0)",
+                          tag_keys=("worker", "tier"))
+recompute_chosen = Counter("prefix_cache_recompute_chosen_tokens_total",
+                           "Prompt tokens a tier held that the scheduler chose to recompute (measured: cheaper)",
+                           tag_keys=("worker",))
+dropped_tokens = Counter("prefix_cache_dropped_tokens_total", "Tokens that left the cache, by tier and reason",
+                         tag_keys=("worker", "tier", "reason"))
+dropped_with_room = Counter("prefix_cache_dropped_with_room_tokens_total",
+                            "Tokens dropped while the tier below had room (a defect: stays 0)", tag_keys=("worker",))
+tail_discarded = Counter("prefix_cache_commit_tail_discarded_tokens_total",
+                         "New KV the tree could not take at a commit (a defect: stays 0)", tag_keys=("worker",))
+
 _last_moves: dict[str, dict[str, int]] = {}
 _last_engine: dict[str, dict[str, int]] = {}
 
@@ -102,6 +127,13 @@ def report_engine(worker_id: str, stats: dict) -> None:
     last = _last_engine.setdefault(worker_id, {})
     outcomes = {"resumed_hot_tokens": "resumed_hot", "resumed_warm_tokens": "resumed_warm",
                 "resumed_cold_tokens": "resumed_cold", "recomputed_tokens": "recomputed"}
+    for tier in ("hot", "warm", "cold"):
+        key = f"recomputed_held_{tier}_tokens"
+        _inc(recomputed_held, stats.get(key, 0) - last.get(key, 0), {"worker": worker_id, "tier": tier})
+        last[key] = stats.get(key, 0)
+    _inc(recompute_chosen, stats.get("recompute_chosen_tokens", 0) - last.get("recompute_chosen_tokens", 0),
+         {"worker": worker_id})
+    last["recompute_chosen_tokens"] = stats.get("recompute_chosen_tokens", 0)
     for key in ("preemptions", "swap_in_bytes", *outcomes):
         delta = stats.get(key, 0) - last.get(key, 0)
         if delta > 0:
@@ -125,6 +157,16 @@ def report_moves(worker_id: str, stats: dict) -> None:
         if delta > 0:
             tier_moves.inc(delta, tags={"worker": worker_id, "kind": kind})
         last[key] = value
+    for key, value in stats.items():   # dropped_<tier>_<reason>_tokens (cluster.cache.tier_moves)
+        if key.startswith("dropped_") and key.endswith("_tokens") and key.count("_") >= 3 \
+                and key not in ("dropped_tokens", "dropped_with_room_tokens"):
+            tier, reason = key[len("dropped_"):-len("_tokens")].split("_", 1)
+            _inc(dropped_tokens, value - last.get(key, 0), {"worker": worker_id, "tier": tier, "reason": reason})
+            last[key] = value
+    for key, counter in (("dropped_with_room_tokens", dropped_with_room),
+                         ("commit_tail_discarded_tokens", tail_discarded)):
+        _inc(counter, stats.get(key, 0) - last.get(key, 0), {"worker": worker_id})
+        last[key] = stats.get(key, 0)
 
 
 # ----------------------------------------------------------------- L3 and elasticity

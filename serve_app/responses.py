@@ -417,7 +417,8 @@ def cache_info(last: StreamItem | None, clock: RequestClock | None = None, ingre
     last = last or StreamItem(None, True)
     migration = last.migration.to_json() if last.migration is not None else None
     info = {"worker_id": last.worker_id, "ingress_id": ingress_id, "reason": last.reason,
-            "cached_tokens_by_tier": last.cached_by_tier(), "migration": migration}
+            "cached_tokens_by_tier": last.cached_by_tier(), "found_tokens_by_tier": last.found_by_tier(),
+            "migration": migration}
     if clock is not None:   # who routed it, and where its time went (serve_app.timing)
         info["routed_by"] = clock.routed_by
         info["timing_ms"] = clock.breakdown_ms()

@@ -49,7 +49,7 @@ from cluster.bench.common import emit, percentile, plot_cdfs, rounded
 from cluster.cache.kv_pool import KVLayout
 from cluster.cache.tiered import TierConfig, TieredCache, UnknownSessionError
 from cluster.engine.checkpoint import ModelSpec, load_model
-from cluster.engine.runner import Engine, EngineRequest, SamplingParams
+from cluster.engine.runner import DEFAULT_TIME_SLICE_S, Engine, EngineRequest, SamplingParams
 
 POLICIES = ("drop", "tiered", "tiered+prefetch")
 TRIGGERS = ("arrival", "foresight")
@@ -158,6 +158,7 @@ def run_policy(policy: str, model, work: Workload, args, disk_dir: str, prefill_
     hot_tokens = max(int(args.hot_fraction * total), 2 * work.longest_prompt())
     cache = _make_cache(policy, hot_tokens, total, args, layout, disk_dir)
     engine = Engine(model, cache, max_batch_tokens=args.max_batch_tokens)
+    engine.time_slice_s = DEFAULT_TIME_SLICE_S   # as a serving worker runs it
     history = [list(work.system[work.group[s]]) for s in range(args.sessions)]
     events: list[tuple[float, int, str, int, int]] = []   # (time, seq, kind, session, turn)
     seq = 0
@@ -245,7 +246,12 @@ def run_policy(policy: str, model, work: Workload, args, disk_dir: str, prefill_
             "decode_step_ms_p50_offload": rounded(percentile(decode_busy, 50), 3),
             "decode_steps_with_offload": len(decode_busy), "promoted_tokens": stats["promoted_tokens"],
             "demoted_to_warm": stats["demoted_to_warm"], "demoted_to_cold": stats["demoted_to_cold"],
-            "prefetches": stats["prefetches"], "hot_tokens": cache.hot.allocator.capacity_tokens,
+            "prefetches": stats["prefetches"],
+            # Prompt tokens a tier held that the engine recomputed: by its measured cost decision
+            # (copying them up slower than prefill, e.g. COLD reads on a slow disk), and otherwise.
+            "recompute_chosen_tokens": engine.stats["recompute_chosen_tokens"],
+            "recomputed_held_tokens": engine.stats["recomputed_held_tokens"],
+            "hot_tokens": cache.hot.allocator.capacity_tokens,
             "session_tokens": total, "sim_seconds": rounded(now, 1), "wall_seconds": rounded(wall, 1),
             "_ttft": ttft}
 

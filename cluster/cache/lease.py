@@ -45,15 +45,19 @@ class KVLease:
       (WARM/COLD parts were promoted to HOT before ``admit`` returned);
     - ``promoted_tokens``, ``waited_s``: what admission moved, and how long it
       waited for copies already in flight;
+    - ``held_by_tier``: what HOT, WARM and COLD held of the prefix it could use
+      (``missed_by_tier``: the part of that it did not get, and so recomputes);
     - ``length``: tokens whose KV the lease holds (prefix + appended).
     """
 
     __slots__ = ("cache", "namespace", "cached_tokens", "tier_hits", "promoted_tokens", "waited_s",
-                 "length", "_base", "_node", "_prefix", "_own", "_reserved", "_open")
+                 "held_by_tier", "length", "_base", "_node", "_prefix", "_own", "_reserved", "_open")
 
     def __init__(self, cache: "TieredCache", namespace: Hashable, node: "TreeNode", prefix: list[Extent],
-                 cached_tokens: int, tier_hits: tuple[int, int, int], promoted_tokens: int, waited_s: float):
+                 cached_tokens: int, tier_hits: tuple[int, int, int], promoted_tokens: int, waited_s: float,
+                 held_by_tier: tuple[int, int, int] | None = None):
         self.cache = cache
+        self.held_by_tier = held_by_tier if held_by_tier is not None else tier_hits
         self.namespace = namespace
         self.cached_tokens = cached_tokens
         self.tier_hits = tier_hits
@@ -66,6 +70,17 @@ class KVLease:
         self._own: list[Extent] = []   # this request's KV after the prefix, not in the tree yet
         self._reserved: list[Extent] | None = None   # room taken by ``reserve``, not yet written
         self._open = True
+
+    @property
+    def missed_by_tier(self) -> tuple[int, int, int]:
+        """Tokens the tiers held for this lease beyond its cached prefix, by the tier
+        that held them: what the request recomputes although it was cached."""
+        out, start = [], 0
+        for held in self.held_by_tier:
+            end = start + held
+            out.append(max(0, end - max(start, self.cached_tokens)))
+            start = end
+        return out[0], out[1], out[2]
 
     @property
     def open(self) -> bool:

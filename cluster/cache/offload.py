@@ -51,6 +51,7 @@ class Pacer:
 class Completion:
     op_id: int
     error: BaseException | None
+    seconds: float = 0.0   # the job's own run time (0.0 where the engine does not time it)
 
 
 @runtime_checkable
@@ -104,11 +105,12 @@ class ThreadEngine:
 
         def run() -> None:
             err = None
+            began = time.perf_counter()
             try:
                 job()
             except BaseException as exc:  # reported to the owner, never lost
                 err = exc
-            self._done.put(Completion(op_id, err))
+            self._done.put(Completion(op_id, err, time.perf_counter() - began))
 
         self._futures[op_id] = self._pool.submit(run)
         return op_id

@@ -29,6 +29,11 @@ pool of the node's tier. Children are keyed by their first token.
 Tiers are numbered HOT=0, WARM=1, COLD=2; along any root-to-leaf path a
 node's tier is never hotter than its parent's. The tiered layer
 (``cluster.cache.tiered``) moves nodes between tiers with ``retier``.
+
+Tiers are inclusive where it is free: a HOT node promoted from WARM keeps its
+WARM copy (``node.lower``, a ``LowerCopy``) until WARM needs the room
+(``reclaim_lower``), so pushing it back out of HOT is no copy at all
+(``demote_to_lower``). Split, merge and drop carry the copy along with the node.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ from typing import Any, Callable, Hashable, Sequence
 
 from cluster.cache.allocator import BlockAllocator, Extent
 from cluster.cache.eviction import make_policy
-from cluster.cache.tree_node import InsertResult, MatchResult, TreeNode  # noqa: F401  (re-exported)
+from cluster.cache.tree_node import InsertResult, LowerCopy, MatchResult, TreeNode  # noqa: F401  (re-exported)
 from cluster.cache.token_key import TOKEN_BYTES, encode_tokens, key_array
 from cluster.errors import InvalidInputError
 from cluster.hashing import chain_hashes_u32, salt_seed
@@ -65,6 +70,9 @@ class RadixTree:
         self._heaps: list[list] = [[] for _ in range(ntiers)]
         self._seq = itertools.count()
         self.stats = {"splits": 0, "merges": 0, "evicted_tokens": 0, "evicted_nodes": 0}
+        # Lower copies of HOT nodes (inclusive tiers), oldest first: WARM reclaims them in this order.
+        self.lower_copies: dict[int, LowerCopy] = {}
+        self.lower_tokens = 0
         # Observers of what the tree holds (KV event publishers): each gets
         # on_stored(node), on_tier(node, old_tier), on_removed(node), called after
         # the change, from the owner thread. Split and merge change no content.
@@ -182,6 +190,14 @@ class RadixTree:
             k = (start + at) // bt - start // bt  # blocks whose last token is in the head
             head.hashes, node.hashes = node.hashes[:k], node.hashes[k:]
         alloc.set_owners(head_ext, head)
+        if node.lower is not None:   # its WARM copy is cut at the same token
+            low_alloc = self.allocators[WARM]
+            low_head, low_tail = _cut_extents(low_alloc, node.lower.extents, at)
+            node.lower.extents = low_tail
+            low_alloc.set_owners(low_tail, node.lower)
+            head.lower = LowerCopy(head, low_head)
+            low_alloc.set_owners(low_head, head.lower)
+            self.lower_copies[id(head)] = head.lower
         node.key = node.key[at:]
         node.extents = tail_ext
         node.parent = head
@@ -244,7 +260,7 @@ class RadixTree:
             # Cannot hang HOT KV below a colder (or moving) node, nor beside a child
             # that a move keeps from being split: keep the cache as it was.
             alloc.free(cursor)
-            return InsertResult(present, node, freed + ntokens - present)
+            return InsertResult(present, node, freed, ntokens - present)
         leaf = TreeNode(key, cursor, node, HOT, now)
         if self.hash_block_tokens is not None:
             leaf.hashes = self._new_hashes(data, present, ntokens, node)
@@ -284,23 +300,45 @@ class RadixTree:
                 hot = hot and child.tier == HOT and not child.busy
         return hot, tiers
 
+    def last_access_on_path(self, tokens: Sequence[int] | bytes, namespace: Hashable = None) -> float:
+        """When the cached path of ``tokens`` was last used (its most recent node; 0.0
+        when nothing is cached), touching and splitting nothing."""
+        data = encode_tokens(tokens, self.vocab_size, validate=False)
+        _, _, path = self._walk(data, self.root(namespace), split=False)
+        return max((n.last_access for n in path), default=0.0)
+
+    def touch_path(self, tokens: Sequence[int] | bytes, namespace: Hashable = None) -> None:
+        """Make the cached path of ``tokens`` the most recently used, splitting nothing."""
+        data = encode_tokens(tokens, self.vocab_size, validate=False)
+        _, _, path = self._walk(data, self.root(namespace), split=False)
+        now = self.clock()
+        for n in path:
+            n.last_access = now
+
     def insert_keeps_whole(self, tokens: Sequence[int] | bytes, namespace: Hashable = None, *,
                            validate: bool = True) -> bool:
         """Whether ``insert`` of ``tokens`` now would leave all of them in the tree
         in HOT: no node on their path, nor the edge their path would split, is in
         an asynchronous move (a moving node keeps its tier, and the caller's copy
         of those tokens would be freed). Changes nothing."""
+        return not self.moves_on_path(tokens, namespace, validate=validate)
+
+    def moves_on_path(self, tokens: Sequence[int] | bytes, namespace: Hashable = None, *,
+                      validate: bool = True) -> list[Any]:
+        """The moves (``node.busy``) of the nodes on ``tokens``' path and of the edge
+        it would split, each once: what an insert of ``tokens`` waits for."""
         data = encode_tokens(tokens, self.vocab_size, validate=validate)
-        root = self.root(namespace)
-        node, pos, path = self._walk(data, root, split=False)
-        if any(n.busy for n in path):
-            return False
+        node, pos, path = self._walk(data, self.root(namespace), split=False)
         ids = memoryview(data).cast("I")
         if pos < len(ids):
             child = node.children.get(ids[pos])
-            if child is not None and child.busy:   # a split it cannot take
-                return False
-        return True
+            if child is not None:   # a split it cannot take while the child moves
+                path = path + [child]
+        out: list[Any] = []
+        for n in path:
+            if n.busy and not any(m is n.busy for m in out):
+                out.append(n.busy)
+        return out
 
     def _new_hashes(self, data: bytes, start: int, end: int, parent: TreeNode) -> list[int]:
         """Hashes of the blocks ending in tokens ``[start, end)`` of ``data``,
@@ -348,9 +386,14 @@ class RadixTree:
         return head, []
 
     def _rehome(self, node: TreeNode, hot_extents: list[Extent]) -> None:
-        """Replace a cold copy by freshly computed HOT KV of the same tokens."""
-        self.allocators[node.tier].free(node.extents)
+        """Replace a cold copy by freshly computed HOT KV of the same tokens (a WARM
+        copy stays as the node's lower copy)."""
+        old_tier, old = node.tier, node.extents
         self.retier(node, HOT, hot_extents)
+        if old_tier == WARM:
+            self.keep_lower(node, old)
+        else:
+            self.allocators[old_tier].free(old)
 
     # ------------------------------------------------------------------- locks
     def lock(self, node: TreeNode) -> None:
@@ -443,6 +486,7 @@ class RadixTree:
         n = len(node.key)
         for listener in self.listeners:  # before the node leaves: they need its path
             listener.on_removed(node)
+        self.drop_lower(node)
         self.allocators[node.tier].free(node.extents)
         self.evictable[node.tier] -= n
         parent = node.parent
@@ -481,6 +525,15 @@ class RadixTree:
                 and not parent.busy and not child.busy)
 
     def _merge(self, parent: TreeNode, child: TreeNode) -> None:
+        if parent.lower is not None and child.lower is not None:   # one copy for the merged node
+            low = parent.lower.extents + child.lower.extents
+            del self.lower_copies[id(parent)]   # its tokens stay counted: they are the child's now
+            parent.lower = None
+            child.lower.extents = low
+            self.allocators[WARM].set_owners(low, child.lower)
+        elif parent.lower is not None or child.lower is not None:   # half a copy is no copy
+            self.drop_lower(parent)
+            self.drop_lower(child)
         alloc = self.allocators[child.tier]
         merged = list(parent.extents)
         for e in child.extents:
@@ -513,6 +566,8 @@ class RadixTree:
         The caller copied the data and frees the old extents itself (after its
         copy completed). Keeps counters and candidate heaps current.
         """
+        if tier != HOT:
+            self.drop_lower(node)   # only a HOT node keeps one
         n = len(node.key)
         counter = self.protected if node.lock_ref else self.evictable
         counter[node.tier] -= n
@@ -526,6 +581,49 @@ class RadixTree:
             self._consider(node.parent)
         for listener in self.listeners:
             listener.on_tier(node, old_tier)
+
+    # ---------------------------------------------------------- lower copies
+    def keep_lower(self, node: TreeNode, extents: list[Extent]) -> None:
+        """Keep ``extents`` (WARM, the same tokens' KV) as HOT ``node``'s lower copy."""
+        assert node.tier == HOT and node.lower is None, "only a HOT node without one keeps a lower copy"
+        node.lower = LowerCopy(node, list(extents))
+        self.allocators[WARM].set_owners(node.lower.extents, node.lower)
+        self.lower_copies[id(node)] = node.lower
+        self.lower_tokens += len(node.key)
+
+    def drop_lower(self, node: TreeNode, *, free: bool = True) -> int:
+        """Forget ``node``'s lower copy (freeing its WARM extents unless ``free`` is
+        False); returns its tokens (0 when it had none)."""
+        low = node.lower
+        if low is None:
+            return 0
+        node.lower = None
+        del self.lower_copies[id(node)]
+        n = sum(e.length for e in low.extents)
+        self.lower_tokens -= n
+        if free:
+            self.allocators[WARM].free(low.extents)
+        return n
+
+    def demote_to_lower(self, node: TreeNode) -> None:
+        """Move a HOT node with a lower copy down to WARM at no copy: its HOT
+        extents are freed and the node takes its lower copy's."""
+        low = node.lower
+        assert node.tier == HOT and low is not None and not node.busy and not node.lock_ref
+        self.drop_lower(node, free=False)
+        hot = node.extents
+        self.retier(node, WARM, low.extents)
+        self.allocators[HOT].free(hot)
+
+    def reclaim_lower(self, blocks_wanted: int) -> int:
+        """Free lower copies, oldest first, until WARM has ``blocks_wanted`` free
+        blocks or none is left; returns the tokens freed (nothing is lost: each
+        node still has its HOT copy)."""
+        alloc, freed = self.allocators[WARM], 0
+        while alloc.free_blocks < blocks_wanted and self.lower_copies:
+            low = next(iter(self.lower_copies.values()))
+            freed += self.drop_lower(low.node)
+        return freed
 
     # -------------------------------------------------------------- iteration
     def iter_nodes(self, namespace: Hashable = ...):
@@ -559,3 +657,19 @@ class RadixTree:
         from cluster.cache.tree_invariants import check_tree   # a test aid, kept out of this module
 
         check_tree(self)
+
+
+def _cut_extents(alloc: BlockAllocator, extents: list[Extent], at: int) -> tuple[list[Extent], list[Extent]]:
+    """``extents`` cut after ``at`` tokens (an extent across the cut is split on its block)."""
+    head, tail, covered = [], [], 0
+    for e in extents:
+        if covered >= at:
+            tail.append(e)
+        elif covered + e.length <= at:
+            head.append(e)
+        else:
+            first, second = alloc.split(e, at - covered)
+            head.append(first)
+            tail.append(second)
+        covered += e.length
+    return head, tail

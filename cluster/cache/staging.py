@@ -18,12 +18,18 @@ import torch
 
 from cluster.cache.allocator import Extent
 from cluster.cache.kv_pool import KVPool
+from cluster.errors import PoolExhaustedError
 
 
 class HostStaging:
-    def __init__(self, pool: KVPool, check_owner: Callable[[str], None]):
+    def __init__(self, pool: KVPool, check_owner: Callable[[str], None],
+                 reclaim: Callable[[int], int] | None = None):
+        """``reclaim(blocks)``: frees WARM blocks that cost nothing to lose (the
+        lower copies of HOT nodes) until ``blocks`` are free; tried once when the
+        pool is full."""
         self.pool = pool
         self._check_owner = check_owner
+        self._reclaim = reclaim
 
     @property
     def tensor(self) -> torch.Tensor:
@@ -31,9 +37,15 @@ class HostStaging:
         return self.pool.tensor
 
     def allocate(self, num_tokens: int) -> list[Extent]:
-        """Whole host blocks for ``num_tokens``; never evicts (a full pool raises)."""
+        """Whole host blocks for ``num_tokens``; evicts nothing cached (a pool full of
+        cached prefixes raises), only redundant lower copies."""
         self._check_owner("HostStaging.allocate")
-        return self.pool.allocator.allocate(num_tokens, private_tail=True)
+        try:
+            return self.pool.allocator.allocate(num_tokens, private_tail=True)
+        except PoolExhaustedError as exc:
+            if self._reclaim is None or not self._reclaim(exc.needed_blocks):
+                raise
+            return self.pool.allocator.allocate(num_tokens, private_tail=True)
 
     def free(self, extents: Sequence[Extent]) -> None:
         self._check_owner("HostStaging.free")

@@ -4,7 +4,13 @@ A demotion moves idle nodes of one tier a tier down, a promotion brings a
 path's nodes up to HOT, each as one ``Move`` on a copy engine (``copier`` for
 HOT <-> WARM, ``disk_io`` for COLD); ``_complete`` applies a finished one on
 the owner's thread (from ``poll``), and ``_make_room`` frees blocks of a full
-tier by demoting (and waiting) or dropping. The state they share is the
+tier by demoting (and waiting) or dropping.
+
+Tiers are inclusive where that is free: a node promoted from WARM keeps its
+WARM copy (``RadixTree.keep_lower``), so demoting it again is no copy, and
+WARM reclaims such copies before it demotes or drops anything. Every token
+that leaves the tree is counted by tier and reason (``_count_drop``); a drop
+while the tier below had room for it is a defect, counted apart. The state they share is the
 cache's: ``pools``, ``tree``, ``copier``, ``disk_io``, ``layout``, ``stats``,
 the in-flight ``_moves`` and ``_pending_out``.
 """
@@ -21,7 +27,7 @@ from cluster.cache.kv_pool import copy_pairs
 from cluster.cache.radix_tree import TreeNode
 from cluster.cache.tier_types import Move, MoveKind
 from cluster.errors import ChecksumError, PoolExhaustedError
-from cluster.names import HOT, WARM
+from cluster.names import HOT, TIER_NAMES, WARM
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +41,20 @@ class TierMoves:
         while (id(move.engine), move.op_id) in self._moves:
             if not self.poll():
                 time.sleep(0.0005)
+
+    def _count_drop(self, tier: int, reason: str, tokens: int) -> None:
+        """``tokens`` left the tree from ``tier`` for ``reason`` (``last_tier``: LRU at
+        the lowest tier; ``lower_full``: the tier below could make no room;
+        ``copy_failed``; ``checksum``; ``flush``)."""
+        if not tokens:
+            return
+        self.stats["dropped_tokens"] += tokens
+        key = f"dropped_{TIER_NAMES[tier].lower()}_{reason}_tokens"
+        self.stats[key] = self.stats.get(key, 0) + tokens
+        if tier + 1 < self.num_tiers and reason not in ("checksum", "flush"):
+            below = self.pools[tier + 1].allocator
+            if below.free_blocks * below.block_tokens >= tokens + below.block_tokens:
+                self.stats["dropped_with_room_tokens"] += tokens   # a defect: it should have gone down
 
     def _make_room(self, tier: int, blocks: int) -> bool:
         """Synchronously free ``blocks`` in ``tier``: demote (wait) or drop. False if stuck."""
@@ -52,18 +72,25 @@ class TierMoves:
         alloc = self.pools[tier].allocator
         while alloc.free_blocks < target:
             self.poll()
+            if tier == WARM and self.tree.lower_copies:   # duplicates of HOT nodes go first, for free
+                self.stats["lower_copies_reclaimed_tokens"] += self.tree.reclaim_lower(target)
+                continue
             last_tier = tier == self.num_tiers - 1
             node = self.tree.pop_candidate(tier, leaves_only=last_tier)
             if node is None:
-                pending = [m for m in self._moves.values() if tier in m.src_tiers]
+                # Blocks held by copies in flight, out of this tier or into it (a promotion
+                # leaves its nodes unlocked, so evictable, when it completes): wait for one.
+                pending = [m for m in self._moves.values() if tier in m.src_tiers or m.dst_tier == tier]
                 if not pending:
                     return alloc.free_blocks >= target
                 self._wait_move(pending[0])
                 continue
             if last_tier:
-                self.stats["dropped_tokens"] += self.tree.drop(node)
+                self._count_drop(tier, "last_tier", self.tree.drop(node))
             else:
                 move = self._start_demotion(node)
+                if node.alive and node.tier != tier:   # it had a lower copy: moved down at no copy
+                    continue
                 if move is not None:
                     self._wait_move(move)
                     if move.error is None or not node.alive or node.tier != tier:
@@ -74,8 +101,9 @@ class TierMoves:
                     if self.stats["demotion_failures"] == 1:
                         log.warning("demotion from tier %d failed (%s: %s); dropping instead", tier,
                                     type(move.error).__name__, move.error)
-                if not node.children and not node.lock_ref and node.alive:
-                    self.stats["dropped_tokens"] += self.tree.drop(node)   # the next tier is stuck too
+                if not node.children and not node.lock_ref and node.alive and not node.busy:
+                    reason = "lower_full" if move is None else "copy_failed"
+                    self._count_drop(tier, reason, self.tree.drop(node))   # the next tier is stuck too
                 else:
                     passed_over.append(node)
         return True
@@ -85,6 +113,19 @@ class TierMoves:
         (consecutive whole blocks coalesce). Nodes whose room cannot be found
         below stay where they are; None when none could start."""
         nodes = [nodes] if isinstance(nodes, TreeNode) else list(nodes)
+        copied = []
+        for node in nodes:
+            assert all(c.tier > node.tier for c in node.children.values()), \
+                "only a frontier node (no child in its own tier) moves down"
+            if node.lower is not None and node.tier == HOT and not node.busy and not node.lock_ref:
+                self.tree.demote_to_lower(node)   # its WARM copy is still there: nothing to move
+                self.stats["demoted_to_warm"] += 1
+                self.stats["demoted_without_copy"] += 1
+            else:
+                copied.append(node)
+        nodes = copied
+        if not nodes:
+            return None
         src = nodes[0].tier
         dst = src + 1
         move = Move(MoveKind.DEMOTE, [], [], dst, [], None)
@@ -130,15 +171,18 @@ class TierMoves:
         self._moves[(id(move.engine), move.op_id)] = move
         return move
 
-    def _start_promotion(self, nodes: list[TreeNode], *, background: bool = False) -> Move | None:
+    def _start_promotion(self, nodes: list[TreeNode], *, background: bool = False,
+                         make_room: bool = True) -> Move | None:
         """Bring ``nodes`` up to HOT in one asynchronous copy: a root-ward-first
-        run of one path, or several such runs, parents before children."""
+        run of one path, or several such runs, parents before children.
+        ``make_room=False``: only into HOT's free blocks (nothing is pushed out)."""
         for n in nodes:
             self.tree.lock(n)  # nothing on these paths may move or go meanwhile
         dst_exts: list[list[Extent]] = []
         try:
             for n in nodes:
-                dst_exts.append(self._allocate(HOT, len(n.key), private_tail=False))
+                dst_exts.append(self._allocate(HOT, len(n.key), private_tail=False) if make_room
+                                else self.hot.allocator.allocate(len(n.key)))
         except PoolExhaustedError:
             for ext in dst_exts:
                 self.hot.allocator.free(ext)
@@ -189,7 +233,7 @@ class TierMoves:
         self._wait_move(move)
         return sum(len(n.key) for n in nodes if n.alive and n.tier == HOT)
 
-    def _complete(self, move: Move, error: BaseException | None) -> None:
+    def _complete(self, move: Move, error: BaseException | None, seconds: float = 0.0) -> None:
         move.error = error
         for n in move.nodes:
             n.busy = None
@@ -211,15 +255,36 @@ class TierMoves:
         for n in move.nodes:
             self.tree.unlock(n)
         bad = move.failed_index[0] if move.failed_index else (0 if error is not None else len(move.nodes))
+        tokens = 0
         for i, (node, ext) in enumerate(zip(move.nodes, move.dst_extents)):
             if i < bad:
-                self.pools[node.tier].allocator.free(node.extents)
+                old_tier, old = node.tier, node.extents
                 self.tree.retier(node, HOT, ext)
+                if old_tier == WARM:   # inclusive: the WARM copy stays until WARM wants the room
+                    self.tree.keep_lower(node, old)
+                else:
+                    self.pools[old_tier].allocator.free(old)
                 self.stats["promoted_tokens"] += len(node.key)
+                tokens += len(node.key)
             else:
                 self.hot.allocator.free(ext)
         self.stats["promotions"] += 1
+        if tokens and error is None and seconds > 0:
+            self._note_copy_rate(move, tokens, seconds)
         if bad < len(move.nodes):
-            if isinstance(error, ChecksumError):
+            if isinstance(error, ChecksumError):   # the stored copy is bad: it and what hangs below it go
                 self.stats["checksum_failures"] += 1
-            self.stats["dropped_tokens"] += self.tree.drop_subtree(move.nodes[bad])
+                self._count_drop(move.src_tiers[bad], "checksum", self.tree.drop_subtree(move.nodes[bad]))
+            else:   # the copy up failed, not the data: the nodes stay where they were, whole
+                self.stats["promotion_failures"] += 1
+                for node in move.nodes[bad:]:
+                    if node.alive:
+                        self.tree.requeue(node)
+
+    def _note_copy_rate(self, move: Move, tokens: int, seconds: float) -> None:
+        """Seconds per token of promotions from the source tier (the copy's own time),
+        a moving average: what ``ready`` weighs a promotion against recomputing."""
+        tier = max(move.src_tiers)
+        per_token = seconds / tokens
+        old = self.promote_s_per_token[tier]
+        self.promote_s_per_token[tier] = per_token if old is None else 0.8 * old + 0.2 * per_token

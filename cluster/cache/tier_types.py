@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import NamedTuple
 
 import torch
 
@@ -82,6 +83,15 @@ class Move:
     op_id: int = 0
     failed_index: list[int] = field(default_factory=list)
     error: BaseException | None = None   # set when the copy failed (applied by _complete)
+
+
+class Readiness(NamedTuple):
+    """``TieredCache.ready``'s answer for a waiting request."""
+
+    ready: bool                 # its cached prefix is in HOT now: admit it
+    tiers: list[int]            # that prefix as found, by tier: [hot, warm, cold] (+ [l3] while L3 brings some)
+    blocked: bool = False       # a promotion it needs found no room: it waits, and so should those behind it
+    recompute: int = 0          # tokens the tiers hold that are cheaper to recompute (measured): admit without them
 
 
 @dataclass(slots=True)

@@ -51,9 +51,9 @@ from cluster.errors import InvalidInputError, PoolExhaustedError
 from cluster.names import COLD, HOT, TIER_NAMES, WARM
 from cluster.ownership import ThreadOwner
 from cluster.cache.tier_moves import TierMoves
-from cluster.cache.tier_types import Move, MoveKind, TieredMatch, TierConfig, UnknownSessionError
+from cluster.cache.tier_types import Move, MoveKind, Readiness, TieredMatch, TierConfig, UnknownSessionError
 
-__all__ = ["TieredCache", "TierConfig", "Move", "MoveKind", "TieredMatch", "UnknownSessionError"]
+__all__ = ["TieredCache", "TierConfig", "Move", "MoveKind", "Readiness", "TieredMatch", "UnknownSessionError"]
 
 
 class TieredCache(TierMoves):
@@ -88,7 +88,7 @@ class TieredCache(TierMoves):
                                         max_bytes_per_s=pace) if config.cold_blocks else None
         self._moves: dict[tuple[int, int], Move] = {}
         # Host blocks for migrations (None without a WARM tier, or without KV payload).
-        self.staging = HostStaging(self.pools[WARM], self._check_owner) \
+        self.staging = HostStaging(self.pools[WARM], self._check_owner, reclaim=self._reclaim_lower_blocks) \
             if self.num_tiers > WARM and layout is not None else None
         self.owner: ThreadOwner | None = None   # set by the worker when ownership checks are on
         self._pending_out = [0, 0, 0]   # tokens leaving each tier in flight
@@ -98,7 +98,14 @@ class TieredCache(TierMoves):
                       "dropped_tokens": 0, "checksum_failures": 0, "demotions_abandoned": 0, "demotion_failures": 0,
                       "prefetches": 0,
                       "prefetch_unknown_session": 0, "stalls": 0, "promotion_skipped_no_room": 0, "compacted_blocks": 0,
-                      "checkpoints_deferred": 0}
+                      "checkpoints_deferred": 0,
+                      # Inclusive tiers and what leaves the tree (``TierMoves``): a drop while the
+                      # tier below had room, and a commit's tail the tree could not take, are defects.
+                      "demoted_without_copy": 0, "lower_copies_reclaimed_tokens": 0, "promotion_failures": 0,
+                      "dropped_with_room_tokens": 0, "commit_tail_discarded_tokens": 0,
+                      "prefetch_skipped_no_room": 0, "promotions_recompute_cheaper": 0}
+        # Measured seconds per token of a promotion from WARM and from COLD (None until one ran).
+        self.promote_s_per_token: list[float | None] = [None, None, None]
 
     @property
     def num_tiers(self) -> int:
@@ -114,64 +121,95 @@ class TieredCache(TierMoves):
 
     # ------------------------------------------------------------ requests
     def admit(self, prompt: Sequence[int], namespace: Hashable = None, *, compute_last: bool = True,
-              validate: bool = True, max_cached: int | None = None) -> KVLease:
+              validate: bool = True, max_cached: int | None = None, promote: bool = True) -> KVLease:
         """A lease on ``prompt``'s KV: its longest cached prefix, promoted to
         HOT (all or nothing) and locked. With ``compute_last`` the last prompt
         token is left to compute (its logits start the output); ``max_cached``
         bounds the prefix used (a request that needs the logits of positions the
-        cache holds computes them again). The room for the rest is the lease's
-        to reserve (``KVLease.reserve``: a caller that cannot get it releases the
-        lease, and nothing stays locked)."""
+        cache holds computes them again). ``promote=False``: only the HOT part
+        (a caller that chose to recompute the rest, ``Readiness.recompute``).
+        The room for the rest is the lease's to reserve (``KVLease.reserve``: a
+        caller that cannot get it releases the lease, and nothing stays locked).
+        ``lease.held_by_tier`` says what the tiers held of what it could use."""
         self._check_owner("admit")
-        m = self._match(prompt, namespace, lock=True, validate=validate)
-        usable = min(m.length, len(prompt) - 1) if compute_last else m.length
+        m = self._match(prompt, namespace, lock=True, validate=validate, promote=promote)
+        cap = len(prompt) - 1 if compute_last else len(prompt)
         if max_cached is not None:
-            usable = min(usable, max(0, max_cached))
+            cap = min(cap, max(0, max_cached))
+        usable = min(m.length, cap)
         tl = m.tier_lengths
         hot = min(usable, tl[HOT])
         warm = min(usable - hot, tl[WARM])
         hits = (hot, warm, usable - hot - warm)
+        held = _split(min(sum(tl), cap), tl)
         return KVLease(self, namespace, m.last_node, _take(m.extents, usable), usable, hits,
-                       m.promoted_tokens, m.waited_s)
+                       m.promoted_tokens, m.waited_s, held)
 
-    def ready(self, tokens: Sequence[int], namespace: Hashable = None, *,
-              make_room: bool = True) -> tuple[bool, list[int]]:
-        """Whether ``admit`` of ``tokens`` would find its cached prefix in HOT now,
-        and the HOT/WARM/COLD split of that prefix as found. When part of it is
-        WARM or COLD, its promotion starts here (unless one is in flight already)
-        and the answer is False until it is done: the caller admits other work
-        meanwhile instead of waiting for the copy. True also when the promotion
-        cannot start (no room: ``admit`` uses the HOT part).
+    def ready(self, tokens: Sequence[int], namespace: Hashable = None, *, make_room: bool = True,
+              recompute_s_per_token: float | None = None) -> Readiness:
+        """Whether ``admit`` of ``tokens`` would find all its cached prefix in HOT
+        now, and the HOT/WARM/COLD split of that prefix as found. When part of it
+        is WARM or COLD, its promotion starts here (unless one is in flight
+        already) and the answer is not ready until it is done: the caller admits
+        other work meanwhile instead of waiting for the copy. A promotion that
+        finds no room does not start, and the request waits (``blocked``): it is
+        never admitted below what the tiers hold for it.
 
-        ``make_room=False``: start the promotion only if HOT's free blocks hold
-        it; otherwise only look (False), leaving the prefix's recency as it was.
-        A scheduler asks so for every waiting request behind one whose prefix is
-        already coming up: promotions that each pushed out another's prefix would
-        let none of them run."""
+        ``make_room=False``: start the promotion only into HOT's free blocks;
+        otherwise only look, leaving the prefix's recency as it was. A scheduler
+        asks so for every waiting request behind the oldest: promotions that each
+        pushed out another's prefix would let none of them run.
+
+        ``recompute_s_per_token``: the engine's measured prefill cost; when the
+        measured copy rate says bringing the colder part up takes longer than
+        computing it, the answer is ready with ``recompute`` set (admit with
+        ``promote=False``; counted in ``promotions_recompute_cheaper``)."""
         self._check_owner("ready")
         self.poll()
         if self.l3 is not None:
             asked = self.l3.fetch_ahead(tokens, namespace)
             if asked:   # tiers as found, and what L3 is bringing: [hot, warm, cold, l3]
-                return False, self.tree.peek(tokens, namespace, validate=False)[1] + [asked]
+                return Readiness(False, self.tree.peek(tokens, namespace, validate=False)[1] + [asked])
+        hot, tiers = self.tree.peek(tokens, namespace, validate=False)
+        if hot:
+            return Readiness(True, tiers)
+        colder_tokens = tiers[WARM] + tiers[COLD]
+        if recompute_s_per_token is not None and colder_tokens and self._recompute_cheaper(
+                tiers, recompute_s_per_token * colder_tokens):
+            return Readiness(True, tiers, recompute=colder_tokens)
         if not make_room:
-            hot, tiers = self.tree.peek(tokens, namespace, validate=False)
-            if hot:
-                return True, tiers
             bt = self.hot.allocator.block_tokens
             # Whole blocks for the colder tokens, and slack for the partial blocks at
-            # node edges (an estimate: a promotion that misses it makes room as usual).
-            need = -(-(tiers[WARM] + tiers[COLD]) // bt) + 2
-            if self.hot.allocator.free_blocks < need:
-                return False, tiers
+            # node edges (an estimate: a promotion that misses it does not start).
+            if self.hot.allocator.free_blocks < -(-colder_tokens // bt) + 2:
+                return Readiness(False, tiers)
         m = self.tree.match_prefix(tokens, namespace, validate=False)
         tiers = list(m.tier_lengths)
         colder = [n for n in m.nodes if n.tier != HOT]
         if not colder:
-            return True, tiers
+            return Readiness(True, tiers)
         if any(n.busy for n in m.nodes):
-            return False, tiers
-        return self._start_promotion(colder) is None, tiers
+            return Readiness(False, tiers)
+        if self._start_promotion(colder, make_room=make_room) is None:
+            self.stats["promotion_skipped_no_room"] += 1
+            return Readiness(False, tiers, blocked=make_room)
+        return Readiness(False, tiers)
+
+    # A promotion must be measured this much slower than computing the same tokens before a
+    # request recomputes them; and every REMEASURE_EVERY-th such case promotes all the same,
+    # so the copy rate is measured again (a disk that was slow once is not written off).
+    RECOMPUTE_MARGIN = 1.25
+    REMEASURE_EVERY = 8
+
+    def _recompute_cheaper(self, tiers: list[int], recompute_s: float) -> bool:
+        rates = [self.promote_s_per_token[t] for t in (WARM, COLD) if tiers[t]]
+        if None in rates:
+            return False
+        copy_s = sum(tiers[t] * self.promote_s_per_token[t] for t in (WARM, COLD) if tiers[t])
+        if copy_s <= self.RECOMPUTE_MARGIN * recompute_s:
+            return False
+        self.stats["promotions_recompute_cheaper"] += 1
+        return self.stats["promotions_recompute_cheaper"] % self.REMEASURE_EVERY != 0
 
     def lookup(self, tokens: Sequence[int], namespace: Hashable = None) -> TieredMatch:
         """What is cached of ``tokens`` and in which tier, moving and locking
@@ -269,6 +307,7 @@ class TieredCache(TierMoves):
         for tier in reversed(range(self.num_tiers)):
             while True:
                 n = self.tree.evict(1 << 40, tier)
+                self._count_drop(tier, "flush", n)
                 freed += n
                 if not n:
                     break
@@ -283,10 +322,13 @@ class TieredCache(TierMoves):
         for _ in range(tier):
             m = self.tree.match_prefix(tokens, namespace)
             for node in reversed(m.nodes):
-                if node.tier < tier and not node.busy and not node.lock_ref:
+                # Only a frontier node (no child in its tier, off the path too): tiers stay monotone.
+                if node.tier < tier and not node.busy and not node.lock_ref and \
+                        all(c.tier > node.tier for c in node.children.values()):
                     move = self._start_demotion(node)
                     if move is not None:
                         self._wait_move(move)
+                    if move is not None or node.tier == tier:   # copied, or moved onto its lower copy
                         moved += len(node.key)
         return moved
 
@@ -342,7 +384,17 @@ class TieredCache(TierMoves):
 
     def _insert(self, tokens: Sequence[int], extents: Sequence[Extent], namespace: Hashable = None, *,
                 start: int = 0, validate: bool = True):
+        """Insert a lease's KV. A node on its path that is moving between tiers cannot
+        be split or re-homed: the copy is waited for first, so the tree takes all of
+        the new KV instead of freeing its tail."""
+        for _ in range(4):
+            moving = self.tree.moves_on_path(tokens, namespace, validate=False)
+            if not moving:
+                break
+            for move in moving:
+                self._wait_move(move)
         res = self.tree.insert(tokens, extents, namespace, start=start, validate=validate)
+        self.stats["commit_tail_discarded_tokens"] += res.discarded_tokens
         self._enforce_watermarks()
         return res
 
@@ -368,18 +420,67 @@ class TieredCache(TierMoves):
                 raise UnknownSessionError(f"unknown session {session_id!r}: nothing to prefetch")
             namespace, tokens = self._sessions[session_id]
         self.poll()
+        used_at = self.tree.last_access_on_path(tokens, namespace)   # before this look makes it recent
         m = self.tree.match_prefix(tokens, namespace)
         cold = [n for n in m.nodes if n.tier != HOT]
         if not cold or any(n.busy for n in cold):
             return 0
+        # Into free HOT, below the high watermark, after pushing down only idle prefixes
+        # last used before this session's own (worth less to LRU than what it brings).
+        # Every request's prefix is touched when it is submitted, and every prefetch's when
+        # it starts, so none of those goes; with many sessions at once it does nothing.
+        alloc, bt = self.hot.allocator, self.hot.allocator.block_tokens
+        need = sum(-(-len(n.key) // bt) for n in cold) + 1
+        want = need + (1.0 - self.config.high_watermark) * alloc.num_blocks
+        if alloc.free_blocks < want and not self._demote_older(used_at, want):
+            self.stats["prefetch_skipped_no_room"] += 1
+            return 0
         self.stats["prefetches"] += 1
-        move = self._start_promotion(cold, background=True)
+        move = self._start_promotion(cold, background=True, make_room=False)
         return 0 if move is None else sum(len(n.key) for n in cold)
+
+    def touch(self, tokens: Sequence[int], namespace: Hashable = None) -> None:
+        """Mark the cached prefix of ``tokens`` as used now (a request for it arrived):
+        a session prefetch does not push it out (``prefetch``). Changes nothing else."""
+        self._check_owner("touch")
+        self.tree.touch_path(tokens, namespace)
+
+    def _demote_older(self, used_before: float, want_blocks: float) -> bool:
+        """Push idle HOT prefixes last used before ``used_before`` down to WARM (LRU first,
+        waiting for each copy) until HOT has ``want_blocks`` free; whether it does."""
+        alloc, passed_over = self.hot.allocator, []
+        try:
+            while alloc.free_blocks < want_blocks:
+                node = self.tree.pop_candidate(HOT, leaves_only=False)
+                if node is None or node.last_access >= used_before:
+                    if node is not None:
+                        passed_over.append(node)
+                    return False
+                move = self._start_demotion(node)
+                if move is not None:
+                    self._wait_move(move)
+                elif node.alive and node.tier == HOT:   # no room below for it
+                    passed_over.append(node)
+                    return False
+            return True
+        finally:
+            for node in passed_over:
+                self.tree.requeue(node)
 
     # ------------------------------------------------------------- watermarks
     def usage(self, tier: int) -> float:
+        """The share of ``tier`` held, less what is leaving and the lower copies (free to reclaim)."""
         alloc = self.pools[tier].allocator
-        return (alloc.used_tokens - self._pending_out[tier]) / alloc.capacity_tokens
+        return (alloc.used_tokens - self._pending_out[tier] - self._lower_tokens(tier)) / alloc.capacity_tokens
+
+    def _lower_tokens(self, tier: int) -> int:
+        return self.tree.lower_tokens if tier == WARM else 0
+
+    def _reclaim_lower_blocks(self, blocks: int) -> int:
+        """Free lower copies until WARM has ``blocks`` more free blocks; tokens freed."""
+        freed = self.tree.reclaim_lower(self.pools[WARM].allocator.free_blocks + blocks)
+        self.stats["lower_copies_reclaimed_tokens"] += freed
+        return freed
 
     def _enforce_watermarks(self) -> None:
         """Demote LRU frontier nodes of each tier above the high watermark until
@@ -391,7 +492,7 @@ class TieredCache(TierMoves):
                 continue
             alloc = self.pools[tier].allocator
             target = cfg.low_watermark * alloc.capacity_tokens
-            batch, leaving = [], alloc.used_tokens - self._pending_out[tier]
+            batch, leaving = [], alloc.used_tokens - self._pending_out[tier] - self._lower_tokens(tier)
             while leaving > target:
                 node = self.tree.pop_candidate(tier, leaves_only=False)
                 if node is None:
@@ -423,7 +524,7 @@ class TieredCache(TierMoves):
             for c in engine.poll():
                 move = self._moves.pop((id(engine), c.op_id), None)
                 if move is not None:
-                    self._complete(move, c.error)
+                    self._complete(move, c.error, c.seconds)
                     done += 1
         return done
 
@@ -475,6 +576,13 @@ class TieredCache(TierMoves):
             assert self._pending_out[tier] == sum(
                 len(n.key) for m in self._moves.values() if m.kind is MoveKind.DEMOTE and m.src_tiers[0] == tier
                 for n in m.nodes), "in-flight token count drifted"
+
+
+def _split(tokens: int, tier_lengths: Sequence[int]) -> tuple[int, int, int]:
+    """The first ``tokens`` of a prefix laid out HOT, then WARM, then COLD, by tier."""
+    hot = min(tokens, tier_lengths[HOT])
+    warm = min(tokens - hot, tier_lengths[WARM])
+    return hot, warm, tokens - hot - warm
 
 
 def _take(extents: list[Extent], ntokens: int) -> list[Extent]:

@@ -7,7 +7,8 @@ from __future__ import annotations
 from array import array
 from typing import TYPE_CHECKING
 
-from cluster.cache.tree_node import TreeNode
+from cluster.cache.tree_node import LowerCopy, TreeNode
+from cluster.names import HOT, WARM
 from cluster.hashing import block_hashes
 
 if TYPE_CHECKING:
@@ -18,6 +19,7 @@ def check_tree(tree: "RadixTree") -> None:
     ntiers = len(tree.allocators)
     evictable, protected = [0] * ntiers, [0] * ntiers
     owned = [set() for _ in range(ntiers)]
+    lower_tokens = lower_nodes = 0
     for root in tree.roots.values():
         assert root.lock_ref >= 1 and root.parent is None and not root.key
         stack = [(root, array("I"))]
@@ -45,11 +47,23 @@ def check_tree(tree: "RadixTree") -> None:
                 assert alloc.owner_of(e) is node, f"extent {tuple(e)} not owned by its node"
                 owned[node.tier].add((e.block_id, e.offset))
             (protected if node.lock_ref else evictable)[node.tier] += len(node.key)
+            if node.lower is not None:
+                assert node.tier == HOT, "a node outside HOT keeps a lower copy"
+                assert tree.lower_copies.get(id(node)) is node.lower, "lower copy not registered"
+                assert node.lower.node is node
+                assert sum(e.length for e in node.lower.extents) == len(node.key), "lower copy's length differs"
+                for e in node.lower.extents:
+                    assert tree.allocators[WARM].owner_of(e) is node.lower, "lower extent not owned by its copy"
+                    owned[WARM].add((e.block_id, e.offset))
+                lower_tokens += len(node.key)
+                lower_nodes += 1
+    assert lower_tokens == tree.lower_tokens, f"lower copies hold {lower_tokens} tokens, counter {tree.lower_tokens}"
+    assert lower_nodes == len(tree.lower_copies), "a registered lower copy is not on a live node"
     assert evictable == tree.evictable, f"evictable counters {tree.evictable} != recount {evictable}"
     assert protected == tree.protected, f"protected counters {tree.protected} != recount {protected}"
     for tier, alloc in enumerate(tree.allocators):
         alloc.check_invariants()
         for b in range(alloc.num_blocks):
             for off, (_, owner) in alloc.extents_at(b).items():
-                if isinstance(owner, TreeNode):
+                if isinstance(owner, (TreeNode, LowerCopy)):
                     assert (b, off) in owned[tier], f"extent ({b},{off}) owned by a node not in the tree"

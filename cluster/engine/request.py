@@ -38,6 +38,9 @@ class EngineRequest:
     output: list[int] = field(default_factory=list)
     cached_tokens: int = 0          # prompt tokens served from the cache (at its first admission)
     tier_hits: list[int] = field(default_factory=lambda: [0, 0, 0, 0])   # by source: HOT, WARM, COLD, L3
+    # What the tiers held of its prompt when the engine first looked (HOT, WARM, COLD, L3 asked
+    # for): beside ``tier_hits``, what it used, this says whether anything held went unused.
+    tiers_found: list[int] = field(default_factory=lambda: [0, 0, 0, 0])
     preemptions: int = 0
     finished: bool = False
     finish_reason: FinishReason | None = None
@@ -48,6 +51,7 @@ class EngineRequest:
     # cached KV read (admitted), started its first forward (forward), sampled its token.
     scheduled_at: float | None = None
     admitted_at: float | None = None
+    running_since: float | None = None   # its latest admission (a preempted request is admitted again)
     forward_at: float | None = None
     first_token_at: float | None = None
     logits: list[torch.Tensor] = field(default_factory=list)   # kept when keep_logits
@@ -65,6 +69,7 @@ class EngineRequest:
     _kv_source: tuple = ()           # the HOT slots its cached prefix was read from (its lease keeps them)
     _tiers_found: list[int] | None = None   # where its prefix was when the engine first looked
     _awaited: bool = False           # a waiting request counts on this prefill's checkpoint
+    _yielded_to: Any = None          # the waiting request it yielded its room to (time slicing)
     _rider: Any = None               # (fill, positions) it reads from the fill's buffer in this step
     _generator: torch.Generator | None = None   # reseeded per position (see position_seed)
     _matcher: Any = None             # its grammar's matcher (structured output), fed every sampled token

@@ -9,7 +9,20 @@ forward, in this order (vLLM v1's, with chunked prefill):
 3. waiting requests, first come first served: a lease on the prompt's cached
    prefix (``TieredCache.admit``) and the first chunk of the rest. A waiting
    request whose prefix is still being promoted from WARM/COLD is passed over
-   this step (the copy runs meanwhile) and joins once its KV is in HOT.
+   this step (the copy runs meanwhile) and joins once its KV is in HOT. A
+   request is never admitted below what the tiers hold for it: when the oldest
+   waiting request's promotion finds no room, it waits, and nothing behind it
+   takes room before it (first come, first served); only a measured cost
+   decision (copying slower than computing) admits it without its colder part,
+   counted in ``recompute_chosen_tokens``. ``recomputed_held_tokens`` (by tier)
+   counts what a request recomputed although a tier held it: it stays 0.
+
+With ``time_slice_s`` set (workers set it), a waiting request that found no
+room is not left behind running decodes for as long as they take: the newest
+request that has been decoding for at least that long yields (preempted: its
+KV goes into the cache, mostly a free move to WARM since its prefix kept its
+WARM copy) and queues last. Time to first token stops depending on
+how long other answers are; the yielded request resumes exactly.
 
 Before the forward every request reserves the HOT room for this step's
 tokens (``KVLease.reserve``: real blocks, after demoting or evicting unlocked
@@ -57,6 +70,9 @@ log = logging.getLogger(__name__)
 # The default budget: on 2 CPU cores a 512-token chunk of a 135M model is about a
 # second of compute, so no step keeps running decodes waiting longer than that.
 DEFAULT_BATCH_TOKENS = 512
+# What a serving worker runs with (``actors.config.WorkerConfig.time_slice_s``): a decode yields its
+# HOT room to a waiting request after this long (the module docstring; measured in docs/benchmarks.md).
+DEFAULT_TIME_SLICE_S = 0.5
 
 
 class Engine(BurstScheduling):
@@ -102,6 +118,9 @@ class Engine(BurstScheduling):
         self._ids = itertools.count(1)
         self.owner: ThreadOwner | None = None   # the worker's engine thread, when ownership checks are on
         self._last_logits_only = "last_logits_only" in inspect.signature(model.forward_batch).parameters
+        # Measured seconds per computed token of steps with prefill (a moving average): what a
+        # promotion's copy time is weighed against (``TieredCache.ready``).
+        self.prefill_s_per_token: float | None = None
         # The packed decoder keeps each request's KV in its working buffer in place
         # (``forward_into``); other models (the transformers adapter) get the past as a view.
         self._in_place = hasattr(model, "forward_into")
@@ -111,6 +130,9 @@ class Engine(BurstScheduling):
         # Requests behind a prompt filled in the same step read its KV as each layer writes it
         # (``_ride``): the CPU kernel takes such a donor, the Triton one not yet.
         self.riders = self._in_place and self.decode_kernel and torch.device(cache.kv_device).type == "cpu"
+        # A request whose part beyond the cache another's prefill computes waits for it; an
+        # identical prompt starts from it (``cluster.engine.bursts``). False: each computes its own.
+        self.shared_fills = True
         # The faster of MKL's two linear layouts for each row count, measured on this machine.
         self.linear_layouts = model.tune_linears() if hasattr(model, "tune_linears") else {}
         hot = cache.hot.allocator
@@ -132,11 +154,18 @@ class Engine(BurstScheduling):
         self.share_prefixes = True
         # Echo requests' prompt logprobs, kept beside the KV (cluster.engine.prompt_logprobs).
         self.prompt_logprob_cache = PromptLogprobCache(hot.block_tokens)
+        # A decoding request yields its room to a waiting request that found none after running
+        # this long (seconds; None: never). See the module docstring.
+        self.time_slice_s: float | None = None
+        self._blocked: EngineRequest | None = None   # the waiting request that found no room last step
         self.stats = {"prompt_tokens": 0, "cached_tokens": 0, "computed_tokens": 0, "steps": 0,
                       "requests_finished": 0, "requests_failed": 0, "requests_cancelled": 0,
                       "finish_failures": 0, "preemptions": 0, "preempted_tokens": 0, "resumed_hot_tokens": 0,
                       "resumed_warm_tokens": 0, "resumed_cold_tokens": 0, "resumed_l3_tokens": 0, "recomputed_tokens": 0,
                       "swap_in_bytes": 0, "waits_for_room": 0, "waits_for_promotion": 0,
+                      "recomputed_held_tokens": 0, "recomputed_held_hot_tokens": 0,
+                      "recomputed_held_warm_tokens": 0, "recomputed_held_cold_tokens": 0,
+                      "recompute_chosen_tokens": 0, "waits_for_promotion_room": 0, "time_slice_preemptions": 0,
                       "waits_for_shared_prefix": 0, "step_ms": 0.0, "forward_ms": 0.0, "decode_steps": 0,
                       "decode_step_ms": 0.0, "decode_rows": 0, "shared_prefix_joins": 0,
                       "shared_prefix_reads": 0, "forked_prompts": 0,
@@ -167,6 +196,7 @@ class Engine(BurstScheduling):
                                                      else ())
         request.request_id = request.request_id or next(self._ids)
         request.submitted_at = self.clock()
+        self.cache.touch(request.prompt, request.namespace)   # its prefix: no session prefetch pushes it out
         if request.params.seed is not None and not request.params.greedy:
             request._generator = torch.Generator()
         self.waiting.append(request)
@@ -227,6 +257,7 @@ class Engine(BurstScheduling):
                 self._finish(req, FinishReason.ERROR, keep=False, error=f"model forward failed: {exc}")
             return events + self.drain_ended()
         forward_ms = (time.perf_counter() - began) * 1e3
+        self._note_prefill_rate(plan, forward_ms)
         self.stats["steps"] += 1
         self.stats["forward_ms"] += forward_ms
         decodes_only = all(n == 1 and req.output for req, n in plan)
@@ -253,6 +284,14 @@ class Engine(BurstScheduling):
             self.stats["decode_step_ms"] += step_ms
             self.stats["decode_rows"] += len(plan)
         return events + self.drain_ended()
+
+    def _note_prefill_rate(self, plan: list[tuple[EngineRequest, int]], forward_ms: float) -> None:
+        computed = sum(n for _, n in plan)
+        if computed - len(plan) < 64:   # mostly decodes: not a prefill's rate
+            return
+        per_token = forward_ms / 1e3 / computed
+        old = self.prefill_s_per_token
+        self.prefill_s_per_token = per_token if old is None else 0.8 * old + 0.2 * per_token
 
     def _emitted(self, req: EngineRequest, token: int, events: list[TokenEvent]) -> None:
         """``req`` sampled ``token``: its event, and its end when the token ends it."""
@@ -300,6 +339,7 @@ class Engine(BurstScheduling):
         budget = self.max_batch_tokens
         plan: list[tuple[EngineRequest, int]] = []
         self._twins = {}
+        self._yield_to_blocked()
         planned: set[int] = set()
         decoding = [r for r in self.running if r.to_compute == 1]
         filling = [r for r in self.running if r.to_compute > 1]
@@ -317,40 +357,73 @@ class Engine(BurstScheduling):
         queue = list(self.waiting)
         for i, req in enumerate(queue):
             if budget <= 0 or len(self.running) >= self.max_running:
-                if budget <= 0:   # identical prompts of this step's fills still start from them
+                if budget <= 0 and self.shared_fills:   # identical prompts of this step's fills start from them
                     self._twins_past_budget(plan, queue[i:])
                 break
             # Promotions that make room, oldest first and one at a time; behind it only
             # those that fit in free blocks. Started for every waiting request at once,
             # their prefixes pushed each other back out of a full HOT pool before any of
             # them was admitted (measured: 20x the demoted tokens promoted; a livelock).
-            ready, tiers = self.cache.ready(req.tokens, req.namespace, make_room=not promoting)
+            if req._yielded_to is not None:   # it gave its room to an older request: not back before it
+                if req._yielded_to in self.waiting:
+                    continue
+                req._yielded_to = None
+            readiness = self.cache.ready(req.tokens, req.namespace, make_room=not promoting,
+                                         recompute_s_per_token=self.prefill_s_per_token)
+            tiers = readiness.tiers
             if req._tiers_found is None:   # where its KV comes from, before any promotion
                 req._tiers_found = tiers
-            if not ready:   # its prefix is (or will be) on its way up to HOT: the others go meanwhile
+            if not readiness.ready:
+                if readiness.blocked:   # the oldest one's promotion found no room: nobody takes room before it
+                    self.stats["waits_for_promotion_room"] += 1
+                    self._blocked = req
+                    break
+                # its prefix is (or will be) on its way up to HOT: the others go meanwhile
                 self.stats["waits_for_promotion"] += 1
                 promoting = True
                 continue
             if self._ride(req, sum(tiers), plan, budget):   # computes its rest beside a fill of this step
                 budget -= plan[-1][1]
                 continue
-            if self._behind_shared_prefill(req, sum(tiers)):   # computed for it by another in a step or so
+            if self.shared_fills and self._behind_shared_prefill(req, sum(tiers)):   # computed by another soon
                 self.stats["waits_for_shared_prefix"] += 1
                 continue
             req.scheduled_at = self.clock() if req.scheduled_at is None else req.scheduled_at
-            n = self._admit(req, budget)
+            n = self._admit(req, budget, promote=not readiness.recompute)
             if n is None:
                 if req.finished:   # the cache refused its prompt
                     self.waiting.remove(req)
                     continue
                 self.stats["waits_for_room"] += 1
+                self._blocked = req
                 break              # no room: it waits for running requests to finish or yield
             self.waiting.remove(req)
             self.running.append(req)
+            if req is self._blocked:
+                self._blocked = None
             plan.append((req, n))
             planned.add(id(req))
             budget -= n
         return plan
+
+    def _yield_to_blocked(self) -> None:
+        """Time slicing (``time_slice_s``): the waiting request that found no room last
+        step gets the room of the newest request that has decoded for a whole slice,
+        which queues last (requests still waiting for their first token go first; one a
+        step: what it frees usually suffices)."""
+        head = self._blocked
+        if head is None or self.time_slice_s is None:
+            return
+        if head not in self.waiting:
+            self._blocked = None
+            return
+        now = self.clock()
+        victim = next((r for r in reversed(self.running) if r.to_compute == 1 and r.output
+                       and r.running_since is not None and now - r.running_since >= self.time_slice_s), None)
+        if victim is not None:
+            self._preempt(victim, at=len(self.waiting))
+            victim._yielded_to = head
+            self.stats["time_slice_preemptions"] += 1
 
     def _reserve_or_preempt(self, req: EngineRequest, n: int, planned: set[int]) -> bool:
         """Room for ``n`` more tokens of ``req``; preempts the newest running request
@@ -367,13 +440,14 @@ class Engine(BurstScheduling):
                 if victim is req:
                     return False
 
-    def _admit(self, req: EngineRequest, budget: int, need: int = 0) -> int | None:
+    def _admit(self, req: EngineRequest, budget: int, need: int = 0, promote: bool = True) -> int | None:
         """Lease the sequence's cached prefix, read it into the working buffer and
         reserve the first chunk; the chunk's length, or None when it cannot run now
         (no room: it waits, holding nothing; or the cache refused its prompt: it ended).
         ``need``: the prefix the cache must hold, else None: the whole sequence for a twin
         (``_fork_twins``), the positions a rider read (``_seat``; its buffer is kept: it holds
-        the rest it computed)."""
+        the rest it computed). ``promote=False``: the scheduler chose to recompute the
+        prefix's colder part (``Readiness.recompute``)."""
         seq = req.tokens
         cap = None
         k = req.params.prompt_logprobs
@@ -385,7 +459,7 @@ class Engine(BurstScheduling):
             cap = known - 1 if known < len(req.prompt) else None
         try:
             lease = self.cache.admit(seq, req.namespace, validate=False, max_cached=cap,
-                                     compute_last=need < len(seq))
+                                     compute_last=need < len(seq), promote=promote)
         except CacheError as exc:
             req.finished, req.finish_reason, req.error = True, FinishReason.ERROR, str(exc)
             self._ended.append(TokenEvent(req, None, True))
@@ -400,14 +474,18 @@ class Engine(BurstScheduling):
         except PoolExhaustedError:
             lease.release()
             return None
+        self._count_missed(lease, promote)
         tiers = split_by_tier(lease.cached_tokens, req._tiers_found or list(lease.tier_hits))
         if req.admitted_at is None:
             req.cached_tokens = lease.cached_tokens
             req.tier_hits = tiers
-            req.admitted_at = self.clock()
+            found = list(req._tiers_found or lease.held_by_tier)
+            req.tiers_found = (found + [0, 0, 0, 0])[:4]
+            req.admitted_at = req.running_since = self.clock()
             self.stats["prompt_tokens"] += len(req.prompt)
             self.stats["cached_tokens"] += lease.cached_tokens
         else:   # back after a preemption: what the cache kept of it, and from which tier
+            req.running_since = self.clock()
             for tier, key in ((HOT, "resumed_hot_tokens"), (WARM, "resumed_warm_tokens"),
                               (COLD, "resumed_cold_tokens"), (L3, "resumed_l3_tokens")):
                 self.stats[key] += tiers[tier]
@@ -426,9 +504,23 @@ class Engine(BurstScheduling):
             self.stats["shared_prefix_joins"] += 1
         return n
 
-    def _preempt(self, req: EngineRequest) -> None:
+    def _count_missed(self, lease, promoted: bool) -> None:
+        """What the tiers held for a lease beyond what it got: recomputed by choice
+        (a cost decision), or a defect (``recomputed_held_*``: must stay 0)."""
+        missed = lease.missed_by_tier
+        total = sum(missed)
+        if not total:
+            return
+        if not promoted:
+            self.stats["recompute_chosen_tokens"] += total
+            return
+        self.stats["recomputed_held_tokens"] += total
+        for tier, n in zip(("hot", "warm", "cold"), missed):
+            self.stats[f"recomputed_held_{tier}_tokens"] += n
+
+    def _preempt(self, req: EngineRequest, at: int = 0) -> None:
         """Take ``req`` off the batch: what it computed goes into the cache (for its
-        return), its room and working buffer are freed, and it queues first again."""
+        return), its room and working buffer are freed, and it queues at ``at`` (first)."""
         self.running.remove(req)
         lease, req._lease = req._lease, None
         req._preempted_len = req._len
@@ -443,7 +535,7 @@ class Engine(BurstScheduling):
         req.preemptions += 1
         req._len = 0
         req._tiers_found = None   # looked at afresh when it comes back: its KV may have moved down meanwhile
-        self.waiting.appendleft(req)
+        self.waiting.insert(at, req)
 
     def complete_finished(self) -> None:
         """Cache the KV of the requests that ended on their last token and unlock

@@ -67,6 +67,7 @@ class Turn:
     worker_id: str | None = None       # the replica that answered (this app's prefix_cache field)
     cached_by_tier: dict = field(default_factory=dict)   # this app's cached_tokens_by_tier
     timing_ms: dict = field(default_factory=dict)        # this app's TTFT by part (serve_app.timing)
+    after_long_pause: bool = False     # sent after a long think time (serve_app.tools.session_workload)
 
 
 @dataclass
@@ -143,14 +144,16 @@ async def run_workload(base: str, model: str, *, sessions: int, turns: int, syst
     return result
 
 
-async def ask_turn(http, model: str, messages: list[dict], i: int, t: int, max_tokens: int) -> tuple[Turn, str]:
-    """One streamed chat turn: its measurements and the reply's text (an error ends as a failed Turn)."""
+async def ask_turn(http, model: str, messages: list[dict], i: int, t: int, max_tokens: int,
+                   headers: dict | None = None) -> tuple[Turn, str]:
+    """One streamed chat turn: its measurements and the reply's text (an error ends as a failed Turn);
+    ``headers``: extra request headers (e.g. ``X-Session-Id``)."""
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
             "stream": True, "stream_options": {"include_usage": True}}
     started, sent_at = time.perf_counter(), time.monotonic()
     ttft, text, usage, finished, cache = None, [], None, False, {}
     try:
-        async with http.stream("POST", "/v1/chat/completions", json=body) as resp:
+        async with http.stream("POST", "/v1/chat/completions", json=body, headers=headers) as resp:
             if resp.status_code != 200:
                 detail = (await resp.aread()).decode(errors="replace")[:200]
                 return Turn(i, t, False, error=f"HTTP {resp.status_code}: {detail}", started_at=sent_at), ""

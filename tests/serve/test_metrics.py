@@ -37,3 +37,27 @@ def test_tier_moves_are_reported_as_increments(monkeypatch):
         (2, {"worker": "w1", "kind": "demoted_to_warm"}),
         (1, {"worker": "w1", "kind": "promoted"}),
     ]
+
+
+def test_recomputed_held_and_dropped_tokens_are_reported_by_tier_and_reason(monkeypatch):
+    for name in ("recomputed_held", "recompute_chosen", "dropped_tokens", "dropped_with_room", "tail_discarded",
+                 "preemptions", "preempted_tokens", "swap_in_bytes", "tier_moves"):
+        monkeypatch.setattr(metrics, name, _Recorder())
+    metrics.replica_started("w2")
+    metrics.report_engine("w2", {"recomputed_held_warm_tokens": 0, "recompute_chosen_tokens": 32})
+    metrics.report_engine("w2", {"recomputed_held_warm_tokens": 5, "recompute_chosen_tokens": 32})
+    assert metrics.recomputed_held.calls == [(5, {"worker": "w2", "tier": "warm"})]
+    assert metrics.recompute_chosen.calls == [(32, {"worker": "w2"})]
+    metrics.report_moves("w2", {"dropped_tokens": 48, "dropped_cold_last_tier_tokens": 40,
+                                "dropped_hot_lower_full_tokens": 8, "dropped_with_room_tokens": 0,
+                                "commit_tail_discarded_tokens": 0})
+    metrics.report_moves("w2", {"dropped_tokens": 60, "dropped_cold_last_tier_tokens": 52,
+                                "dropped_hot_lower_full_tokens": 8, "dropped_with_room_tokens": 3,
+                                "commit_tail_discarded_tokens": 0})
+    assert metrics.dropped_tokens.calls == [
+        (40, {"worker": "w2", "tier": "cold", "reason": "last_tier"}),
+        (8, {"worker": "w2", "tier": "hot", "reason": "lower_full"}),
+        (12, {"worker": "w2", "tier": "cold", "reason": "last_tier"}),
+    ]
+    assert metrics.dropped_with_room.calls == [(3, {"worker": "w2"})]
+    assert metrics.tail_discarded.calls == []

@@ -258,8 +258,9 @@ def test_building_the_cli_does_not_import_ray() -> None:
 
 
 def test_bench_serving_pairs_alternate_the_order_and_end_with_the_median_of_each_ratio(monkeypatch, capsys) -> None:
-    """``--pairs 3``: ours first in pairs 1 and 3, vLLM first in pair 2; each pair's summary, then
-    the median, lowest and highest of each ratio and how many pairs met each goal."""
+    """``--workload burst --pairs 3`` (the vLLM arm: vllm-same-hot): ours first in pairs 1 and 3, vLLM
+    first in pair 2; each pair's summary, then the median, lowest and highest of each ratio and how
+    many pairs met each goal."""
     import argparse
     import json
 
@@ -284,7 +285,7 @@ def test_bench_serving_pairs_alternate_the_order_and_end_with_the_median_of_each
     monkeypatch.setattr(checkpoint, "resolve_checkpoint", lambda spec: "/weights")
     p = argparse.ArgumentParser()
     bench_serving.add_arguments(p)
-    args = p.parse_args(["--pairs", "3", "--peer", "vllm", "--peer-python", "/venv/bin/python"])
+    args = p.parse_args(["--workload", "burst", "--pairs", "3", "--peer", "vllm", "--peer-python", "/venv/bin/python"])
     assert bench_serving.run(args) == 0
     assert ran == ["prefix-cache", "vllm-cpu", "vllm-cpu", "prefix-cache", "prefix-cache", "vllm-cpu"]
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
@@ -295,5 +296,5 @@ def test_bench_serving_pairs_alternate_the_order_and_end_with_the_median_of_each
     assert (last["throughput_vs_peer_median"], last["throughput_vs_peer_min"], last["throughput_vs_peer_max"]) == \
         (1.0, 0.8, 1.1)
     assert last["goal_throughput_ge_peer_pairs"] == 2 and last["goal_no_failures_pairs"] == 3
-    assert bench_serving.run(p.parse_args(["--pairs", "1"])) == 0   # one arm, no summaries
+    assert bench_serving.run(p.parse_args(["--workload", "burst", "--pairs", "1"])) == 0   # one arm, no summaries
     assert [r["impl"] for r in map(json.loads, capsys.readouterr().out.splitlines())] == ["prefix-cache"]

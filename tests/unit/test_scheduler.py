@@ -250,6 +250,27 @@ def test_identical_prompts_compute_their_tail_beyond_the_cache_once():
     check_drained(engine)
 
 
+def test_without_shared_fills_identical_prompts_each_compute_their_own_tail():
+    """The same six requests with the policy off (``shared_fills``, a worker setting): no
+    request waits for another's fill, each computes its own 3 new tokens, and the outputs
+    are the same."""
+    system = [(5 * i) % 64 for i in range(64)]
+    engine = make_engine(hot_blocks=256, budget=256)
+    engine.shared_fills = False
+    run_all(engine, [(system + [63], SamplingParams(max_tokens=1))])
+    before = engine.stats["computed_tokens"]
+    tails = ([1, 2, 3], [6, 7, 8])
+    params = (SamplingParams(max_tokens=3), SamplingParams(max_tokens=3, temperature=0.8, seed=7))
+    requests = [(system + tails[i // 3], params[i % 2]) for i in range(6)]
+    want = reference_outputs(requests)
+    done = run_all(engine, requests)
+    assert [r.output for r in done] == want
+    assert [r.cached_tokens for r in done] == [64] * 6
+    assert engine.stats["computed_tokens"] - before == 6 * (3 + 2)
+    assert engine.stats["forked_prompts"] == 0 and engine.stats["waits_for_shared_prefix"] == 0
+    check_drained(engine)
+
+
 def test_twins_past_the_end_of_the_budget_still_start_from_their_fill():
     """A fill and three riders take the whole step budget (67 + 3 x 3 = 76 tokens); two
     requests behind them ask exactly the fill's prompt. They need no budget (they compute
@@ -347,3 +368,41 @@ def test_waiting_prefixes_in_warm_do_not_push_each_other_out():
     assert [r.tier_hits[WARM] for r in done] == [27] * 4
     assert 4 * 27 <= promoted <= 2 * 4 * 27   # each prefix up once, or twice at most
     check_drained(engine)
+
+
+def test_time_slicing_gives_a_waiting_request_the_room_of_a_long_decode():
+    """HOT holds one of two 40-token sessions and its answer; A decodes 30 tokens, B
+    arrives behind it and finds no room. Without time slicing B waits for all of A's
+    answer; with ``time_slice_s`` (a step is one tick of this clock) A yields once it has
+    decoded a slice: its KV goes to WARM, B gets its first token long before A ends,
+    A resumes from WARM with nothing recomputed, and both answers are the ones of
+    unlimited memory."""
+    a = [(3 * i) % 64 for i in range(40)]
+    b = [(5 * i + 1) % 64 for i in range(40)]
+    requests = [(a, SamplingParams(max_tokens=30)), (b, SamplingParams(max_tokens=4))]
+    want = reference_outputs(requests)
+    firsts = {}
+    for time_slice in (None, 3.0):
+        now = [0.0]
+        engine = make_engine(hot_blocks=20, warm_blocks=64, budget=64)   # 80 tokens: one session and its answer
+        engine.clock = lambda: now[0]
+        engine.time_slice_s = time_slice
+        ra = engine.submit(EngineRequest(list(a), SamplingParams(max_tokens=30)))
+        engine.step()   # A alone: its prefill and first token
+        rb = engine.submit(EngineRequest(list(b), SamplingParams(max_tokens=4)))
+        steps = 0
+        while engine.has_work():
+            now[0] += 1.0
+            engine.step()
+            steps += 1
+            assert steps < 500
+        assert [ra.output, rb.output] == want
+        assert ra.error is None and rb.error is None
+        firsts[time_slice] = (rb.first_token_at, ra.finished, engine.stats["time_slice_preemptions"],
+                              engine.stats["recomputed_tokens"])
+        check_drained(engine)
+    assert firsts[None][2] == 0 and firsts[3.0][2] >= 1
+    assert firsts[3.0][3] == 0   # A found all it had computed
+    # B's first token: after all of A's 29 further decodes without slicing; with it, as soon as A
+    # has decoded its 3-tick slice.
+    assert (firsts[None][0], firsts[3.0][0]) == (30.0, 3.0)

@@ -219,6 +219,41 @@ def test_prefetch_runs_in_the_background(tmp_path):
     cache.close()
 
 
+def test_a_prefetch_pushes_out_only_prefixes_used_before_its_session():
+    """HOT 8 blocks (32 tokens, high watermark 0.9: a prefetch leaves a block free). A
+    returning session's 12 tokens are in WARM; HOT holds an idle prefix last used before
+    the session and one a request just asked for (``touch``, as a submit does). The
+    prefetch pushes the older one down and nothing else; with only newer prefixes in
+    HOT it does nothing (counted), and neither is pushed out."""
+    cache = TieredCache(TierConfig(hot_blocks=8, warm_blocks=32, block_tokens=4, device="cpu"), LAYOUT,
+                        clock=TickClock())
+    old = put(cache, [50 + i for i in range(12)])
+    session = [1, 2, 3] * 4
+    put(cache, session)
+    cache._note_session("s", session)
+    cache.demote_path(session, None, WARM)
+    newer = put(cache, [80 + i for i in range(12)])
+    cache.touch([80 + i for i in range(12)])
+    assert cache.prefetch("s") == 12
+    cache.wait_all()
+    cache.poll()
+    assert (old.tier, newer.tier, cache.lookup(session).tier_lengths) == (WARM, HOT, [12, 0, 0])
+    assert cache.stats["prefetch_skipped_no_room"] == 0
+    cache.check_invariants()
+    cache.close()
+    # Every HOT prefix used after the session's last use (many sessions at once): nothing goes.
+    cache = TieredCache(TierConfig(hot_blocks=8, warm_blocks=32, block_tokens=4, device="cpu"), LAYOUT,
+                        clock=TickClock())
+    put(cache, session)
+    cache._note_session("s", session)
+    cache.demote_path(session, None, WARM)
+    recent = [put(cache, [50 + i for i in range(12)]), put(cache, [80 + i for i in range(12)])]
+    assert cache.prefetch("s") == 0 and cache.stats["prefetch_skipped_no_room"] == 1
+    assert cache.lookup(session).tier_lengths == [0, 12, 0] and [n.tier for n in recent] == [HOT, HOT]
+    cache.check_invariants()
+    cache.close()
+
+
 def test_match_waits_for_a_prefetch_in_flight(tmp_path):
     cache = make(tmp_path)
     toks = list(range(9))
@@ -400,5 +435,39 @@ def test_a_checkpoint_beside_a_moving_copy_keeps_its_own_kv(tmp_path):
     lease.commit(tokens)
     found = match(cache, tokens)
     assert found.length == 12 and torch.equal(found.kv, kv_for(tokens))
+    cache.check_invariants()
+    cache.close()
+
+
+def test_ready_recomputes_only_where_the_measured_copy_is_slower_and_measures_again():
+    """A WARM prefix of 12 tokens. Without a measured copy rate, or with one at most 1.25x
+    the prefill cost, ``ready`` promotes. Measured slower than that, it answers ready with
+    ``recompute`` set and admitting without promotion leaves those tokens to compute,
+    reported as held; every eighth such case promotes anyway, to measure again."""
+    cache = TieredCache(TierConfig(hot_blocks=16, warm_blocks=32, block_tokens=4, device="cpu"), LAYOUT,
+                        clock=TickClock(), deterministic_io=True)
+    toks = list(range(12))
+    put(cache, toks)
+    cache.demote_path(toks, None, WARM)
+    assert cache.ready(toks + [99], recompute_s_per_token=1e-3)[:2] == (False, [0, 12, 0])   # nothing measured
+    cache.wait_all()
+    cache.poll()
+    cache.demote_path(toks, None, WARM)
+    cache.promote_s_per_token[WARM] = 1.2e-3                      # within the margin: promote
+    assert cache.ready(toks + [99], recompute_s_per_token=1e-3).recompute == 0
+    cache.wait_all()
+    cache.poll()
+    cache.demote_path(toks, None, WARM)
+    cache.promote_s_per_token[WARM] = 5e-3                        # measured 5x slower than computing
+    answers = [cache.ready(toks + [99], recompute_s_per_token=1e-3) for _ in range(8)]
+    assert [a.ready for a in answers] == [True] * 7 + [False]     # the eighth promotes (to measure)
+    assert answers[0].recompute == 12 and answers[7].recompute == 0
+    assert cache.stats["promotions_recompute_cheaper"] == 8
+    cache.wait_all()
+    cache.poll()
+    cache.demote_path(toks, None, WARM)
+    lease = cache.admit(toks + [99], promote=False)
+    assert (lease.cached_tokens, lease.held_by_tier, lease.missed_by_tier) == (0, (0, 12, 0), (0, 12, 0))
+    lease.release()
     cache.check_invariants()
     cache.close()

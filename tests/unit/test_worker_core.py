@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from actors.core import QueueFullError, WorkerConfig, WorkerCore
+from cluster.cache.tier_types import Readiness
 from cluster.ownership import ENV_VAR, OwnershipError
 from cluster.protocol import FinishReason, Transport
 from cluster.engine.model import DecoderModel, ModelConfig
@@ -76,7 +77,7 @@ def test_a_request_that_cannot_run_yet_makes_the_loop_wait_not_spin():
         def ready(*args, **kwargs):   # the first five looks: the prefix is still on its way up
             if not_ready[0]:
                 not_ready[0] -= 1
-                return False, [0, 0, 0, 0]
+                return Readiness(False, [0, 0, 0, 0])
             return real_ready(*args, **kwargs)
 
         core.engine.cache.ready = ready
@@ -133,6 +134,21 @@ def test_gather_window_settings_are_checked():
         WorkerConfig.from_dict({"gather_max_ms": -1})
     with pytest.raises(ValueError, match="gather_quiet_ms must be a number of milliseconds"):
         WorkerConfig.from_dict({"gather_quiet_ms": True})
+
+
+def test_scheduling_policy_settings_are_checked_and_reach_the_engine():
+    for bad, message in (({"time_slice_s": 0}, "time_slice_s must be a number of seconds"),
+                         ({"time_slice_s": True}, "time_slice_s must be a number of seconds"),
+                         ({"riders": "no"}, "riders must be true or false"),
+                         ({"shared_fills": 1}, "shared_fills must be true or false")):
+        with pytest.raises(ValueError, match=message):
+            WorkerConfig.from_dict(bad)
+    assert (WorkerConfig().time_slice_s, WorkerConfig().riders, WorkerConfig().shared_fills) == (0.5, True, True)
+    core = make("w-policies", time_slice_s=None, riders=False, shared_fills=False)
+    try:
+        assert (core.engine.time_slice_s, core.engine.riders, core.engine.shared_fills) == (None, False, False)
+    finally:
+        core.close()
 
 
 def test_unknown_worker_config_keys_are_rejected():
