@@ -300,18 +300,11 @@ class RadixTree:
                 hot = hot and child.tier == HOT and not child.busy
         return hot, tiers
 
-    def last_access_on_path(self, tokens: Sequence[int] | bytes, namespace: Hashable = None) -> float:
-        """When the cached path of ``tokens`` was last used (its most recent node; 0.0
-        when nothing is cached), touching and splitting nothing."""
-        data = encode_tokens(tokens, self.vocab_size, validate=False)
-        _, _, path = self._walk(data, self.root(namespace), split=False)
-        return max((n.last_access for n in path), default=0.0)
-
-    def touch_path(self, tokens: Sequence[int] | bytes, namespace: Hashable = None) -> None:
+    def touch_path(self, tokens: Sequence[int] | bytes, namespace: Hashable = None, now: float | None = None) -> None:
         """Make the cached path of ``tokens`` the most recently used, splitting nothing."""
         data = encode_tokens(tokens, self.vocab_size, validate=False)
         _, _, path = self._walk(data, self.root(namespace), split=False)
-        now = self.clock()
+        now = self.clock() if now is None else now
         for n in path:
             n.last_access = now
 

@@ -94,6 +94,9 @@ class TieredCache(TierMoves):
         self._pending_out = [0, 0, 0]   # tokens leaving each tier in flight
         self._sessions: OrderedDict[Any, tuple[Hashable, list[int]]] = OrderedDict()
         self.l3: L3Link | None = None   # attach_l3
+        # What a session prefetch must not push out (``prefetch``): prefixes touched since the
+        # oldest waiting request was submitted (the engine keeps it current; None: none waits).
+        self.waiting_since: float | None = None
         self.stats = {"demoted_to_warm": 0, "demoted_to_cold": 0, "promoted_tokens": 0, "promotions": 0,
                       "dropped_tokens": 0, "checksum_failures": 0, "demotions_abandoned": 0, "demotion_failures": 0,
                       "prefetches": 0,
@@ -420,30 +423,40 @@ class TieredCache(TierMoves):
                 raise UnknownSessionError(f"unknown session {session_id!r}: nothing to prefetch")
             namespace, tokens = self._sessions[session_id]
         self.poll()
-        used_at = self.tree.last_access_on_path(tokens, namespace)   # before this look makes it recent
+        floor = self.waiting_since if self.waiting_since is not None else float("inf")
         m = self.tree.match_prefix(tokens, namespace)
         cold = [n for n in m.nodes if n.tier != HOT]
         if not cold or any(n.busy for n in cold):
             return 0
-        # Into free HOT, below the high watermark, after pushing down only idle prefixes
-        # last used before this session's own (worth less to LRU than what it brings).
-        # Every request's prefix is touched when it is submitted, and every prefetch's when
-        # it starts, so none of those goes; with many sessions at once it does nothing.
+        # Into free HOT, below the high watermark, after pushing down only idle prefixes, least
+        # recently used first, that no waiting request touched: running requests' are locked, a
+        # request's is touched when it is submitted (``touch``), another prefetch's is locked
+        # while it copies and the most recently used after (the last an LRU push takes). With
+        # many requests waiting at once it finds nothing to push and does nothing.
         alloc, bt = self.hot.allocator, self.hot.allocator.block_tokens
         need = sum(-(-len(n.key) // bt) for n in cold) + 1
         want = need + (1.0 - self.config.high_watermark) * alloc.num_blocks
-        if alloc.free_blocks < want and not self._demote_older(used_at, want):
-            self.stats["prefetch_skipped_no_room"] += 1
-            return 0
+        if alloc.free_blocks < want:
+            self.tree.lock(m.last_node)   # its own path is not one to push down meanwhile
+            try:
+                room = self._demote_older(floor, want)
+            finally:
+                self.tree.unlock(m.last_node)
+            if not room:
+                self.stats["prefetch_skipped_no_room"] += 1
+                return 0
         self.stats["prefetches"] += 1
         move = self._start_promotion(cold, background=True, make_room=False)
         return 0 if move is None else sum(len(n.key) for n in cold)
 
-    def touch(self, tokens: Sequence[int], namespace: Hashable = None) -> None:
-        """Mark the cached prefix of ``tokens`` as used now (a request for it arrived):
-        a session prefetch does not push it out (``prefetch``). Changes nothing else."""
+    def touch(self, tokens: Sequence[int], namespace: Hashable = None) -> float:
+        """Mark the cached prefix of ``tokens`` as used now (a request for it arrived) and
+        return that time (the tree's clock): while the request waits, a session prefetch
+        does not push it out (``waiting_since``). Changes nothing else."""
         self._check_owner("touch")
-        self.tree.touch_path(tokens, namespace)
+        now = self.tree.clock()
+        self.tree.touch_path(tokens, namespace, now)
+        return now
 
     def _demote_older(self, used_before: float, want_blocks: float) -> bool:
         """Push idle HOT prefixes last used before ``used_before`` down to WARM (LRU first,

@@ -70,6 +70,7 @@ class EngineRequest:
     _tiers_found: list[int] | None = None   # where its prefix was when the engine first looked
     _awaited: bool = False           # a waiting request counts on this prefill's checkpoint
     _yielded_to: Any = None          # the waiting request it yielded its room to (time slicing)
+    _touched_at: float | None = None   # when it touched its cached prefix at submit (the cache's clock)
     _rider: Any = None               # (fill, positions) it reads from the fill's buffer in this step
     _generator: torch.Generator | None = None   # reseeded per position (see position_seed)
     _matcher: Any = None             # its grammar's matcher (structured output), fed every sampled token

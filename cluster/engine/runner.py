@@ -196,7 +196,7 @@ class Engine(BurstScheduling):
                                                      else ())
         request.request_id = request.request_id or next(self._ids)
         request.submitted_at = self.clock()
-        self.cache.touch(request.prompt, request.namespace)   # its prefix: no session prefetch pushes it out
+        request._touched_at = self.cache.touch(request.prompt, request.namespace)   # no prefetch pushes it out
         if request.params.seed is not None and not request.params.greedy:
             request._generator = torch.Generator()
         self.waiting.append(request)
@@ -208,6 +208,7 @@ class Engine(BurstScheduling):
         reason = FinishReason(reason)
         if request in self.waiting:
             self.waiting.remove(request)
+            self._note_waiting()
             request.finished, request.finish_reason = True, reason
             self._ended.append(TokenEvent(request, None, True))
             self.stats["requests_cancelled"] += 1
@@ -404,7 +405,14 @@ class Engine(BurstScheduling):
             plan.append((req, n))
             planned.add(id(req))
             budget -= n
+        self._note_waiting()
         return plan
+
+    def _note_waiting(self) -> None:
+        """A session prefetch leaves alone what the still-waiting requests touched at their
+        submit (``TieredCache.prefetch``): tell the cache since when (None: nobody waits)."""
+        self.cache.waiting_since = min((r._touched_at for r in self.waiting if r._touched_at is not None),
+                                       default=None)
 
     def _yield_to_blocked(self) -> None:
         """Time slicing (``time_slice_s``): the waiting request that found no room last

@@ -219,37 +219,43 @@ def test_prefetch_runs_in_the_background(tmp_path):
     cache.close()
 
 
-def test_a_prefetch_pushes_out_only_prefixes_used_before_its_session():
-    """HOT 8 blocks (32 tokens, high watermark 0.9: a prefetch leaves a block free). A
-    returning session's 12 tokens are in WARM; HOT holds an idle prefix last used before
-    the session and one a request just asked for (``touch``, as a submit does). The
-    prefetch pushes the older one down and nothing else; with only newer prefixes in
-    HOT it does nothing (counted), and neither is pushed out."""
-    cache = TieredCache(TierConfig(hot_blocks=8, warm_blocks=32, block_tokens=4, device="cpu"), LAYOUT,
-                        clock=TickClock())
-    old = put(cache, [50 + i for i in range(12)])
-    session = [1, 2, 3] * 4
-    put(cache, session)
-    cache._note_session("s", session)
-    cache.demote_path(session, None, WARM)
-    newer = put(cache, [80 + i for i in range(12)])
-    cache.touch([80 + i for i in range(12)])
+def test_a_prefetch_pushes_out_only_idle_prefixes_no_waiting_request_or_prefetch_touched():
+    """HOT 8 blocks (32 tokens; a prefetch leaves a block free under the high watermark).
+    A returning session's 12 tokens are in WARM; HOT holds an idle prefix and one a
+    waiting request touched at its submit (``touch``; the engine sets ``waiting_since``).
+    The prefetch pushes the idle one down and nothing else. With every HOT prefix a
+    waiting request's, or a prefetch's of the last few seconds, it does nothing (counted)."""
+    def cache_with(session):
+        cache = TieredCache(TierConfig(hot_blocks=8, warm_blocks=32, block_tokens=4, device="cpu"), LAYOUT,
+                            clock=TickClock())
+        put(cache, session)
+        cache._note_session("s", session)
+        cache.demote_path(session, None, WARM)
+        return cache
+
+    session, idle_toks, waiting_toks = [1, 2, 3] * 4, [50 + i for i in range(12)], [80 + i for i in range(12)]
+    cache = cache_with(session)
+    idle, waiting = put(cache, idle_toks), put(cache, waiting_toks)
+    cache.waiting_since = cache.touch(waiting_toks)
     assert cache.prefetch("s") == 12
     cache.wait_all()
     cache.poll()
-    assert (old.tier, newer.tier, cache.lookup(session).tier_lengths) == (WARM, HOT, [12, 0, 0])
+    assert (idle.tier, waiting.tier, cache.lookup(session).tier_lengths) == (WARM, HOT, [12, 0, 0])
     assert cache.stats["prefetch_skipped_no_room"] == 0
     cache.check_invariants()
     cache.close()
-    # Every HOT prefix used after the session's last use (many sessions at once): nothing goes.
-    cache = TieredCache(TierConfig(hot_blocks=8, warm_blocks=32, block_tokens=4, device="cpu"), LAYOUT,
-                        clock=TickClock())
-    put(cache, session)
-    cache._note_session("s", session)
-    cache.demote_path(session, None, WARM)
-    recent = [put(cache, [50 + i for i in range(12)]), put(cache, [80 + i for i in range(12)])]
+
+    cache = cache_with(session)
+    first = put(cache, idle_toks)
+    cache.waiting_since = cache.touch(idle_toks)     # both HOT prefixes are waiting requests'
+    second = put(cache, waiting_toks)
+    cache.touch(waiting_toks)
     assert cache.prefetch("s") == 0 and cache.stats["prefetch_skipped_no_room"] == 1
-    assert cache.lookup(session).tier_lengths == [0, 12, 0] and [n.tier for n in recent] == [HOT, HOT]
+    assert cache.lookup(session).tier_lengths == [0, 12, 0] and [first.tier, second.tier] == [HOT, HOT]
+    cache.waiting_since = None                         # admitted and finished: now they are idle
+    assert cache.prefetch("s") == 12
+    cache.wait_all()
+    cache.poll()
     cache.check_invariants()
     cache.close()
 
