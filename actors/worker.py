@@ -20,6 +20,7 @@ from actors.core import WorkerCore
 from actors.directory_link import DirectoryLink
 from actors.elastic import hand_off, warm_up
 from actors.migration import PeerLink
+from cluster.engine import cuda_graphs
 from cluster.engine.worker_env import cpu_worker_env
 from cluster.names import DIRECTORY_NAME, worker_actor_name
 from cluster.protocol import (GenerateRequest, LoadReport, PrefixOffer, Snapshot, StagedPrefix, Tenant, Transport,
@@ -39,6 +40,9 @@ class CacheWorkerImpl:
         self.directory = DirectoryLink(namespace, name=directory_name, create=True, block_tokens=cfg.block_tokens)
         self.core = WorkerCore(worker_id, cfg, directory=self.directory)
         self.core.link_for = self._link
+        # On CUDA, Triton's kernels and every decode bucket's graph before the actor is ready
+        # (on its engine thread, a piece at a time); nothing on the CPU (serve_app.replica).
+        self.compiled = cuda_graphs.warm_up(self.core.model, lambda step: self.core.loop.call(step).result())
         self.ops = ActorPeerOps(self)
 
     # ------------------------------------------------------------ elasticity

@@ -23,6 +23,7 @@ BUILTIN = {
     ("bench", "multiturn"): "cluster.bench.multiturn",
     ("bench", "engine"): "cluster.bench.engine",
     ("bench", "chat"): "cluster.bench.chat",
+    ("bench", "exactness"): "cluster.bench.exactness",
     ("replay",): "cluster.bench.replay",
 }
 ENTRY_POINT_GROUP = "prefix_cache.commands"

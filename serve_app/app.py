@@ -20,8 +20,11 @@ every request from the directory's decision.
 - ``admin_without_keys``: with no key configured at all, admin endpoints are
   off (403) unless this is true (the local demo sets it)
 - ``num_replicas`` or ``autoscaling_config`` for the cache replicas,
-  ``gpus_per_replica`` (default 0: CPU), ``max_ongoing_requests``,
-  ``max_queued_requests``
+  ``max_ongoing_requests``, ``max_queued_requests``
+- ``gpus_per_replica``: unset (the default), one GPU per replica when the Ray
+  cluster has GPUs and the CPU otherwise, decided when the app is built and said
+  in the deploy log; a number (0 or more) is honoured as given
+  (``serve_app.placement``)
 - ``health_check_period_s`` (default 2): how often Serve asks each replica's
   ``check_health`` (it raises once the watchdog declared the engine wedged)
 - ``max_resumes`` (default 2): how many times the ingress resumes a request
@@ -35,9 +38,10 @@ every request from the directory's decision.
 
 
 
+import logging
 import os
 import secrets
-from typing import Any
+from typing import Any, Mapping
 
 from ray import serve
 from ray.serve.config import RequestRouterConfig
@@ -50,10 +54,12 @@ from cluster.routing.policies import make_policy
 from serve_app import admin
 from serve_app.http_app import make_fastapi
 from serve_app.ingress import IngressCore, handle_generation, replica_calls_of
+from serve_app.placement import decide_placement
 from serve_app.replica import CacheReplica as CacheReplicaImpl
 from serve_app.router import DirectoryRouter
 
 APP_NAME = "prefix-cache"
+log = logging.getLogger("ray.serve")
 CacheReplica = serve.deployment(name="CacheReplica")(CacheReplicaImpl)
 fastapi_app = make_fastapi()
 
@@ -125,6 +131,25 @@ class Ingress:
         return await admin.set_policy(self.core, body.get("policy"))
 
 
+def cluster_resources() -> tuple[Mapping[str, float], str]:
+    """What the replicas' GPU claim is decided from (``serve_app.placement``), and whose it is.
+
+    Connected to Ray (``serve deploy``, whose build runs on the cluster; ``prefix-cache
+    serve``; a script that called ``ray.init``): the cluster's resources. Not connected
+    (``serve run IMPORT_PATH`` builds the app before it connects, and then starts Ray on
+    this machine unless given an address; a test building the app): this machine's GPUs."""
+    import ray
+
+    if ray.is_initialized():
+        return ray.cluster_resources(), "the Ray cluster"
+    import torch
+
+    from cluster.cache.kv_pool import cuda_available
+
+    return ({"GPU": float(torch.cuda.device_count())} if cuda_available() else {}), \
+        "this machine (Ray is not connected yet)"
+
+
 def build_app(args: dict[str, Any] | None = None):
     args = dict(args or {})
     namespace = args.pop("namespace", "prefix-cache")
@@ -138,10 +163,12 @@ def build_app(args: dict[str, Any] | None = None):
     worker = dict(args.pop("worker", {}) or {})
     worker_config = WorkerConfig.from_dict(worker)   # a bad worker config or model spec fails here
     block_tokens = worker_config.block_tokens
-    gpus = float(args.pop("gpus_per_replica", 0))
-    actor_opts: dict[str, Any] = {"num_gpus": gpus, "num_cpus": 0 if gpus else 1}
+    resources, seen_by = cluster_resources()
+    placement = decide_placement(args.pop("gpus_per_replica", None), worker_config.tiers.device, resources, seen_by)
+    (log.warning if placement.warning else log.info)("prefix-cache deploy: %s", placement.reason)
+    actor_opts: dict[str, Any] = placement.actor_options()
     # A CPU replica's process: its allocator, its OpenMP runtime, whether its linears may run packed.
-    if not gpus and (env := cpu_worker_env()):
+    if not placement.on_gpu and (env := cpu_worker_env()):
         actor_opts["runtime_env"] = {"env_vars": env}
     replica_opts: dict[str, Any] = {
         "ray_actor_options": actor_opts,

@@ -9,6 +9,11 @@ replica (a peer's migration pull, the ingress's admin calls) reaches it over
 its peer channel (``actors.peer``), which it registers with the directory.
 Metrics are reported here.
 
+Start-up: on CUDA a replica compiles Triton's kernels and captures the CUDA graph
+of every decode batch-size bucket on its engine thread before it reports ready
+(``cluster.engine.cuda_graphs.warm_up``), so nothing compiles on the serving path
+(on the CPU its kernels were built with the engine, and this does nothing).
+
 Lifetime (``actors.elastic``): before it reports ready, a new replica warms up
 on its peers' most valuable shared prefixes (from L3 or from them); when Serve
 stops it (scale-in, a redeploy), its destructor drains it in the directory and
@@ -29,6 +34,7 @@ from actors.core import WorkerCore
 from actors.directory_link import DirectoryLink
 from actors.elastic import hand_off, warm_up
 from actors.peer import PeerClient, PeerDirectory, PeerUnavailableError
+from cluster.engine import cuda_graphs
 from cluster.protocol import GenerateRequest, MigrationResult, PrefixOffer, StreamItem
 from serve_app import metrics
 
@@ -62,11 +68,22 @@ class CacheReplica:
             on_trip=lambda _reason: metrics.watchdog_trips.inc(tags={"worker": self.worker_id}),
             peer_host=ray.util.get_node_ip_address(), peer_secret=peer_secret)
         self.core.link_for = self._link
+        self.compiled = await self._build_cuda_steps()
         self.ops = ServePeerOps(self)
         self.handoff: dict | None = None
         self.warmup = (await warm_up(self.core, self.ops, budget_s=cfg.warmup_s, max_bytes=cfg.warmup_mb << 20,
                                      max_prefixes=cfg.warmup_prefixes)).as_dict()
         metrics.report_warmup(self.worker_id, self.warmup)
+
+    async def _build_cuda_steps(self) -> dict:
+        """Compile and capture what the model's CUDA steps launch (``cuda_graphs.warm_up``),
+        one piece at a time on the engine thread, which owns the model: the watchdog sees
+        the engine progress between pieces. Nothing on the CPU."""
+        loop = self.core.loop
+        done = await asyncio.to_thread(cuda_graphs.warm_up, self.core.model, lambda step: loop.call(step).result())
+        if done["steps"]:
+            log.info("cache replica %s built its CUDA steps before serving: %s", self.worker_id, done)
+        return done
 
     def _count_migration(self, result: MigrationResult) -> None:
         if result.transport is not None:

@@ -14,15 +14,21 @@ before each replay. A step of ``n`` decodes runs the smallest bucket >= n; the r
 beyond ``n`` decode a dummy token into a dummy two-position buffer and are dropped.
 
 Steps with anything else (a prefill chunk, a later turn's few tokens) run eagerly, as
-do batches above the largest bucket. Graphs are captured on first use of a bucket
-(warm-up launches compile Triton's kernels first), all in one memory pool. Engine
-thread only, like the model.
+do batches above the largest bucket. All graphs share one memory pool. Engine thread
+only, like the model.
+
+Nothing compiles on the serving path: ``warm_up_steps(model)`` is the start-up work that
+compiles Triton's kernels for the eager steps and captures the graph of every bucket,
+in pieces the replica runs on its engine thread before it reports ready
+(``serve_app.replica``); a bucket not captured then (a capture that failed, a model
+warmed without it) is still captured on its first use.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -69,19 +75,12 @@ class DecodeGraphs:
         if size is None or any(t.numel() != 1 or p <= 0 for t, p, _ in checked):
             self.stats["eager"] += 1
             return None
-        captured = self._graphs.get(size)
-        if captured is None:
-            try:
-                captured = self._capture(size)
-            except Exception as exc:   # a capture that fails costs speed, never a request
-                log.warning("CUDA graph capture of %d decodes failed (%s: %s); decode steps run eagerly",
-                            size, type(exc).__name__, exc)
-                self.sizes, self._graphs = [], {}
-                self.stats["capture_failures"] += 1
-                torch.cuda.synchronize(self.model.device)
-                return None
+        if not self.capture(size):
+            return None
+        captured = self._graphs[size]
         pad = size - n
-        donors, lengths = attention._donors(list(range(n)), shared, [p for _, p, _ in checked])
+        # Every item decodes on the kernel: all n read (their shared prefix from a donor among them).
+        donors, lengths = attention._donors(list(range(n)), shared, [p for _, p, _ in checked], n)
         table, row_item, row_pos = self.kernel.host_rows(
             [kv for _, _, kv in checked] + [self._dummy] * pad, [p for _, p, _ in checked] + [1] * pad,
             [1] * size, donors + [-1] * pad if donors else (), lengths + [0] * pad if lengths else ())
@@ -91,6 +90,28 @@ class DecodeGraphs:
         self.stats["replays"] += 1
         logits = captured.logits[:n].clone()   # the graph's output is overwritten by the next replay
         return [logits[i:i + 1] for i in range(n)]
+
+    def capture(self, size: int) -> bool:
+        """The graph of bucket ``size``, captured now unless it was before; False when the
+        capture failed (graphs are then off for the model: every decode step runs eagerly)."""
+        if size in self._graphs:
+            return True
+        if size not in self.sizes:
+            return False
+        try:
+            self._capture(size)
+        except Exception as exc:   # a capture that fails costs speed, never a request
+            log.warning("CUDA graph capture of %d decodes failed (%s: %s); decode steps run eagerly",
+                        size, type(exc).__name__, exc)
+            self.sizes, self._graphs = [], {}
+            self.stats["capture_failures"] += 1
+            torch.cuda.synchronize(self.model.device)
+            return False
+        return True
+
+    @property
+    def captured(self) -> list[int]:
+        return sorted(self._graphs)
 
     def _capture(self, size: int) -> _Captured:
         model, kernel = self.model, self.kernel
@@ -123,3 +144,71 @@ class DecodeGraphs:
         self._graphs[size] = captured
         self.stats["captured"] += 1
         return captured
+
+
+# Tokens an eager warm-up step adds after its prefix: one odd and one even count. Triton
+# specializes a launch on the 16-byte alignment of its pointers, and where the rows'
+# positions start in the batch's table (``triton_attention.Batch``) follows the parity of
+# the row count, so the two counts compile every variant an eager step launches.
+WARM_EXTEND_TOKENS = (3, 2)
+WARM_PREFIX = 16
+
+
+def warm_up_steps(model) -> list[tuple[str, Callable[[], dict]]]:
+    """What compiles or captures on ``model``'s first CUDA steps, as ``(name, step)``
+    pieces that each return what they did, to run one at a time on the thread that owns
+    the model before it serves (each piece is short: a replica's watchdog sees progress
+    between them). First Triton's kernels for eager steps (a few tokens after a prefix,
+    on a scratch buffer), then the CUDA graph of every batch-size bucket (the first
+    capture's warm-up launches compile the graph's own variants). Empty where nothing
+    compiles: on the CPU (its kernels are built when the engine is made), or without the
+    Triton attention."""
+    kernel = getattr(model, "_extend_kernel", None)
+    if getattr(model, "device", torch.device("cpu")).type != "cuda" or not hasattr(kernel, "prepare"):
+        return []
+    steps: list[tuple[str, Callable[[], dict]]] = [
+        (f"triton-{count}", lambda count=count: _warm_eager(model, count)) for count in WARM_EXTEND_TOKENS]
+    graphs = getattr(model, "_graphs", None)
+    if graphs is not None:
+        steps += [(f"graph-{size}", lambda size=size: _warm_graph(graphs, size)) for size in graphs.sizes]
+    return steps
+
+
+def _warm_eager(model, count: int) -> dict:
+    """An eager step of ``count`` tokens after a ``WARM_PREFIX``-token prefix of zeros, on a
+    scratch buffer: Triton compiles what it launches (its cache on disk makes a restart's quick)."""
+    c = model.config
+    began = time.perf_counter()
+    graphs, model._graphs = model._graphs, None   # not a step of decodes a graph could take
+    try:
+        kv = torch.zeros(c.num_layers, 2, c.num_kv_heads, WARM_PREFIX + count, c.head_dim,
+                         dtype=c.torch_dtype, device=model.device)
+        model.forward_into([(torch.zeros(count, dtype=torch.long), WARM_PREFIX, kv)])
+        torch.cuda.synchronize(model.device)
+    finally:
+        model._graphs = graphs
+    return {"eager_tokens": count, "seconds": round(time.perf_counter() - began, 3)}
+
+
+def _warm_graph(graphs: DecodeGraphs, size: int) -> dict:
+    began = time.perf_counter()
+    ok = graphs.capture(size)
+    if ok:
+        torch.cuda.synchronize(graphs.model.device)
+    return {"bucket": size, "captured": ok, "seconds": round(time.perf_counter() - began, 3)}
+
+
+def warm_up(model, run: Callable[[Callable[[], dict]], dict] = lambda step: step()) -> dict:
+    """Every ``warm_up_steps`` piece, each through ``run`` (the replica hands them to its
+    engine thread one at a time); a summary: the buckets captured, the graphs' state, the
+    seconds. ``{"steps": 0}`` where nothing compiles (the CPU)."""
+    steps = warm_up_steps(model)
+    if not steps:
+        return {"steps": 0}
+    began = time.perf_counter()
+    done = [run(step) for _, step in steps]
+    graphs = getattr(model, "_graphs", None)
+    return {"steps": len(steps), "triton_eager_steps": sum("eager_tokens" in d for d in done),
+            "graphs_captured": graphs.captured if graphs is not None else [],
+            "graph_capture_failures": graphs.stats["capture_failures"] if graphs is not None else 0,
+            "seconds": round(time.perf_counter() - began, 3)}

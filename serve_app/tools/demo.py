@@ -92,7 +92,11 @@ def ask_once(base: str, model: str, question: str, max_tokens: int = 48) -> str:
     return r.json()["choices"][0]["message"]["content"]
 
 
-async def run_arm(base: str, model: str, policy: str, sessions: list[dict], args, progress) -> list[dict]:
+async def run_arm(base: str, model: str, policy: str, sessions: list[dict], args, progress,
+                  session_header: bool = False) -> list[dict]:
+    """Every session's turns over HTTP (``args.concurrency`` requests at a time); with
+    ``session_header`` each request also carries ``X-Session-Id``, which starts its session's
+    prefetch when the headers arrive (the app's predictive swap-in)."""
     import httpx
 
     results: list[dict] = []
@@ -110,7 +114,8 @@ async def run_arm(base: str, model: str, policy: str, sessions: list[dict], args
                 async with sem:
                     t0 = time.perf_counter()
                     ttft, text, usage = None, [], {}
-                    async with client.stream("POST", "/v1/chat/completions", json={
+                    headers = {"X-Session-Id": sess["id"]} if session_header else None
+                    async with client.stream("POST", "/v1/chat/completions", headers=headers, json={
                             "model": model, "messages": messages, "max_tokens": args.max_tokens,
                             "stream": True, "session_id": sess["id"]}) as resp:
                         resp.raise_for_status()

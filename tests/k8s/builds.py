@@ -7,9 +7,8 @@ import copy
 import functools
 from pathlib import Path
 
-import pytest
-
 from tests.k8s import validation as v
+from tests.requirements import require_kubectl
 
 
 @functools.cache
@@ -19,9 +18,7 @@ def _built(path: Path) -> tuple[dict, ...]:
 
 def built(target: str = "k8s") -> list[dict]:
     """The documents `kubectl kustomize` builds for a target (a fresh copy each call)."""
-    if v.kubectl() is None:
-        pytest.skip(f"kubectl not found: tests/k8s build the manifests with `kubectl kustomize` "
-                    f"(kubectl >= 1.27; set {v.KUBECTL_ENV} to its path)")
+    require_kubectl()   # fails under CI, skips elsewhere
     return copy.deepcopy(list(_built(v.KUSTOMIZE_TARGETS[target])))
 
 

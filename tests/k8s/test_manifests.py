@@ -18,6 +18,7 @@ from cluster import cli
 from serve_app.tools import k8s_render
 from tests.k8s import validation as v
 from tests.k8s.builds import built, by_kind, rayservice
+from tests.requirements import K8S_SCHEMAS, require
 
 TARGETS = tuple(v.KUSTOMIZE_TARGETS)          # k8s (= the base), base, tcp
 DOCKERFILE = (v.K8S / "Dockerfile").read_text()
@@ -29,10 +30,9 @@ SERVE_CONFIG = v.K8S / "base" / "serve-config.yaml"
 def crds():
     """kind -> CRDValidator, each CRD (about 1 MB) loaded once and only when asked for."""
     folder = v.schemas_dir()
-    if folder is None:
-        pytest.skip(f"KubeRay CRDs not found: set {v.SCHEMAS_ENV} to a folder holding "
-                    f"{' and '.join(v.CRD_FILES.values())} (KubeRay v1.7.0, "
-                    f"ray-operator/config/crd/bases), or put them in ../shared/k8s-schemas beside the checkout")
+    require(K8S_SCHEMAS, folder is not None,
+            f"set {v.SCHEMAS_ENV} to a folder holding {' and '.join(v.CRD_FILES.values())} (KubeRay v1.7.0, "
+            f"ray-operator/config/crd/bases), or put them in ../shared/k8s-schemas beside the checkout")
     cache: dict[str, v.CRDValidator] = {}
 
     def get(kind: str) -> v.CRDValidator:
@@ -230,7 +230,7 @@ def test_serve_config_is_config_yaml_plus_documented_overrides():
     assert changes and all(f"#   {change}\n" in SERVE_CONFIG.read_text() for change in changes)
     # only the GPU-cluster values differ from config.yaml
     assert changes == [
-        'applications[prefix-cache].args.gpus_per_replica: 0 -> 1',
+        'applications[prefix-cache].args.gpus_per_replica: (unset) -> 1',
         'applications[prefix-cache].args.worker.model.dtype: "float32" -> "bfloat16"',
         'applications[prefix-cache].args.worker.cold_blocks: 0 -> 46000',
         'applications[prefix-cache].args.worker.disk_dir: (unset) -> "/mnt/nvme"',
@@ -323,7 +323,10 @@ BROKEN = [
     ("autoscaling-off", "node", lambda d: d["spec"]["rayClusterConfig"].update(enableInTreeAutoscaling=False),
      "enableInTreeAutoscaling must be true"),
     ("workers-below-serve-max", "node", lambda d: _group(d).update(maxReplicas=4), "would never get a GPU"),
-    ("cpu-replicas", "node", _serve(lambda a: a["args"].update(gpus_per_replica=0)), "gpus_per_replica"),
+    ("cpu-replicas", "node", _serve(lambda a: a["args"].update(gpus_per_replica=0)), "gpus_per_replica is 0, "),
+    # Unset, the claim follows the GPUs present at deploy time: none before the autoscaler adds GPU pods.
+    ("gpus-decided-at-deploy", "node", _serve(lambda a: a["args"].pop("gpus_per_replica")),
+     "gpus_per_replica is unset, not 1"),
     ("no-readiness", "node", lambda d: _worker(d).pop("readinessProbe"), "readinessProbe must GET /healthz"),
     ("head-readiness-on-app", "node",
      lambda d: _head(d).update(readinessProbe={"httpGet": {"path": "/healthz", "port": 8000}}),
@@ -485,8 +488,7 @@ def test_tree_without_the_local_config_annotation_ships_the_input(tmp_path):
 
 def test_schemas_found_through_env(monkeypatch, tmp_path):
     folder = v.schemas_dir()
-    if folder is None:
-        pytest.skip("no KubeRay CRDs here to copy")
+    require(K8S_SCHEMAS, folder is not None, "no KubeRay CRDs here to copy")
     for name in v.CRD_FILES.values():
         shutil.copy(folder / name, tmp_path / name)
     monkeypatch.setenv(v.SCHEMAS_ENV, str(tmp_path))

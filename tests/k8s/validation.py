@@ -340,7 +340,9 @@ def cache_node_errors(doc: dict) -> list[str]:
         if _gpus(c) != 1 or _gpus(c, "requests") not in (0, 1):
             errors.append(f"worker group {name}: nvidia.com/gpu must be 1 per pod (one cache replica per GPU)")
     if args.get("gpus_per_replica") != 1:
-        errors.append(f"gpus_per_replica is {args.get('gpus_per_replica')!r}, not 1 (one replica per GPU)")
+        shown = "unset" if args.get("gpus_per_replica") is None else repr(args.get("gpus_per_replica"))
+        errors.append(f"gpus_per_replica is {shown}, not 1 (one replica per GPU; explicit, because GPU pods "
+                      f"the autoscaler adds later are not in the cluster when the app deploys)")
     if not scaling:
         errors.append("the cache deployment has no autoscaling_config")
     else:

@@ -85,3 +85,49 @@ def test_replica_calls_default_to_grpc_and_a_bad_choice_is_named():
         handle = Recording()
         IngressCore(handle, model=None, shared_replies=False, router=object(), replica_calls=choice)
         assert handle.calls == calls
+
+
+def _replica_options(app) -> dict:
+    """The CacheReplica deployment's Ray actor options in a built application."""
+    return app._bound_deployment.init_args[0]._bound_deployment.ray_actor_options
+
+
+def test_the_gpu_claim_is_decided_from_the_cluster_and_logged(monkeypatch):
+    """``gpus_per_replica`` unset: a GPU per replica where the cluster has GPUs, the CPU (with
+    its preloaded runtimes) where it has none, one line in the deploy log each time; ``device:
+    cuda`` without a GPU fails the build naming the setting (``serve_app.placement``)."""
+    import logging
+
+    import pytest
+
+    from serve_app import app as app_module
+    from serve_app.app import build_app
+    from serve_app.placement import PlacementError
+
+    lines = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            lines.append((record.levelname, record.getMessage()))
+
+    handler = Keep()
+    app_module.log.addHandler(handler)
+    try:
+        monkeypatch.setattr(app_module, "cluster_resources", lambda: ({"CPU": 16.0, "GPU": 2.0}, "the Ray cluster"))
+        options = _replica_options(build_app({}))
+        assert options == {"num_gpus": 1.0, "num_cpus": 0}   # no CPU runtime preloads on a GPU replica
+        assert lines == [("INFO", "prefix-cache deploy: cache replicas claim 1 GPU each: the Ray cluster has 2 GPUs "
+                                  "and gpus_per_replica is unset (worker device 'auto')")]
+        assert _replica_options(build_app({"gpus_per_replica": 0}))["num_gpus"] == 0.0   # honoured as given
+        assert lines[-1][0] == "WARNING"
+
+        lines.clear()
+        monkeypatch.setattr(app_module, "cluster_resources", lambda: ({"CPU": 6.0}, "the Ray cluster"))
+        options = _replica_options(build_app({}))
+        assert (options["num_gpus"], options["num_cpus"]) == (0.0, 1)
+        assert lines == [("INFO", "prefix-cache deploy: cache replicas run on the CPU: the Ray cluster has no GPU "
+                                  "and gpus_per_replica is unset")]
+        with pytest.raises(PlacementError, match="worker device is 'cuda' but the Ray cluster has no GPU"):
+            build_app({"worker": {"device": "cuda"}})
+    finally:
+        app_module.log.removeHandler(handler)

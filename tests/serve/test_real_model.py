@@ -12,6 +12,8 @@ import json
 import httpx
 import pytest
 
+from tests.requirements import require_module
+
 pytestmark = pytest.mark.distributed
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -172,7 +174,7 @@ def test_lm_eval_local_completions_equals_its_hf_model(base_url):
     """lm-eval's local-completions against the server (remote tokenizer, batched
     token-id prompts, echo + logprobs) and lm-eval's hf model on the same weights:
     the same accuracy and per-choice loglikelihoods within 1e-4."""
-    pytest.importorskip("lm_eval")
+    require_module("lm_eval")
     from cluster.engine.checkpoint import resolve_checkpoint
     from serve_app.tools.api_clients import QUESTIONS, lm_eval_compare
 
@@ -189,7 +191,7 @@ def test_openai_client_tool_loop_reuses_the_first_step(base_url):
     step's cached tokens cover the first step's prompt and reply (all but the
     reply's stop token, which was sampled but never run through the model),
     whichever of the two ingress replicas each step reaches."""
-    pytest.importorskip("openai")
+    require_module("openai")
     from serve_app.tools.api_clients import openai_tool_loop
 
     r = openai_tool_loop(base_url, MODEL)

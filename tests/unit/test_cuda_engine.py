@@ -12,6 +12,7 @@ from cluster.cache.tiered import TierConfig, TieredCache
 from cluster.engine import attention
 from cluster.engine.model import DecoderModel, ModelConfig
 from cluster.engine.runner import Engine, EngineRequest, SamplingParams
+from tests.requirements import TRITON, require
 
 CUDA = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -25,8 +26,7 @@ def kernel():
     from cluster.engine.kernels import cuda_extend_attention
 
     module = cuda_extend_attention()
-    if module is None:
-        pytest.skip("Triton is not importable here")
+    require(TRITON, module is not None, "Triton is not importable here (it ships with torch's CUDA builds)")
     return module
 
 
@@ -146,3 +146,33 @@ def test_engine_matches_the_reference_forward(device, request):
     if device == "cuda":
         assert model.graph_stats["replays"] >= 5 and model.graph_stats["capture_failures"] == 0
     engine.cache.check_invariants()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+def test_warm_up_builds_every_bucket_before_the_first_step(device, request):
+    """``cuda_graphs.warm_up`` (what a replica runs before it reports ready): on CUDA, Triton's
+    eager variants compiled and a graph captured for every batch-size bucket, so serving
+    captures nothing and its results are still the reference forward's; on the CPU nothing
+    to do (its kernels are built with the engine)."""
+    from cluster.engine.cuda_graphs import DEFAULT_SIZES, warm_up
+
+    model = _model("float32", device)
+    engine = _engine(model, device)
+    pieces = []
+    done = warm_up(model, run=lambda step: pieces.append(step) or step())
+    if device == "cpu":
+        assert done == {"steps": 0} and pieces == [] and model.graph_stats == {}
+    else:
+        request.getfixturevalue("kernel")
+        assert len(pieces) == 2 + len(DEFAULT_SIZES)   # two eager steps, then one piece a bucket
+        assert done["graphs_captured"] == list(DEFAULT_SIZES) and done["graph_capture_failures"] == 0
+        assert done["triton_eager_steps"] == 2
+        assert model.graph_stats["captured"] == len(DEFAULT_SIZES) and model.graph_stats["replays"] == 0
+    reqs = [engine.submit(EngineRequest(list(range(20 + i, 60 + i)), SamplingParams(max_tokens=5))) for i in range(3)]
+    while engine.has_work():
+        engine.step()
+    for req in reqs:
+        reference = model.forward_one(torch.tensor(req.prompt + req.output), 0, None)[0]
+        assert req.output == reference[len(req.prompt) - 1:-1].argmax(dim=-1).tolist()
+    if device == "cuda":   # served from the graphs captured at start-up: none captured since
+        assert model.graph_stats["captured"] == len(DEFAULT_SIZES) and model.graph_stats["replays"] >= 4

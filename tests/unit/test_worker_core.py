@@ -203,7 +203,7 @@ def test_calibration_measures_every_rate_through_the_worker(tmp_path):
         core.close()
 
 
-@pytest.mark.skipif(not nixl_available(), reason="nixl cannot create a UCX backend here")
+@pytest.mark.usefixtures("needs_nixl")
 def test_prefix_moves_between_workers_over_nixl():
     holder, target = make("w-holder"), make("w-target")
     try:
@@ -247,7 +247,7 @@ class InProcessLink:
         self.core.loop.call(lambda: self.core.migration.release(lease))
 
 
-@pytest.mark.skipif(not nixl_available(), reason="nixl cannot create a UCX backend here")
+@pytest.mark.usefixtures("needs_nixl")
 def test_migration_falls_back_from_nixl_to_the_object_store_to_recompute():
     holder, target = make("m-holder"), make("m-target")
     try:
