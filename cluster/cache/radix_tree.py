@@ -167,19 +167,7 @@ class RadixTree:
         """Cut ``node`` (whose first token is token ``start`` of its path) after
         ``at`` tokens; returns the new parent holding the head."""
         alloc = self.allocators[node.tier]
-        head_ext: list[Extent] = []
-        tail_ext: list[Extent] = []
-        covered = 0
-        for e in node.extents:
-            if covered >= at:
-                tail_ext.append(e)
-            elif covered + e.length <= at:
-                head_ext.append(e)
-            else:
-                first, second = alloc.split(e, at - covered)
-                head_ext.append(first)
-                tail_ext.append(second)
-            covered += e.length
+        head_ext, tail_ext = _cut_extents(alloc, node.extents, at)
         parent = node.parent
         head = TreeNode(node.key[:at], head_ext, parent, node.tier, node.last_access)
         head.lock_ref = node.lock_ref
