@@ -8,8 +8,10 @@ before the clock starts). Before each disk read, of either arm, the page
 cache is dropped (``/proc/sys/vm/drop_caches``, else ``posix_fadvise``
 DONTNEED on both files); the disk rows say which worked in ``page_cache``,
 or that nothing did, in which case the reads may have come from memory.
-Writes are not fsynced in either arm (the tier does not fsync). Stall: a compute loop on one thread, timed idle
-and while demotions of ``--gib`` run beside it.
+Writes are not fsynced in either arm (the tier does not fsync). Every
+timed demotion copies: the WARM copies that promoted nodes keep (inclusive
+tiers) are dropped first. Stall: a loop of matmuls on the cache's device (on
+the CPU, one thread), timed idle and while demotions of ``--gib`` run beside it.
 
 The KV layout defaults to a Llama-3-8B-like one (32 layers, 8 KV heads,
 head_dim 128, fp16): one 16-token block is 2 MiB, as in production.
@@ -76,7 +78,11 @@ def _timed(cache: TieredCache, start_move, nodes: list) -> float:
 
 
 def _move_all(cache: TieredCache, nodes: list) -> float:
-    """Demote every node one tier down (all in flight at once)."""
+    """Demote every node one tier down (all in flight at once). A node promoted
+    from WARM keeps its WARM copy (inclusive tiers) and would go down again at
+    no copy: those copies are dropped first, so every byte is copied."""
+    for n in nodes:
+        cache.tree.drop_lower(n)
     return _timed(cache, cache._start_demotion, nodes)
 
 
@@ -179,14 +185,19 @@ def read_exactly(path: str, buf: bytearray) -> None:
             got += n
 
 
-def _compute_steps(n: int, size: int = 384) -> list[float]:
-    a = torch.randn(size, size)
-    b = torch.randn(size, size)
+def _compute_steps(n: int, device: torch.device, size: int | None = None) -> list[float]:
+    """``n`` timed steps of matmuls on ``device`` (the forward pass's stand-in:
+    on CUDA the device computes while the copy engines move KV beside it)."""
+    size = size or (2048 if device.type == "cuda" else 384)
+    a = torch.randn(size, size, device=device)
+    b = torch.randn(size, size, device=device)
     times = []
     for _ in range(n):
+        _sync(device)
         t0 = time.perf_counter()
         for _ in range(8):
             a = torch.tanh(a @ b * 0.01)
+        _sync(device)   # the step's own end (the cache never synchronizes the device)
         times.append(time.perf_counter() - t0)
     return times
 
@@ -203,14 +214,16 @@ def stall(args: argparse.Namespace, disk_dir: str, paced_gb_per_s: float | None 
     torch.set_num_threads(1)  # the compute loop owns one core; copies run beside it
     moved = 0
     try:
-        _compute_steps(5)
-        idle = sorted(_compute_steps(args.stall_steps))
+        _compute_steps(5, cache.device)
+        idle = sorted(_compute_steps(args.stall_steps, cache.device))
         busy: list[float] = []
         while len(busy) < args.stall_steps:
             # Demote the whole GiB in the background and keep computing until it lands.
+            for n in nodes:   # a promoted node's WARM copy would make the demotion free
+                cache.tree.drop_lower(n)
             cache._start_demotion(nodes)
             while cache.in_flight() and len(busy) < 10 * args.stall_steps:
-                busy.extend(_compute_steps(1))
+                busy.extend(_compute_steps(1, cache.device))
                 cache.poll()
             cache.wait_all()
             moved += nblocks * block_bytes

@@ -52,13 +52,26 @@ class DiskPool:
     # Whole-block IO ---------------------------------------------------------
     def _read_block(self, b: int) -> torch.Tensor:
         buf = bytearray(self.block_bytes)
+        self._read_verified(b, buf)
+        return torch.frombuffer(buf, dtype=self.layout.torch_dtype).view(self.block_shape)
+
+    def _read_verified(self, b: int, buf) -> None:
+        """Read block ``b`` into the writable buffer ``buf`` (``block_bytes`` long) and verify it."""
         n = os.preadv(self._fd, [buf], b * self.block_bytes)
         expected = int(self._sums[b])
         if n != self.block_bytes or expected == _EMPTY or xxhash.xxh3_64_intdigest(buf) != expected:
             self.checksum_failures += 1
             raise ChecksumError(f"disk block {b} of {self.path} failed its checksum "
                                 f"({'short read' if n != self.block_bytes else 'content mismatch'})")
-        return torch.frombuffer(buf, dtype=self.layout.torch_dtype).view(self.block_shape)
+
+    def read_block_into(self, b: int, out: torch.Tensor) -> None:
+        """Read and verify block ``b`` straight into ``out`` (a contiguous CPU tensor
+        of ``block_shape``; pinned for an upload): no intermediate buffer."""
+        if out.device.type != "cpu" or not out.is_contiguous() or tuple(out.shape) != self.block_shape \
+                or out.dtype != self.layout.torch_dtype:
+            raise ValueError(f"out {tuple(out.shape)} {out.dtype} on {out.device} is not one block of "
+                             f"{self.block_shape} {self.layout.torch_dtype} in contiguous host memory")
+        self._read_verified(b, out.view(torch.uint8).view(-1).numpy())   # any dtype: numpy has no bfloat16
 
     def _write_block(self, b: int, block: torch.Tensor) -> None:
         data = block.contiguous().view(torch.uint8).numpy().tobytes()   # any dtype: numpy has no bfloat16

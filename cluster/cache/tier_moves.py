@@ -148,9 +148,9 @@ class TierMoves:
             move.engine = self.copier
             move.op_id = self.copier.submit(lambda: None)
         elif dst == WARM:
-            pairs = []
-            for node, ext in zip(taken, dst_exts):
-                pairs.extend(copy_pairs(self.pools[src], node.extents, self.pools[dst], ext))
+            # One walk over every node's extents: consecutive whole blocks coalesce across nodes too.
+            pairs = list(copy_pairs(self.pools[src], [e for n in taken for e in n.extents],
+                                    self.pools[dst], [e for ext in dst_exts for e in ext]))
             move.engine = self.copier
             move.op_id = self.copier.submit_copies(pairs)
         else:
@@ -195,32 +195,22 @@ class TierMoves:
             move.engine = self.copier
             move.op_id = self.copier.submit(lambda: None)
         elif all(n.tier == WARM for n in nodes):
-            pairs = []
-            for n, ext in zip(nodes, dst_exts):
-                pairs.extend(copy_pairs(self.pools[WARM], n.extents, self.hot, ext))
+            pairs = list(copy_pairs(self.pools[WARM], [e for n in nodes for e in n.extents],
+                                    self.hot, [e for ext in dst_exts for e in ext]))
             move.engine = self.copier
             # A request waits for a synchronous promotion: only prefetches are paced.
             move.op_id = self.copier.submit_copies(pairs, paced=background)
         else:
+            # COLD in the run: the disk thread stages and copies it up (``StagedUpload``).
             jobs = [(self.pools[n.tier], list(n.extents), ext) for n, ext in zip(nodes, dst_exts)]
-            hot, failed = self.hot, move.failed_index
+            upload, failed = self.upload, move.failed_index
             pacer = self.disk_io.pacer if background else None
-
-            def bring_up() -> None:
-                for i, (pool, src, dst) in enumerate(jobs):
-                    try:
-                        kv = pool.read(src)
-                    except ChecksumError:
-                        failed.append(i)
-                        raise
-                    hot.write(dst, kv.to(hot.device))
-                    if pacer is not None:
-                        pacer.account(kv.numel() * kv.element_size())
-                if hot.device.type == "cuda":
-                    torch.cuda.current_stream(hot.device).synchronize()
-
+            after = None
+            if self.hot.device.type == "cuda":   # the copies go after what the engine queued so far
+                after = torch.cuda.Event()
+                after.record(torch.cuda.current_stream(self.hot.device))
             move.engine = self.disk_io
-            move.op_id = self.disk_io.submit(bring_up)
+            move.op_id = self.disk_io.submit(lambda: upload.run(jobs, failed, pacer, after))
         for n in nodes:
             n.busy = move
         self._moves[(id(move.engine), move.op_id)] = move
@@ -239,6 +229,7 @@ class TierMoves:
             n.busy = None
         if move.kind is MoveKind.DEMOTE:
             src, dst = move.src_tiers[0], move.dst_tier
+            freed: list[Extent] = []   # freed in one call: the next allocation gets them in order
             for node, dst_ext in zip(move.nodes, move.dst_extents):
                 self._pending_out[src] -= len(node.key)
                 if error is not None or node.lock_ref:
@@ -247,9 +238,10 @@ class TierMoves:
                     self.stats["demotions_abandoned"] += 1
                     self.tree.requeue(node)
                     continue
-                self.pools[src].allocator.free(node.extents)
+                freed.extend(node.extents)
                 self.tree.retier(node, dst, dst_ext)
                 self.stats["demoted_to_warm" if dst == WARM else "demoted_to_cold"] += 1
+            self.pools[src].allocator.free(freed)
             return
         # Promotion: apply root-ward first so tiers stay monotone along the path.
         for n in move.nodes:

@@ -51,6 +51,7 @@ from cluster.errors import InvalidInputError, PoolExhaustedError
 from cluster.names import COLD, HOT, TIER_NAMES, WARM
 from cluster.ownership import ThreadOwner
 from cluster.cache.tier_moves import TierMoves
+from cluster.cache.upload import StagedUpload
 from cluster.cache.tier_types import Move, MoveKind, Readiness, TieredMatch, TierConfig, UnknownSessionError
 
 __all__ = ["TieredCache", "TierConfig", "Move", "MoveKind", "Readiness", "TieredMatch", "UnknownSessionError"]
@@ -86,6 +87,9 @@ class TieredCache(TierMoves):
             self.copier = make_copy_engine(self.device, deterministic=deterministic_io, max_bytes_per_s=pace)
             self.disk_io = ThreadEngine("kv-disk", drain_on_poll=deterministic_io,
                                         max_bytes_per_s=pace) if config.cold_blocks else None
+        # COLD -> HOT through staging buffers, on the disk thread, on the copy stream under CUDA.
+        self.upload = StagedUpload(self.hot, self.pools[COLD], stream=getattr(self.copier, "stream", None)) \
+            if self.num_tiers > COLD and layout is not None else None
         self._moves: dict[tuple[int, int], Move] = {}
         # Host blocks for migrations (None without a WARM tier, or without KV payload).
         self.staging = HostStaging(self.pools[WARM], self._check_owner, reclaim=self._reclaim_lower_blocks) \
