@@ -107,6 +107,10 @@ class WorkerConfig:
     # L3 (cluster.cache.l3_tier): the Mooncake master, "host:port" (None: no L3).
     # A master that cannot be reached leaves L3 off with one log line; nothing waits.
     l3_master: str | None = None
+    # The master's HTTP server, "host:port" (mooncake_master's --metrics_port): the
+    # worker lists L3's keys there for the directory's inventory. None: the master's
+    # host and 9003, mooncake_master's default.
+    l3_master_http: str | None = None
     # "commit": every committed sequence's full blocks are written behind the request
     # (a replica killed a moment later leaves its sessions in L3); "off": read only.
     l3_write: str = "commit"
@@ -148,8 +152,10 @@ class WorkerConfig:
                 raise InvalidInputError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not self.migration_timeout_s > 0:
             raise InvalidInputError(f"migration_timeout_s must be positive, got {self.migration_timeout_s!r}")
-        if self.l3_master is not None and (not isinstance(self.l3_master, str) or ":" not in self.l3_master):
-            raise InvalidInputError(f"l3_master must be 'host:port' or null, got {self.l3_master!r}")
+        for name in ("l3_master", "l3_master_http"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or ":" not in value):
+                raise InvalidInputError(f"{name} must be 'host:port' or null, got {value!r}")
         if self.l3_write not in ("commit", "off"):
             raise InvalidInputError(f"l3_write must be 'commit' or 'off', got {self.l3_write!r}")
         if self.l3_fetch not in ("auto", "always", "off"):

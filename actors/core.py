@@ -103,6 +103,7 @@ class WorkerCore:
         if self.l3 is not None:
             self.l3.set_rates(self.cost.l3_fetch_tokens_per_s or None, self.cost.prefill_tokens_per_s)
             self.l3.listeners.append(self.publisher)
+            self.l3.request_inventory()   # the directory learns what L3 already holds
         self.directory = directory
         self.on_migration = on_migration
         self.reporter = None
@@ -110,7 +111,7 @@ class WorkerCore:
             self.reporter = EventReporter(worker_id, self.publisher, directory, lambda: self.loop.load_report,
                                           on_report=(lambda: on_report(self)) if on_report else None,
                                           wake=lambda: self.loop.wake(),
-                                          register=lambda: self._register(fresh=False))
+                                          register=self._reannounce)
         self._on_trip = on_trip
         self._wedge = threading.Event()
         # How this worker reaches a holder to pull from it (``link_for(holder_id)``), for
@@ -128,6 +129,13 @@ class WorkerCore:
         if directory is not None:
             self._register()
             self.reporter.start_heartbeat(alive=self.loop.alive)
+
+    def _reannounce(self) -> None:
+        """Before every snapshot (engine thread): register again, and list L3 once
+        more (a directory that restarted knows nothing of it)."""
+        self._register(fresh=False)
+        if self.l3 is not None:
+            self.l3.request_inventory()
 
     def _register(self, fresh: bool = True) -> None:
         """Register with the directory: measured rates and the peer channel's address."""
@@ -150,7 +158,7 @@ class WorkerCore:
             log.warning("L3 off on %s: mooncake is not importable (%s)", self.worker_id, INSTALL_HINT)
             return None
         store = MooncakeL3Store(L3Config(master_address=cfg.l3_master, local_hostname=host or "127.0.0.1",
-                                         local_buffer_bytes=cfg.l3_buffer_mb << 20))
+                                         local_buffer_bytes=cfg.l3_buffer_mb << 20, http_address=cfg.l3_master_http))
         state = store.stats()
         if state.state != "on":   # the store logged why, once
             store.close()
@@ -372,7 +380,7 @@ class WorkerCore:
         stats = self.l3.stats
         # What the same fetches would have cost recomputed, at this worker's measured prefill rate.
         rate = self.cost.prefill_tokens_per_s
-        return {"master": self.config.l3_master, **stats.as_dict(), "store": store,
+        return {"master": self.config.l3_master, "key_prefix": self.l3.key_prefix, **stats.as_dict(), "store": store,
                 "state": store["state"], **self.cache.l3.stats,
                 "fetch_tokens_per_s": self.l3.fetch_tokens_per_s, "prefill_tokens_per_s": rate,
                 "fetch_samples": [[round(s * 1e3, 3), n, round(n / rate * 1e3, 3)]

@@ -6,7 +6,13 @@ batches (msgpack, per-worker sequence numbers); a gap, a resync flag or an
 unknown worker is answered with a status that makes the worker push a full
 snapshot. After a restart (Ray restarts it: ``max_restarts=-1``) the index
 starts empty and is rebuilt from the workers' snapshots within one report
-interval.
+interval; L3's part from the inventory (a listing of the store) every worker
+sends with its snapshot and at its start. Until the first inventory arrives,
+the ``l3`` routing option is not priced (stats: ``l3_inventory_s``, how long
+after this process started that took). Every batch and snapshot carries its
+worker's epoch (its start); one of an older epoch than the newest seen for
+that worker is refused (``stale_epoch``), and a newer one replaces the
+worker's entries: events of a previous life never credit a replica.
 
 Routers do not ask it per request: each keeps a copy of its routing table
 (``cluster.routing.table.TableReplica``), fed by ``subscribe``, a long poll
@@ -65,7 +71,12 @@ class DirectoryImpl:
         self._health_task = None
         self.stats = {"decisions": 0, "by_reason": {}, "resyncs": 0, "snapshots": 0, "malformed_batches": 0,
                       "unknown_worker_batches": 0, "gaps": 0, "dropped_workers": 0, "subscribe_polls": 0,
-                      "full_states_sent": 0, "drained_workers": 0, "process_exits": 0, "started_at": time.time()}
+                      "full_states_sent": 0, "drained_workers": 0, "process_exits": 0, "started_at": time.time(),
+                      "stale_epoch_batches": 0, "stale_epoch_snapshots": 0, "new_epochs": 0,
+                      "l3_inventories": 0, "l3_inventory_s": None}
+        self.epochs: dict[str, int] = {}   # worker -> the newest epoch seen (kept after a drop)
+        self._started = clock()
+        self.l3_known = False   # an L3 inventory arrived: the l3 option may be priced
         self._watches: dict[str, asyncio.Task] = {}
         self.lifecycle: deque[dict] = deque(maxlen=64)
 
@@ -106,9 +117,10 @@ class DirectoryImpl:
         if self.costs:
             rates = list(self.costs.values())
             kw = {name: min(getattr(r, name) for r in rates) for name in RATE_FIELDS}
-            # L3 is priced only when every worker reads it (the slowest one's rate).
+            # L3 is priced only when every worker reads it (the slowest one's rate), and
+            # only once this directory knows what L3 holds (an inventory arrived).
             l3 = [r.l3_fetch_tokens_per_s for r in rates]
-            kw["l3_fetch_tokens_per_s"] = min(l3) if all(l3) else 0.0
+            kw["l3_fetch_tokens_per_s"] = min(l3) if all(l3) and self.l3_known else 0.0
         else:  # nobody measured yet: conservative placeholders, replaced at the first registration
             kw = {"prefill_tokens_per_s": 5_000.0, "warm_promote_tokens_per_s": 1e6,
                   "cold_promote_tokens_per_s": 1e5, "transfer_tokens_per_s": 2.5e5}
@@ -189,9 +201,9 @@ class DirectoryImpl:
         return changed
 
     def note_lifecycle(self, worker_id: str, kind: str, report: dict) -> None:
-        """A worker's hand-off or warm-up report (the latest 64 are kept, for stats and benches)."""
-        if kind not in ("handoff", "warmup") or not isinstance(report, dict):
-            raise InvalidInputError(f"lifecycle note must be handoff or warmup with a report, got {kind!r}")
+        """A worker's hand-off, warm-up or start-up report (the latest 64 are kept, for stats and benches)."""
+        if kind not in ("handoff", "warmup", "startup") or not isinstance(report, dict):
+            raise InvalidInputError(f"lifecycle note must be handoff, warmup or startup with a report, got {kind!r}")
         self.lifecycle.append({"worker_id": worker_id, "kind": kind, "at": time.time(), **report})
 
     async def clear_l3(self) -> int:
@@ -211,24 +223,36 @@ class DirectoryImpl:
         Returns "ok", or what the worker must do: "unknown_worker", "gap",
         "resync" or "malformed" all mean "send a snapshot" (``load_snapshot``).
         """
+        batch = None
+        if data is not None:
+            try:
+                batch = EventBatch.decode(data)
+                if batch.worker_id != worker_id:
+                    raise MalformedBatchError(f"batch names worker {batch.worker_id!r}, sent by {worker_id!r}")
+            except MalformedBatchError as exc:
+                self.stats["malformed_batches"] += 1
+                log.warning("malformed event batch from %s: %s", worker_id, exc)
+                return "malformed"
+            if self._stale(worker_id, batch.epoch):   # before anything: an old life registers nothing
+                self.stats["stale_epoch_batches"] += 1
+                return "stale_epoch"
         if worker_id not in self.workers:  # new, or this directory just restarted
             self.stats["unknown_worker_batches"] += 1
             await self.register_worker(worker_id, fresh=False)
             self._set_load(worker_id, load)
+            if batch is not None:
+                self.epochs[worker_id] = batch.epoch
             return "unknown_worker"
         self.last_seen[worker_id] = self.clock()
         self._set_load(worker_id, load)
-        if data is None:
+        if batch is None:
             return "ok"
-        try:
-            batch = EventBatch.decode(data)
-            if batch.worker_id != worker_id:
-                raise MalformedBatchError(f"batch names worker {batch.worker_id!r}, sent by {worker_id!r}")
-        except MalformedBatchError as exc:
-            self.stats["malformed_batches"] += 1
-            log.warning("malformed event batch from %s: %s", worker_id, exc)
-            return "malformed"
+        if self._epoch(worker_id, batch.epoch) == "new":   # a new life: its old entries went; a snapshot follows
+            return "resync"
+        inventory = any(ev.kind == "inventory" for ev in batch.events)
         status = self._change("batch", batch)
+        if inventory and status == "ok":
+            self._note_inventory()
         if status == "gap":
             self.stats["gaps"] += 1
         if status in ("gap", "resync"):
@@ -236,12 +260,44 @@ class DirectoryImpl:
         return status
 
     async def load_snapshot(self, worker_id: str, snapshot: Snapshot) -> str:
+        if not isinstance(snapshot, Snapshot):
+            raise InvalidInputError(f"snapshot must be a Snapshot, got {type(snapshot).__name__}")
+        if self._stale(worker_id, snapshot.epoch):
+            self.stats["stale_epoch_snapshots"] += 1
+            return "stale_epoch"
         if worker_id not in self.workers:
             await self.register_worker(worker_id, fresh=False)
-        seq, entries = snapshot
-        self._change("snapshot", worker_id, seq, entries)
+        self._epoch(worker_id, snapshot.epoch)
+        self._change("snapshot", worker_id, snapshot.seq, snapshot.entries)
         self.stats["snapshots"] += 1
         return "ok"
+
+    def _stale(self, worker_id: str, epoch: int) -> bool:
+        """Older than the newest epoch seen for this worker id: a previous life's."""
+        known = self.epochs.get(worker_id)
+        return known is not None and epoch < known
+
+    def _epoch(self, worker_id: str, epoch: int) -> str:
+        """Record a (not stale) epoch: "new" (a new life: its old entries are dropped,
+        the worker re-registered) or "current"."""
+        known = self.epochs.get(worker_id)
+        if known is None or epoch > known:
+            self.epochs[worker_id] = epoch
+            if known is not None:
+                self.stats["new_epochs"] += 1
+                self._change("register", worker_id, True)   # fresh: forgets the old life's entries
+                log.info("worker %s started again (epoch %d); its old entries are dropped", worker_id, epoch)
+                return "new"
+        return "current"
+
+    def _note_inventory(self) -> None:
+        self.stats["l3_inventories"] += 1
+        if not self.l3_known:
+            self.l3_known = True
+            self.stats["l3_inventory_s"] = round(self.clock() - self._started, 3)
+            log.info("L3 inventory in %.3f s after start: %d blocks known", self.clock() - self._started,
+                     self.index.num_l3)
+            self._reprice()
 
     def _set_load(self, worker_id: str, load: LoadReport | None) -> None:
         if load is None:
@@ -323,6 +379,12 @@ class DirectoryImpl:
                 "log_seq": self.log.seq, "decision_us_p50": self.table.decision_us(0.5),
                 "decision_us_p99": self.table.decision_us(0.99), "l3_blocks_known": self.index.num_l3,
                 "draining": self.table.draining, "lifecycle": list(self.lifecycle)}
+
+    def index_dump(self) -> dict:
+        """Everything the index holds (checks and tests; large on a big cluster): each
+        worker's entries (block hash -> tier), the L3 set, and the epochs."""
+        return {"workers": {w: self.index.entries(w) for w in self.workers}, "l3": self.index.l3_entries(),
+                "epochs": dict(self.epochs), "l3_known": self.l3_known}
 
     async def set_policy(self, name: str) -> None:
         """Switch the policy (admin); the configured ``policy_kwargs`` go with the

@@ -21,10 +21,12 @@ from ray.exceptions import RayActorError
 from cluster.hashing import block_hashes
 from cluster.names import DEFAULT_NAMESPACE, DIRECTORY_NAME
 from cluster.protocol import LoadReport, MeasuredRates, RouteDecision, Snapshot, Tenant
+from cluster.routing.policies import NoLiveWorkerError
 
 log = logging.getLogger(__name__)
 
 CALL_TIMEOUT_S = 5.0   # the longest any awaited call to the directory may take (without its own bound)
+NO_WORKER_RETRY_S = 0.1   # a route that found no live worker is asked again after this, within its bound
 
 
 class DirectoryLink:
@@ -94,14 +96,25 @@ class DirectoryLink:
     # --------------------------------------------------------------- clients
     async def route(self, prompt: list[int], tenant: Tenant | None = None,
                     exclude: list[str] | None = None) -> RouteDecision:
-        """The directory's decision for ``prompt``. With ``route_timeout_s``, a
-        directory that does not answer in time (restarting, no workers yet)
-        gives ``RouteDecision.fallback()``; without it, errors propagate."""
+        """The directory's decision for ``prompt``. No live worker yet (a directory
+        that just restarted) is asked again until the bound (``route_timeout_s``,
+        else ``CALL_TIMEOUT_S``). With ``route_timeout_s``, a directory that does not
+        answer in time gives ``RouteDecision.fallback()``; without it, errors propagate."""
         hashes = block_hashes(prompt, self.block_tokens, tenant)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (self.route_timeout_s or CALL_TIMEOUT_S)
         try:
-            directory = await self.ahandle()
-            ref = directory.route.remote(hashes, len(prompt), exclude)
-            return await asyncio.wait_for(ref, self.route_timeout_s or CALL_TIMEOUT_S)
+            while True:
+                directory = await self.ahandle()
+                ref = directory.route.remote(hashes, len(prompt), exclude)
+                try:
+                    return await asyncio.wait_for(ref, max(0.01, deadline - loop.time()))
+                except NoLiveWorkerError:
+                    # A directory that just restarted hears from its workers within a
+                    # report interval: wait for them (within the bound) rather than fail.
+                    if loop.time() + NO_WORKER_RETRY_S >= deadline:
+                        raise
+                    await asyncio.sleep(NO_WORKER_RETRY_S)
         except Exception as exc:
             self.forget()
             if self.route_timeout_s is None:

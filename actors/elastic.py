@@ -11,7 +11,8 @@ Scale-in (``hand_off``), within the shell's budget (Serve's
    cost), COLD ones read from disk too;
 3. meanwhile the most valuable sequences are offered to the surviving
    workers, least loaded first; each pulls its share over NIXL (a migration
-   from this worker, as the router's migrations are);
+   from this worker, as the router's migrations are); not when the whole app
+   is being deleted (``to_peers=False``: no replica survives to use them);
 4. once the writes are done (or the budget is), their KV events go to the
    directory, and the worker leaves it: nothing is credited to it afterwards,
    the pulled prefixes are credited to their new holders by their own events.
@@ -67,6 +68,7 @@ class HandoffReport:
     l3_prefixes: int = 0
     of_prefixes: int = 0        # sequences the worker held
     l3_flushed: bool = True     # every queued write finished in time
+    to_peers: bool = True       # False: the whole app was leaving (no survivor to pull): L3 only
     peer_prefixes: int = 0      # sequences a peer pulled
     peer_tokens: int = 0
     left: bool = False          # the directory forgot the worker
@@ -97,11 +99,12 @@ class WarmupReport:
 
 async def hand_off(core: "WorkerCore", ops: PeerOps, budget_s: float, *,
                    leave: Callable[[], Awaitable[bool]] | None = None,
-                   drain: Callable[[], Awaitable[bool]] | None = None) -> HandoffReport:
-    """See the module docstring; ``drain``/``leave`` default to the core's directory link."""
+                   drain: Callable[[], Awaitable[bool]] | None = None, to_peers: bool = True) -> HandoffReport:
+    """See the module docstring; ``drain``/``leave`` default to the core's directory link.
+    ``to_peers=False`` (the whole app is being deleted): L3 only, no peer is offered anything."""
     started = time.monotonic()
     deadline = started + budget_s
-    report = HandoffReport(budget_s=budget_s)
+    report = HandoffReport(budget_s=budget_s, to_peers=to_peers)
     if budget_s <= 0:   # hand-off off: the worker just goes (its heartbeats stop)
         return report
     directory = core.directory
@@ -117,7 +120,7 @@ async def hand_off(core: "WorkerCore", ops: PeerOps, budget_s: float, *,
         queued = await core.loop.run(lambda: link.queue_hand_off(started + budget_s * 0.4))
         report.l3_blocks, report.l3_prefixes, report.of_prefixes = (queued["blocks"], queued["prefixes"],
                                                                     queued["of_prefixes"])
-    k = core.config.handoff_peer_prefixes
+    k = core.config.handoff_peer_prefixes if to_peers else 0
     if k:
         offers = await core.loop.run(lambda: [
             PrefixOffer(core.worker_id, p.namespace, p.tokens, p.value)

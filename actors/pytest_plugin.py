@@ -196,7 +196,8 @@ def l3_master():
 def l3_worker_config(master) -> dict:
     """Worker config keys for L3 on ``master`` (none without one). The test model
     computes faster than any store answers, so fetches are forced on."""
-    return {} if master is None else {"l3_master": master.address, "l3_fetch": "always"}
+    return {} if master is None else {"l3_master": master.address, "l3_master_http": master.http_address,
+                                      "l3_fetch": "always"}
 
 
 @pytest.fixture(scope="session")

@@ -47,6 +47,9 @@ class EventReporter:
         self.clock = clock
         self.register = register
         self.snapshot_wanted = False   # set from any thread; read and cleared on the engine thread
+        # The directory saw a newer start of this worker id: this process is an old life
+        # (a zombie) and says nothing more (any thread sets it).
+        self.superseded = False
         self.heartbeats = 0            # sent by the heartbeat thread
         self._last_events = 0.0
         self._last_report = 0.0        # any thread, under _lock
@@ -56,6 +59,8 @@ class EventReporter:
         self._thread: threading.Thread | None = None
 
     def tick(self) -> None:
+        if self.superseded:
+            return
         now = self.clock()
         if now - self._last_events > EVENT_INTERVAL_S:
             self._last_events = now
@@ -101,7 +106,11 @@ class EventReporter:
             status = fut.result()
         except Exception:
             status = "failed"
-        if status != "ok":
+        if status == "stale_epoch":
+            if not self.superseded:
+                log.error("the directory knows a newer start of %s: this process stops reporting", self.worker_id)
+            self.superseded = True
+        elif status != "ok":
             self.snapshot_wanted = True
             self.wake()
 
@@ -121,7 +130,7 @@ class EventReporter:
         ``IDLE_HEARTBEAT_S``; True if it sent."""
         now = self.clock()
         with self._lock:
-            if now - self._last_report < IDLE_HEARTBEAT_S:
+            if self.superseded or now - self._last_report < IDLE_HEARTBEAT_S:
                 return False
             self._last_report = now
         if self._publish(None, self.load(), "heartbeat") is None:

@@ -52,11 +52,12 @@ class CacheWorkerImpl:
         return (await warm_up(self.core, self.ops, budget_s=cfg.warmup_s, max_bytes=cfg.warmup_mb << 20,
                               max_prefixes=cfg.warmup_prefixes)).as_dict()
 
-    async def leave(self, budget_s: float | None = None) -> dict:
-        """Drain, hand the cache on to L3 and the peers, leave the directory
-        (``actors.elastic.hand_off``); the actor can be killed afterwards."""
+    async def leave(self, budget_s: float | None = None, to_peers: bool = True) -> dict:
+        """Drain, hand the cache on to L3 and (unless every worker is leaving:
+        ``to_peers=False``) the peers, leave the directory (``actors.elastic.hand_off``);
+        the actor can be killed afterwards."""
         budget = self.core.config.handoff_s if budget_s is None else budget_s
-        return (await hand_off(self.core, self.ops, budget)).as_dict()
+        return (await hand_off(self.core, self.ops, budget, to_peers=to_peers)).as_dict()
 
     async def pull(self, offer: PrefixOffer) -> int:
         return await self.core.pull(offer)

@@ -346,6 +346,7 @@ class Snapshot(NamedTuple):
 
     seq: int
     entries: dict[int, int]
+    epoch: int = 0   # the publisher's start (ns): a snapshot of an older life is refused
 
 
 @dataclass(slots=True)

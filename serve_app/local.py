@@ -80,7 +80,8 @@ class LocalCluster:
         from serve_app.app import APP_NAME, build_app
 
         if self.l3 is not None and "l3_master" not in args.get("worker", {}):
-            args = {**args, "worker": {**args.get("worker", {}), "l3_master": self.l3.address}}
+            args = {**args, "worker": {**args.get("worker", {}), "l3_master": self.l3.address,
+                                       "l3_master_http": self.l3.http_address}}
         serve.start(http_options={"host": host, "port": port})
         serve.run(build_app(args), name=APP_NAME, route_prefix="/", blocking=False)
         self.port = port

@@ -18,13 +18,16 @@ Lifetime (``actors.elastic``): before it reports ready, a new replica warms up
 on its peers' most valuable shared prefixes (from L3 or from them); when Serve
 stops it (scale-in, a redeploy), its destructor drains it in the directory and
 hands its cache on to L3 and to the surviving replicas, within ``handoff_s``
-(keep it under the deployment's ``graceful_shutdown_timeout_s``).
+(keep it under the deployment's ``graceful_shutdown_timeout_s``). When the
+whole app is being deleted (or Serve shut down) there are no survivors: every
+replica writes to L3 only (``_app_leaving``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import ray
 from ray import serve
@@ -50,9 +53,33 @@ def _report_metrics(core: WorkerCore) -> None:
         metrics.report_l3(core.worker_id, core.l3.stats)
 
 
+def _app_leaving(timeout_s: float = 2.0) -> bool:
+    """Whether this replica's whole application is being deleted (its status is
+    DELETING, it is gone, or the controller cannot say within ``timeout_s``: Serve
+    shutting down): then no replica survives to take a peer hand-off."""
+    import concurrent.futures as cf
+
+    from ray.serve.schema import ApplicationStatus
+
+    def ask() -> bool:
+        app = serve.get_replica_context().replica_id.deployment_id.app_name
+        status = serve.status().applications.get(app)
+        return status is None or status.status == ApplicationStatus.DELETING
+
+    pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="app-status")
+    try:
+        return pool.submit(ask).result(timeout=timeout_s)
+    except Exception as exc:   # no answer while stopping: assume the app goes (L3 still takes it all)
+        log.info("app status unknown at shutdown (%s): hand-off to L3 only", type(exc).__name__)
+        return True
+    finally:
+        pool.shutdown(wait=False)
+
+
 class CacheReplica:
     async def __init__(self, worker_config: dict | None = None, namespace: str = "prefix-cache",
                        policy: str = "cost", policy_args: dict | None = None, peer_secret: str | None = None):
+        started_at, t0 = time.time(), time.perf_counter()
         self.worker_id = serve.get_replica_context().replica_id.unique_id
         cfg = WorkerConfig.from_dict(worker_config)
         self.directory = DirectoryLink(namespace, create=True, policy=policy, block_tokens=cfg.block_tokens,
@@ -68,12 +95,20 @@ class CacheReplica:
             on_trip=lambda _reason: metrics.watchdog_trips.inc(tags={"worker": self.worker_id}),
             peer_host=ray.util.get_node_ip_address(), peer_secret=peer_secret)
         self.core.link_for = self._link
+        t_core = time.perf_counter()
         self.compiled = await self._build_cuda_steps()
+        t_cuda = time.perf_counter()
         self.ops = ServePeerOps(self)
         self.handoff: dict | None = None
         self.warmup = (await warm_up(self.core, self.ops, budget_s=cfg.warmup_s, max_bytes=cfg.warmup_mb << 20,
                                      max_prefixes=cfg.warmup_prefixes)).as_dict()
         metrics.report_warmup(self.worker_id, self.warmup)
+        # Where a new replica's start-up goes (recovery after a kill waits for all of it).
+        t_ready = time.perf_counter()
+        self.startup = {"started_at": started_at, "ready_at": started_at + (t_ready - t0),
+                        "core_s": round(t_core - t0, 3), "cuda_steps_s": round(t_cuda - t_core, 3),
+                        "warmup_s": round(t_ready - t_cuda, 3), "total_s": round(t_ready - t0, 3)}
+        await self.directory.note_lifecycle(self.worker_id, "startup", self.startup)
 
     async def _build_cuda_steps(self) -> dict:
         """Compile and capture what the model's CUDA steps launch (``cuda_graphs.warm_up``),
@@ -118,7 +153,8 @@ class CacheReplica:
         if core is None:   # the constructor never finished: nothing to hand on
             return
         try:
-            self.handoff = (await hand_off(core, self.ops, core.config.handoff_s)).as_dict()
+            to_peers = core.config.handoff_s > 0 and not await asyncio.to_thread(_app_leaving)
+            self.handoff = (await hand_off(core, self.ops, core.config.handoff_s, to_peers=to_peers)).as_dict()
             metrics.report_handoff(self.worker_id, self.handoff, core.config.block_tokens)
         except Exception as exc:   # what L3 already has stays; the peers recompute the rest
             log.warning("hand-off of %s failed: %s", self.worker_id, exc)

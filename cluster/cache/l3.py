@@ -58,6 +58,8 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
+import urllib.request
+
 import torch
 
 from cluster.cache.l3_format import (  # noqa: F401  (the format, re-exported)
@@ -77,6 +79,7 @@ INSTALL_HINT = ("pip install mooncake-transfer-engine-non-cuda==0.3.13.post1 (CP
                 "mooncake-transfer-engine on CUDA machines) and the system library libibverbs1 (Debian/Ubuntu)")
 # Mooncake reads these when a client is set up; without them an unreachable master
 # blocks setup and every call for 30-90 s (measured). Set only where the user has not.
+_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # the master is near: never via a proxy
 MOONCAKE_ENV_DEFAULTS = {"MC_RPC_TIMEOUT_MS": "2000", "MC_RPC_CONNECT_TIMEOUT_MS": "1000",
                          "MC_STORE_CLIENT_SETUP_RETRIES": "1"}
 
@@ -125,6 +128,16 @@ class L3Store(abc.ABC):
         not say."""
 
     @abc.abstractmethod
+    def remove_keys(self, keys: Sequence[L3Key]) -> int:
+        """Remove these values (blocks that failed verification: every read of them
+        would be a miss); how many went, -1 when the store could not say."""
+
+    @abc.abstractmethod
+    def list_names(self, prefix: str) -> list[str] | None:
+        """The names of every value whose name starts with ``prefix`` (what the
+        directory's L3 inventory is rebuilt from); None when the store cannot list."""
+
+    @abc.abstractmethod
     def close(self) -> None: ...
 
     @abc.abstractmethod
@@ -161,6 +174,9 @@ class L3Config:
     probe_timeout_s: float = 1.0        # TCP probe of the master before setup and before coming back on
     trip_after_failures: int = 3
     retry_after_s: float = 30.0
+    # The master's HTTP server (its metrics port): GET /get_all_keys lists the keys
+    # (``list_names``). None: the master's host and 9003, mooncake_master's default.
+    http_address: str | None = None
 
     def __post_init__(self) -> None:
         host, _, port = self.master_address.rpartition(":")
@@ -179,19 +195,27 @@ class L3Config:
         host, _, port = self.master_address.rpartition(":")
         return host, int(port)
 
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.http_address or self.master_host_port[0] + ':9003'}"
+
 
 class _DeadlineWorker:
-    """One daemon thread that runs native calls; the caller waits with a deadline.
+    """One daemon thread that runs native calls in order; each caller waits with
+    its own deadline.
 
-    A call still running past its deadline keeps the thread; until it returns,
-    new calls fail at once instead of queueing behind it. A daemon thread, so
-    a call stuck in Mooncake never keeps the interpreter from exiting.
+    Calls queue behind each other (a fetch issued during a write waits for it,
+    within the fetch's own deadline: measured, a write batch takes tens of ms).
+    A queued call whose deadline passes is cancelled and never runs. ``stuck``
+    means the running call is past *its* deadline, still inside Mooncake: until
+    it returns, new calls fail at once instead of queueing behind it. A daemon
+    thread, so a call stuck in Mooncake never keeps the interpreter from exiting.
     """
 
     def __init__(self, name: str):
         self._cond = threading.Condition()
-        self._queue: list[tuple[Callable[[], Any], Future]] = []
-        self._running: Future | None = None
+        self._queue: list[tuple[Callable[[], Any], Future, float]] = []
+        self._running_deadline: float | None = None   # monotonic deadline of the call running now
         threading.Thread(target=self._loop, name=name, daemon=True).start()
 
     def _loop(self) -> None:
@@ -199,30 +223,32 @@ class _DeadlineWorker:
             with self._cond:
                 while not self._queue:
                     self._cond.wait()
-                fn, fut = self._queue.pop(0)
+                fn, fut, deadline = self._queue.pop(0)
                 if not fut.set_running_or_notify_cancel():
                     continue
-                self._running = fut
+                self._running_deadline = deadline
             try:
                 fut.set_result(fn())
             except BaseException as exc:  # surfaced to the caller by fut.result()
                 fut.set_exception(exc)
             finally:
                 with self._cond:
-                    self._running = None
+                    self._running_deadline = None
 
     @property
     def stuck(self) -> bool:
-        return self._running is not None
+        running = self._running_deadline
+        return running is not None and time.monotonic() > running
 
     def call(self, fn: Callable[[], Any], timeout_s: float) -> Any:
         """``fn()``'s result; ``FutureTimeout`` past ``timeout_s`` (a queued call is cancelled)."""
         fut: Future = Future()
+        timeout_s = max(timeout_s, 0.0)
         with self._cond:
-            self._queue.append((fn, fut))
+            self._queue.append((fn, fut, time.monotonic() + timeout_s))
             self._cond.notify()
         try:
-            return fut.result(timeout=max(timeout_s, 0.0))
+            return fut.result(timeout=timeout_s)
         except FutureTimeout:
             fut.cancel()
             raise
@@ -246,7 +272,8 @@ class MooncakeL3Store(L3Store):
 
     Builds and sets up the client at once; never raises for store trouble (an
     invalid config raises ``InvalidInputError``). Thread-safe: native calls run
-    one at a time on the store's worker thread.
+    one at a time on the store's worker thread, in the order they were made,
+    each within its own deadline (``_DeadlineWorker``).
     """
 
     def __init__(self, config: L3Config | None = None, *, clock: Callable[[], float] = time.monotonic):
@@ -346,7 +373,7 @@ class MooncakeL3Store(L3Store):
 
     def _native(self, fn: Callable[[], Any], deadline: float) -> Any:
         """Run one native call before ``deadline`` (clock time); ``_Off`` when it cannot
-        (also at once while an earlier call is still stuck in Mooncake)."""
+        (also at once while an earlier call is stuck in Mooncake past its own deadline)."""
         if self._worker.stuck:
             self._count(timeouts=1)
             raise _Off()
@@ -494,3 +521,29 @@ class MooncakeL3Store(L3Store):
         except _Off:
             return (False,) * len(keys)
         return tuple(c == 1 for c in codes)
+
+    def remove_keys(self, keys: Sequence[L3Key]) -> int:
+        if not keys:
+            return 0
+        names = [k.name for k in keys]
+
+        def remove() -> list[int]:
+            return list(self._client.batch_remove(names, True))   # force: a leased (just read) value too
+        try:
+            self._ensure_on()
+            codes = self._native(remove, self._clock() + self.config.op_timeout_s)
+        except _Off:
+            return -1
+        return sum(1 for c in codes if int(c) == 0)
+
+    def list_names(self, prefix: str) -> list[str] | None:
+        """From the master's HTTP server (``/get_all_keys``, one name per line), within
+        ``op_timeout_s``; None (logged) when it does not answer."""
+        url = f"{self.config.http_url}/get_all_keys"
+        try:
+            with _NO_PROXY.open(url, timeout=self.config.op_timeout_s) as resp:
+                body = resp.read().decode("utf-8", "replace")
+        except Exception as exc:   # not reachable, or not a mooncake_master: the caller re-announces instead
+            log.warning("cannot list L3 keys at %s (%s); set l3_master_http to the master's metrics port", url, exc)
+            return None
+        return [line for line in body.splitlines() if line.startswith(prefix)]

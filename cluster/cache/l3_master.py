@@ -133,6 +133,11 @@ class L3Master:
         return f"{self.config.host}:{self.rpc_port}"
 
     @property
+    def http_address(self) -> str:
+        """``host:port`` of the master's HTTP server (metrics, key listing: ``L3Config.http_address``)."""
+        return f"{self.config.host}:{self.metrics_port}"
+
+    @property
     def metrics_url(self) -> str:
         return f"http://{self.config.host}:{self.metrics_port}/metrics"
 

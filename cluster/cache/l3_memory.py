@@ -83,6 +83,13 @@ class MemoryL3Store(L3Store):
                 self._bytes -= len(self._values.pop(n))
             return len(names)
 
+    def remove_keys(self, keys: Sequence[L3Key]) -> int:
+        return sum(self.remove(k) for k in keys)
+
+    def list_names(self, prefix: str) -> list[str] | None:
+        with self._lock:
+            return [n for n in self._values if n.startswith(prefix)]
+
     def remove(self, key: L3Key) -> bool:
         """Forget one value (as an eviction would); True if it was there."""
         with self._lock:

@@ -40,7 +40,7 @@ import torch
 import xxhash
 
 from cluster.cache.kv_pool import KVLayout
-from cluster.cache.l3 import L3Block, L3Lookup, L3Store, kv_layout_version, l3_key
+from cluster.cache.l3 import GetStatus, L3Block, L3Lookup, L3Store, kv_layout_version, l3_key
 from cluster.errors import InvalidInputError
 
 log = logging.getLogger(__name__)
@@ -124,6 +124,8 @@ class FetchResult:
     first_hash: int = 0        # the hash of block ``first_block`` (what the fetch is known by)
     bytes: int = 0
     found: list[int] = field(default_factory=list)   # hashes of the blocks found
+    unanswered: bool = False   # the run stopped at a block the store did not answer for (timeout, off)
+    backoff: list[int] = field(default_factory=list)   # that block: not asked for again a while (locally)
 
 
 @dataclass(slots=True)
@@ -132,6 +134,11 @@ class _Fetch:
     tokens: list[int]
     hashes: list[int]
     first_block: int
+
+
+@dataclass(slots=True)
+class _Inventory:
+    """List every block of this model and layout L3 holds (for the directory)."""
 
 
 @dataclass(slots=True)
@@ -153,6 +160,11 @@ class L3TierStats:
     fetch_blocks_hit: int = 0
     fetch_misses: int = 0           # fetches that found not even their first block
     fetch_skipped_slower: int = 0   # a fetch was possible but recompute is faster
+    fetch_unanswered: int = 0       # fetches cut short by a block the store did not answer for
+    verify_failed_removed: int = 0  # blocks that failed verification, removed from L3
+    inventories: int = 0            # L3 inventories sent to the directory
+    inventory_blocks: int = 0       # ... and the blocks the latest one listed
+    inventory_listed: bool | None = None   # the latest came from the store's listing (False: what was known)
     bytes_fetched: int = 0
     installed_tokens: int = 0
     install_failures: int = 0
@@ -192,6 +204,9 @@ class _Bounded:
     def __contains__(self, h: int) -> bool:
         return h in self._d
 
+    def keys(self) -> list[int]:
+        return list(self._d)
+
     def __len__(self) -> int:
         return len(self._d)
 
@@ -220,6 +235,8 @@ class L3Tier:
         self._write_jobs: deque[_Write] = deque()
         self._done_fetches: deque[FetchResult] = deque()
         self._done_writes: deque[tuple[list[int], list[bool], int]] = deque()
+        self._done_inventories: deque[list[int] | None] = deque()
+        self._inventory_queued = False
         self._pending_bytes = 0
         self._busy = {"fetch": False, "write": False}   # a job of that queue is running
         self._closed = False
@@ -248,10 +265,15 @@ class L3Tier:
     def key(self, block_hash: int):
         return l3_key(self.config.model_id, self.version, block_hash)
 
+    @property
+    def key_prefix(self) -> str:
+        """The names of this model's blocks in this KV format start with it."""
+        return f"pc/{self.config.model_id}/{self.version}/"
+
     def remove_all(self) -> int:
         """Remove every block of this model and KV format from L3 (an admin flush;
         any thread); how many went (-1: unknown). ``forget`` afterwards."""
-        return self.store.remove_prefix(f"pc/{self.config.model_id}/{self.version}/")
+        return self.store.remove_prefix(self.key_prefix)
 
     def forget(self) -> None:
         """Forget which blocks were written or missing (owner thread; after ``remove_all``)."""
@@ -305,7 +327,48 @@ class L3Tier:
             if ok:
                 for listener in self.listeners:
                     listener.on_l3_stored(ok)
+        self._take_inventories()
         return stored_total
+
+    # ---------------------------------------------------------- inventory
+    def request_inventory(self) -> None:
+        """List what L3 holds of this model and layout, on the fetch thread, and tell
+        the listeners (``on_l3_inventory``) at the next ``take_written``: how a
+        directory that restarted, or a worker that started, learns L3's content.
+        Where the store cannot list, what this replica knows it holds goes instead."""
+        with self._cv:
+            if self._inventory_queued:
+                return
+            self._inventory_queued = True
+            self._fetch_jobs.append(_Inventory())
+            self._cv.notify_all()
+
+    def _take_inventories(self) -> None:
+        with self._cv:
+            done, self._done_inventories = list(self._done_inventories), deque()
+        for listed in done:
+            if listed is not None:
+                for h in listed:   # in L3: not to be written again
+                    self.written.add(h)
+            hashes = self.written.keys() if listed is None else listed
+            self.stats.inventories += 1
+            self.stats.inventory_blocks = len(hashes)
+            self.stats.inventory_listed = listed is not None
+            for listener in self.listeners:
+                listener.on_l3_inventory(hashes)
+
+    def _list_hashes(self) -> list[int] | None:
+        prefix = self.key_prefix
+        names = self.store.list_names(prefix)
+        if names is None:
+            return None
+        out = []
+        for name in names:
+            try:
+                out.append(int(name[len(prefix):], 16))
+            except ValueError:   # not one of ours after all
+                continue
+        return out
 
     # ------------------------------------------------------------- fetches
     def wants_fetch(self, hashes: Sequence[int], first_block: int) -> bool:
@@ -367,8 +430,12 @@ class L3Tier:
                     rate = r.blocks * self.block_tokens / r.seconds
                     f = self.fetch_tokens_per_s
                     self.fetch_tokens_per_s = rate if f is None else 0.8 * f + 0.2 * rate
-            else:
+            elif not r.unanswered:
                 self.stats.fetch_misses += 1
+            if r.unanswered:   # no answer is not an answer: nothing is marked missing or removed
+                self.stats.fetch_unanswered += 1
+            for h in r.backoff:   # ... but the request computes, and nobody asks again at once
+                self._missing.add(h, now)
             for h in r.missing:
                 self._missing.add(h, now)
                 if h in self.written:     # it was there once: evicted from L3 since
@@ -411,7 +478,13 @@ class L3Tier:
             self._run(job)
             n += 1
 
-    def _run(self, job: _Fetch | _Write) -> None:
+    def _run(self, job: _Fetch | _Write | _Inventory) -> None:
+        if isinstance(job, _Inventory):
+            listed = self._list_hashes()
+            with self._cv:
+                self._inventory_queued = False
+                self._done_inventories.append(listed)
+            return
         if isinstance(job, _Write):
             results = self.store.put_blocks(job.blocks)
             with self._cv:
@@ -430,21 +503,33 @@ class L3Tier:
                 break
             found += 1
         kv = torch.cat([r.kv for r in results[:found]], dim=2) if found else None
-        missing = [hashes[first + found]] if found < len(results) else []
+        stop = results[found].status if found < len(results) else None
+        if stop is GetStatus.VERIFY_FAILED:   # every read of it would fail: it goes (and is missing)
+            removed = self.store.remove_keys([results[found].key])
+            with self._cv:
+                self.stats.verify_failed_removed += max(0, removed)
+        # Only an answer makes a block missing: a timeout or an off store says nothing of it.
+        missing = [hashes[first + found]] if stop in (GetStatus.MISS, GetStatus.VERIFY_FAILED) else []
         out = FetchResult(job.namespace, tokens[:(first + found) * bt], first, found, kv, missing,
                           time.perf_counter() - started, hashes[first],
-                          0 if kv is None else kv.numel() * kv.element_size(), hashes[first:first + found])
+                          0 if kv is None else kv.numel() * kv.element_size(), hashes[first:first + found],
+                          unanswered=stop in (GetStatus.TIMEOUT, GetStatus.OFF),
+                          backoff=[hashes[first + found]] if stop in (GetStatus.TIMEOUT, GetStatus.OFF) else [])
         with self._cv:
             self._done_fetches.append(out)
 
-    def _fail(self, job: _Fetch | _Write) -> None:
+    def _fail(self, job: _Fetch | _Write | _Inventory) -> None:
         with self._cv:
-            if isinstance(job, _Write):
+            if isinstance(job, _Inventory):
+                self._inventory_queued = False
+                self._done_inventories.append(None)
+            elif isinstance(job, _Write):
                 self._pending_bytes -= job.nbytes
                 self._done_writes.append((job.hashes, [False] * len(job.hashes), job.nbytes))
             else:
                 self._done_fetches.append(FetchResult(job.namespace, [], job.first_block, 0, None, [], 0.0,
-                                                      job.hashes[job.first_block]))
+                                                      job.hashes[job.first_block], unanswered=True,
+                                                      backoff=[job.hashes[job.first_block]]))
 
     # ------------------------------------------------------------ lifecycle
     def pending(self) -> int:

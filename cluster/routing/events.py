@@ -10,13 +10,23 @@ its *last* token: that node's tier is the block's tier, and the block appears
 with the node and goes with it. Splits and merges change no content and emit
 nothing.
 
-Wire format (msgpack): ``{"v": 1, "w": worker_id, "s": seq, "r": resync,
-"e": [[kind, tier, [hash, ...]], ...]}`` with ``kind`` one of ``stored``,
-``tier``, ``removed``. Tier 3 (``L3``) is the cluster-wide store, not the
-worker's tree: ``stored`` says the worker wrote those blocks to L3,
-``removed`` that a fetch found them missing there; the directory keeps them
-apart from the worker's own entries (they outlive the worker). Sequence numbers start at 1 and grow by one per batch,
-so the directory sees a lost or reordered batch as a gap.
+Wire format (msgpack): ``{"v": 2, "w": worker_id, "p": epoch, "s": seq,
+"r": resync, "e": [[kind, tier, [hash, ...]], ...]}`` with ``kind`` one of
+``stored``, ``tier``, ``removed``, ``inventory``. Tier 3 (``L3``) is the
+cluster-wide store, not the worker's tree: ``stored`` says the worker wrote
+those blocks to L3, ``removed`` that a fetch found them missing there (or
+removed them: they failed verification), ``inventory`` that L3 holds them
+(a listing of the store, sent at start and with every snapshot: how a
+restarted directory learns L3's content); the directory keeps them apart
+from the worker's own entries (they outlive the worker). Sequence numbers
+start at 1 and grow by one per batch, so the directory sees a lost or
+reordered batch as a gap.
+
+Epochs: a publisher's ``epoch`` is its process's start time in nanoseconds
+(so it grows with every start of a worker of the same id); batches and
+snapshots carry it, and the directory refuses any of an epoch older than the
+newest it has seen for that worker: events of a previous life never credit
+the replica.
 
 Back-pressure: the publisher never blocks the worker and never grows without
 bound. When its buffer would pass ``max_buffer_events`` it drops what it holds
@@ -29,6 +39,7 @@ be coordinated with batches in flight.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,7 +50,8 @@ from cluster.errors import InvalidInputError
 from cluster.names import L3
 from cluster.protocol import Snapshot
 
-KINDS = ("stored", "tier", "removed")
+KINDS = ("stored", "tier", "removed", "inventory")
+INVENTORY_CHUNK = 65_536   # hashes per inventory event
 # How often a worker sends (actors/reporter.py; the routing replay models the same):
 # pending events with its load at most every EVENT_INTERVAL_S, a changed load alone
 # every HEARTBEAT_S, and an unchanged one every IDLE_HEARTBEAT_S (liveness: the
@@ -47,7 +59,7 @@ KINDS = ("stored", "tier", "removed")
 EVENT_INTERVAL_S = 0.02
 HEARTBEAT_S = 0.1
 IDLE_HEARTBEAT_S = 0.5
-WIRE_VERSION = 1
+WIRE_VERSION = 2
 _U64 = 1 << 64
 
 
@@ -68,10 +80,12 @@ class EventBatch:
     seq: int
     events: list[KVEvent] = field(default_factory=list)
     resync: bool = False
+    epoch: int = 0   # the publisher's start (ns): see the module docstring
 
     def encode(self) -> bytes:
-        return msgpack.packb({"v": WIRE_VERSION, "w": self.worker_id, "s": self.seq, "r": self.resync,
-                              "e": [[e.kind, e.tier, e.hashes] for e in self.events]}, use_bin_type=True)
+        return msgpack.packb({"v": WIRE_VERSION, "w": self.worker_id, "p": self.epoch, "s": self.seq,
+                              "r": self.resync, "e": [[e.kind, e.tier, e.hashes] for e in self.events]},
+                             use_bin_type=True)
 
     @classmethod
     def decode(cls, data: Any) -> "EventBatch":
@@ -83,14 +97,16 @@ class EventBatch:
             raise MalformedBatchError(f"event batch is not msgpack ({type(exc).__name__}: {exc})") from None
         if not isinstance(obj, dict):
             raise MalformedBatchError(f"event batch must be a map, got {type(obj).__name__}")
-        missing = [k for k in ("v", "w", "s", "r", "e") if k not in obj]
+        missing = [k for k in ("v", "w", "p", "s", "r", "e") if k not in obj]
         if missing:
             raise MalformedBatchError(f"event batch lacks field(s) {', '.join(missing)}")
         if obj["v"] != WIRE_VERSION:
             raise MalformedBatchError(f"event batch version {obj['v']!r} is not supported (want {WIRE_VERSION})")
-        worker, seq, resync, raw_events = obj["w"], obj["s"], obj["r"], obj["e"]
+        worker, epoch, seq, resync, raw_events = obj["w"], obj["p"], obj["s"], obj["r"], obj["e"]
         if not isinstance(worker, str) or not worker:
             raise MalformedBatchError(f"worker id must be a non-empty string, got {worker!r}")
+        if type(epoch) is not int or not 0 <= epoch < _U64:
+            raise MalformedBatchError(f"epoch must be an unsigned 64-bit integer, got {epoch!r}")
         if type(seq) is not int or seq < 0:
             raise MalformedBatchError(f"seq must be a non-negative integer, got {seq!r}")
         if not isinstance(resync, bool):
@@ -108,13 +124,15 @@ class EventBatch:
                 raise MalformedBatchError(f"event {i}: tier {tier!r} out of range [{HOT}, {L3}]")
             if tier == L3 and kind == "tier":
                 raise MalformedBatchError(f"event {i}: a 'tier' event cannot name L3 (only stored or removed)")
+            if kind == "inventory" and tier != L3:
+                raise MalformedBatchError(f"event {i}: an 'inventory' event names L3 only, got tier {tier}")
             if not isinstance(hashes, list):
                 raise MalformedBatchError(f"event {i}: hashes must be a list, got {type(hashes).__name__}")
             for h in hashes:
                 if type(h) is not int or not 0 <= h < _U64:
                     raise MalformedBatchError(f"event {i}: hash {h!r:.40} is not an unsigned 64-bit integer")
             events.append(KVEvent(kind, hashes, tier))
-        return cls(worker, seq, events, resync)
+        return cls(worker, seq, events, resync, epoch)
 
 
 class KVEventPublisher:
@@ -124,7 +142,9 @@ class KVEventPublisher:
     to publish (after each step, or on a timer) and ships the batch.
     """
 
-    def __init__(self, worker_id: str, tree: RadixTree, block_tokens: int, max_buffer_events: int = 10_000):
+    def __init__(self, worker_id: str, tree: RadixTree, block_tokens: int, max_buffer_events: int = 10_000,
+                 epoch: int | None = None):
+        """``epoch``: default this start's wall time in ns (module docstring)."""
         if not isinstance(worker_id, str) or not worker_id:
             raise InvalidInputError(f"worker_id must be a non-empty string, got {worker_id!r}")
         if not isinstance(block_tokens, int) or block_tokens <= 0:
@@ -132,6 +152,9 @@ class KVEventPublisher:
         if not isinstance(max_buffer_events, int) or max_buffer_events <= 0:
             raise InvalidInputError(f"max_buffer_events must be a positive integer, got {max_buffer_events!r}")
         self.worker_id = worker_id
+        self.epoch = time.time_ns() if epoch is None else epoch
+        if type(self.epoch) is not int or not 0 <= self.epoch < _U64:
+            raise InvalidInputError(f"epoch must be an unsigned 64-bit integer, got {epoch!r}")
         self.tree = tree
         self.block_tokens = block_tokens
         # The tree keeps each node's hashes current through insert, split and
@@ -159,6 +182,14 @@ class KVEventPublisher:
 
     def on_l3_removed(self, hashes: list[int]) -> None:
         self._emit_hashes("removed", list(hashes), L3)
+
+    def on_l3_inventory(self, hashes: list[int]) -> None:
+        """Every block L3 holds (a listing), in events of ``INVENTORY_CHUNK`` hashes."""
+        hashes = list(hashes)
+        for i in range(0, len(hashes), INVENTORY_CHUNK):
+            self._emit_hashes("inventory", hashes[i:i + INVENTORY_CHUNK], L3)
+        if not hashes:   # an empty L3 is news too: the directory prices L3 from here on
+            self._pending.append(KVEvent("inventory", [], L3))
 
     def node_hashes(self, node: TreeNode) -> list[int]:
         """Hashes of the full blocks whose last token lies in ``node`` (cached on the node)."""
@@ -198,13 +229,13 @@ class KVEventPublisher:
             self.needs_resync = False
             self._seq += 1
             self.stats["batches"] += 1
-            return EventBatch(self.worker_id, self._seq, [], resync=True)
+            return EventBatch(self.worker_id, self._seq, [], resync=True, epoch=self.epoch)
         if not self._pending:
             return None
         events, self._pending = self._pending, []
         self._seq += 1
         self.stats["batches"] += 1
-        return EventBatch(self.worker_id, self._seq, events)
+        return EventBatch(self.worker_id, self._seq, events, epoch=self.epoch)
 
     def snapshot(self) -> Snapshot:
         """``(seq, {hash: tier})``: the tree's full content as of batch ``seq``.
@@ -217,4 +248,4 @@ class KVEventPublisher:
             tier = node.tier
             for h in node.hashes:
                 entries[h] = tier
-        return Snapshot(self._seq, entries)
+        return Snapshot(self._seq, entries, self.epoch)

@@ -85,6 +85,17 @@ class ClusterProbe:
         except Exception:
             return []
 
+    def lifecycle(self, kind: str) -> list[dict]:
+        """The directory's latest lifecycle notes of ``kind`` (handoff, warmup, startup)."""
+        import ray
+
+        handle = self._directory_handle()
+        try:
+            notes = ray.get(handle.get_stats.remote(), timeout=5)["lifecycle"] if handle is not None else []
+        except Exception:
+            return []
+        return [n for n in notes if n.get("kind") == kind]
+
     def loads(self) -> dict[str, tuple[int, int]]:
         """Each worker's (queued tokens, running requests) as the directory last heard them
         (the load report every worker sends with its KV events: waiting prompt tokens plus

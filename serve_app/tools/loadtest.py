@@ -34,7 +34,13 @@ choice). With a kill the report adds:
 - ``recovery_s``: the time from the kill until the app is whole again: the
   killed actor gone (the directory: back), as many replicas alive as
   before, and the directory's routing table listing every live replica and
-  no longer the killed one (null without a kill, or past the limit).
+  no longer the killed one (null without a kill, or past the limit);
+- where it went (a replica kill): ``dropped_s``, from the kill until the
+  directory no longer listed the killed worker; ``replacement``: the new
+  replica's own start-up note (``started_after_kill_s``: until Serve started
+  it; ``core_s``: loading the model, the kernels, L3 and registering;
+  ``cuda_steps_s``; ``warmup_s``: pulling its peers' shared prefixes;
+  ``ready_after_kill_s``: until it reported ready).
 
 ``rss_mib_before/after``: resident memory of the app's processes (the
 Serve replicas and the directory, read from /proc: the cluster must run on
@@ -223,7 +229,7 @@ async def run_load(url: str, *, requests: int, concurrency: int, stream_fraction
             await asyncio.sleep(kill_at)
             victim, in_flight = (await _busiest_replica(probe, replicas, load_done)) if replicas else (None, None)
             killed = await asyncio.to_thread(probe.kill, kill, victim, replicas)
-            killed["at"] = time.monotonic()
+            killed["at"], killed["wall"] = time.monotonic(), time.time()
             killed["s"] = round(time.perf_counter() - t0, 2)
             killed["in_flight"] = in_flight
             killed["resumed_before"] = resumed_before
@@ -257,6 +263,7 @@ async def run_load(url: str, *, requests: int, concurrency: int, stream_fraction
             "killed_worker": killed["worker_id"] if killed else None,
             "in_flight_at_kill": killed["in_flight"] if killed else None, "resumed": resumed,
             "killed_at_s": killed["s"] if killed else None,
+            **_recovery_parts(probe, killed, recovery),
             "wall_s": round(wall, 2), "concurrency": concurrency, "stream_fraction": stream_fraction,
             "rss_mib_before": rss_before, "rss_mib_after": probe.rss_mib() if probe else None,
             **_hostile_report(hostile_concurrency, hostile_seen, hostile_rate, wall)}
@@ -293,10 +300,30 @@ def _resumed_since(probe: ClusterProbe, before: dict[str, float] | None, last_re
 
 def _wait_whole(probe: ClusterProbe, killed: dict, limit_s: float) -> float | None:
     while time.monotonic() - killed["at"] < limit_s:
+        if "dropped_s" not in killed and killed.get("worker_id") not in probe.live_workers():
+            killed["dropped_s"] = round(time.monotonic() - killed["at"], 2)
         if probe.whole(killed):
             return round(time.monotonic() - killed["at"], 2)
         time.sleep(0.1)
     return None
+
+
+def _recovery_parts(probe: ClusterProbe | None, killed: dict | None, recovery: dict) -> dict:
+    """Where a replica kill's recovery went: the directory dropping the dead worker, then the
+    replacement's start-up (its own note: from the kill until Serve started it, then its
+    parts: the worker core, CUDA steps, warm-up) until it was ready."""
+    if killed is None or killed.get("kind") != "replica" or probe is None:
+        return {}
+    notes = [n for n in probe.lifecycle("startup") if n.get("started_at", 0) >= killed["wall"]]
+    note = min(notes, key=lambda n: n["started_at"]) if notes else None
+    parts = {"dropped_s": killed.get("dropped_s"), "replacement": None}
+    if note is not None:
+        parts["replacement"] = {"worker_id": note["worker_id"],
+                                "started_after_kill_s": round(note["started_at"] - killed["wall"], 2),
+                                "core_s": note["core_s"], "cuda_steps_s": note["cuda_steps_s"],
+                                "warmup_s": note["warmup_s"],
+                                "ready_after_kill_s": round(note["ready_at"] - killed["wall"], 2)}
+    return parts
 
 
 def run(args: argparse.Namespace) -> int:

@@ -95,6 +95,23 @@ def test_scale_in_hands_the_cache_to_l3_and_a_peer(cache_cluster):
         cc.restart_worker(leaving)
 
 
+def test_when_every_worker_leaves_the_hand_off_goes_to_l3_only(cache_cluster):
+    cc = cache_cluster
+    leaving = cc.worker_ids[2]
+    cc.flush_all()
+    prompt = prompt_of(45, 90)
+    first = complete(cc, prompt, worker_id=leaving)
+    report = ray.get(cc.workers[leaving].leave.remote(10.0, False))
+    assert report["to_peers"] is False and report["peer_prefixes"] == 0 and report["l3_prefixes"] == 1
+    assert report["drained"] and report["left"] and report["l3_flushed"], report
+    try:   # no peer pulled it: every other worker reads the five whole blocks from L3
+        for i, w in enumerate(w for w in cc.worker_ids if w != leaving):
+            turn = complete(cc, prompt + first.tokens + prompt_of(46 + i, 8), worker_id=w)
+            assert (turn.worker_id, turn.cached_tokens, turn.tier_hits) == (w, 80, (0, 0, 0, 80))
+    finally:
+        cc.restart_worker(leaving)
+
+
 def test_a_new_replica_starts_warm_on_the_shared_prefixes(cache_cluster):
     cc = cache_cluster
     cc.flush_all()
@@ -127,8 +144,10 @@ def test_the_whole_app_restarted_against_a_running_master_finds_its_prefixes_in_
     for i in range(len(cc.workers)):
         cc.workers[f"w{i}"] = cc.start_worker(i)
     cc.wait_registered()
-    stats = ray.get(cc.directory.get_stats.remote())
-    assert stats["l3_blocks_known"] == 0   # a new directory: it knows nothing of L3
+    # A new directory learns what L3 holds from the workers' inventories (a listing of
+    # the store at their start), before it prices the l3 option.
+    wait_until(lambda: ray.get(cc.directory.get_stats.remote())["l3_inventory_s"] is not None, "an L3 inventory")
+    assert ray.get(cc.directory.get_stats.remote())["l3_blocks_known"] >= 7
     follow = prompt + first.tokens + prompt_of(72, 6)
     second = complete(cc, follow)
     assert second.cached_tokens == 112 and second.tier_hits == (0, 0, 0, 112)   # 7 blocks of 120 + 3

@@ -87,6 +87,31 @@ def one_replica_url(base_url):
     serve.delete("prefix-cache-one")
 
 
+def test_deleting_the_whole_app_hands_off_to_l3_only(base_url):
+    """Two replicas, then the app deleted: neither offers its prefixes to the other (both
+    are leaving), each says so in its hand-off report, which the directory keeps."""
+    from ray import serve
+
+    from actors.pytest_plugin import TEST_MODEL
+    from cluster.names import DIRECTORY_NAME
+    from serve_app.app import build_app
+
+    namespace = "prefix-cache-serve-test-delete"
+    args = {"num_replicas": 2, "namespace": namespace, "api_keys": f"{KEYS['a']}=tenant-a",
+            "worker": {"model": TEST_MODEL, "hot_blocks": 128, "block_tokens": 16, "handoff_s": 5.0}}
+    serve.run(build_app(args), name="prefix-cache-delete", route_prefix="/delete")
+    for i in range(4):   # something cached on the replicas, to be handed on
+        r = post(base_url + "/delete", "/v1/completions", {"model": MODEL, "prompt": tokens(40 + i, 48),
+                                                          "max_tokens": 2})
+        assert r.status_code == 200, r.text
+    directory = ray.get_actor(DIRECTORY_NAME, namespace=namespace)
+    serve.delete("prefix-cache-delete")
+    notes = [n for n in ray.get(directory.get_stats.remote(), timeout=30)["lifecycle"] if n["kind"] == "handoff"]
+    assert len(notes) == 2, notes
+    assert all(n["to_peers"] is False and n["peer_prefixes"] == 0 and n["drained"] for n in notes), notes
+    ray.kill(directory, no_restart=True)
+
+
 def test_tenants_never_share_cached_prefixes(one_replica_url):
     """Both tenants' requests reach the same replica, which holds tenant a's KV for the very
     prompt tenant b sends: b finds none of it, then finds its own."""

@@ -37,7 +37,10 @@ def model():
 
 class Listener:
     def __init__(self):
-        self.stored, self.removed = [], []
+        self.stored, self.removed, self.inventories = [], [], []
+
+    def on_l3_inventory(self, hashes):
+        self.inventories.append(sorted(hashes))
 
     def on_l3_stored(self, hashes):
         self.stored.extend(hashes)
@@ -114,7 +117,62 @@ def test_only_the_leading_run_of_verified_blocks_is_used(model):
     assert second.cached_tokens == 24                 # blocks 0-2 only
     assert heard_b.removed == [hashes[3]]             # the directory hears block 3 is not usable
     assert store.stats().verify_failures == 1
+    # ... and it was removed from L3 (every read of it would fail), counted; b computed
+    # blocks 3-5 and wrote them, so L3 now holds a sound block 3: a third replica reads all 6.
+    assert tier_b.stats.verify_failed_removed == 1 and tier_b.stats.writes_queued == 3
+    c, tier_c, _ = make(model, store)
+    assert run(c, tier_c, prompt + [4, 5]).cached_tokens == 48
     assert_exact(model, second)
+
+
+class Unanswering(MemoryL3Store):
+    """A store whose reads time out (a master that does not answer in time)."""
+
+    def get_blocks(self, lookups):
+        from cluster.cache.l3 import GetStatus, L3GetResult
+        return tuple(L3GetResult(q.key, GetStatus.TIMEOUT) for q in lookups)
+
+
+def test_an_unanswered_fetch_marks_nothing_missing_and_tells_nobody(model):
+    store = Unanswering()
+    a, tier_a, _ = make(model, store)
+    prompt = toks(150, 40)
+    run(a, tier_a, prompt, max_tokens=1)                  # written: L3 has all 5 blocks
+    b, tier_b, heard_b = make(model, store)
+    first = run(b, tier_b, prompt + [4])
+    assert first.cached_tokens == 0                        # computed: the store did not answer
+    assert tier_b.stats.fetch_unanswered == 1 and tier_b.stats.fetch_misses == 0
+    assert heard_b.removed == []                           # no false "removed" for the directory
+    run(b, tier_b, prompt + [4, 5])                       # not asked again at once (a local back-off) ...
+    assert tier_b.stats.fetches == 1 and heard_b.removed == []
+    assert tier_a.unwritten(block_hashes(prompt, BT)) == []   # ... and what was written stays known written
+
+
+def test_an_inventory_lists_the_store_or_else_sends_what_is_known(model):
+    store = MemoryL3Store()
+    a, tier_a, _ = make(model, store)
+    run(a, tier_a, toks(160, 40), max_tokens=1)           # 5 blocks
+    run(a, tier_a, toks(161, 24), max_tokens=1)           # 3 more
+    b, tier_b, heard_b = make(model, store)
+    tier_b.request_inventory()
+    tier_b.request_inventory()                             # one listing queued, not two
+    tier_b.run_pending()
+    tier_b.take_written()
+    expected = sorted(block_hashes(toks(160, 40), BT) + block_hashes(toks(161, 24), BT))
+    assert heard_b.inventories == [expected]
+    assert tier_b.stats.inventories == 1 and tier_b.stats.inventory_listed is True
+    assert tier_b.unwritten(expected) == []                # listed blocks are not written again
+
+    class Unlisting(MemoryL3Store):
+        def list_names(self, prefix):
+            return None
+    c, tier_c, heard_c = make(model, Unlisting())
+    run(c, tier_c, toks(162, 16), max_tokens=1)
+    tier_c.request_inventory()
+    tier_c.run_pending()
+    tier_c.take_written()
+    assert heard_c.inventories == [sorted(block_hashes(toks(162, 16), BT))]
+    assert tier_c.stats.inventory_listed is False
 
 
 def test_tenants_never_read_each_others_blocks(model):

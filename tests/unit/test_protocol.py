@@ -76,7 +76,7 @@ def test_peer_channel_messages_round_trip_through_msgpack(message):
 
 
 def test_snapshot_and_decision_shapes():
-    seq, entries = Snapshot(7, {11: 0, 12: 1})   # unpacks like the (seq, entries) pair it replaced
+    seq, entries, epoch = Snapshot(7, {11: 0, 12: 1})   # unpacks like a tuple (epoch defaults to 0)
     assert (seq, entries) == (7, {11: 0, 12: 1})
     assert RouteDecision.fallback() == RouteDecision(None, "fallback_least_loaded", source="fallback")
     assert RouteDecision.pinned("w3").source == "pinned" and DECISION.source == "directory"

@@ -119,3 +119,16 @@ def test_the_heartbeat_thread_stops_with_the_reporter_and_skips_a_dead_engine():
     reporter.close()
     assert reporter._thread is not None and not reporter._thread.is_alive()
     assert directory.calls == []
+
+
+def test_a_process_the_directory_knows_a_newer_start_of_falls_silent():
+    load = [LoadReport(0, 0)]
+    reporter, directory, clock, registered = make(load)
+    directory.status = "stale_epoch"
+    reporter.tick()
+    assert reporter.superseded and not reporter.snapshot_wanted and len(directory.calls) == 1
+    for _ in range(5):                               # no snapshot loop, no heartbeat: silent
+        clock.now += IDLE_HEARTBEAT_S + 0.01
+        reporter.tick()
+        assert reporter.beat() is False
+    assert len(directory.calls) == 1 and registered == []

@@ -99,7 +99,7 @@ def test_encode_decode_round_trip():
 
 
 def _wire(**override):
-    obj = {"v": 1, "w": "w0", "s": 1, "r": False, "e": [["stored", 0, [1, 2]]]}
+    obj = {"v": 2, "w": "w0", "p": 5, "s": 1, "r": False, "e": [["stored", 0, [1, 2]]]}
     obj.update(override)
     return msgpack.packb(obj)
 
@@ -109,7 +109,11 @@ def _wire(**override):
     (b"\x93\x01", "not msgpack"),                                  # truncated array
     ("text", "must be bytes"),
     (msgpack.packb([1, 2, 3]), "must be a map"),
-    (msgpack.packb({"v": 1, "w": "w0"}), "lacks field(s) s, r, e"),
+    (msgpack.packb({"v": 2, "w": "w0"}), "lacks field(s) p, s, r, e"),
+    (_wire(v=1), "version 1 is not supported"),
+    (_wire(p=-1), "epoch must be an unsigned 64-bit integer"),
+    (_wire(p="x"), "epoch must be an unsigned 64-bit integer"),
+    (_wire(e=[["inventory", 1, [1]]]), "an 'inventory' event names L3 only"),
     (_wire(v=9), "version 9"),
     (_wire(w=""), "worker id"),
     (_wire(w=5), "worker id"),
@@ -143,8 +147,8 @@ def test_overflow_drops_the_buffer_and_asks_for_a_resync():
     batch = pub.drain()
     assert (batch.seq, batch.resync, batch.events) == (1, True, [])
     assert not pub.needs_resync
-    seq, snap = pub.snapshot()
-    assert seq == 1
+    seq, snap, epoch = pub.snapshot()
+    assert seq == 1 and epoch == pub.epoch == batch.epoch
     assert snap == {block_hashes(list(range(s, s + 4)), B)[0]: HOT for s in (10, 20, 30, 40)}
     put(cache, list(range(50, 54)))
     after = pub.drain()
@@ -153,7 +157,7 @@ def test_overflow_drops_the_buffer_and_asks_for_a_resync():
 
 def test_sequence_numbers_count_batches_from_one():
     cache, pub = make(hot=16)
-    assert pub.seq == 0 and pub.snapshot() == (0, {})
+    assert pub.seq == 0 and pub.snapshot() == (0, {}, pub.epoch)
     put(cache, A)
     assert pub.drain().seq == 1
     put(cache, BB)
@@ -179,7 +183,7 @@ def test_snapshot_equals_tree_content_and_what_the_events_built():
     if batch is not None:
         assert index.apply(batch) == "ok"
     index.check_invariants()
-    seq, snap = pub.snapshot()
+    seq, snap, _ = pub.snapshot()
     assert seq == pub.seq
     # Independently: each node's blocks from its full path, at the node's tier.
     expected = {}

@@ -1,0 +1,93 @@
+"""The directory's inventory across restarts: worker epochs (events of a previous
+life never credit a replica) and L3's content rebuilt from an inventory before
+the ``l3`` option is priced again."""
+
+import asyncio
+
+from tests.requirements import require_module
+
+require_module("ray")
+
+from actors.directory import DirectoryImpl  # noqa: E402
+from cluster.cache.radix_tree import HOT  # noqa: E402
+from cluster.hashing import block_hashes  # noqa: E402
+from cluster.names import L3  # noqa: E402
+from cluster.protocol import MeasuredRates, Snapshot  # noqa: E402
+from cluster.routing.events import EventBatch, KVEvent  # noqa: E402
+
+BT = 4
+RATES = MeasuredRates(prefill_tokens_per_s=1000.0, warm_promote_tokens_per_s=10_000.0,
+                      cold_promote_tokens_per_s=1000.0, transfer_tokens_per_s=5000.0, block_tokens=BT,
+                      l3_fetch_tokens_per_s=8000.0)
+H = block_hashes(list(range(32)), BT)   # 8 chained hashes
+
+
+class Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+def directory(clock=None) -> DirectoryImpl:
+    return DirectoryImpl(policy="cost", block_tokens=BT, heartbeat_timeout_s=0, clock=clock or Clock())
+
+
+def batch(worker, seq, events, epoch):
+    return EventBatch(worker, seq, events, epoch=epoch).encode()
+
+
+def test_events_and_snapshots_of_an_older_epoch_never_credit_the_worker():
+    async def go():
+        d = directory()
+        await d.register_worker("w", rates=RATES)
+        assert await d.publish("w", batch("w", 1, [KVEvent("stored", H[:4], HOT)], epoch=10)) == "ok"
+        assert d.index.entries("w") == {h: HOT for h in H[:4]}
+        # The worker restarts (same id, a later epoch): its first batch drops the old life's
+        # entries and asks for a snapshot instead of applying on top of them.
+        assert await d.publish("w", batch("w", 1, [KVEvent("stored", H[4:6], HOT)], epoch=20)) == "resync"
+        assert d.index.entries("w") == {} and d.stats["new_epochs"] == 1
+        assert await d.load_snapshot("w", Snapshot(1, {H[4]: HOT, H[5]: HOT}, 20)) == "ok"
+        # A late batch and a late snapshot of the old life are refused and change nothing.
+        assert await d.publish("w", batch("w", 2, [KVEvent("stored", H[:4], HOT)], epoch=10)) == "stale_epoch"
+        assert await d.load_snapshot("w", Snapshot(9, {h: HOT for h in H[:4]}, 10)) == "stale_epoch"
+        assert d.index.entries("w") == {H[4]: HOT, H[5]: HOT}
+        assert (d.stats["stale_epoch_batches"], d.stats["stale_epoch_snapshots"]) == (1, 1)
+        # The new life goes on as usual.
+        assert await d.publish("w", batch("w", 2, [KVEvent("stored", H[6:7], HOT)], epoch=20)) == "ok"
+        assert d.index.entries("w") == {H[4]: HOT, H[5]: HOT, H[6]: HOT}
+        # A dropped worker's epoch is remembered: its old life cannot come back either.
+        await d.drop_worker("w")
+        assert await d.publish("w", batch("w", 3, [KVEvent("stored", H[:1], HOT)], epoch=10)) == "stale_epoch"
+        assert await d.load_snapshot("w", Snapshot(3, {H[0]: HOT}, 10)) == "stale_epoch"
+        assert "w" not in d.live_workers()                     # not even registered as a bare name
+    asyncio.run(go())
+
+
+def test_a_restarted_directory_prices_l3_only_after_an_inventory_and_says_when():
+    async def go():
+        clock = Clock()
+        d = directory(clock)    # a fresh process: L3 unknown
+        await d.register_worker("w", rates=RATES)
+        assert d.table.cost.l3_fetch_tokens_per_s == 0.0 and d.stats["l3_inventory_s"] is None
+        # Ordinary L3 events alone do not make the set complete.
+        assert await d.publish("w", batch("w", 1, [KVEvent("stored", H[:2], L3)], epoch=5)) == "ok"
+        assert d.table.cost.l3_fetch_tokens_per_s == 0.0
+        clock.t += 0.75
+        inventory = [KVEvent("inventory", H[:6], L3)]
+        assert await d.publish("w", batch("w", 2, inventory, epoch=5)) == "ok"
+        assert d.index.l3_entries() and set(d.index.l3_entries()) == set(H[:6])
+        assert d.index.l3_blocks(H) == 6
+        assert d.table.cost.l3_fetch_tokens_per_s == 8000.0
+        assert d.stats["l3_inventory_s"] == 0.75 and d.stats["l3_inventories"] == 1
+        # A later one (another worker's, or after a snapshot) merges; the time stays the first.
+        clock.t += 5
+        assert await d.publish("w", batch("w", 3, [KVEvent("inventory", H[6:], L3)], epoch=5)) == "ok"
+        assert d.index.l3_blocks(H) == 8 and d.stats["l3_inventory_s"] == 0.75
+        # An empty store is an inventory too.
+        e = directory()
+        await e.register_worker("v", rates=RATES)
+        assert await e.publish("v", batch("v", 1, [KVEvent("inventory", [], L3)], epoch=1)) == "ok"
+        assert e.table.cost.l3_fetch_tokens_per_s == 8000.0 and e.index.num_l3 == 0
+    asyncio.run(go())
