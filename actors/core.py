@@ -74,15 +74,27 @@ class WorkerCore:
         through Ray), ``peer_secret`` what every call on it must carry."""
         self.worker_id = worker_id
         self.config = config
+        # Seconds of each start-up part (a replacement's recovery waits for all of them).
+        self.startup: dict[str, float] = {}
+        mark = time.perf_counter()
+
+        def part(name: str) -> None:
+            nonlocal mark
+            now = time.perf_counter()
+            self.startup[name] = round(now - mark, 3)
+            mark = now
         torch.set_num_threads(config.torch_threads)
         tiers = config.tier_config()
         # A model that cannot load raises here, so the actor or replica never reports ready.
         self.loaded = load_model(config.model_spec(), device=str(tiers.resolved_device()))
+        part("model_s")
         self.model = self.loaded.model
         mc = self.model.config
         self.layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, mc.dtype)
         self.cache = TieredCache(tiers, self.layout, vocab_size=mc.vocab_size)
+        part("cache_s")
         self.l3 = self._open_l3(peer_host)
+        part("l3_s")
         self.engine = Engine(self.model, self.cache, max_batch_tokens=config.max_batch_tokens,
                              max_running=config.max_running, cache_final_token=config.cache_final_token,
                              decode_kernel=config.decode_kernel, grammars=self._grammars(mc.vocab_size))
@@ -91,11 +103,14 @@ class WorkerCore:
         self.engine.time_slice_s = config.time_slice_s
         log.info("worker %s: OpenMP %s, allocator %s, %d torch threads, linear layouts by row count %s",
                  worker_id, openmp.runtime(), malloc.runtime(), torch.get_num_threads(), self.engine.linear_layouts)
+        part("engine_s")
         self.nixl = self._open_nixl()
         self.migration = Migrator(worker_id, self.cache, self.nixl, block_tokens=tiers.block_tokens,
                                   bytes_per_token=self.layout.bytes_per_token(),
                                   call_timeout_s=config.migration_timeout_s)
+        part("nixl_s")
         self.cost = self._peer_cost(directory) or calibrate(self.engine, self.migration)   # before the engine thread owns the cache
+        part("rates_s")
         if self.nixl is not None:
             self.migration.transfer_tokens_per_s = self.cost.transfer_tokens_per_s
         self.publisher = KVEventPublisher(worker_id, self.cache.tree, tiers.block_tokens)
@@ -129,6 +144,7 @@ class WorkerCore:
         if directory is not None:
             self._register()
             self.reporter.start_heartbeat(alive=self.loop.alive)
+        part("loop_s")
 
     def _reannounce(self) -> None:
         """Before every snapshot (engine thread): register again, and list L3 once

@@ -107,7 +107,8 @@ class CacheReplica:
         t_ready = time.perf_counter()
         self.startup = {"started_at": started_at, "ready_at": started_at + (t_ready - t0),
                         "core_s": round(t_core - t0, 3), "cuda_steps_s": round(t_cuda - t_core, 3),
-                        "warmup_s": round(t_ready - t_cuda, 3), "total_s": round(t_ready - t0, 3)}
+                        "warmup_s": round(t_ready - t_cuda, 3), "total_s": round(t_ready - t0, 3),
+                        "core_parts": dict(self.core.startup)}
         await self.directory.note_lifecycle(self.worker_id, "startup", self.startup)
 
     async def _build_cuda_steps(self) -> dict:

@@ -38,7 +38,10 @@ choice). With a kill the report adds:
 - where it went (a replica kill): ``dropped_s``, from the kill until the
   directory no longer listed the killed worker; ``replacement``: the new
   replica's own start-up note (``started_after_kill_s``: until Serve started
-  it; ``core_s``: loading the model, the kernels, L3 and registering;
+  it; ``core_s``: loading the model, the kernels, L3 and registering, and
+  ``core_parts``, those seconds by part: ``model_s``, ``cache_s``, ``l3_s``,
+  ``engine_s`` (kernels, linear layouts), ``nixl_s``, ``rates_s`` (a peer's or
+  calibrated), ``loop_s`` (engine thread, peer channel, registering);
   ``cuda_steps_s``; ``warmup_s``: pulling its peers' shared prefixes;
   ``ready_after_kill_s``: until it reported ready).
 
@@ -320,7 +323,8 @@ def _recovery_parts(probe: ClusterProbe | None, killed: dict | None, recovery: d
     if note is not None:
         parts["replacement"] = {"worker_id": note["worker_id"],
                                 "started_after_kill_s": round(note["started_at"] - killed["wall"], 2),
-                                "core_s": note["core_s"], "cuda_steps_s": note["cuda_steps_s"],
+                                "core_s": note["core_s"], "core_parts": note.get("core_parts"),
+                                "cuda_steps_s": note["cuda_steps_s"],
                                 "warmup_s": note["warmup_s"],
                                 "ready_after_kill_s": round(note["ready_at"] - killed["wall"], 2)}
     return parts
