@@ -33,8 +33,10 @@ the defaults, over 40 minutes. One JSON row per event, arm and repeat
 - ``hit_rate_before``: cached / prompt tokens in the window before the event;
   ``hit_rate_after_60s``: the same in the window after it;
 - ``touched_sessions``: the sessions the event touched (their last turn
-  before it was on the replica that left or died; for scale-out, their first
-  turn after it landed on the new replica); ``goal_touched_ge_12``: whether
+  that ended before the event began ran on the replica that left or died:
+  a scale-in drains it first, so sessions move off it during the hand-off;
+  for scale-out, the sessions whose first turn on the new replica came in
+  the window, their previous turn elsewhere); ``goal_touched_ge_12``: whether
   there were at least 12 (fewer make the two ratios below noise);
 - ``reuse_ratio_after``: for the touched sessions, each one's first turn
   after the event: sum of min(cached tokens, previous turn's prompt + reply)
@@ -497,23 +499,29 @@ def _trigger(event: str, args, cluster: Cluster, workload: Workload) -> Happenin
 
 
 def _touched(event: str, recs: list[Record], h: Happening, window_s: float) -> list[Record]:
-    """The sessions the event touched, each one's first turn after it: a session whose last turn
-    that *ended* before the replica was gone ran there, and the turn after that one (a turn in
-    flight at a kill is resumed elsewhere: it is that next turn); for scale-out, the sessions
-    whose first turn after the event landed on the new replica."""
-    if event == "scale_out":
-        first_after: dict[int, Record] = {}
-        for r in recs:
-            if r.turn.started_at >= h.at and r.session not in first_after:
-                first_after[r.session] = r
-        return [r for r in first_after.values() if r.turn.ok and r.turn.worker_id == h.new and r.previous_tokens]
+    """The sessions the event touched, each with the turn that shows what it kept.
+
+    Scale-in and kill: the sessions whose cache was on the replica when the event *began*
+    (their last turn that ended before ``h.at`` ran there), and each one's next turn (a
+    turn in flight at a kill is resumed elsewhere: it is that next turn), if it started
+    within ``window_s`` of the replica being gone. From the start, not from when the
+    replica was gone: a scale-in drains the replica first, so the sessions move off it
+    while it hands off, and those moves are what the event is about.
+    Scale-out: the sessions that came to the new replica within the window, each one's
+    first turn there, whose previous turn ran on another replica."""
     by_session: dict[int, list[Record]] = {}
     for r in recs:
         by_session.setdefault(r.session, []).append(r)
     touched = []
     for turns in by_session.values():
         turns.sort(key=lambda r: r.turn.started_at)
-        done = [i for i, r in enumerate(turns) if r.turn.ok and r.turn.started_at + (r.turn.e2e_s or 0) < h.effective]
+        if event == "scale_out":
+            i = next((i for i, r in enumerate(turns) if r.turn.worker_id == h.new and
+                      h.at <= r.turn.started_at < h.at + window_s), None)
+            if i and turns[i].turn.ok and turns[i].previous_tokens and turns[i - 1].turn.worker_id != h.new:
+                touched.append(turns[i])
+            continue
+        done = [i for i, r in enumerate(turns) if r.turn.ok and r.turn.started_at + (r.turn.e2e_s or 0) < h.at]
         if done and turns[done[-1]].turn.worker_id == h.gone and done[-1] + 1 < len(turns):
             nxt = turns[done[-1] + 1]
             if nxt.previous_tokens and nxt.turn.started_at < h.effective + window_s:
