@@ -45,9 +45,15 @@ async def _each_worker(core: "IngressCore", op: str, *, timeout_s: float | None 
 
 async def cache_stats(core: "IngressCore") -> dict:
     directory = core.router.directory
-    handle = await directory.ahandle()
-    stats = await asyncio.wait_for(handle.get_stats.remote(), 10.0)
-    answers = await _each_worker(core, "stats")
+    try:
+        stats = await asyncio.wait_for((await directory.ahandle()).get_stats.remote(), 10.0)
+    except Exception as exc:   # restarting, or the app is going: the workers' stats still come back
+        directory.forget()
+        stats = {"error": f"the directory did not answer ({type(exc).__name__})"}
+    try:
+        answers = await _each_worker(core, "stats")
+    except Exception as exc:   # the live workers' addresses come from the directory too
+        return {"directory": stats, "workers": {}, "error": f"no worker list ({type(exc).__name__}: {exc})"}
     return {"directory": stats,
             "workers": {w: (a if not isinstance(a, Exception) else {"error": str(a)}) for w, a in answers.items()}}
 
