@@ -28,7 +28,7 @@ import torch
 
 from actors.migration import Migrator, block_checksum
 from cluster.cache.l3 import L3Block, L3Lookup
-from cluster.cache.l3_tier import L3Tier
+from cluster.cache.l3.tier import L3Tier
 from cluster.cache.tiered import TieredCache
 from cluster.engine.runner import Engine, SamplingParams
 from cluster.names import COLD, WARM

@@ -104,7 +104,7 @@ class WorkerConfig:
     # Compute the last sampled token's KV when a request ends (a lone forward per
     # finished request) so that the next turn hits one more token: see Engine.
     cache_final_token: bool = False
-    # L3 (cluster.cache.l3_tier): the Mooncake master, "host:port" (None: no L3).
+    # L3 (cluster.cache.l3.tier): the Mooncake master, "host:port" (None: no L3).
     # A master that cannot be reached leaves L3 off with one log line; nothing waits.
     l3_master: str | None = None
     # The master's HTTP server, "host:port" (mooncake_master's --metrics_port): the

@@ -9,7 +9,7 @@ The pieces, each in its own module:
 - ``actors.reporter.EventReporter``: KV events, load and snapshots to the directory;
 - ``actors.peer.PeerServer``: the peer channel other workers and the ingress
   call this worker on (migrations, admin), when the shell gives it a host;
-- L3 (``cluster.cache.l3_tier``) on the Mooncake master ``l3_master`` names,
+- L3 (``cluster.cache.l3.tier``) on the Mooncake master ``l3_master`` names,
   and ``actors.elastic``: the hand-off when the replica leaves, the warm-up
   before it takes traffic.
 
@@ -42,7 +42,7 @@ from actors.peer import PeerServer
 from actors.reporter import EventReporter
 from cluster.cache.kv_pool import KVLayout
 from cluster.cache.l3 import INSTALL_HINT, L3Config, MooncakeL3Store, mooncake_available
-from cluster.cache.l3_tier import L3Tier, L3TierConfig, l3_model_id
+from cluster.cache.l3.tier import L3Tier, L3TierConfig, l3_model_id
 from cluster.cache.tiered import TieredCache
 from cluster.engine import malloc, openmp
 from cluster.engine.checkpoint import load_model, load_tokenizer

@@ -7,7 +7,7 @@ Registered through the ``pytest11`` entry point, so any project that installs
   (default 2) of ``ray.cluster_utils.Cluster``, every node on 127.0.0.1, each
   with a custom resource ``pc_node_<i>`` so an actor can be pinned to it.
 - ``l3_master``: a ``mooncake_master`` and its pool holder on loopback for the
-  session (``cluster.cache.l3_master.L3Master``), or None where Mooncake is
+  session (``cluster.cache.l3.master.L3Master``), or None where Mooncake is
   not installed; stopped at the end.
 - ``cache_cluster``: the directory plus one cache worker per node, small
   built-in model, L3 on ``l3_master`` when there is one; yields a
@@ -187,7 +187,7 @@ def l3_master():
         log.warning("mooncake is not importable: the test cluster runs without L3")
         yield None
         return
-    from cluster.cache.l3_master import L3Master, L3MasterConfig
+    from cluster.cache.l3.master import L3Master, L3MasterConfig
 
     with L3Master(L3MasterConfig(holder_segment_bytes=256 << 20)) as master:
         yield master

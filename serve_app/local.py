@@ -39,7 +39,7 @@ def start_l3(pool_mb: int):
     """A local ``mooncake_master`` with a ``pool_mb`` MiB pool holder, or None (one
     line says why) when Mooncake is not installed or does not start."""
     from cluster.cache.l3 import INSTALL_HINT, mooncake_available
-    from cluster.cache.l3_master import L3Master, L3MasterConfig, L3MasterError
+    from cluster.cache.l3.master import L3Master, L3MasterConfig, L3MasterError
 
     if not mooncake_available():
         print(f"L3 off: mooncake is not installed ({INSTALL_HINT})", flush=True)

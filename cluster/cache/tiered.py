@@ -20,7 +20,7 @@ What callers use, and nothing inside:
   ``staging``), ``install`` (target: KV computed elsewhere, cached here).
 - the worker: ``poll``, ``housekeeping`` (idle gaps), ``drop_all``,
   ``add_listener``, ``close``; ``lookup``, ``tier_summary``, ``stats`` to look.
-- L3 (``attach_l3``, ``cluster.cache.l3_tier``): a committed sequence's full
+- L3 (``attach_l3``, ``cluster.cache.l3.tier``): a committed sequence's full
   blocks are written behind the request; ``ready`` fetches the blocks a
   waiting request's prompt has past the tree's prefix, and installs them
   before it is admitted. ``hand_off`` writes what L3 lacks, most valuable
@@ -43,8 +43,8 @@ from cluster.cache.disk import DiskPool
 from cluster.cache.kv_pool import KVLayout, KVPool
 from cluster.cache.offload import ImmediateEngine, ThreadEngine, make_copy_engine
 from cluster.cache.lease import KVLease
-from cluster.cache.l3_link import L3Link
-from cluster.cache.l3_tier import L3Tier
+from cluster.cache.l3.link import L3Link
+from cluster.cache.l3.tier import L3Tier
 from cluster.cache.radix_tree import RadixTree, TreeNode
 from cluster.cache.staging import HostStaging
 from cluster.errors import InvalidInputError, PoolExhaustedError

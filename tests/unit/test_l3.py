@@ -19,7 +19,7 @@ import torch
 from cluster.cache.kv_pool import KVLayout
 from cluster.cache.l3 import (GetStatus, L3Block, L3Config, L3Lookup, MooncakeL3Store, PutStatus, decode_block,
                               encode_block, kv_layout_version, l3_key)
-from cluster.cache.l3_master import L3Master, L3MasterConfig, L3MasterError, find_mooncake_binary
+from cluster.cache.l3.master import L3Master, L3MasterConfig, L3MasterError, find_mooncake_binary
 from cluster.errors import InvalidInputError
 from cluster.hashing import block_hashes
 from tests.requirements import require_mooncake

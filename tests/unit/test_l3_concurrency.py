@@ -13,8 +13,8 @@ import torch
 
 from cluster.cache.kv_pool import KVLayout
 from cluster.cache.l3 import GetStatus, L3Block, L3Config, L3Lookup, MooncakeL3Store, l3_key
-from cluster.cache.l3_master import L3Master, L3MasterConfig
-from cluster.cache.l3_tier import L3Tier, L3TierConfig
+from cluster.cache.l3.master import L3Master, L3MasterConfig
+from cluster.cache.l3.tier import L3Tier, L3TierConfig
 from cluster.hashing import block_hashes
 from tests.requirements import require_mooncake
 

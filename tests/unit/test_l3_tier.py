@@ -11,8 +11,8 @@ import torch
 
 from cluster.cache.kv_pool import KVLayout
 from cluster.cache.prefix_value import prefix_value, shared_prefixes
-from cluster.cache.l3_memory import MemoryL3Store
-from cluster.cache.l3_tier import L3Tier, L3TierConfig
+from cluster.cache.l3.memory import MemoryL3Store
+from cluster.cache.l3.tier import L3Tier, L3TierConfig
 from cluster.cache.tiered import TierConfig, TieredCache
 from cluster.engine.model import DecoderModel, ModelConfig
 from cluster.engine.runner import Engine, EngineRequest, SamplingParams

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from cluster.cache.l3 import mooncake_available
-from cluster.cache.l3_master import L3Master, L3MasterConfig
+from cluster.cache.l3.master import L3Master, L3MasterConfig
 from tests.unit.helpers import greedy_reference as greedy, make_worker, run_worker
 
 pytestmark = pytest.mark.skipif(not mooncake_available(), reason="mooncake.store is not importable (pip install -e '.[l3]')")

@@ -14,7 +14,7 @@ L3 with it (measured: a killed writer with its own segment lost 3 of its 8
 blocks; a consumer lost none), which is what L3 is there to survive. So a
 replica is a *consumer* (``segment_bytes=0``): it stores into other clients'
 segments through a small staging buffer. The pool is held by one standalone
-``mooncake_client`` per node (``cluster.cache.l3_master`` starts one), a
+``mooncake_client`` per node (``cluster.cache.l3.master`` starts one), a
 process that runs no model and is not scaled with traffic. A replica's death
 loses nothing in L3; a holder's death loses that node's share
 (``replica_num=2`` across nodes survives it, at twice the memory).
@@ -62,14 +62,14 @@ import urllib.request
 
 import torch
 
-from cluster.cache.l3_format import (  # noqa: F401  (the format, re-exported)
+from cluster.cache.l3.wire import (  # noqa: F401  (the format, re-exported)
     FORMAT_VERSION, MAGIC, GetStatus, L3Block, L3GetResult, L3Key, L3Lookup, L3PutResult, PutStatus,
     decode_block, encode_block, kv_layout_version, l3_key)
 from cluster.errors import InvalidInputError
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("cluster.cache.l3")   # the name operators filter on (the module was cluster/cache/l3.py)
 
-__all__ = ["GetStatus", "L3Block", "L3Config", "L3GetResult", "L3Key", "L3Lookup", "L3PutResult", "L3Stats",
+__all__ = ["GetStatus", "INSTALL_HINT", "L3Block", "L3Config", "L3GetResult", "L3Key", "L3Lookup", "L3PutResult", "L3Stats",
            "L3Store", "MooncakeL3Store", "PutStatus", "decode_block", "encode_block", "kv_layout_version",
            "l3_key", "mooncake_available"]
 

@@ -1,6 +1,6 @@
 """MemoryL3Store: an L3 store inside one process, for unit tests and simulations.
 
-It keeps the encoded values (``cluster.cache.l3_format``) in a dict, so every
+It keeps the encoded values (``cluster.cache.l3.wire``) in a dict, so every
 read runs the same verification as a read from Mooncake, and it evicts the
 oldest values past ``capacity_bytes`` as Mooncake evicts under pressure. It
 is not shared between processes: a cluster uses ``MooncakeL3Store``.
@@ -12,8 +12,8 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from cluster.cache.l3 import L3Stats, L3Store
-from cluster.cache.l3_format import (GetStatus, L3Block, L3GetResult, L3Key, L3Lookup, L3PutResult, PutStatus,
+from cluster.cache.l3.store import L3Stats, L3Store
+from cluster.cache.l3.wire import (GetStatus, L3Block, L3GetResult, L3Key, L3Lookup, L3PutResult, PutStatus,
                                      decode_block, encode_block)
 
 

@@ -1,6 +1,6 @@
 """L3Link: the tiered cache's side of L3 (``TieredCache.attach_l3`` makes one).
 
-``cluster.cache.l3_tier.L3Tier`` does the store I/O on its own thread; this
+``cluster.cache.l3.tier.L3Tier`` does the store I/O on its own thread; this
 class decides what crosses and applies what comes back, on the cache's owner
 thread, with the cache's tree and pools:
 
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Hashable, Sequence
 import torch
 
 from cluster.cache.allocator import Extent
-from cluster.cache.l3_tier import FetchResult, L3Tier
+from cluster.cache.l3.tier import FetchResult, L3Tier
 from cluster.cache.prefix_value import ValuedPrefix, valuable_prefixes
 from cluster.cache.token_key import encode_tokens
 from cluster.errors import ChecksumError, PoolExhaustedError

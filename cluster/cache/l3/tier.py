@@ -14,7 +14,7 @@ tenant-salted chained hash (``cluster.cache.l3``). Two flows cross:
   blocks run past what the tree holds, the cache starts a fetch of those
   blocks (``start_fetch``) and the request waits while others run, as it does
   for a promotion. The I/O thread reads the leading run of blocks L3 has
-  (verified with their tokens: ``cluster.cache.l3_format``), and the engine
+  (verified with their tokens: ``cluster.cache.l3.wire``), and the engine
   thread installs them into the tree (``take_fetched``) before the request is
   admitted. A fetch is started only where it beats recompute: the measured
   fetch rate (``set_rates``) must exceed the prefill rate.
@@ -40,7 +40,7 @@ import torch
 import xxhash
 
 from cluster.cache.kv_pool import KVLayout
-from cluster.cache.l3 import GetStatus, L3Block, L3Lookup, L3Store, kv_layout_version, l3_key
+from cluster.cache.l3.store import GetStatus, L3Block, L3Lookup, L3Store, kv_layout_version, l3_key
 from cluster.errors import InvalidInputError
 
 log = logging.getLogger(__name__)
