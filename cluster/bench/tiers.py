@@ -83,11 +83,11 @@ def _move_all(cache: TieredCache, nodes: list) -> float:
     no copy: those copies are dropped first, so every byte is copied."""
     for n in nodes:
         cache.tree.drop_lower(n)
-    return _timed(cache, cache._start_demotion, nodes)
+    return _timed(cache, cache.moves.start_demotion, nodes)
 
 
 def _promote_all(cache: TieredCache, nodes: list) -> float:
-    return _timed(cache, cache._start_promotion, nodes)
+    return _timed(cache, cache.moves.start_promotion, nodes)
 
 
 def bandwidth(args: argparse.Namespace, disk_dir: str) -> None:
@@ -221,7 +221,7 @@ def stall(args: argparse.Namespace, disk_dir: str, paced_gb_per_s: float | None 
             # Demote the whole GiB in the background and keep computing until it lands.
             for n in nodes:   # a promoted node's WARM copy would make the demotion free
                 cache.tree.drop_lower(n)
-            cache._start_demotion(nodes)
+            cache.moves.start_demotion(nodes)
             while cache.in_flight() and len(busy) < 10 * args.stall_steps:
                 busy.extend(_compute_steps(1, cache.device))
                 cache.poll()

@@ -1,24 +1,25 @@
-"""The asynchronous copies between tiers, for ``TieredCache`` (a mixin of it).
+"""The asynchronous copies between tiers: ``TierMoves``, an object ``TieredCache`` holds (``cache.moves``).
 
 A demotion moves idle nodes of one tier a tier down, a promotion brings a
 path's nodes up to HOT, each as one ``Move`` on a copy engine (``copier`` for
 HOT <-> WARM, ``disk_io`` for COLD); ``_complete`` applies a finished one on
-the owner's thread (from ``poll``), and ``_make_room`` frees blocks of a full
+the owner's thread (from ``poll``), and ``make_room`` frees blocks of a full
 tier by demoting (and waiting) or dropping.
 
 Tiers are inclusive where that is free: a node promoted from WARM keeps its
 WARM copy (``RadixTree.keep_lower``), so demoting it again is no copy, and
 WARM reclaims such copies before it demotes or drops anything. Every token
-that leaves the tree is counted by tier and reason (``_count_drop``); a drop
-while the tier below had room for it is a defect, counted apart. The state they share is the
-cache's: ``pools``, ``tree``, ``copier``, ``disk_io``, ``layout``, ``stats``,
-the in-flight ``_moves`` and ``_pending_out``.
+that leaves the tree is counted by tier and reason (``count_drop``); a drop
+while the tier below had room for it is a defect, counted apart. It is given the
+tree, the pools, the copy engines and the cache's ``allocate``; it owns the moves in
+flight (``active``) and the tokens leaving each tier (``pending_out``).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from typing import Callable
 
 import torch
 
@@ -33,16 +34,59 @@ log = logging.getLogger(__name__)
 
 
 class TierMoves:
-    def _wait_move(self, move: Move) -> None:
+    """Given the tree, the pools, the copy engines and an ``allocate(tier, tokens,
+    private_tail=...)`` that may make room (the cache's: HOT's watermarks live there),
+    it owns the moves in flight (``active``), the tokens leaving each tier
+    (``pending_out``) and the measured promotion rates (``promote_s_per_token``).
+    Owner thread only, like the cache; ``stats`` is the cache's counters dict."""
+
+    def __init__(self, tree, pools: list, copier, disk_io, upload, layout, stats: dict,
+                 allocate: Callable[..., list[Extent]]):
+        self.tree, self.pools, self.copier, self.disk_io = tree, pools, copier, disk_io
+        self.upload, self.layout, self.stats = upload, layout, stats
+        self._allocate = allocate
+        self.active: dict[tuple[int, int], Move] = {}   # (engine, op id) -> the move in flight
+        self.pending_out = [0, 0, 0]   # tokens leaving each tier in flight
+        # Measured seconds per token of a promotion from WARM and from COLD (None until one ran).
+        self.promote_s_per_token: list[float | None] = [None, None, None]
+
+    @property
+    def hot(self):
+        return self.pools[HOT]
+
+    @property
+    def num_tiers(self) -> int:
+        return len(self.pools)
+
+    # ------------------------------------------------------------ completions
+    def poll(self) -> int:
+        """Apply the moves that finished (never blocks); how many."""
+        done = 0
+        for engine in filter(None, (self.copier, self.disk_io)):
+            for c in engine.poll():
+                move = self.active.pop((id(engine), c.op_id), None)
+                if move is not None:
+                    self._complete(move, c.error, c.seconds)
+                    done += 1
+        return done
+
+    def wait_all(self) -> None:
+        while self.active:
+            self.wait(next(iter(self.active.values())))
+
+    def in_flight(self) -> int:
+        return len(self.active)
+
+    def wait(self, move: Move) -> None:
         try:
             move.engine.wait(move.op_id)
         except BaseException:
             pass  # the error arrives through poll
-        while (id(move.engine), move.op_id) in self._moves:
+        while (id(move.engine), move.op_id) in self.active:
             if not self.poll():
                 time.sleep(0.0005)
 
-    def _count_drop(self, tier: int, reason: str, tokens: int) -> None:
+    def count_drop(self, tier: int, reason: str, tokens: int) -> None:
         """``tokens`` left the tree from ``tier`` for ``reason`` (``last_tier``: LRU at
         the lowest tier; ``lower_full``: the tier below could make no room;
         ``copy_failed``; ``checksum``; ``flush``)."""
@@ -56,7 +100,7 @@ class TierMoves:
             if below.free_blocks * below.block_tokens >= tokens + below.block_tokens:
                 self.stats["dropped_with_room_tokens"] += tokens   # a defect: it should have gone down
 
-    def _make_room(self, tier: int, blocks: int) -> bool:
+    def make_room(self, tier: int, blocks: int) -> bool:
         """Synchronously free ``blocks`` in ``tier``: demote (wait) or drop. False if stuck."""
         alloc = self.pools[tier].allocator
         target = alloc.free_blocks + blocks
@@ -80,19 +124,19 @@ class TierMoves:
             if node is None:
                 # Blocks held by copies in flight, out of this tier or into it (a promotion
                 # leaves its nodes unlocked, so evictable, when it completes): wait for one.
-                pending = [m for m in self._moves.values() if tier in m.src_tiers or m.dst_tier == tier]
+                pending = [m for m in self.active.values() if tier in m.src_tiers or m.dst_tier == tier]
                 if not pending:
                     return alloc.free_blocks >= target
-                self._wait_move(pending[0])
+                self.wait(pending[0])
                 continue
             if last_tier:
-                self._count_drop(tier, "last_tier", self.tree.drop(node))
+                self.count_drop(tier, "last_tier", self.tree.drop(node))
             else:
-                move = self._start_demotion(node)
+                move = self.start_demotion(node)
                 if node.alive and node.tier != tier:   # it had a lower copy: moved down at no copy
                     continue
                 if move is not None:
-                    self._wait_move(move)
+                    self.wait(move)
                     if move.error is None or not node.alive or node.tier != tier:
                         continue
                     # The next tier failed the copy (a disk error): the node stays here, and
@@ -103,12 +147,12 @@ class TierMoves:
                                     type(move.error).__name__, move.error)
                 if not node.children and not node.lock_ref and node.alive and not node.busy:
                     reason = "lower_full" if move is None else "copy_failed"
-                    self._count_drop(tier, reason, self.tree.drop(node))   # the next tier is stuck too
+                    self.count_drop(tier, reason, self.tree.drop(node))   # the next tier is stuck too
                 else:
                     passed_over.append(node)
         return True
 
-    def _start_demotion(self, nodes: TreeNode | list[TreeNode]) -> Move | None:
+    def start_demotion(self, nodes: TreeNode | list[TreeNode]) -> Move | None:
         """Move nodes of one tier one tier down, as a single asynchronous copy
         (consecutive whole blocks coalesce). Nodes whose room cannot be found
         below stay where they are; None when none could start."""
@@ -167,11 +211,11 @@ class TierMoves:
             move.engine = self.disk_io
             move.op_id = self.disk_io.submit(write_all)
         for node in taken:
-            self._pending_out[src] += len(node.key)
-        self._moves[(id(move.engine), move.op_id)] = move
+            self.pending_out[src] += len(node.key)
+        self.active[(id(move.engine), move.op_id)] = move
         return move
 
-    def _start_promotion(self, nodes: list[TreeNode], *, background: bool = False,
+    def start_promotion(self, nodes: list[TreeNode], *, background: bool = False,
                          make_room: bool = True) -> Move | None:
         """Bring ``nodes`` up to HOT in one asynchronous copy: a root-ward-first
         run of one path, or several such runs, parents before children.
@@ -213,14 +257,14 @@ class TierMoves:
             move.op_id = self.disk_io.submit(lambda: upload.run(jobs, failed, pacer, after))
         for n in nodes:
             n.busy = move
-        self._moves[(id(move.engine), move.op_id)] = move
+        self.active[(id(move.engine), move.op_id)] = move
         return move
 
-    def _promote_sync(self, nodes: list[TreeNode]) -> int:
-        move = self._start_promotion(nodes)
+    def promote_sync(self, nodes: list[TreeNode]) -> int:
+        move = self.start_promotion(nodes)
         if move is None:
             return 0
-        self._wait_move(move)
+        self.wait(move)
         return sum(len(n.key) for n in nodes if n.alive and n.tier == HOT)
 
     def _complete(self, move: Move, error: BaseException | None, seconds: float = 0.0) -> None:
@@ -231,7 +275,7 @@ class TierMoves:
             src, dst = move.src_tiers[0], move.dst_tier
             freed: list[Extent] = []   # freed in one call: the next allocation gets them in order
             for node, dst_ext in zip(move.nodes, move.dst_extents):
-                self._pending_out[src] -= len(node.key)
+                self.pending_out[src] -= len(node.key)
                 if error is not None or node.lock_ref:
                     # Failed copy, or the source got locked meanwhile: keep the source.
                     self.pools[dst].allocator.free(dst_ext)
@@ -266,7 +310,7 @@ class TierMoves:
         if bad < len(move.nodes):
             if isinstance(error, ChecksumError):   # the stored copy is bad: it and what hangs below it go
                 self.stats["checksum_failures"] += 1
-                self._count_drop(move.src_tiers[bad], "checksum", self.tree.drop_subtree(move.nodes[bad]))
+                self.count_drop(move.src_tiers[bad], "checksum", self.tree.drop_subtree(move.nodes[bad]))
             else:   # the copy up failed, not the data: the nodes stay where they were, whole
                 self.stats["promotion_failures"] += 1
                 for node in move.nodes[bad:]:

@@ -57,7 +57,7 @@ from cluster.cache.tier_types import Move, MoveKind, Readiness, TieredMatch, Tie
 __all__ = ["TieredCache", "TierConfig", "Move", "MoveKind", "Readiness", "TieredMatch", "UnknownSessionError"]
 
 
-class TieredCache(TierMoves):
+class TieredCache:
     def __init__(self, config: TierConfig, layout: KVLayout | None, *, clock: Callable[[], float] = time.monotonic,
                  vocab_size: int | None = None, deterministic_io: bool = False):
         """``deterministic_io``: background copies complete at the next poll,
@@ -88,14 +88,12 @@ class TieredCache(TierMoves):
             self.disk_io = ThreadEngine("kv-disk", drain_on_poll=deterministic_io,
                                         max_bytes_per_s=pace) if config.cold_blocks else None
         # COLD -> HOT through staging buffers, on the disk thread, on the copy stream under CUDA.
-        self.upload = StagedUpload(self.hot, self.pools[COLD], stream=getattr(self.copier, "stream", None)) \
+        upload = StagedUpload(self.hot, self.pools[COLD], stream=getattr(self.copier, "stream", None)) \
             if self.num_tiers > COLD and layout is not None else None
-        self._moves: dict[tuple[int, int], Move] = {}
         # Host blocks for migrations (None without a WARM tier, or without KV payload).
         self.staging = HostStaging(self.pools[WARM], self._check_owner, reclaim=self._reclaim_lower_blocks) \
             if self.num_tiers > WARM and layout is not None else None
         self.owner: ThreadOwner | None = None   # set by the worker when ownership checks are on
-        self._pending_out = [0, 0, 0]   # tokens leaving each tier in flight
         self._sessions: OrderedDict[Any, tuple[Hashable, list[int]]] = OrderedDict()
         self.l3: L3Link | None = None   # attach_l3
         # What a session prefetch must not push out (``prefetch``): prefixes touched since the
@@ -111,8 +109,9 @@ class TieredCache(TierMoves):
                       "demoted_without_copy": 0, "lower_copies_reclaimed_tokens": 0, "promotion_failures": 0,
                       "dropped_with_room_tokens": 0, "commit_tail_discarded_tokens": 0,
                       "prefetch_skipped_no_room": 0, "promotions_recompute_cheaper": 0}
-        # Measured seconds per token of a promotion from WARM and from COLD (None until one ran).
-        self.promote_s_per_token: list[float | None] = [None, None, None]
+        # The copies between tiers, and the moves in flight (``cluster.cache.tier_moves``).
+        self.moves = TierMoves(self.tree, self.pools, self.copier, self.disk_io, upload, layout, self.stats,
+                               self._allocate)
 
     @property
     def num_tiers(self) -> int:
@@ -197,7 +196,7 @@ class TieredCache(TierMoves):
             return Readiness(True, tiers)
         if any(n.busy for n in m.nodes):
             return Readiness(False, tiers)
-        if self._start_promotion(colder, make_room=make_room) is None:
+        if self.moves.start_promotion(colder, make_room=make_room) is None:
             self.stats["promotion_skipped_no_room"] += 1
             return Readiness(False, tiers, blocked=make_room)
         return Readiness(False, tiers)
@@ -209,10 +208,10 @@ class TieredCache(TierMoves):
     REMEASURE_EVERY = 8
 
     def _recompute_cheaper(self, tiers: list[int], recompute_s: float) -> bool:
-        rates = [self.promote_s_per_token[t] for t in (WARM, COLD) if tiers[t]]
+        rates = [self.moves.promote_s_per_token[t] for t in (WARM, COLD) if tiers[t]]
         if None in rates:
             return False
-        copy_s = sum(tiers[t] * self.promote_s_per_token[t] for t in (WARM, COLD) if tiers[t])
+        copy_s = sum(tiers[t] * self.moves.promote_s_per_token[t] for t in (WARM, COLD) if tiers[t])
         if copy_s <= self.RECOMPUTE_MARGIN * recompute_s:
             return False
         self.stats["promotions_recompute_cheaper"] += 1
@@ -314,7 +313,7 @@ class TieredCache(TierMoves):
         for tier in reversed(range(self.num_tiers)):
             while True:
                 n = self.tree.evict(1 << 40, tier)
-                self._count_drop(tier, "flush", n)
+                self.moves.count_drop(tier, "flush", n)
                 freed += n
                 if not n:
                     break
@@ -332,9 +331,9 @@ class TieredCache(TierMoves):
                 # Only a frontier node (no child in its tier, off the path too): tiers stay monotone.
                 if node.tier < tier and not node.busy and not node.lock_ref and \
                         all(c.tier > node.tier for c in node.children.values()):
-                    move = self._start_demotion(node)
+                    move = self.moves.start_demotion(node)
                     if move is not None:
-                        self._wait_move(move)
+                        self.moves.wait(move)
                     if move is not None or node.tier == tier:   # copied, or moved onto its lower copy
                         moved += len(node.key)
         return moved
@@ -361,11 +360,11 @@ class TieredCache(TierMoves):
         if waiting:
             for n in waiting:
                 if n.busy:
-                    self._wait_move(n.busy)
+                    self.moves.wait(n.busy)
             m = self.tree.match_prefix(tokens, namespace, validate=False)
         promoted = 0
         if promote and m.length and m.nodes[-1].tier != HOT:
-            promoted = self._promote_sync([n for n in m.nodes if n.tier != HOT])
+            promoted = self.moves.promote_sync([n for n in m.nodes if n.tier != HOT])
         hot_nodes = [n for n in m.nodes if n.tier == HOT]
         length = sum(len(n.key) for n in hot_nodes)
         last = hot_nodes[-1] if hot_nodes else self.tree.root(namespace)
@@ -386,7 +385,7 @@ class TieredCache(TierMoves):
                 self._enforce_watermarks()
                 return out
             except PoolExhaustedError as exc:
-                if not self._make_room(HOT, max(1, exc.needed_blocks - exc.free_blocks)):
+                if not self.moves.make_room(HOT, max(1, exc.needed_blocks - exc.free_blocks)):
                     raise
 
     def _insert(self, tokens: Sequence[int], extents: Sequence[Extent], namespace: Hashable = None, *,
@@ -399,7 +398,7 @@ class TieredCache(TierMoves):
             if not moving:
                 break
             for move in moving:
-                self._wait_move(move)
+                self.moves.wait(move)
         res = self.tree.insert(tokens, extents, namespace, start=start, validate=validate)
         self.stats["commit_tail_discarded_tokens"] += res.discarded_tokens
         self._enforce_watermarks()
@@ -450,7 +449,7 @@ class TieredCache(TierMoves):
                 self.stats["prefetch_skipped_no_room"] += 1
                 return 0
         self.stats["prefetches"] += 1
-        move = self._start_promotion(cold, background=True, make_room=False)
+        move = self.moves.start_promotion(cold, background=True, make_room=False)
         return 0 if move is None else sum(len(n.key) for n in cold)
 
     def touch(self, tokens: Sequence[int], namespace: Hashable = None) -> float:
@@ -473,9 +472,9 @@ class TieredCache(TierMoves):
                     if node is not None:
                         passed_over.append(node)
                     return False
-                move = self._start_demotion(node)
+                move = self.moves.start_demotion(node)
                 if move is not None:
-                    self._wait_move(move)
+                    self.moves.wait(move)
                 elif node.alive and node.tier == HOT:   # no room below for it
                     passed_over.append(node)
                     return False
@@ -488,7 +487,7 @@ class TieredCache(TierMoves):
     def usage(self, tier: int) -> float:
         """The share of ``tier`` held, less what is leaving and the lower copies (free to reclaim)."""
         alloc = self.pools[tier].allocator
-        return (alloc.used_tokens - self._pending_out[tier] - self._lower_tokens(tier)) / alloc.capacity_tokens
+        return (alloc.used_tokens - self.moves.pending_out[tier] - self._lower_tokens(tier)) / alloc.capacity_tokens
 
     def _lower_tokens(self, tier: int) -> int:
         return self.tree.lower_tokens if tier == WARM else 0
@@ -509,7 +508,7 @@ class TieredCache(TierMoves):
                 continue
             alloc = self.pools[tier].allocator
             target = cfg.low_watermark * alloc.capacity_tokens
-            batch, leaving = [], alloc.used_tokens - self._pending_out[tier] - self._lower_tokens(tier)
+            batch, leaving = [], alloc.used_tokens - self.moves.pending_out[tier] - self._lower_tokens(tier)
             while leaving > target:
                 node = self.tree.pop_candidate(tier, leaves_only=False)
                 if node is None:
@@ -517,7 +516,7 @@ class TieredCache(TierMoves):
                 batch.append(node)
                 leaving -= len(node.key)
             if batch:
-                self._start_demotion(batch)
+                self.moves.start_demotion(batch)
                 for node in batch:
                     if not node.busy:  # no room below for it: offer it again later
                         self.tree.requeue(node)
@@ -535,23 +534,20 @@ class TieredCache(TierMoves):
 
     # ------------------------------------------------------------ completions
     def poll(self) -> int:
+        """Apply the tier moves that finished (never blocks); how many."""
         self._check_owner("poll")
-        done = 0
-        for engine in filter(None, (self.copier, self.disk_io)):
-            for c in engine.poll():
-                move = self._moves.pop((id(engine), c.op_id), None)
-                if move is not None:
-                    self._complete(move, c.error, c.seconds)
-                    done += 1
-        return done
+        return self.moves.poll()
 
     def wait_all(self) -> None:
-        while self._moves:
-            move = next(iter(self._moves.values()))
-            self._wait_move(move)
+        self.moves.wait_all()
 
     def in_flight(self) -> int:
-        return len(self._moves)
+        return self.moves.in_flight()
+
+    @property
+    def promote_s_per_token(self) -> list[float | None]:
+        """Measured seconds per token of a promotion from each tier (``TierMoves``)."""
+        return self.moves.promote_s_per_token
 
     def close(self) -> None:
         self.wait_all()
@@ -573,7 +569,7 @@ class TieredCache(TierMoves):
                     self._enforce_watermarks()
                 return ext
             except PoolExhaustedError as exc:
-                if not self._make_room(tier, max(1, exc.needed_blocks - exc.free_blocks)):
+                if not self.moves.make_room(tier, max(1, exc.needed_blocks - exc.free_blocks)):
                     raise
 
     def tier_summary(self) -> dict[str, dict[str, int]]:
@@ -588,10 +584,10 @@ class TieredCache(TierMoves):
         self.tree.check_invariants()
         for node in self.tree.iter_nodes():
             if node.busy:
-                assert (id(node.busy.engine), node.busy.op_id) in self._moves, "busy node without a move"
+                assert (id(node.busy.engine), node.busy.op_id) in self.moves.active, "busy node without a move"
         for tier in range(self.num_tiers):
-            assert self._pending_out[tier] == sum(
-                len(n.key) for m in self._moves.values() if m.kind is MoveKind.DEMOTE and m.src_tiers[0] == tier
+            assert self.moves.pending_out[tier] == sum(
+                len(n.key) for m in self.moves.active.values() if m.kind is MoveKind.DEMOTE and m.src_tiers[0] == tier
                 for n in m.nodes), "in-flight token count drifted"
 
 

@@ -158,7 +158,7 @@ def test_logits_after_cache_hits_equal_transformers(family, tmp_path) -> None:
     # The first turn goes down to disk and comes back for the follow-up.
     node = engine.cache.tree.match_prefix(first.prompt + first.output).last_node
     while node.tier < COLD:
-        engine.cache._wait_move(engine.cache._start_demotion(node))
+        engine.cache.moves.wait(engine.cache.moves.start_demotion(node))
     follow = engine.generate(first.prompt + first.output + [7, 8], SamplingParams(max_tokens=3))
     assert follow.cached_tokens == 43 and sum(follow.tier_hits[1:]) > 0 and node.tier == HOT
     assert_engine_logits_match(hf_model, follow)

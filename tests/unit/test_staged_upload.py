@@ -19,8 +19,8 @@ def test_slice_extents_cuts_at_token_positions():
 
 
 def _staged(cache, chunk_blocks):
-    cache.upload = StagedUpload(cache.hot, cache.pools[COLD], chunk_blocks=chunk_blocks)
-    return cache.upload
+    cache.moves.upload = StagedUpload(cache.hot, cache.pools[COLD], chunk_blocks=chunk_blocks)
+    return cache.moves.upload
 
 
 @pytest.mark.parametrize("chunk_blocks", [1, 2, 3, 16])
@@ -98,7 +98,7 @@ def test_cuda_cold_promotion_uses_pinned_staging_and_never_synchronizes_the_devi
     from tests.unit.helpers import TickClock
     cfg = TierConfig(hot_blocks=16, warm_blocks=16, cold_blocks=16, block_tokens=4, disk_dir=str(tmp_path))
     cache = TieredCache(cfg, LAYOUT, clock=TickClock())
-    assert cache.upload.stream is cache.copier.stream
+    assert cache.moves.upload.stream is cache.copier.stream
     toks = list(range(22))
     node = put(cache, toks)
     demote(cache, node, COLD)
@@ -109,7 +109,7 @@ def test_cuda_cold_promotion_uses_pinned_staging_and_never_synchronizes_the_devi
     monkeypatch.setattr(torch.cuda, "synchronize", refuse)
     monkeypatch.setattr(torch.cuda.Stream, "synchronize", refuse)
     m = match(cache, toks)
-    assert all(b.is_pinned() for b in cache.upload._bufs)
+    assert all(b.is_pinned() for b in cache.moves.upload._bufs)
     assert torch.equal(m.kv.cpu(), kv_for(toks))
     monkeypatch.undo()
     cache.close()

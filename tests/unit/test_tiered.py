@@ -60,9 +60,9 @@ def match(cache, tokens, namespace=None):
 
 def demote(cache, node, to):
     while node.tier < to:
-        move = cache._start_demotion(node)
+        move = cache.moves.start_demotion(node)
         assert move is not None
-        cache._wait_move(move)
+        cache.moves.wait(move)
 
 
 def test_round_trip_hot_warm_cold_hot_is_bit_exact(tmp_path):
@@ -110,7 +110,7 @@ def test_a_failing_disk_write_drops_instead_of_retrying_forever(tmp_path, monkey
         raise DiskTierError("EIO")
 
     monkeypatch.setattr(cache.pools[COLD], "write", failing_write)
-    assert cache._make_room(WARM, 2)
+    assert cache.moves.make_room(WARM, 2)
     assert writes == [1, 1] and not any(n.alive for n in nodes)
     assert cache.stats["demotion_failures"] == 2 and cache.stats["dropped_tokens"] == 8
     cache.check_invariants()
@@ -158,9 +158,9 @@ def test_watermark_demotes_lru_first_and_never_locked(tmp_path):
 def test_demotion_is_abandoned_when_the_node_gets_locked(tmp_path):
     cache = make(tmp_path, cold=0)
     node = put(cache, list(range(6)))
-    move = cache._start_demotion(node)
+    move = cache.moves.start_demotion(node)
     cache.tree.lock(node)
-    cache._wait_move(move)
+    cache.moves.wait(move)
     assert node.tier == HOT and cache.stats["demotions_abandoned"] == 1
     assert cache.pools[WARM].allocator.used_tokens == 0
     cache.tree.unlock(node)
@@ -432,12 +432,12 @@ def test_a_checkpoint_beside_a_moving_copy_keeps_its_own_kv(tmp_path):
     lease.append(kv_for(tokens))
     node = put(cache, tokens)                              # A computed and cached them meanwhile
     demote(cache, node, WARM)
-    move = cache._start_promotion([node], background=True)
+    move = cache.moves.start_promotion([node], background=True)
     assert move is not None and node.busy
     lease.checkpoint(tokens)
     assert cache.stats["checkpoints_deferred"] == 1
     assert torch.equal(lease.read(), kv_for(tokens))
-    cache._wait_move(move)
+    cache.moves.wait(move)
     lease.commit(tokens)
     found = match(cache, tokens)
     assert found.length == 12 and torch.equal(found.kv, kv_for(tokens))

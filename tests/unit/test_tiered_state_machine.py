@@ -77,7 +77,7 @@ class TieredMachine(RuleBasedStateMachine):
         nodes = [n for n in self.cache.tree.iter_nodes() if n.tier == tier and not n.busy and not n.lock_ref
                  and not any(c.tier == tier for c in n.children.values())]
         if nodes:
-            self.cache._start_demotion(nodes[i % len(nodes)])
+            self.cache.moves.start_demotion(nodes[i % len(nodes)])
 
     @rule(tokens=tokens_st)
     def prefetch(self, tokens):
