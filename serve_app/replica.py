@@ -53,12 +53,10 @@ def _report_metrics(core: WorkerCore) -> None:
         metrics.report_l3(core.worker_id, core.l3.stats)
 
 
-def _app_leaving(timeout_s: float = 2.0) -> bool:
+async def _app_leaving(timeout_s: float = 2.0) -> bool:
     """Whether this replica's whole application is being deleted (its status is
     DELETING, it is gone, or the controller cannot say within ``timeout_s``: Serve
     shutting down): then no replica survives to take a peer hand-off."""
-    import concurrent.futures as cf
-
     from ray.serve.schema import ApplicationStatus
 
     def ask() -> bool:
@@ -66,14 +64,11 @@ def _app_leaving(timeout_s: float = 2.0) -> bool:
         status = serve.status().applications.get(app)
         return status is None or status.status == ApplicationStatus.DELETING
 
-    pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="app-status")
     try:
-        return pool.submit(ask).result(timeout=timeout_s)
+        return await asyncio.wait_for(asyncio.to_thread(ask), timeout_s)
     except Exception as exc:   # no answer while stopping: assume the app goes (L3 still takes it all)
         log.info("app status unknown at shutdown (%s): hand-off to L3 only", type(exc).__name__)
         return True
-    finally:
-        pool.shutdown(wait=False)
 
 
 class CacheReplica:
@@ -154,7 +149,7 @@ class CacheReplica:
         if core is None:   # the constructor never finished: nothing to hand on
             return
         try:
-            to_peers = core.config.handoff_s > 0 and not await asyncio.to_thread(_app_leaving)
+            to_peers = core.config.handoff_s > 0 and not await _app_leaving()
             self.handoff = (await hand_off(core, self.ops, core.config.handoff_s, to_peers=to_peers)).as_dict()
             metrics.report_handoff(self.worker_id, self.handoff, core.config.block_tokens)
         except Exception as exc:   # what L3 already has stays; the peers recompute the rest

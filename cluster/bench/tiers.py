@@ -77,12 +77,16 @@ def _timed(cache: TieredCache, start_move, nodes: list) -> float:
     return time.perf_counter() - t0
 
 
-def _move_all(cache: TieredCache, nodes: list) -> float:
-    """Demote every node one tier down (all in flight at once). A node promoted
-    from WARM keeps its WARM copy (inclusive tiers) and would go down again at
-    no copy: those copies are dropped first, so every byte is copied."""
+def _drop_lower_copies(cache: TieredCache, nodes: list) -> None:
+    """A node promoted from WARM keeps its WARM copy (inclusive tiers) and would go down
+    again at no copy: drop those copies, so that a demotion copies every byte."""
     for n in nodes:
         cache.tree.drop_lower(n)
+
+
+def _move_all(cache: TieredCache, nodes: list) -> float:
+    """Demote every node one tier down (all in flight at once), copying every byte."""
+    _drop_lower_copies(cache, nodes)
     return _timed(cache, cache.moves.start_demotion, nodes)
 
 
@@ -219,8 +223,7 @@ def stall(args: argparse.Namespace, disk_dir: str, paced_gb_per_s: float | None 
         busy: list[float] = []
         while len(busy) < args.stall_steps:
             # Demote the whole GiB in the background and keep computing until it lands.
-            for n in nodes:   # a promoted node's WARM copy would make the demotion free
-                cache.tree.drop_lower(n)
+            _drop_lower_copies(cache, nodes)
             cache.moves.start_demotion(nodes)
             while cache.in_flight() and len(busy) < 10 * args.stall_steps:
                 busy.extend(_compute_steps(1, cache.device))

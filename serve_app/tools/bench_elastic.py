@@ -96,7 +96,6 @@ import asyncio
 import os
 import random
 import signal
-import statistics
 import threading
 import time
 import uuid
@@ -105,15 +104,14 @@ from dataclasses import dataclass, field
 
 from cluster.bench.common import emit, percentile, rounded
 from serve_app.tools.chat_workload import QUESTIONS, WORDS, Turn, ask_turn, system_prompt
+from serve_app.tools.elastic_figures import (Happening, Record, hit_rate, in_window, ms_at, reuse_ratio,  # pure
+                                             summarize, touched_turns)
 
 EVENTS = ("scale_in", "scale_out", "kill")
 ARMS = ("elastic", "baseline")
 APP_REPLICAS = "CacheReplica"
 TOUCHED_GOAL = 12     # sessions an event must touch for its reuse ratios to say something
 PROBES = 8            # fresh prompts timed per arm for the measured recompute
-ROW_KEYS = ("bench", "summary", "arm", "event", "repeat")   # what names a row, not a figure of it
-# Settings and labels, not figures: a summary gives them as they were (also where every repeat has None).
-AS_IS_FIELDS = ("l3", "recompute_measured_by", "window_s", "replicas_before", "system_prompt_tokens")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -159,19 +157,6 @@ def arm_order(arms: list[str], repeat: int) -> list[str]:
     return list(arms) if repeat % 2 == 0 else list(reversed(arms))
 
 
-def reuse_ratio(cached: list[int], previous: list[int], system_tokens: int = 0) -> float | None:
-    """Of what the touched sessions' previous turns left (prompt + reply), the share their next
-    turn found cached: per turn max(0, min(cached, previous) - system_tokens) over
-    previous - system_tokens. ``system_tokens`` 0 is ``reuse_ratio_after``; the shared system
-    prompt's length gives ``reuse_ratio_own_after`` (the session's own history only).
-    None when nothing is left to reuse."""
-    if len(cached) != len(previous):
-        raise ValueError(f"one cached count per previous turn: {len(cached)} != {len(previous)}")
-    kept = sum(max(0, min(c, p) - system_tokens) for c, p in zip(cached, previous))
-    left = sum(max(0, p - system_tokens) for p in previous)
-    return rounded(kept / left, 4) if left else None
-
-
 def shared_prompt_tokens(prompts, system: str) -> int:
     """The tokens every session's prompt shares: the longest common token prefix of the first
     prompt of every question the workload asks, as the server builds it (``prompts``: a
@@ -188,48 +173,6 @@ def probe_sizes(tokens: list[int], k: int = PROBES) -> list[int]:
     if len(ordered) <= k:
         return ordered
     return [ordered[round(i * (len(ordered) - 1) / max(1, k - 1))] for i in range(k)]
-
-
-def summarize(rows: list[dict]) -> list[dict]:
-    """One summary row per (arm, event) over the repeats, in the order they first appear:
-    ``<field>_median/_min/_max`` of every numeric field (None values left out, None where all
-    were None), ``<field>_true`` (how many repeats met it) of every yes/no field; text fields
-    and settings (``AS_IS_FIELDS``) as they were or, where repeats differ, the sorted distinct values."""
-    groups: dict[tuple[str, str], list[dict]] = {}
-    for row in rows:
-        groups.setdefault((row["arm"], row["event"]), []).append(row)
-    out = []
-    for (arm, event), group in groups.items():
-        summary = {"bench": "elastic", "summary": True, "arm": arm, "event": event, "repeats": len(group)}
-        for name in dict.fromkeys(k for row in group for k in row if k not in ROW_KEYS):
-            summary.update(_aggregate(name, [row.get(name) for row in group]))
-        out.append(summary)
-    return out
-
-
-def _aggregate(name: str, values: list) -> dict:
-    """One field's summary entries (``summarize``); {} for values that are none of number, yes/no, text."""
-    present = [v for v in values if v is not None]
-    if name in AS_IS_FIELDS or (present and all(isinstance(v, str) for v in present)):
-        distinct = sorted(set(present), key=str)
-        return {name: (distinct[0] if len(distinct) == 1 else distinct) if distinct else None}
-    if present and all(isinstance(v, bool) for v in present):
-        return {f"{name}_true": sum(present)}
-    if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in present):
-        if not present:
-            return {f"{name}_median": None, f"{name}_min": None, f"{name}_max": None}
-        median = statistics.median(present)
-        return {f"{name}_median": round(median, 4) if isinstance(median, float) else median,
-                f"{name}_min": min(present), f"{name}_max": max(present)}
-    return {}
-
-
-@dataclass
-class Record:
-    """One turn and what the session's previous turn left (prompt + reply tokens)."""
-    turn: Turn
-    session: int
-    previous_tokens: int
 
 
 @dataclass
@@ -268,19 +211,6 @@ class Workload:
                 previous = turn.prompt_tokens + turn.completion_tokens
                 messages.append({"role": "assistant", "content": reply})
                 await asyncio.sleep(self.args.think_s)
-
-
-def _window(records: list[Record], start: float, end: float) -> list[Record]:
-    return [r for r in records if r.turn.ok and start <= r.turn.started_at < end]
-
-
-def _hit_rate(records: list[Record]) -> float | None:
-    prompt = sum(r.turn.prompt_tokens for r in records)
-    return rounded(sum(r.turn.cached_tokens for r in records) / prompt, 4) if prompt else None
-
-
-def _ms(values: list[float], q: float) -> float | None:
-    return rounded(percentile(values, q) * 1e3, 1) if values else None
 
 
 class Cluster:
@@ -463,18 +393,6 @@ def fresh_messages(prompts, tokens: int, rng: random.Random, nonce: str) -> list
     return chat(lo)
 
 
-@dataclass
-class Happening:
-    """What an event did: its start (``at``), when the replica was gone (``effective``;
-    scale-in: once Serve stopped it), which one left or died (``gone``) or came (``new``)."""
-    before_live: list[str]
-    at: float
-    effective: float
-    gone: str | None = None
-    new: str | None = None
-    dropped_s: float | None = None   # kill: until the directory no longer listed the replica
-
-
 def _trigger(event: str, args, cluster: Cluster, workload: Workload) -> Happening:
     h = Happening(cluster.live_workers(), time.monotonic(), 0.0)
     h.effective = h.at
@@ -498,37 +416,6 @@ def _trigger(event: str, args, cluster: Cluster, workload: Workload) -> Happenin
     return h
 
 
-def _touched(event: str, recs: list[Record], h: Happening, window_s: float) -> list[Record]:
-    """The sessions the event touched, each with the turn that shows what it kept.
-
-    Scale-in and kill: the sessions whose cache was on the replica when the event *began*
-    (their last turn that ended before ``h.at`` ran there), and each one's next turn (a
-    turn in flight at a kill is resumed elsewhere: it is that next turn), if it started
-    within ``window_s`` of the replica being gone. From the start, not from when the
-    replica was gone: a scale-in drains the replica first, so the sessions move off it
-    while it hands off, and those moves are what the event is about.
-    Scale-out: the sessions that came to the new replica within the window, each one's
-    first turn there, whose previous turn ran on another replica."""
-    by_session: dict[int, list[Record]] = {}
-    for r in recs:
-        by_session.setdefault(r.session, []).append(r)
-    touched = []
-    for turns in by_session.values():
-        turns.sort(key=lambda r: r.turn.started_at)
-        if event == "scale_out":
-            i = next((i for i, r in enumerate(turns) if r.turn.worker_id == h.new and
-                      h.at <= r.turn.started_at < h.at + window_s), None)
-            if i and turns[i].turn.ok and turns[i].previous_tokens and turns[i - 1].turn.worker_id != h.new:
-                touched.append(turns[i])
-            continue
-        done = [i for i, r in enumerate(turns) if r.turn.ok and r.turn.started_at + (r.turn.e2e_s or 0) < h.at]
-        if done and turns[done[-1]].turn.worker_id == h.gone and done[-1] + 1 < len(turns):
-            nxt = turns[done[-1] + 1]
-            if nxt.previous_tokens and nxt.turn.started_at < h.effective + window_s:
-                touched.append(nxt)
-    return touched
-
-
 def _event(arm: str, event: str, args, cluster: Cluster, workload: Workload, setup: Setup, repeat: int) -> dict:
     lifecycle_before = len(cluster.directory_stats().get("lifecycle", []))
     h = _trigger(event, args, cluster, workload)
@@ -536,13 +423,13 @@ def _event(arm: str, event: str, args, cluster: Cluster, workload: Workload, set
     if event == "kill":   # Serve's replacement is up before the next event
         cluster.wait_replicas(len(h.before_live))
     recs = list(workload.records)
-    touched = _touched(event, recs, h, args.window_s)
+    touched = touched_turns(event, recs, h, args.window_s)
     notes = cluster.directory_stats().get("lifecycle", [])[lifecycle_before:]
     row = {"bench": "elastic", "arm": arm, "event": event, "repeat": repeat,
            "l3": args.l3 if arm == "elastic" else "off", "replicas_before": len(h.before_live)}
     row.update(_event_figures(recs, h, touched, args.window_s, setup.system_tokens))
     row.update(_lifecycle_figures(notes, h, args.block_tokens))
-    after = _window(recs, h.at, h.at + args.window_s)
+    after = in_window(recs, h.at, h.at + args.window_s)
     prompt_after = sum(r.turn.prompt_tokens for r in after)
     l3_after = sum(int(r.turn.cached_by_tier.get("l3", 0)) for r in after)
     row["l3_hit_rate"] = rounded(l3_after / prompt_after, 4) if prompt_after else None
@@ -550,7 +437,7 @@ def _event(arm: str, event: str, args, cluster: Cluster, workload: Workload, set
     if event == "scale_out":
         mine = [r for r in after if r.turn.worker_id == h.new]
         row["new_replica_requests"] = len(mine)
-        row["new_replica_hit_rate_60s"] = _hit_rate(mine)
+        row["new_replica_hit_rate_60s"] = hit_rate(mine)
         row["goal_new_replica_ge_80pct_steady"] = bool(row["new_replica_hit_rate_60s"] and row["hit_rate_before"]
                                                        and row["new_replica_hit_rate_60s"]
                                                        >= 0.8 * row["hit_rate_before"])
@@ -563,18 +450,18 @@ def _event_figures(recs: list[Record], h: Happening, touched: list[Record], wind
                    system_tokens: int) -> dict:
     """Hit rates around the event, the touched sessions' reuse (with and without the shared
     system prompt) and the TTFTs after it."""
-    before = _window(recs, h.at - window_s, h.at)
-    after = _window(recs, h.at, h.at + window_s)
+    before = in_window(recs, h.at - window_s, h.at)
+    after = in_window(recs, h.at, h.at + window_s)
     cached = [r.turn.cached_tokens if r.turn.ok else 0 for r in touched]
     previous = [r.previous_tokens for r in touched]
     ttfts = [r.turn.ttft_s for r in after if r.turn.ttft_s is not None]
-    return {"hit_rate_before": _hit_rate(before), "hit_rate_after_60s": _hit_rate(after), "window_s": window_s,
+    return {"hit_rate_before": hit_rate(before), "hit_rate_after_60s": hit_rate(after), "window_s": window_s,
             "reuse_ratio_after": reuse_ratio(cached, previous),
             "reuse_ratio_own_after": reuse_ratio(cached, previous, system_tokens),
             "system_prompt_tokens": system_tokens,
             "touched_sessions": len(touched), "goal_touched_ge_12": len(touched) >= TOUCHED_GOAL,
-            "ttft_ms_p50_after": _ms(ttfts, 50), "ttft_ms_p99_after": _ms(ttfts, 99),
-            "ttft_ms_p50_touched": _ms([r.turn.ttft_s for r in touched if r.turn.ttft_s is not None], 50)}
+            "ttft_ms_p50_after": ms_at(ttfts, 50), "ttft_ms_p99_after": ms_at(ttfts, 99),
+            "ttft_ms_p50_touched": ms_at([r.turn.ttft_s for r in touched if r.turn.ttft_s is not None], 50)}
 
 
 def _lifecycle_figures(notes: list[dict], h: Happening, block_tokens: int) -> dict:

@@ -266,7 +266,7 @@ async def run_load(url: str, *, requests: int, concurrency: int, stream_fraction
             "killed_worker": killed["worker_id"] if killed else None,
             "in_flight_at_kill": killed["in_flight"] if killed else None, "resumed": resumed,
             "killed_at_s": killed["s"] if killed else None,
-            **_recovery_parts(probe, killed, recovery),
+            **_recovery_parts(probe, killed),
             "wall_s": round(wall, 2), "concurrency": concurrency, "stream_fraction": stream_fraction,
             "rss_mib_before": rss_before, "rss_mib_after": probe.rss_mib() if probe else None,
             **_hostile_report(hostile_concurrency, hostile_seen, hostile_rate, wall)}
@@ -311,7 +311,7 @@ def _wait_whole(probe: ClusterProbe, killed: dict, limit_s: float) -> float | No
     return None
 
 
-def _recovery_parts(probe: ClusterProbe | None, killed: dict | None, recovery: dict) -> dict:
+def _recovery_parts(probe: ClusterProbe | None, killed: dict | None) -> dict:
     """Where a replica kill's recovery went: the directory dropping the dead worker, then the
     replacement's start-up (its own note: from the kill until Serve started it, then its
     parts: the worker core, CUDA steps, warm-up) until it was ready."""

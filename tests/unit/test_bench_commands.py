@@ -91,25 +91,16 @@ def test_results_file_gets_exactly_the_lines_the_command_printed(tmp_path, capsy
     assert all(json.loads(line)["bench"] == "fragmentation" for line in printed)
 
 
-def test_bench_serving_starts_vllm_with_its_documented_cpu_setup(tmp_path, monkeypatch) -> None:
+def test_bench_serving_starts_vllm_with_its_documented_cpu_setup(tmp_path, monkeypatch, vllm_venv) -> None:
     """The peer gets Intel's OpenMP runtime from its own venv and the system's tcmalloc
     (vLLM's documented CPU setup) unless told otherwise; never this process's preload."""
     import argparse
-    import json
 
     from serve_app.tools.bench_serving import _vllm_command, add_arguments
 
-    venv = tmp_path / "venv"
-    (venv / "bin").mkdir(parents=True)
-    (venv / "lib").mkdir()
-    (venv / "bin" / "python").write_text("")
+    python, model = vllm_venv
+    venv = python.parent.parent
     (venv / "lib" / "libiomp5.so").write_bytes(b"")
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps({
-        "model_type": "llama", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 128,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "max_position_embeddings": 256, "rms_norm_eps": 1e-6}))
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     base = ["--peer", "vllm", "--peer-python", str(venv / "bin" / "python")]

@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import pytest
 
 from serve_app.tools import bench_elastic
-from serve_app.tools.bench_elastic import (arm_order, fresh_messages, plan, probe_sizes, reuse_ratio,
-                                           shared_prompt_tokens, summarize)
+from serve_app.tools.bench_elastic import arm_order, fresh_messages, plan, probe_sizes, shared_prompt_tokens
+from serve_app.tools.elastic_figures import reuse_ratio, summarize
 
 
 def parse(argv):
@@ -142,23 +142,23 @@ def test_summary_keeps_the_order_rows_first_appear_in_and_one_row_per_arm_and_ev
 
 
 def _rec(session, t, worker, start, e2e=1.0, previous=100):
-    from serve_app.tools.bench_elastic import Record
+    from serve_app.tools.elastic_figures import Record
     from serve_app.tools.chat_workload import Turn
     return Record(Turn(session, t, True, e2e_s=e2e, started_at=start, worker_id=worker, prompt_tokens=previous + 10),
                   session, previous if t else 0)
 
 
 def test_touched_sessions_are_those_on_the_replica_when_the_event_began():
-    from serve_app.tools.bench_elastic import Happening, _touched
+    from serve_app.tools.elastic_figures import Happening, touched_turns
     h = Happening(["a", "b", "c"], at=100.0, effective=110.0, gone="c")
     recs = [_rec(1, 0, "c", 90), _rec(1, 1, "a", 104),      # moved off c while it drained: touched
             _rec(2, 0, "a", 90), _rec(2, 1, "b", 104),      # never on c
             _rec(3, 0, "c", 99.5), _rec(3, 1, "b", 104),    # its only turn on c had not ended at the start
             _rec(4, 0, "c", 80), _rec(4, 1, "c", 95),       # last turn before the start on c ...
             _rec(4, 2, "b", 200)]                           # ... but its next turn came after the window
-    assert [(r.session, r.turn.turn) for r in _touched("scale_in", recs, h, 60.0)] == [(1, 1)]
+    assert [(r.session, r.turn.turn) for r in touched_turns("scale_in", recs, h, 60.0)] == [(1, 1)]
     out = Happening(["a", "b"], at=100.0, effective=100.0, new="n")
     recs = [_rec(1, 0, "a", 90), _rec(1, 1, "a", 120), _rec(1, 2, "n", 140),   # came to n: touched
             _rec(2, 0, "n", 130),                                            # a first turn: nothing to keep
             _rec(3, 0, "b", 90), _rec(3, 1, "n", 200)]                       # after the window
-    assert [(r.session, r.turn.turn) for r in _touched("scale_out", recs, out, 60.0)] == [(1, 2)]
+    assert [(r.session, r.turn.turn) for r in touched_turns("scale_out", recs, out, 60.0)] == [(1, 2)]

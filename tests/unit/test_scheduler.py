@@ -226,14 +226,14 @@ def test_a_rider_without_room_after_its_step_waits_and_computes_again():
     check_drained(engine)
 
 
-def test_identical_prompts_compute_their_tail_beyond_the_cache_once():
-    """Six requests after a cached 64-token prefix, two prompts three times each (chats
-    asking the same first question): less than a block (BT = 4) is new, and only the first
-    of each computes it; the other two wait that step and start from it in the same step
-    (its checkpoint holds their whole prompt, its last logits row is theirs): nothing of
-    their prompts is computed. The same outputs as alone, sampled or greedy."""
+
+def six_requests_after_a_cached_prefix(shared_fills: bool):
+    """After a cached 64-token prefix, two 3-token tails three times each, greedy and sampled
+    in turn; the outputs checked against each request run alone. Returns the engine, its
+    computed tokens and steps before, and the finished requests."""
     system = [(5 * i) % 64 for i in range(64)]
     engine = make_engine(hot_blocks=256, budget=256)
+    engine.shared_fills = shared_fills
     run_all(engine, [(system + [63], SamplingParams(max_tokens=1))])   # the prefix, cached
     before, steps = engine.stats["computed_tokens"], engine.stats["steps"]
     tails = ([1, 2, 3], [6, 7, 8])
@@ -242,6 +242,16 @@ def test_identical_prompts_compute_their_tail_beyond_the_cache_once():
     want = reference_outputs(requests)
     done = run_all(engine, requests)
     assert [r.output for r in done] == want
+    return engine, before, steps, done
+
+
+def test_identical_prompts_compute_their_tail_beyond_the_cache_once():
+    """Six requests after a cached 64-token prefix, two prompts three times each (chats
+    asking the same first question): less than a block (BT = 4) is new, and only the first
+    of each computes it; the other two wait that step and start from it in the same step
+    (its checkpoint holds their whole prompt, its last logits row is theirs): nothing of
+    their prompts is computed. The same outputs as alone, sampled or greedy."""
+    engine, before, steps, done = six_requests_after_a_cached_prefix(shared_fills=True)
     assert [r.cached_tokens for r in done] == [64, 67, 67, 64, 67, 67]
     # The first of each: its 3 new tokens, then 2 decodes; the others: 2 decodes.
     assert engine.stats["computed_tokens"] - before == 2 * ((3 + 2) + 2 * 2)
@@ -254,17 +264,7 @@ def test_without_shared_fills_identical_prompts_each_compute_their_own_tail():
     """The same six requests with the policy off (``shared_fills``, a worker setting): no
     request waits for another's fill, each computes its own 3 new tokens, and the outputs
     are the same."""
-    system = [(5 * i) % 64 for i in range(64)]
-    engine = make_engine(hot_blocks=256, budget=256)
-    engine.shared_fills = False
-    run_all(engine, [(system + [63], SamplingParams(max_tokens=1))])
-    before = engine.stats["computed_tokens"]
-    tails = ([1, 2, 3], [6, 7, 8])
-    params = (SamplingParams(max_tokens=3), SamplingParams(max_tokens=3, temperature=0.8, seed=7))
-    requests = [(system + tails[i // 3], params[i % 2]) for i in range(6)]
-    want = reference_outputs(requests)
-    done = run_all(engine, requests)
-    assert [r.output for r in done] == want
+    engine, before, _, done = six_requests_after_a_cached_prefix(shared_fills=False)
     assert [r.cached_tokens for r in done] == [64] * 6
     assert engine.stats["computed_tokens"] - before == 6 * (3 + 2)
     assert engine.stats["forked_prompts"] == 0 and engine.stats["waits_for_shared_prefix"] == 0

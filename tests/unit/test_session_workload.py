@@ -208,21 +208,6 @@ def test_an_error_status_or_a_stream_without_its_end_fails_the_turn_and_ends_its
 
 
 # ------------------------------------------------------------------ the vLLM arms
-@pytest.fixture
-def vllm_venv(tmp_path):
-    venv = tmp_path / "venv"
-    (venv / "bin").mkdir(parents=True)
-    (venv / "lib").mkdir()
-    (venv / "bin" / "python").write_text("")
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps({
-        "model_type": "llama", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 128,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "max_position_embeddings": 256, "rms_norm_eps": 1e-6}))
-    return venv / "bin" / "python", model
-
-
 def test_vllm_runs_in_its_default_mode_with_our_step_limits_and_each_arms_kv(vllm_venv) -> None:
     python, model = vllm_venv
     block_bytes = 2 * 2 * 2 * 16 * 32 * 4   # layers x (K, V) x kv heads x head dim x 32 tokens x float32
