@@ -8,8 +8,8 @@ gives the same prefix again; sampled requests carry a seed for the same
 reason). It takes the way to open a stream as a function, so any transport
 can use it.
 
-``ClusterClient`` is that path over ``CacheWorker`` actors (tests, tools, the
-``bench`` commands). The Serve ingress does not use it: its requests reach a
+``ClusterClient`` is that path over the worker shell run as named Ray actors
+(``actors.worker.start_worker``: tests and drills). The Serve ingress does not use it: its requests reach a
 replica through Serve's handle and ``serve_app.router.DirectoryRouter``, which
 asks the directory through the same ``DirectoryLink``.
 """

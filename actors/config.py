@@ -5,7 +5,7 @@ The tier settings are a ``TierConfig`` embedded whole, so every one of them
 key of the worker config in ``serve_app/config.yaml``, written flat beside the
 worker's own keys::
 
-    worker: {model: builtin, hot_blocks: 4096, high_watermark: 0.85, policy: lfu, max_batch_tokens: 4096}
+    worker: {model: builtin, hot_blocks: 4096, high_watermark: 0.85, eviction_policy: lfu, max_batch_tokens: 4096}
 """
 
 from __future__ import annotations
@@ -177,6 +177,9 @@ class WorkerConfig:
         """Flat keys: the worker's own and every ``TierConfig`` field. An unknown
         key, a bad value or a bad model spec fails here, naming it."""
         data = dict(data or {})
+        if "policy" in data:
+            raise InvalidInputError("worker config key 'policy' is now 'eviction_policy' (the app's routing "
+                                    "policy is routing_policy)")
         own = {f.name for f in dataclasses.fields(cls)} - {"tiers"}
         unknown = set(data) - own - set(TIER_KEYS)
         if unknown:

@@ -9,15 +9,15 @@ The pieces, each in its own module:
 - ``actors.reporter.EventReporter``: KV events, load and snapshots to the directory;
 - ``actors.peer.PeerServer``: the peer channel other workers and the ingress
   call this worker on (migrations, admin), when the shell gives it a host;
+  this class is its ``PeerService`` (one method per operation);
 - L3 (``cluster.cache.l3.tier``) on the Mooncake master ``l3_master`` names,
   and ``actors.elastic``: the hand-off when the replica leaves, the warm-up
   before it takes traffic.
 
-This class wires them and offers the few async methods every shell needs.
-It has no Ray dependency of its own: the ``CacheWorker`` actor
-(``actors.worker``) and the Serve replica (``serve_app.replica``) are thin
-shells around it that differ only in how they are called and how they reach
-a peer (``PeerLink``).
+This class wires them and offers the few async methods the shell needs.
+It has no Ray dependency of its own: the one shell around it is
+``actors.worker.CacheWorker`` (the Serve replica, ``serve_app.replica``, is
+that class as a deployment; tests run it as a Ray actor).
 """
 
 from __future__ import annotations
@@ -70,8 +70,8 @@ class WorkerCore:
         ``on_migration(result)`` after each migration this worker ran (metrics);
         ``on_trip(reason)`` when the watchdog declares the engine wedged (metrics),
         after the directory was told to drop this worker. ``peer_host``: where
-        the peer channel listens (None: no channel; actors reach each other
-        through Ray), ``peer_secret`` what every call on it must carry."""
+        the peer channel listens (None: no channel, e.g. in-process tests),
+        ``peer_secret`` what every call on it must carry."""
         self.worker_id = worker_id
         self.config = config
         # Seconds of each start-up part (a replacement's recovery waits for all of them).
@@ -140,7 +140,7 @@ class WorkerCore:
         self.migration.on_engine = lambda fn: self.loop.call(fn).result()
         self.peer = None
         if peer_host is not None:
-            self.peer = PeerServer(worker_id, self._peer_handlers(), host=peer_host, secret=peer_secret)
+            self.peer = PeerServer(worker_id, self, host=peer_host, secret=peer_secret)
         if directory is not None:
             self._register()
             self.reporter.start_heartbeat(alive=self.loop.alive)
@@ -216,7 +216,8 @@ class WorkerCore:
 
     def inject_fault(self, kind: str, on: bool = True) -> None:
         """Drills and tests: 'wedge' blocks the engine thread (until turned off:
-        the watchdog trips meanwhile); 'nixl' and 'object_store' break a transport."""
+        the watchdog trips meanwhile); 'nixl' and 'fallback' break a transport
+        (``actors.migration.FAULTS``)."""
         if kind != "wedge":
             self.migration.inject_fault(kind, on)
         elif on:
@@ -324,35 +325,6 @@ class WorkerCore:
 
     async def release(self, lease: str) -> None:
         await self.loop.run(lambda: self.migration.release(lease))
-
-    def _peer_handlers(self) -> dict:
-        """The peer channel's calls (``actors.peer``): typed results as their field maps."""
-        async def export(tokens, tenant=None, max_tokens=None):
-            return (await self.export_prefix(tokens, tenant, max_tokens)).to_fields()
-
-        async def fetch(lease):
-            array, dtype = await self.fetch_blocks(lease)
-            return {"data": array.tobytes(), "numpy_dtype": array.dtype.str, "shape": list(array.shape),
-                    "dtype": dtype}
-
-        async def info():
-            return self.info().to_fields()
-
-        async def prefetch(session_id=None, tokens=None, tenant=None):
-            return await self.prefetch(session_id, tokens, tenant)
-
-        async def inject_fault(kind, on=True):
-            await asyncio.to_thread(self.inject_fault, kind, on)   # 'wedge' waits until the engine is in it
-
-        async def pull(offer):
-            return await self.pull(PrefixOffer.from_fields(offer))
-
-        async def offers(limit=32):
-            return [o.to_fields() for o in await self.offers(int(limit))]
-
-        return {"export": export, "fetch": fetch, "release": self.release, "info": info, "stats": self.stats,
-                "flush": self.flush, "prefetch": prefetch, "inject_fault": inject_fault, "pull": pull,
-                "offers": offers}
 
     # ------------------------------------------------------------ inspection
     def info(self) -> WorkerInfo:

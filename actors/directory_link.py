@@ -1,6 +1,6 @@
 """DirectoryLink: the one way every process reaches the directory actor.
 
-Cache workers (the ``CacheWorker`` actor and the Serve replica alike) register,
+Cache workers (``actors.worker.CacheWorker``, as a Serve replica or an actor) register,
 publish KV event batches with their load, and push snapshots through it;
 clients and the Serve router ask it for routing decisions. It never blocks
 the caller on the directory: publishes return a future, routes are awaited

@@ -23,8 +23,8 @@ prompts, few-shot headers, tool catalogues; ranked by hits x length), sums
 what several peers hold, and brings the best ones in, from L3 when it holds
 them, else from the peer that offered them, within a time and a byte bound.
 
-Both are transport-agnostic: a shell gives a ``PeerOps`` (the Serve replica
-reaches peers over their peer channels, the actor over Ray).
+Both are transport-agnostic: the shell gives a ``PeerOps``
+(``actors.worker.ChannelPeerOps``: the peers' channels).
 """
 
 from __future__ import annotations

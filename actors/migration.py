@@ -4,8 +4,7 @@ The holder stages the prefix in whole host blocks (checksummed) under a lease
 (``TieredCache.stage``); the target READs them over NIXL into its own staging
 blocks, verifies every block, and installs them (``TieredCache.install``). If
 NIXL is missing or fails, the staged blocks come through the link's fallback
-(``PeerLink.fetch_blocks``: the peer channel between Serve replicas, Ray's
-object store between actors); if that fails too, the target recomputes. A
+(``PeerLink.fetch_blocks``: the holder's peer channel); if that fails too, the target recomputes. A
 migration never raises: it only costs the prefill it would have saved, and
 never more than a bounded time: every remote call of a migration (export,
 info, fallback fetch) waits at most ``call_timeout_s``, and the NIXL READ as
@@ -51,8 +50,8 @@ FAULTS = ("nixl", "fallback")
 
 
 class PeerLink(Protocol):
-    """How one worker reaches another: ``actors.peer.PeerClient`` (Serve
-    replicas), ``actors.worker.ActorLink`` (actors), or in-process for tests.
+    """How one worker reaches another: ``actors.peer.PeerClient`` (the worker
+    shell, ``actors.worker.CacheWorker``), or in-process for tests.
     All awaitable but ``release``, which is fire and forget. ``transport``
     names how ``fetch_blocks`` moves the staged blocks."""
 

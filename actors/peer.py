@@ -6,10 +6,18 @@ prefetch, fault drills) go from caller to worker over this channel, not
 through Ray Serve: Serve carries only the requests themselves, and a
 migration is one call from the target replica to the holder.
 
+One method per operation on both sides: ``PeerClient.export_prefix``,
+``.fetch_blocks``, ``.release``, ``.info``, ``.stats``, ``.flush``,
+``.prefetch``, ``.inject_fault``, ``.pull``, ``.offers``, each with typed
+arguments and results (``cluster.protocol``), answered by the same-named
+method of the worker's ``PeerService`` (``WorkerCore``).
+
 Wire: TCP, each message a 4-byte big-endian length and a msgpack map.
-A request is ``{"v": WIRE_VERSION, "op": ..., "args": {...}, "secret": ...}``;
-the answer ``{"ok": result}`` or ``{"error": message, "kind": ...}``. Typed
-results travel as their ``to_fields()`` maps and are rebuilt on arrival.
+A request is ``{"v": WIRE_VERSION, "op": ..., "args": {...}, "secret": ...}``
+(``op``: one of ``OPS``); the answer ``{"ok": result}`` or ``{"error":
+message, "kind": ...}``. Typed values travel as their ``to_fields()`` maps
+and are rebuilt (and checked: a bad argument is an ``invalid`` error naming
+it) on arrival.
 One request at a time per connection; a client keeps a few idle
 connections per peer and opens another when all are busy.
 
@@ -19,7 +27,7 @@ as the same kind of error here (``PeerCallError`` and its subclasses), so a
 caller handles each failure on its own.
 
 The server runs on a thread of its own with its own event loop, so it
-answers while the worker's other loop is busy, and handlers reach the
+answers while the worker's other loop is busy, and the service reaches the
 engine thread the usual way (``EngineLoop.run``). A shared ``secret`` (the
 app's, generated at deploy) must match on every request: the channel
 serves KV, and only the app's own processes may ask for it.
@@ -29,16 +37,18 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import inspect
 import logging
 import struct
 import threading
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Protocol
 
 import msgpack
 import numpy as np
 
 from cluster.errors import CacheError, InvalidInputError
-from cluster.protocol import WIRE_VERSION, StagedPrefix, Transport, WorkerInfo
+from cluster.protocol import (WIRE_VERSION, MalformedMessageError, PrefixOffer, StagedPrefix, Tenant, Transport,
+                              WorkerInfo)
 
 log = logging.getLogger(__name__)
 
@@ -101,16 +111,120 @@ def _frame(obj: Any) -> bytes:
 
 
 # ---------------------------------------------------------------- server
-Handler = Callable[..., Awaitable[Any]]
+class PeerService(Protocol):
+    """What a worker answers on its peer channel, one method per operation
+    (``actors.core.WorkerCore``). ``info`` and ``inject_fault`` are plain
+    methods: the server runs ``inject_fault`` on a thread ('wedge' waits until
+    the engine thread is in it)."""
+
+    async def export_prefix(self, tokens: list[int], tenant: Tenant | None = None,
+                            max_tokens: int | None = None) -> StagedPrefix: ...
+
+    async def fetch_blocks(self, lease: str) -> tuple[np.ndarray, str]: ...
+
+    async def release(self, lease: str) -> None: ...
+
+    def info(self) -> WorkerInfo: ...
+
+    async def stats(self) -> dict: ...
+
+    async def flush(self) -> int: ...
+
+    async def prefetch(self, session_id: str | None = None, tokens: list[int] | None = None,
+                       namespace: Tenant | None = None) -> int: ...
+
+    def inject_fault(self, kind: str, on: bool = True) -> None: ...
+
+    async def pull(self, offer: PrefixOffer) -> int: ...
+
+    async def offers(self, limit: int) -> list[PrefixOffer]: ...
+
+
+class _Answers:
+    """The server side of each operation, under its wire name: read the
+    arguments (a bad one is an ``invalid`` error naming it), call the
+    service, send its typed result as fields."""
+
+    def __init__(self, service: PeerService):
+        self.service = service
+
+    async def export(self, tokens, tenant=None, max_tokens=None) -> dict:
+        staged = await self.service.export_prefix(_tokens(tokens, "tokens"), _tenant(tenant),
+                                                  _count(max_tokens, "max_tokens", optional=True))
+        return staged.to_fields()
+
+    async def fetch(self, lease) -> dict:
+        array, dtype = await self.service.fetch_blocks(_text(lease, "lease"))
+        return {"data": array.tobytes(), "numpy_dtype": array.dtype.str, "shape": list(array.shape),
+                "dtype": dtype}
+
+    async def release(self, lease) -> None:
+        await self.service.release(_text(lease, "lease"))
+
+    async def info(self) -> dict:
+        return self.service.info().to_fields()
+
+    async def stats(self) -> dict:
+        return await self.service.stats()
+
+    async def flush(self) -> int:
+        return int(await self.service.flush())
+
+    async def prefetch(self, session_id=None, tokens=None, tenant=None) -> int:
+        return int(await self.service.prefetch(None if session_id is None else _text(session_id, "session_id"),
+                                               None if tokens is None else _tokens(tokens, "tokens"),
+                                               _tenant(tenant)))
+
+    async def inject_fault(self, kind, on=True) -> None:
+        if not isinstance(on, bool):
+            raise InvalidInputError(f"on must be true or false, got {on!r:.40}")
+        await asyncio.to_thread(self.service.inject_fault, _text(kind, "kind"), on)
+
+    async def pull(self, offer) -> int:
+        return int(await self.service.pull(PrefixOffer.from_fields(offer)))
+
+    async def offers(self, limit=32) -> list[dict]:
+        return [o.to_fields() for o in await self.service.offers(_count(limit, "limit"))]
+
+
+OPS = ("export", "fetch", "release", "info", "stats", "flush", "prefetch", "inject_fault", "pull", "offers")
+
+
+def _tokens(value: Any, name: str) -> list[int]:
+    if not isinstance(value, (list, tuple)) or any(isinstance(t, bool) or not isinstance(t, int) or t < 0
+                                                   for t in value):
+        raise InvalidInputError(f"{name} must be a list of non-negative integer token ids")
+    return list(value)
+
+
+def _tenant(value: Any) -> Tenant | None:
+    if value is not None and not isinstance(value, str):
+        raise InvalidInputError(f"tenant must be a string or null, got {value!r:.40}")
+    return value
+
+
+def _text(value: Any, name: str) -> str:
+    if not isinstance(value, str):
+        raise InvalidInputError(f"{name} must be a string, got {value!r:.40}")
+    return value
+
+
+def _count(value: Any, name: str, optional: bool = False) -> int | None:
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidInputError(f"{name} must be a non-negative integer{' or null' if optional else ''}, "
+                                f"got {value!r:.40}")
+    return value
 
 
 class PeerServer:
-    """Answers peer calls with ``handlers[op](**args)`` on its own thread and event loop."""
+    """Answers peer calls to ``service`` on its own thread and event loop."""
 
-    def __init__(self, name: str, handlers: dict[str, Handler], *, host: str = "127.0.0.1", port: int = 0,
+    def __init__(self, name: str, service: PeerService, *, host: str = "127.0.0.1", port: int = 0,
                  secret: str | None = None):
         self.name = name
-        self.handlers = dict(handlers)
+        self._answers = _Answers(service)
         self.secret = secret
         self.stats = {"calls": 0, "errors": 0, "refused_secret": 0}   # server thread only
         self._loop = asyncio.new_event_loop()
@@ -169,13 +283,18 @@ class PeerServer:
         if self.secret is not None and not hmac.compare_digest(str(request.get("secret") or ""), self.secret):
             self.stats["refused_secret"] += 1
             return {"error": "peer call refused: wrong or missing secret", "kind": "refused"}
-        handler = self.handlers.get(request.get("op"))
-        args = request.get("args") or {}
-        if handler is None or not isinstance(args, dict):
+        op, args = request.get("op"), request.get("args") or {}
+        if op not in OPS or not isinstance(args, dict):
             self.stats["errors"] += 1
-            return {"error": f"unknown peer call {request.get('op')!r}", "kind": "invalid"}
+            return {"error": f"unknown peer call {op!r}", "kind": "invalid"}
+        answer = getattr(self._answers, op)
         try:
-            return {"ok": await handler(**args)}
+            inspect.signature(answer).bind(**args)
+        except TypeError as exc:
+            self.stats["errors"] += 1
+            return {"error": f"peer call {op!r}: {exc}", "kind": "invalid"}
+        try:
+            return {"ok": await answer(**args)}
         except Exception as exc:
             self.stats["errors"] += 1
             return {"error": f"{type(exc).__name__}: {exc}", "kind": error_kind(exc)}
@@ -219,8 +338,9 @@ class PeerClient:
         self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
         self._loop: asyncio.AbstractEventLoop | None = None   # the loop the idle connections belong to
 
-    async def call(self, op: str, timeout_s: float | None = None, **args) -> Any:
-        """Send one call and await its answer within ``timeout_s`` (connect included)."""
+    async def _request(self, op: str, timeout_s: float | None, **args) -> Any:
+        """Send one call and await its answer within ``timeout_s`` (None: the client's
+        bound; connect included)."""
         limit = self.timeout_s if timeout_s is None else timeout_s
         try:
             return await asyncio.wait_for(self._call(op, args), limit)
@@ -262,20 +382,26 @@ class PeerClient:
             writer.close()
         self._idle.clear()
 
-    # -------------------------------------------------- the PeerLink methods
-    async def export_prefix(self, tokens: list[int], tenant: str | None,
-                            max_tokens: int | None = None) -> StagedPrefix:
-        return StagedPrefix.from_fields(await self.call("export", tokens=list(tokens), tenant=tenant,
-                                                        max_tokens=max_tokens))
+    # ------------------------------------------ one method per operation
+    # Each bounded by ``timeout_s`` (None: the client's ``timeout_s``). The first
+    # four are the ``PeerLink`` a migration pulls through.
+    async def export_prefix(self, tokens: list[int], tenant: Tenant | None = None, max_tokens: int | None = None,
+                            *, timeout_s: float | None = None) -> StagedPrefix:
+        """Stage the holder's cached prefix of ``tokens`` under a lease."""
+        return StagedPrefix.from_fields(await self._request("export", timeout_s, tokens=list(tokens), tenant=tenant,
+                                                            max_tokens=max_tokens))
 
-    async def info(self) -> WorkerInfo:
-        return WorkerInfo.from_fields(await self.call("info"))
+    async def info(self, *, timeout_s: float | None = None) -> WorkerInfo:
+        return WorkerInfo.from_fields(await self._request("info", timeout_s))
 
-    async def fetch_blocks(self, lease: str) -> tuple[np.ndarray, str]:
+    async def fetch_blocks(self, lease: str, *, timeout_s: float | None = None) -> tuple[np.ndarray, str]:
         """The staged blocks of ``lease``, whole, and the torch dtype name to view them as."""
-        out = await self.call("fetch", lease=lease)
-        array = np.frombuffer(out["data"], dtype=np.dtype(out["numpy_dtype"])).reshape(out["shape"])
-        return array, out["dtype"]
+        out = await self._request("fetch", timeout_s, lease=lease)
+        try:
+            array = np.frombuffer(out["data"], dtype=np.dtype(out["numpy_dtype"])).reshape(out["shape"])
+            return array, str(out["dtype"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise MalformedMessageError(f"staged blocks from {self.worker_id} are malformed: {exc!r}") from None
 
     def release(self, lease: str | None) -> None:
         """Fire and forget (the holder's lease expires anyway)."""
@@ -284,11 +410,41 @@ class PeerClient:
 
         async def send() -> None:
             try:
-                await self.call("release", lease=lease)
+                await self._request("release", None, lease=lease)
             except Exception as exc:   # it expires on its own; say why it was not released now
                 log.info("release of %s on %s failed: %s", lease, self.worker_id, exc)
 
         asyncio.get_running_loop().create_task(send())
+
+    async def stats(self, *, timeout_s: float | None = None) -> dict:
+        """The worker's stats document (``WorkerCore.stats``)."""
+        return await self._request("stats", timeout_s)
+
+    async def flush(self, *, timeout_s: float | None = None) -> int:
+        """Drop the worker's cached prefixes (and this model's L3 blocks); the tokens freed."""
+        return int(await self._request("flush", timeout_s))
+
+    async def prefetch(self, session_id: str | None = None, tokens: list[int] | None = None,
+                       tenant: Tenant | None = None, *, timeout_s: float | None = None) -> int:
+        """Start bringing a session's (or ``tokens``') prefix up to HOT; the tokens it started
+        moving. A session the worker does not know: ``UnknownPeerSessionError``."""
+        return int(await self._request("prefetch", timeout_s, session_id=session_id,
+                                       tokens=None if tokens is None else list(tokens), tenant=tenant))
+
+    async def inject_fault(self, kind: str, on: bool = True, *, timeout_s: float | None = None) -> None:
+        """Drills: 'wedge' blocks the engine thread, 'nixl' and 'fallback' break a transport."""
+        await self._request("inject_fault", timeout_s, kind=kind, on=on)
+
+    async def pull(self, offer: PrefixOffer, *, timeout_s: float | None = None) -> int:
+        """Ask the worker to pull ``offer`` from its holder; the tokens it installed."""
+        return int(await self._request("pull", timeout_s, offer=offer.to_fields()))
+
+    async def offers(self, limit: int = 32, *, timeout_s: float | None = None) -> list[PrefixOffer]:
+        """The worker's most valuable shared prefixes."""
+        got = await self._request("offers", timeout_s, limit=limit)
+        if not isinstance(got, list):
+            raise MalformedMessageError(f"offers from {self.worker_id} must be a list, got {type(got).__name__}")
+        return [PrefixOffer.from_fields(o) for o in got]
 
 
 class PeerDirectory:

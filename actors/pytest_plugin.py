@@ -9,9 +9,11 @@ Registered through the ``pytest11`` entry point, so any project that installs
 - ``l3_master``: a ``mooncake_master`` and its pool holder on loopback for the
   session (``cluster.cache.l3.master.L3Master``), or None where Mooncake is
   not installed; stopped at the end.
-- ``cache_cluster``: the directory plus one cache worker per node, small
-  built-in model, L3 on ``l3_master`` when there is one; yields a
-  ``LoopbackCacheCluster`` with handles and helpers.
+- ``cache_cluster``: the directory plus one cache worker per node (the one
+  worker shell, ``actors.worker.CacheWorker``, as a named actor: the class the
+  Serve replica deploys), small built-in model, L3 on ``l3_master`` when there
+  is one; yields a ``LoopbackCacheCluster`` with handles and helpers (a
+  worker's peer channel: ``on_peer``).
 
 The plugin turns on the thread-ownership check (``PREFIX_CACHE_CHECK_THREADS``)
 for the whole session, before Ray starts, so every worker runs with it.
@@ -25,8 +27,10 @@ every test after it.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -113,6 +117,10 @@ class LoopbackCacheCluster:
     config: dict
     directory: Any = None
     workers: dict[str, Any] = field(default_factory=dict)
+    # The peer channels' secret, and each worker's address (``wait_registered`` learns them).
+    peer_secret: str = field(default_factory=lambda: secrets.token_hex(8))
+    addresses: dict[str, str] = field(default_factory=dict)
+    _starting: dict[str, Any] = field(default_factory=dict)
 
     @property
     def worker_ids(self) -> list[str]:
@@ -130,7 +138,9 @@ class LoopbackCacheCluster:
 
         wid = f"w{i}"
         self.workers[wid] = start_worker(wid, self.config, namespace=self.namespace,
-                                         resources={node_resource(i): 0.01}, num_gpus=0)
+                                         resources={node_resource(i): 0.01}, num_gpus=0,
+                                         peer_secret=self.peer_secret)
+        self._starting[wid] = self.workers[wid].ready.remote()
         return self.workers[wid]
 
     def restart_worker(self, worker_id: str) -> None:
@@ -165,18 +175,31 @@ class LoopbackCacheCluster:
         import ray
 
         deadline = time.monotonic() + timeout_s
-        for h in self.workers.values():
-            ray.get(h.ping.remote(), timeout=timeout_s)
+        for wid, ref in list(self._starting.items()):
+            self.addresses[wid] = ray.get(ref, timeout=timeout_s)
+            del self._starting[wid]
         while time.monotonic() < deadline:
             if ray.get(self.directory.live_workers.remote()) == self.worker_ids:
                 return
             time.sleep(0.1)
         raise TimeoutError(f"workers {self.worker_ids} did not all register with the directory")
 
-    def flush_all(self) -> None:
-        import ray
+    def on_peer(self, worker_id: str, call, timeout_s: float = 60.0):
+        """``call(client)`` over ``worker_id``'s peer channel (``actors.peer.PeerClient``,
+        what the ingress and the other workers use), run to its answer."""
+        from actors.peer import PeerClient
 
-        ray.get([h.flush.remote() for h in self.workers.values()])
+        async def run():
+            client = PeerClient(worker_id, self.addresses[worker_id], secret=self.peer_secret, timeout_s=timeout_s)
+            try:
+                return await call(client)
+            finally:
+                client.close()
+        return asyncio.run(run())
+
+    def flush_all(self) -> None:
+        for wid in self.workers:
+            self.on_peer(wid, lambda peer: peer.flush())
 
 
 @pytest.fixture(scope="session")

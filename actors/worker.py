@@ -1,16 +1,34 @@
-"""CacheWorker: the Ray actor holding one GPU's tiered radix cache and model runner.
+"""CacheWorker: the one worker shell, around a ``WorkerCore``.
 
-A thin shell: a ``WorkerCore`` does the work, a ``DirectoryLink`` reaches the
-directory (the same two the Serve replica uses); this file adds what is
-particular to a named actor: positional-argument methods, and reaching a peer
-worker by its actor name (``ActorLink``).
+The Serve replica (``serve_app.replica.CacheReplica``) is this class as a
+deployment (it adds its replica id, its metrics and Serve's stop); tests,
+drills and ``actors.client.ClusterClient`` run the same class as a named Ray
+actor (``start_worker``). Either way it is built the same way and reaches
+its peers the same way:
+
+- a ``WorkerCore`` does the work; a ``DirectoryLink`` reaches the directory;
+- the core's peer channel (``actors.peer``) answers other workers and the
+  ingress (migrations, admin calls), and this shell reaches a peer through
+  the peer's channel (``PeerDirectory``: the directory knows the addresses),
+  both for a migration's pull (``link``) and for the hand-off and warm-up
+  (``ChannelPeerOps``);
+- Serve (or Ray) carries only the requests: ``generate``, ``generate_all``.
+
+Start-up (``ready``): the core is built off the event loop; on CUDA the
+model's Triton kernels and every decode bucket's graph are captured on the
+engine thread (``cluster.engine.cuda_graphs.warm_up``; nothing on the CPU);
+then the worker warms up on its peers' most valuable shared prefixes
+(``actors.elastic.warm_up``) before it takes requests. ``leave`` hands the
+cache on (``actors.elastic.hand_off``) and ``close`` frees what it holds.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
+import time
 from typing import Any
 
 import ray
@@ -19,84 +37,152 @@ from actors.config import WorkerConfig
 from actors.core import WorkerCore
 from actors.directory_link import DirectoryLink
 from actors.elastic import hand_off, warm_up
-from actors.migration import PeerLink
+from actors.peer import PeerClient, PeerDirectory, PeerUnavailableError
 from cluster.engine import cuda_graphs
 from cluster.engine.worker_env import cpu_worker_env
 from cluster.names import DIRECTORY_NAME, worker_actor_name
-from cluster.protocol import (GenerateRequest, LoadReport, PrefixOffer, Snapshot, StagedPrefix, Tenant, Transport,
-                              WorkerInfo)
+from cluster.protocol import GenerateRequest, MigrationResult, PrefixOffer, Snapshot, StreamItem, Tenant
 
 log = logging.getLogger(__name__)
 
 
-class CacheWorkerImpl:
-    """The actor body; kept as a plain class so it can also run in-process."""
-
-    def __init__(self, worker_id: str, config: dict | None = None, namespace: str = "prefix-cache",
+class CacheWorker:
+    def __init__(self, worker_id: str, worker_config: dict | None = None, namespace: str = "prefix-cache",
+                 routing_policy: str = "cost", policy_args: dict | None = None, peer_secret: str | None = None,
                  directory_name: str = DIRECTORY_NAME):
+        """``routing_policy`` and ``policy_args``: the directory's, when this worker is
+        the first to need it; ``peer_secret``: what every call on the peer channels
+        carries (the app's). Nothing starts until ``ready``."""
         self.worker_id = worker_id
-        self.namespace = namespace
-        cfg = WorkerConfig.from_dict(config)
-        self.directory = DirectoryLink(namespace, name=directory_name, create=True, block_tokens=cfg.block_tokens)
-        self.core = WorkerCore(worker_id, cfg, directory=self.directory)
-        self.core.link_for = self._link
-        # On CUDA, Triton's kernels and every decode bucket's graph before the actor is ready
-        # (on its engine thread, a piece at a time); nothing on the CPU (serve_app.replica).
-        self.compiled = cuda_graphs.warm_up(self.core.model, lambda step: self.core.loop.call(step).result())
-        self.ops = ActorPeerOps(self)
+        self.config = cfg = WorkerConfig.from_dict(worker_config)
+        self.directory = DirectoryLink(namespace, name=directory_name, create=True, policy=routing_policy,
+                                       block_tokens=cfg.block_tokens, policy_kwargs=policy_args)
+        self.peer_secret = peer_secret
+        self.peers = PeerDirectory(self.directory.peer_address, secret=peer_secret, timeout_s=cfg.migration_timeout_s)
+        self.ops = ChannelPeerOps(self)
+        self.core: WorkerCore | None = None
+        self.compiled: dict | None = None
+        self.warmup: dict | None = None
+        self.handoff: dict | None = None
+        self.startup: dict[str, Any] = {}
+        self._starting: asyncio.Future | None = None
 
-    # ------------------------------------------------------------ elasticity
-    async def warm_up(self) -> dict:
-        """Pull the peers' most valuable shared prefixes (``actors.elastic.warm_up``)."""
-        cfg = self.core.config
-        return (await warm_up(self.core, self.ops, budget_s=cfg.warmup_s, max_bytes=cfg.warmup_mb << 20,
-                              max_prefixes=cfg.warmup_prefixes)).as_dict()
+    # ------------------------------------------------- hooks (the replica's metrics)
+    def _on_report(self, core: WorkerCore) -> None:
+        """On the engine thread, just before each report to the directory."""
 
-    async def leave(self, budget_s: float | None = None, to_peers: bool = True) -> dict:
-        """Drain, hand the cache on to L3 and (unless every worker is leaving:
-        ``to_peers=False``) the peers, leave the directory (``actors.elastic.hand_off``);
-        the actor can be killed afterwards."""
-        budget = self.core.config.handoff_s if budget_s is None else budget_s
-        return (await hand_off(self.core, self.ops, budget, to_peers=to_peers)).as_dict()
+    def _on_migration(self, result: MigrationResult) -> None:
+        """After each migration this worker ran."""
 
-    async def pull(self, offer: PrefixOffer) -> int:
-        return await self.core.pull(offer)
+    def _on_trip(self, reason: str) -> None:
+        """When the watchdog declared the engine wedged (the directory already dropped it)."""
 
-    async def offers(self, limit: int = 32) -> list[PrefixOffer]:
-        return await self.core.offers(limit)
+    def _on_lifecycle(self, kind: str, report: dict) -> None:
+        """After the warm-up (``kind`` "warmup") and the hand-off ("handoff")."""
 
-    # --------------------------------------------------------------- serving
+    # --------------------------------------------------------------- start-up
+    async def ready(self) -> str | None:
+        """Start the worker (the first call does) and return once it takes requests;
+        the address of its peer channel."""
+        if self._starting is None:
+            self._starting = asyncio.ensure_future(self._start())
+        await asyncio.shield(self._starting)
+        return self.core.peer.address if self.core.peer is not None else None
+
+    async def _start(self) -> None:
+        started_at, t0 = time.time(), time.perf_counter()
+        cfg = self.config
+        # Loading, calibrating and the directory's blocking lookups: off the event loop.
+        self.core = await asyncio.to_thread(
+            WorkerCore, self.worker_id, cfg, directory=self.directory, on_report=self._on_report,
+            on_migration=self._on_migration, on_trip=self._on_trip, peer_host=ray.util.get_node_ip_address(),
+            peer_secret=self.peer_secret)
+        self.core.link_for = self.link
+        t_core = time.perf_counter()
+        self.compiled = await self._build_cuda_steps()
+        t_cuda = time.perf_counter()
+        self.warmup = (await warm_up(self.core, self.ops, budget_s=cfg.warmup_s, max_bytes=cfg.warmup_mb << 20,
+                                     max_prefixes=cfg.warmup_prefixes)).as_dict()
+        self._on_lifecycle("warmup", self.warmup)
+        # Where a new worker's start-up goes (recovery after a kill waits for all of it).
+        t_ready = time.perf_counter()
+        self.startup = {"started_at": started_at, "ready_at": started_at + (t_ready - t0),
+                        "core_s": round(t_core - t0, 3), "cuda_steps_s": round(t_cuda - t_core, 3),
+                        "warmup_s": round(t_ready - t_cuda, 3), "total_s": round(t_ready - t0, 3),
+                        "core_parts": dict(self.core.startup)}
+        await self.directory.note_lifecycle(self.worker_id, "startup", self.startup)
+
+    async def _build_cuda_steps(self) -> dict:
+        """Compile and capture what the model's CUDA steps launch (``cuda_graphs.warm_up``),
+        one piece at a time on the engine thread, which owns the model: the watchdog sees
+        the engine progress between pieces. Nothing on the CPU."""
+        loop = self.core.loop
+        done = await asyncio.to_thread(cuda_graphs.warm_up, self.core.model, lambda step: loop.call(step).result())
+        if done["steps"]:
+            log.info("cache worker %s built its CUDA steps before serving: %s", self.worker_id, done)
+        return done
+
+    async def link(self, holder_id: str) -> PeerClient | None:
+        """How this worker reaches ``holder_id`` to pull from it (None: gone)."""
+        return await self.peers.client(holder_id)
+
+    # ---------------------------------------------------------------- requests
     async def generate(self, request: GenerateRequest):
-        """Stream ``StreamItem``s; with ``request.route.migrate_from``, first pull that worker's prefix."""
-        async for item in self.core.generate(request, self._link):
+        """Stream ``StreamItem``s for one request; with ``request.route.migrate_from``,
+        first pull that worker's prefix."""
+        async for item in self.core.generate(request, self.link):
             yield item
 
-    async def prefetch(self, session_id: str | None = None, tokens: list[int] | None = None,
-                       tenant: Tenant | None = None) -> int:
-        return await self.core.prefetch(session_id, tokens, tenant)
+    async def generate_all(self, request: GenerateRequest) -> list[StreamItem]:
+        """The whole answer of one request in one reply (the ingress's non-streamed path)."""
+        return [item async for item in self.core.generate(request, self.link)]
 
-    # ------------------------------------------------------------- migration
-    async def export_prefix(self, tokens: list[int], tenant: Tenant | None = None,
-                            max_tokens: int | None = None) -> StagedPrefix:
-        return await self.core.export_prefix(tokens, tenant, max_tokens)
+    def check_health(self) -> None:
+        """Raises when the engine is wedged (watchdog) or its thread died; the directory
+        has then already dropped this worker. Serve calls it every health_check_period_s
+        and replaces a replica that raises."""
+        if self.core is not None:
+            self.core.health()
 
-    async def fetch_blocks(self, lease: str):
-        return await self.core.fetch_blocks(lease)
+    # --------------------------------------------------------------- leaving
+    async def leave(self, budget_s: float | None = None, to_peers: bool = True) -> dict:
+        """Drain, hand the cache on to L3 and (unless no worker survives: ``to_peers=False``)
+        the peers, leave the directory (``actors.elastic.hand_off``), within ``budget_s``
+        (None: the config's ``handoff_s``); the worker can be stopped afterwards."""
+        budget = self.config.handoff_s if budget_s is None else budget_s
+        self.handoff = (await hand_off(self.core, self.ops, budget, to_peers=to_peers)).as_dict()
+        self._on_lifecycle("handoff", self.handoff)
+        return self.handoff
 
-    async def release(self, lease: str) -> None:
-        await self.core.release(lease)
+    def close(self) -> None:
+        """Finish in-flight copies, stop the engine and the peer channel, free the disk file."""
+        if self.core is None:
+            return
+        try:
+            self.core.close()
+        except Exception as exc:   # the process is going anyway; say what was left behind
+            log.warning("cache worker close failed (in-flight copies or the disk file may be left): %s", exc)
 
-    async def _link(self, holder_id: str) -> PeerLink | None:
-        try:   # a GCS lookup: off the event loop
-            handle = await asyncio.to_thread(ray.get_actor, worker_actor_name(holder_id), namespace=self.namespace)
-        except ValueError:  # the holder is gone: recompute
-            return None
-        return ActorLink(handle)
+    # ---------------------------------------- inspection (tests and drills)
+    def lifecycle(self) -> dict:
+        """The start-up's parts, the warm-up's and the hand-off's reports (None: not yet)."""
+        return {"startup": self.startup, "warmup": self.warmup, "handoff": self.handoff}
+
+    async def snapshot(self) -> Snapshot:
+        return await self.core.snapshot()
+
+    def pid(self) -> int:
+        """This process's id (fault tests kill it with SIGKILL)."""
+        return os.getpid()
+
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
 
     async def nixl_read(self, holder_id: str, tokens: list[int], tenant: Tenant | None = None):
-        """Pull a prefix over NIXL only, without installing it (tests and drills):
-        the staged prefix and its KV."""
-        link = await self._link(holder_id)
+        """Pull a prefix over NIXL only, without installing it: the staged prefix and its KV."""
+        link = await self.link(holder_id)
+        if link is None:
+            raise PeerUnavailableError(f"no peer channel for {holder_id}")
         staged = await link.export_prefix(tokens, tenant)
         try:
             kv = await self.core.migration.pull_nixl(holder_id, link, staged)
@@ -104,95 +190,39 @@ class CacheWorkerImpl:
             link.release(staged.lease)
         return staged, kv
 
-    # ------------------------------------------------------------ inspection
-    def inject_fault(self, kind: str, on: bool = True) -> None:
-        """Fault injection for drills and tests: 'nixl', 'object_store' or 'wedge'."""
-        self.core.inject_fault(kind, on)
 
-    def health(self) -> str:
-        """Raises when the engine is wedged (watchdog) or its thread died; the
-        directory has then already dropped this worker."""
-        self.core.health()
-        return self.worker_id
+class ChannelPeerOps:
+    """``actors.elastic.PeerOps`` over the peer channels: the directory names the
+    peers and their addresses."""
 
-    def info(self) -> WorkerInfo:
-        return self.core.info()
-
-    def node_id(self) -> str:
-        return ray.get_runtime_context().get_node_id()
-
-    async def snapshot(self) -> Snapshot:
-        return await self.core.snapshot()
-
-    async def stats(self) -> dict:
-        return await self.core.stats()
-
-    def load(self) -> LoadReport:
-        return self.core.load()
-
-    async def flush(self) -> int:
-        return await self.core.flush()
-
-    def ping(self) -> str:
-        return self.worker_id
-
-    def pid(self) -> int:
-        """This actor's process id (fault tests kill it with SIGKILL)."""
-        return os.getpid()
-
-
-class ActorPeerOps:
-    """``actors.elastic.PeerOps`` between CacheWorker actors: the directory names
-    the peers, Ray reaches them by their actor names."""
-
-    def __init__(self, worker: CacheWorkerImpl):
+    def __init__(self, worker: CacheWorker):
         self.worker = worker
-
-    async def _handle(self, worker_id: str):
-        return await asyncio.to_thread(ray.get_actor, worker_actor_name(worker_id), namespace=self.worker.namespace)
 
     async def targets(self) -> list[str]:
         return await self.worker.directory.handoff_targets(self.worker.worker_id)
 
+    async def _client(self, worker_id: str) -> PeerClient:
+        client = await self.worker.peers.client(worker_id)
+        if client is None:
+            raise PeerUnavailableError(f"no peer channel for {worker_id}")
+        return client
+
     async def ask_pull(self, target: str, offer: PrefixOffer) -> int:
-        return await (await self._handle(target)).pull.remote(offer)
+        # The pull runs a whole migration on the target: bounded by the hand-off's deadline.
+        return await (await self._client(target)).pull(offer, timeout_s=self.worker.config.handoff_s)
 
     async def offers(self, peer: str, limit: int) -> list[PrefixOffer]:
-        return await (await self._handle(peer)).offers.remote(limit)
+        return await (await self._client(peer)).offers(limit)
 
-    async def link(self, holder: str) -> PeerLink | None:
-        return await self.worker._link(holder)
-
-
-class ActorLink:
-    """``PeerLink`` over another CacheWorker actor (its fallback: Ray's object store)."""
-
-    transport = Transport.OBJECT_STORE
-
-    def __init__(self, handle):
-        self.handle = handle
-
-    async def export_prefix(self, tokens, tenant) -> StagedPrefix:
-        return await self.handle.export_prefix.remote(tokens, tenant)
-
-    async def info(self) -> WorkerInfo:
-        return await self.handle.info.remote()
-
-    async def fetch_blocks(self, lease):
-        return await self.handle.fetch_blocks.remote(lease)
-
-    def release(self, lease):
-        if lease is not None:
-            self.handle.release.remote(lease)
-
-
-CacheWorker = ray.remote(CacheWorkerImpl)
+    async def link(self, holder: str) -> PeerClient | None:
+        return await self.worker.link(holder)
 
 
 def start_worker(worker_id: str, config: dict | None = None, *, namespace: str = "prefix-cache",
                  resources: dict | None = None, num_gpus: float | None = None,
-                 directory_name: str = DIRECTORY_NAME):
-    """Create (or get) the named worker actor; one per GPU where there are GPUs."""
+                 directory_name: str = DIRECTORY_NAME, peer_secret: str | None = None):
+    """Create (or get) ``CacheWorker`` as the named actor of ``worker_id`` (one per GPU
+    where there are GPUs); its ``ready`` starts it."""
     opts: dict[str, Any] = {"name": worker_actor_name(worker_id), "namespace": namespace,
                             "get_if_exists": True, "max_concurrency": 64, "lifetime": None}
     if num_gpus is None:
@@ -204,4 +234,10 @@ def start_worker(worker_id: str, config: dict | None = None, *, namespace: str =
         opts["runtime_env"] = {"env_vars": env}
     if resources:
         opts["resources"] = resources
-    return CacheWorker.options(**opts).remote(worker_id, config, namespace, directory_name)
+    return _actor_class().options(**opts).remote(worker_id, config, namespace, "cost", None, peer_secret,
+                                                 directory_name)
+
+
+@functools.cache
+def _actor_class():
+    return ray.remote(CacheWorker)

@@ -51,7 +51,7 @@ class Transport(StrEnum):
     """How a migrated prefix arrived."""
 
     NIXL = "nixl"                    # RDMA READ of the holder's staged host blocks
-    OBJECT_STORE = "object_store"    # the staged blocks through Ray's object store (actor peers)
+    OBJECT_STORE = "object_store"    # the staged blocks through Ray's object store (no shell uses it now)
     PEER = "peer"                    # the staged blocks over the peer channel (Serve replicas)
 
 

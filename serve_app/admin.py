@@ -15,29 +15,31 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Awaitable, Callable, TypeVar
 
-from actors.peer import UnknownPeerSessionError
+from actors.peer import PeerClient, UnknownPeerSessionError
 from serve_app.protocol import APIError
 
 if TYPE_CHECKING:
     from serve_app.ingress import IngressCore
 
 log = logging.getLogger("ray.serve")
+T = TypeVar("T")
 
 
-async def _each_worker(core: "IngressCore", op: str, *, timeout_s: float | None = None,
-                       addresses_max_age_s: float = 0.0, **args) -> dict:
-    """``op`` on every live worker: worker id -> its answer or the exception it raised.
-    ``timeout_s`` bounds each call (default: the peer clients' own bound);
-    ``addresses_max_age_s``: the live workers' addresses may be that old (0: ask the directory)."""
+async def _each_worker(core: "IngressCore", call: Callable[[PeerClient], Awaitable[T]], *,
+                       addresses_max_age_s: float = 0.0) -> dict[str, T | BaseException]:
+    """``call(client)`` on every live worker's peer client (one typed operation,
+    bounded by its ``timeout_s`` or the client's): worker id -> its answer or the
+    exception it raised. ``addresses_max_age_s``: the live workers' addresses may be
+    that old (0: ask the directory)."""
     addresses = await core.peer_addresses(addresses_max_age_s)
 
     async def one(worker_id: str):
         client = await core.peers.client(worker_id)
         if client is None:
             raise LookupError(f"worker {worker_id} has no peer channel")
-        return await client.call(op, timeout_s=timeout_s, **args)
+        return await call(client)
 
     answers = await asyncio.gather(*[one(w) for w in addresses], return_exceptions=True)
     return dict(zip(addresses, answers))
@@ -51,7 +53,7 @@ async def cache_stats(core: "IngressCore") -> dict:
         directory.forget()
         stats = {"error": f"the directory did not answer ({type(exc).__name__})"}
     try:
-        answers = await _each_worker(core, "stats")
+        answers = await _each_worker(core, lambda peer: peer.stats())
     except Exception as exc:   # the live workers' addresses come from the directory too
         return {"directory": stats, "workers": {}, "error": f"no worker list ({type(exc).__name__}: {exc})"}
     return {"directory": stats,
@@ -61,7 +63,7 @@ async def cache_stats(core: "IngressCore") -> dict:
 async def flush(core: "IngressCore") -> dict:
     """Every worker drops its cached prefixes and this model's blocks in L3; the
     directory forgets what L3 held."""
-    answers = await _each_worker(core, "flush")
+    answers = await _each_worker(core, lambda peer: peer.flush())
     failed = {w: str(a) for w, a in answers.items() if isinstance(a, Exception)}
     if failed:
         log.warning("flush failed on %s", failed)
@@ -108,8 +110,8 @@ async def prefetch_session(core: "IngressCore", tenant, session_id: str, *, time
     that ran the session last remembers it (the session map lives in the workers, so
     every ingress replica finds it). The key is tenant-scoped: another tenant's id finds nothing."""
     key = core.session_key(tenant, session_id)
-    answers = await _each_worker(core, "prefetch", timeout_s=timeout_s, addresses_max_age_s=addresses_max_age_s,
-                                 session_id=key)
+    answers = await _each_worker(core, lambda peer: peer.prefetch(key, timeout_s=timeout_s),
+                                 addresses_max_age_s=addresses_max_age_s)
     found = SessionPrefetch()
     for worker_id, answer in answers.items():
         if isinstance(answer, UnknownPeerSessionError):

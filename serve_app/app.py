@@ -10,7 +10,9 @@ every request from the directory's decision.
 - ``model_name``: the model id clients send and ``/v1/models`` lists (default:
   the model's own id, e.g. ``SmolLM2-135M-Instruct``)
 - ``namespace``: Ray namespace of the directory (default ``prefix-cache``)
-- ``policy``: routing policy of the directory (default ``cost``)
+- ``routing_policy``: routing policy of the directory (default ``cost``), and
+  ``policy_args`` its options (``policy`` is refused: it was ambiguous with the
+  worker's ``eviction_policy``)
 - ``worker``: ``actors.core.WorkerConfig`` fields: ``model`` (a model spec: omitted
   for the embedded SmolLM2-135M-Instruct, a hub id, a checkpoint directory, a
   .gguf file, or ``builtin`` for the seeded test model), tier sizes, ...
@@ -153,7 +155,10 @@ def cluster_resources() -> tuple[Mapping[str, float], str]:
 def build_app(args: dict[str, Any] | None = None):
     args = dict(args or {})
     namespace = args.pop("namespace", "prefix-cache")
-    policy = args.pop("policy", "cost")
+    if "policy" in args:
+        raise ValueError("the application arg 'policy' is now 'routing_policy' (the worker's eviction policy "
+                         "is worker: eviction_policy)")
+    policy = args.pop("routing_policy", "cost")
     policy_args = args.pop("policy_args", None) or {}
     if not isinstance(policy_args, dict):
         raise ValueError(f"policy_args must be a mapping of the policy's option names to values, got {policy_args!r}")

@@ -23,7 +23,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--replicas", type=int, default=3, help="cache replicas (default 3)")
     p.add_argument("--worker-nodes", type=int, default=2, help="local cluster worker nodes (default 2)")
-    p.add_argument("--policy", default="cost")
+    p.add_argument("--routing-policy", "--policy", dest="policy", default="cost",
+                   help="the directory's routing policy (default cost)")
     p.add_argument("--model", default=None, help="model spec (default: the embedded SmolLM2-135M-Instruct; "
                                                   "a hub id, a checkpoint directory, a .gguf file, or 'builtin')")
     p.add_argument("--args", default=None, help="extra application args as JSON (merged over the defaults)")
@@ -56,7 +57,7 @@ def wait_for_stop(poll_s: float = 0.2, ready: Callable[[], None] | None = None) 
 
 
 def run(args: argparse.Namespace) -> int:
-    app_args = {"num_replicas": args.replicas, "policy": args.policy, "worker": dict(DEMO_WORKER)}
+    app_args = {"num_replicas": args.replicas, "routing_policy": args.policy, "worker": dict(DEMO_WORKER)}
     if args.model is not None:
         app_args["worker"]["model"] = args.model
     if args.l3 == "on" and args.l3_master:

@@ -37,7 +37,7 @@ class TierConfig:
     low_watermark: float = 0.7
     mode: str = "slotted"
     device: str = "auto"
-    policy: str = "lru"
+    eviction_policy: str = "lru"
     max_sessions: int = 100_000
     copy_gb_per_s: float | None = None   # pace host copies on CPU-only hosts (see offload.ThreadEngine)
 

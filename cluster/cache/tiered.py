@@ -77,7 +77,7 @@ class TieredCache:
             if not config.disk_dir:
                 raise InvalidInputError("cold_blocks > 0 needs disk_dir (the COLD tier's directory)")
             self.pools.append(DiskPool(AllocatorConfig(config.cold_blocks, bt, mode), layout, config.disk_dir))
-        self.tree = RadixTree([p.allocator for p in self.pools], policy=config.policy, clock=clock,
+        self.tree = RadixTree([p.allocator for p in self.pools], policy=config.eviction_policy, clock=clock,
                               vocab_size=vocab_size)
         if layout is None:  # no KV payload: moves are bookkeeping and complete at once
             self.copier = ImmediateEngine()

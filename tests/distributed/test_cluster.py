@@ -128,16 +128,16 @@ def test_nixl_moves_real_bytes_between_nodes(cache_cluster, reference):
     assert staged.tokens == 256
     _, kv = reference.model.forward_one(torch.tensor(prompt), 0, None)
     assert torch.allclose(got[:, :, :256], kv, atol=1e-5)
-    stats = ray.get(cc.workers[target].stats.remote())
+    stats = cc.on_peer(target, lambda peer: peer.stats())
     assert stats["worker"]["migration_bytes"] > 0
 
 
-def test_forced_nixl_failure_falls_back_to_the_object_store(cache_cluster, reference):
+def test_forced_nixl_failure_falls_back_to_the_peer_channel(cache_cluster, reference):
     cc = cache_cluster
     holder, target = cc.worker_ids[1], cc.worker_ids[2]
     prompt = prompt_of(7, 200)
     complete(cc, prompt, worker_id=holder)
-    ray.get(cc.workers[target].inject_fault.remote("nixl"))
+    cc.on_peer(target, lambda peer: peer.inject_fault("nixl"))
     try:
         items = []
 
@@ -150,10 +150,10 @@ def test_forced_nixl_failure_falls_back_to_the_object_store(cache_cluster, refer
 
         asyncio.run(run())
     finally:
-        ray.get(cc.workers[target].inject_fault.remote("nixl", False))
-    assert items[0].migration.transport == "object_store"
+        cc.on_peer(target, lambda peer: peer.inject_fault("nixl", False))
+    assert items[0].migration.transport == "peer"   # the staged blocks over the holder's peer channel
     assert [i.token for i in items] == reference(prompt + [1, 2, 3], 3)
-    stats = ray.get(cc.workers[target].stats.remote())
+    stats = cc.on_peer(target, lambda peer: peer.stats())
     assert stats["worker"]["fallback_pulls"] >= 1 and stats["worker"]["nixl_failures"] >= 1
 
 
@@ -229,16 +229,16 @@ def test_engine_state_stayed_on_the_engine_threads(cache_cluster):
     """The thread-ownership check is on in every worker process (the plugin sets
     it before Ray starts) and nothing touched engine state from another thread."""
     cc = cache_cluster
-    for wid, handle in cc.workers.items():
-        assert ray.get(handle.info.remote()).ownership_checks, wid
-        assert ray.get(handle.stats.remote())["worker"]["ownership_violations"] == 0, wid
+    for wid in cc.workers:
+        assert cc.on_peer(wid, lambda peer: peer.info()).ownership_checks, wid
+        assert cc.on_peer(wid, lambda peer: peer.stats())["worker"]["ownership_violations"] == 0, wid
 
 
 def test_workers_run_at_normal_priority(cache_cluster):
     """Ray starts worker processes at nice 15 unless told otherwise; the cluster's run at 0
     (``actors.config.prepare_serving_env``), beside the raylet, not below it."""
-    for wid, handle in cache_cluster.workers.items():
-        pid = ray.get(handle.stats.remote())["worker"]["pid"]
+    for wid in cache_cluster.workers:
+        pid = cache_cluster.on_peer(wid, lambda peer: peer.stats())["worker"]["pid"]
         assert os.getpriority(os.PRIO_PROCESS, pid) == 0, wid
 
 
@@ -247,8 +247,8 @@ def test_workers_start_with_the_serving_environment(cache_cluster):
     reads its settings when its modules load, in each replica and in the proxy)."""
     from actors.config import SERVING_ENV
 
-    for wid, handle in cache_cluster.workers.items():
-        pid = ray.get(handle.stats.remote())["worker"]["pid"]
+    for wid in cache_cluster.workers:
+        pid = cache_cluster.on_peer(wid, lambda peer: peer.stats())["worker"]["pid"]
         with open(f"/proc/{pid}/environ", "rb") as f:
             env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
         assert {name: env.get(name.encode(), b"").decode() for name in SERVING_ENV} == SERVING_ENV, wid
@@ -260,6 +260,6 @@ def test_cpu_workers_run_their_threads_on_intel_openmp(cache_cluster):
     from tests.requirements import require_intel_openmp
 
     require_intel_openmp()   # fails under CI where the project ships it, skips elsewhere
-    for wid, handle in cache_cluster.workers.items():
-        worker = ray.get(handle.stats.remote())["worker"]
+    for wid in cache_cluster.workers:
+        worker = cache_cluster.on_peer(wid, lambda peer: peer.stats())["worker"]
         assert worker["openmp"] == "intel", wid

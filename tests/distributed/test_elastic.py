@@ -35,7 +35,7 @@ def complete(cc, prompt, max_tokens=4, worker_id=None):
 
 
 def l3_stats(cc, worker_id):
-    return ray.get(cc.workers[worker_id].stats.remote())["l3"]
+    return cc.on_peer(worker_id, lambda peer: peer.stats())["l3"]
 
 
 def wait_until(predicate, what, timeout_s=20.0):
@@ -72,7 +72,7 @@ def test_scale_in_hands_the_cache_to_l3_and_a_peer(cache_cluster):
     prompt = prompt_of(41, 90)
     first = complete(cc, prompt, worker_id=leaving)
     assert first.worker_id == leaving
-    cc_stats = ray.get(cc.workers[leaving].stats.remote())
+    cc_stats = cc.on_peer(leaving, lambda peer: peer.stats())
     report = ray.get(cc.workers[leaving].leave.remote(10.0))
     assert report["drained"] and report["left"] and report["l3_flushed"], report
     assert report["peer_prefixes"] == 1 and report["peer_tokens"] == 93   # 90 + 3 computed tokens
@@ -120,8 +120,8 @@ def test_a_new_replica_starts_warm_on_the_shared_prefixes(cache_cluster):
     for i in range(3):
         complete(cc, system + prompt_of(52 + i, 20), worker_id=holder)
     newcomer = cc.worker_ids[1]
-    cc.restart_worker(newcomer)   # a fresh process: an empty cache
-    report = ray.get(cc.workers[newcomer].warm_up.remote())
+    cc.restart_worker(newcomer)   # a fresh process: an empty cache, warmed up before it was ready
+    report = ray.get(cc.workers[newcomer].lifecycle.remote())["warmup"]
     assert report["prefixes"] >= 1 and report["tokens"] >= 64
     turn = complete(cc, system + prompt_of(60, 20), worker_id=newcomer)
     assert turn.worker_id == newcomer and turn.cached_tokens == 64 and turn.tier_hits[0] == 64

@@ -55,7 +55,7 @@ def converged(cc, master) -> tuple[bool, str]:
         snap = ray.get(handle.snapshot.remote(), timeout=30)
         if dump["workers"].get(wid) != snap.entries:
             return False, f"{wid}: index {len(dump['workers'].get(wid) or {})} entries, tree {len(snap.entries)}"
-    prefix = next(iter(ray.get(h.stats.remote(), timeout=30)["l3"]["key_prefix"] for h in cc.workers.values()))
+    prefix = next(iter(cc.on_peer(w, lambda peer: peer.stats(), timeout_s=30)["l3"]["key_prefix"] for w in cc.workers))
     stored = store_hashes(master, prefix)
     if set(dump["l3"]) != stored:
         return False, f"L3: index {len(dump['l3'])}, store {len(stored)}, differ by {len(set(dump['l3']) ^ stored)}"

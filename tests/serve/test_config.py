@@ -55,9 +55,22 @@ def test_policy_args_are_checked_when_the_app_is_built():
     with pytest.raises(ValueError, match="replicate_share must be a number >= 0"):
         build_app({"policy_args": {"replicate_share": -1}})
     with pytest.raises(ValueError, match="routing policy 'prefix' takes no option\\(s\\) replicate_share"):
-        build_app({"policy": "prefix", "policy_args": {"replicate_share": 1.5}})
+        build_app({"routing_policy": "prefix", "policy_args": {"replicate_share": 1.5}})
     with pytest.raises(ValueError, match="policy_args must be a mapping"):
         build_app({"policy_args": "replicate_share=1.5"})
+
+
+def test_the_old_policy_arg_is_refused_naming_routing_policy():
+    import pytest
+
+    from serve_app.app import build_app
+
+    with pytest.raises(ValueError, match="the application arg 'policy' is now 'routing_policy'"):
+        build_app({"policy": "cost"})
+    with pytest.raises(ValueError, match="worker config key 'policy' is now 'eviction_policy'"):
+        build_app({"worker": {"policy": "lfu"}})
+    assert type(build_app({"routing_policy": "prefix", "worker": {"eviction_policy": "lfu"}})).__name__ == \
+        "Application"
 
 
 def test_replica_calls_default_to_grpc_and_a_bad_choice_is_named():

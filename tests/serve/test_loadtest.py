@@ -90,9 +90,9 @@ def test_a_wedged_replica_fails_its_calls_and_is_replaced(app_url):
     addresses = ray.get(directory.peer_addresses.remote())
     victim = sorted(addresses)[0]
     peer = PeerClient(victim, addresses[victim], secret=SECRET, timeout_s=60)   # straight to it: no Serve
-    asyncio.run(peer.call("inject_fault", kind="wedge"))
+    asyncio.run(peer.inject_fault("wedge"))
     with pytest.raises(PeerCallError, match="watchdog bound 1 s") as failed:
-        asyncio.run(peer.call("stats"))   # queued behind the wedge: failed by the watchdog
+        asyncio.run(peer.stats())   # queued behind the wedge: failed by the watchdog
     assert failed.value.kind == "wedged"
     deadline = time.monotonic() + 90
     while True:   # dropped by the directory, replaced by Serve (check_health raises)

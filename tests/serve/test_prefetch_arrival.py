@@ -227,13 +227,13 @@ class FakePeer:
     def __init__(self, known=None, error=None):
         self.known, self.error, self.calls = dict(known or {}), error, []
 
-    async def call(self, op, timeout_s=None, **args):
-        self.calls.append((op, args["session_id"], timeout_s))
+    async def prefetch(self, session_id=None, tokens=None, tenant=None, *, timeout_s=None):
+        self.calls.append(("prefetch", session_id, timeout_s))
         if self.error is not None:
             raise self.error
-        if args["session_id"] not in self.known:
+        if session_id not in self.known:
             raise UnknownPeerSessionError("unknown session", "unknown_session")
-        return self.known[args["session_id"]]
+        return self.known[session_id]
 
 
 class FakePeers:

@@ -156,10 +156,15 @@ def test_unknown_worker_config_keys_are_rejected():
         WorkerConfig.from_dict({"hot_block": 3})
 
 
+def test_the_old_policy_key_is_refused_naming_eviction_policy():
+    with pytest.raises(ValueError, match="worker config key 'policy' is now 'eviction_policy'"):
+        WorkerConfig.from_dict({"policy": "lfu"})
+
+
 def test_every_tier_setting_is_a_worker_key():
     cfg = WorkerConfig.from_dict({"model": MODEL, "hot_blocks": 64, "high_watermark": 0.8, "low_watermark": 0.5,
-                                  "policy": "lfu", "max_sessions": 7, "copy_gb_per_s": 2.0})
-    assert (cfg.tiers.hot_blocks, cfg.tiers.high_watermark, cfg.tiers.policy, cfg.tiers.max_sessions,
+                                  "eviction_policy": "lfu", "max_sessions": 7, "copy_gb_per_s": 2.0})
+    assert (cfg.tiers.hot_blocks, cfg.tiers.high_watermark, cfg.tiers.eviction_policy, cfg.tiers.max_sessions,
             cfg.tiers.copy_gb_per_s) == (64, 0.8, "lfu", 7, 2.0)
     assert WorkerConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(ValueError, match="watermarks out of order"):
