@@ -11,8 +11,13 @@ and moves 64 KiB .. 256 MiB from one to the other:
   one Ray call asks the sender to stage the blocks (copy them into whole
   registered host blocks and checksum each), then one READ, then the receiver
   verifies every block's checksum (``staging_rpc: true``);
+- ``peer``: the cache workers' fallback when NIXL fails (``actors.peer``,
+  what ``CacheWorker`` serves and pulls through): one ``fetch_blocks`` call on
+  the sender's peer channel stages the blocks and sends them in one msgpack
+  frame over TCP, the receiver copies them into its pool;
 - ``object_store``: the sender returns the blocks from a Ray call, the
-  receiver gets them through the object store and copies them into its pool;
+  receiver gets them through the object store and copies them into its pool
+  (for reference: no worker moves KV this way any more);
 - ``plain_copy``: an in-process ``copy_`` of the same bytes (the ceiling).
 
 Every transfer is verified (checksum of the received bytes equals the
@@ -28,11 +33,13 @@ are in ``cluster/bench``.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import ctypes
 import os
 import re
 import tempfile
 import time
+import warnings
 
 from cluster.bench.common import emit, rounded
 
@@ -121,6 +128,32 @@ def _peer_class():
                     raise RuntimeError(f"staged block {i} failed its checksum")
             return time.perf_counter() - t0
 
+        def serve_peer(self) -> str:
+            """Open this sender's peer channel; its address."""
+            from actors.peer import PeerServer
+
+            self.peer_server = PeerServer(f"xfer-{os.getpid()}", _StagedBlocks(self),
+                                          host=ray.util.get_node_ip_address())
+            return self.peer_server.address
+
+        def pull_peer(self, address: str, nblocks: int) -> float:
+            from actors.peer import PeerClient
+
+            self.pool[:nblocks].zero_()
+
+            async def fetch():
+                client = PeerClient("sender", address, timeout_s=120.0)
+                try:
+                    return await client.fetch_blocks(f"blocks:{nblocks}")
+                finally:
+                    client.close()
+            t0 = time.perf_counter()
+            array, _ = asyncio.run(fetch())
+            with warnings.catch_warnings():   # a read-only view of the frame: only read from
+                warnings.simplefilter("ignore", UserWarning)
+                self.pool[:nblocks].copy_(torch.from_numpy(array).view(nblocks, BLOCK_BYTES))
+            return time.perf_counter() - t0
+
         def pull_object_store(self, sender, nblocks: int) -> float:
             self.pool[:nblocks].zero_()
             t0 = time.perf_counter()
@@ -136,6 +169,21 @@ def _peer_class():
             return time.perf_counter() - t0
 
     return TransferPeer
+
+
+class _StagedBlocks:
+    """The sender's side of the ``peer`` arm: a peer service that answers
+    ``fetch_blocks`` as a holder does (the blocks copied into its staging
+    half first); the lease names the block count."""
+
+    def __init__(self, peer):
+        self.peer = peer
+
+    async def fetch_blocks(self, lease: str):
+        n = int(lease.split(":", 1)[1])
+        staged = self.peer.pool[self.peer.num_blocks:self.peer.num_blocks + n]
+        staged.copy_(self.peer.pool[:n])
+        return staged.numpy(), "uint8"
 
 
 def _capture_read_transports(read) -> tuple[list[str], float]:
@@ -211,12 +259,13 @@ def run(args: argparse.Namespace) -> int:
         ucx_tls = ray.get(b.ucx_tls.remote())
         if md is not None:
             ray.get(b.connect.remote(md))
+        address = ray.get(a.serve_peer.remote())
         size = args.min_bytes
         while size <= args.max_bytes:
             n = max(1, size // BLOCK_BYTES)
             want = ray.get(a.checksum.remote(n))
             results = {}
-            for transport in ("nixl", "nixl_staged", "object_store", "plain_copy"):
+            for transport in ("nixl", "nixl_staged", "peer", "object_store", "plain_copy"):
                 if transport.startswith("nixl") and md is None:
                     continue
                 best = float("inf")
@@ -225,6 +274,8 @@ def run(args: argparse.Namespace) -> int:
                         secs = ray.get(b.pull_nixl.remote(n))
                     elif transport == "nixl_staged":
                         secs = ray.get(b.pull_nixl_staged.remote(a, n))
+                    elif transport == "peer":
+                        secs = ray.get(b.pull_peer.remote(address, n))
                     elif transport == "object_store":
                         secs = ray.get(b.pull_object_store.remote(a, n))
                     else:
@@ -237,7 +288,7 @@ def run(args: argparse.Namespace) -> int:
             for transport, secs in results.items():
                 row = {"bench": "transfer", "transport": transport, "bytes": n * BLOCK_BYTES,
                        "gb_per_s": rounded(n * BLOCK_BYTES / secs / 1e9, 3), "seconds": rounded(secs, 6),
-                       "cross_node": nodes[0] != nodes[1], "staging_rpc": transport in ("nixl_staged", "object_store")}
+                       "cross_node": nodes[0] != nodes[1], "staging_rpc": transport in ("nixl_staged", "peer", "object_store")}
                 if transport.startswith("nixl"):
                     row.update(ucx_tls=ucx_tls, ucx_transports=transports)
                 emit(row)

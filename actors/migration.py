@@ -40,6 +40,7 @@ import torch
 import xxhash
 
 from cluster.cache.tiered import TieredCache
+from cluster.errors import InvalidInputError
 from cluster.protocol import MigrationResult, StagedPrefix, Tenant, Transport, WorkerInfo
 from cluster.transfer.nixl_transport import NixlEndpoint, TransferError
 
@@ -109,7 +110,7 @@ class Migrator:
 
     def inject_fault(self, kind: str, on: bool = True) -> None:
         if kind not in FAULTS:
-            raise ValueError(f"unknown fault {kind!r}; choose from {', '.join(FAULTS)}")
+            raise InvalidInputError(f"unknown fault {kind!r}; choose from {', '.join(FAULTS)}")
         (self.faults.add if on else self.faults.discard)(kind)
 
     # ------------------------------------------------------ holder, engine thread

@@ -77,6 +77,7 @@ def test_each_operation_is_a_typed_method_answered_by_the_worker(worker):
     ("fetch", {"lease": 12}, "lease must be a string"),
     ("offers", {"limit": -1}, "limit must be a non-negative integer"),
     ("inject_fault", {"kind": "nixl", "on": "yes"}, "on must be true or false"),
+    ("inject_fault", {"kind": "object_store"}, "unknown fault 'object_store'; choose from nixl, fallback"),
     ("pull", {"offer": {"holder": "x"}}, "prefix offer is malformed"),
     ("stats", {"colour": 1}, "peer call 'stats': got an unexpected keyword argument 'colour'"),
     ("evict_everything", {}, "unknown peer call 'evict_everything'"),
