@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from cluster.cache.tiered import TierConfig
 from cluster.engine.checkpoint import ModelSpec
-from cluster.engine.runner import DEFAULT_TIME_SLICE_S
+from cluster.engine.engine import DEFAULT_TIME_SLICE_S
 from cluster.errors import InvalidInputError
 
 # A worker's tier sizes when the config names none (TierConfig itself has no default HOT size).
@@ -81,14 +81,11 @@ class WorkerConfig:
     # When work comes to an idle engine, its first step waits for what follows closely, until
     # gather_quiet_ms pass without an arrival and gather_max_ms at most (0: no wait): a burst
     # of sessions behind one system prompt reaches the replica over tens of milliseconds, and
-    # taken together its requests ride on the prompt's fill in one step (Engine._ride).
+    # taken together the requests behind the prompt wait for its fill's checkpoint in one step.
     gather_quiet_ms: float = 10.0
     gather_max_ms: float = 60.0
-    # Scheduling policies for requests that share a prompt being filled (cluster.engine.bursts):
-    # ``riders`` compute their rest in the fill's step; ``shared_fills``: a request whose part
-    # beyond the cache another's prefill computes waits for it (and an identical prompt starts
-    # from it). Off: each request computes its own part.
-    riders: bool = True
+    # The shared-fills policy (cluster.engine.scheduler): a request whose part beyond the cache
+    # another's prefill computes waits for that fill's checkpoint. Off: each computes its own part.
     shared_fills: bool = True
     # Time slicing: a request waiting for HOT room that running decodes hold gets the room of
     # the newest one that has decoded this long (seconds; it yields: its KV goes to the cache
@@ -147,9 +144,8 @@ class WorkerConfig:
                                               not 0 < self.time_slice_s <= 3600):
             raise InvalidInputError(f"time_slice_s must be a number of seconds in (0, 3600] or null, "
                                     f"got {self.time_slice_s!r}")
-        for name in ("riders", "shared_fills"):
-            if not isinstance(getattr(self, name), bool):
-                raise InvalidInputError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if not isinstance(self.shared_fills, bool):
+            raise InvalidInputError(f"shared_fills must be true or false, got {self.shared_fills!r}")
         if not self.migration_timeout_s > 0:
             raise InvalidInputError(f"migration_timeout_s must be positive, got {self.migration_timeout_s!r}")
         for name in ("l3_master", "l3_master_http"):
@@ -177,6 +173,10 @@ class WorkerConfig:
         """Flat keys: the worker's own and every ``TierConfig`` field. An unknown
         key, a bad value or a bad model spec fails here, naming it."""
         data = dict(data or {})
+        if "riders" in data:
+            raise InvalidInputError("worker config key 'riders' was removed: attention reads every request's KV "
+                                    "in place in the HOT pool, so nothing rides on another's buffer; "
+                                    "'shared_fills' is the policy for requests behind a prompt being filled")
         own = {f.name for f in dataclasses.fields(cls)} - {"tiers"}
         unknown = set(data) - own - set(TIER_KEYS)
         if unknown:

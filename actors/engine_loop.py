@@ -35,7 +35,7 @@ from typing import Any, AsyncIterator, Callable
 
 from dataclasses import dataclass
 
-from cluster.engine.runner import Engine, EngineRequest
+from cluster.engine.engine import Engine, EngineRequest
 from cluster.errors import CacheError
 from cluster.ownership import ThreadOwner, checks_enabled
 from cluster.protocol import FinishReason, LoadReport, MigrationResult, ReplicaTiming, StreamItem

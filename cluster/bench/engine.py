@@ -51,7 +51,7 @@ from cluster.bench.common import emit, rounded
 from cluster.cache.kv_pool import KVLayout
 from cluster.cache.tiered import TierConfig, TieredCache
 from cluster.engine.checkpoint import ModelSpec, load_model
-from cluster.engine.runner import Engine, EngineRequest, SamplingParams
+from cluster.engine.engine import Engine, EngineRequest, SamplingParams
 from cluster.errors import InvalidInputError
 
 

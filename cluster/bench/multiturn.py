@@ -49,7 +49,7 @@ from cluster.bench.common import emit, percentile, plot_cdfs, rounded
 from cluster.cache.kv_pool import KVLayout
 from cluster.cache.tiered import TierConfig, TieredCache, UnknownSessionError
 from cluster.engine.checkpoint import ModelSpec, load_model
-from cluster.engine.runner import DEFAULT_TIME_SLICE_S, Engine, EngineRequest, SamplingParams
+from cluster.engine.engine import DEFAULT_TIME_SLICE_S, Engine, EngineRequest, SamplingParams
 
 POLICIES = ("drop", "tiered", "tiered+prefetch")
 TRIGGERS = ("arrival", "foresight")
