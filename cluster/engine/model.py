@@ -409,7 +409,7 @@ class DecoderModel(nn.Module):
                 raise ValueError(f"{where}kv buffer of {kv.shape[3]} positions cannot take "
                                  f"{start_pos} + {tokens.numel()} tokens")
             checked.append((tokens, start_pos, kv))
-        if self._graphs is not None:   # CUDA: a step of decodes alone replays a captured graph
+        if self._graphs is not None and not self._graphs.paged:   # CUDA: decodes alone replay a graph
             logits = self._graphs.run(checked, shared)
             if logits is not None:
                 return logits
@@ -477,14 +477,14 @@ class DecoderModel(nn.Module):
         self._compiled_layers = layer_loop.compiled_layers(self)
         return self._extend_kernel is not None
 
-    def use_cuda_graphs(self, on: bool = True, sizes: Sequence[int] | None = None) -> bool:
+    def use_cuda_graphs(self, on: bool = True, sizes: Sequence[int] | None = None, paged: bool = False) -> bool:
         """On CUDA with the Triton attention in use (``use_decode_kernel``): replay a CUDA
-        graph per batch-size bucket for ``forward_into`` steps of decodes alone
-        (``cluster.engine.cuda_graphs``); True when on."""
+        graph per batch-size bucket for ``forward_into`` steps of decodes alone (with
+        ``paged``, ``forward_paged``'s instead; ``cluster.engine.cuda_graphs``); True when on."""
         self._graphs = None
         if on and self.device.type == "cuda" and hasattr(self._extend_kernel, "prepare"):
             from cluster.engine.cuda_graphs import DEFAULT_SIZES, DecodeGraphs
-            self._graphs = DecodeGraphs(self, self._extend_kernel, sizes or DEFAULT_SIZES)
+            self._graphs = DecodeGraphs(self, self._extend_kernel, sizes or DEFAULT_SIZES, paged=paged)
         return self._graphs is not None
 
     @property

@@ -46,8 +46,8 @@ def validate_pool(config, pool: object, device: torch.device) -> torch.Tensor:
 
 
 def validate_items(config, items: Sequence[PagedItem], pool: torch.Tensor) -> list[PagedItem]:
-    """Every ``(tokens, start_pos, slots)`` checked before any runs; tokens as int64,
-    slots as int64 on the pool's device."""
+    """Every ``(tokens, start_pos, slots)`` checked before any runs; tokens and slots as
+    int64 on the host."""
     from cluster.engine.model import validate_item
 
     capacity = pool.shape[0] * pool.shape[3]
@@ -73,7 +73,8 @@ def validate_items(config, items: Sequence[PagedItem], pool: torch.Tensor) -> li
         if low < 0 or high >= capacity:
             bad = low if low < 0 else high
             raise ValueError(f"{where}slot {bad} is out of range: the pool has slots [0, {capacity})")
-        checked.append((tokens, start_pos, slots.to(device=pool.device, dtype=torch.long).contiguous()))
+        # On the host: the kernels' tables are built there (CUDA: one copy a step for all items).
+        checked.append((tokens, start_pos, slots.to(device="cpu", dtype=torch.long).contiguous()))
     return checked
 
 
@@ -111,6 +112,7 @@ class SlotRows:
         self.layer_rows = 2 * block_tokens * kv_heads
         self.v_rows = block_tokens * kv_heads
         self.heads = torch.arange(kv_heads, device=pool.device)
+        self.device = pool.device
         self.block_tokens, self.block_rows = block_tokens, layers * self.layer_rows
         self.checked = checked
         self.token_rows: dict[int, torch.Tensor] = {}   # per item, once a forward (kernel items need none)
@@ -121,6 +123,7 @@ class SlotRows:
         head-major gather of its K/V [kv_heads, positions, head_dim]."""
         _, start_pos, slots = self.checked[item]
         if item not in self.token_rows:
+            slots = slots.to(self.device)
             self.token_rows[item] = (slots // self.block_tokens) * self.block_rows + \
                 (slots % self.block_tokens) * self.kv_heads
         keys_at = self.token_rows[item] + layer * self.layer_rows   # [positions]

@@ -219,3 +219,34 @@ def test_bad_slot_tables_raise_clear_value_errors():
         model.forward_paged([(tokens, 5, slots)], pool.tensor[:, :2])
     with pytest.raises(ValueError, match="pool is torch.float64"):
         model.forward_paged([(tokens, 5, slots)], pool.tensor.double())
+
+
+CUDA = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+@pytest.mark.parametrize("graphs", [pytest.param(False, marks=CUDA), pytest.param(True, marks=CUDA)])
+def test_on_cuda_the_triton_kernel_and_its_graphs_attend_over_the_slots(graphs):
+    """The Triton twin of the paged kernel (``triton_attention.paged_attention``) in an eager
+    mixed step, and a step of decodes alone replayed from a CUDA graph (``run_paged``): the
+    reference logits, the new K/V at their slots."""
+    from tests.requirements import TRITON, require
+
+    model = DecoderModel(SMALL).cuda()
+    require(TRITON, model.use_decode_kernel(True), "Triton is not importable here")
+    if graphs:
+        assert model.use_cuda_graphs(True, sizes=(4,), paged=True)
+    plan = [(37, 1), (90, 1), (15, 1)] if graphs else MIXED
+    pool = Pool(SMALL, 3)
+    pool.tensor = pool.tensor.cuda()
+    items, refs = [], []
+    for seq, (p, n) in zip(sequences(SMALL, plan, 3), plan):
+        logits, kv = model.forward_one(seq, 0, None)
+        slots = pool.take(p + n)
+        pool.put(slots[:p].cuda(), kv[:, :, :p])
+        items.append((seq[p:], p, slots))
+        refs.append((logits, kv))
+    got = model.forward_paged(items, pool.tensor)
+    assert model.graph_stats.get("replays", 0) == (1 if graphs else 0)
+    for logits, (ref, kv), (_, p, slots) in zip(got, refs, items):
+        torch.testing.assert_close(logits, ref[p:], rtol=0, atol=1e-4)
+        torch.testing.assert_close(pool.get(slots[p:].cuda()), kv[:, :, p:], rtol=0, atol=1e-4)
