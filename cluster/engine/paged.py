@@ -29,6 +29,17 @@ from cluster.engine.attention import EXTEND_MAX, attend_torch
 PagedItem = tuple[torch.Tensor, int, torch.Tensor]   # (tokens, start_pos, slots)
 
 
+def slots_of(extents: Sequence[tuple[int, int, int]], block_tokens: int) -> torch.Tensor:
+    """The slot table of a sequence held in ``extents`` ``(block, offset, length)``, in order:
+    int64 [sum of lengths]."""
+    if not extents:
+        return torch.empty(0, dtype=torch.long)
+    first = torch.tensor([b * block_tokens + off for b, off, _ in extents], dtype=torch.long)
+    lengths = torch.tensor([n for _, _, n in extents], dtype=torch.long)
+    before = torch.cumsum(lengths, 0) - lengths   # positions ahead of each extent
+    return torch.repeat_interleave(first - before, lengths) + torch.arange(int(lengths.sum()))
+
+
 def validate_pool(config, pool: object, device: torch.device) -> torch.Tensor:
     """The pool tensor, checked against the model's KV layout."""
     c = config
@@ -89,11 +100,11 @@ def check_writes(checked: Sequence[PagedItem], on_kernel: set) -> None:
     if unique.numel() != writes.numel():
         counts = torch.bincount(torch.searchsorted(unique, writes))
         raise ValueError(f"slot {int(unique[int(torch.argmax(counts))])} is written by more than one new token")
-    for reader, (_, start_pos, slots) in enumerate(checked):
-        hits = slots[:start_pos][torch.isin(slots[:start_pos], writes)]
-        if not hits.numel():
-            continue
-        for slot in hits.tolist():
+    prefixes = [slots[:p] for _, p, slots in checked]
+    if not bool(torch.isin(torch.cat(prefixes), writes).any()):   # the common case, in one call
+        return
+    for reader, prefix in enumerate(prefixes):
+        for slot in prefix[torch.isin(prefix, writes)].tolist():
             writer = next(i for i, (_, p, s) in enumerate(checked) if bool((s[p:] == slot).any()))
             if writer == reader or writer in on_kernel or (reader not in on_kernel and writer > reader):
                 raise ValueError(f"items[{reader}] reads slot {slot} in its prefix, which items[{writer}] writes "

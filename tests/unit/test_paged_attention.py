@@ -250,3 +250,10 @@ def test_on_cuda_the_triton_kernel_and_its_graphs_attend_over_the_slots(graphs):
     for logits, (ref, kv), (_, p, slots) in zip(got, refs, items):
         torch.testing.assert_close(logits, ref[p:], rtol=0, atol=1e-4)
         torch.testing.assert_close(pool.get(slots[p:].cuda()), kv[:, :, p:], rtol=0, atol=1e-4)
+
+
+def test_slots_of_extents_lists_each_position_s_slot_in_order():
+    from cluster.engine.paged import slots_of
+
+    assert slots_of([(3, 5, 2), (0, 14, 2), (7, 0, 3)], 16).tolist() == [53, 54, 14, 15, 112, 113, 114]
+    assert slots_of([], 16).tolist() == []
