@@ -199,9 +199,10 @@ class KVLease:
     def written(self, num_tokens: int) -> None:
         """The forward wrote the KV of the reserved room's ``num_tokens`` tokens in place."""
         self._check("written")
-        room, self._reserved = self._reserved, None
-        if room is None or sum(e.length for e in room) != num_tokens:
-            raise CacheError(f"KVLease.written of {num_tokens} tokens does not match the reserved room")
+        if self._reserved is None or self.reserved_tokens != num_tokens:
+            raise CacheError(f"KVLease.written of {num_tokens} tokens does not match the reserved room "
+                             f"of {self.reserved_tokens}")
+        self._reserved = None
         self.length += num_tokens
 
     def write(self, kv: torch.Tensor) -> None:

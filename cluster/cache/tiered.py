@@ -20,11 +20,15 @@ What callers use, and nothing inside:
   ``staging``), ``install`` (target: KV computed elsewhere, cached here).
 - the worker: ``poll``, ``housekeeping`` (idle gaps), ``drop_all``,
   ``add_listener``, ``close``; ``lookup``, ``tier_summary``, ``stats`` to look.
-- L3 (``attach_l3``, ``cluster.cache.l3.tier``): a committed sequence's full
-  blocks are written behind the request; ``ready`` fetches the blocks a
-  waiting request's prompt has past the tree's prefix, and installs them
-  before it is admitted. ``hand_off`` writes what L3 lacks, most valuable
-  first (a replica leaving); ``valuable_prefixes`` names them.
+- L3 (``attach_l3`` gives the cache an ``L3Link`` as ``l3``,
+  ``cluster.cache.l3.link``): a committed sequence's full blocks are written
+  behind the request; ``ready`` fetches the blocks a waiting request's prompt
+  has past the tree's prefix, and installs them before it is admitted. What a
+  leaving replica hands off (``queue_hand_off``, ``valuable_prefixes``) is the
+  link's.
+- a lease (``LeaseHost``, ``cluster.cache.lease``): ``lease_allocate``,
+  ``lease_append``, ``lease_free``, ``lease_checkpoint``, ``lease_commit``,
+  ``lease_unlock``, ``check_owner``: the only calls a ``KVLease`` makes.
 
 Every one checks its ``owner`` (``cluster.ownership``) when checks are on:
 the cache belongs to one thread, the worker's engine thread.
