@@ -89,22 +89,6 @@ class Engine:
         self.scheduler.clock = value
 
     @property
-    def max_batch_tokens(self) -> int:
-        return self.scheduler.max_batch_tokens
-
-    @max_batch_tokens.setter
-    def max_batch_tokens(self, value: int) -> None:
-        self.scheduler.max_batch_tokens = value
-
-    @property
-    def cache_final_token(self) -> bool:
-        return self.scheduler.cache_final_token
-
-    @cache_final_token.setter
-    def cache_final_token(self, value: bool) -> None:
-        self.scheduler.cache_final_token = value
-
-    @property
     def waiting(self):
         return self.scheduler.waiting
 
@@ -129,10 +113,6 @@ class Engine:
         self.scheduler.shared_fills = value
 
     @property
-    def prefill_s_per_token(self) -> float | None:
-        return self.scheduler.prefill_s_per_token
-
-    @property
     def decode_kernel(self) -> bool:
         return self.runner.decode_kernel
 
@@ -143,10 +123,6 @@ class Engine:
     @property
     def linear_layouts(self) -> dict:
         return self.runner.linear_layouts
-
-    @property
-    def prompt_logprob_cache(self):
-        return self.sampler.prompt_logprob_cache
 
     # ------------------------------------------------------------------ API
     def submit(self, request: EngineRequest) -> EngineRequest:
