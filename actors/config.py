@@ -59,10 +59,11 @@ def prepare_serving_env() -> None:
 
 @dataclass(frozen=True)
 class WorkerConfig:
-    # A model spec (cluster.engine.checkpoint.ModelSpec): None for the embedded
-    # default (SmolLM2-135M-Instruct), "builtin" or a dict of ModelConfig fields for
-    # the seeded test model, a local checkpoint directory, a .gguf file or a hub id.
-    model: str | dict | None = None
+    # The model (cluster.engine.checkpoint.ModelSpec), parsed at construction from any form
+    # ModelSpec.parse reads: None for the embedded default (SmolLM2-135M-Instruct), "builtin"
+    # or a mapping of ModelConfig fields for the seeded test model, a local checkpoint
+    # directory, a .gguf file or a hub id.
+    model: ModelSpec | None = None
     tiers: TierConfig = field(default_factory=lambda: TierConfig(**DEFAULT_TIERS))
     # Tokens one engine step computes at most (decodes plus prefill chunks): a long
     # prompt is prefilled in chunks of this, interleaved with the running decodes.
@@ -136,6 +137,8 @@ class WorkerConfig:
     warmup_prefixes: int = 32
 
     def __post_init__(self):
+        if self.model is not None and not isinstance(self.model, ModelSpec):
+            object.__setattr__(self, "model", ModelSpec.parse(self.model))   # a bad spec fails here, naming it
         if self.watchdog_s is not None and not self.watchdog_s > 0:
             raise InvalidInputError(f"watchdog_s must be positive or null, got {self.watchdog_s!r}")
         for name in ("gather_quiet_ms", "gather_max_ms"):
@@ -183,9 +186,7 @@ class WorkerConfig:
             raise InvalidInputError(f"unknown worker config keys: {sorted(unknown)} "
                                     f"(worker keys: {sorted(own)}; tier keys: {sorted(TIER_KEYS)})")
         tiers = TierConfig(**{**DEFAULT_TIERS, **{k: data.pop(k) for k in TIER_KEYS if k in data}})
-        config = cls(tiers=tiers, **data)
-        config.model_spec()   # a bad spec fails here, naming the key, not in a replica
-        return config
+        return cls(tiers=tiers, **data)   # a bad model spec fails here, naming the key, not in a replica
 
     def model_spec(self) -> ModelSpec:
         return ModelSpec.parse(self.model)
