@@ -44,7 +44,7 @@ ALLOC_MODES = ("slotted", "flat", "token")
 _new_tuple = tuple.__new__  # builds an Extent without NamedTuple's keyword-handling __new__ (hot loops)
 
 
-def _entry(table: dict | tuple | None, off: int) -> tuple[int, Any] | None:
+def _entry(table: dict[int, tuple[int, Any]] | tuple[int, Any] | None, off: int) -> tuple[int, Any] | None:
     """The (length, owner) at ``off`` in a block's table: a dict, the pair of a
     block held whole, or None (free). Inlined as one expression in the hot paths."""
     return table.get(off) if type(table) is dict else (None if off else table)
