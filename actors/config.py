@@ -25,8 +25,8 @@ TIER_KEYS = tuple(f.name for f in dataclasses.fields(TierConfig))
 
 # The raylet starts its worker processes (actors and Serve replicas, ours among them) at this
 # niceness; Ray's default is 15, below the raylet, the GCS and any client on the machine, so a
-# replica's engine thread lost its cores to each of them mid-step. Measured with `bench serving`
-# on 2 cores: a replica's decode step 115 -> 105 ms at 0 (what vLLM's processes run at).
+# replica's engine thread lost its cores to each of them mid-step. At 0 (what vLLM's processes
+# run at) its decode step is shorter (docs/benchmarks.md, "Figures behind choices in the code").
 WORKER_NICENESS_VAR = "RAY_worker_niceness"
 
 # The environment a serving cluster's Ray nodes start with; every process they start (the Serve
@@ -39,9 +39,8 @@ WORKER_NICENESS_VAR = "RAY_worker_niceness"
 # - a replica runs its user code and its handles' router on its own event loop, not on two
 #   extra threads: every request and every streamed token otherwise crosses two threads in
 #   the Ingress (a wake-up and a GIL hand-over each), and this app's handlers never block.
-# Measured on 2 cores, bursts of 16 chats behind one system prompt (24-token answers): the
-# Ingress's and the proxy's CPU time 0.42-0.46 + 0.26-0.28 -> 0.28-0.35 + 0.13-0.17 core-seconds
-# a burst, CPU the engine's steps no longer lose (docs/benchmarks.md).
+# Both cut the Ingress's and the proxy's CPU time a request, CPU the engine's steps no longer
+# lose (docs/benchmarks.md, "Figures behind choices in the code").
 SERVING_ENV = {
     WORKER_NICENESS_VAR: "0",
     "RAY_SERVE_PROXY_USE_GRPC": "1",
