@@ -171,6 +171,7 @@ def test_the_checks_find_what_they_look_for():
         ["line 1: os._Environ | dict | None"]
     assert dict_unions(ast.parse("from typing import Union\ndef f(a: Union[int, dict]): ...")) == \
         ["line 2: Union[int, dict]"]
-    assert dict_unions(ast.parse("def f(a: dict | None, b: str | Mapping[str, str]) -> dict[str, int] | int: ...")) == []
+    fine = "def f(a: dict | None, b: str | Mapping[str, str]) -> dict[str, int] | int: ..."
+    assert dict_unions(ast.parse(fine)) == []
     assert serve_private_imports(ast.parse("from ray.serve._private.utils import x\nimport ray.serve")) == \
         ["line 1: ray.serve._private.utils", "line 1: ray.serve._private.utils.x"]
