@@ -25,8 +25,8 @@ TIER_KEYS = tuple(f.name for f in dataclasses.fields(TierConfig))
 
 # The raylet starts its worker processes (actors and Serve replicas, ours among them) at this
 # niceness; Ray's default is 15, below the raylet, the GCS and any client on the machine, so a
-# replica's engine thread lost its cores to each of them mid-step. Measured with `bench serving`
-# on 2 cores: a replica's decode step 115 -> 105 ms at 0 (what vLLM's processes run at).
+# replica's engine thread lost its cores to each of them mid-step. At 0 (what vLLM's processes
+# run at) its decode step is shorter (docs/benchmarks.md, "Figures behind choices in the code").
 WORKER_NICENESS_VAR = "RAY_worker_niceness"
 
 # The environment a serving cluster's Ray nodes start with; every process they start (the Serve
@@ -39,9 +39,8 @@ WORKER_NICENESS_VAR = "RAY_worker_niceness"
 # - a replica runs its user code and its handles' router on its own event loop, not on two
 #   extra threads: every request and every streamed token otherwise crosses two threads in
 #   the Ingress (a wake-up and a GIL hand-over each), and this app's handlers never block.
-# Measured on 2 cores, bursts of 16 chats behind one system prompt (24-token answers): the
-# Ingress's and the proxy's CPU time 0.42-0.46 + 0.26-0.28 -> 0.28-0.35 + 0.13-0.17 core-seconds
-# a burst, CPU the engine's steps no longer lose (docs/benchmarks.md).
+# Both cut the Ingress's and the proxy's CPU time a request, CPU the engine's steps no longer
+# lose (docs/benchmarks.md, "Figures behind choices in the code").
 SERVING_ENV = {
     WORKER_NICENESS_VAR: "0",
     "RAY_SERVE_PROXY_USE_GRPC": "1",
@@ -59,10 +58,11 @@ def prepare_serving_env() -> None:
 
 @dataclass(frozen=True)
 class WorkerConfig:
-    # A model spec (cluster.engine.checkpoint.ModelSpec): None for the embedded
-    # default (SmolLM2-135M-Instruct), "builtin" or a dict of ModelConfig fields for
-    # the seeded test model, a local checkpoint directory, a .gguf file or a hub id.
-    model: str | dict | None = None
+    # The model (cluster.engine.checkpoint.ModelSpec), parsed at construction from any form
+    # ModelSpec.parse reads: None for the embedded default (SmolLM2-135M-Instruct), "builtin"
+    # or a mapping of ModelConfig fields for the seeded test model, a local checkpoint
+    # directory, a .gguf file or a hub id.
+    model: ModelSpec | None = None
     tiers: TierConfig = field(default_factory=lambda: TierConfig(**DEFAULT_TIERS))
     # Tokens one engine step computes at most (decodes plus prefill chunks): a long
     # prompt is prefilled in chunks of this, interleaved with the running decodes.
@@ -133,6 +133,8 @@ class WorkerConfig:
     warmup_prefixes: int = 32
 
     def __post_init__(self):
+        if self.model is not None and not isinstance(self.model, ModelSpec):
+            object.__setattr__(self, "model", ModelSpec.parse(self.model))   # a bad spec fails here, naming it
         if self.watchdog_s is not None and not self.watchdog_s > 0:
             raise InvalidInputError(f"watchdog_s must be positive or null, got {self.watchdog_s!r}")
         for name in ("gather_quiet_ms", "gather_max_ms"):
@@ -183,9 +185,7 @@ class WorkerConfig:
             raise InvalidInputError(f"unknown worker config keys: {sorted(unknown)} "
                                     f"(worker keys: {sorted(own)}; tier keys: {sorted(TIER_KEYS)})")
         tiers = TierConfig(**{**DEFAULT_TIERS, **{k: data.pop(k) for k in TIER_KEYS if k in data}})
-        config = cls(tiers=tiers, **data)
-        config.model_spec()   # a bad spec fails here, naming the key, not in a replica
-        return config
+        return cls(tiers=tiers, **data)   # a bad model spec fails here, naming the key, not in a replica
 
     def model_spec(self) -> ModelSpec:
         return ModelSpec.parse(self.model)
