@@ -39,6 +39,8 @@ faster, with the same bits.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import hashlib
 import json
 import os
@@ -139,7 +141,7 @@ def packed_enabled(dtype: torch.dtype = torch.float32) -> bool:
     return os.environ.get(PACKED_ENV, "0").strip() == "1" and packed_available(dtype)
 
 
-def worker_env(environ: "os._Environ | dict | None" = None) -> dict[str, str]:
+def worker_env(environ: "Mapping[str, str] | None" = None) -> dict[str, str]:
     """``PREFIX_CACHE_MKL_PACKED`` as the environment that builds an app has it, for its
     CPU replicas' ``runtime_env`` (empty when unset)."""
     environ = os.environ if environ is None else environ

@@ -24,11 +24,9 @@ MAX_FUNCTION_LINES = 80
 # (rule, "path::qualified name" for functions, "path" for the others): in rewrite elsewhere.
 PENDING = {
     ("long_function", "actors/core.py::WorkerCore.__init__"),
-    ("long_function", "cluster/engine/runner.py::Engine.__init__"),
     ("long_function", "serve_app/ingress.py::IngressCore.stream_items"),
     ("long_function", "serve_app/responses.py::_streaming"),
     ("dict_union", "serve_app/ingress.py"),
-    ("dict_union", "cluster/engine/linear_layouts.py"),
     ("serve_private", "serve_app/ingress.py"),
 }
 
