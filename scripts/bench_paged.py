@@ -1,4 +1,4 @@
-"""Decode step time, forward_into (per-request head-major buffers) against forward_paged
+"""Decode step time (and one prefill's), forward_into (per-request head-major buffers) against forward_paged
 (K/V read in place from a slotted pool through slot tables), on the default real model,
 in the same run with the arms in turns. One JSON line per (batch, arm).
 
@@ -55,8 +55,12 @@ def main() -> None:
     model = loaded.model
     model.use_decode_kernel(True)
     model.tune_linears()
-    for batch in args.batches:
-        into, paged, pool = setup(model, batch, args.positions, args.block_tokens, seed=batch)
+    for batch in args.batches + [0]:   # 0: a prefill of ``positions`` tokens from position 0
+        into, paged, pool = setup(model, max(batch, 1), args.positions, args.block_tokens, seed=batch)
+        if batch == 0:
+            tokens = torch.randint(1000, 2000, (args.positions,), generator=torch.Generator().manual_seed(1))
+            into = [(tokens, 0, into[0][2])]
+            paged = [(tokens, 0, paged[0][2][:args.positions])]
         arms = {"forward_into": lambda: model.forward_into(into, last_logits_only=True),
                 "forward_paged": lambda: model.forward_paged(paged, pool, last_logits_only=True)}
         times = {name: [] for name in arms}
@@ -69,7 +73,8 @@ def main() -> None:
                 times[name].append(time.perf_counter() - began)
         logits_equal = all(torch.equal(a, b) for a, b in zip(arms["forward_into"](), arms["forward_paged"]()))
         for name, samples in times.items():
-            print(json.dumps({"bench": "paged_decode", "model": loaded.model_id, "arm": name, "batch": batch,
+            print(json.dumps({"bench": "paged_decode" if batch else "paged_prefill", "model": loaded.model_id,
+                              "arm": name, "batch": max(batch, 1),
                               "positions": args.positions, "block_tokens": args.block_tokens,
                               "threads": args.threads, "steps": args.steps,
                               "median_ms": round(1000 * statistics.median(samples), 2),
