@@ -55,120 +55,139 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _peer_class():
     import ray
-    import torch
-    import xxhash
 
-    @ray.remote(num_cpus=1)
-    class TransferPeer:
-        def __init__(self, num_blocks: int):
-            from cluster.transfer.nixl_transport import NixlEndpoint, nixl_available, recommended_ucx_env
+    return ray.remote(num_cpus=1)(TransferPeer)
 
-            # The second half of the pool is the staging area a real holder copies into.
-            self.num_blocks = num_blocks
-            self.pool = torch.zeros(2 * num_blocks, BLOCK_BYTES, dtype=torch.uint8)
-            self.nixl = None
-            self.transports: list[str] | None = None
-            os.environ["UCX_PROTO_INFO"] = "y"  # UCX reports the protocols it selects (stdout)
-            if nixl_available():
-                self.nixl = NixlEndpoint(f"peer-{os.getpid()}", self.pool, ucx_env=recommended_ucx_env())
-            self.peer = None
 
-        def ucx_tls(self) -> str:
-            return os.environ.get("UCX_TLS", "(UCX default)")
+class TransferPeer:
+    """One node's side: a block-first pool (its second half the staging area) and the ways to fill it."""
 
-        def node_id(self) -> str:
-            return ray.get_runtime_context().get_node_id()
+    def __init__(self, num_blocks: int):
+        import torch
 
-        def fill(self, seed: int) -> None:
-            g = torch.Generator().manual_seed(seed)
-            self.pool.copy_(torch.randint(0, 256, self.pool.shape, generator=g, dtype=torch.uint8))
+        from cluster.transfer.nixl_transport import NixlEndpoint, nixl_available, recommended_ucx_env
 
-        def metadata(self):
-            return self.nixl.metadata() if self.nixl else None
+        # The second half of the pool is the staging area a real holder copies into.
+        self.num_blocks = num_blocks
+        self.pool = torch.zeros(2 * num_blocks, BLOCK_BYTES, dtype=torch.uint8)
+        self.nixl = None
+        self.transports: list[str] | None = None
+        os.environ["UCX_PROTO_INFO"] = "y"  # UCX reports the protocols it selects (stdout)
+        if nixl_available():
+            self.nixl = NixlEndpoint(f"peer-{os.getpid()}", self.pool, ucx_env=recommended_ucx_env())
+        self.peer = None
 
-        def connect(self, md) -> None:
-            self.peer = self.nixl.connect(md)
+    def ucx_tls(self) -> str:
+        return os.environ.get("UCX_TLS", "(UCX default)")
 
-        def checksum(self, nblocks: int) -> int:
-            return xxhash.xxh3_64_intdigest(self.pool[:nblocks].numpy().tobytes())
+    def node_id(self) -> str:
+        import ray
 
-        def blocks(self, nblocks: int):
-            # numpy, not torch: Ray ships numpy zero-copy through plasma, while a
-            # torch tensor takes a slow pickling path (~0.2 s each, measured).
-            return self.pool[:nblocks].numpy()
+        return ray.get_runtime_context().get_node_id()
 
-        def pull_nixl(self, nblocks: int) -> float:
-            self.pool[:nblocks].zero_()
-            ids = list(range(nblocks))
-            if self.transports is None:  # the first READ selects the protocol: capture the report
-                self.transports, secs = _capture_read_transports(lambda: self.nixl.read_blocks(self.peer, ids, ids))
-                return secs
-            t0 = time.perf_counter()
-            self.nixl.read_blocks(self.peer, ids, ids)
-            return time.perf_counter() - t0
+    def fill(self, seed: int) -> None:
+        import torch
 
-        def read_transports(self) -> list[str] | None:
-            return self.transports
+        g = torch.Generator().manual_seed(seed)
+        self.pool.copy_(torch.randint(0, 256, self.pool.shape, generator=g, dtype=torch.uint8))
 
-        def stage(self, nblocks: int) -> list[int]:
-            """The holder's side of a real pull: blocks into registered staging, checksummed."""
-            staged = self.pool[self.num_blocks:self.num_blocks + nblocks]
-            staged.copy_(self.pool[:nblocks])
-            return [xxhash.xxh3_64_intdigest(row.numpy()) for row in staged]
+    def metadata(self):
+        return self.nixl.metadata() if self.nixl else None
 
-        def pull_nixl_staged(self, sender, nblocks: int) -> float:
-            self.pool[:nblocks].zero_()
-            local = list(range(nblocks))
-            remote = [self.num_blocks + i for i in local]
-            t0 = time.perf_counter()
-            sums = ray.get(sender.stage.remote(nblocks))
-            self.nixl.read_blocks(self.peer, remote, local)
-            for i, row in enumerate(self.pool[:nblocks]):
-                if xxhash.xxh3_64_intdigest(row.numpy()) != sums[i]:
-                    raise RuntimeError(f"staged block {i} failed its checksum")
-            return time.perf_counter() - t0
+    def connect(self, md) -> None:
+        self.peer = self.nixl.connect(md)
 
-        def serve_peer(self) -> str:
-            """Open this sender's peer channel; its address."""
-            from actors.peer import PeerServer
+    def checksum(self, nblocks: int) -> int:
+        import xxhash
 
-            self.peer_server = PeerServer(f"xfer-{os.getpid()}", _StagedBlocks(self),
-                                          host=ray.util.get_node_ip_address())
-            return self.peer_server.address
+        return xxhash.xxh3_64_intdigest(self.pool[:nblocks].numpy().tobytes())
 
-        def pull_peer(self, address: str, nblocks: int) -> float:
-            from actors.peer import PeerClient
+    def blocks(self, nblocks: int):
+        # numpy, not torch: Ray ships numpy zero-copy through plasma, while a
+        # torch tensor takes a slow pickling path.
+        return self.pool[:nblocks].numpy()
 
-            self.pool[:nblocks].zero_()
+    def pull_nixl(self, nblocks: int) -> float:
+        self.pool[:nblocks].zero_()
+        ids = list(range(nblocks))
+        if self.transports is None:  # the first READ selects the protocol: capture the report
+            self.transports, secs = _capture_read_transports(lambda: self.nixl.read_blocks(self.peer, ids, ids))
+            return secs
+        t0 = time.perf_counter()
+        self.nixl.read_blocks(self.peer, ids, ids)
+        return time.perf_counter() - t0
 
-            async def fetch():
-                client = PeerClient("sender", address, timeout_s=120.0)
-                try:
-                    return await client.fetch_blocks(f"blocks:{nblocks}")
-                finally:
-                    client.close()
-            t0 = time.perf_counter()
-            array, _ = asyncio.run(fetch())
-            with warnings.catch_warnings():   # a read-only view of the frame: only read from
-                warnings.simplefilter("ignore", UserWarning)
-                self.pool[:nblocks].copy_(torch.from_numpy(array).view(nblocks, BLOCK_BYTES))
-            return time.perf_counter() - t0
+    def read_transports(self) -> list[str] | None:
+        return self.transports
 
-        def pull_object_store(self, sender, nblocks: int) -> float:
-            self.pool[:nblocks].zero_()
-            t0 = time.perf_counter()
-            data = ray.get(sender.blocks.remote(nblocks))
-            self.pool[:nblocks].copy_(torch.from_numpy(data))
-            return time.perf_counter() - t0
+    def stage(self, nblocks: int) -> list[int]:
+        """The holder's side of a real pull: blocks into registered staging, checksummed."""
+        import xxhash
 
-        def plain_copy(self, nblocks: int) -> float:
-            src = self.pool[:nblocks].clone()
-            dst = self.pool[:nblocks]   # resident pool memory, as a transfer's destination is
-            t0 = time.perf_counter()
-            dst.copy_(src)
-            return time.perf_counter() - t0
+        staged = self.pool[self.num_blocks:self.num_blocks + nblocks]
+        staged.copy_(self.pool[:nblocks])
+        return [xxhash.xxh3_64_intdigest(row.numpy()) for row in staged]
 
-    return TransferPeer
+    def pull_nixl_staged(self, sender, nblocks: int) -> float:
+        import ray
+        import xxhash
+
+        self.pool[:nblocks].zero_()
+        local = list(range(nblocks))
+        remote = [self.num_blocks + i for i in local]
+        t0 = time.perf_counter()
+        sums = ray.get(sender.stage.remote(nblocks))
+        self.nixl.read_blocks(self.peer, remote, local)
+        for i, row in enumerate(self.pool[:nblocks]):
+            if xxhash.xxh3_64_intdigest(row.numpy()) != sums[i]:
+                raise RuntimeError(f"staged block {i} failed its checksum")
+        return time.perf_counter() - t0
+
+    def serve_peer(self) -> str:
+        """Open this sender's peer channel; its address."""
+        import ray
+
+        from actors.peer import PeerServer
+
+        self.peer_server = PeerServer(f"xfer-{os.getpid()}", _StagedBlocks(self), host=ray.util.get_node_ip_address())
+        return self.peer_server.address
+
+    def pull_peer(self, address: str, nblocks: int) -> float:
+        import torch
+
+        from actors.peer import PeerClient
+
+        self.pool[:nblocks].zero_()
+
+        async def fetch():
+            client = PeerClient("sender", address, timeout_s=120.0)
+            try:
+                return await client.fetch_blocks(f"blocks:{nblocks}")
+            finally:
+                client.close()
+        t0 = time.perf_counter()
+        array, _ = asyncio.run(fetch())
+        with warnings.catch_warnings():   # a read-only view of the frame: only read from
+            warnings.simplefilter("ignore", UserWarning)
+            self.pool[:nblocks].copy_(torch.from_numpy(array).view(nblocks, BLOCK_BYTES))
+        return time.perf_counter() - t0
+
+    def pull_object_store(self, sender, nblocks: int) -> float:
+        import ray
+        import torch
+
+        self.pool[:nblocks].zero_()
+        t0 = time.perf_counter()
+        data = ray.get(sender.blocks.remote(nblocks))
+        self.pool[:nblocks].copy_(torch.from_numpy(data))
+        return time.perf_counter() - t0
+
+    def plain_copy(self, nblocks: int) -> float:
+        src = self.pool[:nblocks].clone()
+        dst = self.pool[:nblocks]   # resident pool memory, as a transfer's destination is
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        return time.perf_counter() - t0
 
 
 class _StagedBlocks:
@@ -176,7 +195,7 @@ class _StagedBlocks:
     ``fetch_blocks`` as a holder does (the blocks copied into its staging
     half first); the lease names the block count."""
 
-    def __init__(self, peer):
+    def __init__(self, peer: TransferPeer):
         self.peer = peer
 
     async def fetch_blocks(self, lease: str):

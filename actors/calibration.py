@@ -30,7 +30,7 @@ from actors.migration import Migrator, block_checksum
 from cluster.cache.l3 import L3Block, L3Lookup
 from cluster.cache.l3.tier import L3Tier
 from cluster.cache.tiered import TieredCache
-from cluster.engine.runner import Engine, SamplingParams
+from cluster.engine.engine import Engine, SamplingParams
 from cluster.names import COLD, WARM
 from cluster.routing.policies import CostModel
 from cluster.transfer.nixl_transport import NixlEndpoint, recommended_ucx_env

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from cluster.cache.tiered import TierConfig
 from cluster.engine.checkpoint import ModelSpec
-from cluster.engine.runner import DEFAULT_TIME_SLICE_S
+from cluster.engine.engine import DEFAULT_TIME_SLICE_S
 from cluster.errors import InvalidInputError
 
 # A worker's tier sizes when the config names none (TierConfig itself has no default HOT size).
@@ -25,8 +25,8 @@ TIER_KEYS = tuple(f.name for f in dataclasses.fields(TierConfig))
 
 # The raylet starts its worker processes (actors and Serve replicas, ours among them) at this
 # niceness; Ray's default is 15, below the raylet, the GCS and any client on the machine, so a
-# replica's engine thread lost its cores to each of them mid-step. Measured with `bench serving`
-# on 2 cores: a replica's decode step 115 -> 105 ms at 0 (what vLLM's processes run at).
+# replica's engine thread lost its cores to each of them mid-step. At 0 (what vLLM's processes
+# run at) its decode step is shorter (docs/benchmarks.md, "Figures behind choices in the code").
 WORKER_NICENESS_VAR = "RAY_worker_niceness"
 
 # The environment a serving cluster's Ray nodes start with; every process they start (the Serve
@@ -39,9 +39,8 @@ WORKER_NICENESS_VAR = "RAY_worker_niceness"
 # - a replica runs its user code and its handles' router on its own event loop, not on two
 #   extra threads: every request and every streamed token otherwise crosses two threads in
 #   the Ingress (a wake-up and a GIL hand-over each), and this app's handlers never block.
-# Measured on 2 cores, bursts of 16 chats behind one system prompt (24-token answers): the
-# Ingress's and the proxy's CPU time 0.42-0.46 + 0.26-0.28 -> 0.28-0.35 + 0.13-0.17 core-seconds
-# a burst, CPU the engine's steps no longer lose (docs/benchmarks.md).
+# Both cut the Ingress's and the proxy's CPU time a request, CPU the engine's steps no longer
+# lose (docs/benchmarks.md, "Figures behind choices in the code").
 SERVING_ENV = {
     WORKER_NICENESS_VAR: "0",
     "RAY_SERVE_PROXY_USE_GRPC": "1",
@@ -59,10 +58,11 @@ def prepare_serving_env() -> None:
 
 @dataclass(frozen=True)
 class WorkerConfig:
-    # A model spec (cluster.engine.checkpoint.ModelSpec): None for the embedded
-    # default (SmolLM2-135M-Instruct), "builtin" or a dict of ModelConfig fields for
-    # the seeded test model, a local checkpoint directory, a .gguf file or a hub id.
-    model: str | dict | None = None
+    # The model (cluster.engine.checkpoint.ModelSpec), parsed at construction from any form
+    # ModelSpec.parse reads: None for the embedded default (SmolLM2-135M-Instruct), "builtin"
+    # or a mapping of ModelConfig fields for the seeded test model, a local checkpoint
+    # directory, a .gguf file or a hub id.
+    model: ModelSpec | None = None
     tiers: TierConfig = field(default_factory=lambda: TierConfig(**DEFAULT_TIERS))
     # Tokens one engine step computes at most (decodes plus prefill chunks): a long
     # prompt is prefilled in chunks of this, interleaved with the running decodes.
@@ -81,14 +81,11 @@ class WorkerConfig:
     # When work comes to an idle engine, its first step waits for what follows closely, until
     # gather_quiet_ms pass without an arrival and gather_max_ms at most (0: no wait): a burst
     # of sessions behind one system prompt reaches the replica over tens of milliseconds, and
-    # taken together its requests ride on the prompt's fill in one step (Engine._ride).
+    # taken together the requests behind the prompt wait for its fill's checkpoint in one step.
     gather_quiet_ms: float = 10.0
     gather_max_ms: float = 60.0
-    # Scheduling policies for requests that share a prompt being filled (cluster.engine.bursts):
-    # ``riders`` compute their rest in the fill's step; ``shared_fills``: a request whose part
-    # beyond the cache another's prefill computes waits for it (and an identical prompt starts
-    # from it). Off: each request computes its own part.
-    riders: bool = True
+    # The shared-fills policy (cluster.engine.scheduler): a request whose part beyond the cache
+    # another's prefill computes waits for that fill's checkpoint. Off: each computes its own part.
     shared_fills: bool = True
     # Time slicing: a request waiting for HOT room that running decodes hold gets the room of
     # the newest one that has decoded this long (seconds; it yields: its KV goes to the cache
@@ -136,6 +133,8 @@ class WorkerConfig:
     warmup_prefixes: int = 32
 
     def __post_init__(self):
+        if self.model is not None and not isinstance(self.model, ModelSpec):
+            object.__setattr__(self, "model", ModelSpec.parse(self.model))   # a bad spec fails here, naming it
         if self.watchdog_s is not None and not self.watchdog_s > 0:
             raise InvalidInputError(f"watchdog_s must be positive or null, got {self.watchdog_s!r}")
         for name in ("gather_quiet_ms", "gather_max_ms"):
@@ -147,9 +146,8 @@ class WorkerConfig:
                                               not 0 < self.time_slice_s <= 3600):
             raise InvalidInputError(f"time_slice_s must be a number of seconds in (0, 3600] or null, "
                                     f"got {self.time_slice_s!r}")
-        for name in ("riders", "shared_fills"):
-            if not isinstance(getattr(self, name), bool):
-                raise InvalidInputError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if not isinstance(self.shared_fills, bool):
+            raise InvalidInputError(f"shared_fills must be true or false, got {self.shared_fills!r}")
         if not self.migration_timeout_s > 0:
             raise InvalidInputError(f"migration_timeout_s must be positive, got {self.migration_timeout_s!r}")
         for name in ("l3_master", "l3_master_http"):
@@ -180,15 +178,17 @@ class WorkerConfig:
         if "policy" in data:
             raise InvalidInputError("worker config key 'policy' is now 'eviction_policy' (the app's routing "
                                     "policy is routing_policy)")
+        if "riders" in data:
+            raise InvalidInputError("worker config key 'riders' was removed: attention reads every request's KV "
+                                    "in place in the HOT pool, so nothing rides on another's buffer; "
+                                    "'shared_fills' is the policy for requests behind a prompt being filled")
         own = {f.name for f in dataclasses.fields(cls)} - {"tiers"}
         unknown = set(data) - own - set(TIER_KEYS)
         if unknown:
             raise InvalidInputError(f"unknown worker config keys: {sorted(unknown)} "
                                     f"(worker keys: {sorted(own)}; tier keys: {sorted(TIER_KEYS)})")
         tiers = TierConfig(**{**DEFAULT_TIERS, **{k: data.pop(k) for k in TIER_KEYS if k in data}})
-        config = cls(tiers=tiers, **data)
-        config.model_spec()   # a bad spec fails here, naming the key, not in a replica
-        return config
+        return cls(tiers=tiers, **data)   # a bad model spec fails here, naming the key, not in a replica
 
     def model_spec(self) -> ModelSpec:
         return ModelSpec.parse(self.model)

@@ -47,7 +47,7 @@ from cluster.cache.tiered import TieredCache
 from cluster.engine import malloc, openmp
 from cluster.engine.checkpoint import load_model, load_tokenizer
 from cluster.engine.grammar import Grammars, grammar_available
-from cluster.engine.runner import Engine, EngineRequest
+from cluster.engine.engine import Engine, EngineRequest
 from cluster.protocol import (GenerateRequest, LoadReport, MeasuredRates, MigrationResult, PrefixOffer, Snapshot,
                               StagedPrefix, StreamItem, Tenant, WorkerInfo)
 from cluster.routing.policies import CostModel
@@ -98,7 +98,6 @@ class WorkerCore:
         self.engine = Engine(self.model, self.cache, max_batch_tokens=config.max_batch_tokens,
                              max_running=config.max_running, cache_final_token=config.cache_final_token,
                              decode_kernel=config.decode_kernel, grammars=self._grammars(mc.vocab_size))
-        self.engine.riders = self.engine.riders and config.riders
         self.engine.shared_fills = config.shared_fills
         self.engine.time_slice_s = config.time_slice_s
         log.info("worker %s: OpenMP %s, allocator %s, %d torch threads, linear layouts by row count %s",
@@ -347,8 +346,6 @@ class WorkerCore:
         c = self.cache
         return {"worker_id": self.worker_id, "tiers": c.tier_summary(), "cache": dict(c.stats),
                 "tree": dict(c.tree.stats), "engine": dict(self.engine.stats),
-                "scratch": {**self.engine.scratch.stats, "arena_tokens": self.engine.scratch.arena_tokens,
-                            "arena_free_tokens": self.engine.scratch.arena_free_tokens},
                 "worker": {**self.loop.stats, **self.migration.holder_stats, "pid": os.getpid(),
                            "openmp": openmp.runtime(), "malloc": malloc.runtime(),
                            "torch_threads": torch.get_num_threads(),

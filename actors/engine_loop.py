@@ -35,7 +35,7 @@ from typing import Any, AsyncIterator, Callable
 
 from dataclasses import dataclass
 
-from cluster.engine.runner import Engine, EngineRequest
+from cluster.engine.engine import Engine, EngineRequest
 from cluster.errors import CacheError
 from cluster.ownership import ThreadOwner, checks_enabled
 from cluster.protocol import FinishReason, LoadReport, MigrationResult, ReplicaTiming, StreamItem
@@ -65,8 +65,8 @@ IDLE_WAIT_MIN_S = 0.01
 IDLE_WAIT_MAX_S = 0.08
 # Work is queued but no step could run (a prefix still on its way up to HOT, an L3 lookup
 # not yet answered): the loop waits this long, or until new work or a command, before it
-# looks again, instead of spinning through empty steps (measured: 40-60 of them ahead of
-# each fresh prompt's step, each taking the GIL from the replica's event loop).
+# looks again, instead of spinning through empty steps (dozens ahead of each fresh prompt's
+# step, each taking the GIL from the replica's event loop: docs/benchmarks.md).
 PENDING_WAIT_S = 0.002
 
 

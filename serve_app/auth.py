@@ -13,6 +13,7 @@ import asyncio
 import hashlib
 import hmac
 import os
+from collections.abc import Mapping
 from typing import Callable
 
 from fastapi import Request
@@ -26,12 +27,12 @@ def key_tenant(key: str) -> str:
     return "key-" + hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
-def parse_keys(spec: str | dict | None) -> dict[str, str]:
+def parse_keys(spec: str | Mapping[str, str] | None) -> dict[str, str]:
     """``"key1=tenantA,key2=tenantB"`` or a mapping -> {key: tenant}; a key
     without ``=tenant`` gets a namespace of its own (``key_tenant``)."""
     if not spec:
         return {}
-    if isinstance(spec, dict):
+    if isinstance(spec, Mapping):
         return {str(k): str(v) for k, v in spec.items()}
     out = {}
     for part in spec.split(","):
@@ -46,7 +47,7 @@ def parse_keys(spec: str | dict | None) -> dict[str, str]:
 class Auth:
     """The configured keys and the check every endpoint runs first."""
 
-    def __init__(self, api_keys: str | dict | None = None, admin_keys: str | list | None = None,
+    def __init__(self, api_keys: str | Mapping[str, str] | None = None, admin_keys: str | list[str] | None = None,
                  admin_without_keys: bool = False):
         self.api_keys = parse_keys(api_keys or os.environ.get("PREFIX_CACHE_API_KEYS"))
         admin = admin_keys if admin_keys is not None else os.environ.get("PREFIX_CACHE_ADMIN_KEYS", "")

@@ -30,7 +30,7 @@ from cluster.bench.common import emit, rounded
 from cluster.cache.kv_pool import KVLayout
 from cluster.cache.tiered import TierConfig, TieredCache
 from cluster.engine.checkpoint import ModelSpec, load_model, load_tokenizer
-from cluster.engine.runner import Engine, SamplingParams
+from cluster.engine.engine import Engine, SamplingParams
 from cluster.engine.text import ChatPromptBuilder, ReplyMemory
 
 SYSTEM = ("You are a concise assistant. Answer in two or three sentences, with concrete numbers and "

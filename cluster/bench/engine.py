@@ -51,7 +51,7 @@ from cluster.bench.common import emit, rounded
 from cluster.cache.kv_pool import KVLayout
 from cluster.cache.tiered import TierConfig, TieredCache
 from cluster.engine.checkpoint import ModelSpec, load_model
-from cluster.engine.runner import Engine, EngineRequest, SamplingParams
+from cluster.engine.engine import Engine, EngineRequest, SamplingParams
 from cluster.errors import InvalidInputError
 
 
@@ -190,15 +190,7 @@ class TransformersArm:
 
 
 def run(args: argparse.Namespace) -> int:
-    for name in ("prompt_tokens", "concurrency", "max_tokens", "repeats", "threads", "block_tokens"):
-        if getattr(args, name) < 1:
-            raise InvalidInputError(f"--{name.replace('_', '-')} must be >= 1")
-    if args.max_tokens < 2:
-        raise InvalidInputError("--max-tokens must be >= 2 (decode speed is measured after the first token)")
-    if not 0 <= args.shared_prefix_tokens < args.prompt_tokens:
-        raise InvalidInputError("--shared-prefix-tokens must be in [0, --prompt-tokens)")
-    if not 0 < args.suffix_tokens < args.prompt_tokens:
-        raise InvalidInputError("--suffix-tokens must be in [1, --prompt-tokens)")
+    _check_args(args)
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     spec = ModelSpec.parse(args.model)
@@ -231,71 +223,118 @@ def run(args: argparse.Namespace) -> int:
     warm = _prompts(c.vocab_size, 1, 64, args.seed + 1, low)[0]
     ours.run([warm], 2)
     hf.prefill(warm)
-    cold, hf_cold, cached, hf_cached, hf_copy = [], [], [], [], []
+    m = _Measured()
+    _measure_ttft(m, ours, hf, cold_prompts, cached_prompts, prefix_len, args.block_tokens)
+    for _ in range(2):
+        m.decode = max(m.decode, ours.decode_tokens_per_s(decode_prompt, args.max_tokens))
+        m.hf_decode = max(m.hf_decode, hf.decode_tokens_per_s(decode_prompt, args.max_tokens))
+    _measure_batch(m, ours, hf, batch_prompts, shared, args)
+    emit(_ours_row(common, m, ours, loaded))
+    emit(_transformers_row(common, m))
+    return 0
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    for name in ("prompt_tokens", "concurrency", "max_tokens", "repeats", "threads", "block_tokens"):
+        if getattr(args, name) < 1:
+            raise InvalidInputError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.max_tokens < 2:
+        raise InvalidInputError("--max-tokens must be >= 2 (decode speed is measured after the first token)")
+    if not 0 <= args.shared_prefix_tokens < args.prompt_tokens:
+        raise InvalidInputError("--shared-prefix-tokens must be in [0, --prompt-tokens)")
+    if not 0 < args.suffix_tokens < args.prompt_tokens:
+        raise InvalidInputError("--suffix-tokens must be in [1, --prompt-tokens)")
+
+
+@dataclasses.dataclass
+class _Measured:
+    """Both arms' samples: TTFT seconds per prompt, decode tokens/s, the concurrent batch."""
+    cold: list[float] = dataclasses.field(default_factory=list)
+    hf_cold: list[float] = dataclasses.field(default_factory=list)
+    cached: list[float] = dataclasses.field(default_factory=list)
+    hf_cached: list[float] = dataclasses.field(default_factory=list)
+    hf_copy: list[float] = dataclasses.field(default_factory=list)
+    decode: float = 0.0
+    hf_decode: float = 0.0
+    throughput: float = 0.0
+    hf_sequential: float = 0.0
+    hf_batched: float = 0.0
+    outputs: list = dataclasses.field(default_factory=list)
+    hf_outputs: list = dataclasses.field(default_factory=list)
+    hf_batched_outputs: list = dataclasses.field(default_factory=list)
+
+
+def _measure_ttft(m: _Measured, ours: EngineArm, hf: TransformersArm, cold_prompts: list[list[int]],
+                  cached_prompts: list[list[int]], prefix_len: int, block_tokens: int) -> None:
     for p in cold_prompts:
-        cold.append(ours.ttft_s(p)[0])
-        hf_cold.append(hf.ttft_s(p))
+        m.cold.append(ours.ttft_s(p)[0])
+        m.hf_cold.append(hf.ttft_s(p))
     for p in cached_prompts:
         ours.run([p[:prefix_len]], 1)                   # an earlier turn leaves the prefix cached
         seconds, hit = ours.ttft_s(p)
-        if hit < prefix_len - args.block_tokens:
+        if hit < prefix_len - block_tokens:
             raise RuntimeError(f"expected a cache hit of ~{prefix_len} tokens, got {hit}")
-        cached.append(seconds)
+        m.cached.append(seconds)
         _, prefix_cache = hf.prefill(p[:prefix_len])
         seconds, copy_seconds = hf.cached_ttft_s(prefix_cache, p, prefix_len)
-        hf_cached.append(seconds)
-        hf_copy.append(copy_seconds)
-    decode = hf_decode = 0.0
-    for _ in range(2):
-        decode = max(decode, ours.decode_tokens_per_s(decode_prompt, args.max_tokens))
-        hf_decode = max(hf_decode, hf.decode_tokens_per_s(decode_prompt, args.max_tokens))
+        m.hf_cached.append(seconds)
+        m.hf_copy.append(copy_seconds)
+
+
+def _measure_batch(m: _Measured, ours: EngineArm, hf: TransformersArm, batch_prompts: list[list[int]],
+                   shared: int, args: argparse.Namespace) -> None:
+    """The concurrent prompts: ours in one engine, transformers one by one and batched."""
     if shared:
         ours.run([batch_prompts[0][:shared]], 1)       # the system prompt, served before
     t0 = time.perf_counter()
     reqs = ours.run(batch_prompts, args.max_tokens)
-    ours_throughput = sum(len(r.output) for r in reqs) / (time.perf_counter() - t0)
-    ours_outputs = [r.output for r in reqs]
+    m.throughput = sum(len(r.output) for r in reqs) / (time.perf_counter() - t0)
+    m.outputs = [r.output for r in reqs]
     prefix_cache = hf.prefill(batch_prompts[0][:shared])[1] if shared else None
     t0 = time.perf_counter()
-    hf_outputs = [hf.generate([p], args.max_tokens, prefix_cache)[0] for p in batch_prompts]
-    hf_sequential = args.concurrency * args.max_tokens / (time.perf_counter() - t0)
+    m.hf_outputs = [hf.generate([p], args.max_tokens, prefix_cache)[0] for p in batch_prompts]
+    m.hf_sequential = args.concurrency * args.max_tokens / (time.perf_counter() - t0)
     t0 = time.perf_counter()
-    hf_batched_outputs = hf.generate(batch_prompts, args.max_tokens, _batched(prefix_cache, args.concurrency))
-    hf_batched = args.concurrency * args.max_tokens / (time.perf_counter() - t0)
+    m.hf_batched_outputs = hf.generate(batch_prompts, args.max_tokens, _batched(prefix_cache, args.concurrency))
+    m.hf_batched = args.concurrency * args.max_tokens / (time.perf_counter() - t0)
 
-    match, token_match = greedy_agreement(ours_outputs, hf_outputs)
-    hf_cold_ms = min(hf_cold) * 1e3
-    hf_cached_ms = min(hf_cached) * 1e3
-    ours_row = {**common, "impl": "prefix-cache",
-                "ttft_ms_cold": rounded(min(cold) * 1e3, 1),
-                "ttft_ms_cached": rounded(min(cached) * 1e3, 1),
-                "decode_tokens_per_s": rounded(decode, 2),
-                "throughput_tokens_per_s": rounded(ours_throughput, 2),
-                "greedy_match": rounded(match, 4),
-                "greedy_token_match": rounded(token_match, 4),
-                "decode_kernel": bool(ours.engine.decode_kernel), "cuda_graphs": bool(ours.engine.cuda_graphs),
-                "graph_replays": getattr(loaded.model, "graph_stats", {}).get("replays", 0)}
-    ours_row["cold_ttft_vs_transformers"] = rounded(ours_row["ttft_ms_cold"] / hf_cold_ms, 3)
-    ours_row["decode_vs_transformers"] = rounded(decode / hf_decode, 3)
-    ours_row["throughput_vs_transformers_sequential"] = rounded(ours_throughput / hf_sequential, 2)
-    ours_row["throughput_vs_transformers_batched"] = rounded(ours_throughput / hf_batched, 2)
-    ours_row["cached_speedup_vs_transformers_prefill"] = rounded(hf_cold_ms / ours_row["ttft_ms_cached"], 1)
+
+def _ours_row(common: dict, m: _Measured, ours: EngineArm, loaded) -> dict:
+    match, token_match = greedy_agreement(m.outputs, m.hf_outputs)
+    hf_cold_ms = min(m.hf_cold) * 1e3
+    hf_cached_ms = min(m.hf_cached) * 1e3
+    row = {**common, "impl": "prefix-cache",
+           "ttft_ms_cold": rounded(min(m.cold) * 1e3, 1),
+           "ttft_ms_cached": rounded(min(m.cached) * 1e3, 1),
+           "decode_tokens_per_s": rounded(m.decode, 2),
+           "throughput_tokens_per_s": rounded(m.throughput, 2),
+           "greedy_match": rounded(match, 4),
+           "greedy_token_match": rounded(token_match, 4),
+           "decode_kernel": bool(ours.engine.decode_kernel), "cuda_graphs": bool(ours.engine.cuda_graphs),
+           "graph_replays": getattr(loaded.model, "graph_stats", {}).get("replays", 0)}
+    row["cold_ttft_vs_transformers"] = rounded(row["ttft_ms_cold"] / hf_cold_ms, 3)
+    row["decode_vs_transformers"] = rounded(m.decode / m.hf_decode, 3)
+    row["throughput_vs_transformers_sequential"] = rounded(m.throughput / m.hf_sequential, 2)
+    row["throughput_vs_transformers_batched"] = rounded(m.throughput / m.hf_batched, 2)
+    row["cached_speedup_vs_transformers_prefill"] = rounded(hf_cold_ms / row["ttft_ms_cached"], 1)
     # From the printed TTFTs, so a reader gets the same ratio from the two lines.
-    ours_row["cached_ttft_vs_transformers_cached"] = rounded(rounded(hf_cached_ms, 1) / ours_row["ttft_ms_cached"], 2)
-    emit(ours_row)
-    hf_match, hf_token_match = greedy_agreement(hf_outputs, ours_outputs)
-    hf_match_batched, _ = greedy_agreement(hf_batched_outputs, ours_outputs)
-    emit({**common, "impl": "transformers", "version": _transformers_version(),
-          "ttft_ms_cold": rounded(hf_cold_ms, 1),
-          "ttft_ms_cached": rounded(hf_cached_ms, 1),
-          "cache_copy_ms": rounded(min(hf_copy) * 1e3, 1),
-          "decode_tokens_per_s": rounded(hf_decode, 2),
-          "throughput_tokens_per_s": rounded(hf_sequential, 2),
-          "throughput_tokens_per_s_batched": rounded(hf_batched, 2),
-          "greedy_match": rounded(hf_match, 4),
-          "greedy_token_match": rounded(hf_token_match, 4),
-          "greedy_match_batched": rounded(hf_match_batched, 4)})
-    return 0
+    row["cached_ttft_vs_transformers_cached"] = rounded(rounded(hf_cached_ms, 1) / row["ttft_ms_cached"], 2)
+    return row
+
+
+def _transformers_row(common: dict, m: _Measured) -> dict:
+    hf_match, hf_token_match = greedy_agreement(m.hf_outputs, m.outputs)
+    hf_match_batched, _ = greedy_agreement(m.hf_batched_outputs, m.outputs)
+    return {**common, "impl": "transformers", "version": _transformers_version(),
+            "ttft_ms_cold": rounded(min(m.hf_cold) * 1e3, 1),
+            "ttft_ms_cached": rounded(min(m.hf_cached) * 1e3, 1),
+            "cache_copy_ms": rounded(min(m.hf_copy) * 1e3, 1),
+            "decode_tokens_per_s": rounded(m.hf_decode, 2),
+            "throughput_tokens_per_s": rounded(m.hf_sequential, 2),
+            "throughput_tokens_per_s_batched": rounded(m.hf_batched, 2),
+            "greedy_match": rounded(hf_match, 4),
+            "greedy_token_match": rounded(hf_token_match, 4),
+            "greedy_match_batched": rounded(hf_match_batched, 4)}
 
 
 def greedy_agreement(outputs: list[list[int]], reference: list[list[int]]) -> tuple[float, float]:

@@ -40,7 +40,7 @@ from cluster.cache.kv_pool import KVLayout
 from cluster.cache.tiered import TierConfig, TieredCache
 from cluster.engine import cuda_graphs
 from cluster.engine.checkpoint import ModelSpec, load_model, load_tokenizer
-from cluster.engine.runner import Engine, EngineRequest, SamplingParams
+from cluster.engine.engine import Engine, EngineRequest, SamplingParams
 from cluster.errors import InvalidInputError
 
 FLOAT32_TOLERANCE = 1e-4

@@ -49,7 +49,7 @@ from cluster.bench.common import emit, percentile, plot_cdfs, rounded
 from cluster.cache.kv_pool import KVLayout
 from cluster.cache.tiered import TierConfig, TieredCache, UnknownSessionError
 from cluster.engine.checkpoint import ModelSpec, load_model
-from cluster.engine.runner import DEFAULT_TIME_SLICE_S, Engine, EngineRequest, SamplingParams
+from cluster.engine.engine import DEFAULT_TIME_SLICE_S, Engine, EngineRequest, SamplingParams
 
 POLICIES = ("drop", "tiered", "tiered+prefetch")
 TRIGGERS = ("arrival", "foresight")
@@ -150,110 +150,136 @@ def run_policy(policy: str, model, work: Workload, args, disk_dir: str, prefill_
     if (policy == "tiered+prefetch") != (trigger in TRIGGERS):
         raise ValueError(f"policy {policy!r} with prefetch trigger {trigger!r}: tiered+prefetch takes one of "
                          f"{', '.join(TRIGGERS)}, the others 'none'")
-    lead = prefetch_lead(trigger, args)
-    c = model.config
-    layout = KVLayout(c.num_layers, c.num_kv_heads, c.head_dim, c.dtype)
-    total = work.total_tokens()
-    # HOT must at least hold one whole conversation plus its decode, or nothing runs.
-    hot_tokens = max(int(args.hot_fraction * total), 2 * work.longest_prompt())
-    cache = _make_cache(policy, hot_tokens, total, args, layout, disk_dir)
-    engine = Engine(model, cache, max_batch_tokens=args.max_batch_tokens)
-    engine.time_slice_s = DEFAULT_TIME_SLICE_S   # as a serving worker runs it
-    history = [list(work.system[work.group[s]]) for s in range(args.sessions)]
-    events: list[tuple[float, int, str, int, int]] = []   # (time, seq, kind, session, turn)
-    seq = 0
-
-    def arrives(at: float, s: int, turn: int) -> None:
-        # The prefetch goes first: at a lead of 0 it is handled just before its request.
-        nonlocal seq
-        if lead is not None:
-            heapq.heappush(events, (at - lead, seq, "prefetch", s, turn))
-            seq += 1
-        heapq.heappush(events, (at, seq, "arrive", s, turn))
-        seq += 1
-
-    for s in range(args.sessions):
-        arrives(work.start[s], s, 0)
-    now = 0.0
-    meta: dict[int, tuple[int, int, float, str]] = {}   # request id -> (session, turn, arrival, kind)
-    ttft, hits, prompt_tokens, recomputed, failed = [], 0, 0, 0, 0
-    errors: dict[str, int] = {}
-    windows: dict[int, int] = {}
-    decode_idle, decode_busy = [], []
+    arm = _Arm(policy, model, work, args, disk_dir, prefetch_lead(trigger, args), trace)
     wall0 = time.perf_counter()
-    while events or engine.has_work():
-        if not engine.has_work() and events and events[0][0] > now:
+    while arm.events or arm.engine.has_work():
+        arm.handle_due_events()
+        for ev in arm.step():
+            arm.on_token(ev)
+    wall = time.perf_counter() - wall0
+    return arm.result(trigger, prefill_tok_s, wall)
+
+
+class _Arm:
+    """One arm's simulated time: the sessions' arrivals and prefetches in order, one
+    engine over the arm's cache, and what the arm measures."""
+
+    def __init__(self, policy: str, model, work: Workload, args, disk_dir: str, lead: float | None,
+                 trace: list | None):
+        self.policy, self.work, self.args, self.lead, self.trace = policy, work, args, lead, trace
+        c = model.config
+        layout = KVLayout(c.num_layers, c.num_kv_heads, c.head_dim, c.dtype)
+        self.total = work.total_tokens()
+        # HOT must at least hold one whole conversation plus its decode, or nothing runs.
+        hot_tokens = max(int(args.hot_fraction * self.total), 2 * work.longest_prompt())
+        self.cache = _make_cache(policy, hot_tokens, self.total, args, layout, disk_dir)
+        self.engine = Engine(model, self.cache, max_batch_tokens=args.max_batch_tokens)
+        self.engine.time_slice_s = DEFAULT_TIME_SLICE_S   # as a serving worker runs it
+        self.history = [list(work.system[work.group[s]]) for s in range(args.sessions)]
+        self.events: list[tuple[float, int, str, int, int]] = []   # (time, seq, kind, session, turn)
+        self.seq = 0
+        for s in range(args.sessions):
+            self.arrives(work.start[s], s, 0)
+        self.now = 0.0
+        self.meta: dict[int, tuple[int, int, float, str]] = {}   # request id -> (session, turn, arrival, kind)
+        self.ttft: list[float] = []
+        self.hits = self.prompt_tokens = self.recomputed = self.failed = 0
+        self.errors: dict[str, int] = {}
+        self.windows: dict[int, int] = {}
+        self.decode_idle: list[float] = []
+        self.decode_busy: list[float] = []
+
+    def arrives(self, at: float, s: int, turn: int) -> None:
+        # The prefetch goes first: at a lead of 0 it is handled just before its request.
+        if self.lead is not None:
+            heapq.heappush(self.events, (at - self.lead, self.seq, "prefetch", s, turn))
+            self.seq += 1
+        heapq.heappush(self.events, (at, self.seq, "arrive", s, turn))
+        self.seq += 1
+
+    def handle_due_events(self) -> None:
+        """Jump over an idle gap, then submit every arrival and run every prefetch now due."""
+        events, engine, cache = self.events, self.engine, self.cache
+        if not engine.has_work() and events and events[0][0] > self.now:
             cache.wait_all()            # copies finish within any real idle gap
-            now = events[0][0]
-        while events and events[0][0] <= now:
+            self.now = events[0][0]
+        while events and events[0][0] <= self.now:
             at, _, kind, s, turn = heapq.heappop(events)
-            if trace is not None:
-                trace.append((kind, s, turn, at, now))
+            if self.trace is not None:
+                self.trace.append((kind, s, turn, at, self.now))
             if kind == "prefetch":
                 try:
                     cache.prefetch(session_id=s)
                 except UnknownSessionError:
                     pass                # first turn: nothing cached yet
                 continue
-            prompt = history[s] + work.user[s][turn]
-            req = engine.submit(EngineRequest(prompt, SamplingParams(max_tokens=args.decode_tokens), session_id=s))
-            meta[req.request_id] = (s, turn, now, "turn")
-        offload = cache.in_flight() > 0
-        decode_only = not engine.waiting
+            prompt = self.history[s] + self.work.user[s][turn]
+            req = engine.submit(EngineRequest(prompt, SamplingParams(max_tokens=self.args.decode_tokens),
+                                              session_id=s))
+            self.meta[req.request_id] = (s, turn, self.now, "turn")
+
+    def step(self) -> list:
+        """One engine step, its wall time added to simulated time (decode-only steps timed apart)."""
+        offload = self.cache.in_flight() > 0
+        decode_only = not self.engine.waiting
         t0 = time.perf_counter()
-        step_events = engine.step()
+        step_events = self.engine.step()
         dt = time.perf_counter() - t0
-        now += dt
-        if decode_only and engine.running:
-            (decode_busy if offload else decode_idle).append(dt * 1e3)
-        for ev in step_events:
-            req = ev.request
-            s, turn, arrival, kind = meta[req.request_id]
-            if req.error:
-                failed += 1
-                errors[req.error.split(":")[0]] = errors.get(req.error.split(":")[0], 0) + 1
-                continue
-            if kind == "turn" and len(req.output) == 1:
-                ttft.append((now - arrival) * 1e3)
-                prompt_tokens += len(req.prompt)
-                hits += req.cached_tokens
-                recomputed += len(req.prompt) - req.cached_tokens
-                w = int(now // 10)
-                windows[w] = windows.get(w, 0) + len(req.prompt) - req.cached_tokens
-            if not ev.finished:
-                continue
-            if kind == "turn":
-                rest = work.reply_rest[s][turn]
-                history[s] = req.prompt + req.output + rest
-                if rest:  # teacher-force the rest of the reply (see module docstring)
-                    cont = engine.submit(EngineRequest(history[s], SamplingParams(max_tokens=1), session_id=s))
-                    meta[cont.request_id] = (s, turn, now, "reply")
-                if turn + 1 < args.turns:
-                    arrives(now + work.think[s][turn], s, turn + 1)
-    wall = time.perf_counter() - wall0
-    storms = sum(1 for tokens in windows.values() if tokens > prefill_tok_s * 10)
-    stats = cache.stats
-    cache.close()
-    if not ttft:
-        raise RuntimeError(f"policy {policy}: no request completed ({failed} failed); enlarge the pools")
-    return {"bench": "multiturn", "policy": policy, "prefetch_trigger": trigger, "prefetch_lead_s": lead,
-            "requests": len(ttft), "failed_requests": failed,
-            "failures": errors,
-            "hit_rate": rounded(hits / prompt_tokens if prompt_tokens else 0.0),
-            "ttft_ms_mean": rounded(sum(ttft) / len(ttft), 2), "ttft_ms_p50": rounded(percentile(ttft, 50), 2),
-            "ttft_ms_p99": rounded(percentile(ttft, 99), 2), "recomputed_tokens": recomputed,
-            "prefill_storms": storms, "decode_step_ms_p50": rounded(percentile(decode_idle, 50), 3),
-            "decode_step_ms_p50_offload": rounded(percentile(decode_busy, 50), 3),
-            "decode_steps_with_offload": len(decode_busy), "promoted_tokens": stats["promoted_tokens"],
-            "demoted_to_warm": stats["demoted_to_warm"], "demoted_to_cold": stats["demoted_to_cold"],
-            "prefetches": stats["prefetches"],
-            # Prompt tokens a tier held that the engine recomputed: by its measured cost decision
-            # (copying them up slower than prefill, e.g. COLD reads on a slow disk), and otherwise.
-            "recompute_chosen_tokens": engine.stats["recompute_chosen_tokens"],
-            "recomputed_held_tokens": engine.stats["recomputed_held_tokens"],
-            "hot_tokens": cache.hot.allocator.capacity_tokens,
-            "session_tokens": total, "sim_seconds": rounded(now, 1), "wall_seconds": rounded(wall, 1),
-            "_ttft": ttft}
+        self.now += dt
+        if decode_only and self.engine.running:
+            (self.decode_busy if offload else self.decode_idle).append(dt * 1e3)
+        return step_events
+
+    def on_token(self, ev) -> None:
+        req = ev.request
+        s, turn, arrival, kind = self.meta[req.request_id]
+        if req.error:
+            self.failed += 1
+            reason = req.error.split(":")[0]
+            self.errors[reason] = self.errors.get(reason, 0) + 1
+            return
+        if kind == "turn" and len(req.output) == 1:
+            self.ttft.append((self.now - arrival) * 1e3)
+            self.prompt_tokens += len(req.prompt)
+            self.hits += req.cached_tokens
+            self.recomputed += len(req.prompt) - req.cached_tokens
+            w = int(self.now // 10)
+            self.windows[w] = self.windows.get(w, 0) + len(req.prompt) - req.cached_tokens
+        if not ev.finished or kind != "turn":
+            return
+        rest = self.work.reply_rest[s][turn]
+        self.history[s] = req.prompt + req.output + rest
+        if rest:  # teacher-force the rest of the reply (see module docstring)
+            cont = self.engine.submit(EngineRequest(self.history[s], SamplingParams(max_tokens=1), session_id=s))
+            self.meta[cont.request_id] = (s, turn, self.now, "reply")
+        if turn + 1 < self.args.turns:
+            self.arrives(self.now + self.work.think[s][turn], s, turn + 1)
+
+    def result(self, trigger: str, prefill_tok_s: float, wall: float) -> dict:
+        ttft, cache, engine = self.ttft, self.cache, self.engine
+        storms = sum(1 for tokens in self.windows.values() if tokens > prefill_tok_s * 10)
+        stats = cache.stats
+        cache.close()
+        if not ttft:
+            raise RuntimeError(f"policy {self.policy}: no request completed ({self.failed} failed); enlarge the pools")
+        return {"bench": "multiturn", "policy": self.policy, "prefetch_trigger": trigger, "prefetch_lead_s": self.lead,
+                "requests": len(ttft), "failed_requests": self.failed,
+                "failures": self.errors,
+                "hit_rate": rounded(self.hits / self.prompt_tokens if self.prompt_tokens else 0.0),
+                "ttft_ms_mean": rounded(sum(ttft) / len(ttft), 2), "ttft_ms_p50": rounded(percentile(ttft, 50), 2),
+                "ttft_ms_p99": rounded(percentile(ttft, 99), 2), "recomputed_tokens": self.recomputed,
+                "prefill_storms": storms, "decode_step_ms_p50": rounded(percentile(self.decode_idle, 50), 3),
+                "decode_step_ms_p50_offload": rounded(percentile(self.decode_busy, 50), 3),
+                "decode_steps_with_offload": len(self.decode_busy), "promoted_tokens": stats["promoted_tokens"],
+                "demoted_to_warm": stats["demoted_to_warm"], "demoted_to_cold": stats["demoted_to_cold"],
+                "prefetches": stats["prefetches"],
+                # Prompt tokens a tier held that the engine recomputed: by its measured cost decision
+                # (copying them up slower than prefill, e.g. COLD reads on a slow disk), and otherwise.
+                "recompute_chosen_tokens": engine.stats["recompute_chosen_tokens"],
+                "recomputed_held_tokens": engine.stats["recomputed_held_tokens"],
+                "hot_tokens": cache.hot.allocator.capacity_tokens,
+                "session_tokens": self.total, "sim_seconds": rounded(self.now, 1), "wall_seconds": rounded(wall, 1),
+                "_ttft": ttft}
 
 
 def measure_prefill(model, tokens: int = 2000) -> float:

@@ -44,7 +44,7 @@ ALLOC_MODES = ("slotted", "flat", "token")
 _new_tuple = tuple.__new__  # builds an Extent without NamedTuple's keyword-handling __new__ (hot loops)
 
 
-def _entry(table: dict | tuple | None, off: int) -> tuple[int, Any] | None:
+def _entry(table: dict[int, tuple[int, Any]] | tuple[int, Any] | None, off: int) -> tuple[int, Any] | None:
     """The (length, owner) at ``off`` in a block's table: a dict, the pair of a
     block held whole, or None (free). Inlined as one expression in the hot paths."""
     return table.get(off) if type(table) is dict else (None if off else table)
@@ -183,16 +183,9 @@ class BlockAllocator:
         if not isinstance(num_tokens, int) or num_tokens <= 0:
             raise InvalidInputError(f"num_tokens must be a positive integer, got {num_tokens!r}")
         bt, occupied, live = self.block_tokens, self.occupied, self.live
-        grow = room = 0
+        gb = end = grow = room = 0
         if after is not None:
-            gb, off, length = after
-            t = live[gb] if type(gb) is int and 0 <= gb < self.num_blocks else None
-            entry = t.get(off) if type(t) is dict else (None if off else t)
-            if entry is None or entry[0] != length:
-                self._lookup(after)  # raises with the precise message
-            end = off + length
-            behind = occupied[gb] >> end  # the free run behind `after` starts at `end`
-            room = (behind & -behind).bit_length() - 1 if behind else bt - end
+            gb, end, room = self._room_behind(after)
             grow = room if room < num_tokens else num_tokens
         full, rest = divmod(num_tokens - grow, bt)
         free = self._free
@@ -200,27 +193,8 @@ class BlockAllocator:
             raise self._exhausted(num_tokens, full)
         slot = -1
         if rest and self.slotted and not private_tail:
-            # Best fit, inlined (the hot path): the shortest indexed free run
-            # that takes ``rest``; the bitmask of non-empty lengths makes it O(1).
-            mask = self._gap_mask >> rest
-            if mask:
-                gaps = self._gaps
-                run = rest + (mask & -mask).bit_length() - 1
-                bucket = gaps[run]
-                slot, _ = bucket.popitem()  # the newest run of that length
-                if grow and slot == gb * bt + end:
-                    # The grow takes that whole run (it leaves a rest): find another.
-                    bucket[slot] = None
-                    slot, run = self._find_gap(rest, slot) or (-1, 0)
-                    if slot >= 0:
-                        bucket = gaps[run]
-                        del bucket[slot]
-                if slot >= 0:
-                    if not bucket:
-                        self._gap_mask ^= 1 << run
-                    if run > rest:
-                        gaps[run - rest][slot + rest] = None
-                        self._gap_mask |= 1 << (run - rest)
+            # The grow's own run is not a candidate: it takes that whole run when a rest remains.
+            slot = self._take_best_fit(rest, gb * bt + end if grow else -1)
             if slot < 0 and full >= len(free):
                 raise self._exhausted(num_tokens, full + 1)
         elif rest and full >= len(free):
@@ -229,19 +203,7 @@ class BlockAllocator:
         refcount, used = self.refcount, self.used
         out = []
         if grow:
-            if self._open[gb]:  # _take_gap, inlined
-                gaps, key = self._gaps, gb * bt + end
-                bucket = gaps[room]
-                del bucket[key]
-                if not bucket:
-                    self._gap_mask ^= 1 << room
-                if room > grow:
-                    gaps[room - grow][key + grow] = None
-                    self._gap_mask |= 1 << (room - grow)
-            live[gb][end] = (grow, owner)
-            occupied[gb] |= ((1 << grow) - 1) << end
-            refcount[gb] += 1
-            used[gb] += grow
+            self._grow_into(gb, end, room, grow, owner)
             out.append(_new_tuple(Extent, (gb, end, grow)))
         if full:
             # Whole blocks: no free runs, nothing indexed; set the bookkeeping
@@ -278,6 +240,58 @@ class BlockAllocator:
                 out.append(_new_tuple(Extent, (b, start, rest)))
         self.used_tokens += num_tokens
         return out
+
+    def _room_behind(self, after: Extent) -> tuple[int, int, int]:
+        """``after``'s block, its end offset and the free slots right behind it (checked live)."""
+        gb, off, length = after
+        t = self.live[gb] if type(gb) is int and 0 <= gb < self.num_blocks else None
+        entry = t.get(off) if type(t) is dict else (None if off else t)
+        if entry is None or entry[0] != length:
+            self._lookup(after)  # raises with the precise message
+        end = off + length
+        behind = self.occupied[gb] >> end  # the free run behind `after` starts at `end`
+        return gb, end, (behind & -behind).bit_length() - 1 if behind else self.block_tokens - end
+
+    def _take_best_fit(self, rest: int, excluded: int) -> int:
+        """Best fit: take the shortest indexed free run that holds ``rest`` tokens
+        (not the run starting at slot ``excluded``), index what it leaves, and return
+        its first slot (-1: none). The bitmask of non-empty lengths makes it O(1)."""
+        mask = self._gap_mask >> rest
+        if not mask:
+            return -1
+        gaps = self._gaps
+        run = rest + (mask & -mask).bit_length() - 1
+        bucket = gaps[run]
+        slot, _ = bucket.popitem()  # the newest run of that length
+        if slot == excluded:
+            bucket[slot] = None
+            slot, run = self._find_gap(rest, slot) or (-1, 0)
+            if slot < 0:
+                return -1
+            bucket = gaps[run]
+            del bucket[slot]
+        if not bucket:
+            self._gap_mask ^= 1 << run
+        if run > rest:
+            gaps[run - rest][slot + rest] = None
+            self._gap_mask |= 1 << (run - rest)
+        return slot
+
+    def _grow_into(self, gb: int, end: int, room: int, grow: int, owner: Any) -> None:
+        """A new extent of ``grow`` tokens at ``end`` in block ``gb``, the front of its free run of ``room``."""
+        if self._open[gb]:  # _take_gap, inlined
+            gaps, key = self._gaps, gb * self.block_tokens + end
+            bucket = gaps[room]
+            del bucket[key]
+            if not bucket:
+                self._gap_mask ^= 1 << room
+            if room > grow:
+                gaps[room - grow][key + grow] = None
+                self._gap_mask |= 1 << (room - grow)
+        self.live[gb][end] = (grow, owner)
+        self.occupied[gb] |= ((1 << grow) - 1) << end
+        self.refcount[gb] += 1
+        self.used[gb] += grow
 
     def try_grow(self, extent: Extent, num_tokens: int) -> Extent | None:
         """Extend ``extent`` in place by up to ``num_tokens`` if it is its block's

@@ -20,11 +20,15 @@ What callers use, and nothing inside:
   ``staging``), ``install`` (target: KV computed elsewhere, cached here).
 - the worker: ``poll``, ``housekeeping`` (idle gaps), ``drop_all``,
   ``add_listener``, ``close``; ``lookup``, ``tier_summary``, ``stats`` to look.
-- L3 (``attach_l3``, ``cluster.cache.l3.tier``): a committed sequence's full
-  blocks are written behind the request; ``ready`` fetches the blocks a
-  waiting request's prompt has past the tree's prefix, and installs them
-  before it is admitted. ``hand_off`` writes what L3 lacks, most valuable
-  first (a replica leaving); ``valuable_prefixes`` names them.
+- L3 (``attach_l3`` gives the cache an ``L3Link`` as ``l3``,
+  ``cluster.cache.l3.link``): a committed sequence's full blocks are written
+  behind the request; ``ready`` fetches the blocks a waiting request's prompt
+  has past the tree's prefix, and installs them before it is admitted. What a
+  leaving replica hands off (``queue_hand_off``, ``valuable_prefixes``) is the
+  link's.
+- a lease (``LeaseHost``, ``cluster.cache.lease``): ``lease_allocate``,
+  ``lease_append``, ``lease_free``, ``lease_checkpoint``, ``lease_commit``,
+  ``lease_unlock``, ``check_owner``: the only calls a ``KVLease`` makes.
 
 Every one checks its ``owner`` (``cluster.ownership``) when checks are on:
 the cache belongs to one thread, the worker's engine thread.
@@ -47,7 +51,7 @@ from cluster.cache.l3.link import L3Link
 from cluster.cache.l3.tier import L3Tier
 from cluster.cache.radix_tree import RadixTree, TreeNode
 from cluster.cache.staging import HostStaging
-from cluster.errors import InvalidInputError, PoolExhaustedError
+from cluster.errors import CacheError, InvalidInputError, PoolExhaustedError
 from cluster.names import COLD, HOT, TIER_NAMES, WARM
 from cluster.ownership import ThreadOwner
 from cluster.cache.tier_moves import TierMoves
@@ -91,7 +95,7 @@ class TieredCache:
         upload = StagedUpload(self.hot, self.pools[COLD], stream=getattr(self.copier, "stream", None)) \
             if self.num_tiers > COLD and layout is not None else None
         # Host blocks for migrations (None without a WARM tier, or without KV payload).
-        self.staging = HostStaging(self.pools[WARM], self._check_owner, reclaim=self._reclaim_lower_blocks) \
+        self.staging = HostStaging(self.pools[WARM], self.check_owner, reclaim=self._reclaim_lower_blocks) \
             if self.num_tiers > WARM and layout is not None else None
         self.owner: ThreadOwner | None = None   # set by the worker when ownership checks are on
         self._sessions: OrderedDict[Any, tuple[Hashable, list[int]]] = OrderedDict()
@@ -121,7 +125,13 @@ class TieredCache:
     def hot(self) -> KVPool:
         return self.pools[HOT]
 
-    def _check_owner(self, what: str) -> None:
+    def request_room_tokens(self) -> int:
+        """The most KV one request may hold alone: HOT, less a block of slack for a
+        copy-on-write tail."""
+        hot = self.hot.allocator
+        return hot.capacity_tokens - hot.block_tokens
+
+    def check_owner(self, what: str) -> None:
         if self.owner is not None:
             self.owner.check(what if "." in what else f"TieredCache.{what}")
 
@@ -137,7 +147,7 @@ class TieredCache:
         The room for the rest is the lease's to reserve (``KVLease.reserve``: a
         caller that cannot get it releases the lease, and nothing stays locked).
         ``lease.held_by_tier`` says what the tiers held of what it could use."""
-        self._check_owner("admit")
+        self.check_owner("admit")
         m = self._match(prompt, namespace, lock=True, validate=validate, promote=promote)
         cap = len(prompt) - 1 if compute_last else len(prompt)
         if max_cached is not None:
@@ -170,7 +180,7 @@ class TieredCache:
         measured copy rate says bringing the colder part up takes longer than
         computing it, the answer is ready with ``recompute`` set (admit with
         ``promote=False``; counted in ``promotions_recompute_cheaper``)."""
-        self._check_owner("ready")
+        self.check_owner("ready")
         self.poll()
         if self.l3 is not None:
             asked = self.l3.fetch_ahead(tokens, namespace)
@@ -220,7 +230,7 @@ class TieredCache:
     def lookup(self, tokens: Sequence[int], namespace: Hashable = None) -> TieredMatch:
         """What is cached of ``tokens`` and in which tier, moving and locking
         nothing (inspection, tests)."""
-        self._check_owner("lookup")
+        self.check_owner("lookup")
         self.poll()
         m = self.tree.match_prefix(tokens, namespace)
         return TieredMatch(m.length, m.last_node, list(m.extents), list(m.tier_lengths))
@@ -232,7 +242,7 @@ class TieredCache:
         whole private host blocks, for a peer to read; returns its length and
         those blocks' extents (0 and [] when nothing is cached, or without a
         WARM tier). ``staging.free`` gives them back."""
-        self._check_owner("stage")
+        self.check_owner("stage")
         lease = self.admit(tokens, namespace, compute_last=False)
         try:
             n = lease.cached_tokens if max_tokens is None else min(lease.cached_tokens, max_tokens)
@@ -248,7 +258,7 @@ class TieredCache:
     def install(self, tokens: Sequence[int], namespace: Hashable, kv: torch.Tensor) -> int:
         """Cache KV computed elsewhere for ``tokens[:kv.shape[2]]``; returns the
         tokens that were new here (what was cached already is kept)."""
-        self._check_owner("install")
+        self.check_owner("install")
         n = kv.shape[2]
         lease = self.admit(tokens[:n], namespace, compute_last=False)
         try:
@@ -288,7 +298,7 @@ class TieredCache:
 
     def housekeeping(self) -> None:
         """Idle-gap work: demote past the watermarks, compact sparse blocks."""
-        self._check_owner("housekeeping")
+        self.check_owner("housekeeping")
         if self.l3 is not None:
             self.l3.apply()
         self._enforce_watermarks()
@@ -307,7 +317,7 @@ class TieredCache:
 
     def drop_all(self) -> int:
         """Drop every unlocked cached prefix, coldest tier first; returns tokens freed."""
-        self._check_owner("drop_all")
+        self.check_owner("drop_all")
         self.poll()
         freed = 0
         for tier in reversed(range(self.num_tiers)):
@@ -323,7 +333,7 @@ class TieredCache:
     def demote_path(self, tokens: Sequence[int], namespace: Hashable = None, tier: int = WARM) -> int:
         """Move the cached path of ``tokens`` down to ``tier`` now (leaf first,
         waiting for each copy); returns the tokens moved. For calibration and tests."""
-        self._check_owner("demote_path")
+        self.check_owner("demote_path")
         moved = 0
         for _ in range(tier):
             m = self.tree.match_prefix(tokens, namespace)
@@ -373,12 +383,13 @@ class TieredCache:
             self.tree.lock(last)
         return TieredMatch(length, last, extents, tier_lengths, promoted, time.perf_counter() - t0)
 
-    def _allocate_hot(self, num_tokens: int) -> list[Extent]:
-        """HOT extents for new KV; demotes (or drops) to make room, all or nothing."""
+    # ------------------------------------------------------ the lease's host (``LeaseHost``)
+    def lease_allocate(self, num_tokens: int) -> list[Extent]:
+        """HOT extents for a lease's new KV; demotes (or drops) to make room, all or nothing."""
         return self._allocate(HOT, num_tokens, private_tail=False)
 
-    def _append_hot(self, extents: list[Extent], num_tokens: int) -> tuple[list[Extent], list[Extent]]:
-        """Grow a request's private HOT sequence (copy-on-write of a shared tail)."""
+    def lease_append(self, extents: list[Extent], num_tokens: int) -> tuple[list[Extent], list[Extent]]:
+        """Grow a lease's private HOT sequence (copy-on-write of a shared tail)."""
         while True:
             try:
                 out = self.hot.append(extents, num_tokens)
@@ -387,6 +398,49 @@ class TieredCache:
             except PoolExhaustedError as exc:
                 if not self.moves.make_room(HOT, max(1, exc.needed_blocks - exc.free_blocks)):
                     raise
+
+    def lease_free(self, own: list[Extent]) -> None:
+        self.hot.allocator.free(own)
+
+    def lease_checkpoint(self, tokens: Sequence[int], own: list[Extent], namespace: Hashable, start: int,
+                         node: TreeNode) -> tuple[TreeNode, list[Extent]] | None:
+        """A lease's KV so far into the tree, kept locked: the new locked node and the
+        sequence's HOT extents now (the tree's: a part another request inserted first is
+        freed, a WARM/COLD copy re-homed onto ours); None when deferred to the commit."""
+        if not self.tree.insert_keeps_whole(tokens, namespace, validate=False):
+            # Another request's copy of these tokens is moving between tiers: the tree
+            # would keep that one and free ours. Keep ours; the commit inserts it.
+            self.stats["checkpoints_deferred"] += 1
+            return None
+        self.hot.allocator.seal(own[-1])
+        self.tree.insert(tokens, own, namespace, start=start)
+        m = self.tree.match_prefix(tokens, namespace, validate=False)
+        if m.length != len(tokens) or any(n.tier != HOT for n in m.nodes):
+            raise CacheError("a checkpointed sequence is not whole in HOT")   # checked above: cannot happen
+        self.tree.lock(m.last_node)
+        self.tree.unlock(node)
+        # Watermarks only once it is locked: demoting the new, still unlocked nodes would
+        # take the lease's own KV out of HOT.
+        self._enforce_watermarks()
+        return m.last_node, [e for n in m.nodes for e in n.extents]
+
+    def lease_commit(self, tokens: Sequence[int], own: list[Extent], namespace: Hashable, start: int,
+                     session_id: Any) -> TreeNode | None:
+        """A lease's sequence into the tree (its full blocks written behind to L3) and the
+        session remembered; the node holding the last token (None: nothing appended).
+        The lease unlocks its prefix itself, after."""
+        node = None
+        if own:
+            self.hot.allocator.seal(own[-1])   # no later slots in a block about to enter the tree
+            node = self._insert(tokens, own, namespace, start=start).node
+            if self.l3 is not None:   # behind the request, while the sequence is still locked
+                self.l3.write_behind(tokens, namespace)
+        if session_id is not None:
+            self._note_session(session_id, tokens, namespace)
+        return node
+
+    def lease_unlock(self, node: TreeNode) -> None:
+        self.tree.unlock(node)
 
     def _insert(self, tokens: Sequence[int], extents: Sequence[Extent], namespace: Hashable = None, *,
                 start: int = 0, validate: bool = True):
@@ -404,9 +458,6 @@ class TieredCache:
         self._enforce_watermarks()
         return res
 
-    def _unlock(self, node: TreeNode) -> None:
-        self.tree.unlock(node)
-
     def _note_session(self, session_id: Any, tokens: Sequence[int], namespace: Hashable = None) -> None:
         """Remember a session's latest sequence, for predictive swap-in."""
         self._sessions[session_id] = (namespace, list(tokens))
@@ -419,7 +470,7 @@ class TieredCache:
                  namespace: Hashable = None) -> int:
         """Start promoting a session's WARM/COLD path; returns the tokens being
         brought up (0 when already HOT). Returns at once."""
-        self._check_owner("prefetch")
+        self.check_owner("prefetch")
         if tokens is None:
             if session_id not in self._sessions:
                 self.stats["prefetch_unknown_session"] += 1
@@ -456,7 +507,7 @@ class TieredCache:
         """Mark the cached prefix of ``tokens`` as used now (a request for it arrived) and
         return that time (the tree's clock): while the request waits, a session prefetch
         does not push it out (``waiting_since``). Changes nothing else."""
-        self._check_owner("touch")
+        self.check_owner("touch")
         now = self.tree.clock()
         self.tree.touch_path(tokens, namespace, now)
         return now
@@ -535,7 +586,7 @@ class TieredCache:
     # ------------------------------------------------------------ completions
     def poll(self) -> int:
         """Apply the tier moves that finished (never blocks); how many."""
-        self._check_owner("poll")
+        self.check_owner("poll")
         return self.moves.poll()
 
     def wait_all(self) -> None:

@@ -47,7 +47,11 @@ class _Captured:
 
 
 class DecodeGraphs:
-    def __init__(self, model, kernel, sizes: Sequence[int] = DEFAULT_SIZES):
+    """The graphs of one kind of step: ``forward_into``'s over per-request buffers, or with
+    ``paged`` ``forward_paged``'s over a slotted pool (``run_paged``): its static input then
+    holds the items' slot tables too, room for every item's ``max_position`` slots."""
+
+    def __init__(self, model, kernel, sizes: Sequence[int] = DEFAULT_SIZES, paged: bool = False):
         if model.device.type != "cuda":
             raise ValueError("CUDA graphs need the model on a CUDA device")
         if not sizes or min(sizes) < 1:
@@ -58,6 +62,10 @@ class DecodeGraphs:
         # Padding rows write their K/V at position 1 of this buffer and attend positions 0..1.
         self._dummy = torch.zeros(c.num_layers, 2, c.num_kv_heads, 2, c.head_dim, dtype=c.torch_dtype,
                                   device=model.device)
+        # Paged: the same as a one-block pool of two slots, 0 and 1.
+        self.paged = paged
+        self._dummy_pool = torch.zeros(1, c.num_layers, 2, 2, c.num_kv_heads, c.head_dim, dtype=c.torch_dtype,
+                                       device=model.device)
         self._graphs: dict[int, _Captured] = {}
         self._pool = None
         self.stats = {"captured": 0, "replays": 0, "eager": 0, "capture_failures": 0}
@@ -91,6 +99,33 @@ class DecodeGraphs:
         logits = captured.logits[:n].clone()   # the graph's output is overwritten by the next replay
         return [logits[i:i + 1] for i in range(n)]
 
+    def run_paged(self, checked: Sequence[tuple[torch.Tensor, int, torch.Tensor]],
+                  pool: torch.Tensor) -> list[torch.Tensor] | None:
+        """``run`` for ``forward_paged``'s items ``(tokens, start_pos, slots)`` on ``pool``
+        (checked; slots int64 on the host)."""
+        n = len(checked)
+        size = self.bucket(n)
+        if not self.paged or size is None or any(t.numel() != 1 or p <= 0 for t, p, _ in checked):
+            self.stats["eager"] += 1
+            return None
+        if not self.capture(size):
+            return None
+        captured = self._graphs[size]
+        pad = size - n
+        tables = [slots for _, _, slots in checked] + [torch.tensor([0, 1])] * pad
+        starts = [0]
+        for table in tables:
+            starts.append(starts[-1] + table.numel())
+        head = self.kernel.paged_host_rows([pool] * n + [self._dummy_pool] * pad, starts,
+                                           [p for _, p, _ in checked] + [1] * pad, [1] * size)
+        tokens = [int(t.item()) for t, _, _ in checked] + [0] * pad
+        host = torch.cat([torch.tensor(tokens + head, dtype=torch.int64)] + tables)
+        captured.inputs[:host.numel()].copy_(host)
+        captured.graph.replay()
+        self.stats["replays"] += 1
+        logits = captured.logits[:n].clone()
+        return [logits[i:i + 1] for i in range(n)]
+
     def capture(self, size: int) -> bool:
         """The graph of bucket ``size``, captured now unless it was before; False when the
         capture failed (graphs are then off for the model: every decode step runs eagerly)."""
@@ -114,15 +149,9 @@ class DecodeGraphs:
         return sorted(self._graphs)
 
     def _capture(self, size: int) -> _Captured:
-        model, kernel = self.model, self.kernel
-        # The tokens, then the attention's batch (one row an item); valid contents for the
-        # warm-up and capture launches: every row on the dummy buffer.
-        table, row_item, row_pos = kernel.host_rows([self._dummy] * size, [1] * size, [1] * size)
-        inputs = torch.tensor([0] * size + table + row_item + row_pos, dtype=torch.int64).to(model.device)
-        tokens = inputs[:size]
-        batch = kernel.Batch.of(inputs[size:], size, size)
-        decodes = attention.KernelItems(kernel, set(range(size)), torch.arange(size, device=model.device), [],
-                                        [], [], [], [], batch)
+        model = self.model
+        inputs, decodes = self._paged_inputs(size) if self.paged else self._inputs(size)
+        tokens, batch = inputs[:size], decodes.batch
         bounds = [(i, i + 1) for i in range(size)]
 
         def forward() -> torch.Tensor:   # one row per item: every row's logits are its last
@@ -144,6 +173,33 @@ class DecodeGraphs:
         self._graphs[size] = captured
         self.stats["captured"] += 1
         return captured
+
+    def _inputs(self, size: int) -> tuple[torch.Tensor, attention.KernelItems]:
+        """The static input (the tokens, then the attention's batch: one row an item) and the
+        kernel items over it; valid contents for the warm-up and capture launches: every row
+        on the dummy buffer."""
+        kernel = self.kernel
+        table, row_item, row_pos = kernel.host_rows([self._dummy] * size, [1] * size, [1] * size)
+        inputs = torch.tensor([0] * size + table + row_item + row_pos, dtype=torch.int64).to(self.model.device)
+        batch = kernel.Batch.of(inputs[size:], size, size)
+        return inputs, attention.KernelItems(kernel, set(range(size)), torch.arange(size, device=self.model.device),
+                                             [], [], [], [], [], batch)
+
+    def _paged_inputs(self, size: int) -> tuple[torch.Tensor, "paged.PagedItems"]:
+        """``_inputs`` of a paged graph: the slot tables follow, with room for ``size`` tables
+        of ``max_position`` slots; every row on the dummy pool at first."""
+        from cluster.engine import paged
+
+        kernel, device = self.kernel, self.model.device
+        head = kernel.paged_host_rows(self._dummy_pool, list(range(0, 2 * size, 2)), [1] * size, [1] * size)
+        room = size * max(2, self.model.config.max_position)
+        inputs = torch.zeros(size + len(head) + room, dtype=torch.int64)
+        inputs[:size + len(head)] = torch.tensor([0] * size + head, dtype=torch.int64)
+        inputs[size + len(head):size + len(head) + 2 * size] = torch.tensor([0, 1] * size)
+        inputs = inputs.to(device)
+        batch = kernel.PagedBatch.of(inputs[size:], size, size)
+        return inputs, paged.PagedItems(kernel, set(range(size)), torch.arange(size, device=device),
+                                        self._dummy_pool, None, [], [], [], batch)
 
 
 # Tokens an eager warm-up step adds after its prefix: one odd and one even count. Triton
@@ -181,9 +237,15 @@ def _warm_eager(model, count: int) -> dict:
     began = time.perf_counter()
     graphs, model._graphs = model._graphs, None   # not a step of decodes a graph could take
     try:
-        kv = torch.zeros(c.num_layers, 2, c.num_kv_heads, WARM_PREFIX + count, c.head_dim,
-                         dtype=c.torch_dtype, device=model.device)
-        model.forward_into([(torch.zeros(count, dtype=torch.long), WARM_PREFIX, kv)])
+        tokens = torch.zeros(count, dtype=torch.long)
+        if graphs is not None and graphs.paged:   # a scratch pool of one block, slots in order
+            pool = torch.zeros(1, c.num_layers, 2, WARM_PREFIX + count, c.num_kv_heads, c.head_dim,
+                               dtype=c.torch_dtype, device=model.device)
+            model.forward_paged([(tokens, WARM_PREFIX, torch.arange(WARM_PREFIX + count))], pool)
+        else:
+            kv = torch.zeros(c.num_layers, 2, c.num_kv_heads, WARM_PREFIX + count, c.head_dim,
+                             dtype=c.torch_dtype, device=model.device)
+            model.forward_into([(tokens, WARM_PREFIX, kv)])
         torch.cuda.synchronize(model.device)
     finally:
         model._graphs = graphs

@@ -17,15 +17,16 @@ from typing import Any
 import torch
 
 from cluster.engine import linear_layouts
+from cluster.engine.paged import PagedItems
 
 
 class CompiledLayers:
     """The model's per-layer weights as the compiled loop takes them, gathered once."""
 
-    def __init__(self, fn: Any, model: Any, panels: dict[str, list]):
+    def __init__(self, fn: Any, paged_fn: Any, model: Any, panels: dict[str, list]):
         c = model.config
         layers = model.layers
-        self._fn = fn
+        self._fn, self._paged_fn = fn, paged_fn
         first = panels["qkv"][0]
 
         def optional(name: str) -> list[torch.Tensor]:
@@ -41,6 +42,9 @@ class CompiledLayers:
                          c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, c.head_dim ** -0.5)
 
     def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, decodes: Any) -> torch.Tensor:
+        if isinstance(decodes, PagedItems):   # forward_paged: attention over the pool's slots
+            return self._paged_fn(hidden, cos, sin, *self._weights, decodes.pool, decodes.slots, decodes.starts,
+                                  decodes.positions, decodes.counts)
         return self._fn(hidden, cos, sin, *self._weights, decodes.buffers, decodes.positions, decodes.counts,
                         decodes.donors, decodes.shared)
 
@@ -53,8 +57,8 @@ def compiled_layers(model: Any) -> CompiledLayers | None:
         return None
     from cluster.engine import kernels
 
-    fn = kernels.decoder_layers()
-    if fn is None:
+    fn, paged_fn = kernels.decoder_layers(), kernels.decoder_layers_paged()
+    if fn is None or paged_fn is None:
         return None
     names = {"qkv": "qkv_proj", "o": "o_proj", "gate_up": "gate_up_proj", "down": "down_proj"}
     panels = {kind: [model._packed.get((linear_layouts.BLOCKED, id(getattr(layer, name)))) for layer in model.layers]
@@ -62,4 +66,4 @@ def compiled_layers(model: Any) -> CompiledLayers | None:
     if any(p is None for group in panels.values() for p in group) or \
             len({(p.parts, p.kc) for group in panels.values() for p in group}) != 1:
         return None
-    return CompiledLayers(fn, model, panels)
+    return CompiledLayers(fn, paged_fn, model, panels)

@@ -5,12 +5,10 @@
 packed once (``PACKED``: ``torch.ops.mkl._mkl_linear``, what torch's own CPU
 compiler uses for float32 linears): the same float32 products, results within
 float32 rounding of each other (no reduced precision in any), speeds that flip
-between CPUs. MKL reads the weights of a few-row ``x @ W^T`` at a quarter of the
-speed it streams them for a few-column ``W @ x^T`` on one CPU (AMD EPYC, AVX2, 2
-cores: 139 vs 76 ms a step for 16 rows of a 135M model) and at twice it on another
-(Xeon, AVX-512, 2 cores: 25 vs 59 ms for 2 rows); on that Xeon the packed copy runs
-the layers' linears of 8-32 rows 1.5-2.7x faster than either, and the output head
-of 33 rows and more at half their speed. So ``tuned`` times the layouts over a
+between CPUs: MKL reads the weights of a few-row ``x @ W^T`` far slower than it
+streams them for a few-column ``W @ x^T`` on one CPU and faster on another, and the
+packed copy wins some row counts on some CPUs only (docs/engine.md, "Measurements
+behind the CPU runtime choices"). So ``tuned`` times the layouts over a
 model's own weights, one group at a time (the layers' linears, the head), for each
 of ``TUNED_ROWS``, and keeps the answer per CPU, torch version, thread count, dtype
 and weight shapes: in this process and in ``linear-layouts.json`` under
@@ -21,10 +19,8 @@ it), so a model packs only the weights of a group some row count runs packed.
 
 ``PACKED`` is opt-in (``PREFIX_CACHE_MKL_PACKED=1``): its sums run in another order
 than ``x @ W^T``, the order transformers' own forward uses, and through the 30 layers
-of SmolLM2-135M the difference grows past the 1e-4 the engine's logits are held to
-(measured on the Xeon: 8.6e-5 at most over 30 chat prompts, 1.3e-3 on a 4-token
-prompt of random ids; ``x @ W^T`` is bitwise equal). A decode step of 16 sequences
-of 400 tokens takes 66 ms with it, 85 without.
+of SmolLM2-135M the difference can grow past the 1e-4 the engine's logits are held
+to (``x @ W^T`` is bitwise equal).
 
 ``BLOCKED`` runs the compiled kernel of ``cluster/engine/kernels/blocked_linear.cpp``
 over a copy of ``W`` cut into column panels: it sums each output in the order MKL's
@@ -36,14 +32,14 @@ takes another path (another order, and a third to half of the memory's speed) be
 4 to 16 rows. The order is not assumed: ``blocked_order`` finds the parts and block
 size for which the kernel equals MKL's large-batch result bit for bit on the group's
 own weight shapes, with this process's threads, and without such an order (another
-CPU, another MKL, a bias added in another order) the layout is not a candidate. On
-the Xeon 2-core VM the layers' linears of 16 rows took 32 ms against MKL's 42. The tuned
-row counts reach the step budget, so a prompt's chunk runs on it where it is faster: on
-an AMD EPYC (AVX-512, 2 cores) a 418-token prompt's linears at 173-193 GFLOPS against
-MKL's 137 inside the model, with the same bits.
+CPU, another MKL, a bias added in another order) the layout is not a candidate. The
+tuned row counts reach the step budget, so a prompt's chunk runs on it where it is
+faster, with the same bits.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import hashlib
 import json
@@ -145,7 +141,7 @@ def packed_enabled(dtype: torch.dtype = torch.float32) -> bool:
     return os.environ.get(PACKED_ENV, "0").strip() == "1" and packed_available(dtype)
 
 
-def worker_env(environ: "os._Environ | dict | None" = None) -> dict[str, str]:
+def worker_env(environ: "Mapping[str, str] | None" = None) -> dict[str, str]:
     """``PREFIX_CACHE_MKL_PACKED`` as the environment that builds an app has it, for its
     CPU replicas' ``runtime_env`` (empty when unset)."""
     environ = os.environ if environ is None else environ

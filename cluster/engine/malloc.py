@@ -6,14 +6,11 @@ few hundred 1-3 MB tensors (the norms', RoPE's and SwiGLU's elementwise
 outputs). glibc's malloc serves a block that size with ``mmap`` and gives it
 back with ``munmap`` on free (its dynamic threshold rises only so far, and a
 thread other than the first allocates from an arena that trims itself), so
-every such tensor's pages fault in again, about 0.8 us each on this kind of
-VM: a 1 MB elementwise op took 224 us, mostly faults. Measured on the Xeon
-2-core VM, Intel's OpenMP, the engine's forward on a thread of its own: a
-440-token prefill 413-846 ms with glibc as it starts (the spread is the
-faults), 441-533 ms with glibc told to keep what it frees
-(``MALLOC_MMAP_THRESHOLD_`` 32 MiB, ``MALLOC_TRIM_THRESHOLD_`` 1 GiB), and
-408-415 ms with tcmalloc, which keeps freed memory in its own caches; a
-16-sequence decode step 82 ms in all three (its tensors are small).
+every such tensor's pages fault in again, and a prefill's time spreads with
+the faults. Keeping freed memory (glibc with ``MALLOC_MMAP_THRESHOLD_`` and
+``MALLOC_TRIM_THRESHOLD_`` raised, or tcmalloc, which keeps it in its own
+caches) removes most of them; decode steps, whose tensors are small, do not
+care (docs/engine.md, "Measurements behind the CPU runtime choices").
 
 tcmalloc is what vLLM's CPU backend documents (``LD_PRELOAD`` of the system's
 ``libtcmalloc_minimal``; Debian's ``libtcmalloc-minimal4``). Like the OpenMP

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cluster.engine import attention, layer_loop, linear_layouts
+from cluster.engine import attention, layer_loop, linear_layouts, paged
 from cluster.engine.attention import EXTEND_MAX  # noqa: F401  (re-exported: the kernel's reach)
 from cluster.engine.linear_layouts import linear as _linear
 from cluster.engine.tokenizer import BYTE_VOCAB_SIZE
@@ -306,6 +306,7 @@ class DecoderModel(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self._extend_kernel = None   # see use_decode_kernel
+        self._paged_kernel = None    # the same over the KV pool's slots (forward_paged), likewise
         self._small_ops = None       # the compiled rms_norm and rope (CPU, float32), likewise
         self._graphs = None          # see use_cuda_graphs
         self._compiled_layers = None  # the layer loop in one call (layer_loop), where it applies
@@ -408,7 +409,7 @@ class DecoderModel(nn.Module):
                 raise ValueError(f"{where}kv buffer of {kv.shape[3]} positions cannot take "
                                  f"{start_pos} + {tokens.numel()} tokens")
             checked.append((tokens, start_pos, kv))
-        if self._graphs is not None:   # CUDA: a step of decodes alone replays a captured graph
+        if self._graphs is not None and not self._graphs.paged:   # CUDA: decodes alone replay a graph
             logits = self._graphs.run(checked, shared)
             if logits is not None:
                 return logits
@@ -424,6 +425,38 @@ class DecoderModel(nn.Module):
         decodes = attention.kernel_items(self._extend_kernel, checked, shared)
         return self._forward([(t, p) for t, p, _ in checked], attend, last_logits_only, decodes)
 
+    @torch.no_grad()
+    def forward_paged(self, items: Sequence[paged.PagedItem], pool: torch.Tensor,
+                      last_logits_only: bool = False) -> list[torch.Tensor]:
+        """The same forward, reading and writing K/V in place in a slotted KV pool.
+
+        ``pool`` is ``KVPool.tensor``, ``[num_blocks, layers, 2, block_tokens, kv_heads,
+        head_dim]``; each item is ``(tokens, start_pos, slots)`` with ``slots`` the pool slot
+        (``block * block_tokens + offset``) of each of the sequence's ``start_pos +
+        len(tokens)`` positions: the first ``start_pos`` hold the cached prefix's K/V, at the
+        rest this forward writes the new tokens' K/V, layer by layer. Attention reads the
+        pool through the table (``cluster.engine.paged``): nothing of the past is copied.
+        Items may share the slots of a common prefix; a slot written here may be read only
+        by a later item or one on the batched kernel (ValueError otherwise). Returns each
+        item's logits, as ``forward_into``.
+        """
+        pool = paged.validate_pool(self.config, pool, self.device)
+        checked = paged.validate_items(self.config, items, pool)
+        if not checked:
+            return []
+        decodes = paged.kernel_items(self._paged_kernel, pool, checked)
+        paged.check_writes(checked, decodes.items if decodes is not None else set())
+        if self._graphs is not None:   # CUDA: a step of decodes alone replays a captured graph
+            logits = self._graphs.run_paged(checked, pool)
+            if logits is not None:
+                return logits
+        slot_rows = paged.SlotRows(pool, checked)
+
+        def attend(layer_index, q, k, v, item_index):
+            return slot_rows.attend(self.config, layer_index, q, k, v, item_index)
+
+        return self._forward([(t.to(self.device), p) for t, p, _ in checked], attend, last_logits_only, decodes)
+
     def use_decode_kernel(self, on: bool = True) -> bool:
         """Attend the items of ``forward_into`` that follow a prefix with at most
         ``EXTEND_MAX`` new tokens (decodes, later turns) with the compiled kernel
@@ -432,24 +465,26 @@ class DecoderModel(nn.Module):
         (one call each instead of five or six ops: at a decode step's few rows the
         dispatch costs more than the arithmetic)."""
         self._extend_kernel, self._graphs, self._small_ops, self._compiled_layers = None, None, None, None
+        self._paged_kernel = None
         if on and self.config.dtype == "float32" and self.device.type == "cpu":
-            from cluster.engine.kernels import extend_attention, small_ops
+            from cluster.engine.kernels import extend_attention, paged_attention, small_ops
             self._extend_kernel = extend_attention()
+            self._paged_kernel = paged_attention()
             self._small_ops = small_ops()
         elif on and self.device.type == "cuda":
             from cluster.engine.kernels import cuda_extend_attention
-            self._extend_kernel = cuda_extend_attention()
+            self._extend_kernel = self._paged_kernel = cuda_extend_attention()
         self._compiled_layers = layer_loop.compiled_layers(self)
         return self._extend_kernel is not None
 
-    def use_cuda_graphs(self, on: bool = True, sizes: Sequence[int] | None = None) -> bool:
+    def use_cuda_graphs(self, on: bool = True, sizes: Sequence[int] | None = None, paged: bool = False) -> bool:
         """On CUDA with the Triton attention in use (``use_decode_kernel``): replay a CUDA
-        graph per batch-size bucket for ``forward_into`` steps of decodes alone
-        (``cluster.engine.cuda_graphs``); True when on."""
+        graph per batch-size bucket for ``forward_into`` steps of decodes alone (with
+        ``paged``, ``forward_paged``'s instead; ``cluster.engine.cuda_graphs``); True when on."""
         self._graphs = None
         if on and self.device.type == "cuda" and hasattr(self._extend_kernel, "prepare"):
             from cluster.engine.cuda_graphs import DEFAULT_SIZES, DecodeGraphs
-            self._graphs = DecodeGraphs(self, self._extend_kernel, sizes or DEFAULT_SIZES)
+            self._graphs = DecodeGraphs(self, self._extend_kernel, sizes or DEFAULT_SIZES, paged=paged)
         return self._graphs is not None
 
     @property

@@ -4,18 +4,16 @@ torch's CPU wheels run their intra-op threads on GNU OpenMP (libgomp). A
 worker runs its forwards on its engine thread, not on the process's first
 thread, and a team GNU OpenMP starts from such a thread leaves its threads
 asleep between parallel regions: every region wakes them through the
-kernel. Measured on 2 cores (Xeon, AVX-512, torch 2.13): an elementwise op
-on 1.3M floats kept the cores 1.57 busy of 2 from a second thread (1.99 from
-the first), a 425-token prefill of the 135M default model took 640 ms
-instead of 540 ms, and a worker's decode step for 16 sequences 160 ms.
+kernel, and prefills and decode steps run markedly slower from a second
+thread than from the first (docs/engine.md, "Measurements behind the CPU
+runtime choices").
 
 Intel's OpenMP runtime (``libiomp5`` from the ``intel-openmp`` wheel, which
 provides GNU OpenMP's entry points; the setup Intel's extension and vLLM's
 CPU backend document) keeps a team's threads waiting ``KMP_BLOCKTIME`` ms
-whatever thread started it: the same prefill 580 ms, the same decode step
-125 ms, with the same kernels and so the same numbers. A millisecond of
-waiting is as fast here as the default 200 ms and leaves the cores to the
-processes beside the worker once a step is done.
+whatever thread started it, with the same kernels and so the same numbers.
+A millisecond of waiting is as fast as the default 200 ms and leaves the
+cores to the processes beside the worker once a step is done.
 
 The runtime must be in place when the process starts, so whoever starts a
 CPU worker process (a Serve replica, a worker actor) starts it with

@@ -71,7 +71,7 @@ class PromptLogprobCache:
 def wants_prompt_rows(req, start: int | None = None) -> bool:
     """Whether engine request ``req`` needs the logits of every position it computes from
     ``start`` (default: where it is): it wants its prompt's logprobs and is inside its prompt."""
-    return req.params.prompt_logprobs is not None and (req._len if start is None else start) < len(req.prompt) - 1 \
+    return req.params.prompt_logprobs is not None and (req.num_computed_tokens if start is None else start) < len(req.prompt) - 1 \
         and req.prompt_logprobs is not None
 
 

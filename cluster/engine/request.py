@@ -1,13 +1,17 @@
 """EngineRequest: one request inside the engine, and what a step reports of it.
 
 A request's sequence is its prompt followed by what it generated so far.
-``_len`` counts the tokens of that sequence whose KV is computed (the cached
-prefix included); the request runs until ``_len`` reaches the whole
-sequence, one budgeted chunk per step while it prefills, one token per step
-once it decodes, and samples a token whenever it does. Preempted, it gives
-up its KV (committed to the cache for its return) and starts over from
-``_len = 0`` when it is admitted again: what the cache still holds of its
-sequence is not recomputed.
+``num_computed_tokens`` counts the tokens of that sequence whose KV is
+computed (the cached prefix included); the request runs until it reaches the
+whole sequence, one budgeted chunk per step while it prefills, one token per
+step once it decodes, and samples a token whenever it does. Its KV lives in
+the HOT pool, where its lease says (``KVLease.slots``). Preempted, it gives
+up its KV (committed to the cache for its return) and starts over from 0
+when it is admitted again: what the cache still holds of its sequence is not
+recomputed.
+
+Every field is the engine's (its thread's) to change; the scheduler, the
+model runner and the sampler read and write them by name.
 """
 
 from __future__ import annotations
@@ -26,8 +30,7 @@ from cluster.protocol import FinishReason, SamplingParams
 
 @dataclass
 class EngineRequest:
-    """One request inside the engine: its tokens, its lease on the KV cache,
-    its working KV buffer and its timestamps."""
+    """One request inside the engine: its tokens, its lease on the KV cache and its timestamps."""
 
     prompt: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
@@ -59,21 +62,16 @@ class EngineRequest:
     # per prompt position (logprob of that token given the ones before, top k), None for the first.
     token_logprobs: list = field(default_factory=list)
     prompt_logprobs: list | None = None
-    # Private state.
-    _lease: KVLease | None = None    # its hold on the cache: prefix locked, its own KV
-    _kv: torch.Tensor | None = None  # working copy [L, 2, capacity, H, D]
-    _len: int = 0                    # tokens of the sequence whose KV is computed
-    _preempted_len: int = 0          # what it had computed when it was last preempted
-    _kv_group: Any = None            # cluster.engine.shared_prefix: requests whose buffers begin alike
-    _kv_shared: int = 0              # ... for this many positions (known to hold the same bytes)
-    _kv_source: tuple = ()           # the HOT slots its cached prefix was read from (its lease keeps them)
-    _tiers_found: list[int] | None = None   # where its prefix was when the engine first looked
-    _awaited: bool = False           # a waiting request counts on this prefill's checkpoint
-    _yielded_to: Any = None          # the waiting request it yielded its room to (time slicing)
-    _touched_at: float | None = None   # when it touched its cached prefix at submit (the cache's clock)
-    _rider: Any = None               # (fill, positions) it reads from the fill's buffer in this step
-    _generator: torch.Generator | None = None   # reseeded per position (see position_seed)
-    _matcher: Any = None             # its grammar's matcher (structured output), fed every sampled token
+    # The engine's state of it.
+    lease: KVLease | None = None        # its hold on the cache: prefix locked, its own KV, its slots
+    num_computed_tokens: int = 0        # tokens of the sequence whose KV is computed
+    preempted_len: int = 0              # what it had computed when it was last preempted
+    first_look: list[int] | None = None   # where its prefix was when the scheduler first looked
+    awaited: bool = False               # a waiting request counts on this prefill's checkpoint
+    yielded_to: Any = None              # the waiting request it yielded its room to (time slicing)
+    touched_at: float | None = None     # when it touched its cached prefix at submit (the cache's clock)
+    generator: torch.Generator | None = None   # reseeded per position (see position_seed)
+    matcher: Any = None                 # its grammar's matcher (structured output), fed every sampled token
 
     @property
     def tokens(self) -> list[int]:
@@ -82,12 +80,7 @@ class EngineRequest:
     @property
     def to_compute(self) -> int:
         """Tokens of its sequence still without KV: 1 while it decodes, more while it (re)fills."""
-        return len(self.prompt) + len(self.output) - self._len
-
-    @property
-    def capacity(self) -> int:
-        """The most tokens its sequence can reach (the working buffer's size)."""
-        return len(self.prompt) + self.params.max_tokens + 1
+        return len(self.prompt) + len(self.output) - self.num_computed_tokens
 
 
 @dataclass(slots=True)

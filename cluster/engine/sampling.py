@@ -122,14 +122,14 @@ def positions_logprobs(logits: torch.Tensor, next_tokens: Sequence[int], k: int)
     return [(c, tuple(zip(i, v))) for c, i, v in zip(chosen, top_ids.tolist(), values.tolist())]
 
 
-def greedy_tokens(plan: Sequence[tuple[Any, int]], outputs: Sequence[torch.Tensor]) -> dict[int, int]:
-    """The next token of every request of a step (``plan``: the engine's ``(request, tokens)``)
-    that samples plainly greedy (no grammar, no processor, no logprobs), by ``id``: one argmax
-    over their last rows together instead of one a request (the same index: the first of the
-    largest). A row with a NaN is left to ``sample_token``, which refuses it."""
-    rows = [(req, logits[-1]) for (req, n), logits in zip(plan, outputs)
-            if n == req.to_compute and req._matcher is None and req.params.greedy
-            and req.params.logprobs is None and not needs_processing(req.params)]
+def greedy_tokens(plan: Any, outputs: Sequence[torch.Tensor]) -> dict[int, int]:
+    """The next token of every request of a step (``plan``: a ``StepPlan``) that samples
+    plainly greedy (no grammar, no processor, no logprobs), by ``id``: one argmax over their
+    last rows together instead of one a request (the same index: the first of the largest).
+    A row with a NaN is left to ``sample_token``, which refuses it."""
+    rows = [(item.request, logits[-1]) for item, logits in zip(plan.items, outputs)
+            if item.samples and item.request.matcher is None and item.request.params.greedy
+            and item.request.params.logprobs is None and not needs_processing(item.request.params)]
     if len(rows) < 2:
         return {}
     last = torch.stack([row for _, row in rows]).float()

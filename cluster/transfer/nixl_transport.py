@@ -59,8 +59,8 @@ log = logging.getLogger(__name__)
 
 # The progress thread's idle poll timeout. It once was 100 us, which NIXL rounds up to
 # 1 ms: a thousand wake-ups a second in every replica, each one preempting a thread of
-# the engine's OpenMP team on a busy core while the other waits at the barrier (one
-# such 1 ms poller beside a 2-thread decode on 2 cores: 67 -> 76 ms a step). Incoming
+# the engine's OpenMP team on a busy core while the other waits at the barrier (what one
+# such poller costs a decode step: docs/benchmarks.md). Incoming
 # traffic wakes the thread through the UCX workers' event fds, so a long timeout costs
 # transfers nothing (``prefix-cache bench transfer``: the same READ times).
 PROGRESS_POLL_US = 100_000

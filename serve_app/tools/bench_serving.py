@@ -55,7 +55,8 @@ Each arm prints one JSON row: ``workload``, ``requests``, ``failed``, ``wall_s``
 ``output_tokens_per_s``, ``ttft_ms_p50/p99``, ``ttft_ms_first_turn_p50/p99``,
 ``ttft_ms_later_turns_p50/p99`` (turns 2 and after), ``ttft_ms_after_long_pause_p50/p99``,
 ``e2e_ms_p50``, ``tpot_ms_p50/p99`` (a request's time per output token after its first:
-end-to-end less TTFT over the tokens after the first), ``cached_token_share`` (cached
+end-to-end less TTFT over the tokens after the first), ``replica_peak_rss_mb`` (the largest
+replica process's peak resident memory, VmHWM), ``cached_token_share`` (cached
 prompt tokens over prompt tokens, from the usage each server reports),
 ``later_turns_cached_share`` (the same over turns 2 and after), ``preemptions`` (the
 engine's; vLLM's ``vllm:num_preemptions_total``) and, for vLLM, ``prefix_cache_hit_rate``
@@ -68,10 +69,10 @@ over the replicas as ``<tier>/<reason>``, plus the total under ``dropped_tokens`
 ``compiled_kernels`` (every replica attends with the compiled CPU kernel: the stats'
 ``worker.decode_kernel``, true only where ``cluster.engine.kernels`` built it),
 ``engine_step_ms_mean``, ``engine_decode_step_ms_mean``, ``engine_decode_batch_mean``
-(sequences a decode step), ``forked_prompts`` (requests whose prompt another request of the
-burst computed, started from its fill with nothing to compute), ``riders`` / ``riders_back``
-(requests that computed their rest in the step that filled the prompt they follow; those
-sent back to wait after it) and ``engine_busy_share`` (the replicas' step wall time over the
+(sequences a decode step), ``waits_for_shared_prefix`` (steps a request waited for the
+checkpoint of a prompt another request was filling: the shared-fills policy),
+``forked_prompts``, ``riders`` and ``riders_back`` (null: policies of the engine before
+attention read the KV in place, kept so older rows compare) and ``engine_busy_share`` (the replicas' step wall time over the
 workload's), ``replica_calls`` (``--replica-calls``: how the ingress called the replicas,
 Serve's gRPC channel or object references), ``mkl_packed`` (a replica ran MKL's packed
 linears, ``PREFIX_CACHE_MKL_PACKED=1``) and ``ttft_parts_ms_first_turn_p50`` /
@@ -194,7 +195,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "lowest and highest of each ratio (summary_of_pairs)")
     p.add_argument("--worker", action="append", default=[], metavar="KEY=VALUE",
                    help="a setting of this app's worker config for our arm (repeatable; VALUE as JSON), e.g. "
-                        "riders=false, shared_fills=false, gather_max_ms=0; the row's worker_overrides says which")
+                        "shared_fills=false, gather_max_ms=0; the row's worker_overrides says which")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
 
@@ -270,7 +271,7 @@ def _worker_config(args, hot_tokens: int) -> dict:
 
 def worker_overrides(items: list[str]) -> dict:
     """``--worker KEY=VALUE`` settings of our arm's worker config (VALUE read as JSON, else
-    as a string): e.g. ``--worker riders=false --worker gather_max_ms=0``."""
+    as a string): e.g. ``--worker shared_fills=false --worker gather_max_ms=0``."""
     import json
 
     out = {}
@@ -319,6 +320,16 @@ def dropped_for_other_reasons(by_reason: dict | None) -> int | None:
     return sum(reasons.values()) - allowed + max(0, by_reason.get("dropped_tokens", 0) - sum(reasons.values()))
 
 
+def peak_rss_mb(pid: int | None) -> float | None:
+    """A local process's peak resident set (``VmHWM``) in MiB; None when it cannot be read."""
+    try:
+        with open(f"/proc/{int(pid)}/status") as f:
+            line = next(line for line in f if line.startswith("VmHWM:"))
+    except (OSError, TypeError, ValueError, StopIteration):
+        return None
+    return round(int(line.split()[1]) / 1024, 1)
+
+
 def our_stats(stats: dict, wall_s: float | None) -> dict:
     """The row fields this app's ``/v1/cache/stats`` gives (summed or collected over its replicas)."""
     from cluster.engine import linear_layouts
@@ -342,6 +353,9 @@ def our_stats(stats: dict, wall_s: float | None) -> dict:
     # carry the engine's decode_kernel (true only when the kernel was built and is in use).
     kernel = [i["decode_kernel"] for i in infos if "decode_kernel" in i]
     row["compiled_kernels"] = all(kernel) if kernel else None
+    # The replicas' peak resident memory (their processes' VmHWM; this tool runs on their machine).
+    peaks = [mb for mb in (peak_rss_mb(i.get("pid")) for i in infos) if mb is not None]
+    row["replica_peak_rss_mb"] = max(peaks) if peaks else None
     row["openmp"] = sorted({i.get("openmp", "unknown") for i in infos})
     row["malloc"] = sorted({i.get("malloc", "unknown") for i in infos})
     # Whether a replica runs MKL's packed sgemm (opt-in, PREFIX_CACHE_MKL_PACKED=1: cluster.engine.linear_layouts).
@@ -349,12 +363,9 @@ def our_stats(stats: dict, wall_s: float | None) -> dict:
     row["mkl_packed"] = any(packed in layouts.values() for i in infos
                             for layouts in (i.get("linear_layouts") or {}).values())
     row["resumed_warm_tokens"] = sum(e.get("resumed_warm_tokens", 0) for e in engines)
-    # Identical prompts of a burst that started from another's fill (``Engine._fork_twins``).
-    row["forked_prompts"] = sum(e.get("forked_prompts", 0) for e in engines)
-    # Requests that computed their rest in the step that filled the prompt before them
-    # (``Engine._ride``), and those sent back to wait after it (no checkpoint or no room).
-    row["riders"] = sum(e.get("riders", 0) for e in engines)
-    row["riders_back"] = sum(e.get("riders_back", 0) for e in engines)
+    # Steps requests waited for a shared prompt's fill (``cluster.engine.scheduler``'s shared fills).
+    row["waits_for_shared_prefix"] = sum(e.get("waits_for_shared_prefix", 0) for e in engines)
+    row["forked_prompts"] = row["riders"] = row["riders_back"] = None   # the engine has no twins or riders now
     # Where a turn's time goes inside the replicas: their steps' wall time (calibration excluded).
     steps, decodes = sum(e.get("steps", 0) for e in engines), sum(e.get("decode_steps", 0) for e in engines)
     step_ms = sum(e.get("step_ms", 0.0) for e in engines)

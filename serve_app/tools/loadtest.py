@@ -199,24 +199,10 @@ async def run_load(url: str, *, requests: int, concurrency: int, stream_fraction
         if model is None:
             r = await client.get(url.rstrip("/") + "/v1/models", headers=headers)
             model = r.json()["data"][0]["id"]
-        prefixes = [[rng.randrange(32, 200) for _ in range(64)] for _ in range(8)]
-        bodies = []
-        for i in range(requests):
-            prompt = rng.choice(prefixes) + [rng.randrange(32, 200) for _ in range(max(1, prompt_tokens - 64))]
-            bodies.append({"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
-                           "temperature": 0.8, "stream": rng.random() < stream_fraction})
         queue: asyncio.Queue = asyncio.Queue()
-        for b in bodies:
+        for b in _bodies(rng, model, requests, prompt_tokens, max_tokens, stream_fraction):
             queue.put_nowait(b)
         endpoint = url.rstrip("/") + "/v1/completions"
-
-        async def client_loop():
-            while True:
-                try:
-                    body = queue.get_nowait()
-                except asyncio.QueueEmpty:
-                    return
-                await one_request(client, endpoint, body, headers, tally, timeout)
 
         load_done = asyncio.Event()
 
@@ -239,13 +225,12 @@ async def run_load(url: str, *, requests: int, concurrency: int, stream_fraction
             recovery["s"] = await asyncio.to_thread(_wait_whole, probe, killed, recovery_limit_s)
 
         stop, hostile_seen = asyncio.Event(), {}
-        bad = hostile_bodies(model)
         hostile_headers = {"Authorization": f"Bearer {hostile_api_key}"} if hostile_api_key else dict(headers)
         t0 = time.perf_counter()
-        interval = hostile_concurrency / hostile_rate if hostile_rate > 0 else 0.0
-        hostile = [asyncio.create_task(hostile_client(client, endpoint, bad, hostile_headers, stop, hostile_seen,
-                                                      timeout, interval)) for _ in range(hostile_concurrency)]
-        tasks = [asyncio.create_task(client_loop()) for _ in range(concurrency)]
+        hostile = _start_hostile(client, endpoint, model, hostile_headers, hostile_concurrency, hostile_rate, stop,
+                                 hostile_seen, timeout)
+        tasks = [asyncio.create_task(_client_loop(client, endpoint, queue, headers, tally, timeout))
+                 for _ in range(concurrency)]
         kill_task = asyncio.create_task(killer()) if kill else None
         await asyncio.gather(*tasks)
         wall = time.perf_counter() - t0
@@ -262,14 +247,50 @@ async def run_load(url: str, *, requests: int, concurrency: int, stream_fraction
             "lost": tally.lost, "cut_streams": tally.cut_streams,
             "latency_ms_p50": _percentile(tally.latencies_ms, 0.5),
             "latency_ms_p99": _percentile(tally.latencies_ms, 0.99),
-            "recovery_s": recovery.get("s"), "kill": kill, "kill_at_s": kill_at if kill else None,
-            "killed_worker": killed["worker_id"] if killed else None,
-            "in_flight_at_kill": killed["in_flight"] if killed else None, "resumed": resumed,
-            "killed_at_s": killed["s"] if killed else None,
+            "recovery_s": recovery.get("s"), **_kill_report(kill, kill_at, killed, resumed),
             **_recovery_parts(probe, killed),
             "wall_s": round(wall, 2), "concurrency": concurrency, "stream_fraction": stream_fraction,
             "rss_mib_before": rss_before, "rss_mib_after": probe.rss_mib() if probe else None,
             **_hostile_report(hostile_concurrency, hostile_seen, hostile_rate, wall)}
+
+
+def _bodies(rng: random.Random, model: str, requests: int, prompt_tokens: int, max_tokens: int,
+            stream_fraction: float) -> list[dict]:
+    """The load's completion bodies: prompts behind one of eight shared 64-token prefixes."""
+    prefixes = [[rng.randrange(32, 200) for _ in range(64)] for _ in range(8)]
+    bodies = []
+    for _ in range(requests):
+        prompt = rng.choice(prefixes) + [rng.randrange(32, 200) for _ in range(max(1, prompt_tokens - 64))]
+        bodies.append({"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
+                       "temperature": 0.8, "stream": rng.random() < stream_fraction})
+    return bodies
+
+
+async def _client_loop(client, endpoint: str, queue: asyncio.Queue, headers: dict, tally: Tally,
+                       timeout: float) -> None:
+    """One client: the next body from the shared queue until it is empty."""
+    while True:
+        try:
+            body = queue.get_nowait()
+        except asyncio.QueueEmpty:
+            return
+        await one_request(client, endpoint, body, headers, tally, timeout)
+
+
+def _start_hostile(client, endpoint: str, model: str, headers: dict, concurrency: int, rate: float,
+                   stop: asyncio.Event, seen: dict, timeout: float) -> list[asyncio.Task]:
+    """The hostile tenant's clients, together at ``rate`` bad requests per second."""
+    bad = hostile_bodies(model)
+    interval = concurrency / rate if rate > 0 else 0.0
+    return [asyncio.create_task(hostile_client(client, endpoint, bad, headers, stop, seen, timeout, interval))
+            for _ in range(concurrency)]
+
+
+def _kill_report(kill: str | None, kill_at: float, killed: dict | None, resumed: int | None) -> dict:
+    return {"kill": kill, "kill_at_s": kill_at if kill else None,
+            "killed_worker": killed["worker_id"] if killed else None,
+            "in_flight_at_kill": killed["in_flight"] if killed else None, "resumed": resumed,
+            "killed_at_s": killed["s"] if killed else None}
 
 
 async def _busiest_replica(probe: ClusterProbe, replicas: list, load_done: asyncio.Event):

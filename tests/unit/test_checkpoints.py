@@ -40,7 +40,7 @@ from cluster.engine.checkpoint import (  # noqa: E402
     resolve_checkpoint,
 )
 from cluster.engine.model import DecoderModel, ModelConfig, kv_shape  # noqa: E402
-from cluster.engine.runner import Engine, SamplingParams  # noqa: E402
+from cluster.engine.engine import Engine, SamplingParams  # noqa: E402
 from cluster.engine.tokenizer import ByteTokenizer  # noqa: E402
 from cluster.errors import InvalidInputError  # noqa: E402
 

@@ -11,7 +11,7 @@ from cluster.cache.kv_pool import KVLayout
 from cluster.cache.tiered import TierConfig, TieredCache
 from cluster.engine import attention
 from cluster.engine.model import DecoderModel, ModelConfig
-from cluster.engine.runner import Engine, EngineRequest, SamplingParams
+from cluster.engine.engine import Engine, EngineRequest, SamplingParams
 from tests.requirements import TRITON, require
 
 CUDA = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

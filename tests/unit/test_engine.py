@@ -7,8 +7,9 @@ from cluster.cache.kv_pool import KVLayout
 from cluster.cache.radix_tree import COLD, HOT, WARM
 from cluster.cache.tiered import TierConfig, TieredCache
 from cluster.engine.model import DecoderModel, ModelConfig
-from cluster.engine.runner import Engine, EngineRequest, SamplingParams
+from cluster.engine.engine import Engine, EngineRequest, SamplingParams
 from cluster.engine.sampling import greedy_tokens
+from cluster.engine.scheduler import ScheduledRequest, StepPlan
 from cluster.errors import InvalidInputError
 
 TOL = 1e-4
@@ -152,12 +153,12 @@ def test_batched_greedy_leaves_a_nan_row_to_the_request_own_sampling():
     token here (its own sampling refuses it, failing that request only)."""
     reqs = [EngineRequest([1, 2, 3], SamplingParams(max_tokens=2)) for _ in range(3)]
     for r in reqs:
-        r._len = len(r.tokens) - 1   # one token left to compute: this step samples
+        r.num_computed_tokens = len(r.tokens) - 1   # one token left to compute: this step samples
     rows = [torch.tensor([[0.0, 2.0, 2.0, 1.0]]), torch.tensor([[0.0, float("nan"), 5.0, 1.0]]),
             torch.tensor([[3.0, -1.0, 3.0, 0.0]])]
-    got = greedy_tokens([(r, 1) for r in reqs], rows)
+    got = greedy_tokens(StepPlan([ScheduledRequest(r, 2, 1) for r in reqs]), rows)
     assert got == {id(reqs[0]): 1, id(reqs[2]): 0}
-    assert greedy_tokens([(reqs[0], 1)], rows[:1]) == {}   # one request: its own sampling
+    assert greedy_tokens(StepPlan([ScheduledRequest(reqs[0], 2, 1)]), rows[:1]) == {}   # one: its own sampling
 
 
 def test_seeded_sampling_is_reproducible(model, tmp_path):
@@ -265,88 +266,31 @@ def test_the_next_step_completes_a_deferred_finish_first(model, tmp_path):
     assert second.scheduled_at <= second.admitted_at <= second.forward_at <= second.first_token_at
 
 
-def test_working_kv_buffers_are_reused_and_give_exact_results(model, tmp_path):
+def gather_slots(pool, slots: torch.Tensor) -> torch.Tensor:
+    """The KV at pool slots ``block * block_tokens + offset``, as ``[layers, 2, T, heads, dim]``."""
+    bt = pool.block_tokens
+    return pool.tensor[slots // bt, :, :, slots % bt].permute(1, 2, 0, 3, 4)
+
+
+def test_a_running_request_keeps_its_kv_only_in_its_lease_slots(model, tmp_path):
+    """No working copy: after every step the KV of each running request's computed
+    positions lies at its lease's slots in the HOT pool, equal to the reference forward's,
+    and the slot table ends with the room reserved for nothing (all written)."""
     eng = make_engine(model, tmp_path)
-    prompt = list(range(60))
-    first = eng.generate(prompt, SamplingParams(max_tokens=3))
-    again = eng.generate(prompt + first.output + [5, 6], SamplingParams(max_tokens=3))
-    other = eng.generate(list(range(100, 150)), SamplingParams(max_tokens=3))
-    # The arena served all three, one after the other from its start (contents left by the
-    # last one), and has it all back.
-    assert eng.scratch.stats == {"taken": 3, "arena": 3, "reused": 0, "allocated": 0, "freed": 0}
-    assert eng.scratch.arena_free_tokens == eng.scratch.arena_tokens > 0
-    for req in (first, again, other):
-        assert_exact(model, req)
-        assert req._kv is None
-
-
-def test_working_kv_past_the_arena_is_allocated_and_reused(model, tmp_path):
-    c = model.config
-    cfg = TierConfig(hot_blocks=64, warm_blocks=64, cold_blocks=0, block_tokens=8, device="cpu")
-    eng = Engine(model, TieredCache(cfg, KVLayout(c.num_layers, c.num_kv_heads, c.head_dim)), keep_logits=True,
-                 scratch_arena_tokens=64)
-    prompt = list(range(60))
-    first = eng.generate(prompt, SamplingParams(max_tokens=3))       # 63 tokens: the arena's 64
-    assert eng.scratch.stats["arena"] == 1
-    both = [eng.submit(EngineRequest(prompt + first.output + [5, 6], SamplingParams(max_tokens=3))),
-            eng.submit(EngineRequest(list(range(100, 150)), SamplingParams(max_tokens=3)))]
+    first = eng.generate(list(range(40)), SamplingParams(max_tokens=3))
+    reqs = [eng.submit(EngineRequest(list(range(40)) + first.output + [9, 10], SamplingParams(max_tokens=4))),
+            eng.submit(EngineRequest(list(range(200, 230)), SamplingParams(max_tokens=4)))]
+    checked = 0
     while eng.has_work():
         eng.step()
-    # Together they do not fit in 64 tokens: one took a buffer of its own, kept idle after.
-    assert eng.scratch.stats["arena"] == 2 and eng.scratch.stats["allocated"] == 1
-    assert eng.scratch.idle_bytes > 0 and eng.scratch.arena_free_tokens == 64
-    for req in [first] + both:
+        for req in eng.running:
+            n = req.num_computed_tokens
+            slots = req.lease.slots()
+            assert slots.numel() == n == req.lease.length
+            _, kv = model.forward_one(torch.tensor(req.tokens[:n]))
+            assert torch.allclose(gather_slots(eng.cache.hot, slots), kv, atol=1e-5)
+            checked += 1
+    assert checked >= 4 and not hasattr(eng, "scratch")
+    for req in reqs:
         assert_exact(model, req)
-
-
-def test_idle_working_kv_is_bounded():
-    from cluster.engine.scratch import ScratchKV
-
-    pool = ScratchKV(2, 2, 4, torch.float32, "cpu", max_idle_bytes=2 * 2 * 2 * 256 * 2 * 4 * 4, granule=256)
-    views = [pool.take(n) for n in (10, 256, 257)]
-    assert [tuple(v.shape) for v in views] == [(2, 2, 2, 10, 4), (2, 2, 2, 256, 4), (2, 2, 2, 257, 4)]   # head-major
-    for v in views:
-        pool.give(v)
-    # Two 256-token buffers fit the bound; the 512-token class one does not and is freed.
-    assert pool.stats["freed"] == 1 and pool.idle_bytes == 2 * (2 * 2 * 256 * 2 * 4 * 4)
-    assert pool.take(200)._base is not None and pool.stats["reused"] == 1
-
-
-def test_the_arena_carves_coalesces_and_never_overlaps():
-    from cluster.engine.scratch import ARENA_GRANULE, ScratchKV
-
-    g = ARENA_GRANULE
-    pool = ScratchKV(2, 2, 4, torch.float32, "cpu", max_idle_bytes=0, arena_tokens=4 * g)
-    a, b, c = pool.take(g), pool.take(2 * g - 5), pool.take(1)
-    assert [tuple(v.shape) for v in (a, b, c)] == [(2, 2, 2, g, 4), (2, 2, 2, 2 * g - 5, 4), (2, 2, 2, 1, 4)]
-    assert pool.arena_free_tokens == 0 and pool.stats["arena"] == 3
-    for value, view in enumerate((a, b, c)):
-        view.fill_(value)
-    assert a.eq(0).all() and b.eq(1).all() and c.eq(2).all()   # three disjoint ranges
-    extra = pool.take(1)   # the arena is full: allocated, and freed when given back (no idle room)
-    assert pool.stats["allocated"] == 1
-    pool.give(extra)
-    assert pool.stats["freed"] == 1
-    pool.give(a)
-    pool.give(c)
-    assert pool._free == [(0, g), (3 * g, g)]
-    assert pool.take(2 * g) is not None and pool.stats["allocated"] == 2   # no free range holds 2 granules
-    pool.give(b)   # joins both neighbours: one range again
-    assert pool._free == [(0, 4 * g)] and pool.arena_free_tokens == 4 * g
-    assert pool.take(4 * g).data_ptr() == pool._arena.data_ptr()
-
-
-def test_the_arena_is_faulted_in_when_it_is_made():
-    import resource
-
-    from cluster.engine.scratch import ScratchKV
-
-    tokens, elems = 4096, 4 * 2 * 2 * 64   # 16 MiB: 4,096 pages
-    pool = ScratchKV(4, 2, 64, torch.float32, "cpu", max_idle_bytes=0, arena_tokens=tokens)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    views = [pool.take(512) for _ in range(tokens // 512)]
-    for v in views:
-        v.fill_(1.0)   # every page of the arena written
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-    assert pool.stats["arena"] == 8 and tokens * elems * 4 // 4096 == 4096
-    assert faults < 100, f"{faults} page faults writing a pre-faulted arena of 4,096 pages"
+        assert req.lease is None

@@ -10,7 +10,7 @@ from cluster.cache.kv_pool import KVLayout
 from cluster.cache.tiered import TierConfig, TieredCache
 from cluster.engine.grammar import GrammarSpec, Grammars, choice_spec
 from cluster.engine.model import DecoderModel, ModelConfig
-from cluster.engine.runner import Engine
+from cluster.engine.engine import Engine
 from cluster.engine.tokenizer import ByteTokenizer
 from cluster.errors import InvalidInputError
 from cluster.protocol import SamplingParams

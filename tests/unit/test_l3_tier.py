@@ -15,7 +15,7 @@ from cluster.cache.l3.memory import MemoryL3Store
 from cluster.cache.l3.tier import L3Tier, L3TierConfig
 from cluster.cache.tiered import TierConfig, TieredCache
 from cluster.engine.model import DecoderModel, ModelConfig
-from cluster.engine.runner import Engine, EngineRequest, SamplingParams
+from cluster.engine.engine import Engine, EngineRequest, SamplingParams
 from cluster.errors import InvalidInputError
 from cluster.hashing import block_hashes
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from cluster.cache.kv_pool import KVLayout
 from cluster.cache.tiered import TierConfig, TieredCache
 from cluster.engine.model import DecoderModel, ModelConfig
-from cluster.engine.runner import Engine, EngineRequest, SamplingParams
+from cluster.engine.engine import Engine, EngineRequest, SamplingParams
 from cluster.errors import InvalidInputError
 from cluster.names import WARM
 from cluster.protocol import FinishReason
@@ -182,49 +182,24 @@ def test_only_the_chunks_reserve_room_and_no_step_exceeds_the_budget():
     torch.testing.assert_close(torch.tensor(computed), torch.tensor(sum(10 + 7 * i + 4 for i in range(6))))
 
 
-@pytest.mark.parametrize("riders", [True, False])
-def test_a_burst_sharing_a_system_prompt_computes_it_once(riders):
+def test_a_burst_sharing_a_system_prompt_computes_it_once():
     """Eight requests arrive together with a 64-token prompt in common: the first computes
-    it and checkpoints it into the tree when its prefill ends. The others compute their own
-    3 tokens in the same step, reading the prompt's KV from the first one's buffer as each
-    layer writes it, and take their leases from its checkpoint after the step (riders); or,
-    without riders, wait that step for the checkpoint. Either way nothing is computed twice
-    and every output is as alone; riders take one step less."""
+    it and checkpoints it into the tree when its prefill ends; the others wait that step for
+    the checkpoint (the shared-fills policy), then compute only their own 3 tokens. Nothing
+    is computed twice and every output is as alone."""
     system = [(5 * i) % 64 for i in range(64)]
     requests = [(system + [i, i + 1, i + 2], SamplingParams(max_tokens=3)) for i in range(8)]
     want = reference_outputs(requests)
     engine = make_engine(hot_blocks=256, budget=256)
-    assert engine.riders   # the CPU kernel is built in this environment
-    engine.riders = riders
     done = run_all(engine, requests)
     assert [r.output for r in done] == want
     assert [r.cached_tokens for r in done] == [0] + [64] * 7
     # Each computed token once: the shared prompt, then 3 + 2 more per request (the prefill's
     # tail and the decodes after the first sampled token).
     assert engine.stats["computed_tokens"] == 64 + 8 * (3 + 2)
-    if riders:
-        assert (engine.stats["riders"], engine.stats["riders_back"]) == (7, 0)
-        assert engine.stats["waits_for_shared_prefix"] == 0
-        assert engine.stats["steps"] == 1 + 2   # every first token from the first step
-    else:
-        assert engine.stats["riders"] == 0 and engine.stats["waits_for_shared_prefix"] == 7
-        assert engine.stats["steps"] == 2 + 2
+    assert engine.stats["waits_for_shared_prefix"] == 7
+    assert engine.stats["steps"] == 2 + 2
     check_drained(engine)
-
-
-def test_a_rider_without_room_after_its_step_waits_and_computes_again():
-    """HOT holds the shared prompt and little more: a rider whose rest finds no room after
-    the step goes back to waiting (its step's work dropped) and computes that rest again
-    later; every output is as alone and nothing stays locked."""
-    system = [(5 * i) % 64 for i in range(64)]
-    requests = [(system + [i, i + 1, i + 2], SamplingParams(max_tokens=3)) for i in range(4)]
-    want = reference_outputs(requests)
-    engine = make_engine(hot_blocks=19, budget=256)   # 76 tokens: 67 of the first and a few more
-    done = run_all(engine, requests)
-    assert [r.output for r in done] == want
-    assert engine.stats["riders"] == 3 and engine.stats["riders_back"] >= 1
-    check_drained(engine)
-
 
 
 def six_requests_after_a_cached_prefix(shared_fills: bool):
@@ -248,15 +223,15 @@ def six_requests_after_a_cached_prefix(shared_fills: bool):
 def test_identical_prompts_compute_their_tail_beyond_the_cache_once():
     """Six requests after a cached 64-token prefix, two prompts three times each (chats
     asking the same first question): less than a block (BT = 4) is new, and only the first
-    of each computes it; the other two wait that step and start from it in the same step
-    (its checkpoint holds their whole prompt, its last logits row is theirs): nothing of
-    their prompts is computed. The same outputs as alone, sampled or greedy."""
+    of each computes it; the other two wait that step for its checkpoint (taken although
+    less than a block, since they wait on it) and then compute only their last token.
+    The same outputs as alone, sampled or greedy."""
     engine, before, steps, done = six_requests_after_a_cached_prefix(shared_fills=True)
-    assert [r.cached_tokens for r in done] == [64, 67, 67, 64, 67, 67]
-    # The first of each: its 3 new tokens, then 2 decodes; the others: 2 decodes.
-    assert engine.stats["computed_tokens"] - before == 2 * ((3 + 2) + 2 * 2)
-    assert engine.stats["forked_prompts"] == 4 and engine.stats["waits_for_shared_prefix"] == 4
-    assert engine.stats["steps"] - steps == 3   # every first token in the first step
+    assert [r.cached_tokens for r in done] == [64, 66, 66, 64, 66, 66]
+    # The first of each: its 3 new tokens, then 2 decodes; the others: their last token, 2 decodes.
+    assert engine.stats["computed_tokens"] - before == 2 * ((3 + 2) + 2 * (1 + 2))
+    assert engine.stats["waits_for_shared_prefix"] == 4
+    assert engine.stats["steps"] - steps == 4   # the waiting ones' first tokens one step later
     check_drained(engine)
 
 
@@ -267,37 +242,14 @@ def test_without_shared_fills_identical_prompts_each_compute_their_own_tail():
     engine, before, _, done = six_requests_after_a_cached_prefix(shared_fills=False)
     assert [r.cached_tokens for r in done] == [64] * 6
     assert engine.stats["computed_tokens"] - before == 6 * (3 + 2)
-    assert engine.stats["forked_prompts"] == 0 and engine.stats["waits_for_shared_prefix"] == 0
+    assert engine.stats["waits_for_shared_prefix"] == 0
     check_drained(engine)
 
 
-def test_twins_past_the_end_of_the_budget_still_start_from_their_fill():
-    """A fill and three riders take the whole step budget (67 + 3 x 3 = 76 tokens); two
-    requests behind them ask exactly the fill's prompt. They need no budget (they compute
-    nothing), so they start from the fill in the same step all the same: all six first
-    tokens come out of one step, every output as alone, nothing computed twice."""
-    system = [(5 * i) % 64 for i in range(64)]
-    fill = system + [1, 2, 3]
-    requests = [(fill, SamplingParams(max_tokens=3))]
-    requests += [(system + [10 + i, 11 + i, 12 + i], SamplingParams(max_tokens=3)) for i in range(3)]
-    requests += [(fill, SamplingParams(max_tokens=3)), (fill, SamplingParams(max_tokens=3, temperature=0.8, seed=3))]
-    want = reference_outputs(requests)
-    engine = make_engine(hot_blocks=256, budget=67 + 3 * 3)
-    assert engine.riders
-    done = run_all(engine, requests)
-    assert [r.output for r in done] == want
-    assert [r.cached_tokens for r in done] == [0, 64, 64, 64, 67, 67]
-    assert (engine.stats["riders"], engine.stats["forked_prompts"]) == (3, 2)
-    assert engine.stats["computed_tokens"] == 64 + 4 * 3 + 6 * 2   # the prompts once, then the decodes
-    assert engine.stats["steps"] == 1 + 2   # every first token from the first step
-    check_drained(engine)
-
-
-def test_twins_that_end_on_their_first_token_and_one_that_wants_prompt_logprobs():
+def test_identical_prompts_behind_a_fill_that_end_on_their_first_token_or_want_prompt_logprobs():
     """Identical prompts behind a fill: one with max_tokens=1 and one whose first token is
-    a stop token end on the token they take from the fill (their leases end, nothing stays
-    locked); one asking for its prompt's logprobs does not start from the fill (it needs its
-    rows) but waits and computes them. Every output as alone."""
+    a stop token end on their first token (their leases end, nothing stays locked); one
+    asking for its prompt's logprobs computes the rows it needs. Every output as alone."""
     system = [(7 * i) % 64 for i in range(40)]
     engine = make_engine(hot_blocks=256, budget=256)
     run_all(engine, [(system + [1], SamplingParams(max_tokens=1))])   # the prefix, cached
@@ -310,7 +262,6 @@ def test_twins_that_end_on_their_first_token_and_one_that_wants_prompt_logprobs(
     assert [r.output for r in done] == [first, first[:1], first[:1], first[:2]]
     assert [r.finish_reason for r in done] == [FinishReason.LENGTH, FinishReason.LENGTH, FinishReason.STOP,
                                                FinishReason.LENGTH]
-    assert engine.stats["forked_prompts"] == 2
     assert done[3].prompt_logprobs[-1] is not None and done[3].cached_tokens < len(prompt)
     check_drained(engine)
 

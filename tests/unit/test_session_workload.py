@@ -421,8 +421,8 @@ def test_sessions_pairs_rotate_three_arms_and_summarize_each_pair(monkeypatch, c
 
 def test_worker_overrides_set_our_arms_worker_config_and_bad_ones_are_named() -> None:
     args = bench_serving.resolve_defaults(parser().parse_args(
-        ["--worker", "riders=false", "--worker", "time_slice_s=0.25", "--worker", "eviction_policy=lfu"]))
+        ["--worker", "shared_fills=false", "--worker", "time_slice_s=0.25", "--worker", "eviction_policy=lfu"]))
     worker = bench_serving._worker_config(args, 4096)
-    assert (worker["riders"], worker["time_slice_s"], worker["eviction_policy"]) == (False, 0.25, "lfu")
+    assert (worker["shared_fills"], worker["time_slice_s"], worker["eviction_policy"]) == (False, 0.25, "lfu")
     with pytest.raises(ValueError, match="--worker takes KEY=VALUE, got 'riders'"):
         bench_serving.worker_overrides(["riders"])

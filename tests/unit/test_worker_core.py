@@ -101,11 +101,11 @@ def test_queue_bound_rejects_with_queue_full():
         core.close()
 
 
-def test_a_burst_reaching_an_idle_worker_goes_in_one_step_riding_on_its_shared_prompt():
+def test_a_burst_reaching_an_idle_worker_computes_its_shared_prompt_once():
     """Four requests behind one uncached 48-token prompt reach an idle worker a few
-    milliseconds apart: the first step waits for them (the gather window) and takes them
-    all, the first filling the prompt and the other three riding on it, so every first
-    token comes out of that one step, each request's tokens the model's own."""
+    milliseconds apart: the first step waits for them (the gather window) and plans them
+    together: the first fills the prompt, the other three wait that step for its checkpoint
+    (shared fills) and then compute only their own tokens; each request's tokens the model's own."""
     from cluster.protocol import GenerateRequest, SamplingParams
 
     core = make("w-burst", gather_quiet_ms=200, gather_max_ms=1000)
@@ -123,8 +123,8 @@ def test_a_burst_reaching_an_idle_worker_goes_in_one_step_riding_on_its_shared_p
         results = asyncio.run(burst())
         assert [[i.token for i in items] for items in results] == [greedy(p, 3) for p in prompts]
         stats = core.engine.stats
-        assert (stats["riders"], stats["riders_back"]) == (3, 0)
-        assert stats["steps"] == 1 + 2   # the burst's step, then two decode steps
+        assert stats["waits_for_shared_prefix"] == 3 and stats["computed_tokens"] == 51 + 2 + 3 * (3 + 2)
+        assert stats["steps"] == 1 + 3   # the fill's step, then the others' three
     finally:
         core.close()
 
@@ -139,14 +139,14 @@ def test_gather_window_settings_are_checked():
 def test_scheduling_policy_settings_are_checked_and_reach_the_engine():
     for bad, message in (({"time_slice_s": 0}, "time_slice_s must be a number of seconds"),
                          ({"time_slice_s": True}, "time_slice_s must be a number of seconds"),
-                         ({"riders": "no"}, "riders must be true or false"),
+                         ({"riders": False}, "worker config key 'riders' was removed"),
                          ({"shared_fills": 1}, "shared_fills must be true or false")):
         with pytest.raises(ValueError, match=message):
             WorkerConfig.from_dict(bad)
-    assert (WorkerConfig().time_slice_s, WorkerConfig().riders, WorkerConfig().shared_fills) == (0.5, True, True)
-    core = make("w-policies", time_slice_s=None, riders=False, shared_fills=False)
+    assert (WorkerConfig().time_slice_s, WorkerConfig().shared_fills) == (0.5, True)
+    core = make("w-policies", time_slice_s=None, shared_fills=False)
     try:
-        assert (core.engine.time_slice_s, core.engine.riders, core.engine.shared_fills) == (None, False, False)
+        assert (core.engine.time_slice_s, core.engine.shared_fills) == (None, False)
     finally:
         core.close()
 

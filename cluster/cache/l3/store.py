@@ -78,7 +78,7 @@ _RPC_ERRORS = (-900, -901)  # Mooncake: RPC failed, RPC timed out
 INSTALL_HINT = ("pip install mooncake-transfer-engine-non-cuda==0.3.13.post1 (CPU machines; "
                 "mooncake-transfer-engine on CUDA machines) and the system library libibverbs1 (Debian/Ubuntu)")
 # Mooncake reads these when a client is set up; without them an unreachable master
-# blocks setup and every call for 30-90 s (measured). Set only where the user has not.
+# blocks setup and every call for tens of seconds (docs/l3.md). Set only where the user has not.
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # the master is near: never via a proxy
 MOONCAKE_ENV_DEFAULTS = {"MC_RPC_TIMEOUT_MS": "2000", "MC_RPC_CONNECT_TIMEOUT_MS": "1000",
                          "MC_STORE_CLIENT_SETUP_RETRIES": "1"}
@@ -289,7 +289,7 @@ class MooncakeL3Store(L3Store):
         self._consecutive_failures = 0
         self._worker = _DeadlineWorker("l3-mooncake")
         # Mooncake's staging allocator does not fit a batch of the buffer's full size
-        # (64 x 1 MiB failed in 64 MiB, measured): batches use half of it.
+        # (docs/benchmarks.md, "Figures behind choices in the code"): batches use half of it.
         self._batch_bytes = self.config.local_buffer_bytes // 2
         self._setup()
 

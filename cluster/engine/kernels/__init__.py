@@ -18,6 +18,11 @@ a large batch, bit for bit, reading each weight once for all rows
 (``cluster.engine.linear_layouts``, layout ``blocked``, checks it against MKL before
 using it).
 
+``paged_attention`` (the same file): the same attention over the engine's slotted KV
+pool, each sequence's positions reached through its slot table (a slot: block *
+block_tokens + offset); the new K/V written at their slots. Same arithmetic in the same
+order, so the same bits as over a buffer.
+
 ``decoder_layers`` (``layers.cpp``): a step's whole layer loop in one call, for a step
 whose every sequence runs on ``extend_attention`` and whose linears run blocked: the
 same kernels and ATen ops in the same order as the model's Python loop, so the same
@@ -92,6 +97,13 @@ def extend_attention() -> Any:
     return None if module is None else module.extend_attention
 
 
+def paged_attention() -> Any:
+    """The compiled ``paged_attention`` function (``extend_attention`` over a slotted KV pool
+    through per-sequence slot tables), or None."""
+    module = _module("decode_attention")
+    return None if module is None else module.paged_attention
+
+
 def small_ops() -> Any:
     """The compiled module's ``rms_norm`` and ``rope`` (float32, CPU), or None."""
     return _module("decode_attention")
@@ -119,6 +131,13 @@ def decoder_layers() -> Any:
     loop with the GIL released), or None."""
     module = _module("layers")
     return None if module is None else module.decoder_layers
+
+
+def decoder_layers_paged() -> Any:
+    """``decoder_layers`` with the attention over a slotted KV pool (``paged_attention``'s
+    arguments), or None."""
+    module = _module("layers")
+    return None if module is None else module.decoder_layers_paged
 
 
 def status(name: str = "decode_attention") -> str:

@@ -57,7 +57,19 @@ struct Rows {
   }
 };
 
-void attend_generic(const float* q, const Rows& rows, float* out, int64_t group,
+// In a slotted KV pool (``paged_attention``): a row's place is its slot's element offset
+// (block * block stride + offset in block * token stride), the same for every layer and
+// head, so one table of offsets serves the whole call; rows need not be contiguous.
+struct PagedRows {
+  const float* keys;     // the pool at this layer and KV head, K
+  const float* values;   // ... and V
+  const int64_t* offs;   // per position of the sequence: its slot's element offset
+  const float* key(int64_t s, int64_t) const { return keys + offs[s]; }
+  const float* value(int64_t s, int64_t) const { return values + offs[s]; }
+};
+
+template <class R>
+void attend_generic(const float* q, const R& rows, float* out, int64_t group,
                     int64_t head_dim, int64_t length, float scale, float* scores) {
   // scores[g * length + s] = q_g . k_s * scale
   for (int64_t s = 0; s < length; ++s) {
@@ -160,41 +172,39 @@ void softmax_rows_avx2(float* scores, int64_t rows, int64_t length) {
   }
 }
 
-// head_dim == 64: each row of keys and values is eight 8-float vectors.
+// head_dim == 64: each row of keys and values is eight 8-float vectors. Each key's score is
+// its own accumulation and the values are summed in position order, so the results do not
+// depend on where a row lives (own buffer, a donor's, a pool slot).
+template <class R>
 __attribute__((target("avx2,fma")))
-void attend_avx2_64(const float* q, const Rows& rows, float* out, int64_t group,
+void attend_avx2_64(const float* q, const R& rows, float* out, int64_t group,
                     int64_t length, float scale, float* scores) {
-  const int64_t split = std::min(rows.split, length);
   for (int64_t g = 0; g < group; ++g) {
     const float* qg = q + g * 64;
     __m256 qv[8];
     for (int j = 0; j < 8; ++j) qv[j] = _mm256_loadu_ps(qg + 8 * j);
     float* row = scores + g * length;
-    // Each key's score is its own accumulation: the same whichever segment it falls in.
-    for (int segment = 0; segment < 2; ++segment) {
-      const int64_t end = segment == 0 ? split : length;
-      const float* keys = segment == 0 ? rows.shared_keys : rows.keys;
-      int64_t s = segment == 0 ? 0 : split;
-      for (; s + 4 <= end; s += 4) {   // four keys at a time: four independent accumulations
-        const float* k0 = keys + s * 64;
-        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-        for (int j = 0; j < 8; ++j) {
-          a0 = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(k0 + 8 * j), a0);
-          a1 = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(k0 + 64 + 8 * j), a1);
-          a2 = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(k0 + 128 + 8 * j), a2);
-          a3 = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(k0 + 192 + 8 * j), a3);
-        }
-        row[s] = hsum(a0) * scale;
-        row[s + 1] = hsum(a1) * scale;
-        row[s + 2] = hsum(a2) * scale;
-        row[s + 3] = hsum(a3) * scale;
+    int64_t s = 0;
+    for (; s + 4 <= length; s += 4) {   // four keys at a time: four independent accumulations
+      const float *k0 = rows.key(s, 64), *k1 = rows.key(s + 1, 64), *k2 = rows.key(s + 2, 64),
+                  *k3 = rows.key(s + 3, 64);
+      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+      for (int j = 0; j < 8; ++j) {
+        a0 = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(k0 + 8 * j), a0);
+        a1 = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(k1 + 8 * j), a1);
+        a2 = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(k2 + 8 * j), a2);
+        a3 = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(k3 + 8 * j), a3);
       }
-      for (; s < end; ++s) {
-        const float* k = keys + s * 64;
-        __m256 a = _mm256_setzero_ps();
-        for (int j = 0; j < 8; ++j) a = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(k + 8 * j), a);
-        row[s] = hsum(a) * scale;
-      }
+      row[s] = hsum(a0) * scale;
+      row[s + 1] = hsum(a1) * scale;
+      row[s + 2] = hsum(a2) * scale;
+      row[s + 3] = hsum(a3) * scale;
+    }
+    for (; s < length; ++s) {
+      const float* k = rows.key(s, 64);
+      __m256 a = _mm256_setzero_ps();
+      for (int j = 0; j < 8; ++j) a = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(k + 8 * j), a);
+      row[s] = hsum(a) * scale;
     }
   }
   softmax_rows_avx2(scores, group, length);
@@ -212,7 +222,8 @@ void attend_avx2_64(const float* q, const Rows& rows, float* out, int64_t group,
 }
 #endif
 
-void attend_one(const float* q, const Rows& rows, float* out, int64_t group,
+template <class R>
+void attend_one(const float* q, const R& rows, float* out, int64_t group,
                 int64_t head_dim, int64_t length, float scale, float* scores) {
 #if defined(__x86_64__)
   static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
@@ -329,6 +340,117 @@ torch::Tensor extend_attention(torch::Tensor q, torch::Tensor k_new, torch::Tens
   return out;
 }
 
+// A step's slot tables in a slotted KV pool [blocks, layers, 2, block_tokens, kv_heads,
+// head_dim]: per sequence b, the pool slot (block * block_tokens + offset) of each of its
+// positions[b] + counts[b] positions, concatenated in ``slots`` from starts[b] on. Checked
+// and turned into element offsets once (a step's layers share them).
+struct SlotTable {
+  std::vector<int64_t> offs;      // per entry of ``slots``: block * stride(0) + offset * stride(3)
+  std::vector<int64_t> starts;    // per sequence, its first entry (batch + 1 values)
+  std::vector<int64_t> positions, counts;
+  int64_t layers, kv_heads, head_dim, s_layer, s_kv, s_head;
+  float* base;
+};
+
+SlotTable slot_table(const torch::Tensor& pool, const torch::Tensor& slots, std::vector<int64_t> starts,
+                     std::vector<int64_t> positions, std::vector<int64_t> counts) {
+  TORCH_CHECK_VALUE(pool.dtype() == torch::kFloat32 && pool.dim() == 6 && pool.size(2) == 2 && pool.stride(5) == 1 &&
+                    pool.device().is_cpu(),
+                    "pool: float32 CPU [blocks, layers, 2, block_tokens, kv_heads, head_dim] with contiguous rows");
+  TORCH_CHECK_VALUE(slots.dtype() == torch::kInt64 && slots.dim() == 1 && slots.is_contiguous() &&
+                    slots.device().is_cpu(), "slots: a contiguous 1-D int64 CPU tensor");
+  const int64_t batch = static_cast<int64_t>(positions.size());
+  TORCH_CHECK_VALUE(static_cast<int64_t>(counts.size()) == batch && static_cast<int64_t>(starts.size()) == batch + 1 &&
+                    starts[0] == 0 && starts[batch] == slots.numel(),
+                    "one position and count per sequence, starts: batch + 1 offsets from 0 to len(slots)");
+  for (int64_t b = 0; b < batch; ++b)
+    TORCH_CHECK_VALUE(positions[b] >= 0 && counts[b] >= 0 && starts[b + 1] - starts[b] == positions[b] + counts[b],
+                      "sequence ", b, ": ", starts[b + 1] - starts[b], " slots for ", positions[b], " + ", counts[b],
+                      " positions");
+  const int64_t block_tokens = pool.size(3), capacity = pool.size(0) * block_tokens;
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  SlotTable t{std::vector<int64_t>(slots.numel()), std::move(starts), std::move(positions), std::move(counts),
+              pool.size(1), pool.size(4), pool.size(5), pool.stride(1), pool.stride(2), pool.stride(4),
+              pool.data_ptr<float>()};
+  for (int64_t i = 0; i < slots.numel(); ++i)
+    TORCH_CHECK_VALUE(sp[i] >= 0 && sp[i] < capacity, "slot ", sp[i], " outside the pool's ", capacity);
+  const int64_t s_block = pool.stride(0), s_token = pool.stride(3);
+  if ((block_tokens & (block_tokens - 1)) == 0) {   // a shift and a mask, not a division per slot
+    const int shift = __builtin_ctzll(static_cast<unsigned long long>(block_tokens));
+    for (int64_t i = 0; i < slots.numel(); ++i)
+      t.offs[i] = (sp[i] >> shift) * s_block + (sp[i] & (block_tokens - 1)) * s_token;
+  } else {
+    for (int64_t i = 0; i < slots.numel(); ++i)
+      t.offs[i] = (sp[i] / block_tokens) * s_block + (sp[i] % block_tokens) * s_token;
+  }
+  return t;
+}
+
+// extend_attention over a slot table: the new tokens' K/V written at their slots, each
+// new token attending over its sequence's slots up to its own position, in the same
+// arithmetic and order as over a buffer (the same bits). Sequences may share slots they
+// read (a common prefix); the caller sees to it that no slot one writes is another's.
+torch::Tensor attend_slots(const torch::Tensor& q, const torch::Tensor& k_new, const torch::Tensor& v_new,
+                           const SlotTable& t, int64_t layer, double scale) {
+  TORCH_CHECK(q.dtype() == torch::kFloat32 && k_new.dtype() == torch::kFloat32 && v_new.dtype() == torch::kFloat32 &&
+              q.dim() == 3 && k_new.dim() == 3 && v_new.dim() == 3, "q, k_new, v_new: float32 [T, heads, D]");
+  const int64_t total = q.size(0), heads = q.size(1), head_dim = q.size(2), kv_heads = t.kv_heads;
+  for (const auto* x : {&q, &k_new, &v_new})
+    TORCH_CHECK(x->stride(2) == 1 && x->stride(1) == head_dim, "q, k_new, v_new: each token's heads contiguous");
+  TORCH_CHECK(head_dim == t.head_dim && k_new.size(1) == kv_heads && heads % kv_heads == 0 &&
+              k_new.size(0) == total && v_new.size(0) == total && v_new.size(1) == kv_heads, "shapes disagree");
+  TORCH_CHECK(layer >= 0 && layer < t.layers, "layer out of range");
+  const int64_t batch = static_cast<int64_t>(t.positions.size()), group = heads / kv_heads;
+  std::vector<int64_t> rows_at(batch);
+  int64_t offset = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    rows_at[b] = offset;
+    offset += t.counts[b];
+  }
+  TORCH_CHECK(offset == total, "the counts add up to ", offset, ", not to q's ", total, " rows");
+  auto out = torch::empty({total, heads, head_dim}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k_new.data_ptr<float>();
+  const float* vp = v_new.data_ptr<float>();
+  const int64_t q_row = q.stride(0), k_row = k_new.stride(0), v_row = v_new.stride(0);
+  float* op = out.data_ptr<float>();
+  const float s = static_cast<float>(scale);
+  const int64_t items = batch * kv_heads;
+  std::atomic<int64_t> next{0};
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), items);
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    std::vector<float> scores;
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
+      const int64_t b = i / kv_heads, h = i % kv_heads, pos = t.positions[b];
+      float* keys = t.base + layer * t.s_layer + h * t.s_head;
+      float* values = keys + t.s_kv;
+      const int64_t* offs = t.offs.data() + t.starts[b];
+      for (int64_t n = 0; n < t.counts[b]; ++n) {   // the new tokens' K and V into their slots
+        const int64_t row = rows_at[b] + n;
+        std::copy_n(kp + row * k_row + h * head_dim, head_dim, keys + offs[pos + n]);
+        std::copy_n(vp + row * v_row + h * head_dim, head_dim, values + offs[pos + n]);
+      }
+      const PagedRows rows{keys, values, offs};
+      scores.resize(group * (pos + t.counts[b]));
+      for (int64_t n = 0; n < t.counts[b]; ++n) {   // token n sees positions 0..pos + n
+        const int64_t row = rows_at[b] + n;
+        attend_one(qp + row * q_row + h * group * head_dim, rows, op + (row * heads + h * group) * head_dim,
+                   group, head_dim, pos + n + 1, s, scores.data());
+      }
+    }
+  });
+  return out;
+}
+
+// One layer's batched attention over a slotted pool (see SlotTable and attend_slots);
+// q [T, heads, D], k_new and v_new [T, kv_heads, D] as for extend_attention.
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_new, torch::Tensor v_new, torch::Tensor pool,
+                              int64_t layer, torch::Tensor slots, std::vector<int64_t> starts,
+                              std::vector<int64_t> positions, std::vector<int64_t> counts, double scale) {
+  return attend_slots(q, k_new, v_new, slot_table(pool, slots, std::move(starts), std::move(positions),
+                                                 std::move(counts)), layer, scale);
+}
+
 // RMSNorm over the last dimension, float32, as the packed decoder's torch path computes it
 // (y = weight * (x * 1 / sqrt(mean(x^2) + eps))) in one call instead of five ops: at a
 // decode step's few rows each op's dispatch costs more than its arithmetic (61 norms a
@@ -426,5 +548,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("layer"), pybind11::arg("positions"), pybind11::arg("counts"), pybind11::arg("scale"),
         pybind11::arg("donors") = std::vector<int64_t>(), pybind11::arg("shared") = std::vector<int64_t>(),
         release_gil());
+  m.def("paged_attention", &paged_attention,
+        "batched causal attention of a few new tokens per sequence over a slotted KV pool, through slot tables",
+        pybind11::arg("q"), pybind11::arg("k_new"), pybind11::arg("v_new"), pybind11::arg("pool"),
+        pybind11::arg("layer"), pybind11::arg("slots"), pybind11::arg("starts"), pybind11::arg("positions"),
+        pybind11::arg("counts"), pybind11::arg("scale"), release_gil());
 }
 #endif

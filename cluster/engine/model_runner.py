@@ -1,0 +1,67 @@
+"""The model runner: one packed forward over a step's plan, KV read and written in place.
+
+Each planned request brings its lease's slot table (``KVLease.slots``: the HOT
+pool slot of every position it holds, then of the room it reserved for this
+step's tokens). A model with ``forward_paged`` (the packed decoder) attends
+over the HOT pool through those tables and writes the new tokens' K/V straight
+into the reserved slots: a running request's KV exists once, in the cache's
+blocks, whatever its length. Any other model (the ``transformers`` adapter)
+gets its past gathered from the pool (``KVLease.read``) and its new KV written
+back through the lease. Either way the lease is told what was written, and the
+runner returns each request's logits: every computed row's when the plan asks
+(prompt logprobs, ``keep_logits``), the last row's otherwise.
+
+It sees the plan and the leases' slot tables; never a node, an extent or a queue.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+from cluster.engine.request import EngineRequest
+from cluster.engine.scheduler import ScheduledRequest, StepPlan
+
+
+class ModelRunner:
+    def __init__(self, model: Any, hot_pool: Any, *, decode_kernel: bool = True, cuda_graphs: bool = True):
+        """``decode_kernel``: the packed decoder attends every request of a step with a few new
+        tokens in one compiled call per layer (``cluster.engine.kernels``) where it can be built
+        (Triton on CUDA); the torch path otherwise. ``cuda_graphs``: on CUDA, with that kernel,
+        steps of decodes alone replay a graph captured per batch-size bucket."""
+        self.model = model
+        self.pool = hot_pool
+        self.paged = hasattr(model, "forward_paged") and hot_pool.tensor is not None
+        self._last_logits_only = "last_logits_only" in inspect.signature(model.forward_batch).parameters
+        self.decode_kernel = model.use_decode_kernel(decode_kernel) if hasattr(model, "use_decode_kernel") \
+            else False
+        self.cuda_graphs = model.use_cuda_graphs(cuda_graphs) if hasattr(model, "use_cuda_graphs") else False
+        # The faster of MKL's two linear layouts for each row count, measured on this machine.
+        self.linear_layouts = model.tune_linears() if hasattr(model, "tune_linears") else {}
+
+    def run(self, plan: StepPlan) -> list[torch.Tensor]:
+        """The step's forward; each request's new KV ends up in its reserved slots (its lease
+        told). Returns each request's logits."""
+        last_only = not plan.all_logits and self._last_logits_only
+        items = plan.items
+        tokens = [torch.tensor(item.tokens) for item in items]
+        if self.paged:
+            logits = self.model.forward_paged([(t, item.start, item.request.lease.slots())
+                                               for t, item in zip(tokens, items)],
+                                              self.pool.tensor, last_logits_only=last_only)
+            for item in items:
+                item.request.lease.written(item.num_tokens)
+            return logits
+        batch = [(t, item.start, item.request.lease.read() if item.start else None) for t, item in zip(tokens, items)]
+        outputs = self.model.forward_batch(batch, last_logits_only=True) if last_only \
+            else self.model.forward_batch(batch)
+        for item, (_, new_kv) in zip(items, outputs):
+            item.request.lease.write(new_kv)
+        return [logits for logits, _ in outputs]
+
+    def final_token(self, req: EngineRequest) -> None:
+        """The KV of a finished request's last sampled token, into the slot its lease reserved."""
+        start = req.num_computed_tokens
+        self.run(StepPlan([ScheduledRequest(req, start, len(req.tokens) - start)]))

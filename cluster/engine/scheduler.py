@@ -1,0 +1,483 @@
+"""The scheduler: continuous batching that never fails for lack of KV.
+
+``schedule`` spends one token budget (``max_batch_tokens``) on one step's plan,
+in this order (vLLM v1's, with chunked prefill):
+
+1. running requests that decode: one token each;
+2. running requests still filling their prompt: the next chunk each, first
+   come first served, as far as the budget goes;
+3. waiting requests, first come first served: a lease on the prompt's cached
+   prefix (``TieredCache.admit``) and the first chunk of the rest. A waiting
+   request whose prefix is still being promoted from WARM/COLD is passed over
+   this step (the copy runs meanwhile) and joins once its KV is in HOT. A
+   request is never admitted below what the tiers hold for it: when the oldest
+   waiting request's promotion finds no room, it waits, and nothing behind it
+   takes room before it (first come, first served); only a measured cost
+   decision (copying slower than computing) admits it without its colder part,
+   counted in ``recompute_chosen_tokens``. ``recomputed_held_tokens`` (by tier)
+   counts what a request recomputed although a tier held it: it stays 0.
+
+Every planned request has reserved the HOT room of this step's tokens
+(``KVLease.reserve``: real slots, after demoting or evicting unlocked
+prefixes), so nothing computed is lost for lack of room. When a running
+request cannot get its room, the newest running request is preempted: what
+it computed is committed to the cache and it goes back to the front of the
+queue; admitted again, it finds what the cache kept and recomputes only the
+rest, and its sampling continues exactly (a function of seed and position).
+A waiting request that finds no room waits.
+
+Two named policies:
+
+- **time slicing** (``time_slice_s``; workers set it): a waiting request that
+  found no room is not left behind running decodes for as long as they take:
+  the newest request that has decoded for a slice yields (preempted, its KV
+  into the cache, mostly a free move to WARM) and queues last.
+- **shared fills** (``shared_fills``): a waiting request whose part beyond the
+  cache a running prompt fill computes (a block of it or more, or all but its
+  last token) waits for that fill's checkpoint instead of computing the same
+  KV beside it; the fill checkpoints when its prompt is done, even less than
+  a block when awaited.
+
+``update`` takes the step's sampled tokens: a request that completed its
+prompt checkpoints it into the tree (for the requests that share it), takes
+its token, and ends on a stop token, its grammar's end or ``max_tokens``.
+Everything runs on the engine thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from cluster.cache.tiered import TieredCache
+from cluster.engine.prompt_logprobs import wants_prompt_rows
+from cluster.engine.request import EngineRequest, TokenEvent, split_by_tier
+from cluster.errors import CacheError, PoolExhaustedError
+from cluster.names import COLD, HOT, L3, WARM
+from cluster.protocol import FinishReason
+from cluster.tokens import common_prefix
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One request's part of a step: ``num_tokens`` tokens from position ``start``
+    (its computed tokens when the step began), their HOT room reserved."""
+
+    request: EngineRequest
+    start: int
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step completes its sequence, so it samples a token."""
+        return self.start + self.num_tokens == len(self.request.tokens)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.request.tokens[self.start:self.start + self.num_tokens]
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """What one step computes (vLLM's ``SchedulerOutput``, here as small as it is)."""
+
+    items: list[ScheduledRequest] = field(default_factory=list)
+    all_logits: bool = False   # every computed row's logits (prompt logprobs, keep_logits), not just the last
+
+    @property
+    def decodes_only(self) -> bool:
+        return all(i.num_tokens == 1 and i.request.output for i in self.items)
+
+
+@dataclass(slots=True)
+class Sampled:
+    """The sampler's answer for one planned request: its token (None: a prompt chunk with
+    more to come), the token's logprobs entry, or why sampling failed."""
+
+    token: int | None = None
+    logprobs: Any = None
+    error: str | None = None
+
+
+STAT_KEYS = ("prompt_tokens", "cached_tokens", "computed_tokens", "requests_finished", "requests_failed",
+             "requests_cancelled", "finish_failures", "preemptions", "preempted_tokens", "resumed_hot_tokens",
+             "resumed_warm_tokens", "resumed_cold_tokens", "resumed_l3_tokens", "recomputed_tokens",
+             "swap_in_bytes", "waits_for_room", "waits_for_promotion", "recomputed_held_tokens",
+             "recomputed_held_hot_tokens", "recomputed_held_warm_tokens", "recomputed_held_cold_tokens",
+             "recompute_chosen_tokens", "waits_for_promotion_room", "time_slice_preemptions",
+             "waits_for_shared_prefix", "final_tokens_skipped")
+
+
+class Scheduler:
+    """The queues and the leases: ``schedule`` plans a step, ``update`` applies its result."""
+
+    def __init__(self, cache: TieredCache, stats: dict, *, max_batch_tokens: int, max_running: int,
+                 cache_final_token: bool, final_token: Callable[[EngineRequest], None],
+                 prompt_logprob_cache: Any, keep_logits: bool, clock: Callable[[], float] = time.perf_counter):
+        self.cache = cache
+        self.stats = stats
+        stats.update({key: 0 for key in STAT_KEYS})
+        self.max_batch_tokens = max_batch_tokens
+        self.max_running = max_running
+        self.cache_final_token = cache_final_token
+        self.final_token = final_token
+        self.prompt_logprob_cache = prompt_logprob_cache
+        self.keep_logits = keep_logits
+        self.clock = clock
+        self.waiting: deque[EngineRequest] = deque()
+        self.running: list[EngineRequest] = []   # in admission order: the newest is preempted first
+        self.ended: list[TokenEvent] = []   # requests that ended outside a sampled token
+        self.finishing: list[tuple[EngineRequest, FinishReason]] = []   # ended by a token, not yet cached
+        self.time_slice_s: float | None = None
+        self.shared_fills = True
+        self.blocked: EngineRequest | None = None   # the waiting request that found no room last step
+        # Measured seconds per computed token of steps with prefill (the engine keeps it):
+        # what a promotion's copy time is weighed against (``TieredCache.ready``).
+        self.prefill_s_per_token: float | None = None
+        self._bytes_per_token = cache.layout.bytes_per_token() if cache.layout is not None else 0
+
+    # ------------------------------------------------------------------ planning
+    def schedule(self) -> StepPlan:
+        """This step's plan, every request in it with its HOT room reserved."""
+        budget = self.max_batch_tokens
+        plan = StepPlan()
+        self._yield_to_blocked()
+        planned: set[int] = set()
+        decoding = [r for r in self.running if r.to_compute == 1]
+        filling = [r for r in self.running if r.to_compute > 1]
+        for req in decoding + filling:
+            if budget <= 0:
+                break
+            if req not in self.running:   # preempted for an older request of this step
+                continue
+            n = min(req.to_compute, budget)
+            if self._reserve_or_preempt(req, n, planned):
+                plan.items.append(ScheduledRequest(req, req.num_computed_tokens, n))
+                planned.add(id(req))
+                budget -= n
+        self._plan_waiting(plan, budget, planned)
+        self.note_waiting()
+        plan.all_logits = self.keep_logits or any(wants_prompt_rows(i.request) for i in plan.items)
+        return plan
+
+    def _plan_waiting(self, plan: StepPlan, budget: int, planned: set[int]) -> None:
+        """Waiting requests into the plan, first come first served, as far as the budget goes.
+        Promotions that make room go oldest first and one at a time; behind it only those
+        that fit in free blocks (started for every waiting request at once, their prefixes
+        pushed each other back out of a full HOT pool before any was admitted: a livelock)."""
+        promoting = False   # an older waiting request's prefix is on its way up
+        for req in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.max_running:
+                break
+            if req.yielded_to is not None:   # it gave its room to an older request: not back before it
+                if req.yielded_to in self.waiting:
+                    continue
+                req.yielded_to = None
+            readiness = self.cache.ready(req.tokens, req.namespace, make_room=not promoting,
+                                         recompute_s_per_token=self.prefill_s_per_token)
+            if req.first_look is None:   # where its KV comes from, before any promotion
+                req.first_look = readiness.tiers
+            if not readiness.ready:
+                if readiness.blocked:   # the oldest one's promotion found no room: nobody takes room before it
+                    self.stats["waits_for_promotion_room"] += 1
+                    self.blocked = req
+                    break
+                self.stats["waits_for_promotion"] += 1   # on its way up to HOT: the others go meanwhile
+                promoting = True
+                continue
+            if self.shared_fills and self._behind_shared_fill(req, sum(readiness.tiers)):
+                self.stats["waits_for_shared_prefix"] += 1
+                continue
+            req.scheduled_at = self.clock() if req.scheduled_at is None else req.scheduled_at
+            n = self._admit(req, budget, promote=not readiness.recompute)
+            if n is None:
+                if req.finished:   # the cache refused its prompt
+                    self.waiting.remove(req)
+                    continue
+                self.stats["waits_for_room"] += 1
+                self.blocked = req
+                break              # no room: it waits for running requests to finish or yield
+            self.waiting.remove(req)
+            self.running.append(req)
+            if req is self.blocked:
+                self.blocked = None
+            plan.items.append(ScheduledRequest(req, req.num_computed_tokens, n))
+            planned.add(id(req))
+            budget -= n
+
+    def _behind_shared_fill(self, req: EngineRequest, cached: int) -> bool:
+        """The shared-fills policy: whether a running request still filling its prompt
+        computes at least a block of what ``req`` would compute beyond the cache, or all of
+        it but ``req``'s last token (an identical prompt); ``req`` then waits for that
+        fill's checkpoint (taken even for less than a block once awaited)."""
+        seq = req.tokens
+        need = min(self.cache.config.block_tokens, len(seq) - 1 - cached)
+        if need < 1:   # only its last token left: nothing another fill could save it
+            return False
+        fill = next((o for o in self.running if o.to_compute > 1 and o.namespace == req.namespace
+                     and common_prefix(seq, o.tokens) - cached >= need), None)
+        if fill is None:
+            return False
+        fill.awaited = True
+        return True
+
+    def note_waiting(self) -> None:
+        """A session prefetch leaves alone what the still-waiting requests touched at their
+        submit (``TieredCache.prefetch``): tell the cache since when (None: nobody waits)."""
+        self.cache.waiting_since = min((r.touched_at for r in self.waiting if r.touched_at is not None),
+                                       default=None)
+
+    def _yield_to_blocked(self) -> None:
+        """Time slicing: the waiting request that found no room last step gets the room of
+        the newest request that has decoded for a whole slice, which queues last (requests
+        still waiting for their first token go first; one a step: what it frees usually
+        suffices)."""
+        head = self.blocked
+        if head is None or self.time_slice_s is None:
+            return
+        if head not in self.waiting:
+            self.blocked = None
+            return
+        now = self.clock()
+        victim = next((r for r in reversed(self.running) if r.to_compute == 1 and r.output
+                       and r.running_since is not None and now - r.running_since >= self.time_slice_s), None)
+        if victim is not None:
+            self.preempt(victim, at=len(self.waiting))
+            victim.yielded_to = head
+            self.stats["time_slice_preemptions"] += 1
+
+    def _reserve_or_preempt(self, req: EngineRequest, n: int, planned: set[int]) -> bool:
+        """Room for ``n`` more tokens of ``req``; preempts the newest running request
+        not yet in this step's plan until there is room (False: ``req`` itself was it)."""
+        while True:
+            try:
+                req.lease.reserve(n)
+                return True
+            except PoolExhaustedError:
+                victim = next((r for r in reversed(self.running) if id(r) not in planned), None)
+                if victim is None:   # everyone else is in this step already: this one yields
+                    victim = req
+                self.preempt(victim)
+                if victim is req:
+                    return False
+
+    def _admit(self, req: EngineRequest, budget: int, promote: bool = True) -> int | None:
+        """Lease the sequence's cached prefix and reserve the first chunk; the chunk's length,
+        or None when it cannot run now (no room: it waits, holding nothing; or the cache
+        refused its prompt: it ended). ``promote=False``: the scheduler chose to recompute
+        the prefix's colder part (``Readiness.recompute``)."""
+        seq = req.tokens
+        try:
+            lease = self.cache.admit(seq, req.namespace, validate=False, max_cached=self._logprob_cap(req),
+                                     promote=promote)
+        except CacheError as exc:
+            req.finished, req.finish_reason, req.error = True, FinishReason.ERROR, str(exc)
+            self.ended.append(TokenEvent(req, None, True))
+            return None
+        n = min(len(seq) - lease.cached_tokens, budget)
+        try:
+            lease.reserve(n)
+        except PoolExhaustedError:
+            lease.release()
+            return None
+        self._count_missed(lease, promote)
+        self._note_admission(req, lease)
+        req.lease = lease
+        req.num_computed_tokens = lease.cached_tokens
+        return n
+
+    def _logprob_cap(self, req: EngineRequest) -> int | None:
+        """For a request that wants its prompt's logprobs: the most prefix it may take from
+        the cache (positions whose logprobs are unknown are computed, even if their KV is cached)."""
+        k = req.params.prompt_logprobs
+        if k is None:
+            return None
+        if req.prompt_logprobs is None:
+            covered, entries = self.prompt_logprob_cache.covered(req.prompt, req.namespace, k)
+            req.prompt_logprobs = entries + [None] * (len(req.prompt) - covered)
+        known = next((i for i, e in enumerate(req.prompt_logprobs) if e is None and i), len(req.prompt))
+        return known - 1 if known < len(req.prompt) else None
+
+    def _note_admission(self, req: EngineRequest, lease) -> None:
+        """What the cache gave ``req`` and from which tier: at its first admission, its
+        cached tokens; back after a preemption, what the cache kept of it."""
+        tiers = split_by_tier(lease.cached_tokens, req.first_look or list(lease.tier_hits))
+        if req.admitted_at is None:
+            req.cached_tokens = lease.cached_tokens
+            req.tier_hits = tiers
+            found = list(req.first_look or lease.held_by_tier)
+            req.tiers_found = (found + [0, 0, 0, 0])[:4]
+            req.admitted_at = req.running_since = self.clock()
+            self.stats["prompt_tokens"] += len(req.prompt)
+            self.stats["cached_tokens"] += lease.cached_tokens
+            return
+        req.running_since = self.clock()
+        for tier, key in ((HOT, "resumed_hot_tokens"), (WARM, "resumed_warm_tokens"),
+                          (COLD, "resumed_cold_tokens"), (L3, "resumed_l3_tokens")):
+            self.stats[key] += tiers[tier]
+        self.stats["swap_in_bytes"] += (tiers[WARM] + tiers[COLD] + tiers[L3]) * self._bytes_per_token
+        self.stats["recomputed_tokens"] += max(0, req.preempted_len - lease.cached_tokens)
+
+    def _count_missed(self, lease, promoted: bool) -> None:
+        """What the tiers held for a lease beyond what it got: recomputed by choice
+        (a cost decision), or a defect (``recomputed_held_*``: must stay 0)."""
+        missed = lease.missed_by_tier
+        total = sum(missed)
+        if not total:
+            return
+        if not promoted:
+            self.stats["recompute_chosen_tokens"] += total
+            return
+        self.stats["recomputed_held_tokens"] += total
+        for tier, n in zip(("hot", "warm", "cold"), missed):
+            self.stats[f"recomputed_held_{tier}_tokens"] += n
+
+    # ------------------------------------------------------------------ results
+    def update(self, plan: StepPlan, sampled: list[Sampled], events: list[TokenEvent]) -> None:
+        """Apply a step's result (its KV is in the leases' slots, confirmed by the runner):
+        each request's progress, its checkpoint once its prompt is done, its token and its end."""
+        block = self.cache.config.block_tokens
+        for item, result in zip(plan.items, sampled):
+            req = item.request
+            if req.finished:
+                continue
+            req.num_computed_tokens = item.start + item.num_tokens
+            self.stats["computed_tokens"] += item.num_tokens
+            if result.error is not None:   # this request fails; the batch, the engine and the cache go on
+                self.finish(req, FinishReason.ERROR, keep=False, error=result.error)
+                continue
+            if not item.samples:   # a chunk of a prompt that is not done yet
+                continue
+            lease = req.lease
+            if item.num_tokens > 1 and (lease.uncommitted >= block or (req.awaited and lease.uncommitted)):
+                # Its prompt is all computed: into the tree now, for the requests that share it
+                # (less than a block only for one that waits on it: a checkpoint seals a block).
+                try:
+                    lease.checkpoint(req.tokens[:req.num_computed_tokens])
+                except Exception as exc:
+                    self.finish(req, FinishReason.ERROR, keep=False, error=f"{type(exc).__name__}: {exc}")
+                    continue
+            req.awaited = False
+            if result.logprobs is not None:
+                req.token_logprobs.append(result.logprobs)
+            req.output.append(result.token)
+            self._emitted(req, result.token, events)
+
+    def _emitted(self, req: EngineRequest, token: int, events: list[TokenEvent]) -> None:
+        """``req`` sampled ``token``: its event, and its end when the token ends it."""
+        if req.first_token_at is None:
+            req.first_token_at = self.clock()
+        reason = None
+        if token in req.params.stop_token_ids:
+            reason = FinishReason.STOP
+        elif req.matcher is not None and req.matcher.is_stopped():   # the grammar is complete
+            reason = FinishReason.STOP
+        elif len(req.output) >= req.params.max_tokens:
+            reason = FinishReason.LENGTH
+        if reason:
+            req.finished, req.finish_reason = True, reason
+            self.running.remove(req)
+            self.finishing.append((req, reason))
+        events.append(TokenEvent(req, token, req.finished))
+
+    def fail_plan(self, plan: StepPlan, error: str) -> None:
+        """A failed forward fails its requests, never the cache."""
+        for item in plan.items:
+            if not item.request.finished:
+                self.finish(item.request, FinishReason.ERROR, keep=False, error=error)
+
+    # ------------------------------------------------------------------ endings
+    def preempt(self, req: EngineRequest, at: int = 0) -> None:
+        """Take ``req`` off the batch: what it computed goes into the cache (for its
+        return), its room is freed, and it queues at ``at`` (first)."""
+        self.running.remove(req)
+        lease, req.lease = req.lease, None
+        req.preempted_len = req.num_computed_tokens
+        try:
+            if lease.length > lease.cached_tokens:
+                lease.commit(req.tokens[:req.num_computed_tokens])
+        finally:
+            lease.release()
+        self.stats["preemptions"] += 1
+        self.stats["preempted_tokens"] += req.num_computed_tokens
+        req.preemptions += 1
+        req.num_computed_tokens = 0
+        req.first_look = None   # looked at afresh when it comes back: its KV may have moved down meanwhile
+        self.waiting.insert(at, req)
+
+    def complete_finished(self) -> None:
+        """Cache the KV of the requests that ended on their last token and unlock their prefixes."""
+        finishing, self.finishing = self.finishing, []
+        for req, reason in finishing:
+            try:
+                self.finish(req, reason, keep=True)
+            except Exception as exc:   # caching the finished sequence failed: the answer stands
+                self.stats["finish_failures"] += 1
+                log.warning("could not cache request %s after it finished: %s", req.request_id, exc)
+
+    def cancel(self, req: EngineRequest, reason: FinishReason) -> None:
+        if req in self.waiting:
+            self.waiting.remove(req)
+            self.note_waiting()
+            req.finished, req.finish_reason = True, reason
+            self.ended.append(TokenEvent(req, None, True))
+            self.stats["requests_cancelled"] += 1
+        elif req in self.running:
+            self.finish(req, reason, keep=True)
+
+    def fail_all(self, error: str) -> None:
+        """End every queued and running request with ``error`` (their KV is not
+        kept; the cache's other contents are untouched)."""
+        for req in list(self.waiting):
+            self.waiting.remove(req)
+            req.finished, req.finish_reason, req.error = True, FinishReason.ERROR, error
+            self.ended.append(TokenEvent(req, None, True))
+            self.stats["requests_failed"] += 1
+        for req in list(self.running):
+            self.finish(req, FinishReason.ERROR, keep=False, error=error)
+
+    def take_ended(self) -> list[TokenEvent]:
+        out, self.ended = self.ended, []
+        return out
+
+    def finish(self, req: EngineRequest, reason: FinishReason, *, keep: bool, error: str | None = None) -> None:
+        """End a request: cache its KV (when ``keep``) or free it, and end its lease."""
+        req.finished, req.finish_reason, req.error = True, reason, error
+        cancelled = reason in (FinishReason.CANCELLED, FinishReason.CLIENT_DISCONNECTED)
+        if error is not None or cancelled:
+            self.ended.append(TokenEvent(req, None, True))
+        if cancelled:
+            self.stats["requests_cancelled"] += 1
+        if req in self.running:
+            self.running.remove(req)
+        lease = req.lease
+        try:
+            if keep and lease is not None and self.cache_final_token and req.output and req.to_compute == 1:
+                self._final_token(req)
+            if keep and lease is not None and lease.length > lease.cached_tokens:
+                lease.commit(req.tokens[:req.num_computed_tokens], req.session_id)
+        finally:
+            if lease is not None:
+                lease.release()   # after a commit it only ends the lease
+                req.lease = None
+            self.stats["requests_finished" if error is None else "requests_failed"] += 1
+
+    def _final_token(self, req: EngineRequest) -> None:
+        """Compute the last sampled token's KV too, so the whole sequence (prompt and
+        output) is cached for the next turn; without room for it the rest is cached all
+        the same (counted in ``final_tokens_skipped``)."""
+        try:
+            req.lease.reserve(1)
+        except PoolExhaustedError:
+            self.stats["final_tokens_skipped"] += 1
+            return
+        self.final_token(req)
+        req.num_computed_tokens += 1
+
