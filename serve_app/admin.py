@@ -15,13 +15,22 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
-from actors.peer import UnknownPeerSessionError
+from actors.peer import PeerDirectory, UnknownPeerSessionError
 from serve_app.protocol import APIError
 
-if TYPE_CHECKING:
-    from serve_app.ingress import IngressCore
+
+class IngressCore(Protocol):
+    """What the admin calls need of the ingress (``serve_app.ingress.IngressCore``):
+    declared here, so this module does not import the one that imports it."""
+
+    router: Any
+    peers: PeerDirectory
+
+    async def peer_addresses(self, max_age_s: float = 0.0) -> dict[str, str]: ...
+
+    def session_key(self, tenant: Any, session_id: str | None) -> str | None: ...
 
 log = logging.getLogger("ray.serve")
 
