@@ -223,10 +223,9 @@ def replica_calls_of(value: Any) -> str:
     """How the ingress's calls reach the cache replicas (the app arg ``replica_calls``):
     ``grpc`` (default), Serve's direct gRPC channel from handle to replica, each streamed
     item one message on it; ``object_ref``, Ray's object references and streaming
-    generators (Serve's default), a task and an object per item. Measured on 2 cores
-    (``bench serving``, one replica, 16 chat sessions, the two alternating): 81.5 and
-    83.2 output tokens/s with ``object_ref``, 85.7 and 85.4 with ``grpc``, as each token
-    costs the ingress and the replica less CPU beside the engine."""
+    generators (Serve's default), a task and an object per item. ``grpc`` costs the
+    ingress and the replica less CPU per token beside the engine (measured in
+    docs/deployment.md)."""
     if value not in REPLICA_CALLS:
         raise ValueError(f"replica_calls must be one of {list(REPLICA_CALLS)}, got {value!r}")
     return value
