@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar, Optional, Union
 
+from annotated_types import Ge, Gt, Le, MaxLen, MinLen
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from cluster.protocol import LOGIT_BIAS_RANGE, SAMPLING_RANGES, SEED_MAX, SEED_MIN, Range, SamplingParams
@@ -308,20 +309,33 @@ def _client_error(model: type[GenerationBody], error: dict) -> APIError:
     if kind in _KINDS:
         return APIError(400, f"'{param}' must be {_KINDS[kind]}, got {type(value).__name__}", param=param)
     if kind in _BOUNDS:
-        field = model.model_fields.get(name)
-        bounds = {type(m).__name__: m for m in (field.metadata if field is not None else ())}
-        low = bounds.get("Ge") or bounds.get("Gt")
-        high = bounds.get("Le")
-        if low is not None and high is not None and name != "seed":
-            lo_open = type(low).__name__ == "Gt"
-            allowed = Range(getattr(low, "gt", getattr(low, "ge", None)), high.le, lo_open)
+        allowed = _declared_range(model, name)
+        if allowed is not None:
             return APIError(400, f"'{param}' must be in {allowed.text()}, got {value}", param=param)
         bound = next(iter(error["ctx"].values()))
         return APIError(400, f"'{param}' must be {_BOUNDS[kind]} {bound}, got {value}", param=param)
-    if kind in ("string_too_short", "string_too_long") and name == "session_id":
-        return APIError(400, f"'session_id' must be a string of 1 to {MAX_SESSION_ID_CHARS} characters",
-                        param=param)
+    if kind in ("string_too_short", "string_too_long"):
+        lengths = {type(m): m for m in model.model_fields[name].metadata}
+        return APIError(400, f"'{param}' must be a string of {lengths[MinLen].min_length} to "
+                             f"{lengths[MaxLen].max_length} characters", param=param)
     return APIError(400, f"'{param}': {error['msg']}", param=param)
+
+
+# Bounded on both sides, but the side it broke says more than the range would (the
+# int64/uint64 limits).
+_ONE_SIDED = frozenset({"seed"})
+
+
+def _declared_range(model: type[GenerationBody], name: str | None) -> Range | None:
+    """The [lo, hi] or (lo, hi] a field declares, when it declares both ends."""
+    field = model.model_fields.get(name) if name not in _ONE_SIDED else None
+    if field is None:
+        return None
+    low = next((m for m in field.metadata if isinstance(m, (Ge, Gt))), None)
+    high = next((m for m in field.metadata if isinstance(m, Le)), None)
+    if low is None or high is None:
+        return None
+    return Range(low.gt, high.le, lo_open=True) if isinstance(low, Gt) else Range(low.ge, high.le)
 
 
 def _at_most(value: int, name: str, allowed: Range) -> None:

@@ -53,6 +53,8 @@ def test_null_is_the_default_and_best_of_equal_to_n_is_plain_n():
     ({"best_of": 3, "stream": True}, "best_of", "'best_of' > 'n' cannot be streamed"),
     ({"top_logprobs": 1}, "top_logprobs", "unknown parameter 'top_logprobs' for /v1/completions"),
     ({"suffix": "y"}, "suffix", "'suffix' is not supported"),
+    ({"session_id": ""}, "session_id", "'session_id' must be a string of 1 to 128 characters"),
+    ({"stop": ["a"] * 5}, "stop", "'stop' takes at most 4 strings, got 5"),
 ])
 def test_each_bad_field_is_a_400_naming_it(fields, param, message):
     with pytest.raises(APIError) as err:
