@@ -60,6 +60,36 @@ class Transport(StrEnum):
 GREEDY_TEMPERATURE = 1e-5
 
 
+class Range(NamedTuple):
+    """The values a numeric parameter takes: [lo, hi], or (lo, hi] with ``lo_open``."""
+
+    lo: float
+    hi: float
+    lo_open: bool = False
+
+    def holds(self, value: float) -> bool:
+        return self.lo < value <= self.hi if self.lo_open else self.lo <= value <= self.hi
+
+    def text(self) -> str:
+        return f"{'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}]"
+
+
+# The one source of the sampling parameters' ranges: ``SamplingParams`` checks them
+# and the HTTP request models (``serve_app.params``) declare them, so the OpenAPI
+# schema, the 400s and the engine's own check cannot disagree.
+SAMPLING_RANGES: dict[str, Range] = {
+    "temperature": Range(0.0, 2.0),
+    "top_p": Range(0.0, 1.0, lo_open=True),
+    "presence_penalty": Range(-2.0, 2.0),    # over this generation's own tokens
+    "frequency_penalty": Range(-2.0, 2.0),   # likewise
+    "repetition_penalty": Range(0.0, 2.0, lo_open=True),   # over prompt and output (transformers' rule)
+    "min_p": Range(0.0, 1.0),
+}
+LOGIT_BIAS_RANGE = Range(-100.0, 100.0)
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
+MAX_LOGPROBS = 20                    # top-k logprobs per token, at most
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How one request samples; validated where it is built (a bad value is the
@@ -70,13 +100,13 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
-    # Processors (cluster.engine.sampling; each off at its default).
+    # Processors (cluster.engine.sampling; each off at its default). Ranges: SAMPLING_RANGES.
     top_k: int = 0                       # 0: off
     min_p: float = 0.0
-    presence_penalty: float = 0.0        # [-2, 2], over this generation's own tokens
-    frequency_penalty: float = 0.0       # [-2, 2], likewise
-    repetition_penalty: float = 1.0      # (0, 2], over prompt and output (transformers' rule)
-    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias in [-100, 100])
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias in LOGIT_BIAS_RANGE)
     min_tokens: int = 0                  # stop tokens are masked until this many were generated
     # Logprobs of the sampled tokens: None, or k >= 0 (the token's own and the top k).
     logprobs: int | None = None
@@ -91,49 +121,39 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise InvalidInputError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
-                or not math.isfinite(self.temperature) or not 0.0 <= self.temperature <= 2.0:
-            raise InvalidInputError(f"temperature must be a number in [0, 2], got {self.temperature!r}")
-        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) \
-                or not math.isfinite(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            raise InvalidInputError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        for name, allowed in SAMPLING_RANGES.items():
+            _real(getattr(self, name), name, allowed)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
-                                      or not -(1 << 63) <= self.seed < (1 << 64)):
+                                      or not SEED_MIN <= self.seed <= SEED_MAX):
             raise InvalidInputError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
         ids = self.stop_token_ids
         if not isinstance(ids, tuple) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise InvalidInputError(f"stop_token_ids must be a tuple of ints, got {ids!r:.80}")
-        for name, lo, hi in (("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0),
-                             ("min_p", 0.0, 1.0)):
-            _real(getattr(self, name), name, lo, hi)
-        _real(self.repetition_penalty, "repetition_penalty", 0.0, 2.0)
-        if not self.repetition_penalty > 0:
-            raise InvalidInputError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty!r}")
         for name in ("top_k", "min_tokens", "prior_output"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise InvalidInputError(f"{name} must be an integer >= 0, got {v!r}")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 20):
-                raise InvalidInputError(f"{name} must be an integer in [0, 20] or None, got {v!r}")
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_LOGPROBS):
+                raise InvalidInputError(f"{name} must be an integer in [0, {MAX_LOGPROBS}] or None, got {v!r}")
         if not isinstance(self.logit_bias, tuple):
             raise InvalidInputError(f"logit_bias must be a tuple of (token id, bias), got {self.logit_bias!r:.80}")
         for pair in self.logit_bias:
             if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], int)
                     and not isinstance(pair[0], bool) and pair[0] >= 0):
                 raise InvalidInputError(f"logit_bias entries must be (token id >= 0, bias), got {pair!r:.80}")
-            _real(pair[1], "logit_bias value", -100.0, 100.0)
+            _real(pair[1], "logit_bias value", LOGIT_BIAS_RANGE)
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
 
 
-def _real(value: Any, what: str, lo: float, hi: float) -> None:
+def _real(value: Any, what: str, allowed: Range) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or not lo <= value <= hi:
-        raise InvalidInputError(f"{what} must be a number in [{lo:g}, {hi:g}], got {value!r}")
+            or not allowed.holds(value):
+        raise InvalidInputError(f"{what} must be a number in {allowed.text()}, got {value!r}")
 
 
 @dataclass(slots=True)
@@ -477,7 +497,7 @@ def _check_tokens(tokens: Any, what: str) -> None:
 
 
 __all__ = ["WIRE_VERSION", "Tenant", "MalformedMessageError", "FinishReason", "Transport", "GREEDY_TEMPERATURE",
-           "SamplingParams", "MigrationResult", "RouteDecision", "GenerateRequest", "StagedPrefix", "RATE_FIELDS",
+           "Range", "SAMPLING_RANGES", "LOGIT_BIAS_RANGE", "SEED_MIN", "SEED_MAX", "MAX_LOGPROBS", "SamplingParams", "MigrationResult", "RouteDecision", "GenerateRequest", "StagedPrefix", "RATE_FIELDS",
            "PrefixOffer",
            "MeasuredRates", "WorkerInfo", "Snapshot", "ReplicaTiming", "StreamItem", "TableChange", "TableState",
            "TableUpdate", "LoadReport"]

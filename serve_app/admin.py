@@ -15,13 +15,22 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Awaitable, Callable, TypeVar
+from typing import Any, Awaitable, Callable, Protocol, TypeVar
 
-from actors.peer import PeerClient, UnknownPeerSessionError
+from actors.peer import PeerClient, PeerDirectory, UnknownPeerSessionError
 from serve_app.protocol import APIError
 
-if TYPE_CHECKING:
-    from serve_app.ingress import IngressCore
+
+class IngressCore(Protocol):
+    """What the admin calls need of the ingress (``serve_app.ingress.IngressCore``):
+    declared here, so this module does not import the one that imports it."""
+
+    router: Any
+    peers: PeerDirectory
+
+    async def peer_addresses(self, max_age_s: float = 0.0) -> dict[str, str]: ...
+
+    def session_key(self, tenant: Any, session_id: str | None) -> str | None: ...
 
 log = logging.getLogger("ray.serve")
 T = TypeVar("T")

@@ -1,20 +1,11 @@
-"""IngressCore: one HTTP request's way to a replica and back, without the Serve wiring.
+"""IngressCore: one HTTP request's way to the replicas and back, without the Serve wiring.
 
-Per request: the ingress decides where it goes (``RoutingClient``: its copy
-of the directory's routing table, else the directory), sends one typed
-``GenerateRequest`` with that decision to the replicas' deployment handle
-(Serve's ``DirectoryRouter`` carries the decision out), and reads the
-replica's ``StreamItem``s. It never writes into an item, and no other layer
-writes into its request: the response is built from the items alone
-(``serve_app.responses``).
-
-A replica that dies (or whose watchdog trips) mid-request does not end the
-request: it is resumed on another replica from the tokens already sent
-(prompt + sent tokens, ``max_tokens`` reduced, same seed: sampling is a
-function of (seed, position), so the continuation is what the first replica
-would have produced), up to ``max_resumes`` times, never on a replica it
-already failed on. When it cannot be resumed the caller gets an
-``APIError`` (503 with Retry-After), never a bare exception.
+Per request, one way down and back: the body is read and validated into an
+``ApiRequest`` (``serve_app.protocol``, its fields by the typed models of
+``serve_app.params``); a ``ReplicaStream`` (``serve_app.replica_stream``)
+routes it, calls the replicas, resumes it on another replica when one fails
+and counts its metrics; ``serve_app.responses`` renders the answer from that
+stream's ``StreamItem``s. Nothing below calls back up into this module.
 
 Every ingress replica is alike: nothing a request needs lives in one of
 them only. The ids behind the model's replies are written through to the
@@ -36,32 +27,28 @@ the session the request runs under; the header's is the one prefetched.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import secrets
 import time
-from typing import Any, AsyncIterator
+from typing import Any
 
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
-from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle
 
-from actors.engine_loop import EngineWedgedError, QueueFullError
 from actors.peer import PeerDirectory
 from actors.reply_store import SharedReplies
 from actors.routing_client import RoutingClient
 from cluster.engine.checkpoint import ModelSpec, load_tokenizer, model_context, model_id
 from cluster.engine.text import ChatPromptBuilder, ReplyMemory
-from cluster.errors import CacheError, InvalidInputError
-from cluster.names import SOURCE_NAMES
-from cluster.protocol import FinishReason, GenerateRequest, RouteDecision, SamplingParams, StreamItem, Tenant
+from cluster.protocol import Tenant
 from serve_app import admin, metrics
 from serve_app.auth import Auth, read_json_body
 from serve_app.logprobs import TokenNames
 from serve_app.openapi import add_request_bodies
 from serve_app.protocol import APIError, ApiRequest, Limits, batch_prompts, parse_chat, parse_completion
-from serve_app.responses import merge_batch, respond
+from serve_app.replica_stream import ReplicaCalls, ReplicaStream, session_key
+from serve_app.responses import Presenter, merge_batch, respond
 from serve_app.structured import assistant_texts
 from serve_app.timing import RequestClock
 from serve_app.token_api import detokenize, tokenize, tokenizer_info
@@ -78,15 +65,16 @@ PEER_ADDRESSES_MAX_AGE_S = 1.0
 class IngressCore:
     """Everything but the Serve wiring, so it can be tested and reused."""
 
-    def __init__(self, workers: Any, model: str | dict | None = None, model_name: str | None = None,
-                 namespace: str = "prefix-cache", api_keys: str | dict | None = None,
+    def __init__(self, workers: Any, model: object = None, model_name: str | None = None,
+                 namespace: str = "prefix-cache", api_keys: object = None,
                  admin_keys: str | list | None = None, limits: dict | None = None, retry_after_s: int = 1,
                  admin_without_keys: bool = False, max_resumes: int = 2, block_tokens: int = 16,
                  router: Any = None, peer_secret: str | None = None, shared_replies: bool = True,
                  ingress_id: str | None = None, prefetch_timeout_s: float = 2.0, replica_calls: str = "grpc"):
         """``workers``: the replicas' deployment handle. ``model`` is the replicas'
-        model spec (``WorkerConfig.model``): the ingress loads only its tokenizer and
-        chat template. ``model_name`` is the id clients send and ``/v1/models`` lists
+        model spec (``WorkerConfig.model``, anything ``ModelSpec.parse`` reads): the
+        ingress loads only its tokenizer and chat template. ``api_keys``: what ``Auth``
+        reads. ``model_name`` is the id clients send and ``/v1/models`` lists
         (default: the model's own id). ``router``: what decides (default: a
         ``RoutingClient`` on the directory of ``namespace``); ``peer_secret``:
         the app's peer-channel secret, for the admin calls aimed at one worker;
@@ -114,6 +102,8 @@ class IngressCore:
         self.retry_after_s = retry_after_s
         self.max_resumes = max_resumes
         self.router = router if router is not None else RoutingClient(namespace, block_tokens=block_tokens)
+        self.calls = ReplicaCalls(workers, self.router, max_resumes, retry_after_s)
+        self.presenter = Presenter(self.tokenizer, self.token_names, self.model_name, ingress_id, self.prompts)
         self.peer_secret = peer_secret
         self._peers: PeerDirectory | None = None
         self._peer_addresses: tuple[float, dict[str, str]] | None = None   # (monotonic time, worker -> address)
@@ -203,12 +193,6 @@ class IngressCore:
     def detokenize(self, body: dict) -> dict:
         return detokenize(body, self.tokenizer, self.model_name, self.context)
 
-    def stop_token_ids(self, gen: ApiRequest) -> tuple[int, ...]:
-        """The client's stop ids, plus EOS and the model's generation-config stop ids
-        unless the client asked to ignore EOS."""
-        own = () if gen.ignore_eos else tuple(self.tokenizer.stop_token_ids)
-        return tuple(dict.fromkeys((*gen.stop_token_ids, *own)))
-
     def authenticate(self, request, admin: bool = False) -> str | None:
         return self.auth.authenticate(request, admin)
 
@@ -216,131 +200,20 @@ class IngressCore:
         return await read_json_body(request, self.limits, empty_ok,
                                     on_bytes=clock.mark_body_read if clock is not None else None)
 
-    def remember_reply(self, tenant: str | None, text: str, ids: list[int] | None) -> None:
-        """Keep the ids behind a reply, so the client's next turn reuses their KV."""
-        if ids is not None:   # remember_reply keeps them only if they decode to exactly ``text``
-            self.prompts.remember_reply(tenant or "", text, ids)
-
     @staticmethod
     def session_key(tenant: Tenant | None, session_id: str | None) -> str | None:
-        return None if session_id is None else f"{tenant}:{session_id}"
+        return session_key(tenant, session_id)
 
     # -------------------------------------------------------------- generation
-    async def stream_items(self, gen: ApiRequest, tenant: Tenant | None, endpoint: str,
-                           clock: RequestClock | None = None, whole: bool = False, *, seed: int | None = None,
-                           first_route: RouteDecision | None = None, logprobs: int | None = None,
-                           prompt_logprobs: int | None = None, sibling: bool = False) -> AsyncIterator[StreamItem]:
-        """The worker's items for one request. Leaving early (a stop string, a client
-        that went away) cancels the request on the worker, which caches what it
-        computed and releases its locks.
-
-        ``whole``: the caller reads every item before answering (a non-streamed
-        request without stop strings), so the replica returns them all from one
-        call (``generate_all``) instead of a stream: one message back instead of
-        one per token. A failed call then sent nothing, and resuming it starts
-        over on another replica (with the same seed: the same answer).
-
-        ``seed`` (default the request's), ``first_route`` (the decision for the first
-        attempt: a choice pinned beside its siblings), ``logprobs`` and
-        ``prompt_logprobs``: one choice of a request (``serve_app.responses``);
-        ``sibling``: another choice of the same HTTP request is in flight beside it."""
-        sampling = gen.generation.sampling if gen.generation is not None else {}
-        params = SamplingParams(gen.max_tokens, gen.temperature, gen.top_p, gen.seed if seed is None else seed,
-                                self.stop_token_ids(gen), logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                                grammar=gen.grammar, **sampling)
-        session = self.session_key(tenant, gen.session_id)
-        metrics.prompt_tokens.inc(len(gen.prompt))
-        start = time.perf_counter()
-        last = None
-        sent: list[int] = []
-        failed_on: list[str] = []
-        for attempt in range(self.max_resumes + 1):
-            if attempt:
-                metrics.resumed_requests.inc()
-                log.warning("resuming a request after %d tokens (failed on %s)", len(sent), failed_on or "?")
-            if len(sent) >= gen.max_tokens:   # everything was sent but the end: end it here
-                yield StreamItem(None, True, FinishReason.LENGTH, prompt_tokens=len(gen.prompt))
-                return
-            prompt = gen.prompt + sent
-            routed = time.perf_counter()
-            if attempt == 0 and first_route is not None:
-                route = first_route
-            else:
-                route = await self.router.route(prompt, tenant, failed_on or None)
-            route_s = time.perf_counter() - routed
-            # A resumed request: what it sent is prompt now, its own tokens for penalties and
-            # min_tokens; the prompt's logprobs went with the first item already.
-            message = GenerateRequest(prompt, dataclasses.replace(
-                params, max_tokens=gen.max_tokens - len(sent), prior_output=len(sent),
-                prompt_logprobs=params.prompt_logprobs if last is None else None),
-                tenant, session, route, tuple(failed_on))
-            finished = False
-            worker = None
-            call_wall = time.time()
-            if sibling:
-                _own_request_id()
-            if whole:
-                stream = self.workers.generate_all.remote(message)
-                items = _items_of(stream)
-            else:
-                stream = items = self.workers.options(stream=True).generate.remote(message)
-            try:
-                async for item in items:
-                    now = time.perf_counter()
-                    worker = item.worker_id
-                    if last is None:
-                        if clock is not None:
-                            clock.mark_first(call_wall, route_s, item.timing, route)
-                        metrics.ttft.observe(now - start, tags={"endpoint": endpoint})
-                        for tier, n in zip(SOURCE_NAMES, item.tier_hits):
-                            if n:
-                                metrics.cached_tokens.inc(n, tags={"tier": tier})
-                    elif not whole:
-                        metrics.inter_token.observe(now - last, tags={"endpoint": endpoint})
-                    last = now
-                    finished = item.finished
-                    if item.token is not None:
-                        sent.append(item.token)
-                    yield item
-                    if finished:
-                        return
-                failure: BaseException = ConnectionError("the replica's stream ended without its last item")
-            except Exception as exc:
-                failure = exc
-            finally:
-                if not finished:   # stop string, client gone, or an error: stop generating
-                    stream.cancel()
-            if not _resumable(failure):
-                raise self.api_error(failure)
-            if worker is None:   # it failed before its first item: the replica chosen for it
-                worker = route.worker_id
-            if worker is not None:
-                failed_on.append(worker)
-        raise APIError(503, f"the replicas serving this request failed ({len(failed_on)} tried) and it could "
-                            f"not be resumed; retry later", type_="server_error", code="replica_failed",
-                       headers={"Retry-After": str(self.retry_after_s)})
-
-    def api_error(self, exc: BaseException) -> APIError:
-        """What the client sees for a failure that resuming cannot fix."""
-        cause = _root_cause(exc)
-        if isinstance(exc, APIError):
-            return exc
-        if isinstance(cause, QueueFullError) or type(exc).__name__ == "BackPressureError":
-            return APIError(429, "the server is at capacity; retry later", type_="rate_limit_error",
-                            code="queue_full", headers={"Retry-After": str(self.retry_after_s)})
-        if isinstance(cause, InvalidInputError):   # a parameter the worker refused: the client's to fix
-            return APIError(400, f"invalid request: {cause}", code="invalid_request")
-        if isinstance(cause, CacheError):   # e.g. a prompt the KV cache can never hold
-            return APIError(503, f"the request could not be served: {cause}", type_="server_error",
-                            code="kv_cache_unavailable", headers={"Retry-After": str(self.retry_after_s)})
-        log.error("request failed: %s: %s", type(exc).__name__, exc)
-        return APIError(503, f"the request failed on the server ({type(cause).__name__}); retry later",
-                        type_="server_error", code="server_error", headers={"Retry-After": str(self.retry_after_s)})
+    def stream(self, gen: ApiRequest, tenant: Tenant | None, endpoint: str,
+               clock: RequestClock | None = None) -> ReplicaStream:
+        """The request on the replicas: its choices' items, routed, resumed, counted."""
+        return ReplicaStream(self.calls, gen, tenant, endpoint, clock or RequestClock.start())
 
     async def complete(self, gen: ApiRequest, tenant: Tenant | None, endpoint: str, chat: bool,
                        clock: RequestClock | None = None):
         """The OpenAI response for one request: a JSON body, or a streaming response."""
-        return await respond(self, gen, tenant, endpoint, chat, clock or RequestClock.start())
+        return await respond(self.stream(gen, tenant, endpoint, clock), self.presenter, chat)
 
 
 REPLICA_CALLS = ("grpc", "object_ref")
@@ -350,42 +223,12 @@ def replica_calls_of(value: Any) -> str:
     """How the ingress's calls reach the cache replicas (the app arg ``replica_calls``):
     ``grpc`` (default), Serve's direct gRPC channel from handle to replica, each streamed
     item one message on it; ``object_ref``, Ray's object references and streaming
-    generators (Serve's default), a task and an object per item. Measured on 2 cores
-    (``bench serving``, one replica, 16 chat sessions, the two alternating): 81.5 and
-    83.2 output tokens/s with ``object_ref``, 85.7 and 85.4 with ``grpc``, as each token
-    costs the ingress and the replica less CPU beside the engine."""
+    generators (Serve's default), a task and an object per item. ``grpc`` costs the
+    ingress and the replica less CPU per token beside the engine (measured in
+    docs/deployment.md)."""
     if value not in REPLICA_CALLS:
         raise ValueError(f"replica_calls must be one of {list(REPLICA_CALLS)}, got {value!r}")
     return value
-
-
-def _own_request_id() -> None:
-    """Give the next replica call an internal request id of its own. Serve's router
-    keeps pending calls by the id of the HTTP request they serve (a context variable),
-    so concurrent calls for one request (the choices of ``n``) would be taken for one
-    and wait forever; ids are only for tracking, so each choice may have its own.
-    Serve has no public way to set it: this is the one private call in the app."""
-    from ray.serve._private.utils import generate_request_id
-    from ray.serve.context import _set_request_context
-
-    _set_request_context(_internal_request_id=generate_request_id())
-
-
-async def _items_of(call) -> AsyncIterator[StreamItem]:
-    """The items of a ``generate_all`` call, as the stream would give them."""
-    for item in await call:
-        yield item
-
-
-def _resumable(exc: BaseException) -> bool:
-    """A failure of the replica, not of the request: another replica can go on."""
-    cause = _root_cause(exc)
-    return isinstance(cause, (RayActorError, EngineWedgedError, ConnectionError)) or isinstance(exc, RayActorError)
-
-
-def _root_cause(exc: BaseException) -> BaseException:
-    cause = getattr(exc, "cause", None) or exc.__cause__
-    return _root_cause(cause) if cause is not None and cause is not exc else exc
 
 
 async def handle_generation(core: IngressCore, request, endpoint: str, chat: bool) -> Response:
@@ -404,10 +247,8 @@ async def handle_generation(core: IngressCore, request, endpoint: str, chat: boo
             return await _batch(core, body, prompts, tenant, header_session, clock)
         gen = parse_completion(body, core.limits, core.model_name, core.tokenizer)
     clock.mark_parsed()
-    if gen.seed is None:
-        # Every request gets a seed: sampling is a function of (seed, position), so a request
-        # resumed on another replica continues exactly where the first one stopped.
-        gen.seed = secrets.randbits(63)
+    if gen.seed is None:   # every request gets one: a resumed request continues where it stopped
+        gen.with_seed(secrets.randbits(63))
     if gen.session_id is None:   # the body's field first, then the header
         gen.session_id = header_session
     result = await core.complete(gen, tenant, endpoint, chat, clock)
@@ -425,14 +266,15 @@ async def _batch(core: IngressCore, body: dict, prompts: list, tenant: Tenant | 
     its own: prompts that share a context go where it is cached), run side by side;
     one answer with their choices in order (prompt i's choice j at index i * n + j)."""
     gens = [parse_completion({**body, "prompt": p}, core.limits, core.model_name, core.tokenizer) for p in prompts]
-    runs = sum(g.generation.choices_to_run if g.generation is not None else 1 for g in gens)
+    runs = sum(g.body.candidates or g.body.n for g in gens)
     if runs > MAX_BATCH_SEQUENCES:
         raise APIError(400, f"{len(gens)} prompts with {runs // len(gens)} sequences each are {runs} sequences; "
                             f"at most {MAX_BATCH_SEQUENCES} per request", param="prompt")
     clock.mark_parsed()
     seed = gens[0].seed if gens[0].seed is not None else secrets.randbits(63)
     for gen in gens:
-        gen.seed, gen.batched = seed, True
+        gen.with_seed(seed)
+        gen.batched = True
         if gen.session_id is None:
             gen.session_id = header_session
     clocks = [clock] + [RequestClock.start() for _ in gens[1:]]

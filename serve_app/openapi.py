@@ -1,83 +1,48 @@
-"""The OpenAPI description of the request bodies the ingress parses by hand.
+"""The OpenAPI description of the request bodies the ingress reads.
 
 The endpoints read raw JSON (``serve_app.protocol`` names the field at fault
-in every 4xx), so FastAPI cannot infer their bodies; these schemas say what
-each endpoint takes. They document the API (``GET /openapi.json``) and drive
-the property-based fuzz suite (Schemathesis, ``tests/serve/test_fuzz.py``).
+in every 4xx), so FastAPI cannot infer their bodies: the generation endpoints'
+schemas come from their typed models (``serve_app.params``), with what only the
+deployment knows filled in (the served model's name, the vocabulary). They
+document the API (``GET /openapi.json``) and drive the property-based fuzz suite
+(Schemathesis, ``tests/serve/test_fuzz.py``).
 """
 
 from __future__ import annotations
 
+import copy
+from functools import cache
 from typing import Any
 
-_SAMPLING = {
-    "max_tokens": {"type": "integer", "minimum": 1},
-    "max_completion_tokens": {"type": "integer", "minimum": 1},
-    "temperature": {"type": "number", "minimum": 0, "maximum": 2},
-    "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
-    "seed": {"type": "integer"},
-    "n": {"type": "integer", "minimum": 1, "maximum": 16},
-    "stream": {"type": "boolean"},
-    "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
-    "stop": {"oneOf": [{"type": "string", "minLength": 1, "maxLength": 256},
-                       {"type": "array", "maxItems": 4, "items": {"type": "string", "minLength": 1, "maxLength": 256}}]},
-    "stop_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0}},
-    "ignore_eos": {"type": "boolean"},
-    "session_id": {"type": "string", "minLength": 1, "maxLength": 128},
-    "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
-    "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
-    "repetition_penalty": {"type": "number", "exclusiveMinimum": 0, "maximum": 2},
-    "top_k": {"type": "integer", "minimum": -1},
-    "min_p": {"type": "number", "minimum": 0, "maximum": 1},
-    "logit_bias": {"type": "object", "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}},
-    "min_tokens": {"type": "integer", "minimum": 0},
-    "user": {"type": "string"},
-    "metadata": {"type": "object"},
-}
-_FUNCTION = {"type": "object", "required": ["name"], "properties": {
-    "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"}, "description": {"type": "string"},
-    "parameters": {"type": "object"}}}
-_TOOLS = {
-    "tools": {"type": "array", "minItems": 1, "items": {"type": "object", "required": ["type", "function"],
-                                                         "properties": {"type": {"enum": ["function"]},
-                                                                        "function": _FUNCTION}}},
-    "tool_choice": {"oneOf": [{"enum": ["auto", "none", "required"]},
-                              {"type": "object", "properties": {"type": {"enum": ["function"]},
-                                                                "function": {"type": "object"}}}]},
-    "parallel_tool_calls": {"type": "boolean"},
-    "response_format": {"type": "object", "properties": {
-        "type": {"enum": ["text", "json_object", "json_schema"]},
-        "json_schema": {"type": "object", "properties": {"name": {"type": "string"}, "schema": {"type": "object"},
-                                                         "strict": {"type": "boolean"}}}}},
-    "structured_outputs": {"type": "object", "properties": {
-        "json": {"type": "object"}, "regex": {"type": "string"}, "grammar": {"type": "string"},
-        "choice": {"type": "array", "items": {"type": "string"}}}},
-}
+from serve_app.params import ChatBody, CompletionBody, GenerationBody
+
+
+@cache
+def _model_schema(model: type[GenerationBody]) -> dict:
+    schema = model.model_json_schema()
+    for prop in schema["properties"].values():   # the field names say it; titles add only noise
+        prop.pop("title", None)
+    return schema
 
 
 def completion_schema(model: str, vocab_size: int) -> dict:
+    schema = copy.deepcopy(_model_schema(CompletionBody))
     ids = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0, "maximum": vocab_size - 1}}
-    return {"type": "object", "required": ["model", "prompt"], "properties": {
-        "model": {"type": "string", "enum": [model]},
-        "prompt": {"oneOf": [{"type": "string", "minLength": 1}, ids,
-                             {"type": "array", "minItems": 1, "maxItems": 64,
-                              "items": {"type": "string", "minLength": 1}},
-                             {"type": "array", "minItems": 1, "maxItems": 64, "items": ids}]},
-        "echo": {"type": "boolean"}, "logprobs": {"type": "integer", "minimum": 0, "maximum": 5},
-        "best_of": {"type": "integer", "minimum": 1, "maximum": 16},
-        **_SAMPLING}}
+    schema["properties"]["model"] = {"type": "string", "enum": [model]}
+    schema["properties"]["prompt"] = {"oneOf": [
+        {"type": "string", "minLength": 1}, ids,
+        {"type": "array", "minItems": 1, "maxItems": 64, "items": {"type": "string", "minLength": 1}},
+        {"type": "array", "minItems": 1, "maxItems": 64, "items": ids}]}
+    schema["properties"]["top_k"]["maximum"] = vocab_size
+    return schema
 
 
-def chat_schema(model: str) -> dict:
-    message = {"type": "object", "required": ["role", "content"], "properties": {
-        "role": {"type": "string", "enum": ["system", "user", "assistant", "tool"]},
-        "content": {"type": ["string", "null"]}, "tool_call_id": {"type": "string"},
-        "tool_calls": {"type": "array", "items": {"type": "object"}}}}
-    return {"type": "object", "required": ["model", "messages"], "properties": {
-        "model": {"type": "string", "enum": [model]},
-        "messages": {"type": "array", "minItems": 1, "items": message},
-        "logprobs": {"type": "boolean"}, "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
-        **_SAMPLING, **_TOOLS}}
+def chat_schema(model: str, vocab_size: int | None = None) -> dict:
+    schema = copy.deepcopy(_model_schema(ChatBody))
+    schema["properties"]["model"] = {"type": "string", "enum": [model]}
+    if vocab_size is not None:
+        schema["properties"]["top_k"]["maximum"] = vocab_size
+    return schema
 
 
 def tokenize_schema(model: str) -> dict:
@@ -106,7 +71,7 @@ ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error":
 def add_request_bodies(schema: dict[str, Any], model: str, vocab_size: int) -> dict[str, Any]:
     """``schema`` (FastAPI's generated OpenAPI) with the request bodies and the
     error response of every POST endpoint, and bearer auth declared."""
-    bodies = {"/v1/completions": completion_schema(model, vocab_size), "/v1/chat/completions": chat_schema(model),
+    bodies = {"/v1/completions": completion_schema(model, vocab_size), "/v1/chat/completions": chat_schema(model, vocab_size),
               "/v1/admin/policy": POLICY_SCHEMA, "/v1/cache/flush": EMPTY_SCHEMA,
               "/v1/sessions/{session_id}/prefetch": EMPTY_SCHEMA, "/tokenize": tokenize_schema(model),
               "/detokenize": detokenize_schema(model, vocab_size)}

@@ -1,19 +1,23 @@
 """Request parsing and OpenAI-shaped errors for the HTTP ingress.
 
-Parsing is explicit (not FastAPI's model binding) so every 4xx names the
-field at fault, in the OpenAI error body ``{"error": {message, type, param,
-code}}``, and nothing malformed reaches a replica.
+The body is read as JSON here (``parse_json``: size, NaN, depth), validated
+once by its endpoint's typed model (``serve_app.params``), and its prompt or
+messages turned into token ids: an ``ApiRequest``, every 4xx naming the field
+at fault in the OpenAI error body ``{"error": {message, type, param, code}}``,
+so nothing malformed reaches a replica.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Callable, Union
 
 from cluster.engine.tokenizer import Tokenizer
+from cluster.protocol import SamplingParams
 from serve_app.errors import APIError
-from serve_app.params import parse_generation
+from serve_app.params import BodyContext, ChatBody, CompletionBody, valid_text, validate_body
 from serve_app.structured import Tools, parse_constraint, parse_tools, plain_messages, validate_tool_messages
 
 __all__ = ["APIError", "ApiRequest", "Limits", "parse_json", "parse_completion", "parse_chat", "chat_prompt"]
@@ -30,27 +34,51 @@ class Limits:
 @dataclass
 class ApiRequest:
     """What a client asked for in one completion or chat request, parsed and
-    validated (``parse_completion``/``parse_chat``): the prompt as token ids
-    and every parameter the request may set."""
+    validated (``parse_completion``/``parse_chat``): the prompt as token ids, the
+    validated body, and the engine's ``SamplingParams`` built from it."""
 
     prompt: list[int]
-    max_tokens: int
-    temperature: float
-    top_p: float
-    seed: int | None
-    stop_token_ids: list[int]
-    stop: list[str]
-    ignore_eos: bool
-    stream: bool
-    include_usage: bool
-    session_id: str | None
-    model: str
-    extra: dict = field(default_factory=dict)
-    generation: Any = None           # serve_app.params.Generation: n, best_of, echo, logprobs, sampling controls
+    body: Union[CompletionBody, ChatBody]
+    params: SamplingParams           # the first choice's (``serve_app.choices`` varies seed and logprobs)
+    session_id: str | None = None    # the body's, else the request's X-Session-Id header
     prompt_text: str | None = None   # a completion's prompt as the client sent it (echo)
-    grammar: Any = None              # cluster.engine.grammar.GrammarSpec: the answer's constraint
-    tools: Any = None                # serve_app.structured.Tools: the functions the answer may call
+    tools: Tools | None = None       # the functions the answer may call
     batched: bool = False            # one of several prompts of one completions request
+
+    @property
+    def max_tokens(self) -> int:
+        return self.params.max_tokens
+
+    @property
+    def seed(self) -> int | None:
+        return self.params.seed
+
+    def with_seed(self, seed: int) -> None:
+        """Every request gets a seed: sampling is a function of (seed, position), so a
+        request resumed on another replica continues exactly where the first one stopped."""
+        self.params = dataclasses.replace(self.params, seed=seed)
+
+    @property
+    def stream(self) -> bool:
+        return self.body.stream
+
+    @property
+    def include_usage(self) -> bool:
+        return self.body.include_usage
+
+    @property
+    def stop(self) -> tuple[str, ...]:
+        return self.body.stop_strings
+
+
+def _request(body: dict, model: type, prompt: list[int], limits: Limits, served_model: str,
+             tokenizer: Tokenizer, grammar=None) -> ApiRequest:
+    """The validated ``body`` and ``prompt`` as one ``ApiRequest``."""
+    _check_prompt_length(len(prompt), limits)
+    fields = validate_body(model, body, BodyContext(served_model, limits.max_tokens, tokenizer.vocab_size))
+    own = () if fields.ignore_eos else tuple(tokenizer.stop_token_ids)
+    stop_ids = tuple(dict.fromkeys((*fields.stop_token_ids, *own)))   # the client's, then EOS and the model's
+    return ApiRequest(prompt, fields, fields.sampling_params(stop_ids, grammar), fields.session_id)
 
 
 def parse_json(raw: bytes, limits: Limits) -> dict:
@@ -71,105 +99,6 @@ def parse_json(raw: bytes, limits: Limits) -> dict:
 def _reject_constant(name: str):
     # Python's json accepts NaN and Infinity, which are not JSON and which no parameter takes.
     raise APIError(400, f"malformed JSON body: {name} is not a JSON value", code="invalid_json")
-
-
-def _text(value: str, param: str) -> str:
-    """A string the tokenizer can take: valid Unicode, no lone surrogate (JSON's
-    \\ud800 escapes decode to one)."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        raise APIError(400, f"'{param}' contains an invalid Unicode character (a lone surrogate)",
-                       param=param, code="invalid_unicode") from None
-    return value
-
-
-def _int(body: dict, name: str, default: int | None, lo: int | None = None, hi: int | None = None) -> int | None:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise APIError(400, f"'{name}' must be an integer, got {type(value).__name__}", param=name)
-    if lo is not None and value < lo:
-        raise APIError(400, f"'{name}' must be >= {lo}, got {value}", param=name)
-    if hi is not None and value > hi:
-        raise APIError(400, f"'{name}' must be <= {hi}, got {value}", param=name, code="limit_exceeded")
-    return value
-
-
-def _float(body: dict, name: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise APIError(400, f"'{name}' must be a number, got {type(value).__name__}", param=name)
-    if value > hi or value < lo or (lo_open and value == lo):
-        bound = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
-        raise APIError(400, f"'{name}' must be in {bound}, got {value}", param=name)
-    return float(value)
-
-
-def _common(body: dict, prompt: list[int], limits: Limits, served_model: str, tokenizer: Tokenizer,
-            chat: bool) -> ApiRequest:
-    model = body.get("model")
-    if model is None:
-        raise APIError(400, "'model' is required", param="model")
-    if not isinstance(model, str):
-        raise APIError(400, f"'model' must be a string, got {type(model).__name__}", param="model")
-    if model != served_model:
-        raise APIError(404, f"model '{model}' does not exist; this server serves '{served_model}'",
-                       param="model", code="model_not_found")
-    _check_prompt_length(len(prompt), limits)
-    max_tokens = _int(body, "max_tokens", 16, lo=1, hi=limits.max_tokens)
-    if "max_completion_tokens" in body:
-        max_tokens = _int(body, "max_completion_tokens", 16, lo=1, hi=limits.max_tokens)
-    generation = parse_generation(body, chat, tokenizer.vocab_size, max_tokens)
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise APIError(400, f"'stream' must be a boolean, got {type(stream).__name__}", param="stream")
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict):
-        raise APIError(400, "'stream_options' must be an object", param="stream_options")
-    include_usage = options.get("include_usage", True)
-    if not isinstance(include_usage, bool):
-        raise APIError(400, f"'stream_options.include_usage' must be a boolean, got {type(include_usage).__name__}",
-                       param="stream_options.include_usage")
-    stop_ids = body.get("stop_token_ids") or []
-    if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
-        raise APIError(400, "'stop_token_ids' must be a list of integers", param="stop_token_ids")
-    stop = _stop_strings(body.get("stop"))
-    ignore_eos = body.get("ignore_eos", False)
-    if not isinstance(ignore_eos, bool):
-        raise APIError(400, f"'ignore_eos' must be a boolean, got {type(ignore_eos).__name__}", param="ignore_eos")
-    session = body.get("session_id")
-    if session is not None and (not isinstance(session, str) or not 0 < len(session) <= 128):
-        raise APIError(400, "'session_id' must be a string of 1 to 128 characters", param="session_id")
-    return ApiRequest(
-        prompt=prompt, max_tokens=max_tokens,
-        temperature=_float(body, "temperature", 0.0, 0.0, 2.0),   # default greedy: reproducible
-        top_p=_float(body, "top_p", 1.0, 0.0, 1.0, lo_open=True), seed=_int(body, "seed", None, lo=-(1 << 63), hi=(1 << 64) - 1),
-        stop_token_ids=stop_ids, stop=stop, ignore_eos=ignore_eos, stream=stream, include_usage=include_usage,
-        session_id=session, model=model, generation=generation)
-
-
-MAX_STOP_STRINGS = 4
-MAX_STOP_CHARS = 256
-
-
-def _stop_strings(value) -> list[str]:
-    """OpenAI's ``stop``: a string or up to 4 strings; generation ends before the first match."""
-    if value is None:
-        return []
-    stops = [value] if isinstance(value, str) else value
-    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-        raise APIError(400, "'stop' must be a string or a list of strings", param="stop")
-    if len(stops) > MAX_STOP_STRINGS:
-        raise APIError(400, f"'stop' takes at most {MAX_STOP_STRINGS} strings, got {len(stops)}", param="stop")
-    for s in stops:
-        if not 0 < len(s) <= MAX_STOP_CHARS:
-            raise APIError(400, f"each 'stop' string must have 1 to {MAX_STOP_CHARS} characters", param="stop")
-        _text(s, "stop")
-    return list(dict.fromkeys(stops))
 
 
 def _check_prompt_length(tokens: int, limits: Limits) -> None:
@@ -211,7 +140,7 @@ def parse_completion(body: dict, limits: Limits, served_model: str, tokenizer: T
     if isinstance(prompt, str):
         if not prompt:
             raise APIError(400, "'prompt' must not be empty", param="prompt")
-        ids = tokenizer.encode(_text(prompt, "prompt"))
+        ids = tokenizer.encode(valid_text(prompt, "prompt"))
     elif isinstance(prompt, list):
         if not prompt:
             raise APIError(400, "'prompt' must not be empty", param="prompt")
@@ -225,7 +154,7 @@ def parse_completion(body: dict, limits: Limits, served_model: str, tokenizer: T
     else:
         raise APIError(400, f"'prompt' must be a string or a list of token ids, got {type(prompt).__name__}",
                        param="prompt")
-    gen = _common(body, ids, limits, served_model, tokenizer, chat=False)
+    gen = _request(body, CompletionBody, ids, limits, served_model, tokenizer)
     gen.prompt_text = prompt if isinstance(prompt, str) else None
     return gen
 
@@ -243,8 +172,7 @@ def parse_chat(body: dict, limits: Limits, served_model: str, tokenizer: Tokeniz
     if forced is not None and constraint is not None:
         raise APIError(400, "a forced 'tool_choice' and 'response_format'/'structured_outputs' cannot both "
                             "constrain one answer", param="tool_choice")
-    gen = _common(body, ids, limits, served_model, tokenizer, chat=True)
-    gen.grammar = forced or constraint
+    gen = _request(body, ChatBody, ids, limits, served_model, tokenizer, forced or constraint)
     gen.tools = tools
     return gen
 
@@ -269,7 +197,7 @@ def chat_prompt(body: dict, tokenizer: Tokenizer,
             continue   # an assistant turn that only called tools
         if not isinstance(content, str):
             raise APIError(400, f"'messages[{i}].content' must be a string", param=f"messages[{i}].content")
-        _text(content, f"messages[{i}].content")
+        valid_text(content, f"messages[{i}].content")
     validate_tool_messages(messages)
     tools = parse_tools(body)
     active = tools if tools is not None and tools.active else None

@@ -1,50 +1,56 @@
-"""The OpenAI-shaped answer of one request, built in one place from its ``StreamItem``s.
+"""The OpenAI-shaped answer of one request, rendered from its choices' ``StreamItem``s.
 
-``respond`` runs the request's choices (``n``, or ``best_of`` candidates) through
-``IngressCore.stream_items`` and turns their items into a completion or chat
-completion: one JSON body, or server-sent events. The choices are forks of one
-prefill: they go to one replica together (the first is routed, the others are
-pinned to it), where the first computes the prompt and checkpoints it into the
-tree and the others find it cached; each samples with its own seed (choice 0
-with the request's, so ``n: 1`` answers as before). Text comes from the token
-ids (``serve_app.output.TextStream``: detokenized exactly, cut at stop strings);
-logprobs in OpenAI's shapes (``serve_app.logprobs``); usage counts the prompt
-once and every generated token; the ``prefix_cache`` field comes from the first
-choice. A stream ends with its data or with an error event, never silently.
+``respond`` reads the items of a request's choices (``n``, or ``best_of``
+candidates) from its ``ReplicaStream`` and turns them into a completion or
+chat completion: one JSON body, or server-sent events. It never calls back
+into the ingress: what it renders with (tokenizer, token names, the served
+model's name, the chat reply memory) comes in a ``Presenter``. Text comes
+from the token ids (``serve_app.output.TextStream``: detokenized exactly, cut
+at stop strings); logprobs in OpenAI's shapes (``serve_app.logprobs``); usage
+counts the prompt once and every generated token; the ``prefix_cache`` field
+comes from the first choice. A stream ends with its data or with an error
+event, never silently.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import struct
 import time
 import uuid
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import Any, AsyncIterator
 
-import xxhash
 from fastapi.responses import StreamingResponse
 
-from cluster.protocol import RouteDecision, StreamItem, Tenant
+from cluster.engine.text import ChatPromptBuilder
+from cluster.engine.tokenizer import Tokenizer
+from cluster.protocol import StreamItem
 from serve_app import metrics
-from serve_app.errors import APIError
-from serve_app.logprobs import chat_logprobs, completion_logprobs
+from serve_app.logprobs import TokenNames, chat_logprobs, completion_logprobs
 from serve_app.output import TextStream
 from serve_app.protocol import ApiRequest
+from serve_app.replica_stream import ReplicaStream
 from serve_app.structured import assistant_text
 from serve_app.timing import RequestClock
 
-if TYPE_CHECKING:
-    from serve_app.ingress import IngressCore
 
+@dataclass(frozen=True)
+class Presenter:
+    """What answers are rendered with: the model's tokenizer and token names, the
+    served model's name, this ingress replica's id, and the chat reply memory (the
+    ids behind each reply, so the client's next turn reuses their KV)."""
 
-def choice_seed(seed: int, index: int) -> int:
-    """Choice ``index``'s seed: the request's own for the first, a hash of (seed, index) after."""
-    if index == 0:
-        return seed
-    return xxhash.xxh3_64_intdigest(struct.pack("<QQ", seed % (1 << 64), index)) >> 1
+    tokenizer: Tokenizer
+    token_names: TokenNames
+    model_name: str
+    ingress_id: str | None
+    prompts: ChatPromptBuilder
+
+    def remember_reply(self, tenant: str | None, text: str, ids: list[int] | None) -> None:
+        if ids is not None:   # remember_reply keeps them only if they decode to exactly ``text``
+            self.prompts.remember_reply(tenant or "", text, ids)
 
 
 @dataclass
@@ -61,42 +67,18 @@ class Choice:
         return sum(lp for lp, _ in self.entries)
 
 
-class ChoiceRunner:
-    """The choices of one request and how each one's items are asked for."""
+class Answer:
+    """One request's answer as it is built: its choices' text, logprobs and ends."""
 
-    def __init__(self, core: "IngressCore", gen: ApiRequest, tenant: Tenant | None, endpoint: str,
-                 clock: RequestClock):
-        self.core, self.gen, self.tenant, self.endpoint, self.clock = core, gen, tenant, endpoint, clock
-        g = gen.generation
-        self.count = g.choices_to_run if g is not None else 1
-        self.want_logprobs = g.logprobs if g is not None else None
-        self.echo = bool(g is not None and g.echo)
-        # best_of ranks by cumulative logprob: ask for the sampled tokens' own at least.
-        logprobs = self.want_logprobs
-        if g is not None and g.best_of and logprobs is None:
-            logprobs = 0
-        self.logprobs = logprobs
-        self.prompt_logprobs = self.want_logprobs if self.echo and self.want_logprobs is not None else None
+    def __init__(self, stream: ReplicaStream, view: Presenter, chat: bool):
+        self.stream, self.view, self.chat = stream, view, chat
+        self.gen: ApiRequest = stream.gen
+        self.rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
         self.prompt_entries: tuple | None = None   # the prompt's logprobs (choice 0 asks for them)
-        self.route: RouteDecision | None = None
 
     def new_choice(self, index: int) -> Choice:
-        return Choice(index, TextStream(self.core.tokenizer, self.gen.stop, self.core.stop_token_ids(self.gen)))
-
-    async def decide(self) -> None:
-        """With several choices, one routing decision for all (they share the prefill)."""
-        if self.count > 1:
-            self.route = await self.core.router.route(self.gen.prompt, self.tenant)
-
-    def items(self, index: int, whole: bool) -> AsyncIterator[StreamItem]:
-        route = self.route
-        if route is not None and index > 0 and route.worker_id is not None:
-            route = RouteDecision.pinned(route.worker_id)
-        return self.core.stream_items(self.gen, self.tenant, self.endpoint, self.clock if index == 0 else None,
-                                      whole, seed=choice_seed(self.gen.seed, index), first_route=route,
-                                      logprobs=self.logprobs,
-                                      prompt_logprobs=self.prompt_logprobs if index == 0 else None,
-                                      sibling=self.count > 1 or self.gen.batched)
+        return Choice(index, TextStream(self.view.tokenizer, self.gen.stop, self.gen.params.stop_token_ids))
 
     def take(self, choice: Choice, item: StreamItem) -> str:
         """Account one item to its choice; the text it makes safe to send."""
@@ -105,74 +87,103 @@ class ChoiceRunner:
             choice.prompt_entries = self.prompt_entries = item.prompt_logprobs
         if item.token is None:
             return ""
-        if self.logprobs is not None:
+        if self.stream.logprobs is not None:
             choice.entries.append((item.logprob, item.top_logprobs))
         return choice.out.push(item.token)
 
+    def prompt_text(self) -> str:
+        gen = self.gen
+        return gen.prompt_text if gen.prompt_text is not None else self.view.tokenizer.decode(gen.prompt)
 
-async def respond(core: "IngressCore", gen: ApiRequest, tenant: Tenant | None, endpoint: str, chat: bool,
-                  clock: RequestClock):
-    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-    created = int(time.time())
-    runner = ChoiceRunner(core, gen, tenant, endpoint, clock)
-    await runner.decide()
-    if gen.stream:
-        return await _streaming(runner, chat, rid, created)
+    def usage_fields(self, choices: list[Choice]) -> dict:
+        return {"usage": usage(self.gen, [c.out.ids for c in choices], choices[0].last),
+                "prefix_cache": cache_info(choices[0].last, self.stream.clock, self.view.ingress_id)}
+
+    def chat_message(self, choice: Choice, text: str, finish: str) -> tuple[dict, str]:
+        """The assistant message of a chat choice (its tool calls parsed out when the
+        request has tools) and its finish reason; its ids are remembered under the text
+        the next turn will render for it, so that turn reuses their KV."""
+        tools = self.gen.tools
+        calls: list[dict] = []
+        content: str | None = text
+        if tools is not None:
+            content, calls = tools.parse(text)
+        tenant = self.stream.tenant
+        if not calls:
+            self.view.remember_reply(tenant, text, choice.out.reply_ids())
+            return {"role": "assistant", "content": text}, finish
+        self.view.remember_reply(tenant, assistant_text(content, calls), choice.out.reply_ids())
+        return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+
+    def completion_logprobs(self, choice: Choice, ids: list[int] | None = None, entries: list | None = None,
+                            with_prompt: bool = True) -> dict:
+        """The completions ``logprobs`` object of a choice (or of some of its tokens), the
+        prompt's tokens first when it echoes them."""
+        names = self.view.token_names
+        ids = choice.out.ids if ids is None else ids
+        entries = choice.entries if entries is None else entries
+        out = completion_logprobs(names, ids, entries, 0)
+        if self.stream.echo and with_prompt:
+            prompt = self.gen.prompt
+            known = choice.prompt_entries if choice.prompt_entries is not None else self.prompt_entries
+            head_entries = list(known) if known is not None else [None] * len(prompt)
+            head = completion_logprobs(names, prompt, head_entries, 0)
+            shift = len("".join(head["tokens"]))
+            out = {key: head[key] + (out[key] if key != "text_offset" else [o + shift for o in out[key]])
+                   for key in out}
+        return out
+
+
+async def respond(stream: ReplicaStream, view: Presenter, chat: bool):
+    """The OpenAI response for one request: a JSON body, or a streaming response."""
+    answer = Answer(stream, view, chat)
+    await stream.decide()
+    if stream.gen.stream:
+        return await _streaming(answer)
+    return await _whole(answer)
+
+
+async def _whole(answer: Answer) -> dict:
+    stream = answer.stream
     # Without stop strings the replica's own stops (EOS, stop ids, max_tokens) end it:
     # take the whole answer from one call. Stop strings need the text as it comes.
-    whole = not gen.stop
+    whole = not answer.gen.stop
 
     async def collect(index: int) -> Choice:
-        choice = runner.new_choice(index)
-        async with aclosing(runner.items(index, whole)) as items:
+        choice = answer.new_choice(index)
+        async with aclosing(stream.items(index, whole)) as items:
             async for item in items:
-                choice.text.append(runner.take(choice, item))
+                choice.text.append(answer.take(choice, item))
                 if choice.out.stopped:
                     break
         choice.text.append(choice.out.finish())
         return choice
 
-    choices = await _all(collect(i) for i in range(runner.count))
-    g = gen.generation
+    choices = await _all(collect(i) for i in range(stream.count))
     kept = choices
-    if g is not None and g.best_of:   # the n most likely of the candidates, in their order of likelihood
-        kept = sorted(choices, key=lambda c: (-c.cumulative_logprob, c.index))[:g.n]
-    body_choices = []
-    for i, choice in enumerate(kept):
-        text = "".join(choice.text)
-        finish = choice.out.finish_reason(choice.last)
-        if chat:
-            message, finish = _chat_message(runner, choice, text, finish)
-            entry: dict[str, Any] = {"index": i, "message": message, "logprobs": None, "finish_reason": finish}
-            if runner.want_logprobs is not None:
-                entry["logprobs"] = chat_logprobs(core.token_names, choice.out.ids, choice.entries)
-        else:
-            entry = {"index": i, "text": _echoed(runner, text), "token_ids": choice.out.ids, "logprobs": None,
-                     "finish_reason": finish}
-            if runner.want_logprobs is not None:
-                entry["logprobs"] = _completion_logprobs(runner, choice)
-        body_choices.append(entry)
-    first = choices[0]
-    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-            "model": core.model_name, "choices": body_choices,
-            "usage": usage(gen, [c.out.ids for c in choices], first.last),
-            "prefix_cache": cache_info(first.last, clock, core.ingress_id)}
+    if stream.best_of:   # the n most likely of the candidates, in their order of likelihood
+        kept = sorted(choices, key=lambda c: (-c.cumulative_logprob, c.index))[:stream.n]
+    return {"id": answer.rid, "object": "chat.completion" if answer.chat else "text_completion",
+            "created": answer.created, "model": answer.view.model_name,
+            "choices": [_whole_choice(answer, i, choice) for i, choice in enumerate(kept)],
+            **answer.usage_fields(choices)}
 
 
-def _chat_message(runner: ChoiceRunner, choice: Choice, text: str, finish: str) -> tuple[dict, str]:
-    """The assistant message of a chat choice (its tool calls parsed out when the
-    request has tools) and its finish reason; its ids are remembered under the text
-    the next turn will render for it, so that turn reuses their KV."""
-    tools = runner.gen.tools
-    calls: list[dict] = []
-    content: str | None = text
-    if tools is not None:
-        content, calls = tools.parse(text)
-    if not calls:
-        runner.core.remember_reply(runner.tenant, text, choice.out.reply_ids())
-        return {"role": "assistant", "content": text}, finish
-    runner.core.remember_reply(runner.tenant, assistant_text(content, calls), choice.out.reply_ids())
-    return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+def _whole_choice(answer: Answer, index: int, choice: Choice) -> dict:
+    text = "".join(choice.text)
+    finish = choice.out.finish_reason(choice.last)
+    want = answer.stream.want_logprobs is not None
+    if answer.chat:
+        message, finish = answer.chat_message(choice, text, finish)
+        entry: dict[str, Any] = {"index": index, "message": message, "logprobs": None, "finish_reason": finish}
+        if want:
+            entry["logprobs"] = chat_logprobs(answer.view.token_names, choice.out.ids, choice.entries)
+        return entry
+    entry = {"index": index, "text": answer.prompt_text() + text if answer.stream.echo else text,
+             "token_ids": choice.out.ids, "logprobs": None, "finish_reason": finish}
+    if want:
+        entry["logprobs"] = answer.completion_logprobs(choice)
+    return entry
 
 
 async def _all(coros) -> list:
@@ -188,38 +199,8 @@ async def _all(coros) -> list:
         raise
 
 
-def _prompt_text(runner: ChoiceRunner) -> str:
-    gen = runner.gen
-    return gen.prompt_text if gen.prompt_text is not None else runner.core.tokenizer.decode(gen.prompt)
-
-
-def _echoed(runner: ChoiceRunner, text: str) -> str:
-    return _prompt_text(runner) + text if runner.echo else text
-
-
-def _completion_logprobs(runner: ChoiceRunner, choice: Choice, ids: list[int] | None = None,
-                         entries: list | None = None, offset: int = 0, with_prompt: bool = True) -> dict:
-    """The completions ``logprobs`` object of a choice (or of some of its tokens), the
-    prompt's tokens first when it echoes them."""
-    names = runner.core.token_names
-    ids = choice.out.ids if ids is None else ids
-    entries = choice.entries if entries is None else entries
-    out = completion_logprobs(names, ids, entries, offset)
-    if runner.echo and with_prompt:
-        prompt = runner.gen.prompt
-        known = choice.prompt_entries if choice.prompt_entries is not None else runner.prompt_entries
-        head_entries = list(known) if known is not None else [None] * len(prompt)
-        head = completion_logprobs(names, prompt, head_entries, 0)
-        shift = len("".join(head["tokens"]))
-        out = {key: head[key] + (out[key] if key != "text_offset" else [o + shift for o in out[key]])
-               for key in out}
-    return out
-
-
-async def _streaming(runner: ChoiceRunner, chat: bool, rid: str, created: int) -> StreamingResponse:
-    core, gen = runner.core, runner.gen
-    count = runner.count
-    iters = [runner.items(i, False) for i in range(count)]
+async def _streaming(answer: Answer) -> StreamingResponse:
+    iters = [answer.stream.items(i) for i in range(answer.stream.count)]
     firsts: list[StreamItem | None] = []
     try:   # errors before the first token of any choice become HTTP errors
         for it in iters:
@@ -231,107 +212,131 @@ async def _streaming(runner: ChoiceRunner, chat: bool, rid: str, created: int) -
         for it in iters:
             await it.aclose()
         raise
-    kind = "chat.completion.chunk" if chat else "text_completion"
-    choices = [runner.new_choice(i) for i in range(count)]
-    opened = [False] * count
+    events = _Events(answer, firsts)
+    return StreamingResponse(events.sse(_Merger(iters, firsts)), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    def chunk(choice: Choice, text: str, ids: list[int], entries: list, finish: str | None = None,
+
+class _Events:
+    """The server-sent events of a streamed answer, choice by choice as items come."""
+
+    def __init__(self, answer: Answer, firsts: list[StreamItem | None]):
+        self.answer, self.firsts = answer, firsts
+        count = answer.stream.count
+        self.kind = "chat.completion.chunk" if answer.chat else "text_completion"
+        self.choices = [answer.new_choice(i) for i in range(count)]
+        self.opened = [False] * count
+        self.ended = [False] * count
+        self.unsent: list[list[int]] = [[] for _ in range(count)]
+        self.unsent_lp: list[list] = [[] for _ in range(count)]
+        self.hold = answer.chat and answer.gen.tools is not None   # tools: a call or content, known at the end
+
+    def chunk(self, choice: Choice, text: str, ids: list[int], entries: list, finish: str | None = None,
               echo_head: bool = False) -> dict:
-        i = choice.index
-        if not chat:
+        answer, i = self.answer, choice.index
+        want = answer.stream.want_logprobs is not None
+        if not answer.chat:
             entry: dict[str, Any] = {"index": i, "text": text, "token_ids": ids, "finish_reason": finish}
-            if runner.want_logprobs is not None:
-                entry["logprobs"] = _completion_logprobs(runner, choice, ids, entries, with_prompt=echo_head)
+            if want:
+                entry["logprobs"] = answer.completion_logprobs(choice, ids, entries, with_prompt=echo_head)
         else:
             delta: dict[str, Any] = {"content": text} if text else {}
-            if not opened[i]:
+            if not self.opened[i]:
                 delta["role"] = "assistant"
             entry = {"index": i, "delta": delta, "finish_reason": finish}
-            if runner.want_logprobs is not None and ids:
-                entry["logprobs"] = chat_logprobs(core.token_names, ids, entries)
-        opened[i] = True
-        return {"id": rid, "object": kind, "created": created, "model": core.model_name, "choices": [entry]}
+            if want and ids:
+                entry["logprobs"] = chat_logprobs(answer.view.token_names, ids, entries)
+        self.opened[i] = True
+        return self.frame([entry])
 
-    merger = _Merger(iters, firsts)
+    def frame(self, choices: list[dict], **extra) -> dict:
+        answer = self.answer
+        return {"id": answer.rid, "object": self.kind, "created": answer.created, "model": answer.view.model_name,
+                "choices": choices, **extra}
 
-    hold = chat and gen.tools is not None
+    def unsent_chunk(self, choice: Choice, text: str, finish: str | None = None) -> dict:
+        i = choice.index
+        out = self.chunk(choice, text, self.unsent[i], self.unsent_lp[i], finish)
+        self.unsent[i], self.unsent_lp[i] = [], []
+        return out
 
-    async def sse():
-        unsent: list[list[int]] = [[] for _ in range(count)]
-        unsent_lp: list[list] = [[] for _ in range(count)]
-        ended = [False] * count
+    async def sse(self, merger: "_Merger") -> AsyncIterator[str]:
+        answer = self.answer
         try:
-            if runner.echo:   # the prompt first, as the first chunk of each choice
-                if firsts[0] is not None and firsts[0].prompt_logprobs is not None:
-                    runner.prompt_entries = firsts[0].prompt_logprobs
-                for choice in choices:
-                    yield _sse(chunk(choice, _prompt_text(runner), [], [], echo_head=True))
+            if answer.stream.echo:   # the prompt first, as the first chunk of each choice
+                if self.firsts[0] is not None and self.firsts[0].prompt_logprobs is not None:
+                    answer.prompt_entries = self.firsts[0].prompt_logprobs
+                for choice in self.choices:
+                    yield _sse(self.chunk(choice, answer.prompt_text(), [], [], echo_head=True))
             async for i, item in merger:
-                choice = choices[i]
                 if isinstance(item, BaseException):
                     raise item
-                if item is None or ended[i]:
-                    continue
-                piece = runner.take(choice, item)
-                if item.token is not None:
-                    unsent[i].append(item.token)
-                    if runner.logprobs is not None:
-                        unsent_lp[i].append(choice.entries[-1])
-                    if hold:   # with tools the answer is a call or content: known at its end
-                        if not opened[i]:
-                            yield _sse(chunk(choice, "", [], []))
-                        continue
-                    if piece:   # text held back (a partial character or stop string) waits
-                        yield _sse(chunk(choice, piece, unsent[i], unsent_lp[i]))
-                        unsent[i], unsent_lp[i] = [], []
-                    elif not opened[i]:   # but the first token opens the stream at once: an empty
-                        yield _sse(chunk(choice, "", [], []))   # chunk (for chat the role one, as OpenAI sends)
-                    if choice.out.stopped:   # a stop string: this choice generates no more
-                        ended[i] = True
+                if item is not None and not self.ended[i]:
+                    for event in self.on_item(self.choices[i], item):
+                        yield _sse(event)
+                    if self.ended[i]:   # a stop string: this choice generates no more
                         await merger.stop(i)
         except Exception as exc:   # the body has started: end it with an error event, never cut it
-            error = exc if isinstance(exc, APIError) else core.api_error(exc)
+            error = answer.stream.calls.error_of(exc)
             metrics.cut_streams.inc()
             if error.status >= 500:
-                metrics.responses_5xx.inc(tags={"endpoint": runner.endpoint})
+                metrics.responses_5xx.inc(tags={"endpoint": answer.stream.endpoint})
             yield _sse(error.body())
             yield "data: [DONE]\n\n"
             return
         finally:
             await merger.close()
-        finishes = {}
-        for choice in choices:
+        for event in self.ending():
+            yield _sse(event)
+        yield "data: [DONE]\n\n"
+
+    def on_item(self, choice: Choice, item: StreamItem) -> list[dict]:
+        """The chunks one item makes (none while text is held back)."""
+        i = choice.index
+        piece = self.answer.take(choice, item)
+        if item.token is None:
+            return []
+        self.unsent[i].append(item.token)
+        if self.answer.stream.logprobs is not None:
+            self.unsent_lp[i].append(choice.entries[-1])
+        out = []
+        if piece and not self.hold:   # text held back (a partial character or stop string) waits
+            out.append(self.unsent_chunk(choice, piece))
+        elif not self.opened[i]:   # but the first token opens the stream at once: an empty
+            out.append(self.chunk(choice, "", [], []))   # chunk (for chat the role one, as OpenAI sends)
+        if choice.out.stopped and not self.hold:
+            self.ended[i] = True
+        return out
+
+    def ending(self) -> list[dict]:
+        """Each choice's rest and its finish reason, then usage."""
+        out, finishes = [], {}
+        for choice in self.choices:
             rest = choice.out.finish()
             finish = choice.out.finish_reason(choice.last)
-            if hold:
-                message, finish = _chat_message(runner, choice, choice.out.text, finish)
-                end = chunk(choice, message["content"] or "", unsent[choice.index], unsent_lp[choice.index])
+            if self.hold:
+                message, finish = self.answer.chat_message(choice, choice.out.text, finish)
+                end = self.unsent_chunk(choice, message["content"] or "")
                 if message.get("tool_calls"):
                     end["choices"][0]["delta"]["tool_calls"] = [{"index": k, **call}
                                                                 for k, call in enumerate(message["tool_calls"])]
-                yield _sse(end)
+                out.append(end)
             else:
-                if rest or unsent[choice.index]:
-                    yield _sse(chunk(choice, rest, unsent[choice.index], unsent_lp[choice.index]))
-                if chat:
-                    core.remember_reply(runner.tenant, choice.out.text, choice.out.reply_ids())
+                if rest or self.unsent[choice.index]:
+                    out.append(self.unsent_chunk(choice, rest))
+                if self.answer.chat:
+                    self.answer.view.remember_reply(self.answer.stream.tenant, choice.out.text,
+                                                    choice.out.reply_ids())
             finishes[choice.index] = finish
-        usage_fields = {}
-        if gen.include_usage:
-            usage_fields = {"usage": usage(gen, [c.out.ids for c in choices], choices[0].last),
-                            "prefix_cache": cache_info(choices[0].last, runner.clock, core.ingress_id)}
-        for choice in choices:
-            end = chunk(choice, "", [], [], finishes[choice.index])
-            if count == 1:
+        usage_fields = self.answer.usage_fields(self.choices) if self.answer.gen.include_usage else {}
+        for choice in self.choices:
+            end = self.chunk(choice, "", [], [], finishes[choice.index])
+            if len(self.choices) == 1:
                 end.update(usage_fields)
-            yield _sse(end)
-        if count > 1 and usage_fields:   # OpenAI's shape: usage in a last chunk without choices
-            yield _sse({"id": rid, "object": kind, "created": created, "model": core.model_name, "choices": [],
-                        **usage_fields})
-        yield "data: [DONE]\n\n"
-
-    return StreamingResponse(sse(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            out.append(end)
+        if len(self.choices) > 1 and usage_fields:   # OpenAI's shape: usage in a last chunk without choices
+            out.append(self.frame([], **usage_fields))
+        return out
 
 
 class _Merger:

@@ -20,7 +20,8 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from serve_app.errors import APIError
-from serve_app.protocol import Limits, _text, chat_prompt
+from serve_app.params import valid_text
+from serve_app.protocol import Limits, chat_prompt
 
 TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "tools", "tool_choice", "add_special_tokens",
                              "add_generation_prompt", "return_token_strs"})
@@ -71,7 +72,7 @@ def tokenize(body: dict, tokenizer: Any, token_name: Callable[[int], str], serve
             raise APIError(400, f"'prompt' must be a string, got {type(prompt).__name__}", param="prompt")
         if len(prompt) > limits.max_body_bytes:
             raise APIError(413, "'prompt' is longer than the body limit", param="prompt")
-        _text(prompt, "prompt")
+        valid_text(prompt, "prompt")
         hf = getattr(tokenizer, "tokenizer", None)
         if special and hf is not None:
             ids = list(hf.encode(prompt, add_special_tokens=True))

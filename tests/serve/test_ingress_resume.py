@@ -14,7 +14,8 @@ from actors.pytest_plugin import TEST_MODEL
 from cluster.errors import CacheError
 from cluster.protocol import FinishReason, GenerateRequest, RouteDecision, StreamItem
 from serve_app.ingress import IngressCore
-from serve_app.protocol import APIError, ApiRequest
+from cluster.engine.checkpoint import ModelSpec, load_tokenizer
+from serve_app.protocol import APIError, Limits, parse_completion
 
 
 class FakeRouter:
@@ -102,14 +103,14 @@ class FakeCall:
 
 
 def gen(max_tokens=6, stream=False):
-    return ApiRequest(prompt=[1, 2, 3], max_tokens=max_tokens, temperature=0.7, top_p=1.0, seed=42,
-                             stop_token_ids=[], stop=[], ignore_eos=True, stream=stream, include_usage=False,
-                             session_id=None, model="m")
+    body = {"model": "m", "prompt": [1, 2, 3], "max_tokens": max_tokens, "temperature": 0.7, "seed": 42,
+            "ignore_eos": True, "stream": stream, "stream_options": {"include_usage": False}}
+    return parse_completion(body, Limits(), "m", load_tokenizer(ModelSpec.parse(TEST_MODEL)))
 
 
 def collect(core, g):
     async def go():
-        return [i async for i in core.stream_items(g, "t", "completions")]
+        return [i async for i in core.stream(g, "t", "completions").items()]
     return asyncio.run(go())
 
 
