@@ -112,20 +112,8 @@ class WorkerCore:
         part("rates_s")
         if self.nixl is not None:
             self.migration.transfer_tokens_per_s = self.cost.transfer_tokens_per_s
-        self.publisher = KVEventPublisher(worker_id, self.cache.tree, tiers.block_tokens)
-        self.cache.add_listener(self.publisher)
-        if self.l3 is not None:
-            self.l3.set_rates(self.cost.l3_fetch_tokens_per_s or None, self.cost.prefill_tokens_per_s)
-            self.l3.listeners.append(self.publisher)
-            self.l3.request_inventory()   # the directory learns what L3 already holds
-        self.directory = directory
+        self._start_reporting(directory, on_report)
         self.on_migration = on_migration
-        self.reporter = None
-        if directory is not None:
-            self.reporter = EventReporter(worker_id, self.publisher, directory, lambda: self.loop.load_report,
-                                          on_report=(lambda: on_report(self)) if on_report else None,
-                                          wake=lambda: self.loop.wake(),
-                                          register=self._reannounce)
         self._on_trip = on_trip
         self._wedge = threading.Event()
         # How this worker reaches a holder to pull from it (``link_for(holder_id)``), for
@@ -144,6 +132,23 @@ class WorkerCore:
             self._register()
             self.reporter.start_heartbeat(alive=self.loop.alive)
         part("loop_s")
+
+    def _start_reporting(self, directory, on_report: Callable[["WorkerCore"], None] | None) -> None:
+        """The KV events' publisher on the tree (and L3's inventories), and the reporter that
+        sends them with the load to ``directory`` (None: nothing is reported)."""
+        self.publisher = KVEventPublisher(self.worker_id, self.cache.tree, self.config.tier_config().block_tokens)
+        self.cache.add_listener(self.publisher)
+        if self.l3 is not None:
+            self.l3.set_rates(self.cost.l3_fetch_tokens_per_s or None, self.cost.prefill_tokens_per_s)
+            self.l3.listeners.append(self.publisher)
+            self.l3.request_inventory()   # the directory learns what L3 already holds
+        self.directory = directory
+        self.reporter = None
+        if directory is not None:
+            self.reporter = EventReporter(self.worker_id, self.publisher, directory, lambda: self.loop.load_report,
+                                          on_report=(lambda: on_report(self)) if on_report else None,
+                                          wake=lambda: self.loop.wake(),
+                                          register=self._reannounce)
 
     def _reannounce(self) -> None:
         """Before every snapshot (engine thread): register again, and list L3 once

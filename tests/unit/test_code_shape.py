@@ -22,13 +22,7 @@ SOURCE_DIRS = ("cluster", "actors", "serve_app", "scripts")
 MAX_FUNCTION_LINES = 80
 
 # (rule, "path::qualified name" for functions, "path" for the others): in rewrite elsewhere.
-PENDING = {
-    ("long_function", "actors/core.py::WorkerCore.__init__"),
-    ("long_function", "serve_app/ingress.py::IngressCore.stream_items"),
-    ("long_function", "serve_app/responses.py::_streaming"),
-    ("dict_union", "serve_app/ingress.py"),
-    ("serve_private", "serve_app/ingress.py"),
-}
+PENDING: set[tuple[str, str]] = set()
 
 
 def source_files() -> list[Path]:
