@@ -155,9 +155,9 @@ class KVLease:
 
     def _grow(self, n: int) -> list[Extent]:
         if not self._own:
-            ext = self._own = self.cache._allocate_hot(n)   # a prompt's tail may share a block as a slot
-        else:
-            self._own, ext = self.cache._append_hot(self._own, n)
+            ext = self._own = self.cache._allocate_hot(n, self.namespace)   # a prompt's tail may share a block
+        else:                                                                # (the namespace: tenant quotas)
+            self._own, ext = self.cache._append_hot(self._own, n, self.namespace)
         self.length += n
         return ext
 

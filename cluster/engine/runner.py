@@ -441,7 +441,8 @@ class Engine(BurstScheduling):
                 req._lease.reserve(n)
                 return True
             except PoolExhaustedError:
-                victim = next((r for r in reversed(self.running) if id(r) not in planned), None)
+                victim = next((r for r in reversed(self.running) if id(r) not in planned
+                               and self.cache.may_preempt(req.namespace, r.namespace, r._len)), None)
                 if victim is None:   # everyone else is in this step already: this one yields
                     victim = req
                 self._preempt(victim)
