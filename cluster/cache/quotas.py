@@ -73,6 +73,10 @@ class TenantQuotas:
     def cap(self, namespace: Hashable, tier: int) -> int:
         return int(self.config.quota_of(namespace).shares[tier].cap * self.capacity(tier))
 
+    def others_guarantee(self, namespace: Hashable, tier: int) -> int:
+        """The guarantees of the listed tenants other than ``namespace`` in ``tier``."""
+        return sum(self.guarantee(t, tier) for t, _ in self.config.tenants if t != namespace)
+
     def holds(self, namespace: Hashable, tier: int) -> int:
         if tier == L3_INDEX:
             return len(self.l3_written.get(namespace, ()))

@@ -603,6 +603,12 @@ class TieredCache:
         without quotas; ``TenantQuotas.may_preempt``)."""
         return self.quotas is None or self.quotas.may_preempt(requester, victim, victim_running)
 
+    def hot_room_for(self, namespace: Hashable) -> int:
+        """The HOT tokens a request of ``namespace`` can ever have: all of HOT less the
+        other listed tenants' guarantees (a request that needs more would wait forever)."""
+        cap = self.hot.allocator.capacity_tokens
+        return cap if self.quotas is None else cap - self.quotas.others_guarantee(namespace, HOT)
+
     def tenant_stats(self) -> dict[str, dict]:
         """Per tenant: resident tokens by tier, hits, evictions caused and suffered ({} without quotas)."""
         return {} if self.quotas is None else self.quotas.tenant_stats()

@@ -187,6 +187,12 @@ class Engine(BurstScheduling):
                 f"prompt ({len(request.prompt)} tokens) + max_tokens ({request.params.max_tokens}) needs more KV "
                 f"than this worker's HOT cache can hold for one request ({self.max_request_tokens - 1} tokens); "
                 f"shorten the prompt or lower max_tokens")
+        room = self.cache.hot_room_for(request.namespace) - self.cache.hot.allocator.block_tokens
+        if need + 1 > room:   # the other tenants' HOT guarantees are never its room (tenant quotas)
+            raise InvalidInputError(
+                f"prompt ({len(request.prompt)} tokens) + max_tokens ({request.params.max_tokens}) needs more KV "
+                f"than this tenant can hold in HOT beside the other tenants' guarantees ({room - 1} tokens); "
+                f"shorten the prompt or lower max_tokens")
         spec = request.params.grammar
         if spec is not None:
             if self.grammars is None:
@@ -355,6 +361,7 @@ class Engine(BurstScheduling):
                 planned.add(id(req))
                 budget -= n
         promoting = False   # an older waiting request's prefix is on its way up
+        stalled: set = set()   # tenants whose oldest waiting request found no room (tenant quotas)
         queue = list(self.waiting)
         for i, req in enumerate(queue):
             if budget <= 0 or len(self.running) >= self.max_running:
@@ -365,6 +372,8 @@ class Engine(BurstScheduling):
             # those that fit in free blocks. Started for every waiting request at once,
             # their prefixes pushed each other back out of a full HOT pool before any of
             # them was admitted (measured: 20x the demoted tokens promoted; a livelock).
+            if req.namespace in stalled:
+                continue
             if req._yielded_to is not None:   # it gave its room to an older request: not back before it
                 if req._yielded_to in self.waiting:
                     continue
@@ -378,6 +387,8 @@ class Engine(BurstScheduling):
                 if readiness.blocked:   # the oldest one's promotion found no room: nobody takes room before it
                     self.stats["waits_for_promotion_room"] += 1
                     self._blocked = req
+                    if self._stall_tenant(req, stalled):
+                        continue
                     break
                 # its prefix is (or will be) on its way up to HOT: the others go meanwhile
                 self.stats["waits_for_promotion"] += 1
@@ -397,6 +408,8 @@ class Engine(BurstScheduling):
                     continue
                 self.stats["waits_for_room"] += 1
                 self._blocked = req
+                if self._stall_tenant(req, stalled):
+                    continue
                 break              # no room: it waits for running requests to finish or yield
             self.waiting.remove(req)
             self.running.append(req)
@@ -407,6 +420,15 @@ class Engine(BurstScheduling):
             budget -= n
         self._note_waiting()
         return plan
+
+    def _stall_tenant(self, req: EngineRequest, stalled: set) -> bool:
+        """Under tenant quotas the room a blocked request waits for may be another tenant's
+        guarantee, which that tenant's own waiting requests may use (else both wait
+        forever): only its own tenant's later requests wait behind it. False without quotas."""
+        if self.cache.quotas is None:
+            return False
+        stalled.add(req.namespace)
+        return True
 
     def _note_waiting(self) -> None:
         """A session prefetch leaves alone what the still-waiting requests touched at their

@@ -1,6 +1,6 @@
 """`prefix-cache bench tenants`: a noisy neighbour, with and without per-tenant quotas.
 
-    prefix-cache bench tenants [--sessions 6] [--turns 3] [--doc-tokens 800] [--flood-tokens 800]
+    prefix-cache bench tenants [--sessions 6] [--turns 3] [--doc-tokens 700] [--flood-tokens 700]
                                [--flood-ratio 2] [--hot-tokens 2048] [--warm-tokens 8192] [--quotas JSON]
 
 Tenant B (key ``key-b``) runs the long-session workload
@@ -48,14 +48,14 @@ DEFAULT_QUOTAS = {"tenants": {"tenant-b": {"hot": {"guarantee": 0.5}, "warm": {"
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sessions", type=int, default=6, help="tenant B's chat sessions")
     p.add_argument("--turns", type=int, default=3, help="turns per session")
-    p.add_argument("--doc-tokens", type=int, default=800, help="tokens of each of B's session documents")
+    p.add_argument("--doc-tokens", type=int, default=700, help="tokens of each of B's session documents")
     p.add_argument("--system-tokens", type=int, default=80, help="tokens of B's shared system prompt")
     p.add_argument("--max-tokens", type=int, default=32, help="B's reply tokens per turn (upper bound)")
     p.add_argument("--arrival-s", type=float, default=2.0, help="mean gap between B's session arrivals")
     p.add_argument("--think-s", type=float, default=2.0, help="mean pause between a reply and B's next turn")
     p.add_argument("--long-pause-share", type=float, default=0.25, help="share of B's pauses that are long")
-    p.add_argument("--long-pause-s", type=float, default=10.0, help="mean of a long pause")
-    p.add_argument("--flood-tokens", type=int, default=800, help="tokens of each of A's (distinct) prompts")
+    p.add_argument("--long-pause-s", type=float, default=8.0, help="mean of a long pause")
+    p.add_argument("--flood-tokens", type=int, default=700, help="tokens of each of A's (distinct) prompts")
     p.add_argument("--flood-max-tokens", type=int, default=8, help="A's reply tokens per request")
     p.add_argument("--flood-ratio", type=float, default=2.0, help="A's request rate over B's (B's measured alone)")
     p.add_argument("--hot-tokens", type=int, default=2048, help="the replica's HOT tokens")
@@ -152,7 +152,7 @@ def run_arm(name: str, base: str, model: str, plan, system: str, prompts, rate: 
     import httpx
 
     admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
-    httpx.post(base + "/v1/cache/flush", headers=admin, timeout=60).raise_for_status()
+    httpx.post(base + "/v1/cache/flush", headers=admin, json={}, timeout=60).raise_for_status()
     b, a = asyncio.run(b_with_flood(base, model, plan, system, prompts, rate, args.flood_max_tokens))
     stats = httpx.get(base + "/v1/cache/stats", headers=admin, timeout=60).json()
     summary = b.summary()

@@ -311,3 +311,58 @@ def test_l3_quota_through_the_cache_removes_the_blocks_from_the_store():
     assert store.contains(keys_b) == (True, True)     # another tenant's blocks: untouched
     assert tier.stats.quota_removed == 2
     assert cache.tenant_stats()["A"]["evictions_suffered"]["l3"] == 2
+
+
+# ----------------------------------------------------------------------- engine
+def _engine(quotas, hot=16):
+    from cluster.cache.kv_pool import KVLayout
+    from cluster.engine.runner import Engine
+    from tests.unit.test_scheduler import BT, MODEL
+
+    c = MODEL.config
+    cache = TieredCache(TierConfig(hot_blocks=hot, warm_blocks=64, block_tokens=BT, device="cpu",
+                                   tenant_quotas=quotas),
+                        KVLayout(c.num_layers, c.num_kv_heads, c.head_dim), vocab_size=c.vocab_size,
+                        deterministic_io=True)
+    return Engine(MODEL, cache, max_batch_tokens=64, max_running=16, cache_final_token=False)
+
+
+def _drive(engine):
+    steps = 0
+    while engine.has_work():
+        engine.step()
+        steps += 1
+        assert steps < 3000, "the engine stopped making progress"
+
+
+def test_the_engine_preempts_the_tenant_over_its_guarantee_not_the_newest_request():
+    """B holds an idle prefix and runs one request, within its HOT guarantee; A runs two
+    requests that do not fit beside them. Without quotas the newest running request (B's)
+    is preempted; with them A's own newer request is, and B loses nothing to A."""
+    from cluster.engine.runner import EngineRequest, SamplingParams
+    from tests.unit.test_scheduler import reference_outputs
+
+    b0 = ([3] * 8, SamplingParams(max_tokens=4))
+    work = [([1] * 12, SamplingParams(max_tokens=14)), ([5] * 12, SamplingParams(max_tokens=14)),
+            ([2] * 8, SamplingParams(max_tokens=10))]
+    want = reference_outputs(work)
+    for quotas, preemptions in ((None, [0, 0, 1]), ({"tenants": {"B": {"hot": {"guarantee": 0.5}}}}, [0, 2, 0])):
+        engine = _engine(quotas)
+        engine.submit(EngineRequest(list(b0[0]), b0[1], namespace="B"))
+        _drive(engine)
+        reqs = [engine.submit(EngineRequest(list(p), s, namespace=ns)) for (p, s), ns in zip(work, "AAB")]
+        _drive(engine)
+        assert [r.preemptions for r in reqs] == preemptions
+        assert [r.output for r in reqs] == want   # exact all the same
+        if quotas:
+            assert engine.cache.tenant_stats()["B"]["evictions_suffered_from_others"]["hot"] == 0
+        engine.cache.check_invariants()
+
+
+def test_a_request_that_cannot_fit_beside_the_other_tenants_guarantees_is_refused_at_submit():
+    from cluster.engine.runner import EngineRequest, SamplingParams
+
+    engine = _engine({"tenants": {"B": {"hot": {"guarantee": 0.5}}}}, hot=14)   # 56 tokens, 28 kept for B
+    with pytest.raises(InvalidInputError, match=r"beside the other tenants' guarantees \(23 tokens\)"):
+        engine.submit(EngineRequest([1] * 12, SamplingParams(max_tokens=16), namespace="A"))
+    engine.submit(EngineRequest([1] * 12, SamplingParams(max_tokens=16), namespace="B"))   # B's own: fits
