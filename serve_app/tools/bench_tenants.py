@@ -99,7 +99,8 @@ async def flood(base: str, model: str, prompts: list[str], rate_per_s: float, st
     results: list[bool] = []
 
     async def one(i: int, http) -> None:
-        messages = [{"role": "user", "content": f"Request {i}. " + prompts[i % len(prompts)]}]   # distinct from the start
+        # Distinct from the first token: no flood request shares a prefix with another.
+        messages = [{"role": "user", "content": f"Request {i}. " + prompts[i % len(prompts)]}]
         turn, _ = await ask_turn(http, model, messages, i, 0, max_tokens)
         results.append(turn.ok)
 

@@ -366,3 +366,26 @@ def test_a_request_that_cannot_fit_beside_the_other_tenants_guarantees_is_refuse
     with pytest.raises(InvalidInputError, match=r"beside the other tenants' guarantees \(23 tokens\)"):
         engine.submit(EngineRequest([1] * 12, SamplingParams(max_tokens=16), namespace="A"))
     engine.submit(EngineRequest([1] * 12, SamplingParams(max_tokens=16), namespace="B"))   # B's own: fits
+
+
+def test_a_request_blocked_by_other_tenants_guarantees_holds_up_only_its_own_tenant():
+    """B and C (default guarantee 0.4 of HOT each) keep their idle prefixes; A's prompt needs
+    more than the HOT left. A waits; B's request behind it runs on B's own prefix. Were the
+    queue first come first served across tenants, nobody would ever run again."""
+    from cluster.engine.runner import EngineRequest, SamplingParams
+
+    for per_tenant, b_done in ((True, True), (False, False)):
+        engine = _engine({"default": {"hot": {"guarantee": 0.4}}})   # 64 tokens: 25 kept for each
+        if not per_tenant:
+            engine._stall_tenant = lambda req, stalled: False   # the queue as it is without quotas
+        for ns, t in (("B", 3), ("C", 4)):
+            engine.submit(EngineRequest([t] * 22, SamplingParams(max_tokens=2), namespace=ns))
+            _drive(engine)
+        assert engine.cache.hot.allocator.free_blocks == 4
+        a = engine.submit(EngineRequest([1] * 20, SamplingParams(max_tokens=2), namespace="A"))
+        b = engine.submit(EngineRequest([3] * 22 + [9, 9], SamplingParams(max_tokens=2), namespace="B"))
+        for _ in range(50):
+            engine.step()
+        assert a.admitted_at is None and b.finished is b_done
+        if b_done:
+            assert b.cached_tokens == 22
