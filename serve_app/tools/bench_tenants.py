@@ -1,6 +1,6 @@
 """`prefix-cache bench tenants`: a noisy neighbour, with and without per-tenant quotas.
 
-    prefix-cache bench tenants [--sessions 6] [--turns 3] [--doc-tokens 700] [--flood-tokens 700]
+    prefix-cache bench tenants [--sessions 5] [--turns 3] [--doc-tokens 600] [--flood-tokens 600]
                                [--flood-ratio 2] [--hot-tokens 2048] [--warm-tokens 8192] [--quotas JSON]
 
 Tenant B (key ``key-b``) runs the long-session workload
@@ -10,12 +10,16 @@ A (key ``key-a``) floods it with distinct long prompts (``--flood-tokens``
 each, never repeated) at ``--flood-ratio`` times B's request rate (B's rate as
 measured when it ran alone), open loop, for as long as B runs. In one run:
 
-1. ``b_alone``: the app without quotas, B alone;
-2. ``flood_no_quotas``: the same deployment (cache flushed), B while A floods;
-3. ``flood_quotas``: the app redeployed with ``tenant_quotas`` (``--quotas``; by
-   default B is guaranteed half of HOT and three quarters of WARM, A capped at
-   half of HOT and a quarter of WARM),
-   B while A floods.
+1. ``b_alone``: B alone, as a tenant without shares;
+2. ``flood_no_quotas``: B while A floods, both tenants without shares (plain
+   LRU between them, as without ``tenant_quotas``);
+3. ``flood_quotas``: B while A floods, as the tenants ``tenant_quotas`` gives
+   shares (``--quotas``; by default B is guaranteed half of HOT and three
+   quarters of WARM, A capped at half of HOT and a quarter of WARM).
+
+One deployment serves all three (the cache flushed before each arm): B and A
+are ``tenant-b``/``tenant-a`` in the quotas arm and ``tenant-b0``/``tenant-a0``,
+which the quotas do not list, in the others.
 
 Every arm runs the same plan (documents, questions, arrivals, pauses, reply
 lengths) and the same flood. One JSON line per arm (B's later-turn cached
@@ -37,7 +41,9 @@ from cluster.bench.common import emit, rounded
 from serve_app.tools.chat_workload import ask_turn, system_prompt
 from serve_app.tools.session_workload import document, plan_sessions, run_sessions, session_fields
 
-KEYS = {"key-a": "tenant-a", "key-b": "tenant-b"}
+# One deployment serves both comparisons: tenant-a and tenant-b have shares, tenant-a0 and
+# tenant-b0 (the same clients under other keys) have none, i.e. plain LRU between them.
+KEYS = {"key-a": "tenant-a", "key-b": "tenant-b", "key-a0": "tenant-a0", "key-b0": "tenant-b0"}
 ADMIN_KEY = "key-admin"
 # B's sessions fit in its guarantees (HOT half, WARM three quarters); A may use HOT's other half and a
 # quarter of WARM, and no more, whatever it sends.
@@ -46,17 +52,19 @@ DEFAULT_QUOTAS = {"tenants": {"tenant-b": {"hot": {"guarantee": 0.5}, "warm": {"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--sessions", type=int, default=6, help="tenant B's chat sessions")
+    p.add_argument("--sessions", type=int, default=5, help="tenant B's chat sessions")
     p.add_argument("--turns", type=int, default=3, help="turns per session")
-    p.add_argument("--doc-tokens", type=int, default=700, help="tokens of each of B's session documents")
+    p.add_argument("--doc-tokens", type=int, default=600, help="tokens of each of B's session documents")
     p.add_argument("--system-tokens", type=int, default=80, help="tokens of B's shared system prompt")
     p.add_argument("--max-tokens", type=int, default=32, help="B's reply tokens per turn (upper bound)")
     p.add_argument("--arrival-s", type=float, default=2.0, help="mean gap between B's session arrivals")
     p.add_argument("--think-s", type=float, default=2.0, help="mean pause between a reply and B's next turn")
     p.add_argument("--long-pause-share", type=float, default=0.25, help="share of B's pauses that are long")
     p.add_argument("--long-pause-s", type=float, default=8.0, help="mean of a long pause")
-    p.add_argument("--flood-tokens", type=int, default=700, help="tokens of each of A's (distinct) prompts")
+    p.add_argument("--flood-tokens", type=int, default=600, help="tokens of each of A's (distinct) prompts")
     p.add_argument("--flood-max-tokens", type=int, default=8, help="A's reply tokens per request")
+    p.add_argument("--flood-max-s", type=float, default=None,
+                   help="A sends for at most this long (default: 3x B's wall time alone), then B runs on alone")
     p.add_argument("--flood-ratio", type=float, default=2.0, help="A's request rate over B's (B's measured alone)")
     p.add_argument("--hot-tokens", type=int, default=2048, help="the replica's HOT tokens")
     p.add_argument("--warm-tokens", type=int, default=8192, help="the replica's WARM tokens")
@@ -91,9 +99,10 @@ def check_args(args: argparse.Namespace) -> dict:
 
 # ------------------------------------------------------------------- the flood
 async def flood(base: str, model: str, prompts: list[str], rate_per_s: float, stop: asyncio.Event,
-                max_tokens: int, timeout_s: float = 600.0) -> dict:
+                max_tokens: int, key: str = "key-a", max_s: float | None = None, timeout_s: float = 600.0) -> dict:
     """Tenant A: one request every 1/``rate_per_s`` s (open loop, each a distinct prompt)
-    until ``stop``; then waits for those in flight. Served and failed counts."""
+    until ``stop`` (or ``max_s`` of sending); then waits for those in flight. Served and
+    failed counts."""
     import httpx
 
     results: list[bool] = []
@@ -107,9 +116,9 @@ async def flood(base: str, model: str, prompts: list[str], rate_per_s: float, st
     tasks = []
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
     async with httpx.AsyncClient(base_url=base, timeout=timeout_s, limits=limits,
-                                 headers={"Authorization": "Bearer key-a"}) as http:
+                                 headers={"Authorization": f"Bearer {key}"}) as http:
         t0, i = time.perf_counter(), 0
-        while not stop.is_set():
+        while not stop.is_set() and (max_s is None or time.perf_counter() - t0 < max_s):
             tasks.append(asyncio.create_task(one(i, http)))
             i += 1
             try:
@@ -121,12 +130,13 @@ async def flood(base: str, model: str, prompts: list[str], rate_per_s: float, st
 
 
 async def b_with_flood(base: str, model: str, plan, system: str, prompts: list[str] | None,
-                       rate_per_s: float, flood_max_tokens: int) -> tuple:
-    """B's sessions (key-b), with A's flood beside them when ``prompts`` is given."""
+                       rate_per_s: float, flood_max_tokens: int, suffix: str = "",
+                       flood_max_s: float | None = None) -> tuple:
+    """B's sessions (``key-b`` + ``suffix``), with A's flood beside them when ``prompts`` is given."""
     stop = asyncio.Event()
-    flooding = asyncio.create_task(flood(base, model, prompts, rate_per_s, stop, flood_max_tokens)) \
-        if prompts else None
-    b = await run_sessions(base, model, plan, system=system, api_key="key-b")
+    flooding = asyncio.create_task(flood(base, model, prompts, rate_per_s, stop, flood_max_tokens,
+                                         key="key-a" + suffix, max_s=flood_max_s)) if prompts else None
+    b = await run_sessions(base, model, plan, system=system, api_key="key-b" + suffix)
     stop.set()
     a = await flooding if flooding is not None else {"a_sent": 0, "a_served": 0, "a_failed": 0}
     return b, a
@@ -154,19 +164,23 @@ def run_arm(name: str, base: str, model: str, plan, system: str, prompts, rate: 
 
     admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
     httpx.post(base + "/v1/cache/flush", headers=admin, json={}, timeout=60).raise_for_status()
-    b, a = asyncio.run(b_with_flood(base, model, plan, system, prompts, rate, args.flood_max_tokens))
+    quotas = name == "flood_quotas"
+    b, a = asyncio.run(b_with_flood(base, model, plan, system, prompts, rate, args.flood_max_tokens,
+                                    "" if quotas else "0", args.flood_max_s))
     stats = httpx.get(base + "/v1/cache/stats", headers=admin, timeout=60).json()
     summary = b.summary()
     fields = session_fields(b.turns)
-    b_lost = _tenant_counters(stats, "tenant-b").get("evictions_suffered_from_others", {})
-    return {"bench": "tenants", "arm": name, "quotas": name == "flood_quotas",
+    b_lost = _tenant_counters(stats, "tenant-b" if quotas else "tenant-b0").get(
+        "evictions_suffered_from_others", {})
+    return {"bench": "tenants", "arm": name, "quotas": quotas,
             "b_requests": summary["requests"], "b_failed": summary["failed"], "b_wall_s": summary["wall_s"],
             "b_rate_per_s": rounded(summary["requests"] / b.wall_s, 3) if b.wall_s else None,
             "b_later_turns_cached_share": fields["later_turns_cached_share"],
             "b_ttft_ms_later_turns_p50": fields["ttft_ms_later_turns_p50"],
             "b_ttft_ms_later_turns_p99": fields["ttft_ms_later_turns_p99"],
             "b_ttft_ms_first_turn_p50": fields["ttft_ms_first_turn_p50"],
-            "a_rate_per_s": rounded(rate, 3) if prompts else 0.0, **a,
+            "a_rate_per_s": rounded(rate, 3) if prompts else 0.0,
+            "a_max_send_s": rounded(args.flood_max_s, 1) if prompts else None, **a,
             "b_tokens_lost_to_a": b_lost, "errors": summary["errors"]}
 
 
@@ -205,7 +219,8 @@ def run(args: argparse.Namespace) -> int:
     if args.model is not None:
         worker["model"] = args.model
     app = {"num_replicas": 1, "worker": worker, "api_keys": ",".join(f"{k}={t}" for k, t in KEYS.items()),
-           "admin_keys": ADMIN_KEY, "limits": {"max_prompt_tokens": 8192, "max_tokens": 1024}}
+           "admin_keys": ADMIN_KEY, "limits": {"max_prompt_tokens": 8192, "max_tokens": 1024},
+           "tenant_quotas": quotas}
     port = args.port or free_port()
     base = f"http://127.0.0.1:{port}"
     local = LocalCluster(worker_nodes=0, cpus_per_node=2, l3_pool_mb=0)
@@ -214,9 +229,10 @@ def run(args: argparse.Namespace) -> int:
         alone = run_arm("b_alone", base, model_id, plan, system, None, 0.0, args)
         emit(alone)
         rate = args.flood_ratio * alone["b_rate_per_s"]
+        # A machine the flood overloads stretches B's run, and with it the flood: bound the sending.
+        args.flood_max_s = args.flood_max_s or 3.0 * alone["b_wall_s"]
         no_quotas = run_arm("flood_no_quotas", base, model_id, plan, system, prompts, rate, args)
         emit(no_quotas)
-        local.deploy({**app, "tenant_quotas": quotas}, port=port)
         with_quotas = run_arm("flood_quotas", base, model_id, plan, system, prompts, rate, args)
         emit({**with_quotas, "tenant_quotas": quotas})
     finally:
