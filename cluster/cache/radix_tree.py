@@ -430,28 +430,28 @@ class RadixTree:
         """Lowest-priority valid candidate of ``tier`` (removed from the heap);
         ``allow``: only a node it accepts (the others stay candidates: tenant quotas)."""
         heap, skipped = self._heaps[tier], []
-        try:
-            while heap:
-                prio, _, stamp, node = heapq.heappop(heap)
-                if (stamp != node.stamp or node.parent is None or node.lock_ref or node.busy
-                        or node.tier != tier or any(c.tier == tier for c in node.children.values())):
-                    continue
-                current = self.policy.priority(node)
-                if current != prio:
-                    node.stamp += 1
-                    heapq.heappush(heap, (current, next(self._seq), node.stamp, node))
-                    continue
-                if leaves_only and node.children:
-                    node.stamp += 1
-                    continue
-                if allow is not None and not allow(node):
-                    skipped.append(node)
-                    continue
-                return node
-            return None
-        finally:
-            for node in skipped:
-                self._consider(node)
+        found = None
+        while heap:
+            prio, _, stamp, node = heapq.heappop(heap)
+            if (stamp != node.stamp or node.parent is None or node.lock_ref or node.busy
+                    or node.tier != tier or any(c.tier == tier for c in node.children.values())):
+                continue
+            current = self.policy.priority(node)
+            if current != prio:
+                node.stamp += 1
+                heapq.heappush(heap, (current, next(self._seq), node.stamp, node))
+                continue
+            if leaves_only and node.children:
+                node.stamp += 1
+                continue
+            if allow is not None and not allow(node):
+                skipped.append(node)
+                continue
+            found = node
+            break
+        for node in skipped:
+            self._consider(node)
+        return found
 
     def evict(self, num_tokens: int, tier: int = HOT) -> int:
         """Drop least-valuable unlocked leaves of ``tier`` until ``num_tokens`` are freed.
