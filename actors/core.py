@@ -359,7 +359,7 @@ class WorkerCore:
                            "watchdog_trips": self.loop.watchdog_trips},
                 "load": dataclasses.asdict(self.loop.measure_load()), "fragmentation": c.fragmentation(),
                 "protected_tokens": c.protected_tokens, "evictable_tokens": c.evictable_tokens,
-                "l3": self._l3_stats()}
+                "l3": self._l3_stats(), "tenants": c.tenant_stats()}
 
     def _l3_stats(self) -> dict:
         """The L3 tier's counters (engine thread), the store's, and the hand-off's; state "off" without L3."""

@@ -36,6 +36,10 @@ every request from the directory's decision.
   copy of the routing table and shares the reply memory (``ReplyStore``)
 - ``peer_secret``: the secret of the workers' peer channel (default: a random
   one per deployment, or env ``PREFIX_CACHE_PEER_SECRET``)
+- ``tenant_quotas``: each tenant's guaranteed share and cap of HOT, WARM, COLD
+  and L3, by tenant id (``tenants``) or API key (``keys``, resolved here to the
+  key's tenant), ``default`` for the rest (``cluster.cache.quota_config``;
+  docs/cache.md "Per-tenant quotas"); checked here, carried to every replica
 """
 
 
@@ -51,9 +55,11 @@ from ray.serve.config import RequestRouterConfig
 from fastapi import Request
 
 from actors.core import WorkerConfig
+from cluster.cache.quota_config import QuotaConfig
 from cluster.engine.worker_env import cpu_worker_env
 from cluster.routing.policies import make_policy
 from serve_app import admin
+from serve_app.auth import parse_keys
 from serve_app.http_app import make_fastapi
 from serve_app.ingress import IngressCore, handle_generation, replica_calls_of
 from serve_app.placement import decide_placement
@@ -166,6 +172,9 @@ def build_app(args: dict[str, Any] | None = None):
     peer_secret = str(args.pop("peer_secret", None) or os.environ.get("PREFIX_CACHE_PEER_SECRET")
                       or secrets.token_hex(16))
     worker = dict(args.pop("worker", {}) or {})
+    if "tenant_quotas" in args:   # keys resolve to their tenants here: the replicas never see a key
+        keys = parse_keys(args.get("api_keys") or os.environ.get("PREFIX_CACHE_API_KEYS"))
+        worker["tenant_quotas"] = QuotaConfig.parse(args.pop("tenant_quotas"), keys).to_dict()
     worker_config = WorkerConfig.from_dict(worker)   # a bad worker config or model spec fails here
     block_tokens = worker_config.block_tokens
     resources, seen_by = cluster_resources()

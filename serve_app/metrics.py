@@ -28,6 +28,10 @@ Names and labels (the README lists them too):
 | prefix_cache_dropped_tokens_total | counter | worker, tier, reason (last_tier, lower_full, copy_failed, checksum, flush) |
 | prefix_cache_dropped_with_room_tokens_total | counter | worker |
 | prefix_cache_commit_tail_discarded_tokens_total | counter | worker |
+| prefix_cache_tenant_resident_tokens | gauge | worker, tenant, tier (hot, warm, cold; l3: blocks) |
+| prefix_cache_tenant_hit_tokens_total | counter | worker, tenant, tier |
+| prefix_cache_tenant_lookups_total | counter | worker, tenant |
+| prefix_cache_tenant_evictions_total | counter | worker, tenant, tier, role (caused, suffered, suffered_from_others) |
 
 ``recomputed_held_tokens`` counts prompt tokens a request computed although a
 tier held their KV when it was admitted, outside a measured cost decision
@@ -35,6 +39,11 @@ tier held their KV when it was admitted, outside a measured cost decision
 left a tier while the tier below had room for them, and
 ``commit_tail_discarded_tokens`` new KV the tree could not take. All three are
 defects: they stay 0.
+
+The ``tenant_*`` series exist only with ``tenant_quotas`` configured
+(``cluster.cache.quotas``): what each tenant holds per tier, the prompt tokens
+its requests found cached, and the tokens (L3: blocks) pushed down or dropped
+that it caused, that it lost, and that it lost to another tenant's request.
 
 ``session_prefetches`` counts the prefetches the ingress started from a
 request's ``X-Session-Id`` header (predictive swap-in), by what they found:
@@ -115,6 +124,7 @@ _last_engine: dict[str, dict[str, int]] = {}
 def replica_started(worker_id: str) -> None:
     _last_moves[worker_id] = {}
     _last_engine[worker_id] = {}
+    _last_tenants[worker_id] = {}
 
 
 def report_tiers(worker_id: str, summary: dict) -> None:
@@ -213,3 +223,40 @@ def report_handoff(worker_id: str, report: dict, block_tokens: int) -> None:
 def report_warmup(worker_id: str, report: dict) -> None:
     _inc(warmup_tokens, report.get("l3_tokens", 0), {"source": "l3"})
     _inc(warmup_tokens, report.get("peer_tokens", 0), {"source": "peer"})
+
+
+# ------------------------------------------------------------------- tenants
+tenant_resident = Gauge("prefix_cache_tenant_resident_tokens",
+                        "Tokens a tenant holds per tier (l3: blocks this replica keeps written for it)",
+                        tag_keys=("worker", "tenant", "tier"))
+tenant_hits = Counter("prefix_cache_tenant_hit_tokens_total", "Prompt tokens a tenant's requests found cached, by tier",
+                      tag_keys=("worker", "tenant", "tier"))
+tenant_lookups = Counter("prefix_cache_tenant_lookups_total", "Admissions of a tenant's requests",
+                         tag_keys=("worker", "tenant"))
+tenant_evictions = Counter("prefix_cache_tenant_evictions_total",
+                           "Tokens (l3: blocks) pushed down or dropped from a tier: caused by a tenant's requests, "
+                           "suffered, and suffered for another tenant's", tag_keys=("worker", "tenant", "tier", "role"))
+_last_tenants: dict[str, dict[tuple, int]] = {}
+_ROLES = {"evictions_caused": "caused", "evictions_suffered": "suffered",
+          "evictions_suffered_from_others": "suffered_from_others"}
+
+
+def report_tenants(worker_id: str, tenants: dict) -> None:
+    """``TieredCache.tenant_stats()``: residency as gauges, the cumulative counters as increments."""
+    last = _last_tenants.setdefault(worker_id, {})
+    for tenant, row in tenants.items():
+        base = {"worker": worker_id, "tenant": tenant}
+        for tier, tokens in row["resident_tokens"].items():
+            tenant_resident.set(tokens, tags={**base, "tier": tier})
+        tenant_resident.set(row["l3_blocks"], tags={**base, "tier": "l3"})
+        key = (tenant, "lookups")
+        _inc(tenant_lookups, row["lookups"] - last.get(key, 0), base)
+        last[key] = row["lookups"]
+        for field, role in (("hit_tokens", None), *_ROLES.items()):
+            for tier, value in row[field].items():
+                key = (tenant, field, tier)
+                if role is None:
+                    _inc(tenant_hits, value - last.get(key, 0), {**base, "tier": tier})
+                else:
+                    _inc(tenant_evictions, value - last.get(key, 0), {**base, "tier": tier, "role": role})
+                last[key] = value

@@ -39,6 +39,8 @@ def _report_metrics(core: WorkerCore) -> None:
     metrics.report_tiers(core.worker_id, core.cache.tier_summary())
     metrics.report_moves(core.worker_id, core.cache.stats)
     metrics.report_engine(core.worker_id, core.engine.stats)
+    if core.cache.quotas is not None:
+        metrics.report_tenants(core.worker_id, core.cache.tenant_stats())
     if core.l3 is not None:
         metrics.report_l3(core.worker_id, core.l3.stats)
 

@@ -44,9 +44,10 @@ class LeaseHost(Protocol):
 
     def check_owner(self, what: str) -> None: ...
 
-    def lease_allocate(self, num_tokens: int) -> list[Extent]: ...
+    def lease_allocate(self, num_tokens: int, tenant: Hashable) -> list[Extent]: ...
 
-    def lease_append(self, own: list[Extent], num_tokens: int) -> tuple[list[Extent], list[Extent]]: ...
+    def lease_append(self, own: list[Extent], num_tokens: int,
+                     tenant: Hashable) -> tuple[list[Extent], list[Extent]]: ...
 
     def lease_free(self, own: list[Extent]) -> None: ...
 
@@ -224,11 +225,11 @@ class KVLease:
         bt = self.host.hot.block_tokens
         if not self._own:
             self._own_at = self.length
-            ext = self._own = self.host.lease_allocate(n)   # a prompt's tail may share a block as a slot
+            ext = self._own = self.host.lease_allocate(n, self.namespace)   # a prompt's tail may share a block as a slot
             self._put_slots(self._own_at, extent_slots(ext, bt))
         else:
             kept, tail = len(self._own) - 1, self._own[-1]
-            self._own, ext = self.host.lease_append(self._own, n)
+            self._own, ext = self.host.lease_append(self._own, n, self.namespace)
             now = self._own[kept]
             if (now.block_id, now.offset) != (tail.block_id, tail.offset):
                 # copy-on-write moved the shared tail: its positions' slots change too

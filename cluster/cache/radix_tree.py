@@ -425,9 +425,12 @@ class RadixTree:
         # stamp so its old heap entry is ignored.
         parent.stamp += 1
 
-    def pop_candidate(self, tier: int, *, leaves_only: bool) -> TreeNode | None:
-        """Lowest-priority valid candidate of ``tier`` (removed from the heap)."""
-        heap = self._heaps[tier]
+    def pop_candidate(self, tier: int, *, leaves_only: bool,
+                      allow: Callable[[TreeNode], bool] | None = None) -> TreeNode | None:
+        """Lowest-priority valid candidate of ``tier`` (removed from the heap);
+        ``allow``: only a node it accepts (the others stay candidates: tenant quotas)."""
+        heap, skipped = self._heaps[tier], []
+        found = None
         while heap:
             prio, _, stamp, node = heapq.heappop(heap)
             if (stamp != node.stamp or node.parent is None or node.lock_ref or node.busy
@@ -441,8 +444,14 @@ class RadixTree:
             if leaves_only and node.children:
                 node.stamp += 1
                 continue
-            return node
-        return None
+            if allow is not None and not allow(node):
+                skipped.append(node)
+                continue
+            found = node
+            break
+        for node in skipped:
+            self._consider(node)
+        return found
 
     def evict(self, num_tokens: int, tier: int = HOT) -> int:
         """Drop least-valuable unlocked leaves of ``tier`` until ``num_tokens`` are freed.

@@ -45,6 +45,9 @@ class TierMoves:
         self.tree, self.pools, self.copier, self.disk_io = tree, pools, copier, disk_io
         self.upload, self.layout, self.stats = upload, layout, stats
         self._allocate = allocate
+        # The next node of a tier to push down: the tree's policy order, or the tenant
+        # quotas' rules (``cluster.cache.quotas``: the cache sets it when they are on).
+        self.pick: Callable[..., TreeNode | None] = tree.pop_candidate
         self.active: dict[tuple[int, int], Move] = {}   # (engine, op id) -> the move in flight
         self.pending_out = [0, 0, 0]   # tokens leaving each tier in flight
         # Measured seconds per token of a promotion from WARM and from COLD (None until one ran).
@@ -105,28 +108,41 @@ class TierMoves:
         alloc = self.pools[tier].allocator
         target = alloc.free_blocks + blocks
         self.stats["stalls"] += 1
+        return self._free_until(tier, lambda: alloc.free_blocks >= target, target)
+
+    def shed_own(self, tier: int, over_cap: Callable[[], bool]) -> None:
+        """Push the acting tenant's own data out of ``tier`` (``self.pick`` picks only its
+        nodes while it is at its cap) until ``over_cap()`` is False or nothing of it can go."""
+        self.stats["quota_sheds"] = self.stats.get("quota_sheds", 0) + 1
+        self._free_until(tier, lambda: not over_cap(), None)
+
+    def _free_until(self, tier: int, done: Callable[[], bool], reclaim_to: int | None) -> bool:
         passed_over: list[TreeNode] = []
         try:
-            return self._free_blocks_until(tier, target, passed_over)
+            return self._free_blocks_until(tier, done, reclaim_to, passed_over)
         finally:
             for node in passed_over:
                 self.tree.requeue(node)
 
-    def _free_blocks_until(self, tier: int, target: int, passed_over: list[TreeNode]) -> bool:
-        alloc = self.pools[tier].allocator
-        while alloc.free_blocks < target:
+    def _free_blocks_until(self, tier: int, done: Callable[[], bool], reclaim_to: int | None,
+                           passed_over: list[TreeNode]) -> bool:
+        """Demote or drop ``self.pick``'s nodes until ``done()``; ``reclaim_to``: free
+        blocks WARM's lower copies are reclaimed up to first (None: shedding a tenant's
+        data, which lower copies do not count toward)."""
+        while not done():
             self.poll()
-            if tier == WARM and self.tree.lower_copies:   # duplicates of HOT nodes go first, for free
-                self.stats["lower_copies_reclaimed_tokens"] += self.tree.reclaim_lower(target)
+            if tier == WARM and self.tree.lower_copies and reclaim_to is not None:
+                # Duplicates of HOT nodes go first, for free.
+                self.stats["lower_copies_reclaimed_tokens"] += self.tree.reclaim_lower(reclaim_to)
                 continue
             last_tier = tier == self.num_tiers - 1
-            node = self.tree.pop_candidate(tier, leaves_only=last_tier)
+            node = self.pick(tier, leaves_only=last_tier)
             if node is None:
                 # Blocks held by copies in flight, out of this tier or into it (a promotion
                 # leaves its nodes unlocked, so evictable, when it completes): wait for one.
                 pending = [m for m in self.active.values() if tier in m.src_tiers or m.dst_tier == tier]
-                if not pending:
-                    return alloc.free_blocks >= target
+                if not pending or reclaim_to is None:
+                    return done()
                 self.wait(pending[0])
                 continue
             if last_tier:
@@ -178,8 +194,9 @@ class TierMoves:
             node.busy = move  # reserved: making room below may merge or drop idle nodes
         taken, dst_exts = [], []
         for node in nodes:
-            try:
-                dst_exts.append(self._allocate(dst, len(node.key), private_tail=False))
+            try:   # room below is made for the node's own tenant (quotas)
+                dst_exts.append(self._allocate(dst, len(node.key), private_tail=False,
+                                               tenant=self.tree.namespace_of(node)))
                 taken.append(node)
             except PoolExhaustedError:
                 break

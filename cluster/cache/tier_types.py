@@ -15,6 +15,7 @@ import torch
 from cluster.cache.allocator import Extent
 from cluster.cache.kv_pool import cuda_available
 from cluster.cache.offload import CopyEngine
+from cluster.cache.quota_config import QuotaConfig
 from cluster.cache.radix_tree import TreeNode
 from cluster.errors import CacheError, InvalidInputError
 
@@ -40,8 +41,13 @@ class TierConfig:
     eviction_policy: str = "lru"
     max_sessions: int = 100_000
     copy_gb_per_s: float | None = None   # pace host copies on CPU-only hosts (see offload.ThreadEngine)
+    # Per-tenant shares of each tier (``cluster.cache.quota_config``; None: no quotas),
+    # kept as the plain mapping ``QuotaConfig.to_dict`` writes, checked here.
+    tenant_quotas: dict | None = None
 
     def __post_init__(self) -> None:
+        if self.tenant_quotas is not None:
+            object.__setattr__(self, "tenant_quotas", QuotaConfig.parse(self.tenant_quotas).to_dict())
         if not isinstance(self.hot_blocks, int) or self.hot_blocks <= 0:
             raise InvalidInputError(f"hot_blocks must be a positive integer, got {self.hot_blocks!r}")
         for name in ("warm_blocks", "cold_blocks"):

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from contextlib import nullcontext
 from typing import Any, Callable, Hashable, Sequence
 
 import torch
@@ -49,6 +50,8 @@ from cluster.cache.offload import ImmediateEngine, ThreadEngine, make_copy_engin
 from cluster.cache.lease import KVLease
 from cluster.cache.l3.link import L3Link
 from cluster.cache.l3.tier import L3Tier
+from cluster.cache.quota_config import QuotaConfig
+from cluster.cache.quotas import CURRENT, NOBODY, TenantQuotas
 from cluster.cache.radix_tree import RadixTree, TreeNode
 from cluster.cache.staging import HostStaging
 from cluster.errors import CacheError, InvalidInputError, PoolExhaustedError
@@ -116,6 +119,11 @@ class TieredCache:
         # The copies between tiers, and the moves in flight (``cluster.cache.tier_moves``).
         self.moves = TierMoves(self.tree, self.pools, self.copier, self.disk_io, upload, layout, self.stats,
                                self._allocate)
+        # Per-tenant shares of each tier (``cluster.cache.quotas``): who is pushed out for whom.
+        self.quotas: TenantQuotas | None = None
+        if config.tenant_quotas is not None:
+            self.quotas = TenantQuotas(self.tree, QuotaConfig.parse(config.tenant_quotas))
+            self.moves.pick = self.quotas.pick
 
     @property
     def num_tiers(self) -> int:
@@ -148,7 +156,8 @@ class TieredCache:
         caller that cannot get it releases the lease, and nothing stays locked).
         ``lease.held_by_tier`` says what the tiers held of what it could use."""
         self.check_owner("admit")
-        m = self._match(prompt, namespace, lock=True, validate=validate, promote=promote)
+        with self._acting(namespace):
+            m = self._match(prompt, namespace, lock=True, validate=validate, promote=promote)
         cap = len(prompt) - 1 if compute_last else len(prompt)
         if max_cached is not None:
             cap = min(cap, max(0, max_cached))
@@ -158,6 +167,8 @@ class TieredCache:
         warm = min(usable - hot, tl[WARM])
         hits = (hot, warm, usable - hot - warm)
         held = _split(min(sum(tl), cap), tl)
+        if self.quotas is not None:
+            self.quotas.note_hits(namespace, hits)
         return KVLease(self, namespace, m.last_node, _take(m.extents, usable), usable, hits,
                        m.promoted_tokens, m.waited_s, held)
 
@@ -206,7 +217,9 @@ class TieredCache:
             return Readiness(True, tiers)
         if any(n.busy for n in m.nodes):
             return Readiness(False, tiers)
-        if self.moves.start_promotion(colder, make_room=make_room) is None:
+        with self._acting(namespace):
+            move = self.moves.start_promotion(colder, make_room=make_room)
+        if move is None:
             self.stats["promotion_skipped_no_room"] += 1
             return Readiness(False, tiers, blocked=make_room)
         return Readiness(False, tiers)
@@ -277,6 +290,8 @@ class TieredCache:
             raise InvalidInputError(f"L3 blocks of {tier.block_tokens} tokens on a cache of "
                                     f"{self.hot.allocator.block_tokens}-token blocks")
         self.l3 = L3Link(self, tier)
+        if self.quotas is not None:   # blocks found gone from L3 no longer count toward a tenant
+            tier.listeners.append(self.quotas)
 
     def apply_l3(self) -> int:
         """Apply what the L3 thread finished (stored blocks reported, fetched ones
@@ -384,12 +399,23 @@ class TieredCache:
         return TieredMatch(length, last, extents, tier_lengths, promoted, time.perf_counter() - t0)
 
     # ------------------------------------------------------ the lease's host (``LeaseHost``)
-    def lease_allocate(self, num_tokens: int) -> list[Extent]:
-        """HOT extents for a lease's new KV; demotes (or drops) to make room, all or nothing."""
-        return self._allocate(HOT, num_tokens, private_tail=False)
+    def lease_allocate(self, num_tokens: int, tenant: Any = CURRENT) -> list[Extent]:
+        """HOT extents for a lease's new KV; demotes (or drops) to make room, all or nothing.
+        ``tenant``: whose KV it is (the lease's namespace), for the quotas."""
+        return self._allocate(HOT, num_tokens, private_tail=False, tenant=tenant)
 
-    def lease_append(self, extents: list[Extent], num_tokens: int) -> tuple[list[Extent], list[Extent]]:
+    def lease_append(self, extents: list[Extent], num_tokens: int,
+                     tenant: Any = CURRENT) -> tuple[list[Extent], list[Extent]]:
         """Grow a lease's private HOT sequence (copy-on-write of a shared tail)."""
+        if self.quotas is None:
+            return self._append_hot_room(extents, num_tokens)
+        who = self.quotas.actor[0] if tenant is CURRENT else tenant
+        with self.quotas.acting(who, num_tokens):
+            if self.quotas.must_shed(HOT):
+                self.moves.shed_own(HOT, lambda: self.quotas.must_shed(HOT))
+            return self._append_hot_room(extents, num_tokens)
+
+    def _append_hot_room(self, extents: list[Extent], num_tokens: int) -> tuple[list[Extent], list[Extent]]:
         while True:
             try:
                 out = self.hot.append(extents, num_tokens)
@@ -493,7 +519,8 @@ class TieredCache:
         if alloc.free_blocks < want:
             self.tree.lock(m.last_node)   # its own path is not one to push down meanwhile
             try:
-                room = self._demote_older(floor, want)
+                with self._acting(namespace):
+                    room = self._demote_older(floor, want)
             finally:
                 self.tree.unlock(m.last_node)
             if not room:
@@ -518,7 +545,7 @@ class TieredCache:
         alloc, passed_over = self.hot.allocator, []
         try:
             while alloc.free_blocks < want_blocks:
-                node = self.tree.pop_candidate(HOT, leaves_only=False)
+                node = self.moves.pick(HOT, leaves_only=False)
                 if node is None or node.last_access >= used_before:
                     if node is not None:
                         passed_over.append(node)
@@ -551,8 +578,13 @@ class TieredCache:
 
     def _enforce_watermarks(self) -> None:
         """Demote LRU frontier nodes of each tier above the high watermark until
-        its usage falls below the low watermark (asynchronously)."""
+        its usage falls below the low watermark (asynchronously): background work,
+        so under quotas only tenants over their guarantee give."""
         self.poll()
+        with self._acting(NOBODY):
+            self._demote_past_watermarks()
+
+    def _demote_past_watermarks(self) -> None:
         cfg = self.config
         for tier in range(self.num_tiers - 1):
             if self.usage(tier) <= cfg.high_watermark:
@@ -561,7 +593,7 @@ class TieredCache:
             target = cfg.low_watermark * alloc.capacity_tokens
             batch, leaving = [], alloc.used_tokens - self.moves.pending_out[tier] - self._lower_tokens(tier)
             while leaving > target:
-                node = self.tree.pop_candidate(tier, leaves_only=False)
+                node = self.moves.pick(tier, leaves_only=False)
                 if node is None:
                     break
                 batch.append(node)
@@ -611,7 +643,39 @@ class TieredCache:
             self.pools[COLD].close()
 
     # ---------------------------------------------------------------- internals
-    def _allocate(self, tier: int, num_tokens: int, *, private_tail: bool) -> list[Extent]:
+    def _acting(self, tenant: Any, asked: int = 0):
+        """Room made inside is made for ``tenant`` under the quotas (``NOBODY``: background;
+        a no-op without quotas)."""
+        return self.quotas.acting(tenant, asked) if self.quotas is not None else nullcontext()
+
+    def may_preempt(self, requester: Hashable, victim: Hashable, victim_running: int = 0) -> bool:
+        """Whether the engine may preempt a running request of tenant ``victim`` (holding
+        ``victim_running`` HOT tokens) for HOT room for one of ``requester`` (always,
+        without quotas; ``TenantQuotas.may_preempt``)."""
+        return self.quotas is None or self.quotas.may_preempt(requester, victim, victim_running)
+
+    def hot_room_for(self, namespace: Hashable) -> int:
+        """The HOT tokens a request of ``namespace`` can ever have: all of HOT less the
+        other listed tenants' guarantees (a request that needs more would wait forever)."""
+        cap = self.hot.allocator.capacity_tokens
+        return cap if self.quotas is None else cap - self.quotas.others_guarantee(namespace, HOT)
+
+    def tenant_stats(self) -> dict[str, dict]:
+        """Per tenant: resident tokens by tier, hits, evictions caused and suffered ({} without quotas)."""
+        return {} if self.quotas is None else self.quotas.tenant_stats()
+
+    def _allocate(self, tier: int, num_tokens: int, *, private_tail: bool, tenant: Any = CURRENT) -> list[Extent]:
+        """Extents in ``tier``, making room; ``tenant`` (default: whoever is acting) is
+        whose data it will be: at its cap, its own colder data goes first."""
+        if self.quotas is None:
+            return self._allocate_room(tier, num_tokens, private_tail)
+        who = self.quotas.actor[0] if tenant is CURRENT else tenant
+        with self.quotas.acting(who, num_tokens):
+            if self.quotas.must_shed(tier):
+                self.moves.shed_own(tier, lambda: self.quotas.must_shed(tier))
+            return self._allocate_room(tier, num_tokens, private_tail)
+
+    def _allocate_room(self, tier: int, num_tokens: int, private_tail: bool) -> list[Extent]:
         alloc = self.pools[tier].allocator
         while True:
             try:

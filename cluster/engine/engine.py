@@ -140,6 +140,12 @@ class Engine:
                 f"prompt ({len(request.prompt)} tokens) + max_tokens ({request.params.max_tokens}) needs more KV "
                 f"than this worker's HOT cache can hold for one request ({self.max_request_tokens - 1} tokens); "
                 f"shorten the prompt or lower max_tokens")
+        room = self.cache.hot_room_for(request.namespace) - self.cache.config.block_tokens
+        if need + 1 > room:   # the other tenants' HOT guarantees are never its room (tenant quotas)
+            raise InvalidInputError(
+                f"prompt ({len(request.prompt)} tokens) + max_tokens ({request.params.max_tokens}) needs more KV "
+                f"than this tenant can hold in HOT beside the other tenants' guarantees ({room - 1} tokens); "
+                f"shorten the prompt or lower max_tokens")
         spec = request.params.grammar
         if spec is not None:
             if self.grammars is None:

@@ -173,9 +173,12 @@ class Scheduler:
         that fit in free blocks (started for every waiting request at once, their prefixes
         pushed each other back out of a full HOT pool before any was admitted: a livelock)."""
         promoting = False   # an older waiting request's prefix is on its way up
+        stalled: set = set()   # tenants whose oldest waiting request found no room (tenant quotas)
         for req in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_running:
                 break
+            if req.namespace in stalled:
+                continue
             if req.yielded_to is not None:   # it gave its room to an older request: not back before it
                 if req.yielded_to in self.waiting:
                     continue
@@ -188,6 +191,8 @@ class Scheduler:
                 if readiness.blocked:   # the oldest one's promotion found no room: nobody takes room before it
                     self.stats["waits_for_promotion_room"] += 1
                     self.blocked = req
+                    if self._stall_tenant(req, stalled):
+                        continue
                     break
                 self.stats["waits_for_promotion"] += 1   # on its way up to HOT: the others go meanwhile
                 promoting = True
@@ -203,6 +208,8 @@ class Scheduler:
                     continue
                 self.stats["waits_for_room"] += 1
                 self.blocked = req
+                if self._stall_tenant(req, stalled):
+                    continue
                 break              # no room: it waits for running requests to finish or yield
             self.waiting.remove(req)
             self.running.append(req)
@@ -211,6 +218,15 @@ class Scheduler:
             plan.items.append(ScheduledRequest(req, req.num_computed_tokens, n))
             planned.add(id(req))
             budget -= n
+
+    def _stall_tenant(self, req: EngineRequest, stalled: set) -> bool:
+        """Under tenant quotas the room a blocked request waits for may be another tenant's
+        guarantee, which that tenant's own waiting requests may use (else both wait
+        forever): only its own tenant's later requests wait behind it. False without quotas."""
+        if self.cache.quotas is None:
+            return False
+        stalled.add(req.namespace)
+        return True
 
     def _behind_shared_fill(self, req: EngineRequest, cached: int) -> bool:
         """The shared-fills policy: whether a running request still filling its prompt
@@ -261,7 +277,8 @@ class Scheduler:
                 req.lease.reserve(n)
                 return True
             except PoolExhaustedError:
-                victim = next((r for r in reversed(self.running) if id(r) not in planned), None)
+                victim = next((r for r in reversed(self.running) if id(r) not in planned
+                               and self.cache.may_preempt(req.namespace, r.namespace, r.num_computed_tokens)), None)
                 if victim is None:   # everyone else is in this step already: this one yields
                     victim = req
                 self.preempt(victim)

@@ -188,10 +188,11 @@ def session_fields(turns: list[Turn]) -> dict:
 
 
 async def run_sessions(base: str, model: str, plan: list[PlannedSession], *, system: str,
-                       session_header: bool = True, timeout_s: float = 600.0) -> SessionsResult:
+                       session_header: bool = True, timeout_s: float = 600.0,
+                       api_key: str | None = None) -> SessionsResult:
     """Run ``plan`` against the OpenAI-compatible server at ``base`` (sessions arrive at their
     ``start_s``, wait each turn's ``pause_s`` after the reply before it); every Turn in the
-    order it ended."""
+    order it ended. ``api_key``: sent as the bearer token (the tenant's key)."""
     import httpx
 
     result = SessionsResult(sessions=list(plan))
@@ -214,7 +215,8 @@ async def run_sessions(base: str, model: str, plan: list[PlannedSession], *, sys
             messages.append({"role": "assistant", "content": reply})
 
     limits = httpx.Limits(max_connections=len(plan) + 4, max_keepalive_connections=len(plan) + 4)
-    async with httpx.AsyncClient(base_url=base, timeout=timeout_s, limits=limits) as http:
+    auth = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    async with httpx.AsyncClient(base_url=base, timeout=timeout_s, limits=limits, headers=auth) as http:
         t0 = time.perf_counter()
         await asyncio.gather(*[one_session(s, http, t0) for s in plan])
         result.wall_s = time.perf_counter() - t0

@@ -144,3 +144,21 @@ def test_the_gpu_claim_is_decided_from_the_cluster_and_logged(monkeypatch):
             build_app({"worker": {"device": "cuda"}})
     finally:
         app_module.log.removeHandler(handler)
+
+
+def test_tenant_quotas_are_checked_and_keys_resolved_when_the_app_is_built():
+    import pytest
+
+    from serve_app.app import build_app
+
+    app = build_app({"api_keys": "sk-a=team-a,sk-b=team-b",
+                     "tenant_quotas": {"keys": {"sk-b": {"hot": {"guarantee": 0.5}}},
+                                       "default": {"hot": {"cap": 0.75}}}})
+    worker = app._bound_deployment.init_args[0]._bound_deployment.init_args[0]
+    assert worker["tenant_quotas"] == {"default": {"hot": {"guarantee": 0.0, "cap": 0.75}},
+                                       "tenants": {"team-b": {"hot": {"guarantee": 0.5, "cap": 1.0}}},
+                                       "l3_blocks": 0}
+    with pytest.raises(ValueError, match="tenant_quotas.tenants.x.warm: guarantee 0.9 exceeds cap 0.5"):
+        build_app({"tenant_quotas": {"tenants": {"x": {"warm": {"guarantee": 0.9, "cap": 0.5}}}}})
+    with pytest.raises(ValueError, match="not among the configured api_keys"):
+        build_app({"api_keys": "sk-a=team-a", "tenant_quotas": {"keys": {"sk-z": {}}}})

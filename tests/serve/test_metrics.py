@@ -61,3 +61,34 @@ def test_recomputed_held_and_dropped_tokens_are_reported_by_tier_and_reason(monk
     ]
     assert metrics.dropped_with_room.calls == [(3, {"worker": "w2"})]
     assert metrics.tail_discarded.calls == []
+
+
+class _GaugeRecorder:
+    def __init__(self):
+        self.calls = []
+
+    def set(self, value, tags):
+        self.calls.append((value, tags))
+
+
+def test_tenant_metrics_are_gauges_and_increments(monkeypatch):
+    """What ``TieredCache.tenant_stats`` reports per tenant, from a real cache under quotas."""
+    from tests.unit.test_tenant_quotas import B_HALF, make, put
+
+    for name in ("tenant_hits", "tenant_lookups", "tenant_evictions"):
+        monkeypatch.setattr(metrics, name, _Recorder())
+    monkeypatch.setattr(metrics, "tenant_resident", _GaugeRecorder())
+    metrics.replica_started("w3")
+    cache = make(B_HALF)
+    put(cache, 1, "B"), put(cache, 2, "B"), put(cache, 10, "A"), put(cache, 11, "A")
+    metrics.report_tenants("w3", cache.tenant_stats())
+    put(cache, 12, "A")   # A pushes its own 10 down: caused and suffered by A, none from others
+    metrics.report_tenants("w3", cache.tenant_stats())
+    a = {"worker": "w3", "tenant": "A"}
+    assert metrics.tenant_evictions.calls == [(8, {**a, "tier": "hot", "role": "caused"}),
+                                              (8, {**a, "tier": "hot", "role": "suffered"})]
+    assert metrics.tenant_lookups.calls == [(2, a), (2, {"worker": "w3", "tenant": "B"}), (1, a)]
+    assert metrics.tenant_hits.calls == []
+    last = {(t["tenant"], t["tier"]): v for v, t in metrics.tenant_resident.calls[-8:]}
+    assert last == {("B", "hot"): 16, ("B", "warm"): 0, ("B", "cold"): 0, ("B", "l3"): 0,
+                    ("A", "hot"): 16, ("A", "warm"): 8, ("A", "cold"): 0, ("A", "l3"): 0}

@@ -140,10 +140,22 @@ class L3Link:
         todo = tier.unwritten(hashes)
         if not todo:
             return 0
+        remove: list[int] = []
+        quotas = self.cache.quotas
+        if quotas is not None:   # the tenant's L3 share: what it may add, what goes to make room
+            take, remove = quotas.l3_admit(namespace, [hashes[i] for i in todo])
+            todo = [todo[j] for j in take]
+            if not todo:
+                return 0
         kv = self._read_blocks(tokens[:full * bt], namespace, todo, allow_cold)
         if kv is None:
+            if quotas is not None:
+                quotas.l3_forget([hashes[i] for i in todo])
             return 0
-        return tier.write(tokens, hashes, todo, kv)
+        queued = tier.write(tokens, hashes, todo, kv, remove)
+        if not queued and quotas is not None:   # dropped (the write queue is full): not held
+            quotas.l3_forget([hashes[i] for i in todo])
+        return queued
 
     def _spans(self, tokens: Sequence[int], namespace: Hashable) -> list[tuple[int, "TreeNode"]]:
         """(first token, node) of every node the cached path of ``tokens`` runs

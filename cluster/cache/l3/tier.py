@@ -146,11 +146,13 @@ class _Write:
     blocks: list[L3Block]
     hashes: list[int]
     nbytes: int
+    remove: list = field(default_factory=list)   # keys to remove first (tenant quotas: ``TenantQuotas.l3_admit``)
 
 
 @dataclass
 class L3TierStats:
     writes_queued: int = 0          # blocks handed to the I/O thread
+    quota_removed: int = 0          # blocks removed to keep a tenant's L3 quota (``TenantQuotas.l3_admit``)
     blocks_written: int = 0         # stored (or found already there)
     write_failures: int = 0
     writes_dropped: int = 0         # not stored: over max_pending_bytes, or queued when a flush came
@@ -286,11 +288,13 @@ class L3Tier:
         written = self.written
         return [i for i, h in enumerate(hashes) if h not in written]
 
-    def write(self, tokens: Sequence[int], hashes: Sequence[int], index: Sequence[int], kv: torch.Tensor) -> int:
+    def write(self, tokens: Sequence[int], hashes: Sequence[int], index: Sequence[int], kv: torch.Tensor,
+              remove: Sequence[int] = ()) -> int:
         """Queue blocks ``index`` (indices into ``hashes``) of ``tokens`` for writing;
         ``kv`` holds exactly those blocks' KV, in order, token-major (a private
         copy: the caller's pools may change once this returns). Returns the blocks
-        queued (0 when over ``max_pending_bytes``: dropped, counted)."""
+        queued (0 when over ``max_pending_bytes``: dropped, counted). ``remove``: hashes of
+        blocks to remove from L3 before these are stored (a tenant's quota)."""
         if not index:
             return 0
         bt = self.block_tokens
@@ -301,12 +305,15 @@ class L3Tier:
                 return 0
             blocks = [L3Block(self.key(hashes[i]), tuple(tokens[i * bt:(i + 1) * bt]),
                               kv[:, :, j * bt:(j + 1) * bt]) for j, i in enumerate(index)]
-            self._write_jobs.append(_Write(blocks, [hashes[i] for i in index], nbytes))
+            self._write_jobs.append(_Write(blocks, [hashes[i] for i in index], nbytes,
+                                           [self.key(h) for h in remove]))
             self._pending_bytes += nbytes
             self.stats.writes_queued += len(index)
             self._cv.notify_all()   # two I/O threads wait on it: wake the one whose queue it is
         for i in index:   # optimistic: a failed write is forgotten again in take_written
             self.written.add(hashes[i])
+        for h in remove:
+            self.written.discard(h)
         return len(index)
 
     def take_written(self) -> int:
@@ -486,6 +493,10 @@ class L3Tier:
                 self._done_inventories.append(listed)
             return
         if isinstance(job, _Write):
+            if job.remove:
+                removed = self.store.remove_keys(job.remove)
+                with self._cv:
+                    self.stats.quota_removed += max(0, removed)
             results = self.store.put_blocks(job.blocks)
             with self._cv:
                 self._pending_bytes -= job.nbytes

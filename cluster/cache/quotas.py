@@ -1,0 +1,269 @@
+"""Per-tenant quotas of HOT, WARM, COLD and L3: who is evicted for whom (``TenantQuotas``).
+
+The rules, in each tier, for a request of tenant R (``acting``) that needs room:
+
+1. R at its cap (what R holds in the tier plus what it asks for passes its
+   cap): R's own colder data goes (policy order within R), nobody else's, even
+   when the tier has free room.
+2. Otherwise the tenants over their guarantee give first, R among them,
+   in the eviction policy's order across them.
+3. Then R's own data, even below R's guarantee.
+4. A tenant at or under its guarantee is never evicted for another tenant:
+   when nothing above is left, the room is not made (the request waits, or
+   is preempted by the engine, whose victims ``may_preempt`` allows).
+
+Background demotions (the watermarks, no tenant acting) follow rule 2 only.
+"Holds" counts the tree's nodes resident in the tier, kept current from the
+tree's listener callbacks; a running request's own KV counts once committed.
+A WARM lower copy (a duplicate of a HOT node) counts toward nobody: it is
+reclaimed first and loses nothing. L3 (per replica, of ``l3_blocks``): the
+blocks this replica wrote for each tenant, oldest first; a write past a
+cap removes the tenant's own oldest blocks, a write past ``l3_blocks`` removes
+blocks of tenants over their guarantee, and a write that finds neither is
+skipped and counted (never lost silently).
+
+Nothing is shared across tenants: each namespace has its own tree root, so a
+tenant can match, hold and lose only its own KV (unless an operator gives two
+keys one tenant on purpose). Owner thread only, like the tree.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, defaultdict
+from contextlib import contextmanager
+from typing import Any, Callable, Hashable, Iterator, Sequence
+
+from cluster.cache.quota_config import L3_INDEX, QUOTA_TIERS, QuotaConfig
+from cluster.cache.radix_tree import RadixTree, TreeNode
+from cluster.names import HOT
+
+NOBODY = object()   # no tenant acting (background work)
+CURRENT = object()  # whoever is acting now (a default argument)
+_TIERS = len(QUOTA_TIERS)
+
+
+def tenant_label(namespace: Hashable) -> str:
+    """A namespace as metrics and stats name it (``""`` for the shared one)."""
+    return "" if namespace is None else str(namespace)
+
+
+class TenantQuotas:
+    """The quota state of one cache: what each tenant holds per tier, who acts, the counters."""
+
+    def __init__(self, tree: RadixTree, config: QuotaConfig):
+        self.tree = tree
+        self.config = config
+        self.resident: list[dict[Hashable, int]] = [defaultdict(int) for _ in range(_TIERS)]
+        self._acting: list[tuple[Any, int]] = []    # (tenant, tokens asked) stack
+        self._picked: dict[int, Any] = {}           # id(node) -> the tenant it was picked for
+        self.stats: dict[Hashable, dict[str, list[int]]] = {}
+        self.l3_written: dict[Hashable, OrderedDict[int, None]] = defaultdict(OrderedDict)
+        self.l3_skipped_blocks = 0
+        tree.listeners.append(self)
+
+    # ---------------------------------------------------------------- shares
+    def capacity(self, tier: int) -> int:
+        if tier == L3_INDEX:
+            return self.config.l3_blocks
+        return self.tree.allocators[tier].capacity_tokens if tier < len(self.tree.allocators) else 0
+
+    def guarantee(self, namespace: Hashable, tier: int) -> int:
+        return int(self.config.quota_of(namespace).shares[tier].guarantee * self.capacity(tier))
+
+    def cap(self, namespace: Hashable, tier: int) -> int:
+        return int(self.config.quota_of(namespace).shares[tier].cap * self.capacity(tier))
+
+    def others_guarantee(self, namespace: Hashable, tier: int) -> int:
+        """The guarantees of the listed tenants other than ``namespace`` in ``tier``."""
+        return sum(self.guarantee(t, tier) for t, _ in self.config.tenants if t != namespace)
+
+    def holds(self, namespace: Hashable, tier: int) -> int:
+        if tier == L3_INDEX:
+            return len(self.l3_written.get(namespace, ()))
+        return self.resident[tier].get(namespace, 0)
+
+    def over_guarantee(self, namespace: Hashable, tier: int) -> bool:
+        return self.holds(namespace, tier) > self.guarantee(namespace, tier)
+
+    def at_cap(self, namespace: Hashable, tier: int, asked: int) -> bool:
+        return self.holds(namespace, tier) + asked > self.cap(namespace, tier)
+
+    # ---------------------------------------------------------------- acting
+    @contextmanager
+    def acting(self, namespace: Any, asked: int = 0) -> Iterator[None]:
+        """Room made inside is made for ``namespace`` (``NOBODY``: background)."""
+        self._acting.append((namespace, asked))
+        try:
+            yield
+        finally:
+            self._acting.pop()
+
+    @property
+    def actor(self) -> tuple[Any, int]:
+        return self._acting[-1] if self._acting else (NOBODY, 0)
+
+    # --------------------------------------------------------------- victims
+    def allowed(self, tier: int) -> list[Callable[[TreeNode], bool]]:
+        """The rules' passes for the acting tenant, in order (each a node filter)."""
+        who, asked = self.actor
+        ns = self.tree.namespace_of
+        if who is NOBODY:
+            return [lambda n: self.over_guarantee(ns(n), tier)]
+        own = lambda n: ns(n) == who   # noqa: E731
+        if self.at_cap(who, tier, asked):
+            return [own]
+        return [lambda n: self.over_guarantee(ns(n), tier), own]
+
+    def pick(self, tier: int, *, leaves_only: bool) -> TreeNode | None:
+        """The next node of ``tier`` to push down (or drop) under the rules, or None."""
+        for allow in self.allowed(tier):
+            node = self.tree.pop_candidate(tier, leaves_only=leaves_only, allow=allow)
+            if node is not None:
+                if len(self._picked) > 65536:   # picks passed over and never moved: forget them
+                    self._picked.clear()
+                self._picked[id(node)] = self.actor[0]
+                return node
+        return None
+
+    def must_shed(self, tier: int) -> bool:
+        """Whether the acting tenant is past its cap in ``tier`` (its own data must go first)."""
+        who, asked = self.actor
+        return who is not NOBODY and self.at_cap(who, tier, asked)
+
+    def may_preempt(self, requester: Hashable, victim: Hashable, victim_running: int = 0) -> bool:
+        """Whether the engine may preempt a running request of ``victim`` (holding
+        ``victim_running`` HOT tokens) to make HOT room for one of ``requester``: its
+        own, or one of a tenant over its HOT guarantee (what it holds in the tree plus
+        that request) while the requester is under its cap."""
+        if requester == victim:
+            return True
+        return (not self.at_cap(requester, HOT, 0)
+                and self.holds(victim, HOT) + victim_running > self.guarantee(victim, HOT))
+
+    # ------------------------------------------------------- tree listener
+    def on_stored(self, node: TreeNode) -> None:
+        self.resident[node.tier][self.tree.namespace_of(node)] += len(node.key)
+
+    def on_tier(self, node: TreeNode, old_tier: int) -> None:
+        ns = self.tree.namespace_of(node)
+        n = len(node.key)
+        self.resident[old_tier][ns] -= n
+        self.resident[node.tier][ns] += n
+        if node.tier > old_tier:
+            self._count_eviction(node, ns, old_tier, n)
+
+    def on_removed(self, node: TreeNode) -> None:
+        ns = self.tree.namespace_of(node)
+        self.resident[node.tier][ns] -= len(node.key)
+        self._count_eviction(node, ns, node.tier, len(node.key))
+
+    def _count_eviction(self, node: TreeNode, victim: Hashable, tier: int, tokens: int) -> None:
+        who = self._picked.pop(id(node), NOBODY)
+        self._counters(victim)["evictions_suffered"][tier] += tokens
+        if who is not NOBODY:
+            self._counters(who)["evictions_caused"][tier] += tokens
+            if who != victim:
+                self._counters(victim)["evictions_suffered_from_others"][tier] += tokens
+
+    # -------------------------------------------------------------- counters
+    def _counters(self, namespace: Hashable) -> dict[str, list[int]]:
+        c = self.stats.get(namespace)
+        if c is None:
+            c = self.stats[namespace] = {k: [0] * _TIERS for k in (
+                "hit_tokens", "evictions_caused", "evictions_suffered",
+                "evictions_suffered_from_others")}
+            c["lookups"] = [0]
+        return c
+
+    def note_hits(self, namespace: Hashable, hits: Sequence[int]) -> None:
+        """A request of ``namespace`` was admitted with ``hits`` tokens cached by tier."""
+        c = self._counters(namespace)
+        c["lookups"][0] += 1
+        for tier, n in enumerate(hits):
+            c["hit_tokens"][tier] += n
+
+    def tenant_stats(self) -> dict[str, dict]:
+        """Per tenant: resident tokens (L3: blocks), hit tokens by tier, and the evictions
+        (tokens pushed down or dropped from a tier; L3: blocks removed) it caused, it
+        suffered, and it suffered for another tenant, each by tier name."""
+        names = set(self.stats) | {ns for r in self.resident for ns in r} | set(self.l3_written)
+        out = {}
+        for ns in sorted(names, key=tenant_label):
+            c = self._counters(ns)
+            row: dict[str, Any] = {"resident_tokens": {t: self.holds(ns, i) for i, t in enumerate(QUOTA_TIERS[:3])},
+                                   "l3_blocks": self.holds(ns, L3_INDEX), "lookups": c["lookups"][0]}
+            for key in ("hit_tokens", "evictions_caused", "evictions_suffered",
+                        "evictions_suffered_from_others"):
+                row[key] = {t: c[key][i] for i, t in enumerate(QUOTA_TIERS)}
+            out[tenant_label(ns)] = row
+        return out
+
+    # -------------------------------------------------------------------- L3
+    def l3_admit(self, namespace: Hashable, hashes: Sequence[int]) -> tuple[list[int], list[int]]:
+        """Of blocks ``hashes`` a commit of ``namespace`` would write to L3: the indices
+        to write, and the hashes (of this tenant or one over its guarantee) to remove
+        from L3 first. What fits nowhere is skipped and counted."""
+        if not self.config.l3_blocks:
+            return list(range(len(hashes))), []
+        mine = self.l3_written[namespace]
+        remove: list[int] = []
+        take: list[int] = []
+        batch: dict[int, int] = {}   # hash -> index, of this write's blocks taken so far
+        for i, h in enumerate(hashes):
+            if h in mine:
+                continue
+            if len(mine) + 1 > self.cap(namespace, L3_INDEX):
+                victim = namespace if mine else None
+            elif self._l3_total() + 1 > self.config.l3_blocks:
+                victim = self._l3_victim(namespace)
+            else:
+                victim = NOBODY
+            if victim is None:
+                self.l3_skipped_blocks += 1
+                continue
+            if victim is not NOBODY:
+                gone = self._l3_remove_oldest(victim, namespace)
+                if gone in batch:   # one of this write's own blocks: not written at all
+                    take.remove(batch.pop(gone))
+                else:
+                    remove.append(gone)
+            mine[h] = None
+            batch[h] = i
+            take.append(i)
+        return take, remove
+
+    def _l3_total(self) -> int:
+        return sum(len(v) for v in self.l3_written.values())
+
+    def _l3_victim(self, namespace: Hashable) -> Hashable | None:
+        over = [ns for ns, held in self.l3_written.items() if held and ns != namespace
+                and self.over_guarantee(ns, L3_INDEX)]
+        if over:   # the one furthest over its guarantee gives
+            return max(over, key=lambda ns: self.holds(ns, L3_INDEX) - self.guarantee(ns, L3_INDEX))
+        return namespace if self.l3_written.get(namespace) else None
+
+    def _l3_remove_oldest(self, victim: Hashable, who: Hashable) -> int:
+        h, _ = self.l3_written[victim].popitem(last=False)
+        c = self._counters(victim)
+        c["evictions_suffered"][L3_INDEX] += 1
+        self._counters(who)["evictions_caused"][L3_INDEX] += 1
+        if victim != who:
+            c["evictions_suffered_from_others"][L3_INDEX] += 1
+        return h
+
+    # L3 tier listener (``L3Tier.listeners``): a fetch that found blocks missing.
+    def on_l3_removed(self, hashes: Sequence[int]) -> None:
+        self.l3_forget(hashes)
+
+    def on_l3_stored(self, hashes: Sequence[int]) -> None:
+        pass
+
+    def on_l3_inventory(self, hashes: Sequence[int]) -> None:
+        pass
+
+    def l3_forget(self, hashes: Sequence[int]) -> None:
+        """Blocks L3 no longer holds (a failed write, an eviction found at a fetch)."""
+        drop = set(hashes)
+        for held in self.l3_written.values():
+            for h in [h for h in held if h in drop]:
+                del held[h]

@@ -1,0 +1,69 @@
+"""``prefix-cache bench tenants``: its checks, its flood's count and its summary line (the arms need Serve)."""
+
+import argparse
+import asyncio
+
+import pytest
+
+from serve_app.tools import bench_tenants
+
+
+def args(**kw):
+    p = argparse.ArgumentParser()
+    bench_tenants.add_arguments(p)
+    ns = p.parse_args([])
+    for k, v in kw.items():
+        setattr(ns, k, v)
+    return ns
+
+
+def test_arguments_and_quotas_are_checked_before_anything_starts():
+    assert bench_tenants.check_args(args()) == bench_tenants.DEFAULT_QUOTAS
+    with pytest.raises(ValueError, match="--flood-ratio must be > 0"):
+        bench_tenants.check_args(args(flood_ratio=0))
+    with pytest.raises(ValueError, match="--doc-tokens must be >= 1"):
+        bench_tenants.check_args(args(doc_tokens=0))
+    with pytest.raises(ValueError, match="the hot guarantees add up to 1.2"):
+        bench_tenants.check_args(args(quotas='{"tenants": {"tenant-a": {"hot": {"guarantee": 0.6}}, '
+                                             '"tenant-b": {"hot": {"guarantee": 0.6}}}}'))
+
+
+def test_summary_ratios_and_goals():
+    alone = {"b_later_turns_cached_share": 0.95, "b_ttft_ms_later_turns_p50": 100.0}
+    off = {"b_later_turns_cached_share": 0.19, "b_ttft_ms_later_turns_p50": 400.0, "a_served": 9, "a_failed": 0}
+    on = {"b_later_turns_cached_share": 0.9025, "b_ttft_ms_later_turns_p50": 150.0, "a_served": 9, "a_failed": 0}
+    got = bench_tenants.compare(alone, off, on)
+    assert got == {"bench": "tenants", "arm": "summary", "cached_share_vs_alone_quotas": 0.95,
+                   "cached_share_vs_alone_no_quotas": 0.2, "ttft_p50_vs_alone_quotas": 1.5,
+                   "ttft_p50_vs_alone_no_quotas": 4.0, "goal_cached_share_met": True,
+                   "goal_ttft_p50_met": True, "goal_a_served_met": True}
+    assert not bench_tenants.compare(alone, off, {**on, "a_failed": 1})["goal_a_served_met"]
+
+
+def test_tenant_counters_sum_over_replicas():
+    stats = {"workers": {"w0": {"tenants": {"tenant-b": {"lookups": 2, "hit_tokens": {"hot": 5}}}},
+                         "w1": {"tenants": {"tenant-b": {"lookups": 1, "hit_tokens": {"hot": 1, "warm": 3}}}},
+                         "w2": {}}}
+    assert bench_tenants._tenant_counters(stats, "tenant-b") == {"lookups": 3, "hit_tokens": {"hot": 6, "warm": 3}}
+
+
+def test_the_flood_sends_at_its_rate_until_stopped_and_counts_what_was_served(monkeypatch):
+    sent = []
+
+    async def fake_turn(http, model, messages, i, t, max_tokens, headers=None):
+        sent.append(messages[0]["content"])
+        return type("T", (), {"ok": i != 1})(), ""
+
+    monkeypatch.setattr(bench_tenants, "ask_turn", fake_turn)
+
+    async def go():
+        stop = asyncio.Event()
+        task = asyncio.create_task(bench_tenants.flood("http://127.0.0.1:9", "m", ["doc"], 50.0, stop, 4))
+        while len(sent) < 3:
+            await asyncio.sleep(0.001)
+        stop.set()
+        return await task
+
+    got = asyncio.run(go())
+    assert got["a_sent"] == len(sent) and got["a_failed"] == 1 and got["a_served"] == len(sent) - 1
+    assert sent[:3] == ["Request 0. doc", "Request 1. doc", "Request 2. doc"]   # distinct from the first token
