@@ -316,7 +316,7 @@ def test_l3_quota_through_the_cache_removes_the_blocks_from_the_store():
 # ----------------------------------------------------------------------- engine
 def _engine(quotas, hot=16):
     from cluster.cache.kv_pool import KVLayout
-    from cluster.engine.runner import Engine
+    from cluster.engine.engine import Engine
     from tests.unit.test_scheduler import BT, MODEL
 
     c = MODEL.config
@@ -339,7 +339,7 @@ def test_the_engine_preempts_the_tenant_over_its_guarantee_not_the_newest_reques
     """B holds an idle prefix and runs one request, within its HOT guarantee; A runs two
     requests that do not fit beside them. Without quotas the newest running request (B's)
     is preempted; with them A's own newer request is, and B loses nothing to A."""
-    from cluster.engine.runner import EngineRequest, SamplingParams
+    from cluster.engine.engine import EngineRequest, SamplingParams
     from tests.unit.test_scheduler import reference_outputs
 
     b0 = ([3] * 8, SamplingParams(max_tokens=4))
@@ -360,7 +360,7 @@ def test_the_engine_preempts_the_tenant_over_its_guarantee_not_the_newest_reques
 
 
 def test_a_request_that_cannot_fit_beside_the_other_tenants_guarantees_is_refused_at_submit():
-    from cluster.engine.runner import EngineRequest, SamplingParams
+    from cluster.engine.engine import EngineRequest, SamplingParams
 
     engine = _engine({"tenants": {"B": {"hot": {"guarantee": 0.5}}}}, hot=14)   # 56 tokens, 28 kept for B
     with pytest.raises(InvalidInputError, match=r"beside the other tenants' guarantees \(23 tokens\)"):
@@ -372,12 +372,12 @@ def test_a_request_blocked_by_other_tenants_guarantees_holds_up_only_its_own_ten
     """B and C (default guarantee 0.4 of HOT each) keep their idle prefixes; A's prompt needs
     more than the HOT left. A waits; B's request behind it runs on B's own prefix. Were the
     queue first come first served across tenants, nobody would ever run again."""
-    from cluster.engine.runner import EngineRequest, SamplingParams
+    from cluster.engine.engine import EngineRequest, SamplingParams
 
     for per_tenant, b_done in ((True, True), (False, False)):
         engine = _engine({"default": {"hot": {"guarantee": 0.4}}})   # 64 tokens: 25 kept for each
         if not per_tenant:
-            engine._stall_tenant = lambda req, stalled: False   # the queue as it is without quotas
+            engine.scheduler._stall_tenant = lambda req, stalled: False   # the queue as it is without quotas
         for ns, t in (("B", 3), ("C", 4)):
             engine.submit(EngineRequest([t] * 22, SamplingParams(max_tokens=2), namespace=ns))
             _drive(engine)
