@@ -182,7 +182,9 @@ class WorkerConfig:
         if unknown:
             raise InvalidInputError(f"unknown worker config keys: {sorted(unknown)} "
                                     f"(worker keys: {sorted(own)}; tier keys: {sorted(TIER_KEYS)})")
-        tiers = TierConfig(**{**DEFAULT_TIERS, **{k: data.pop(k) for k in TIER_KEYS if k in data}})
+        given = {k: data.pop(k) for k in TIER_KEYS if k in data}
+        defaults = {k: v for k, v in DEFAULT_TIERS.items() if f"{k[:-len('_blocks')]}_mb" not in given}
+        tiers = TierConfig(**{**defaults, **given})
         config = cls(tiers=tiers, **data)
         config.model_spec()   # a bad spec fails here, naming the key, not in a replica
         return config
