@@ -82,6 +82,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--copy-gb-per-s", type=float, default=1.0,
                    help="pace background demotions to this rate (CPU-only hosts share DRAM bandwidth with "
                         "the forward pass; 0: unpaced)")
+    p.add_argument("--tier-codec", default="none", help="how WARM and COLD store KV: none | int8 (default none)")
+    p.add_argument("--warm-mb", type=float, default=None,
+                   help="WARM sized in MiB of stored KV (default: half the sessions' tokens, in blocks)")
+    p.add_argument("--cold", action=argparse.BooleanOptionalAction, default=True,
+                   help="a COLD tier below WARM for the tiered policies (default on)")
     p.add_argument("--max-batch-tokens", type=int, default=4096)
     p.add_argument("--threads", type=int, default=1, help="torch threads for the model (default 1)")
     p.add_argument("--policies", default=",".join(POLICIES))
@@ -131,9 +136,12 @@ def _make_cache(policy: str, hot_tokens: int, total: int, args, layout, disk_dir
     if policy == "drop":
         cfg = TierConfig(hot_blocks=hot, block_tokens=bt, device=args.device)
     else:
-        cfg = TierConfig(hot_blocks=hot, warm_blocks=max(8, total // (2 * bt)), cold_blocks=max(8, 2 * total // bt),
-                         block_tokens=bt, disk_dir=disk_dir, device=args.device,
-                         copy_gb_per_s=args.copy_gb_per_s or None)
+        warm = {"warm_mb": args.warm_mb} if getattr(args, "warm_mb", None) else \
+            {"warm_blocks": max(8, total // (2 * bt))}
+        cold = max(8, 2 * total // bt) if getattr(args, "cold", True) else 0
+        cfg = TierConfig(hot_blocks=hot, **warm, cold_blocks=cold, block_tokens=bt, disk_dir=disk_dir if cold else None,
+                         device=args.device, copy_gb_per_s=args.copy_gb_per_s or None,
+                         tier_codec=getattr(args, "tier_codec", "none"))
     return TieredCache(cfg, layout)
 
 
@@ -177,6 +185,7 @@ def run_policy(policy: str, model, work: Workload, args, disk_dir: str, prefill_
     now = 0.0
     meta: dict[int, tuple[int, int, float, str]] = {}   # request id -> (session, turn, arrival, kind)
     ttft, hits, prompt_tokens, recomputed, failed = [], 0, 0, 0, 0
+    later = {"ttft": [], "hits": 0, "prompt": 0}   # turns after a session's first
     errors: dict[str, int] = {}
     windows: dict[int, int] = {}
     decode_idle, decode_busy = [], []
@@ -218,6 +227,10 @@ def run_policy(policy: str, model, work: Workload, args, disk_dir: str, prefill_
                 prompt_tokens += len(req.prompt)
                 hits += req.cached_tokens
                 recomputed += len(req.prompt) - req.cached_tokens
+                if turn:
+                    later["ttft"].append(ttft[-1])
+                    later["hits"] += req.cached_tokens
+                    later["prompt"] += len(req.prompt)
                 w = int(now // 10)
                 windows[w] = windows.get(w, 0) + len(req.prompt) - req.cached_tokens
             if not ev.finished:
@@ -242,6 +255,9 @@ def run_policy(policy: str, model, work: Workload, args, disk_dir: str, prefill_
             "hit_rate": rounded(hits / prompt_tokens if prompt_tokens else 0.0),
             "ttft_ms_mean": rounded(sum(ttft) / len(ttft), 2), "ttft_ms_p50": rounded(percentile(ttft, 50), 2),
             "ttft_ms_p99": rounded(percentile(ttft, 99), 2), "recomputed_tokens": recomputed,
+            "later_turn_cached_share": rounded(later["hits"] / later["prompt"] if later["prompt"] else 0.0),
+            "later_ttft_ms_p50": rounded(percentile(later["ttft"], 50), 2) if later["ttft"] else None,
+            "later_ttft_ms_p99": rounded(percentile(later["ttft"], 99), 2) if later["ttft"] else None,
             "prefill_storms": storms, "decode_step_ms_p50": rounded(percentile(decode_idle, 50), 3),
             "decode_step_ms_p50_offload": rounded(percentile(decode_busy, 50), 3),
             "decode_steps_with_offload": len(decode_busy), "promoted_tokens": stats["promoted_tokens"],
