@@ -197,9 +197,8 @@ def _run_all(engine: Engine, prompts: Sequence[list[int]], max_tokens: int) -> l
 def _through_warm(engine: Engine, prompts: Sequence[list[int]], later: Sequence[list[int]], max_tokens: int) -> list:
     """Cache each prompt, push its KV down to WARM, then run ``later`` (each starting with
     its prompt): their cached prefixes are promoted out of WARM."""
-    _run_all(engine, prompts, 1)
-    for p in prompts:
-        engine.cache.demote_path(p, tier=WARM)
+    for r in _run_all(engine, prompts, 1):   # the whole committed path: a frontier moves down first
+        engine.cache.demote_path(list(r.prompt) + list(r.output), tier=WARM)
     reqs = _run_all(engine, later, max_tokens)
     for p, r in zip(prompts, reqs):
         if r.tier_hits[WARM] < len(p) - engine.cache.hot.block_tokens:

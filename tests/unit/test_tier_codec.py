@@ -345,3 +345,36 @@ def test_cuda_round_trip_through_pinned_int8_warm_matches_the_cpu_codec(tmp_path
     m = tt.match(c, toks)
     assert m.tier_lengths == [0, 0, 10] and torch.equal(m.kv.cpu(), INT8.decode(stored.cuda()).cpu())
     c.close()
+
+
+# ------------------------------------- the tiered state machine again, under int8
+def exact_kv_of(tokens):
+    """test_tiered_state_machine's KV, made of rows the int8 codec stores exactly
+    (127 * 2**e beside q * 2**e), still distinct per prefix."""
+    rows = []
+    for i in range(len(tokens)):
+        h = hash(tuple(tokens[:i + 1]))
+        e, q = h % 13 - 6, (h // 13) % 255 - 127
+        rows.append([127.0 * 2.0 ** e, q * 2.0 ** e])
+    return torch.tensor(rows).view(1, 1, -1, 1, 2).expand(1, 2, -1, 1, 2).contiguous()
+
+
+def test_the_tiered_state_machine_under_int8(monkeypatch):
+    import dataclasses
+
+    from hypothesis import settings
+    from hypothesis.stateful import run_state_machine_as_test
+
+    import tests.unit.test_tiered_state_machine as tsm
+
+    class Int8Machine(tsm.TieredMachine):
+        def __init__(self):
+            super().__init__()
+            self.cache.close()
+            cfg = dataclasses.replace(self.cache.config, tier_codec="int8")
+            self.cache = TieredCache(cfg, tsm.LAYOUT, deterministic_io=True)
+            assert self.cache.pools[WARM].tensor.dtype == torch.int8
+
+    monkeypatch.setattr(tsm, "kv_of", exact_kv_of)
+    run_state_machine_as_test(Int8Machine, settings=settings(max_examples=25, stateful_step_count=30,
+                                                             deadline=None))
