@@ -36,3 +36,19 @@ def test_the_sessions_workload_has_the_shape_of_issue_39():
     assert work.start[0] == 0.0 and work.start == sorted(work.start)
     assert all(16 <= n <= 96 for row in work.reply_len for n in row)
     assert work.total_tokens() == 80 + sum(1314 + 3 * 14 + sum(r) for r in work.reply_len)
+
+
+def test_accuracy_and_greedy_compare_prefixes_promoted_from_warm():
+    from cluster.engine.model import DecoderModel, ModelConfig
+
+    model = DecoderModel(ModelConfig(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
+                                     intermediate_size=128, seed=3))
+    text = [(i * 7) % 250 + 1 for i in range(3000)]
+    args = argparse.Namespace(prefix_tokens=64, continuation_tokens=51, positions=100, block_tokens=16,
+                              max_batch_tokens=512, greedy_prompts=3, prompt_tokens=40, greedy_tokens=6)
+    row = bench.accuracy_part(model, text, ["none", "int8"], args)
+    assert row["positions"] == 2 * 50   # two chunks of 50 predicted positions each
+    assert 0 < row["int8_mean_abs_delta_logprob"] <= row["int8_max_abs_delta_logprob"] < 0.05
+    row = bench.greedy_part(model, text, ["none", "int8"], args)
+    assert row["prompts"] == 3 and 0 <= row["int8_prompts_agree"] <= 3
+    assert row["int8_tokens_before_first_difference"] <= 3 * 6
