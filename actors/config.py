@@ -187,7 +187,9 @@ class WorkerConfig:
         if unknown:
             raise InvalidInputError(f"unknown worker config keys: {sorted(unknown)} "
                                     f"(worker keys: {sorted(own)}; tier keys: {sorted(TIER_KEYS)})")
-        tiers = TierConfig(**{**DEFAULT_TIERS, **{k: data.pop(k) for k in TIER_KEYS if k in data}})
+        given = {k: data.pop(k) for k in TIER_KEYS if k in data}
+        defaults = {k: v for k, v in DEFAULT_TIERS.items() if f"{k[:-len('_blocks')]}_mb" not in given}
+        tiers = TierConfig(**{**defaults, **given})
         return cls(tiers=tiers, **data)   # a bad model spec fails here, naming the key, not in a replica
 
     def model_spec(self) -> ModelSpec:

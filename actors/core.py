@@ -186,7 +186,8 @@ class WorkerCore:
         tier = L3Tier(store, self.layout, cfg.block_tokens,
                       L3TierConfig(model_id=l3_model_id(self.loaded.model_id, self.model),
                                    write=cfg.l3_write, fetch=cfg.l3_fetch,
-                                   min_fetch_blocks=cfg.l3_min_fetch_blocks, write_nice=cfg.l3_write_nice))
+                                   min_fetch_blocks=cfg.l3_min_fetch_blocks, write_nice=cfg.l3_write_nice),
+                      codec=self.cache.codec)
         self.cache.attach_l3(tier)
         log.info("worker %s uses L3 at %s (write %s)", self.worker_id, cfg.l3_master, cfg.l3_write)
         return tier

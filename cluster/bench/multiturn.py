@@ -82,6 +82,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--copy-gb-per-s", type=float, default=1.0,
                    help="pace background demotions to this rate (CPU-only hosts share DRAM bandwidth with "
                         "the forward pass; 0: unpaced)")
+    p.add_argument("--tier-codec", default="none", help="how WARM and COLD store KV: none | int8 (default none)")
+    p.add_argument("--warm-mb", type=float, default=None,
+                   help="WARM sized in MiB of stored KV (default: half the sessions' tokens, in blocks)")
+    p.add_argument("--cold", action=argparse.BooleanOptionalAction, default=True,
+                   help="a COLD tier below WARM for the tiered policies (default on)")
     p.add_argument("--max-batch-tokens", type=int, default=4096)
     p.add_argument("--threads", type=int, default=1, help="torch threads for the model (default 1)")
     p.add_argument("--policies", default=",".join(POLICIES))
@@ -131,9 +136,12 @@ def _make_cache(policy: str, hot_tokens: int, total: int, args, layout, disk_dir
     if policy == "drop":
         cfg = TierConfig(hot_blocks=hot, block_tokens=bt, device=args.device)
     else:
-        cfg = TierConfig(hot_blocks=hot, warm_blocks=max(8, total // (2 * bt)), cold_blocks=max(8, 2 * total // bt),
-                         block_tokens=bt, disk_dir=disk_dir, device=args.device,
-                         copy_gb_per_s=args.copy_gb_per_s or None)
+        warm = {"warm_mb": args.warm_mb} if getattr(args, "warm_mb", None) else \
+            {"warm_blocks": max(8, total // (2 * bt))}
+        cold = max(8, 2 * total // bt) if getattr(args, "cold", True) else 0
+        cfg = TierConfig(hot_blocks=hot, **warm, cold_blocks=cold, block_tokens=bt, disk_dir=disk_dir if cold else None,
+                         device=args.device, copy_gb_per_s=args.copy_gb_per_s or None,
+                         tier_codec=getattr(args, "tier_codec", "none"))
     return TieredCache(cfg, layout)
 
 
@@ -186,6 +194,7 @@ class _Arm:
         self.hits = self.prompt_tokens = self.recomputed = self.failed = 0
         self.errors: dict[str, int] = {}
         self.windows: dict[int, int] = {}
+        self.later = {"ttft": [], "hits": 0, "prompt": 0}   # turns after a session's first
         self.decode_idle: list[float] = []
         self.decode_busy: list[float] = []
 
@@ -243,6 +252,10 @@ class _Arm:
             self.prompt_tokens += len(req.prompt)
             self.hits += req.cached_tokens
             self.recomputed += len(req.prompt) - req.cached_tokens
+            if turn:   # turns after a session's first
+                self.later["ttft"].append(self.ttft[-1])
+                self.later["hits"] += req.cached_tokens
+                self.later["prompt"] += len(req.prompt)
             w = int(self.now // 10)
             self.windows[w] = self.windows.get(w, 0) + len(req.prompt) - req.cached_tokens
         if not ev.finished or kind != "turn":
@@ -268,6 +281,9 @@ class _Arm:
                 "hit_rate": rounded(self.hits / self.prompt_tokens if self.prompt_tokens else 0.0),
                 "ttft_ms_mean": rounded(sum(ttft) / len(ttft), 2), "ttft_ms_p50": rounded(percentile(ttft, 50), 2),
                 "ttft_ms_p99": rounded(percentile(ttft, 99), 2), "recomputed_tokens": self.recomputed,
+                "later_turn_cached_share": rounded(self.later["hits"] / self.later["prompt"] if self.later["prompt"] else 0.0),
+                "later_ttft_ms_p50": rounded(percentile(self.later["ttft"], 50), 2) if self.later["ttft"] else None,
+                "later_ttft_ms_p99": rounded(percentile(self.later["ttft"], 99), 2) if self.later["ttft"] else None,
                 "prefill_storms": storms, "decode_step_ms_p50": rounded(percentile(self.decode_idle, 50), 3),
                 "decode_step_ms_p50_offload": rounded(percentile(self.decode_busy, 50), 3),
                 "decode_steps_with_offload": len(self.decode_busy), "promoted_tokens": stats["promoted_tokens"],

@@ -6,6 +6,9 @@ file and verified on every read: a torn write, a truncated file or flipped
 bits raise ``ChecksumError`` and never return corrupt KV. Extents come from the
 same slotted allocator as the memory tiers; a slot write is a read, verify,
 modify, write of its block (all IO on the cache's single disk thread).
+
+With a compressed tier codec (``cluster.cache.codec``) a slot holds the codec's
+stored bytes (what WARM holds, moved as they are) and the checksum covers them.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import numpy as np
 import torch
 import xxhash
 
+from typing import Any
+
 from cluster.cache.allocator import AllocatorConfig, BlockAllocator, Extent
 from cluster.cache.kv_pool import KVLayout
 from cluster.errors import ChecksumError, DiskTierError
@@ -27,13 +32,16 @@ _EMPTY = 0  # checksum of a never-written block; reads of such blocks are refuse
 
 class DiskPool:
     def __init__(self, alloc_config: AllocatorConfig, layout: KVLayout, directory: str | os.PathLike,
-                 *, name: str = "cold"):
+                 *, name: str = "cold", codec: Any = None):
         self.name = name
         self.layout = layout
+        self.codec = codec if codec is not None and codec.compressed else None
+        self.dtype = self.codec.stored_dtype if self.codec else layout.torch_dtype
         self.allocator = BlockAllocator(alloc_config)
         self.block_tokens = alloc_config.block_tokens
-        self.block_shape = (layout.num_layers, 2, self.block_tokens, layout.num_kv_heads, layout.head_dim)
-        self.block_bytes = int(np.prod(self.block_shape)) * layout.torch_dtype.itemsize
+        row = self.codec.stored_row if self.codec else layout.head_dim
+        self.block_shape = (layout.num_layers, 2, self.block_tokens, layout.num_kv_heads, row)
+        self.block_bytes = int(np.prod(self.block_shape)) * self.dtype.itemsize
         self.checksum_failures = 0
         directory = Path(directory)
         if not directory.is_dir():
@@ -53,7 +61,7 @@ class DiskPool:
     def _read_block(self, b: int) -> torch.Tensor:
         buf = bytearray(self.block_bytes)
         self._read_verified(b, buf)
-        return torch.frombuffer(buf, dtype=self.layout.torch_dtype).view(self.block_shape)
+        return torch.frombuffer(buf, dtype=self.dtype).view(self.block_shape)
 
     def _read_verified(self, b: int, buf) -> None:
         """Read block ``b`` into the writable buffer ``buf`` (``block_bytes`` long) and verify it."""
@@ -68,9 +76,9 @@ class DiskPool:
         """Read and verify block ``b`` straight into ``out`` (a contiguous CPU tensor
         of ``block_shape``; pinned for an upload): no intermediate buffer."""
         if out.device.type != "cpu" or not out.is_contiguous() or tuple(out.shape) != self.block_shape \
-                or out.dtype != self.layout.torch_dtype:
+                or out.dtype != self.dtype:
             raise ValueError(f"out {tuple(out.shape)} {out.dtype} on {out.device} is not one block of "
-                             f"{self.block_shape} {self.layout.torch_dtype} in contiguous host memory")
+                             f"{self.block_shape} {self.dtype} in contiguous host memory")
         self._read_verified(b, out.view(torch.uint8).view(-1).numpy())   # any dtype: numpy has no bfloat16
 
     def _write_block(self, b: int, block: torch.Tensor) -> None:
@@ -82,7 +90,13 @@ class DiskPool:
 
     # Extent IO (runs on the disk thread) -------------------------------------
     def write(self, extents: Sequence[Extent], kv: torch.Tensor) -> None:
-        """Write ``kv`` ``[L, 2, T, H, D]`` (CPU) into ``extents``, block by block."""
+        """Write ``kv`` ``[L, 2, T, H, D]`` (CPU; stored bytes under a codec) into ``extents``,
+        block by block."""
+        if self.codec is not None:
+            self.codec.check_stored(kv, "KV written to the disk tier")
+        elif kv.dtype != self.dtype or kv.shape[-1] != self.block_shape[-1]:
+            raise ValueError(f"KV of {kv.dtype} with last dimension {kv.shape[-1]} written to a disk tier "
+                             f"of {self.dtype} rows of {self.block_shape[-1]}")
         pos = 0
         by_block: dict[int, list[tuple[int, int, int]]] = {}
         for b, off, length in extents:
@@ -90,7 +104,7 @@ class DiskPool:
             pos += length
         for b, parts in by_block.items():
             full = len(parts) == 1 and parts[0][1] == self.block_tokens
-            block = torch.zeros(self.block_shape, dtype=self.layout.torch_dtype) if full or not self._sums[b] \
+            block = torch.zeros(self.block_shape, dtype=self.dtype) if full or not self._sums[b] \
                 else self._read_block(b).clone()
             for off, length, src in parts:
                 block[:, :, off:off + length] = kv[:, :, src:src + length]

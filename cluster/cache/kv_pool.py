@@ -7,6 +7,10 @@ consumes it, is ``[num_layers, 2, T, num_kv_heads, head_dim]``.
 
 A pool can be built without a tensor (``layout=None``) for simulation and
 benchmarks of the tree alone; data operations then only do bookkeeping.
+
+A pool below HOT may store its KV compressed (``codec``: ``cluster.cache.codec``):
+the same layout with the codec's stored dtype and row (``head_dim + 1`` bytes).
+Its views are then stored bytes; ``write`` encodes model-dtype KV on the way in.
 """
 
 from __future__ import annotations
@@ -51,8 +55,10 @@ def cuda_available() -> bool:
 
 class KVPool:
     def __init__(self, alloc_config: AllocatorConfig, layout: KVLayout | None, *,
-                 device: str | torch.device = "cpu", pin_memory: bool = False, name: str = "pool"):
+                 device: str | torch.device = "cpu", pin_memory: bool = False, name: str = "pool",
+                 codec: Any = None):
         self.name = name
+        self.codec = codec if codec is not None and codec.compressed else None
         self.allocator = BlockAllocator(alloc_config)
         self.layout = layout
         self.block_tokens = alloc_config.block_tokens
@@ -61,10 +67,12 @@ class KVPool:
         self.moved_tokens = 0
         self.tensor: torch.Tensor | None = None
         if layout is not None:
+            row = self.codec.stored_row if self.codec else layout.head_dim
             shape = (alloc_config.num_blocks, layout.num_layers, 2, alloc_config.block_tokens,
-                     layout.num_kv_heads, layout.head_dim)
+                     layout.num_kv_heads, row)
+            dtype = self.codec.stored_dtype if self.codec else layout.torch_dtype
             pin = pin_memory and self.device.type == "cpu" and cuda_available()
-            self.tensor = torch.zeros(shape, dtype=layout.torch_dtype, device=self.device, pin_memory=pin)
+            self.tensor = torch.zeros(shape, dtype=dtype, device=self.device, pin_memory=pin)
             if self.device.type == "cpu" and not pin:
                 # zeros() maps pages lazily: touch them now, so the first copy into the
                 # pool does not pay page faults in the middle of serving.
@@ -89,7 +97,7 @@ class KVPool:
             raise InvalidInputError(f"pool {self.name!r} has no tensor (built without a layout)")
         if not extents:
             lay = self.layout
-            return self.tensor.new_zeros((lay.num_layers, 2, 0, lay.num_kv_heads, lay.head_dim))
+            return self.tensor.new_zeros((lay.num_layers, 2, 0, lay.num_kv_heads, self.tensor.shape[-1]))
         if len(extents) == 1:
             b, off, length = extents[0]
             return self.tensor[b, :, :, off:off + length]
@@ -111,7 +119,8 @@ class KVPool:
             pos += length
 
     def write(self, extents: Sequence[Extent], kv: torch.Tensor) -> None:
-        """Scatter ``kv`` (``[num_layers, 2, T, kv_heads, head_dim]``) into ``extents``."""
+        """Scatter ``kv`` (``[num_layers, 2, T, kv_heads, head_dim]``) into ``extents``; a
+        compressed pool takes model-dtype KV (encoded here) or its own stored bytes."""
         if self.tensor is None:
             return
         total = sum(e.length for e in extents)
@@ -119,7 +128,11 @@ class KVPool:
             raise InvalidInputError(f"kv of shape {tuple(kv.shape)} does not fit extents covering {total} tokens")
         pos = 0
         for b, off, length in extents:
-            self.tensor[b, :, :, off:off + length].copy_(kv[:, :, pos:pos + length], non_blocking=True)
+            dst, src = self.tensor[b, :, :, off:off + length], kv[:, :, pos:pos + length]
+            if self.codec is not None:
+                self.codec.copy_kv(dst, src, non_blocking=True)
+            else:
+                dst.copy_(src, non_blocking=True)
             pos += length
 
     def copy_extent(self, src: Extent, dst: Extent) -> None:

@@ -22,7 +22,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -61,8 +61,10 @@ class CopyEngine(Protocol):
     def submit(self, job: Callable[[], None]) -> int:
         """Run ``job`` in the background; returns its operation id at once."""
 
-    def submit_copies(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, paced: bool = True) -> int:
-        """Copy each ``(dst, src)`` pair in the background, as one operation."""
+    def submit_copies(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, paced: bool = True,
+                      codec: Any = None) -> int:
+        """Copy each ``(dst, src)`` pair in the background, as one operation; with a
+        ``codec`` (``cluster.cache.codec``) each copy encodes or decodes on the way."""
 
     def poll(self) -> list[Completion]:
         """Operations finished since the last poll (never blocks)."""
@@ -115,10 +117,12 @@ class ThreadEngine:
         self._futures[op_id] = self._pool.submit(run)
         return op_id
 
-    def submit_copies(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, paced: bool = True) -> int:
-        """Copy ``dst.copy_(src)`` for each pair on the worker thread. ``paced``
-        applies ``max_bytes_per_s`` (background demotions); a promotion that a
-        request waits for passes False."""
+    def submit_copies(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, paced: bool = True,
+                      codec: Any = None) -> int:
+        """Copy ``dst.copy_(src)`` for each pair on the worker thread (with a ``codec``:
+        encode or decode, here, off the caller's thread). ``paced`` applies
+        ``max_bytes_per_s`` (background demotions); a promotion that a request waits
+        for passes False. Pacing counts the bytes of the larger side."""
         pace = paced and self.max_bytes_per_s is not None
 
         def copy_all() -> None:
@@ -126,9 +130,12 @@ class ThreadEngine:
                 # Runs of whole blocks are copied a block at a time when paced.
                 chunks = zip(dst, src) if pace and dst.dim() == 6 and dst.shape[0] > 1 else [(dst, src)]
                 for d, s in chunks:
-                    d.copy_(s)
+                    if codec is not None:
+                        codec.copy_kv(d, s)
+                    else:
+                        d.copy_(s)
                     if pace:
-                        self.pacer.account(d.numel() * d.element_size())
+                        self.pacer.account(max(d.numel() * d.element_size(), s.numel() * s.element_size()))
         return self.submit(copy_all)
 
     def poll(self) -> list[Completion]:
@@ -166,14 +173,20 @@ class CudaStreamEngine:
         self._events: dict[int, torch.cuda.Event] = {}
         self._keepalive: dict[int, list] = {}
 
-    def submit_copies(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, paced: bool = True) -> int:
+    def submit_copies(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, paced: bool = True,
+                      codec: Any = None) -> int:
+        """With a ``codec`` the conversion is queued on the copy stream too, on the
+        device side of each copy (only the stored bytes cross the bus)."""
         op_id = next(self._ids)
         producer = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self.stream):
             # Source KV may still be being written by the forward pass.
             self.stream.wait_stream(producer)
             for dst, src in pairs:
-                dst.copy_(src, non_blocking=True)
+                if codec is not None:
+                    codec.copy_kv(dst, src, non_blocking=True)
+                else:
+                    dst.copy_(src, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.stream)
         for dst, src in pairs:  # the allocator must not reuse memory the copy reads or writes
@@ -230,7 +243,7 @@ class ImmediateEngine:
         self._done.append(Completion(op_id, None))
         return op_id
 
-    def submit_copies(self, pairs, *, paced: bool = True) -> int:
+    def submit_copies(self, pairs, *, paced: bool = True, codec: Any = None) -> int:
         return self.submit(lambda: None)
 
     def poll(self) -> list[Completion]:

@@ -213,7 +213,7 @@ class TierMoves:
             pairs = list(copy_pairs(self.pools[src], [e for n in taken for e in n.extents],
                                     self.pools[dst], [e for ext in dst_exts for e in ext]))
             move.engine = self.copier
-            move.op_id = self.copier.submit_copies(pairs)
+            move.op_id = self.copier.submit_copies(pairs, codec=self.pools[dst].codec)
         else:
             warm, cold = self.pools[src], self.pools[dst]
             jobs = [(list(node.extents), ext) for node, ext in zip(taken, dst_exts)]
@@ -260,7 +260,7 @@ class TierMoves:
                                     self.hot, [e for ext in dst_exts for e in ext]))
             move.engine = self.copier
             # A request waits for a synchronous promotion: only prefetches are paced.
-            move.op_id = self.copier.submit_copies(pairs, paced=background)
+            move.op_id = self.copier.submit_copies(pairs, paced=background, codec=self.pools[WARM].codec)
         else:
             # COLD in the run: the disk thread stages and copies it up (``StagedUpload``).
             jobs = [(self.pools[n.tier], list(n.extents), ext) for n, ext in zip(nodes, dst_exts)]

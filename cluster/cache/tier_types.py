@@ -6,6 +6,7 @@ cache itself reads as one class.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import NamedTuple
@@ -13,6 +14,7 @@ from typing import NamedTuple
 import torch
 
 from cluster.cache.allocator import Extent
+from cluster.cache.codec import CODECS
 from cluster.cache.kv_pool import cuda_available
 from cluster.cache.offload import CopyEngine
 from cluster.cache.quota_config import QuotaConfig
@@ -44,6 +46,12 @@ class TierConfig:
     # Per-tenant shares of each tier (``cluster.cache.quota_config``; None: no quotas),
     # kept as the plain mapping ``QuotaConfig.to_dict`` writes, checked here.
     tenant_quotas: dict | None = None
+    # How WARM, COLD and L3 store KV (cluster.cache.codec); HOT stays in the model's dtype.
+    tier_codec: str = "none"
+    # WARM and COLD sized in MiB of stored KV instead of blocks (either, not both): with a
+    # compressed codec the same bytes hold more blocks. Resolved by ``sized``.
+    warm_mb: float | None = None
+    cold_mb: float | None = None
 
     def __post_init__(self) -> None:
         if self.tenant_quotas is not None:
@@ -54,7 +62,17 @@ class TierConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 0:
                 raise InvalidInputError(f"{name} must be a non-negative integer, got {v!r}")
-        if self.cold_blocks and not self.warm_blocks:
+        if self.tier_codec not in CODECS:
+            raise InvalidInputError(f"tier_codec must be one of {', '.join(CODECS)}; got {self.tier_codec!r}")
+        for name in ("warm", "cold"):
+            mb = getattr(self, f"{name}_mb")
+            if mb is None:
+                continue
+            if isinstance(mb, bool) or not isinstance(mb, (int, float)) or not mb > 0:
+                raise InvalidInputError(f"{name}_mb must be a positive number of MiB or null, got {mb!r}")
+            if getattr(self, f"{name}_blocks"):
+                raise InvalidInputError(f"give {name}_blocks or {name}_mb, not both")
+        if (self.cold_blocks or self.cold_mb) and not (self.warm_blocks or self.warm_mb):
             raise InvalidInputError("cold_blocks needs warm_blocks > 0 (COLD is reached through WARM)")
         if self.copy_gb_per_s is not None and not (isinstance(self.copy_gb_per_s, (int, float))
                                                    and self.copy_gb_per_s > 0):
@@ -63,6 +81,15 @@ class TierConfig:
             raise InvalidInputError(
                 f"watermarks out of order: need 0 < low_watermark ({self.low_watermark}) < "
                 f"high_watermark ({self.high_watermark}) <= 1")
+
+    def sized(self, block_bytes: int) -> "TierConfig":
+        """This config with ``warm_mb``/``cold_mb`` turned into block counts of
+        ``block_bytes`` each (a stored block: the codec's size), at least one block."""
+        if self.warm_mb is None and self.cold_mb is None:
+            return self
+        blocks = {f"{name}_blocks": max(1, int(getattr(self, f"{name}_mb") * (1 << 20)) // block_bytes)
+                  for name in ("warm", "cold") if getattr(self, f"{name}_mb") is not None}
+        return dataclasses.replace(self, warm_mb=None, cold_mb=None, **blocks)
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":

@@ -44,6 +44,7 @@ from typing import Any, Callable, Hashable, Sequence
 import torch
 
 from cluster.cache.allocator import AllocatorConfig, Extent
+from cluster.cache.codec import CodecMismatchError, stored_block_bytes, tier_codec
 from cluster.cache.disk import DiskPool
 from cluster.cache.kv_pool import KVLayout, KVPool
 from cluster.cache.offload import ImmediateEngine, ThreadEngine, make_copy_engine
@@ -69,21 +70,25 @@ class TieredCache:
                  vocab_size: int | None = None, deterministic_io: bool = False):
         """``deterministic_io``: background copies complete at the next poll,
         exactly (tests and replays); production leaves it off."""
+        self.device = config.resolved_device()
+        # How WARM, COLD and L3 store KV (``cluster.cache.codec``); sizes in MiB become blocks of it.
+        self.codec = tier_codec(config, layout, self.device)
+        config = config.sized(stored_block_bytes(self.codec, layout, config))
         self.config = config
         self.layout = layout
-        self.device = config.resolved_device()
         bt, mode = config.block_tokens, config.mode
         self.pools: list[Any] = [KVPool(AllocatorConfig(config.hot_blocks, bt, mode), layout,
                                         device=self.device, name="hot")]
         if config.warm_blocks:
-            self.pools.append(KVPool(AllocatorConfig(config.warm_blocks, bt, mode), layout,
+            self.pools.append(KVPool(AllocatorConfig(config.warm_blocks, bt, mode), layout, codec=self.codec,
                                      device="cpu", pin_memory=self.device.type == "cuda", name="warm"))
         if config.cold_blocks and layout is None:  # simulation: bookkeeping only, no file
             self.pools.append(KVPool(AllocatorConfig(config.cold_blocks, bt, mode), None, name="cold"))
         elif config.cold_blocks:
             if not config.disk_dir:
                 raise InvalidInputError("cold_blocks > 0 needs disk_dir (the COLD tier's directory)")
-            self.pools.append(DiskPool(AllocatorConfig(config.cold_blocks, bt, mode), layout, config.disk_dir))
+            self.pools.append(DiskPool(AllocatorConfig(config.cold_blocks, bt, mode), layout, config.disk_dir,
+                                       codec=self.codec))
         self.tree = RadixTree([p.allocator for p in self.pools], policy=config.eviction_policy, clock=clock,
                               vocab_size=vocab_size)
         if layout is None:  # no KV payload: moves are bookkeeping and complete at once
@@ -272,6 +277,11 @@ class TieredCache:
         """Cache KV computed elsewhere for ``tokens[:kv.shape[2]]``; returns the
         tokens that were new here (what was cached already is kept)."""
         self.check_owner("install")
+        if self.codec is not None and self.codec.compressed and not kv.is_floating_point():
+            # A migration's blocks arrive as the holder's stored bytes (its WARM staging);
+            # another codec's bytes are refused, never read as this one's.
+            self.codec.check_stored(kv, "migrated KV")
+            kv = self.codec.decode(kv)
         n = kv.shape[2]
         lease = self.admit(tokens[:n], namespace, compute_last=False)
         try:
@@ -289,6 +299,9 @@ class TieredCache:
         if tier.block_tokens != self.hot.allocator.block_tokens:
             raise InvalidInputError(f"L3 blocks of {tier.block_tokens} tokens on a cache of "
                                     f"{self.hot.allocator.block_tokens}-token blocks")
+        if tier.codec_name != self.config.tier_codec:
+            raise CodecMismatchError(f"an L3 tier of codec {tier.codec_name!r} on a cache whose tiers use "
+                                     f"{self.config.tier_codec!r}: one codec for every tier")
         self.l3 = L3Link(self, tier)
         if self.quotas is not None:   # blocks found gone from L3 no longer count toward a tenant
             tier.listeners.append(self.quotas)

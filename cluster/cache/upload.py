@@ -10,6 +10,9 @@ waits on those events only: never on the device, never on the engine's
 stream, and never on the engine thread. WARM sources (pinned) are copied up
 directly. Without CUDA the same path runs with plain memory and plain copies.
 
+With a compressed tier codec the buffers hold stored bytes and each copy up
+decodes on the way (on the copy stream under CUDA, on this thread otherwise).
+
 The buffers are allocated on first use (``2 * chunk_blocks`` COLD blocks) and
 reused; only the disk thread touches them.
 """
@@ -68,6 +71,7 @@ class StagedUpload:
         if chunk_blocks < 1:
             raise ValueError(f"chunk_blocks must be >= 1, got {chunk_blocks}")
         self.hot, self.disk, self.stream = hot, disk, stream
+        self.codec = disk.codec   # a compressed tier codec's bytes are decoded on the way up
         self.chunk_blocks = chunk_blocks
         self.cuda = hot.device.type == "cuda"
         self._bufs: list[torch.Tensor] = []
@@ -76,7 +80,7 @@ class StagedUpload:
     def _buffers(self) -> list[torch.Tensor]:
         if not self._bufs:
             shape = (self.chunk_blocks, *self.disk.block_shape)
-            self._bufs = [torch.empty(shape, dtype=self.disk.layout.torch_dtype, pin_memory=self.cuda)
+            self._bufs = [torch.empty(shape, dtype=self.disk.dtype, pin_memory=self.cuda)
                           for _ in range(2)]
         return self._bufs
 
@@ -151,13 +155,14 @@ class StagedUpload:
         self._copy(pairs, which)
 
     def _copy(self, pairs: list, which: int | None) -> None:
+        codec = self.codec
         if not self.cuda:
             for d, s in pairs:
-                d.copy_(s)
+                codec.copy_kv(d, s) if codec is not None else d.copy_(s)
             return
         with torch.cuda.stream(self.stream):
             for d, s in pairs:
-                d.copy_(s, non_blocking=True)
+                codec.copy_kv(d, s, non_blocking=True) if codec is not None else d.copy_(s, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.stream)
         if which is None:   # a WARM source: pinned pool memory, nothing to reuse; wait at the end

@@ -174,10 +174,12 @@ class L3Link:
         return spans
 
     def _read_blocks(self, tokens: Sequence[int], namespace: Hashable, blocks: list[int],
-                     allow_cold: bool) -> torch.Tensor | None:
+                     allow_cold: bool) -> torch.Tensor | list[torch.Tensor] | None:
         """The KV of whole blocks ``blocks`` of ``tokens`` as one token-major CPU
         tensor (a copy), in order; None when part of them is not cached, or only
-        on disk without ``allow_cold`` (no disk read on the request path)."""
+        on disk without ``allow_cold`` (no disk read on the request path). Under a
+        compressed tier codec HOT's parts are model-dtype and the lower tiers' stored
+        bytes: then a list of copied parts, which L3's write thread encodes."""
         bt = self.tier.block_tokens
         spans = self._spans(tokens, namespace)
         parts = []
@@ -196,13 +198,15 @@ class L3Link:
                 if list(node.key[a:z]) != list(tokens[first + a:first + z]):
                     return None   # the edge the match ended in diverges inside the block
                 try:
-                    parts.append(self.cache.pools[node.tier].read(slice_extents(node.extents, a, z)).to("cpu"))
+                    parts.append(self.cache.pools[node.tier].read(slice_extents(node.extents, a, z)))
                 except ChecksumError:
                     return None
                 covered = first + z
             if covered < hi:
                 return None
-        return torch.cat(parts, dim=2)   # always a copy: a one-extent read is a view of the pool
+        if len({(p.dtype, p.shape[-1]) for p in parts}) > 1:
+            return [p.to("cpu", copy=True) for p in parts]
+        return torch.cat([p.to("cpu") for p in parts], dim=2)   # always a copy: a one-extent read is a view of the pool
 
     # ------------------------------------------------------------ hand-off
     def valuable_prefixes(self, limit: int | None = None) -> list[ValuedPrefix]:

@@ -28,6 +28,7 @@ what L3 holds.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -39,6 +40,7 @@ from typing import Any, Callable, Hashable, Sequence
 import torch
 import xxhash
 
+from cluster.cache.codec import TierCodec
 from cluster.cache.kv_pool import KVLayout
 from cluster.cache.l3.store import GetStatus, L3Block, L3Lookup, L3Store, kv_layout_version, l3_key
 from cluster.errors import InvalidInputError
@@ -147,6 +149,8 @@ class _Write:
     hashes: list[int]
     nbytes: int
     remove: list = field(default_factory=list)   # keys to remove first (tenant quotas: ``TenantQuotas.l3_admit``)
+    keys: list[tuple[Any, tuple[int, ...]]] = field(default_factory=list)   # blocks the I/O thread makes
+    parts: list[torch.Tensor] = field(default_factory=list)                 # from these (encoded there)
 
 
 @dataclass
@@ -215,16 +219,20 @@ class _Bounded:
 
 class L3Tier:
     def __init__(self, store: L3Store, layout: KVLayout, block_tokens: int, config: L3TierConfig, *,
-                 clock: Callable[[], float] = time.monotonic, start_thread: bool = True):
+                 clock: Callable[[], float] = time.monotonic, start_thread: bool = True,
+                 codec: TierCodec | None = None):
         """``start_thread=False``: no I/O threads; ``run_pending`` does the I/O on
         the caller's thread (exact tests). Otherwise two: ``l3-fetch`` and ``l3-write``
-        (at ``config.write_nice``), each taking its own queue's jobs in order."""
+        (at ``config.write_nice``), each taking its own queue's jobs in order.
+        ``codec``: the cache's tier codec (None: ``none``); values hold its stored
+        bytes, converted on the I/O threads, and the key names it."""
         self.store = store
         self.layout = layout
         self.block_tokens = block_tokens
         self.config = config
         self.clock = clock
-        self.version = kv_layout_version(layout, block_tokens)
+        self.codec = codec if codec is not None and codec.compressed else None
+        self.version = kv_layout_version(layout, block_tokens, self.codec_name)
         self.written = _Bounded(config.max_remembered)
         self._missing = _Bounded(config.max_remembered)   # hash -> when a fetch found it missing
         self._fetching: dict[int, _Fetch] = {}             # first block's hash -> fetch in flight
@@ -261,6 +269,10 @@ class L3Tier:
         return f is None or p is None or f > p
 
     @property
+    def codec_name(self) -> str:
+        return self.codec.name if self.codec is not None else "none"
+
+    @property
     def writes(self) -> bool:
         return self.config.write != "off" and self.store.stats().state != "closed"
 
@@ -288,25 +300,31 @@ class L3Tier:
         written = self.written
         return [i for i, h in enumerate(hashes) if h not in written]
 
-    def write(self, tokens: Sequence[int], hashes: Sequence[int], index: Sequence[int], kv: torch.Tensor,
-              remove: Sequence[int] = ()) -> int:
+    def write(self, tokens: Sequence[int], hashes: Sequence[int], index: Sequence[int],
+              kv: torch.Tensor | list[torch.Tensor], remove: Sequence[int] = ()) -> int:
         """Queue blocks ``index`` (indices into ``hashes``) of ``tokens`` for writing;
         ``kv`` holds exactly those blocks' KV, in order, token-major (a private
-        copy: the caller's pools may change once this returns). Returns the blocks
-        queued (0 when over ``max_pending_bytes``: dropped, counted). ``remove``: hashes of
-        blocks to remove from L3 before these are stored (a tenant's quota)."""
+        copy: the caller's pools may change once this returns); under a compressed
+        codec it may be parts, each model-dtype or stored, encoded on the I/O thread.
+        Returns the blocks queued (0 when over ``max_pending_bytes``: dropped, counted).
+        ``remove``: hashes of blocks to remove from L3 before these are stored (a tenant's quota)."""
         if not index:
             return 0
         bt = self.block_tokens
-        nbytes = kv.numel() * kv.element_size()
+        parts = kv if isinstance(kv, list) else [kv]
+        nbytes = sum(p.numel() * p.element_size() for p in parts)
         with self._cv:
             if self._pending_bytes + nbytes > self.config.max_pending_bytes:
                 self.stats.writes_dropped += len(index)
                 return 0
-            blocks = [L3Block(self.key(hashes[i]), tuple(tokens[i * bt:(i + 1) * bt]),
-                              kv[:, :, j * bt:(j + 1) * bt]) for j, i in enumerate(index)]
-            self._write_jobs.append(_Write(blocks, [hashes[i] for i in index], nbytes,
-                                           [self.key(h) for h in remove]))
+            keys = [(self.key(hashes[i]), tuple(tokens[i * bt:(i + 1) * bt])) for i in index]
+            removals = [self.key(h) for h in remove]
+            if self.codec is None and len(parts) == 1:
+                blocks = [L3Block(k, toks, parts[0][:, :, j * bt:(j + 1) * bt]) for j, (k, toks) in enumerate(keys)]
+                job = _Write(blocks, [hashes[i] for i in index], nbytes, removals)
+            else:
+                job = _Write([], [hashes[i] for i in index], nbytes, removals, keys, parts)
+            self._write_jobs.append(job)
             self._pending_bytes += nbytes
             self.stats.writes_queued += len(index)
             self._cv.notify_all()   # two I/O threads wait on it: wake the one whose queue it is
@@ -497,6 +515,8 @@ class L3Tier:
                 removed = self.store.remove_keys(job.remove)
                 with self._cv:
                     self.stats.quota_removed += max(0, removed)
+            if job.parts:
+                job.blocks = self._stored_blocks(job)
             results = self.store.put_blocks(job.blocks)
             with self._cv:
                 self._pending_bytes -= job.nbytes
@@ -507,13 +527,24 @@ class L3Tier:
         first, hashes, tokens = job.first_block, job.hashes, job.tokens
         lookups = [L3Lookup(self.key(hashes[i]), tuple(tokens[i * bt:(i + 1) * bt]))
                    for i in range(first, len(hashes))]
-        results = self.store.get_blocks(lookups)
+        results = list(self.store.get_blocks(lookups))
         found = 0
         for r in results:
             if not r.hit:
                 break
             found += 1
+        if self.codec is not None:   # another format under this key is refused, as a failed check
+            for i in range(found):
+                if not self.codec.is_stored(results[i].kv):
+                    log.warning("L3 block %s is not %s's stored format: refused", results[i].key.name,
+                                self.codec_name)
+                    results[i] = dataclasses.replace(results[i], status=GetStatus.VERIFY_FAILED, kv=None)
+                    found = i
+                    break
         kv = torch.cat([r.kv for r in results[:found]], dim=2) if found else None
+        nbytes = 0 if kv is None else kv.numel() * kv.element_size()
+        if kv is not None and self.codec is not None:
+            kv = self.codec.decode(kv)   # restored to the model's dtype here, on the fetch thread
         stop = results[found].status if found < len(results) else None
         if stop is GetStatus.VERIFY_FAILED:   # every read of it would fail: it goes (and is missing)
             removed = self.store.remove_keys([results[found].key])
@@ -523,11 +554,22 @@ class L3Tier:
         missing = [hashes[first + found]] if stop in (GetStatus.MISS, GetStatus.VERIFY_FAILED) else []
         out = FetchResult(job.namespace, tokens[:(first + found) * bt], first, found, kv, missing,
                           time.perf_counter() - started, hashes[first],
-                          0 if kv is None else kv.numel() * kv.element_size(), hashes[first:first + found],
+                          nbytes, hashes[first:first + found],
                           unanswered=stop in (GetStatus.TIMEOUT, GetStatus.OFF),
                           backoff=[hashes[first + found]] if stop in (GetStatus.TIMEOUT, GetStatus.OFF) else [])
         with self._cv:
             self._done_fetches.append(out)
+
+    def _stored_blocks(self, job: _Write) -> list[L3Block]:
+        """The blocks of a write whose KV came as parts: each part in the stored format
+        (encoded here, on the write thread), then cut into blocks."""
+        codec, bt = self.codec, self.block_tokens
+        if codec is not None:
+            stored = [p if codec.is_stored(p) else codec.encode(p) for p in job.parts]
+        else:
+            stored = job.parts
+        kv = torch.cat(stored, dim=2) if len(stored) > 1 else stored[0]
+        return [L3Block(k, toks, kv[:, :, j * bt:(j + 1) * bt]) for j, (k, toks) in enumerate(job.keys)]
 
     def _fail(self, job: _Fetch | _Write | _Inventory) -> None:
         with self._cv:
