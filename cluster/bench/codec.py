@@ -39,7 +39,7 @@ from cluster.cache.codec import make_codec, stored_block_bytes
 from cluster.cache.kv_pool import KVLayout
 from cluster.cache.l3.wire import L3Block, encode_block, l3_key
 from cluster.cache.tiered import TierConfig, TieredCache
-from cluster.engine.runner import Engine, EngineRequest, SamplingParams
+from cluster.engine.engine import Engine, EngineRequest, SamplingParams
 from cluster.names import COLD, WARM
 
 TODAY_WARM_BLOCKS = 4096   # the worker's default WARM (actors.config.DEFAULT_TIERS), float32
