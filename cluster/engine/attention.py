@@ -16,7 +16,7 @@ import torch.nn.functional as F
 QUERY_CHUNK = 256  # queries per attention call when a cached prefix precedes them
 # New tokens after a prefix that the compiled kernel attends (one call a layer for all such
 # items); longer ones go to SDPA, whose flash kernel is faster from a few dozen tokens on
-# (the measurements behind 32, over per-request buffers then, are in docs/engine.md's history).
+# (the measurements behind 32: docs/engine.md, "Speed on the CPU").
 EXTEND_MAX = 32
 
 
