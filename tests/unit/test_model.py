@@ -376,7 +376,7 @@ def test_decode_kernel_equals_the_torch_path_at_every_length_on_the_vector_path(
         assert torch.equal(_at(pool, new, 1, 0), k_new[b:b + 1]) and torch.equal(_at(pool, new, 1, 1), v_new[b:b + 1])
 
 
-def test_extend_kernel_attends_each_new_token_causally_like_the_torch_path():
+def test_paged_kernel_attends_each_new_token_causally_like_the_torch_path():
     """A few new tokens per sequence after its prefix (1, 3, 8, 17 and 128 of them, after
     prefixes of 1 to 300): each attends its sequence's keys up to its own position, as the
     SDPA path with its mask; every new token's K/V lands at its slot in the pool, in place."""
