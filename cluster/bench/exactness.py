@@ -123,29 +123,32 @@ def _run(engine: Engine, prompt: list[int], max_tokens: int) -> EngineRequest:
 @contextlib.contextmanager
 def counted_kernels(model: Any) -> Iterator[dict[str, int]]:
     """Counts, while the block runs, the calls of the CPU model's compiled parts: the batched
-    attention kernel (``extend_attention``, per layer of a step the Python loop runs), the
-    compiled norms and rotary embedding (``small_ops``) and the layer loop in one call
-    (``layer_loop``, per step). Nothing is counted on CUDA (see the graph figures)."""
-    counts = {"extend_attention": 0, "small_ops": 0, "layer_loop": 0}
-    saved = (model._extend_kernel, model._small_ops, model._compiled_layers)
+    attention kernel over the pool's slots (``paged_attention``, per layer of a step the
+    Python loop runs; ``extend_attention``, the key this count had when the kernel attended
+    per-request buffers, kept equal to it for readers of the JSON), the compiled norms and
+    rotary embedding (``small_ops``) and the layer loop in one call (``layer_loop``, per
+    step). Nothing is counted on CUDA (see the graph figures)."""
+    counts = {"paged_attention": 0, "extend_attention": 0, "small_ops": 0, "layer_loop": 0}
+    saved = (model._paged_kernel, model._small_ops, model._compiled_layers)
 
-    def counting(name: str, fn: Any) -> Any:
+    def counting(names: tuple[str, ...], fn: Any) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
-            counts[name] += 1
+            for name in names:
+                counts[name] += 1
             return fn(*args, **kwargs)
         return call
 
     if model.device.type == "cpu":
         if saved[0] is not None:
-            model._extend_kernel = counting("extend_attention", saved[0])
+            model._paged_kernel = counting(("paged_attention", "extend_attention"), saved[0])
         if saved[1] is not None:
             model._small_ops = _CountedOps(saved[1], counting)
         if saved[2] is not None:
-            model._compiled_layers = counting("layer_loop", saved[2])
+            model._compiled_layers = counting(("layer_loop",), saved[2])
     try:
         yield counts
     finally:
-        model._extend_kernel, model._small_ops, model._compiled_layers = saved
+        model._paged_kernel, model._small_ops, model._compiled_layers = saved
 
 
 class _CountedOps:
@@ -155,7 +158,7 @@ class _CountedOps:
         self._module, self._counting = module, counting
 
     def __getattr__(self, name: str) -> Any:
-        return self._counting("small_ops", getattr(self._module, name))
+        return self._counting(("small_ops",), getattr(self._module, name))
 
 
 def _hf_logits(hf_model: Any, tokens: list[int], device: torch.device) -> torch.Tensor:

@@ -7,11 +7,12 @@ the Triton attention's two launches, ...): about 15 launches a layer, 450 for a
 captured once per bucket replays them all with one launch. A capture that fails
 (a kernel that cannot be captured on this setup) turns graphs off for the model: the
 steps run eagerly, no request fails for it. What changes between
-steps lives in one static device tensor the graph reads: the tokens, and the Triton
-attention's table of KV-buffer addresses, strides and positions
-(``cluster.engine.kernels.triton_attention``), refilled by one host-to-device copy
-before each replay. A step of ``n`` decodes runs the smallest bucket >= n; the rows
-beyond ``n`` decode a dummy token into a dummy two-position buffer and are dropped.
+steps lives in one static device tensor the graph reads: the tokens, the Triton
+attention's table of the pool's address and strides and the rows' positions, and the
+items' slot tables (``cluster.engine.kernels.triton_attention.PagedBatch``), refilled by
+one host-to-device copy before each replay. A step of ``n`` decodes runs the smallest
+bucket >= n; the rows beyond ``n`` decode a dummy token into a dummy pool of two slots
+and are dropped.
 
 Steps with anything else (a prefill chunk, a later turn's few tokens) run eagerly, as
 do batches above the largest bucket. All graphs share one memory pool. Engine thread
@@ -32,7 +33,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from cluster.engine import attention
+from cluster.engine import paged
 
 log = logging.getLogger(__name__)
 
@@ -47,11 +48,10 @@ class _Captured:
 
 
 class DecodeGraphs:
-    """The graphs of one kind of step: ``forward_into``'s over per-request buffers, or with
-    ``paged`` ``forward_paged``'s over a slotted pool (``run_paged``): its static input then
-    holds the items' slot tables too, room for every item's ``max_position`` slots."""
+    """The graphs of ``forward_paged``'s steps of decodes alone over a slotted pool: the
+    static input holds the items' slot tables, room for every item's ``max_position`` slots."""
 
-    def __init__(self, model, kernel, sizes: Sequence[int] = DEFAULT_SIZES, paged: bool = False):
+    def __init__(self, model, kernel, sizes: Sequence[int] = DEFAULT_SIZES):
         if model.device.type != "cuda":
             raise ValueError("CUDA graphs need the model on a CUDA device")
         if not sizes or min(sizes) < 1:
@@ -59,11 +59,7 @@ class DecodeGraphs:
         self.model, self.kernel = model, kernel
         self.sizes = sorted(set(int(s) for s in sizes))
         c = model.config
-        # Padding rows write their K/V at position 1 of this buffer and attend positions 0..1.
-        self._dummy = torch.zeros(c.num_layers, 2, c.num_kv_heads, 2, c.head_dim, dtype=c.torch_dtype,
-                                  device=model.device)
-        # Paged: the same as a one-block pool of two slots, 0 and 1.
-        self.paged = paged
+        # Padding rows write their K/V at slot 1 of this one-block pool and attend slots 0..1.
         self._dummy_pool = torch.zeros(1, c.num_layers, 2, 2, c.num_kv_heads, c.head_dim, dtype=c.torch_dtype,
                                        device=model.device)
         self._graphs: dict[int, _Captured] = {}
@@ -74,38 +70,14 @@ class DecodeGraphs:
         return next((size for size in self.sizes if size >= n), None)
 
     def run(self, checked: Sequence[tuple[torch.Tensor, int, torch.Tensor]],
-            shared: Sequence[tuple[int, int] | None] | None = None) -> list[torch.Tensor] | None:
-        """Each item's logits [1, vocab], from a graph replay, when every item of
-        ``checked`` (``(tokens, start_pos, kv buffer)``) decodes one token after a prefix
-        and a bucket holds them all; None otherwise (the caller runs the step eagerly)."""
+            pool: torch.Tensor) -> list[torch.Tensor] | None:
+        """Each item's logits [1, vocab], from a graph replay, when every item of ``checked``
+        (``forward_paged``'s ``(tokens, start_pos, slots)`` on ``pool``, checked; slots int64
+        on the host) decodes one token after a prefix and a bucket holds them all; None
+        otherwise (the caller runs the step eagerly)."""
         n = len(checked)
         size = self.bucket(n)
         if size is None or any(t.numel() != 1 or p <= 0 for t, p, _ in checked):
-            self.stats["eager"] += 1
-            return None
-        if not self.capture(size):
-            return None
-        captured = self._graphs[size]
-        pad = size - n
-        # Every item decodes on the kernel: all n read (their shared prefix from a donor among them).
-        donors, lengths = attention._donors(list(range(n)), shared, [p for _, p, _ in checked], n)
-        table, row_item, row_pos = self.kernel.host_rows(
-            [kv for _, _, kv in checked] + [self._dummy] * pad, [p for _, p, _ in checked] + [1] * pad,
-            [1] * size, donors + [-1] * pad if donors else (), lengths + [0] * pad if lengths else ())
-        tokens = [int(t.item()) for t, _, _ in checked] + [0] * pad
-        captured.inputs.copy_(torch.tensor(tokens + table + row_item + row_pos, dtype=torch.int64))
-        captured.graph.replay()
-        self.stats["replays"] += 1
-        logits = captured.logits[:n].clone()   # the graph's output is overwritten by the next replay
-        return [logits[i:i + 1] for i in range(n)]
-
-    def run_paged(self, checked: Sequence[tuple[torch.Tensor, int, torch.Tensor]],
-                  pool: torch.Tensor) -> list[torch.Tensor] | None:
-        """``run`` for ``forward_paged``'s items ``(tokens, start_pos, slots)`` on ``pool``
-        (checked; slots int64 on the host)."""
-        n = len(checked)
-        size = self.bucket(n)
-        if not self.paged or size is None or any(t.numel() != 1 or p <= 0 for t, p, _ in checked):
             self.stats["eager"] += 1
             return None
         if not self.capture(size):
@@ -123,7 +95,7 @@ class DecodeGraphs:
         captured.inputs[:host.numel()].copy_(host)
         captured.graph.replay()
         self.stats["replays"] += 1
-        logits = captured.logits[:n].clone()
+        logits = captured.logits[:n].clone()   # the graph's output is overwritten by the next replay
         return [logits[i:i + 1] for i in range(n)]
 
     def capture(self, size: int) -> bool:
@@ -150,7 +122,7 @@ class DecodeGraphs:
 
     def _capture(self, size: int) -> _Captured:
         model = self.model
-        inputs, decodes = self._paged_inputs(size) if self.paged else self._inputs(size)
+        inputs, decodes = self._inputs(size)
         tokens, batch = inputs[:size], decodes.batch
         bounds = [(i, i + 1) for i in range(size)]
 
@@ -174,22 +146,11 @@ class DecodeGraphs:
         self.stats["captured"] += 1
         return captured
 
-    def _inputs(self, size: int) -> tuple[torch.Tensor, attention.KernelItems]:
-        """The static input (the tokens, then the attention's batch: one row an item) and the
-        kernel items over it; valid contents for the warm-up and capture launches: every row
-        on the dummy buffer."""
-        kernel = self.kernel
-        table, row_item, row_pos = kernel.host_rows([self._dummy] * size, [1] * size, [1] * size)
-        inputs = torch.tensor([0] * size + table + row_item + row_pos, dtype=torch.int64).to(self.model.device)
-        batch = kernel.Batch.of(inputs[size:], size, size)
-        return inputs, attention.KernelItems(kernel, set(range(size)), torch.arange(size, device=self.model.device),
-                                             [], [], [], [], [], batch)
-
-    def _paged_inputs(self, size: int) -> tuple[torch.Tensor, "paged.PagedItems"]:
-        """``_inputs`` of a paged graph: the slot tables follow, with room for ``size`` tables
-        of ``max_position`` slots; every row on the dummy pool at first."""
-        from cluster.engine import paged
-
+    def _inputs(self, size: int) -> tuple[torch.Tensor, paged.PagedItems]:
+        """The static input (the tokens, then the attention's batch: one row an item, then the
+        slot tables, with room for ``size`` tables of ``max_position`` slots) and the kernel
+        items over it; valid contents for the warm-up and capture launches: every row on the
+        dummy pool."""
         kernel, device = self.kernel, self.model.device
         head = kernel.paged_host_rows(self._dummy_pool, list(range(0, 2 * size, 2)), [1] * size, [1] * size)
         room = size * max(2, self.model.config.max_position)
@@ -204,7 +165,7 @@ class DecodeGraphs:
 
 # Tokens an eager warm-up step adds after its prefix: one odd and one even count. Triton
 # specializes a launch on the 16-byte alignment of its pointers, and where the rows'
-# positions start in the batch's table (``triton_attention.Batch``) follows the parity of
+# positions start in the batch's table (``triton_attention.PagedBatch``) follows the parity of
 # the row count, so the two counts compile every variant an eager step launches.
 WARM_EXTEND_TOKENS = (3, 2)
 WARM_PREFIX = 16
@@ -215,12 +176,12 @@ def warm_up_steps(model) -> list[tuple[str, Callable[[], dict]]]:
     pieces that each return what they did, to run one at a time on the thread that owns
     the model before it serves (each piece is short: a replica's watchdog sees progress
     between them). First Triton's kernels for eager steps (a few tokens after a prefix,
-    on a scratch buffer), then the CUDA graph of every batch-size bucket (the first
-    capture's warm-up launches compile the graph's own variants). Empty where nothing
+    ``forward_paged`` on a scratch pool), then the CUDA graph of every batch-size bucket
+    (the first capture's warm-up launches compile the graph's own variants). Empty where nothing
     compiles: on the CPU (its kernels are built when the engine is made), or without the
     Triton attention."""
-    kernel = getattr(model, "_extend_kernel", None)
-    if getattr(model, "device", torch.device("cpu")).type != "cuda" or not hasattr(kernel, "prepare"):
+    kernel = getattr(model, "_paged_kernel", None)
+    if getattr(model, "device", torch.device("cpu")).type != "cuda" or not hasattr(kernel, "prepare_paged"):
         return []
     steps: list[tuple[str, Callable[[], dict]]] = [
         (f"triton-{count}", lambda count=count: _warm_eager(model, count)) for count in WARM_EXTEND_TOKENS]
@@ -231,21 +192,17 @@ def warm_up_steps(model) -> list[tuple[str, Callable[[], dict]]]:
 
 
 def _warm_eager(model, count: int) -> dict:
-    """An eager step of ``count`` tokens after a ``WARM_PREFIX``-token prefix of zeros, on a
-    scratch buffer: Triton compiles what it launches (its cache on disk makes a restart's quick)."""
+    """An eager ``forward_paged`` step of ``count`` tokens after a ``WARM_PREFIX``-token prefix
+    of zeros, on a scratch pool of one block, slots in order: Triton compiles what it
+    launches (its cache on disk makes a restart's quick)."""
     c = model.config
     began = time.perf_counter()
     graphs, model._graphs = model._graphs, None   # not a step of decodes a graph could take
     try:
         tokens = torch.zeros(count, dtype=torch.long)
-        if graphs is not None and graphs.paged:   # a scratch pool of one block, slots in order
-            pool = torch.zeros(1, c.num_layers, 2, WARM_PREFIX + count, c.num_kv_heads, c.head_dim,
-                               dtype=c.torch_dtype, device=model.device)
-            model.forward_paged([(tokens, WARM_PREFIX, torch.arange(WARM_PREFIX + count))], pool)
-        else:
-            kv = torch.zeros(c.num_layers, 2, c.num_kv_heads, WARM_PREFIX + count, c.head_dim,
-                             dtype=c.torch_dtype, device=model.device)
-            model.forward_into([(tokens, WARM_PREFIX, kv)])
+        pool = torch.zeros(1, c.num_layers, 2, WARM_PREFIX + count, c.num_kv_heads, c.head_dim,
+                           dtype=c.torch_dtype, device=model.device)
+        model.forward_paged([(tokens, WARM_PREFIX, torch.arange(WARM_PREFIX + count))], pool)
         torch.cuda.synchronize(model.device)
     finally:
         model._graphs = graphs

@@ -7,7 +7,8 @@ decode step of 8 or 16 sequences alone (36.8 -> 33.8 and 57.5 -> 52.5 ms on a 2-
 EPYC), and in a replica the event loop's thread wants the GIL between every two of them.
 For the steps the CPU serves most (every sequence on the batched attention kernel, the
 linears on the blocked kernel) the same loop runs in C++ with the GIL released: the same
-kernels and ATen ops in the same order, so the same bits (``tests/unit/test_layer_loop.py``).
+kernels and ATen ops in the same order, so the same bits (``tests/unit/test_layer_loop.py``),
+the attention reading and writing K/V in the pool through the step's slot tables.
 """
 
 from __future__ import annotations
@@ -23,10 +24,10 @@ from cluster.engine.paged import PagedItems
 class CompiledLayers:
     """The model's per-layer weights as the compiled loop takes them, gathered once."""
 
-    def __init__(self, fn: Any, paged_fn: Any, model: Any, panels: dict[str, list]):
+    def __init__(self, fn: Any, model: Any, panels: dict[str, list]):
         c = model.config
         layers = model.layers
-        self._fn, self._paged_fn = fn, paged_fn
+        self._fn = fn
         first = panels["qkv"][0]
 
         def optional(name: str) -> list[torch.Tensor]:
@@ -41,24 +42,24 @@ class CompiledLayers:
                          [panels[kind][0].n for kind in ("qkv", "o", "gate_up", "down")], first.parts, first.kc,
                          c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, c.head_dim ** -0.5)
 
-    def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, decodes: Any) -> torch.Tensor:
-        if isinstance(decodes, PagedItems):   # forward_paged: attention over the pool's slots
-            return self._paged_fn(hidden, cos, sin, *self._weights, decodes.pool, decodes.slots, decodes.starts,
-                                  decodes.positions, decodes.counts)
-        return self._fn(hidden, cos, sin, *self._weights, decodes.buffers, decodes.positions, decodes.counts,
-                        decodes.donors, decodes.shared)
+    def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 decodes: PagedItems) -> torch.Tensor:
+        """The layers over ``hidden`` with the attention over the pool's slots (``decodes``:
+        every item of the step)."""
+        return self._fn(hidden, cos, sin, *self._weights, decodes.pool, decodes.slots, decodes.starts,
+                        decodes.positions, decodes.counts)
 
 
 def compiled_layers(model: Any) -> CompiledLayers | None:
     """The compiled loop for ``model`` where its steps can take it (CPU, float32, the batched
     kernel and the small ops on, every layer linear with blocked panels), else None."""
-    if model._small_ops is None or model._extend_kernel is None or model.device.type != "cpu" or \
+    if model._small_ops is None or model._paged_kernel is None or model.device.type != "cpu" or \
             model.config.dtype != "float32" or linear_layouts.BLOCKED not in (model._layer_layouts or ()):
         return None
     from cluster.engine import kernels
 
-    fn, paged_fn = kernels.decoder_layers(), kernels.decoder_layers_paged()
-    if fn is None or paged_fn is None:
+    fn = kernels.decoder_layers_paged()
+    if fn is None:
         return None
     names = {"qkv": "qkv_proj", "o": "o_proj", "gate_up": "gate_up_proj", "down": "down_proj"}
     panels = {kind: [model._packed.get((linear_layouts.BLOCKED, id(getattr(layer, name)))) for layer in model.layers]
@@ -66,4 +67,4 @@ def compiled_layers(model: Any) -> CompiledLayers | None:
     if any(p is None for group in panels.values() for p in group) or \
             len({(p.parts, p.kc) for group in panels.values() for p in group}) != 1:
         return None
-    return CompiledLayers(fn, paged_fn, model, panels)
+    return CompiledLayers(fn, model, panels)

@@ -305,8 +305,7 @@ class DecoderModel(nn.Module):
         cos, sin = rope_tables(config)   # float32, whatever the model dtype
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self._extend_kernel = None   # see use_decode_kernel
-        self._paged_kernel = None    # the same over the KV pool's slots (forward_paged), likewise
+        self._paged_kernel = None    # the batched attention over the KV pool's slots: see use_decode_kernel
         self._small_ops = None       # the compiled rms_norm and rope (CPU, float32), likewise
         self._graphs = None          # see use_cuda_graphs
         self._compiled_layers = None  # the layer loop in one call (layer_loop), where it applies
@@ -387,45 +386,6 @@ class DecoderModel(nn.Module):
         return list(zip(logits, new_kvs))
 
     @torch.no_grad()
-    def forward_into(
-        self, items: Sequence[tuple[torch.Tensor, int, torch.Tensor]], last_logits_only: bool = False,
-        shared: Sequence[tuple[int, int] | None] | None = None,
-    ) -> list[torch.Tensor]:
-        """The same forward, keeping each sequence's KV in a buffer of its own, in place.
-
-        Each item is ``(tokens, start_pos, kv)`` with ``kv`` a head-major buffer
-        ``[layers, 2, kv_heads, capacity, head_dim]`` whose first ``start_pos``
-        positions hold the prefix's KV; the new tokens' KV is written into it at
-        ``start_pos`` and attention reads it there: nothing of the past is
-        copied, whatever its length. Returns each item's logits.
-        """
-        c = self.config
-        checked = []
-        for index, (tokens, start_pos, kv) in enumerate(items):
-            where = f"items[{index}]: " if len(items) > 1 else ""
-            tokens = validate_item(c, tokens, start_pos, None if start_pos == 0 else
-                                   kv[:, :, :, :start_pos].transpose(2, 3), where)
-            if kv.shape[3] < start_pos + tokens.numel():
-                raise ValueError(f"{where}kv buffer of {kv.shape[3]} positions cannot take "
-                                 f"{start_pos} + {tokens.numel()} tokens")
-            checked.append((tokens, start_pos, kv))
-        if self._graphs is not None and not self._graphs.paged:   # CUDA: decodes alone replay a graph
-            logits = self._graphs.run(checked, shared)
-            if logits is not None:
-                return logits
-        checked = [(tokens.to(self.device), start_pos, kv) for tokens, start_pos, kv in checked]
-
-        def attend(layer_index, q, k, v, item_index):
-            _, start_pos, kv = checked[item_index]
-            end = start_pos + q.shape[0]
-            kv[layer_index, 0, :, start_pos:end] = k.transpose(0, 1)
-            kv[layer_index, 1, :, start_pos:end] = v.transpose(0, 1)
-            return self._attend(q, kv[layer_index, 0, :, :end], kv[layer_index, 1, :, :end], start_pos)
-
-        decodes = attention.kernel_items(self._extend_kernel, checked, shared)
-        return self._forward([(t, p) for t, p, _ in checked], attend, last_logits_only, decodes)
-
-    @torch.no_grad()
     def forward_paged(self, items: Sequence[paged.PagedItem], pool: torch.Tensor,
                       last_logits_only: bool = False) -> list[torch.Tensor]:
         """The same forward, reading and writing K/V in place in a slotted KV pool.
@@ -438,7 +398,7 @@ class DecoderModel(nn.Module):
         pool through the table (``cluster.engine.paged``): nothing of the past is copied.
         Items may share the slots of a common prefix; a slot written here may be read only
         by a later item or one on the batched kernel (ValueError otherwise). Returns each
-        item's logits, as ``forward_into``.
+        item's logits ([1, vocab] with ``last_logits_only``).
         """
         pool = paged.validate_pool(self.config, pool, self.device)
         checked = paged.validate_items(self.config, items, pool)
@@ -447,7 +407,7 @@ class DecoderModel(nn.Module):
         decodes = paged.kernel_items(self._paged_kernel, pool, checked)
         paged.check_writes(checked, decodes.items if decodes is not None else set())
         if self._graphs is not None:   # CUDA: a step of decodes alone replays a captured graph
-            logits = self._graphs.run_paged(checked, pool)
+            logits = self._graphs.run(checked, pool)
             if logits is not None:
                 return logits
         slot_rows = paged.SlotRows(pool, checked)
@@ -458,33 +418,31 @@ class DecoderModel(nn.Module):
         return self._forward([(t.to(self.device), p) for t, p, _ in checked], attend, last_logits_only, decodes)
 
     def use_decode_kernel(self, on: bool = True) -> bool:
-        """Attend the items of ``forward_into`` that follow a prefix with at most
-        ``EXTEND_MAX`` new tokens (decodes, later turns) with the compiled kernel
-        (``cluster.engine.kernels``; float32 on the CPU, Triton on CUDA); True when it
-        is in use. On the CPU the norms and the rotary embedding then run compiled too
-        (one call each instead of five or six ops: at a decode step's few rows the
-        dispatch costs more than the arithmetic)."""
-        self._extend_kernel, self._graphs, self._small_ops, self._compiled_layers = None, None, None, None
-        self._paged_kernel = None
+        """Attend the items of ``forward_paged`` that follow a prefix with at most
+        ``EXTEND_MAX`` new tokens (decodes, later turns) with the compiled kernel over the
+        pool's slots (``cluster.engine.kernels``: ``paged_attention``, float32 on the CPU,
+        Triton on CUDA); True when it is in use. On the CPU the norms and the rotary
+        embedding then run compiled too (one call each instead of five or six ops: at a
+        decode step's few rows the dispatch costs more than the arithmetic)."""
+        self._paged_kernel, self._graphs, self._small_ops, self._compiled_layers = None, None, None, None
         if on and self.config.dtype == "float32" and self.device.type == "cpu":
-            from cluster.engine.kernels import extend_attention, paged_attention, small_ops
-            self._extend_kernel = extend_attention()
+            from cluster.engine.kernels import paged_attention, small_ops
             self._paged_kernel = paged_attention()
             self._small_ops = small_ops()
         elif on and self.device.type == "cuda":
-            from cluster.engine.kernels import cuda_extend_attention
-            self._extend_kernel = self._paged_kernel = cuda_extend_attention()
+            from cluster.engine.kernels import cuda_paged_attention
+            self._paged_kernel = cuda_paged_attention()
         self._compiled_layers = layer_loop.compiled_layers(self)
-        return self._extend_kernel is not None
+        return self._paged_kernel is not None
 
-    def use_cuda_graphs(self, on: bool = True, sizes: Sequence[int] | None = None, paged: bool = False) -> bool:
+    def use_cuda_graphs(self, on: bool = True, sizes: Sequence[int] | None = None) -> bool:
         """On CUDA with the Triton attention in use (``use_decode_kernel``): replay a CUDA
-        graph per batch-size bucket for ``forward_into`` steps of decodes alone (with
-        ``paged``, ``forward_paged``'s instead; ``cluster.engine.cuda_graphs``); True when on."""
+        graph per batch-size bucket for ``forward_paged`` steps of decodes alone
+        (``cluster.engine.cuda_graphs``); True when on."""
         self._graphs = None
-        if on and self.device.type == "cuda" and hasattr(self._extend_kernel, "prepare"):
+        if on and self.device.type == "cuda" and hasattr(self._paged_kernel, "prepare_paged"):
             from cluster.engine.cuda_graphs import DEFAULT_SIZES, DecodeGraphs
-            self._graphs = DecodeGraphs(self, self._extend_kernel, sizes or DEFAULT_SIZES, paged=paged)
+            self._graphs = DecodeGraphs(self, self._paged_kernel, sizes or DEFAULT_SIZES)
         return self._graphs is not None
 
     @property
@@ -522,7 +480,7 @@ class DecoderModel(nn.Module):
         return _linear(x, weight, bias, layout, self._packed.get((layout, id(weight))), residual)
 
     def _forward(self, checked: list[tuple[torch.Tensor, int]], attend, last_logits_only: bool,
-                 decodes: "attention.KernelItems | None" = None) -> list[torch.Tensor]:
+                 decodes: "paged.PagedItems | None" = None) -> list[torch.Tensor]:
         """The packed forward over every item's new tokens; ``attend(layer, q, k, v, item)``
         stores one item's new K/V where it keeps them and returns its attention output.
         ``decodes``: the items that decode one token, attended all at once per layer."""
@@ -536,7 +494,7 @@ class DecoderModel(nn.Module):
         return [logits[begin:end] for begin, end in bounds]
 
     def _layers(self, tokens: torch.Tensor, positions: torch.Tensor, bounds: list[tuple[int, int]], attend,
-                last_logits_only: bool, decodes: "attention.KernelItems | None"
+                last_logits_only: bool, decodes: "paged.PagedItems | None"
                 ) -> tuple[torch.Tensor, list[tuple[int, int]]]:
         """``_forward`` on the packed tokens and their positions (device tensors; what a CUDA
         graph captures, ``cluster.engine.cuda_graphs``): the logits of all rows kept (the

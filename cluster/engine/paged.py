@@ -9,7 +9,7 @@ its positions: the cached prefix's, then the room reserved for the tokens a forw
 and attends over the table: no per-request copy of the past, and sequences on one cached
 prefix read the same pool memory.
 
-Two paths per layer, as ``forward_into``'s: the items after a prefix with at most
+Two paths per layer: the items after a prefix with at most
 ``EXTEND_MAX`` new tokens all at once in the compiled kernel (``paged_attention``: C++ on
 the CPU, Triton on CUDA), the rest one by one with ``attention.attend_torch`` over a
 transient gather of the layer's K/V (a prefill chunk's attention outweighs the gather).

@@ -1,7 +1,7 @@
-"""The packed decoder and the engine on CUDA: the Triton attention (``kernels/triton_attention``)
-equals the torch path, CUDA-graph decode steps (``cluster.engine.cuda_graphs``) equal eager
-ones, and the engine on a CUDA HOT pool produces what the model's own reference forward
-predicts. Skipped without a CUDA device and Triton (the GPU check script runs them), except
+"""The packed decoder and the engine on CUDA: the Triton attention over a slotted KV pool
+(``kernels/triton_attention``) equals the torch path, CUDA-graph decode steps of
+``forward_paged`` (``cluster.engine.cuda_graphs``) equal eager ones, and the engine on a
+CUDA HOT pool produces what the model's own reference forward predicts. Skipped without a CUDA device and Triton (the GPU check script runs them), except
 the engine test's CPU twin."""
 
 import pytest
@@ -23,9 +23,9 @@ TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
 
 @pytest.fixture(scope="module")
 def kernel():
-    from cluster.engine.kernels import cuda_extend_attention
+    from cluster.engine.kernels import cuda_paged_attention
 
-    module = cuda_extend_attention()
+    module = cuda_paged_attention()
     require(TRITON, module is not None, "Triton is not importable here (it ships with torch's CUDA builds)")
     return module
 
@@ -34,35 +34,51 @@ class _Shapes:
     num_heads, num_kv_heads, head_dim = 6, 2, 32
 
 
+BLOCK_TOKENS = 16
+
+
+def _at(pool: torch.Tensor, slots: torch.Tensor, layer: int, kv: int) -> torch.Tensor:
+    """The K (kv 0) or V (1) rows of ``layer`` at ``slots``: [len(slots), kv_heads, head_dim]."""
+    slots = slots.to(pool.device)
+    return pool[slots // BLOCK_TOKENS, layer, kv, slots % BLOCK_TOKENS]
+
+
 @pytest.mark.parametrize("dtype", [pytest.param(torch.float32, marks=CUDA), pytest.param(torch.bfloat16, marks=CUDA)])
 def test_triton_attention_equals_the_torch_path(kernel, dtype):
-    c, layer = _Shapes, 1
+    c, layer, blocks = _Shapes, 1, 64
     gen = torch.Generator(device="cuda").manual_seed(0)
     items = [(1, 70), (5, 130), (1, 3), (32, 40), (1, 200)]   # (new tokens, cached prefix)
-    buffers = [torch.randn(2, 2, c.num_kv_heads, start + n + 9, c.head_dim, generator=gen, device="cuda",
-                           dtype=dtype) for n, start in items]
-    buffers[4][:, :, :, :100] = buffers[1][:, :, :, :100]   # item 4 shares item 1's first 100 positions
+    pool = torch.randn(blocks, 2, 2, BLOCK_TOKENS, c.num_kv_heads, c.head_dim, generator=gen, device="cuda",
+                       dtype=dtype)
+    order = torch.randperm(blocks * BLOCK_TOKENS, generator=torch.Generator().manual_seed(1))   # scattered slots
+    tables, taken = [], 0
+    for i, (n, start) in enumerate(items):
+        own = start + n - (100 if i == 4 else 0)   # item 4 reads item 1's first 100 slots as its own
+        slots = order[taken:taken + own]
+        taken += own
+        tables.append(torch.cat([tables[1][:100], slots]) if i == 4 else slots)
     rows = sum(n for n, _ in items)
     q = torch.randn(rows, c.num_heads, c.head_dim, generator=gen, device="cuda", dtype=dtype)
     k = torch.randn(rows, c.num_kv_heads, c.head_dim, generator=gen, device="cuda", dtype=dtype)
     v = torch.randn(rows, c.num_kv_heads, c.head_dim, generator=gen, device="cuda", dtype=dtype)
-    expected_buffers = [b.clone() for b in buffers]
+    expected_pool = pool.clone()
     outs, r = [], 0
-    for (n, start), b in zip(items, expected_buffers):
-        b[layer, 0, :, start:start + n] = k[r:r + n].transpose(0, 1)
-        b[layer, 1, :, start:start + n] = v[r:r + n].transpose(0, 1)
-        outs.append(attention.attend_torch(c, q[r:r + n], b[layer, 0, :, :start + n], b[layer, 1, :, :start + n],
-                                           start))
+    for (n, start), slots in zip(items, tables):
+        cuda_slots = slots.cuda()
+        new = cuda_slots[start:]
+        expected_pool[new // BLOCK_TOKENS, layer, 0, new % BLOCK_TOKENS] = k[r:r + n]
+        expected_pool[new // BLOCK_TOKENS, layer, 1, new % BLOCK_TOKENS] = v[r:r + n]
+        keys, values = _at(expected_pool, slots, layer, 0), _at(expected_pool, slots, layer, 1)
+        outs.append(attention.attend_torch(c, q[r:r + n], keys.transpose(0, 1), values.transpose(0, 1), start))
         r += n
     expected = torch.cat(outs).float()
-    buffers[4][:, :, :, :100] = 0.0   # what item 4 reads there must come from item 1's buffer
-    batch = kernel.prepare(buffers, [s for _, s in items], [n for n, _ in items],
-                           donors=[-1, -1, -1, -1, 1], shared=[0, 0, 0, 0, 100])
-    out = kernel.extend_attention(q, k, v, batch, layer, c.head_dim ** -0.5)
+    starts = [0]
+    for slots in tables:
+        starts.append(starts[-1] + slots.numel())
+    batch = kernel.prepare_paged(pool, torch.cat(tables), starts, [s for _, s in items], [n for n, _ in items])
+    out = kernel.paged_attention(q, k, v, batch, layer, c.head_dim ** -0.5)
     assert (out.float() - expected).abs().max().item() < TOL[dtype]
-    for got, want in zip(buffers[:4], expected_buffers[:4]):
-        assert torch.equal(got, want)   # the new K/V were written in place, nothing else touched
-    assert torch.equal(buffers[4][:, :, :, 100:], expected_buffers[4][:, :, :, 100:])
+    assert torch.equal(pool, expected_pool)   # the new K/V written at their slots, nothing else touched
 
 
 def _model(dtype: str, device: str) -> DecoderModel:
@@ -80,25 +96,28 @@ def test_graph_decode_steps_equal_eager_and_the_cpu_model(kernel, dtype):
     cpu.use_decode_kernel(False)
     c = gpu.config
     prompts = [list(range(3 + i, 40 + 7 * i)) for i in range(3)]
+    capacity = 128   # slots per sequence, scattered over the pool's blocks
+    order = torch.randperm(len(prompts) * capacity, generator=torch.Generator().manual_seed(3))
+    tables = [order[i * capacity:(i + 1) * capacity] for i in range(len(prompts))]
 
-    def buffers(model, device, dt):
-        return [torch.zeros(c.num_layers, 2, c.num_kv_heads, 128, c.head_dim, dtype=dt, device=device)
-                for _ in prompts]
+    def pool(device, dt):
+        return torch.zeros(len(prompts) * capacity // BLOCK_TOKENS, c.num_layers, 2, BLOCK_TOKENS, c.num_kv_heads,
+                           c.head_dim, dtype=dt, device=device)
 
-    kv = {"gpu": buffers(gpu, "cuda", torch_dtype), "eager": buffers(eager, "cuda", torch_dtype),
-          "cpu": buffers(cpu, "cpu", torch.float32)}
+    pools = {"gpu": pool("cuda", torch_dtype), "eager": pool("cuda", torch_dtype), "cpu": pool("cpu", torch.float32)}
     models = {"gpu": gpu, "eager": eager, "cpu": cpu}
     lengths = [len(p) for p in prompts]
     for name, model in models.items():
-        model.forward_into([(torch.tensor(p), 0, b) for p, b in zip(prompts, kv[name])], last_logits_only=True)
+        model.forward_paged([(torch.tensor(p), 0, table[:len(p)]) for p, table in zip(prompts, tables)], pools[name],
+                            last_logits_only=True)
     next_tokens = [[11, 12, 13], [14, 15, 16], [17, 18, 19], [20, 21, 22]]
     for step, toks in enumerate(next_tokens):
         # Step 2 adds a few tokens to the second sequence (an eager step on the kernel), the rest decode.
         tokens = [torch.tensor([t]) for t in toks]
         if step == 2:
             tokens[1] = torch.tensor([toks[1], 5, 6, 7])
-        got = {name: model.forward_into([(t, n, b) for t, n, b in zip(tokens, lengths, kv[name])],
-                                        last_logits_only=True)
+        items = [(t, n, table[:n + t.numel()]) for t, n, table in zip(tokens, lengths, tables)]
+        got = {name: model.forward_paged(items, pools[name], last_logits_only=True)
                for name, model in models.items()}
         lengths = [n + t.numel() for n, t in zip(lengths, tokens)]
         for i in range(len(prompts)):
@@ -107,8 +126,7 @@ def test_graph_decode_steps_equal_eager_and_the_cpu_model(kernel, dtype):
             assert torch.allclose(graph.cpu(), reference, atol=TOL[torch_dtype] * 10, rtol=TOL[torch_dtype])
     stats = gpu.graph_stats
     assert stats["captured"] == 1 and stats["replays"] == 3 and stats["eager"] == 2   # the prefill, step 2
-    for got, want in zip(kv["gpu"], kv["eager"]):
-        assert torch.allclose(got.float(), want.float(), atol=TOL[torch_dtype], rtol=0)
+    assert torch.allclose(pools["gpu"].float(), pools["eager"].float(), atol=TOL[torch_dtype], rtol=0)
 
 
 def _engine(model, device, blocks=64, block_tokens=8):

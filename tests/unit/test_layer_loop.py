@@ -19,8 +19,8 @@ WITH_EVERYTHING = dataclasses.replace(SMALL, qk_norm=True, qkv_bias=True, o_bias
 
 def blocked_model(config: ModelConfig, monkeypatch, tmp_path) -> DecoderModel:
     model = DecoderModel(config)
-    require_compiled(kernels.extend_attention(), "decode_attention")
-    require_compiled(kernels.decoder_layers(), "layers")
+    require_compiled(kernels.paged_attention(), "decode_attention")
+    require_compiled(kernels.decoder_layers_paged(), "layers")
     model.use_decode_kernel(True)
     if config.qkv_bias or config.o_bias:
         with torch.no_grad():   # lively biases, not the seeded init's small ones
@@ -31,26 +31,43 @@ def blocked_model(config: ModelConfig, monkeypatch, tmp_path) -> DecoderModel:
     return model
 
 
-def step(model: DecoderModel, shared: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """One step of three decodes and an extend of 5 tokens after cached prefixes (with
-    ``shared``, the last three read their common 40-token prefix from the first's buffer)."""
+def pool_of(config: ModelConfig, blocks: int = 16, block_tokens: int = 8) -> torch.Tensor:
+    c = config
+    return torch.zeros(blocks, c.num_layers, 2, block_tokens, c.num_kv_heads, c.head_dim)
+
+
+def put(pool: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor) -> None:
+    """kv [layers, 2, T, kv_heads, head_dim] at ``slots`` of ``pool``."""
+    block_tokens = pool.shape[3]
+    pool[slots // block_tokens, :, :, slots % block_tokens] = kv.permute(2, 0, 1, 3, 4)
+
+
+def step(model: DecoderModel, shared: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """One step of three decodes and an extend of 5 tokens after cached prefixes, over a
+    pool (with ``shared``, the last three read their common 40-token prefix from the first's
+    slots; otherwise each holds its own copy). Returns the logits and the pool after."""
     c = model.config
     g = torch.Generator().manual_seed(11)
     common = torch.randint(0, c.vocab_size, (40,), generator=g)
     seqs = [torch.cat([common, torch.randint(0, c.vocab_size, (n,), generator=g)]) for n in (9, 3, 14, 20)]
     counts = (1, 1, 1, 5)
-    buffers, items = [], []
-    for seq, n in zip(seqs, counts):
+    pool = pool_of(c, blocks=48)
+    free = torch.randperm(pool.shape[0] * pool.shape[3], generator=g).tolist()   # scattered slots
+
+    def take(n: int) -> torch.Tensor:
+        return torch.tensor([free.pop() for _ in range(n)])
+
+    first_prefix, items = take(common.numel()), []
+    for i, (seq, n) in enumerate(zip(seqs, counts)):
         start = len(seq) - n
         _, past = model.forward_one(seq[:common.numel()], 0, None)   # the same bytes for every sequence
         _, rest = model.forward_one(seq[common.numel():start], common.numel(), past)
-        buf = torch.zeros(c.num_layers, 2, c.num_kv_heads, len(seq) + 3, c.head_dim)
-        buf[:, :, :, :start] = torch.cat([past, rest], dim=2).transpose(2, 3)
-        buffers.append(buf)
-        items.append((seq[start:], start, buf))
-    reads = [None, (0, 40), (0, 40), (0, 40)] if shared else None
-    logits = model.forward_into(items, shared=reads)
-    return logits, buffers
+        prefix = first_prefix if shared or i == 0 else take(common.numel())
+        slots = torch.cat([prefix, take(len(seq) - common.numel())])
+        put(pool, slots[:start], torch.cat([past, rest], dim=2))
+        items.append((seq[start:], start, slots))
+    logits = model.forward_paged(items, pool)
+    return logits, pool
 
 
 @pytest.mark.parametrize("config", [SMALL, WITH_EVERYTHING], ids=["plain", "qk-norm-and-biases"])
@@ -62,14 +79,13 @@ def test_the_compiled_loop_gives_the_python_loops_logits_and_kv_bit_for_bit(conf
     calls = []
     compiled = model._compiled_layers
     model._compiled_layers = lambda *args: calls.append(1) or compiled(*args)
-    got_logits, got_kv = step(model, shared)
+    got_logits, got_pool = step(model, shared)
     assert calls == [1]   # the step took the compiled loop
     model._compiled_layers = None   # the Python loop
-    want_logits, want_kv = step(model, shared)
+    want_logits, want_pool = step(model, shared)
     for got, want in zip(got_logits, want_logits):
         assert torch.equal(got, want)
-    for got, want in zip(got_kv, want_kv):
-        assert torch.equal(got, want)
+    assert torch.equal(got_pool, want_pool)   # the new K/V at their slots, the same bits
 
 
 def test_steps_the_loop_does_not_cover_take_the_python_loop(monkeypatch, tmp_path):
@@ -79,14 +95,14 @@ def test_steps_the_loop_does_not_cover_take_the_python_loop(monkeypatch, tmp_pat
     calls = []
     compiled = model._compiled_layers
     model._compiled_layers = lambda *args: calls.append(1) or compiled(*args)
-    buf = torch.zeros(SMALL.num_layers, 2, SMALL.num_kv_heads, 16, SMALL.head_dim)
-    model.forward_into([(torch.arange(1, 9), 0, buf)])
+    pool, slots = pool_of(SMALL), torch.arange(37, 53)   # across two blocks
+    model.forward_paged([(torch.arange(1, 9), 0, slots[:8])], pool)
     assert calls == []
     model._layer_layouts = (linear_layouts.PLAIN,) * len(model._layer_layouts)
-    model.forward_into([(torch.tensor([3]), 8, buf)])
+    model.forward_paged([(torch.tensor([3]), 8, slots[:9])], pool)
     assert calls == []
     model._layer_layouts = (linear_layouts.BLOCKED,) * len(model._layer_layouts)
-    model.forward_into([(torch.tensor([4]), 9, buf)])
+    model.forward_paged([(torch.tensor([4]), 9, slots[:10])], pool)
     assert calls == [1]
     # Without the batched kernel there is no compiled loop at all.
     model.use_decode_kernel(False)

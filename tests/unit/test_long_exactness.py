@@ -32,8 +32,8 @@ def blocked_everywhere(monkeypatch, tmp_path):
 def test_long_prompts_equal_transformers_through_the_compiled_kernels(blocked_everywhere):
     require_default_model()
     transformers = require_module("transformers")
-    for built, name in ((kernels.extend_attention(), "decode_attention"), (kernels.blocked_linear(), "blocked_linear"),
-                        (kernels.decoder_layers(), "layers")):
+    for built, name in ((kernels.paged_attention(), "decode_attention"), (kernels.blocked_linear(), "blocked_linear"),
+                        (kernels.decoder_layers_paged(), "layers")):
         require_kernel(built, name)
     loaded = load_model(ModelSpec.parse(None))
     model = loaded.model
@@ -61,10 +61,11 @@ def test_long_prompts_equal_transformers_through_the_compiled_kernels(blocked_ev
         assert case["greedy_agree"] == case["greedy_tokens"] == MAX_TOKENS, (name, case)
 
     calls = result["kernel_calls"]
+    assert calls["extend_attention"] == calls["paged_attention"]   # the JSON's old key: the paged kernel's count
     decode_steps = 3 * (MAX_TOKENS - 1)   # after each request's first token, one step a token, alone
     assert calls["small_ops"] > 0   # the prefill chunks' norms and rotary embedding
     if blocked:   # every decode step (and the later turn's 16 tokens) in one compiled call
         assert calls["layer_loop"] >= decode_steps + 1
     else:         # the Python loop, the batched kernel in each layer of those steps
-        assert calls["extend_attention"] >= (decode_steps + 1) * model.config.num_layers
+        assert calls["paged_attention"] >= (decode_steps + 1) * model.config.num_layers
     engine.cache.check_invariants()

@@ -319,39 +319,37 @@ def test_sample_rejects_bad_parameters(kwargs: dict, message: str) -> None:
         sample(**arguments)
 
 
-@pytest.mark.parametrize("kernel", [False, True], ids=["torch", "kernel"])
-def test_forward_into_keeps_kv_in_place_and_equals_forward_batch(kernel):
-    """The engine's in-place forward (head-major buffers, decodes attended all at once by the
-    compiled kernel where it builds) gives the logits and KV of the plain packed forward."""
-    cfg = ModelConfig(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
-                      intermediate_size=128, seed=9)
-    model = DecoderModel(cfg)
-    used = model.use_decode_kernel(kernel)
-    if kernel:
-        require(KERNELS, used, "the decode kernel could not be built here")
-    g = torch.Generator().manual_seed(1)
-    seqs = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in (20, 33, 7, 12)]
-    starts = [19, 32, 0, 5]   # two decodes of one token, a first chunk, a chunk after a cached prefix
-    items, buffers = [], []
-    for seq, start in zip(seqs, starts):
-        _, past = model.forward_one(seq[:start], 0, None) if start else (None, None)
-        buf = torch.zeros(cfg.num_layers, 2, cfg.num_kv_heads, len(seq) + 4, cfg.head_dim)
-        if start:
-            buf[:, :, :, :start] = past.transpose(2, 3)
-        buffers.append(buf)
-        items.append((seq[start:], start, past))
-    want = model.forward_batch(items)
-    got = model.forward_into([(t, s, b) for (t, s, _), b in zip(items, buffers)])
-    for (logits, kv), out, buf, (t, s, _) in zip(want, got, buffers, items):
-        torch.testing.assert_close(out, logits, atol=1e-5, rtol=0)
-        torch.testing.assert_close(buf[:, :, :, s:s + len(t)].transpose(2, 3), kv, atol=1e-6, rtol=0)
-    with pytest.raises(ValueError, match="kv buffer of 24 positions cannot take 19 \\+ 9 tokens"):
-        model.forward_into([(torch.zeros(9, dtype=torch.long), 19, buffers[0])])
+POOL_BLOCK_TOKENS = 16
+
+
+def _in_pool(buffers: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor], list[int]]:
+    """Head-major KV ``buffers`` [layers, 2, kv_heads, n, head_dim] laid into a slotted pool
+    [blocks, layers, 2, block_tokens, kv_heads, head_dim] at scattered slots (junk elsewhere):
+    the pool, each buffer's slot table, and where each table starts in their concatenation."""
+    layers, _, kv_heads, _, head_dim = buffers[0].shape
+    total = sum(b.shape[3] for b in buffers)
+    blocks = -(-total // POOL_BLOCK_TOKENS) + 2
+    g = torch.Generator().manual_seed(total)
+    pool = torch.randn(blocks, layers, 2, POOL_BLOCK_TOKENS, kv_heads, head_dim, generator=g)
+    order = torch.randperm(blocks * POOL_BLOCK_TOKENS, generator=g)
+    tables, starts = [], [0]
+    for buf in buffers:
+        slots = order[starts[-1]:starts[-1] + buf.shape[3]]
+        pool[slots // POOL_BLOCK_TOKENS, :, :, slots % POOL_BLOCK_TOKENS] = buf.permute(3, 0, 1, 2, 4)
+        tables.append(slots)
+        starts.append(starts[-1] + slots.numel())
+    return pool, tables, starts
+
+
+def _at(pool: torch.Tensor, slots: torch.Tensor, layer: int, kv: int) -> torch.Tensor:
+    """The K (kv 0) or V (1) rows of ``layer`` at ``slots``: [len(slots), kv_heads, head_dim]."""
+    return pool[slots // POOL_BLOCK_TOKENS, layer, kv, slots % POOL_BLOCK_TOKENS]
 
 
 def test_decode_kernel_equals_the_torch_path_at_every_length_on_the_vector_path():
     """head_dim 64 takes the kernel's AVX2 path (vector dot products, vector exp in the
-    softmax); context lengths below, at and around multiples of 8 cover its tails."""
+    softmax); context lengths below, at and around multiples of 8 cover its tails. Each
+    sequence's keys are read through its slot table in a pool, scattered over its blocks."""
     cfg = ModelConfig(num_layers=2, hidden_size=192, num_heads=3, num_kv_heads=1, head_dim=64,
                       intermediate_size=128, seed=4)
     model = DecoderModel(cfg)
@@ -367,26 +365,29 @@ def test_decode_kernel_equals_the_torch_path_at_every_length_on_the_vector_path(
         keys = torch.cat([buffers[b][1, 0, :, :n], k_new[b, :, None]], dim=1)
         values = torch.cat([buffers[b][1, 1, :, :n], v_new[b, :, None]], dim=1)
         want.append(model._attend(q[b:b + 1], keys, values, n)[0])
-    got = model._extend_kernel(q, k_new, v_new, buffers, 1, lengths, [1] * len(lengths), 64 ** -0.5)
+    pool, tables, starts = _in_pool(buffers)
+    got = model._paged_kernel(q, k_new, v_new, pool, 1, torch.cat(tables), starts, lengths, [1] * len(lengths),
+                              64 ** -0.5)
     # Outputs of magnitude ~10: float32 sums of 300 terms in another order differ by
     # up to about 1e-5 relative (seen: 1.3e-5 absolute on an output of 1.4).
     torch.testing.assert_close(got, torch.stack(want), atol=1e-5, rtol=2e-5)
-    for b, n in enumerate(lengths):   # the new token's K/V went into its buffer, in place
-        assert torch.equal(buffers[b][1, 0, :, n], k_new[b]) and torch.equal(buffers[b][1, 1, :, n], v_new[b])
+    for b, n in enumerate(lengths):   # the new token's K/V went into its slot, in place
+        new = tables[b][n:n + 1]
+        assert torch.equal(_at(pool, new, 1, 0), k_new[b:b + 1]) and torch.equal(_at(pool, new, 1, 1), v_new[b:b + 1])
 
 
-def test_extend_kernel_attends_each_new_token_causally_like_the_torch_path():
+def test_paged_kernel_attends_each_new_token_causally_like_the_torch_path():
     """A few new tokens per sequence after its prefix (1, 3, 8, 17 and 128 of them, after
     prefixes of 1 to 300): each attends its sequence's keys up to its own position, as the
-    SDPA path with its mask; every new token's K/V lands in the buffer in place."""
+    SDPA path with its mask; every new token's K/V lands at its slot in the pool, in place."""
     cfg = ModelConfig(num_layers=2, hidden_size=192, num_heads=3, num_kv_heads=1, head_dim=64,
                       intermediate_size=128, seed=4)
     model = DecoderModel(cfg)
-    require(KERNELS, model.use_decode_kernel(True) and model._extend_kernel is not None,
+    require(KERNELS, model.use_decode_kernel(True) and model._paged_kernel is not None,
             "the attention kernels could not be built here")
     g = torch.Generator().manual_seed(5)
     starts, counts = [1, 7, 8, 23, 300], [3, 1, 17, 128, 8]
-    buffers = [torch.randn(cfg.num_layers, 2, 1, s + n + 2, 64, generator=g) * 3 for s, n in zip(starts, counts)]
+    buffers = [torch.randn(cfg.num_layers, 2, 1, s + n, 64, generator=g) * 3 for s, n in zip(starts, counts)]
     total = sum(counts)
     q = torch.randn(total, 3, 64, generator=g) * 3
     k_new = torch.randn(total, 1, 64, generator=g)
@@ -398,17 +399,19 @@ def test_extend_kernel_attends_each_new_token_causally_like_the_torch_path():
         values = torch.cat([buffers[b][1, 1, :, :s], v_new[rows].transpose(0, 1)], dim=1)
         want.append(model._attend(q[rows], keys, values, s))
         offset += n
-    got = model._extend_kernel(q, k_new, v_new, buffers, 1, starts, counts, 64 ** -0.5)
+    pool, tables, table_starts = _in_pool(buffers)
+    slots = torch.cat(tables)
+    got = model._paged_kernel(q, k_new, v_new, pool, 1, slots, table_starts, starts, counts, 64 ** -0.5)
     # As for the decode kernel: float32 sums of up to 428 terms in another order (seen: 1.2e-5
     # absolute, 2 outputs of 30,144 past 1e-5).
     torch.testing.assert_close(got, torch.cat(want), atol=3e-5, rtol=3e-5)
     offset = 0
     for b, (s, n) in enumerate(zip(starts, counts)):
-        assert torch.equal(buffers[b][1, 0, :, s:s + n], k_new[offset:offset + n].transpose(0, 1))
-        assert torch.equal(buffers[b][1, 1, :, s:s + n], v_new[offset:offset + n].transpose(0, 1))
+        assert torch.equal(_at(pool, tables[b][s:], 1, 0), k_new[offset:offset + n])
+        assert torch.equal(_at(pool, tables[b][s:], 1, 1), v_new[offset:offset + n])
         offset += n
     with pytest.raises(RuntimeError, match="counts add up to"):
-        model._extend_kernel(q[:5], k_new[:5], v_new[:5], buffers, 1, starts, counts, 64 ** -0.5)
+        model._paged_kernel(q[:5], k_new[:5], v_new[:5], pool, 1, slots, table_starts, starts, counts, 64 ** -0.5)
 
 
 def _linears(model: DecoderModel) -> list[torch.Tensor]:

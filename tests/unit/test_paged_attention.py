@@ -1,8 +1,9 @@
 """``DecoderModel.forward_paged``: attention reads K/V in place from a slotted KV pool
 through per-sequence slot tables (``cluster/engine/paged.py``, ``paged_attention`` in
-``kernels/decode_attention.cpp``). The logits are the reference forward's (``forward_one``)
-and, where the batched kernel attends, ``forward_into``'s bit for bit; the new K/V land at
-exactly their slots and nothing else in the pool changes."""
+``kernels/decode_attention.cpp``). The logits are the reference forward's (``forward_one``),
+and the same bits wherever in the pool the slots lie (scattered over random blocks and
+offsets, or in order as in one buffer); the new K/V land at exactly their slots and nothing
+else in the pool changes."""
 
 import dataclasses
 
@@ -47,6 +48,12 @@ class Pool:
                     break
         return torch.tensor(slots, dtype=torch.long)
 
+    def take_in_order(self, n: int) -> torch.Tensor:
+        """The first ``n`` free slots, in order (a sequence laid out as one buffer)."""
+        slots = self.free.nonzero().flatten()[:n]
+        self.free[slots] = False
+        return slots
+
     def put(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
         """kv [layers, 2, T, kv_heads, head_dim] at ``slots``."""
         self.tensor[slots // BLOCK_TOKENS, :, :, slots % BLOCK_TOKENS] = kv.permute(2, 0, 1, 3, 4)
@@ -73,50 +80,46 @@ def sequences(config: ModelConfig, plan, seed: int) -> list[torch.Tensor]:
 MIXED = [(37, 1), (90, 1), (20, 5), (61, EXTEND_MAX), (33, EXTEND_MAX + 8), (0, 30), (15, 1), (0, 1)]
 
 
-def run_both(model: DecoderModel, plan, seed: int = 3):
-    """forward_paged over scattered slots and forward_into over buffers, the same items; the
+def run_paged(model: DecoderModel, plan, seed: int = 3, scattered: bool = True):
+    """forward_paged over the items of ``plan``, their slots scattered (or in order); the
     reference logits and KV from forward_one over each whole sequence."""
     c = model.config
     pool = Pool(c, seed)
     seqs = sequences(c, plan, seed)
     refs = [model.forward_one(seq, 0, None) for seq in seqs]
-    tables, paged_items, into_items = [], [], []
+    tables, items = [], []
     for seq, (p, n), (_, kv) in zip(seqs, plan, refs):
-        slots = pool.take(p + n)
+        slots = pool.take(p + n) if scattered else pool.take_in_order(p + n)
         pool.put(slots[:p], kv[:, :, :p])
-        buf = torch.zeros(c.num_layers, 2, c.num_kv_heads, p + n, c.head_dim)
-        buf[:, :, :, :p] = kv[:, :, :p].transpose(2, 3)
         tables.append(slots)
-        paged_items.append((seq[p:], p, slots))
-        into_items.append((seq[p:], p, buf))
+        items.append((seq[p:], p, slots))
     before = pool.tensor.clone()
-    paged = model.forward_paged(paged_items, pool.tensor)
-    into = model.forward_into(into_items)
-    return pool, before, tables, seqs, refs, paged, into, into_items
+    return pool, before, tables, refs, model.forward_paged(items, pool.tensor)
 
 
 @pytest.mark.parametrize("config", [SMALL, WIDE], ids=["head-dim-16", "head-dim-64"])
 @pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "torch"])
-def test_paged_logits_equal_the_reference_and_forward_into(config, kernel):
+def test_paged_logits_equal_the_reference_wherever_the_slots_lie(config, kernel):
     model = model_of(config, kernel)
     calls = []
     if kernel:
         inner = model._paged_kernel
         model._paged_kernel = lambda *args: calls.append(args[4]) or inner(*args)
-    pool, before, tables, seqs, refs, paged, into, into_items = run_both(model, MIXED)
+    pool, before, tables, refs, paged = run_paged(model, MIXED)
     assert calls == (list(range(config.num_layers)) if kernel else [])   # one kernel call a layer
+    in_order, _, order_tables, _, want = run_paged(model, MIXED, scattered=False)
     written = torch.zeros(NUM_BLOCKS * BLOCK_TOKENS, dtype=torch.bool)
-    for (p, n), slots, (logits_ref, kv_ref), got, want, (_, _, buf) in zip(MIXED, tables, refs, paged, into,
-                                                                          into_items):
+    for (p, n), slots, (logits_ref, kv_ref), got, same, ordered in zip(MIXED, tables, refs, paged, want,
+                                                                      order_tables):
         assert got.shape == (n, config.vocab_size)
         torch.testing.assert_close(got, logits_ref[p:], rtol=0, atol=1e-5)
         new_kv = pool.get(slots[p:])
         torch.testing.assert_close(new_kv, kv_ref[:, :, p:], rtol=0, atol=1e-5)
-        on_kernel = kernel and p > 0 and n <= EXTEND_MAX
-        if on_kernel:   # the same kernel arithmetic over a slot table as over a buffer
-            assert torch.equal(got, want)
-            assert torch.equal(new_kv, buf[:, :, :, p:].transpose(2, 3))
+        # The same arithmetic in the same order over scattered slots as over slots in order.
+        assert torch.equal(got, same)
+        assert torch.equal(new_kv, in_order.get(ordered[p:]))
         written[slots[p:]] = True
+    assert not torch.equal(torch.cat(tables), torch.cat(order_tables))   # the two layouts differ
     # Nothing but the new tokens' slots changed.
     untouched = (~written).nonzero().flatten()
     pool_before = Pool(config, 0)
@@ -169,25 +172,26 @@ def test_a_kernel_item_reads_what_a_prefill_of_the_same_step_writes():
 
 def test_the_compiled_layer_loop_takes_paged_steps_bit_for_bit(monkeypatch, tmp_path):
     """Every item on the kernel and the linears blocked: the whole loop in one compiled call
-    over the slot tables, the same logits and KV as the Python loop and as forward_into's."""
+    over the slot tables, the same logits and KV as the Python loop, wherever the slots lie."""
     from tests.unit.test_layer_loop import blocked_model
 
     model = blocked_model(SMALL, monkeypatch, tmp_path)
-    require_compiled(kernels.decoder_layers_paged(), "layers")
     plan = [(40, 1), (52, 1), (43, 1), (60, 5)]
     calls = []
     compiled = model._compiled_layers
     model._compiled_layers = lambda *args: calls.append(1) or compiled(*args)
-    pool, _, tables, _, refs, got, into, _ = run_both(model, plan)
-    assert calls == [1, 1]   # forward_paged then forward_into, each in the compiled loop
+    pool, _, tables, refs, got = run_paged(model, plan)
+    in_order, _, order_tables, _, ordered = run_paged(model, plan, scattered=False)
+    assert calls == [1, 1]   # each forward in the compiled loop
     new_kv = [pool.get(slots[p:]) for (p, _), slots in zip(plan, tables)]
     model._compiled_layers = None   # the Python loop
-    pool2, _, tables2, _, _, want, _, _ = run_both(model, plan)
-    for a, b, c_, (p, _), (ref, _) in zip(got, want, into, plan, refs):
+    pool2, _, tables2, _, want = run_paged(model, plan)
+    for a, b, c_, (p, _), (ref, _) in zip(got, want, ordered, plan, refs):
         assert torch.equal(a, b) and torch.equal(a, c_)
         torch.testing.assert_close(a, ref[p:], rtol=0, atol=1e-5)
-    for kv, (p, _), slots in zip(new_kv, plan, tables2):
+    for kv, (p, _), slots, ordered_slots in zip(new_kv, plan, tables2, order_tables):
         assert torch.equal(kv, pool2.get(slots[p:]))
+        assert torch.equal(kv, in_order.get(ordered_slots[p:]))
 
 
 def test_bad_slot_tables_raise_clear_value_errors():
@@ -227,14 +231,14 @@ CUDA = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reas
 @pytest.mark.parametrize("graphs", [pytest.param(False, marks=CUDA), pytest.param(True, marks=CUDA)])
 def test_on_cuda_the_triton_kernel_and_its_graphs_attend_over_the_slots(graphs):
     """The Triton twin of the paged kernel (``triton_attention.paged_attention``) in an eager
-    mixed step, and a step of decodes alone replayed from a CUDA graph (``run_paged``): the
+    mixed step, and a step of decodes alone replayed from a CUDA graph (``DecodeGraphs.run``): the
     reference logits, the new K/V at their slots."""
     from tests.requirements import TRITON, require
 
     model = DecoderModel(SMALL).cuda()
     require(TRITON, model.use_decode_kernel(True), "Triton is not importable here")
     if graphs:
-        assert model.use_cuda_graphs(True, sizes=(4,), paged=True)
+        assert model.use_cuda_graphs(True, sizes=(4,))
     plan = [(37, 1), (90, 1), (15, 1)] if graphs else MIXED
     pool = Pool(SMALL, 3)
     pool.tensor = pool.tensor.cuda()

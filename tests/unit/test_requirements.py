@@ -38,8 +38,8 @@ def test_a_missing_module_names_itself_and_how_to_get_it(monkeypatch):
     assert requirements.require_module("json").dumps([1]) == "[1]"
 
 
-@pytest.mark.parametrize("name, build", [("decode_attention", "extend_attention"), ("blocked_linear", "blocked_linear"),
-                                         ("layers", "decoder_layers")])
+@pytest.mark.parametrize("name, build", [("decode_attention", "paged_attention"), ("blocked_linear", "blocked_linear"),
+                                         ("layers", "decoder_layers_paged")])
 def test_every_cpu_kernel_compiles(name, build):
     from cluster.engine import kernels
 

@@ -72,10 +72,10 @@ def test_a_model_with_the_compiled_ops_gives_the_torch_paths_logits(ops):
     torch.testing.assert_close(got_kv, want_kv, atol=1e-5, rtol=0)
 
 
-def test_extend_attention_reads_q_k_v_columns_in_place():
+def test_paged_attention_reads_q_k_v_columns_in_place():
     """The kernel takes q, k and v as the columns of the fused qkv output (each token's
-    heads contiguous, rows strided): the same output and buffers as contiguous copies."""
-    kernel = require_compiled(kernels.extend_attention(), "decode_attention")
+    heads contiguous, rows strided): the same output and pool as contiguous copies."""
+    kernel = require_compiled(kernels.paged_attention(), "decode_attention")
     heads, kv_heads, d, rows = 6, 2, 16, 3
     g = torch.Generator().manual_seed(5)
     qkv = torch.randn(rows, (heads + 2 * kv_heads) * d, generator=g)
@@ -83,13 +83,16 @@ def test_extend_attention_reads_q_k_v_columns_in_place():
     k = qkv[:, heads * d:(heads + kv_heads) * d].view(rows, kv_heads, d)
     v = qkv[:, (heads + kv_heads) * d:].view(rows, kv_heads, d)
     assert not q.is_contiguous() and not v.is_contiguous()
-    base = torch.randn(2, 2, kv_heads, 20, d, generator=g)
-    outs, buffers = [], []
-    for args in ((q, k, v), (q.contiguous(), k.contiguous(), v.contiguous())):
-        bufs = [base.clone(), base.clone()]
-        outs.append(kernel(*args, bufs, 1, [7, 11], [1, 2], d ** -0.5, [], []))
-        buffers.append(bufs)
+    base = torch.randn(4, 2, 2, 8, kv_heads, d, generator=g)   # 4 blocks of 8 slots, 2 layers
+    # Two sequences: 7 positions then 1 new token, 11 positions then 2 new ones, slots scattered.
+    slots = torch.randperm(32, generator=g)[:21]
+    args = (1, slots, [0, 8, 21], [7, 11], [1, 2], d ** -0.5)
+    outs, pools = [], []
+    for qkv_args in ((q, k, v), (q.contiguous(), k.contiguous(), v.contiguous())):
+        pool = base.clone()
+        outs.append(kernel(*qkv_args, pool, *args))
+        pools.append(pool)
     assert torch.equal(outs[0], outs[1])
-    assert all(torch.equal(a, b) for a, b in zip(*buffers))
+    assert torch.equal(pools[0], pools[1]) and not torch.equal(pools[0], base)
     with pytest.raises(RuntimeError, match="each token's heads contiguous"):
-        kernel(q.transpose(1, 2), k, v, [base.clone(), base.clone()], 1, [7, 11], [1, 2], d ** -0.5, [], [])
+        kernel(q.transpose(1, 2), k, v, base.clone(), *args)

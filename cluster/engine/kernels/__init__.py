@@ -1,16 +1,18 @@
 """Compiled kernels of the packed decoder: on the CPU built on first use with torch's C++
-extension loader, on CUDA in Triton (``cuda_extend_attention``: ``triton_attention.py``).
+extension loader, on CUDA in Triton (``cuda_paged_attention``: ``triton_attention.py``).
 
-``extend_attention`` (``decode_attention.cpp``): one call per layer for every
-sequence of a step that decodes one token or adds a few after its cached prefix
-(a later turn's prompt, a burst of sessions behind one system prompt), each in
-its own head-major KV buffer: the new tokens' K/V written in place, every query
-head of each new token attending causally over its sequence's keys, the work
-split over (sequence, KV head) on ATen's threads. In the torch path that is a
-handful of small ops (or an SDPA call with a mask) per sequence per layer, whose
-dispatch costs more than the arithmetic on a CPU (about 480 calls a step for
-16 sequences of a 30-layer model). Float32 on the CPU; its results equal the
-torch path's to about 1e-7.
+``paged_attention`` (``decode_attention.cpp``): one call per layer for every sequence
+of a step that decodes one token or adds a few after its cached prefix (a later turn's
+prompt, a burst of sessions behind one system prompt), reading and writing K/V in place
+in the engine's slotted KV pool: each sequence's positions reached through its slot table
+(a slot: block * block_tokens + offset), the new tokens' K/V written at their slots,
+every query head of each new token attending causally over its sequence's keys, the work
+split over (sequence, KV head) on ATen's threads. In the torch path that is a handful of
+small ops (or an SDPA call with a mask) per sequence per layer, whose dispatch costs more
+than the arithmetic on a CPU (about 480 calls a step for 16 sequences of a 30-layer
+model). Float32 on the CPU; its results equal the torch path's to about 1e-7, and do not
+depend on where in the pool a sequence's slots lie (bit for bit). The same file has the
+compiled ``rms_norm`` and ``rope`` (``small_ops``).
 
 ``blocked_linear`` (``blocked_linear.cpp``): a float32 linear over the weight packed
 into column panels that gives, at any row count, the numbers MKL's sgemm gives for
@@ -18,13 +20,8 @@ a large batch, bit for bit, reading each weight once for all rows
 (``cluster.engine.linear_layouts``, layout ``blocked``, checks it against MKL before
 using it).
 
-``paged_attention`` (the same file): the same attention over the engine's slotted KV
-pool, each sequence's positions reached through its slot table (a slot: block *
-block_tokens + offset); the new K/V written at their slots. Same arithmetic in the same
-order, so the same bits as over a buffer.
-
-``decoder_layers`` (``layers.cpp``): a step's whole layer loop in one call, for a step
-whose every sequence runs on ``extend_attention`` and whose linears run blocked: the
+``decoder_layers_paged`` (``layers.cpp``): a step's whole layer loop in one call, for a
+step whose every sequence runs on ``paged_attention`` and whose linears run blocked: the
 same kernels and ATen ops in the same order as the model's Python loop, so the same
 bits, without the GIL and a Python dispatch per op (``DecoderModel._layers``).
 
@@ -91,15 +88,9 @@ def _module(name: str) -> Any:
     return _load(name, build)
 
 
-def extend_attention() -> Any:
-    """The compiled ``extend_attention`` function (a few new tokens per sequence), or None."""
-    module = _module("decode_attention")
-    return None if module is None else module.extend_attention
-
-
 def paged_attention() -> Any:
-    """The compiled ``paged_attention`` function (``extend_attention`` over a slotted KV pool
-    through per-sequence slot tables), or None."""
+    """The compiled ``paged_attention`` function (a few new tokens per sequence, over a slotted
+    KV pool through per-sequence slot tables), or None."""
     module = _module("decode_attention")
     return None if module is None else module.paged_attention
 
@@ -109,10 +100,10 @@ def small_ops() -> Any:
     return _module("decode_attention")
 
 
-def cuda_extend_attention() -> Any:
+def cuda_paged_attention() -> Any:
     """The Triton module of the same batched attention for CUDA tensors
-    (``triton_attention``: ``prepare``, ``extend_attention``), or None where Triton does not
-    import (a CPU build of torch ships without it)."""
+    (``triton_attention``: ``prepare_paged``, ``paged_attention``), or None where Triton does
+    not import (a CPU build of torch ships without it)."""
     def build():
         from cluster.engine.kernels import triton_attention
 
@@ -125,17 +116,11 @@ def blocked_linear() -> Any:
     return _module("blocked_linear")
 
 
-def decoder_layers() -> Any:
+def decoder_layers_paged() -> Any:
     """The compiled layer loop of a step whose sequences all run on the batched kernel and
     whose linears run blocked (``layers.cpp``: the two modules above built into one, the
-    loop with the GIL released), or None."""
-    module = _module("layers")
-    return None if module is None else module.decoder_layers
-
-
-def decoder_layers_paged() -> Any:
-    """``decoder_layers`` with the attention over a slotted KV pool (``paged_attention``'s
-    arguments), or None."""
+    loop with the GIL released; the attention takes ``paged_attention``'s arguments), or
+    None."""
     module = _module("layers")
     return None if module is None else module.decoder_layers_paged
 

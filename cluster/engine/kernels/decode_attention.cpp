@@ -1,13 +1,13 @@
-// Decode attention for a batch of sequences, each in a KV buffer of its own, in place.
+// Decode attention for a batch of sequences, in place in a slotted KV pool.
 //
 // One call per layer for every sequence of a step that decodes one token, or adds a
-// few (``extend_attention``: a later turn's new tokens after its cached prefix): the
-// tokens' K and V are written into their sequence's head-major buffer
-// [layers, 2, kv_heads, capacity, head_dim] at their positions, then each query
-// head of each new token attends over that buffer's keys up to its own position (its
-// KV head's keys are contiguous rows: read once for the whole group of query heads).
-// Work is split over (sequence, kv head) items, handed to ATen's threads one at a
-// time. Float32 only;
+// few (a later turn's new tokens after its cached prefix): the tokens' K and V are
+// written into the pool [blocks, layers, 2, block_tokens, kv_heads, head_dim] at their
+// slots (a slot: block * block_tokens + offset; each sequence's positions listed in its
+// slot table), then each query head of each new token attends over its sequence's keys
+// up to its own position, reached through the table (a KV head's key row is read once
+// for the whole group of query heads). Work is split over (sequence, kv head) items,
+// handed to ATen's threads one at a time. Float32 only;
 // dot products and the softmax in float32, as the reference matmul path. On AVX2
 // the softmax runs eight lanes at a time with a vector exp (Cephes' expf, as ATen's
 // own vectorized softmax does with Sleef's): libm's scalar exp was a third of the
@@ -41,39 +41,22 @@ void softmax_rows(float* scores, int64_t rows, int64_t length) {
   }
 }
 
-// Where one sequence's keys and values are: rows below ``split`` in a buffer of another
-// sequence of the step whose rows there hold the same bytes (a shared prefix, read once
-// for all of them while it is in the cache), the rest in its own. Rows are indexed from
-// position 0 in both; the arithmetic is the same whichever buffer a row is read from.
-struct Rows {
-  const float* shared_keys;
-  const float* shared_values;
-  int64_t split;
-  const float* keys;
-  const float* values;
-  const float* key(int64_t s, int64_t head_dim) const { return (s < split ? shared_keys : keys) + s * head_dim; }
-  const float* value(int64_t s, int64_t head_dim) const {
-    return (s < split ? shared_values : values) + s * head_dim;
-  }
-};
-
-// In a slotted KV pool (``paged_attention``): a row's place is its slot's element offset
-// (block * block stride + offset in block * token stride), the same for every layer and
-// head, so one table of offsets serves the whole call; rows need not be contiguous.
+// A sequence's rows in the pool: a row's place is its slot's element offset (block * block
+// stride + offset in block * token stride), the same for every layer and head, so one table
+// of offsets serves the whole call; rows need not be contiguous.
 struct PagedRows {
   const float* keys;     // the pool at this layer and KV head, K
   const float* values;   // ... and V
   const int64_t* offs;   // per position of the sequence: its slot's element offset
-  const float* key(int64_t s, int64_t) const { return keys + offs[s]; }
-  const float* value(int64_t s, int64_t) const { return values + offs[s]; }
+  const float* key(int64_t s) const { return keys + offs[s]; }
+  const float* value(int64_t s) const { return values + offs[s]; }
 };
 
-template <class R>
-void attend_generic(const float* q, const R& rows, float* out, int64_t group,
+void attend_generic(const float* q, const PagedRows& rows, float* out, int64_t group,
                     int64_t head_dim, int64_t length, float scale, float* scores) {
   // scores[g * length + s] = q_g . k_s * scale
   for (int64_t s = 0; s < length; ++s) {
-    const float* k = rows.key(s, head_dim);
+    const float* k = rows.key(s);
     for (int64_t g = 0; g < group; ++g) {
       // Eight partial sums in a fixed pattern, not a vectorizer's reduction: that one peels
       // elements to align the loads, so its order (and last bits) would follow the address.
@@ -96,7 +79,7 @@ void attend_generic(const float* q, const R& rows, float* out, int64_t group,
     for (int64_t d = 0; d < head_dim; ++d) o[d] = 0.f;
     for (int64_t s = 0; s < length; ++s) {
       const float p = row[s];
-      const float* v = rows.value(s, head_dim);
+      const float* v = rows.value(s);
 #pragma omp simd
       for (int64_t d = 0; d < head_dim; ++d) o[d] += p * v[d];
     }
@@ -174,10 +157,9 @@ void softmax_rows_avx2(float* scores, int64_t rows, int64_t length) {
 
 // head_dim == 64: each row of keys and values is eight 8-float vectors. Each key's score is
 // its own accumulation and the values are summed in position order, so the results do not
-// depend on where a row lives (own buffer, a donor's, a pool slot).
-template <class R>
+// depend on which slots a sequence's rows live in.
 __attribute__((target("avx2,fma")))
-void attend_avx2_64(const float* q, const R& rows, float* out, int64_t group,
+void attend_avx2_64(const float* q, const PagedRows& rows, float* out, int64_t group,
                     int64_t length, float scale, float* scores) {
   for (int64_t g = 0; g < group; ++g) {
     const float* qg = q + g * 64;
@@ -186,8 +168,8 @@ void attend_avx2_64(const float* q, const R& rows, float* out, int64_t group,
     float* row = scores + g * length;
     int64_t s = 0;
     for (; s + 4 <= length; s += 4) {   // four keys at a time: four independent accumulations
-      const float *k0 = rows.key(s, 64), *k1 = rows.key(s + 1, 64), *k2 = rows.key(s + 2, 64),
-                  *k3 = rows.key(s + 3, 64);
+      const float *k0 = rows.key(s), *k1 = rows.key(s + 1), *k2 = rows.key(s + 2),
+                  *k3 = rows.key(s + 3);
       __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
       for (int j = 0; j < 8; ++j) {
         a0 = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(k0 + 8 * j), a0);
@@ -201,7 +183,7 @@ void attend_avx2_64(const float* q, const R& rows, float* out, int64_t group,
       row[s + 3] = hsum(a3) * scale;
     }
     for (; s < length; ++s) {
-      const float* k = rows.key(s, 64);
+      const float* k = rows.key(s);
       __m256 a = _mm256_setzero_ps();
       for (int j = 0; j < 8; ++j) a = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(k + 8 * j), a);
       row[s] = hsum(a) * scale;
@@ -212,9 +194,9 @@ void attend_avx2_64(const float* q, const R& rows, float* out, int64_t group,
     const float* row = scores + g * length;
     __m256 o[8];
     for (int j = 0; j < 8; ++j) o[j] = _mm256_setzero_ps();
-    for (int64_t s = 0; s < length; ++s) {   // in position order, as without a shared prefix
+    for (int64_t s = 0; s < length; ++s) {   // in position order, wherever the rows lie
       const __m256 p = _mm256_set1_ps(row[s]);
-      const float* v = rows.value(s, 64);
+      const float* v = rows.value(s);
       for (int j = 0; j < 8; ++j) o[j] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * j), o[j]);
     }
     for (int j = 0; j < 8; ++j) _mm256_storeu_ps(out + g * 64 + 8 * j, o[j]);
@@ -222,8 +204,7 @@ void attend_avx2_64(const float* q, const R& rows, float* out, int64_t group,
 }
 #endif
 
-template <class R>
-void attend_one(const float* q, const R& rows, float* out, int64_t group,
+void attend_one(const float* q, const PagedRows& rows, float* out, int64_t group,
                 int64_t head_dim, int64_t length, float scale, float* scores) {
 #if defined(__x86_64__)
   static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
@@ -236,109 +217,6 @@ void attend_one(const float* q, const R& rows, float* out, int64_t group,
 }
 
 }  // namespace
-
-// q [T, heads, D]; k_new, v_new [T, kv_heads, D]: the new tokens of B sequences one after
-// the other, counts[b] of sequence b (T their sum), at positions[b].. in its buffer;
-// buffers: B tensors [L, 2, kv_heads, cap, D]. Each new token attends causally: over its
-// sequence's keys up to its own position. Optional ``donors``/``shared`` (one each per
-// sequence, or empty): sequence b reads its first shared[b] positions from the buffer of
-// sequence donors[b] of the same call (-1: none), whose rows there hold the same bytes as
-// its own (the caller's promise: it checked them); shared[b] <= positions[b] and
-// <= positions[donors[b]], so no row this call writes is read from a donor. A sequence of
-// no new tokens (counts[b] == 0) is only a donor: a buffer whose first positions[b] rows
-// are written (by the caller, before this call: a prefill's K/V of this layer). The results
-// are bit for bit those of reading every row from the sequence's own buffer; the point
-// is that a prefix many sequences share is read from memory once a layer, not once each.
-// Returns [T, heads, D].
-torch::Tensor extend_attention(torch::Tensor q, torch::Tensor k_new, torch::Tensor v_new,
-                               std::vector<torch::Tensor> buffers, int64_t layer,
-                               std::vector<int64_t> positions, std::vector<int64_t> counts, double scale,
-                               std::vector<int64_t> donors, std::vector<int64_t> shared) {
-  // q [T, H, D], k_new and v_new [T, KVH, D]: each token's heads contiguous, any stride from
-  // one token to the next (the q, k and v columns of the fused qkv output, uncopied).
-  TORCH_CHECK(q.dtype() == torch::kFloat32 && k_new.dtype() == torch::kFloat32 && v_new.dtype() == torch::kFloat32 &&
-              q.dim() == 3 && k_new.dim() == 3 && v_new.dim() == 3, "q, k_new, v_new: float32 [T, heads, D]");
-  const int64_t total = q.size(0), heads = q.size(1), head_dim = q.size(2);
-  for (const auto* t : {&q, &k_new, &v_new})
-    TORCH_CHECK(t->stride(2) == 1 && t->stride(1) == head_dim, "q, k_new, v_new: each token's heads contiguous");
-  const int64_t batch = static_cast<int64_t>(buffers.size());
-  const int64_t kv_heads = k_new.size(1), group = heads / kv_heads;
-  TORCH_CHECK(static_cast<int64_t>(positions.size()) == batch && static_cast<int64_t>(counts.size()) == batch,
-              "one buffer, one position and one count per sequence");
-  TORCH_CHECK(heads % kv_heads == 0 && k_new.size(0) == total && v_new.size(0) == total &&
-              k_new.size(2) == head_dim, "shapes disagree");
-  std::vector<float*> bases(batch);
-  std::vector<int64_t> caps(batch), offsets(batch);
-  int64_t offset = 0;
-  for (int64_t b = 0; b < batch; ++b) {
-    const auto& buf = buffers[b];
-    TORCH_CHECK(buf.dtype() == torch::kFloat32 && buf.dim() == 5 && buf.size(2) == kv_heads &&
-                buf.size(4) == head_dim && buf.stride(4) == 1 && buf.stride(3) == head_dim,
-                "buffer ", b, ": float32 [L, 2, kv_heads, cap, head_dim] with contiguous rows");
-    TORCH_CHECK(layer >= 0 && layer < buf.size(0), "layer out of range");
-    TORCH_CHECK(counts[b] >= 0 && positions[b] >= 0 && positions[b] + counts[b] <= buf.size(3),
-                "positions ", positions[b], "..+", counts[b], " outside buffer ", b);
-    bases[b] = buf.data_ptr<float>();
-    caps[b] = buf.stride(2);   // elements from one kv head's rows to the next's
-    offsets[b] = offset;
-    offset += counts[b];
-  }
-  TORCH_CHECK(offset == total, "the counts add up to ", offset, ", not to q's ", total, " rows");
-  TORCH_CHECK(donors.size() == shared.size() && (donors.empty() || static_cast<int64_t>(donors.size()) == batch),
-              "donors and shared: one each per sequence, or none");
-  for (int64_t b = 0; b < static_cast<int64_t>(donors.size()); ++b) {
-    const int64_t d = donors[b];
-    TORCH_CHECK(d >= -1 && d < batch, "donor ", d, " of sequence ", b, " is not a sequence of the call");
-    TORCH_CHECK(d < 0 ? shared[b] == 0 : (shared[b] >= 0 && shared[b] <= positions[b] && shared[b] <= positions[d]),
-                "sequence ", b, " reads ", shared[b], " shared positions: more than its own (", positions[b],
-                ") or its donor's (", d < 0 ? 0 : positions[d], ") computed ones");
-  }
-  auto out = torch::empty({total, heads, head_dim}, q.options());
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k_new.data_ptr<float>();
-  const float* vp = v_new.data_ptr<float>();
-  const int64_t q_row = q.stride(0), k_row = k_new.stride(0), v_row = v_new.stride(0);
-  float* op = out.data_ptr<float>();
-  const float s = static_cast<float>(scale);
-  // (sequence, KV head) items are handed out one at a time (an atomic counter, not ATen's
-  // static halves): a thread the OS preempts holds up only the item it is on.
-  const int64_t items = batch * kv_heads;
-  std::atomic<int64_t> next{0};
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), items);
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    std::vector<float> scores;
-    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
-      const int64_t b = i / kv_heads, h = i % kv_heads, pos = positions[b];
-      const auto& buf = buffers[b];
-      float* keys = bases[b] + layer * buf.stride(0) + 0 * buf.stride(1) + h * caps[b];
-      float* values = bases[b] + layer * buf.stride(0) + 1 * buf.stride(1) + h * caps[b];
-      Rows rows{keys, values, 0, keys, values};
-      if (!donors.empty() && donors[b] >= 0 && shared[b] > 0) {
-        const int64_t d = donors[b];
-        const auto& donor = buffers[d];
-        rows.shared_keys = bases[d] + layer * donor.stride(0) + 0 * donor.stride(1) + h * caps[d];
-        rows.shared_values = bases[d] + layer * donor.stride(0) + 1 * donor.stride(1) + h * caps[d];
-        rows.split = shared[b];
-      }
-      for (int64_t t = 0; t < counts[b]; ++t) {   // the new tokens' K and V into the buffer
-        const int64_t row = offsets[b] + t;
-        const float* kn = kp + row * k_row + h * head_dim;
-        const float* vn = vp + row * v_row + h * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) {
-          keys[(pos + t) * head_dim + d] = kn[d];
-          values[(pos + t) * head_dim + d] = vn[d];
-        }
-      }
-      scores.resize(group * (pos + counts[b]));
-      for (int64_t t = 0; t < counts[b]; ++t) {   // token t sees keys 0..pos + t
-        const int64_t row = offsets[b] + t;
-        attend_one(qp + row * q_row + h * group * head_dim, rows, op + (row * heads + h * group) * head_dim,
-                   group, head_dim, pos + t + 1, s, scores.data());
-      }
-    }
-  });
-  return out;
-}
 
 // A step's slot tables in a slotted KV pool [blocks, layers, 2, block_tokens, kv_heads,
 // head_dim]: per sequence b, the pool slot (block * block_tokens + offset) of each of its
@@ -386,10 +264,14 @@ SlotTable slot_table(const torch::Tensor& pool, const torch::Tensor& slots, std:
   return t;
 }
 
-// extend_attention over a slot table: the new tokens' K/V written at their slots, each
-// new token attending over its sequence's slots up to its own position, in the same
-// arithmetic and order as over a buffer (the same bits). Sequences may share slots they
-// read (a common prefix); the caller sees to it that no slot one writes is another's.
+// q [T, heads, D]; k_new, v_new [T, kv_heads, D]: the new tokens of the table's sequences one
+// after the other, counts[b] of sequence b (T their sum), at positions[b].. of its slot
+// table; each token's heads contiguous, any stride from one token to the next (the q, k and
+// v columns of the fused qkv output, uncopied). The new tokens' K/V are written at their
+// slots, each new token attending causally over its sequence's slots up to its own
+// position; the order of the arithmetic does not depend on where the slots lie. Sequences
+// may share slots they read (a common prefix, read from memory once a layer for all of
+// them); the caller sees to it that no slot one writes is another's. Returns [T, heads, D].
 torch::Tensor attend_slots(const torch::Tensor& q, const torch::Tensor& k_new, const torch::Tensor& v_new,
                            const SlotTable& t, int64_t layer, double scale) {
   TORCH_CHECK(q.dtype() == torch::kFloat32 && k_new.dtype() == torch::kFloat32 && v_new.dtype() == torch::kFloat32 &&
@@ -415,6 +297,8 @@ torch::Tensor attend_slots(const torch::Tensor& q, const torch::Tensor& k_new, c
   const int64_t q_row = q.stride(0), k_row = k_new.stride(0), v_row = v_new.stride(0);
   float* op = out.data_ptr<float>();
   const float s = static_cast<float>(scale);
+  // (sequence, KV head) items are handed out one at a time (an atomic counter, not ATen's
+  // static halves): a thread the OS preempts holds up only the item it is on.
   const int64_t items = batch * kv_heads;
   std::atomic<int64_t> next{0};
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), items);
@@ -442,8 +326,7 @@ torch::Tensor attend_slots(const torch::Tensor& q, const torch::Tensor& k_new, c
   return out;
 }
 
-// One layer's batched attention over a slotted pool (see SlotTable and attend_slots);
-// q [T, heads, D], k_new and v_new [T, kv_heads, D] as for extend_attention.
+// One layer's batched attention over a slotted pool (see SlotTable and attend_slots).
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_new, torch::Tensor v_new, torch::Tensor pool,
                               int64_t layer, torch::Tensor slots, std::vector<int64_t> starts,
                               std::vector<int64_t> positions, std::vector<int64_t> counts, double scale) {
@@ -542,12 +425,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("sin"), release_gil());
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension (float32, CPU)",
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("eps"), release_gil());
-  m.def("extend_attention", &extend_attention,
-        "batched causal attention of a few new tokens per sequence over per-sequence KV buffers, in place",
-        pybind11::arg("q"), pybind11::arg("k_new"), pybind11::arg("v_new"), pybind11::arg("buffers"),
-        pybind11::arg("layer"), pybind11::arg("positions"), pybind11::arg("counts"), pybind11::arg("scale"),
-        pybind11::arg("donors") = std::vector<int64_t>(), pybind11::arg("shared") = std::vector<int64_t>(),
-        release_gil());
   m.def("paged_attention", &paged_attention,
         "batched causal attention of a few new tokens per sequence over a slotted KV pool, through slot tables",
         pybind11::arg("q"), pybind11::arg("k_new"), pybind11::arg("v_new"), pybind11::arg("pool"),

@@ -12,8 +12,6 @@
 #include "decode_attention.cpp"
 #undef PREFIX_CACHE_NO_BINDINGS
 
-#include <functional>
-
 namespace {
 
 // linear_layouts.linear(x, W, bias, BLOCKED, panels, residual), step for step.
@@ -31,30 +29,33 @@ const torch::Tensor* at_or_null(const std::vector<torch::Tensor>& list, size_t i
 
 }  // namespace
 
-// One layer's batched attention: (q, k, v, layer) -> the attention output.
-using Attend = std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, int64_t)>;
-
 // hidden [N, hidden] (the step's embedded tokens), cos and sin [N, 1, head_dim]; per layer
 // (lists of one entry a layer; an optional kind's list empty when the model has none):
 // the norms' weights, the linears' panels (linear_layouts.Panels: n outputs each, summed
-// in the group's (parts, kc) order) and biases, q/k norm; ``attend`` the batched kernel
-// over the step's KV (per-sequence buffers or a pool's slots). Returns the hidden state
-// after the last layer.
-torch::Tensor layer_loop(torch::Tensor hidden, const torch::Tensor& cos, const torch::Tensor& sin,
-                         const std::vector<torch::Tensor>& attn_norm, const std::vector<torch::Tensor>& qkv,
-                         const std::vector<torch::Tensor>& qkv_bias, const std::vector<torch::Tensor>& qk_norm,
-                         const std::vector<torch::Tensor>& o, const std::vector<torch::Tensor>& o_bias,
-                         const std::vector<torch::Tensor>& mlp_norm, const std::vector<torch::Tensor>& gate_up,
-                         const std::vector<torch::Tensor>& gate_up_bias, const std::vector<torch::Tensor>& down,
-                         const std::vector<torch::Tensor>& down_bias, const std::vector<int64_t>& outputs,
-                         int64_t parts, int64_t kc, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                         double eps, const Attend& attend) {
+// in the group's (parts, kc) order) and biases, q/k norm; then paged_attention's
+// arguments: the pool and the step's slot tables (checked and turned into offsets once for
+// all layers). Returns the hidden state after the last layer.
+torch::Tensor decoder_layers_paged(torch::Tensor hidden, const torch::Tensor& cos, const torch::Tensor& sin,
+                                   const std::vector<torch::Tensor>& attn_norm, const std::vector<torch::Tensor>& qkv,
+                                   const std::vector<torch::Tensor>& qkv_bias,
+                                   const std::vector<torch::Tensor>& qk_norm, const std::vector<torch::Tensor>& o,
+                                   const std::vector<torch::Tensor>& o_bias,
+                                   const std::vector<torch::Tensor>& mlp_norm,
+                                   const std::vector<torch::Tensor>& gate_up,
+                                   const std::vector<torch::Tensor>& gate_up_bias,
+                                   const std::vector<torch::Tensor>& down,
+                                   const std::vector<torch::Tensor>& down_bias, const std::vector<int64_t>& outputs,
+                                   int64_t parts, int64_t kc, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                                   double eps, double scale, const torch::Tensor& pool, const torch::Tensor& slots,
+                                   std::vector<int64_t> starts, std::vector<int64_t> positions,
+                                   std::vector<int64_t> counts) {
   const size_t layers = attn_norm.size();
   TORCH_CHECK(qkv.size() == layers && o.size() == layers && mlp_norm.size() == layers &&
               gate_up.size() == layers && down.size() == layers, "decoder_layers: one entry a layer");
   for (const auto* list : {&qkv_bias, &qk_norm, &o_bias, &gate_up_bias, &down_bias})
     TORCH_CHECK(list->empty() || list->size() == layers, "decoder_layers: an optional list is empty or one a layer");
   TORCH_CHECK(outputs.size() == 4, "decoder_layers: outputs of qkv, o, gate_up, down");
+  const SlotTable table = slot_table(pool, slots, std::move(starts), std::move(positions), std::move(counts));
   const int64_t q_width = heads * head_dim, kv_width = kv_heads * head_dim;
   for (size_t l = 0; l < layers; ++l) {
     const torch::Tensor attn_in = rms_norm(hidden, attn_norm[l], eps);
@@ -64,7 +65,7 @@ torch::Tensor layer_loop(torch::Tensor hidden, const torch::Tensor& cos, const t
     qk = rope(qk, cos, sin);
     const torch::Tensor q = qk.narrow(1, 0, heads), k = qk.narrow(1, heads, kv_heads);
     const torch::Tensor v = fused.narrow(1, q_width + kv_width, kv_width).view({-1, kv_heads, head_dim});
-    const torch::Tensor attn_out = attend(q, k, v, static_cast<int64_t>(l));
+    const torch::Tensor attn_out = attend_slots(q, k, v, table, static_cast<int64_t>(l), scale);
     hidden = blocked(attn_out.view({-1, q_width}), o[l], outputs[1], parts, kc, at_or_null(o_bias, l), &hidden);
     const torch::Tensor mlp_in = rms_norm(hidden, mlp_norm[l], eps);
     const std::vector<torch::Tensor> gate_and_up =
@@ -75,46 +76,7 @@ torch::Tensor layer_loop(torch::Tensor hidden, const torch::Tensor& cos, const t
   return hidden;
 }
 
-#define LAYER_WEIGHTS \
-  const std::vector<torch::Tensor>&attn_norm, const std::vector<torch::Tensor>&qkv, \
-      const std::vector<torch::Tensor>&qkv_bias, const std::vector<torch::Tensor>&qk_norm, \
-      const std::vector<torch::Tensor>&o, const std::vector<torch::Tensor>&o_bias, \
-      const std::vector<torch::Tensor>&mlp_norm, const std::vector<torch::Tensor>&gate_up, \
-      const std::vector<torch::Tensor>&gate_up_bias, const std::vector<torch::Tensor>&down, \
-      const std::vector<torch::Tensor>&down_bias, std::vector<int64_t> outputs, int64_t parts, int64_t kc, \
-      int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale
-#define PASS_WEIGHTS \
-  attn_norm, qkv, qkv_bias, qk_norm, o, o_bias, mlp_norm, gate_up, gate_up_bias, down, down_bias, outputs, parts, \
-      kc, heads, kv_heads, head_dim, eps
-
-// The loop over per-sequence KV buffers: the batched kernel's arguments as KernelItems.attend
-// passes them.
-torch::Tensor decoder_layers(torch::Tensor hidden, const torch::Tensor& cos, const torch::Tensor& sin, LAYER_WEIGHTS,
-                             const std::vector<torch::Tensor>& buffers, const std::vector<int64_t>& positions,
-                             const std::vector<int64_t>& counts, const std::vector<int64_t>& donors,
-                             const std::vector<int64_t>& shared) {
-  return layer_loop(hidden, cos, sin, PASS_WEIGHTS,
-                    [&](const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t layer) {
-                      return extend_attention(q, k, v, buffers, layer, positions, counts, scale, donors, shared);
-                    });
-}
-
-// The loop over a slotted pool: paged_attention's arguments; the slot table is checked and
-// turned into offsets once for all layers.
-torch::Tensor decoder_layers_paged(torch::Tensor hidden, const torch::Tensor& cos, const torch::Tensor& sin,
-                                   LAYER_WEIGHTS, const torch::Tensor& pool, const torch::Tensor& slots,
-                                   std::vector<int64_t> starts, std::vector<int64_t> positions,
-                                   std::vector<int64_t> counts) {
-  const SlotTable table = slot_table(pool, slots, std::move(starts), std::move(positions), std::move(counts));
-  return layer_loop(hidden, cos, sin, PASS_WEIGHTS,
-                    [&](const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t layer) {
-                      return attend_slots(q, k, v, table, layer, scale);
-                    });
-}
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decoder_layers", &decoder_layers, "a step's decoder layers on the compiled kernels (float32, CPU)",
-        pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("decoder_layers_paged", &decoder_layers_paged,
         "a step's decoder layers on the compiled kernels, attention over a slotted KV pool (float32, CPU)",
         pybind11::call_guard<pybind11::gil_scoped_release>());

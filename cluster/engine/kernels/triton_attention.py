@@ -1,21 +1,19 @@
-"""The CUDA twin of ``decode_attention.cpp``'s ``extend_attention``, in Triton.
+"""The CUDA twin of ``decode_attention.cpp``'s ``paged_attention``, in Triton.
 
 One step's items that decode a token or add a few (at most ``EXTEND_MAX``) after a
 cached prefix are attended with two launches per layer, whatever their number: the
-first writes each new token's K/V into its sequence's own head-major KV buffer
-(``[layers, 2, kv_heads, capacity, head_dim]``, the engine's working buffer), the
-second attends every query head of every new token causally over its sequence's keys,
-read in place from that buffer: no gather, no per-sequence launch. The buffers are
-reached through a table of their addresses and strides (``Batch``), so the launches
-read nothing from the Python objects and a CUDA graph can capture them: a graph's
-static table is refilled before each replay (``cluster.engine.cuda_graphs``).
+first writes each new token's K/V at its slot in the engine's slotted KV pool
+(``[blocks, layers, 2, block_tokens, kv_heads, head_dim]``), the second attends every
+query head of every new token causally over its sequence's keys, read in place through
+its slot table: no gather, no per-sequence launch. The pool's address and strides and
+the items' slot tables travel in one device tensor (``PagedBatch``), so the launches read
+nothing from the Python objects and a CUDA graph can capture them: a graph's static
+table is refilled before each replay (``cluster.engine.cuda_graphs``).
 
 A program handles one new token and one KV head: the query heads of that group (padded
 to 16 rows for ``tl.dot``) against blocks of ``BLOCK_N`` keys with an online softmax,
-accumulating in float32. An item that reads a shared prefix from another item's buffer
-(``cluster.engine.shared_prefix``) walks the donor's keys up to that length first, then
-its own. Float32 products run in IEEE precision (no TF32): the results equal the torch
-path's to about 1e-6.
+accumulating in float32. Float32 products run in IEEE precision (no TF32): the results
+equal the torch path's to about 1e-6.
 """
 
 from __future__ import annotations
@@ -26,157 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
-META = 12        # int64 fields per item in the table (see Batch)
 BLOCK_N = 64     # keys per block
 
 
-@dataclass(frozen=True, slots=True)
-class Batch:
-    """A step's kernel items on the device: ``table`` [items, META] int64 (buffer address,
-    its four strides in elements, the donor's address and strides, the shared length), and
-    per query row its item and absolute position. Built once per forward, read by every
-    layer's launches."""
-
-    table: torch.Tensor
-    row_item: torch.Tensor
-    row_pos: torch.Tensor
-    rows: int
-
-    @classmethod
-    def of(cls, flat: torch.Tensor, items: int, rows: int) -> "Batch":
-        """The batch over ``flat`` (int64 on the device: ``host_rows``' three lists one after
-        the other), as views: refilling ``flat`` refills the batch (a CUDA graph's input)."""
-        return cls(flat[:items * META].view(items, META), flat[items * META:items * META + rows],
-                   flat[items * META + rows:items * META + 2 * rows], rows)
-
-
-def _entry(buffer: torch.Tensor, donor: torch.Tensor, shared: int) -> list[int]:
-    if buffer.stride(-1) != 1 or donor.stride(-1) != 1:
-        raise ValueError("KV buffers must have contiguous head_dim rows")
-    return [buffer.data_ptr(), *buffer.stride()[:4], donor.data_ptr(), *donor.stride()[:4], shared, 0]
-
-
-def host_rows(buffers, positions, counts, donors=(), shared=()) -> tuple[list[int], list[int], list[int]]:
-    """The table's fields, rows' items and rows' positions as flat host lists."""
-    table, row_item, row_pos = [], [], []
-    for i, (buffer, position, count) in enumerate(zip(buffers, positions, counts)):
-        d = donors[i] if donors and donors[i] >= 0 else i
-        table += _entry(buffer, buffers[d], shared[i] if d != i else 0)
-        row_item += [i] * count
-        row_pos += range(position, position + count)
-    return table, row_item, row_pos
-
-
-def prepare(buffers, positions, counts, donors=(), shared=()) -> Batch:
-    """The ``Batch`` of these items, on their buffers' device (one host-to-device copy)."""
-    table, row_item, row_pos = host_rows(buffers, positions, counts, donors, shared)
-    flat = torch.tensor(table + row_item + row_pos, dtype=torch.int64).to(buffers[0].device)
-    return Batch.of(flat, len(positions), len(row_item))
-
-
-@triton.jit(do_not_specialize=["layer"])
-def _write_kv(k_ptr, v_ptr, table_ptr, row_item_ptr, row_pos_ptr, layer,
-              KVH: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, META: tl.constexpr):
-    row = tl.program_id(0)
-    h = tl.program_id(1)
-    item = tl.load(row_item_ptr + row)
-    pos = tl.load(row_pos_ptr + row)
-    entry = table_ptr + item * META
-    base = tl.load(entry).to(tl.pointer_type(k_ptr.dtype.element_ty))
-    s_layer, s_kv, s_head, s_pos = tl.load(entry + 1), tl.load(entry + 2), tl.load(entry + 3), tl.load(entry + 4)
-    d = tl.arange(0, BLOCK_D)
-    dm = d < D
-    dst = base + layer * s_layer + h * s_head + pos * s_pos + d
-    tl.store(dst, tl.load(k_ptr + (row * KVH + h) * D + d, mask=dm), mask=dm)
-    tl.store(dst + s_kv, tl.load(v_ptr + (row * KVH + h) * D + d, mask=dm), mask=dm)
-
-
-@triton.jit
-def _attend_span(q, m_i, l_i, acc, base, s_layer, s_kv, s_head, s_pos, layer, h, start, stop, scale,
-                 D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
-    d = tl.arange(0, BLOCK_D)
-    dm = d < D
-    keys = base + layer * s_layer + h * s_head
-    for n0 in range(start, stop, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        nm = n < stop
-        mask = nm[:, None] & dm[None, :]
-        k = tl.load(keys + n[:, None] * s_pos + d[None, :], mask=mask, other=0.0)
-        v = tl.load(keys + s_kv + n[:, None] * s_pos + d[None, :], mask=mask, other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = tl.where(nm[None, :], s * scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
-    return m_i, l_i, acc
-
-
-@triton.jit(do_not_specialize=["layer"])
-def _extend_attention(q_ptr, out_ptr, table_ptr, row_item_ptr, row_pos_ptr, layer, scale,
-                      H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr,
-                      BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-                      META: tl.constexpr):
-    row = tl.program_id(0)
-    h = tl.program_id(1)
-    item = tl.load(row_item_ptr + row)
-    pos = tl.load(row_pos_ptr + row)
-    entry = table_ptr + item * META
-    elem = q_ptr.dtype.element_ty
-    own = tl.load(entry).to(tl.pointer_type(elem))
-    donor = tl.load(entry + 5).to(tl.pointer_type(elem))
-    shared = tl.load(entry + 10)
-    g = tl.arange(0, BLOCK_G)
-    d = tl.arange(0, BLOCK_D)
-    qmask = (g < GROUP)[:, None] & (d < D)[None, :]
-    heads = (row * H + h * GROUP + g) * D
-    q = tl.load(q_ptr + heads[:, None] + d[None, :], mask=qmask, other=0.0)
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    # The donor's keys [0, shared), then the sequence's own [shared, pos]: position pos is
-    # this token's own, written by _write_kv before this launch.
-    m_i, l_i, acc = _attend_span(q, m_i, l_i, acc, donor, tl.load(entry + 6), tl.load(entry + 7),
-                                 tl.load(entry + 8), tl.load(entry + 9), layer, h, 0, shared, scale,
-                                 D, BLOCK_D, BLOCK_N, IEEE)
-    m_i, l_i, acc = _attend_span(q, m_i, l_i, acc, own, tl.load(entry + 1), tl.load(entry + 2),
-                                 tl.load(entry + 3), tl.load(entry + 4), layer, h, shared, pos + 1, scale,
-                                 D, BLOCK_D, BLOCK_N, IEEE)
-    out = acc / l_i[:, None]
-    tl.store(out_ptr + heads[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), mask=qmask)
-
-
-def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch, layer: int,
-                     scale: float) -> torch.Tensor:
-    """q [rows, heads, head_dim], k/v [rows, kv_heads, head_dim] (contiguous, the batch's rows
-    in order): writes k/v into the buffers at the rows' positions, returns the attention
-    output [rows, heads, head_dim]."""
-    rows, heads, head_dim = q.shape
-    kv_heads = k.shape[1]
-    if batch.rows != rows or k.shape[0] != rows:
-        raise ValueError(f"extend_attention: {rows} query rows for a batch of {batch.rows}")
-    out = torch.empty_like(q)
-    block_d = triton.next_power_of_2(head_dim)
-    group = heads // kv_heads
-    grid = (rows, kv_heads)
-    _write_kv[grid](k, v, batch.table, batch.row_item, batch.row_pos, layer, KVH=kv_heads, D=head_dim,
-                    BLOCK_D=block_d, META=META)
-    _extend_attention[grid](q, out, batch.table, batch.row_item, batch.row_pos, layer, scale,
-                            H=heads, KVH=kv_heads, D=head_dim, GROUP=group,
-                            BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=BLOCK_N,
-                            IEEE=q.dtype == torch.float32, META=META)
-    return out
-
-
-# --- Over a slotted KV pool (``forward_paged``) -------------------------------------------
 # Per item, PAGED_META int64 fields: its pool's address, the pool's strides in elements
 # (block, layer, K/V, token in block, head), block_tokens, and where its slot table starts
 # in the batch's slots. The pool travels in the table (not as an argument) so a CUDA graph
@@ -300,7 +150,7 @@ def _paged_attention(q_ptr, out_ptr, table_ptr, row_item_ptr, row_pos_ptr, slots
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: PagedBatch, layer: int,
                     scale: float) -> torch.Tensor:
-    """``extend_attention`` over slotted pools: q [rows, heads, head_dim], k/v [rows,
+    """One layer for a batch over slotted pools: q [rows, heads, head_dim], k/v [rows,
     kv_heads, head_dim] (contiguous, the batch's rows in order); writes k/v at the rows'
     slots, returns the attention output [rows, heads, head_dim]."""
     rows, heads, head_dim = q.shape
