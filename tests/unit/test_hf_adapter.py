@@ -173,3 +173,34 @@ def test_hf_tokenizer_adapter() -> None:
         tok.encode(b"hello")
     with pytest.raises(ValueError, match=r"messages\[0\]\['role'\]"):
         tok.apply_chat_template([{"role": "", "content": "hi"}])
+
+
+def test_the_engine_runs_a_model_without_paged_attention_through_its_leases(adapter: HFCausalLM) -> None:
+    """A model without ``forward_paged`` (this adapter) gets its past gathered from the HOT
+    pool through the lease and its new KV written back: the engine's tokens are the model's
+    own greedy ones, and a second turn finds the first cached (only its suffix computed)."""
+    from cluster.cache.kv_pool import KVLayout
+    from cluster.cache.tiered import TierConfig, TieredCache
+    from cluster.engine.engine import Engine
+    from cluster.protocol import SamplingParams
+
+    c = adapter.config
+    cache = TieredCache(TierConfig(hot_blocks=32, warm_blocks=0, cold_blocks=0, block_tokens=4, device="cpu"),
+                        KVLayout(c.num_layers, c.num_kv_heads, c.head_dim))
+    engine = Engine(adapter, cache)
+    assert not engine.runner.paged
+
+    def greedy(prompt: list[int], n: int) -> list[int]:
+        seq = list(prompt)
+        for _ in range(n):
+            logits, _ = adapter.forward_one(torch.tensor(seq))
+            seq.append(int(torch.argmax(logits[-1])))
+        return seq[len(prompt):]
+
+    prompt = tokens_of(20, seed=9).tolist()
+    first = engine.generate(prompt, SamplingParams(max_tokens=5))
+    assert first.output == greedy(prompt, 5)
+    follow = prompt + first.output + [7, 8, 9]
+    second = engine.generate(follow, SamplingParams(max_tokens=3))
+    assert second.output == greedy(follow, 3)
+    assert second.cached_tokens == len(prompt) + len(first.output)   # the first turn, whole (its last token too)
