@@ -17,9 +17,11 @@ measured when it ran alone), open loop, for as long as B runs. In one run:
    shares (``--quotas``; by default B is guaranteed half of HOT and three
    quarters of WARM, A capped at half of HOT and a quarter of WARM).
 
-One deployment serves all three (the cache flushed before each arm): B and A
-are ``tenant-b``/``tenant-a`` in the quotas arm and ``tenant-b0``/``tenant-a0``,
-which the quotas do not list, in the others.
+The first two arms run on the app without ``tenant_quotas`` (B and A as
+``tenant-b0``/``tenant-a0``), the third on the same app redeployed with them (B
+and A as ``tenant-b``/``tenant-a``); the cache is flushed before each arm. On an
+app with quotas an unlisted tenant is not quota-free: its HOT room excludes the
+listed tenants' guarantees.
 
 Every arm runs the same plan (documents, questions, arrivals, pauses, reply
 lengths) and the same flood. One JSON line per arm (B's later-turn cached
@@ -41,8 +43,8 @@ from cluster.bench.common import emit, rounded
 from serve_app.tools.chat_workload import ask_turn, system_prompt
 from serve_app.tools.session_workload import document, plan_sessions, run_sessions, session_fields
 
-# One deployment serves both comparisons: tenant-a and tenant-b have shares, tenant-a0 and
-# tenant-b0 (the same clients under other keys) have none, i.e. plain LRU between them.
+# tenant-a and tenant-b have shares in the quotas arm; tenant-a0 and tenant-b0 (the same clients
+# under other keys) run the arms without quotas, on the app without tenant_quotas.
 KEYS = {"key-a": "tenant-a", "key-b": "tenant-b", "key-a0": "tenant-a0", "key-b0": "tenant-b0"}
 ADMIN_KEY = "key-admin"
 # B's sessions fit in its guarantees (HOT half, WARM three quarters); A may use HOT's other half and a
@@ -225,7 +227,9 @@ def run(args: argparse.Namespace) -> int:
     base = f"http://127.0.0.1:{port}"
     local = LocalCluster(worker_nodes=0, cpus_per_node=2, l3_pool_mb=0)
     try:
-        local.deploy(app, port=port)
+        # The arms without quotas run on the app without ``tenant_quotas``: on the quotas' app an
+        # unlisted tenant's HOT room excludes the listed tenants' guarantees, so it is not quota-free.
+        local.deploy({k: v for k, v in app.items() if k != "tenant_quotas"}, port=port)
         alone = run_arm("b_alone", base, model_id, plan, system, None, 0.0, args)
         emit(alone)
         rate = args.flood_ratio * alone["b_rate_per_s"]
@@ -233,6 +237,7 @@ def run(args: argparse.Namespace) -> int:
         args.flood_max_s = args.flood_max_s or 3.0 * alone["b_wall_s"]
         no_quotas = run_arm("flood_no_quotas", base, model_id, plan, system, prompts, rate, args)
         emit(no_quotas)
+        local.deploy(app, port=port)   # the same app with the quotas (fresh replicas, empty caches)
         with_quotas = run_arm("flood_quotas", base, model_id, plan, system, prompts, rate, args)
         emit({**with_quotas, "tenant_quotas": quotas})
     finally:
