@@ -173,6 +173,26 @@ def validate_item(
     config: CausalLMConfig, tokens: object, start_pos: object, past_kv: object, where: str = ""
 ) -> torch.Tensor:
     """Checks one (tokens, start_pos, past_kv) request; returns tokens as int64."""
+    tokens = validate_tokens(config, tokens, start_pos, where)
+    if past_kv is None:
+        if start_pos:
+            raise ValueError(
+                f"{where}past_kv is None but start_pos is {start_pos}: pass the KV of the prefix"
+            )
+    else:
+        expected = kv_shape(config, start_pos)
+        if not isinstance(past_kv, torch.Tensor) or tuple(past_kv.shape) != expected:
+            shape = tuple(past_kv.shape) if isinstance(past_kv, torch.Tensor) else type(past_kv).__name__
+            raise ValueError(f"{where}past_kv must have shape {expected} (P == start_pos), got {shape}")
+        if past_kv.dtype != DTYPES[config.dtype]:
+            raise ValueError(
+                f"{where}past_kv dtype {past_kv.dtype} differs from the model dtype {config.dtype}"
+            )
+    return tokens
+
+
+def validate_tokens(config: CausalLMConfig, tokens: object, start_pos: object, where: str = "") -> torch.Tensor:
+    """Checks a request's new tokens and where they start; returns them as int64."""
     if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1 \
             or tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
         raise TypeError(f"{where}tokens must be a 1-D integer tensor, got {tokens!r:.80}")
@@ -188,20 +208,6 @@ def validate_item(
     low, high = int(tokens.min()), int(tokens.max())
     if low < 0 or high >= config.vocab_size:
         raise ValueError(f"{where}tokens must lie in [0, {config.vocab_size}), got [{low}, {high}]")
-    if past_kv is None:
-        if start_pos:
-            raise ValueError(
-                f"{where}past_kv is None but start_pos is {start_pos}: pass the KV of the prefix"
-            )
-    else:
-        expected = kv_shape(config, start_pos)
-        if not isinstance(past_kv, torch.Tensor) or tuple(past_kv.shape) != expected:
-            shape = tuple(past_kv.shape) if isinstance(past_kv, torch.Tensor) else type(past_kv).__name__
-            raise ValueError(f"{where}past_kv must have shape {expected} (P == start_pos), got {shape}")
-        if past_kv.dtype != DTYPES[config.dtype]:
-            raise ValueError(
-                f"{where}past_kv dtype {past_kv.dtype} differs from the model dtype {config.dtype}"
-            )
     return tokens.long()
 
 

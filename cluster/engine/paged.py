@@ -59,7 +59,7 @@ def validate_pool(config, pool: object, device: torch.device) -> torch.Tensor:
 def validate_items(config, items: Sequence[PagedItem], pool: torch.Tensor) -> list[PagedItem]:
     """Every ``(tokens, start_pos, slots)`` checked before any runs; tokens and slots as
     int64 on the host."""
-    from cluster.engine.model import validate_item
+    from cluster.engine.model import validate_tokens
 
     capacity = pool.shape[0] * pool.shape[3]
     checked = []
@@ -68,12 +68,8 @@ def validate_items(config, items: Sequence[PagedItem], pool: torch.Tensor) -> li
             raise TypeError(f"items[{index}] must be a (tokens, start_pos, slots) tuple")
         tokens, start_pos, slots = item
         where = f"items[{index}]: " if len(items) > 1 else ""
-        tokens = validate_item(config, tokens, 0, None, where)
-        if isinstance(start_pos, bool) or not isinstance(start_pos, int) or start_pos < 0:
-            raise ValueError(f"{where}start_pos must be a non-negative int, got {start_pos!r}")
+        tokens = validate_tokens(config, tokens, start_pos, where)
         total = start_pos + tokens.numel()
-        if total > config.max_position:
-            raise ValueError(f"{where}start_pos + len(tokens) = {total} exceeds max_position {config.max_position}")
         if not isinstance(slots, torch.Tensor) or slots.dim() != 1 or slots.dtype.is_floating_point \
                 or slots.dtype.is_complex or slots.dtype == torch.bool:
             raise ValueError(f"{where}slots must be a 1-D integer tensor, got {slots!r:.80}")
