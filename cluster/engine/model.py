@@ -142,7 +142,7 @@ class CausalLMConfig(Protocol):
 
 @runtime_checkable
 class CausalLM(Protocol):
-    """What the engine needs from a model: DecoderModel and HFCausalLM both fit."""
+    """What the engine needs from a model: DecoderModel and the tests' transformers reference both fit."""
 
     @property
     def config(self) -> CausalLMConfig: ...

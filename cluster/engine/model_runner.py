@@ -5,7 +5,7 @@ pool slot of every position it holds, then of the room it reserved for this
 step's tokens). A model with ``forward_paged`` (the packed decoder) attends
 over the HOT pool through those tables and writes the new tokens' K/V straight
 into the reserved slots: a running request's KV exists once, in the cache's
-blocks, whatever its length. Any other model (the ``transformers`` adapter)
+blocks, whatever its length. Any other model (the tests' ``transformers`` reference)
 gets its past gathered from the pool (``KVLease.read``) and its new KV written
 back through the lease. Either way the lease is told what was written, and the
 runner returns each request's logits: every computed row's when the plan asks
