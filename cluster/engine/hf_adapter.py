@@ -50,8 +50,8 @@ class HFTokenizer:
                 raise ValueError(f"generation eos id {token!r} is not a token id of this tokenizer")
             if token not in stops:
                 stops.append(token)
-        self._stop_token_ids = tuple(stops)
-        self._special_ids = frozenset(int(i) for i in tokenizer.all_special_ids) | frozenset(
+        self.stop_token_ids = tuple(stops)   # EOS first, then the generation config's other end-of-turn ids
+        self.special_token_ids = frozenset(int(i) for i in tokenizer.all_special_ids) | frozenset(
             int(i) for i, added in tokenizer.added_tokens_decoder.items() if added.special)
         self._plain_backend = _plain_text_backend(tokenizer)
         self._sanitize_kwarg = "sanitize_control_tokens" in inspect.signature(
@@ -84,15 +84,6 @@ class HFTokenizer:
     def eos_id(self) -> int:
         return self.tokenizer.eos_token_id
 
-    @property
-    def stop_token_ids(self) -> tuple[int, ...]:
-        """EOS first, then the generation config's other end-of-turn ids."""
-        return self._stop_token_ids
-
-    @property
-    def special_token_ids(self) -> frozenset[int]:
-        return self._special_ids
-
     def encode(self, text: str) -> list[int]:
         if not isinstance(text, str):
             raise TypeError(f"text must be a str, got {type(text).__name__}")
@@ -124,7 +115,7 @@ class HFTokenizer:
             ids = self._plain_backend.encode(text, add_special_tokens=False).ids
         else:
             ids = self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
-        if not self._special_ids.isdisjoint(ids):
+        if not self.special_token_ids.isdisjoint(ids):
             raise InvalidInputError(
                 f"text {text[:40]!r} tokenizes to a control token even as plain text; rephrase it")
         return list(ids)

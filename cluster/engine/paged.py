@@ -29,17 +29,6 @@ from cluster.engine.attention import EXTEND_MAX, attend_torch
 PagedItem = tuple[torch.Tensor, int, torch.Tensor]   # (tokens, start_pos, slots)
 
 
-def slots_of(extents: Sequence[tuple[int, int, int]], block_tokens: int) -> torch.Tensor:
-    """The slot table of a sequence held in ``extents`` ``(block, offset, length)``, in order:
-    int64 [sum of lengths]."""
-    if not extents:
-        return torch.empty(0, dtype=torch.long)
-    first = torch.tensor([b * block_tokens + off for b, off, _ in extents], dtype=torch.long)
-    lengths = torch.tensor([n for _, _, n in extents], dtype=torch.long)
-    before = torch.cumsum(lengths, 0) - lengths   # positions ahead of each extent
-    return torch.repeat_interleave(first - before, lengths) + torch.arange(int(lengths.sum()))
-
-
 def validate_pool(config, pool: object, device: torch.device) -> torch.Tensor:
     """The pool tensor, checked against the model's KV layout."""
     c = config
