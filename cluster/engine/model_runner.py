@@ -16,7 +16,6 @@ It sees the plan and the leases' slot tables; never a node, an extent or a queue
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
@@ -34,7 +33,6 @@ class ModelRunner:
         self.model = model
         self.pool = hot_pool
         self.paged = hasattr(model, "forward_paged") and hot_pool.tensor is not None
-        self._last_logits_only = "last_logits_only" in inspect.signature(model.forward_batch).parameters
         self.decode_kernel = model.use_decode_kernel(decode_kernel) if hasattr(model, "use_decode_kernel") \
             else False
         self.cuda_graphs = model.use_cuda_graphs(cuda_graphs) if hasattr(model, "use_cuda_graphs") else False
@@ -44,19 +42,18 @@ class ModelRunner:
     def run(self, plan: StepPlan) -> list[torch.Tensor]:
         """The step's forward; each request's new KV ends up in its reserved slots (its lease
         told). Returns each request's logits."""
-        last_only = not plan.all_logits and self._last_logits_only
         items = plan.items
         tokens = [torch.tensor(item.tokens) for item in items]
         if self.paged:
             logits = self.model.forward_paged([(t, item.start, item.request.lease.slots())
                                                for t, item in zip(tokens, items)],
-                                              self.pool.tensor, last_logits_only=last_only)
+                                              self.pool.tensor, last_logits_only=not plan.all_logits)
             for item in items:
                 item.request.lease.written(item.num_tokens)
             return logits
+        # Every row's logits: the sampler reads the last, so this path needs no last-row option.
         batch = [(t, item.start, item.request.lease.read() if item.start else None) for t, item in zip(tokens, items)]
-        outputs = self.model.forward_batch(batch, last_logits_only=True) if last_only \
-            else self.model.forward_batch(batch)
+        outputs = self.model.forward_batch(batch)
         for item, (_, new_kv) in zip(items, outputs):
             item.request.lease.write(new_kv)
         return [logits for logits, _ in outputs]
