@@ -410,13 +410,10 @@ def load_model(spec: ModelSpec | object = None, device: str | torch.device = "cp
     model = DecoderModel(model_config_from_hf(raw, spec.dtype), init_weights=False)
     load_weights(model, directory)
     generation = directory / "generation_config.json"
-    eos: list[int] = []
-    for source in ((_read_json(generation) if generation.is_file() else {}), raw):
-        ids = source.get("eos_token_id")
-        for token in ([] if ids is None else [ids] if isinstance(ids, int) else ids):
-            if int(token) not in eos:
-                eos.append(int(token))
-    return LoadedModel(model.to(device), model_id(spec), directory, tuple(eos))
+    sources = (_read_json(generation) if generation.is_file() else {}, raw)   # the generation config's first
+    found = [source["eos_token_id"] for source in sources if source.get("eos_token_id") is not None]
+    eos = [int(token) for ids in found for token in ([ids] if isinstance(ids, int) else ids)]
+    return LoadedModel(model.to(device), model_id(spec), directory, tuple(dict.fromkeys(eos)))
 
 
 def load_tokenizer(spec_or_loaded: ModelSpec | LoadedModel | object = None) -> Any:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from itertools import accumulate
 
 import torch
 
@@ -82,9 +83,7 @@ class DecodeGraphs:
         captured = self._graphs[size]
         pad = size - n
         tables = [slots for _, _, slots in checked] + [torch.tensor([0, 1])] * pad
-        starts = [0]
-        for table in tables:
-            starts.append(starts[-1] + table.numel())
+        starts = [0, *accumulate(table.numel() for table in tables)]
         head = self.kernel.paged_host_rows([pool] * n + [self._dummy_pool] * pad, starts,
                                            [p for _, p, _ in checked] + [1] * pad, [1] * size)
         tokens = [int(t.item()) for t, _, _ in checked] + [0] * pad

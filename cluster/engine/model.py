@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -486,10 +487,8 @@ class DecoderModel(nn.Module):
         ``decodes``: the items that decode one token, attended all at once per layer."""
         tokens = torch.cat([t for t, _ in checked]) if len(checked) > 1 else checked[0][0]
         positions = torch.cat([torch.arange(p, p + t.numel(), device=self.device) for t, p in checked])
-        bounds, offset = [], 0
-        for t, _ in checked:
-            bounds.append((offset, offset + t.numel()))
-            offset += t.numel()
+        ends = list(accumulate(t.numel() for t, _ in checked))
+        bounds = list(zip([0] + ends[:-1], ends))
         logits, bounds = self._layers(tokens, positions, bounds, attend, last_logits_only, decodes)
         return [logits[begin:end] for begin, end in bounds]
 
