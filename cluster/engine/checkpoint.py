@@ -410,13 +410,10 @@ def load_model(spec: ModelSpec | object = None, device: str | torch.device = "cp
     model = DecoderModel(model_config_from_hf(raw, spec.dtype), init_weights=False)
     load_weights(model, directory)
     generation = directory / "generation_config.json"
-    eos: list[int] = []
-    for source in ((_read_json(generation) if generation.is_file() else {}), raw):
-        ids = source.get("eos_token_id")
-        for token in ([] if ids is None else [ids] if isinstance(ids, int) else ids):
-            if int(token) not in eos:
-                eos.append(int(token))
-    return LoadedModel(model.to(device), _model_id(spec, directory), directory, tuple(eos))
+    sources = (_read_json(generation) if generation.is_file() else {}, raw)   # the generation config's first
+    found = [source["eos_token_id"] for source in sources if source.get("eos_token_id") is not None]
+    eos = [int(token) for ids in found for token in ([ids] if isinstance(ids, int) else ids)]
+    return LoadedModel(model.to(device), model_id(spec), directory, tuple(dict.fromkeys(eos)))
 
 
 def load_tokenizer(spec_or_loaded: ModelSpec | LoadedModel | object = None) -> Any:
@@ -441,7 +438,12 @@ def model_context(spec: ModelSpec | object = None) -> int:
     return int(model_config_from_hf(_read_json(directory / "config.json"), spec.dtype).max_position)
 
 
-def _model_id(spec: ModelSpec, directory: Path) -> str:
+def model_id(spec: ModelSpec | object = None) -> str:
+    """The id a spec's model is served under (``/v1/models``), without loading or
+    downloading anything."""
+    spec = ModelSpec.parse(spec)
+    if spec.source == BUILTIN:
+        return BUILTIN_MODEL_ID
     if spec.source.lower() == DEFAULT_MODEL:
         return SMOLLM2_MODEL_ID
     path = Path(spec.source).expanduser()
@@ -450,12 +452,3 @@ def _model_id(spec: ModelSpec, directory: Path) -> str:
     if path.is_file():
         return path.stem
     return spec.source   # a Hub id
-
-
-def model_id(spec: ModelSpec | object = None) -> str:
-    """The id a spec's model is served under (``/v1/models``), without loading or
-    downloading anything."""
-    spec = ModelSpec.parse(spec)
-    if spec.source == BUILTIN:
-        return BUILTIN_MODEL_ID
-    return _model_id(spec, None)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from itertools import accumulate
 
 import torch
 
@@ -66,9 +67,6 @@ class DecodeGraphs:
         self._pool = None
         self.stats = {"captured": 0, "replays": 0, "eager": 0, "capture_failures": 0}
 
-    def bucket(self, n: int) -> int | None:
-        return next((size for size in self.sizes if size >= n), None)
-
     def run(self, checked: Sequence[tuple[torch.Tensor, int, torch.Tensor]],
             pool: torch.Tensor) -> list[torch.Tensor] | None:
         """Each item's logits [1, vocab], from a graph replay, when every item of ``checked``
@@ -76,7 +74,7 @@ class DecodeGraphs:
         on the host) decodes one token after a prefix and a bucket holds them all; None
         otherwise (the caller runs the step eagerly)."""
         n = len(checked)
-        size = self.bucket(n)
+        size = next((size for size in self.sizes if size >= n), None)   # the smallest bucket that holds them
         if size is None or any(t.numel() != 1 or p <= 0 for t, p, _ in checked):
             self.stats["eager"] += 1
             return None
@@ -85,9 +83,7 @@ class DecodeGraphs:
         captured = self._graphs[size]
         pad = size - n
         tables = [slots for _, _, slots in checked] + [torch.tensor([0, 1])] * pad
-        starts = [0]
-        for table in tables:
-            starts.append(starts[-1] + table.numel())
+        starts = [0, *accumulate(table.numel() for table in tables)]
         head = self.kernel.paged_host_rows([pool] * n + [self._dummy_pool] * pad, starts,
                                            [p for _, p, _ in checked] + [1] * pad, [1] * size)
         tokens = [int(t.item()) for t, _, _ in checked] + [0] * pad
@@ -115,10 +111,6 @@ class DecodeGraphs:
             torch.cuda.synchronize(self.model.device)
             return False
         return True
-
-    @property
-    def captured(self) -> list[int]:
-        return sorted(self._graphs)
 
     def _capture(self, size: int) -> _Captured:
         model = self.model
@@ -228,6 +220,6 @@ def warm_up(model, run: Callable[[Callable[[], dict]], dict] = lambda step: step
     done = [run(step) for _, step in steps]
     graphs = getattr(model, "_graphs", None)
     return {"steps": len(steps), "triton_eager_steps": sum("eager_tokens" in d for d in done),
-            "graphs_captured": graphs.captured if graphs is not None else [],
+            "graphs_captured": sorted(graphs._graphs) if graphs is not None else [],
             "graph_capture_failures": graphs.stats["capture_failures"] if graphs is not None else 0,
             "seconds": round(time.perf_counter() - began, 3)}

@@ -117,11 +117,6 @@ class Grammars:
             self.tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_ByteVocab(tokenizer)),
                                                     n_vocab=vocab_size)
 
-    @classmethod
-    def for_tokenizer(cls, tokenizer: Any, vocab_size: int) -> "Grammars | None":
-        """None when llguidance is not installed (constrained requests are then refused)."""
-        return cls(tokenizer, vocab_size) if grammar_available() else None
-
     def matcher(self, spec: GrammarSpec, consumed: Sequence[int] = ()) -> Any:
         """A fresh matcher for ``spec``, advanced over ``consumed`` (a resumed request's
         tokens so far); ``InvalidInputError`` when it does not compile or the tokens

@@ -3,8 +3,8 @@
 ``DecoderModel._layers`` runs each layer as about eleven Python-level calls (norms,
 linears, the rotary embedding, the batched attention, silu and mul): some 330 a step
 for a 30-layer model, each dispatched from Python with the GIL held: about a tenth of a
-decode step of 8 or 16 sequences alone (36.8 -> 33.8 and 57.5 -> 52.5 ms on a 2-core AMD
-EPYC), and in a replica the event loop's thread wants the GIL between every two of them.
+decode step of 8 or 16 sequences alone (docs/engine.md, "The layer loop in one call"), and
+in a replica the event loop's thread wants the GIL between every two of them.
 For the steps the CPU serves most (every sequence on the batched attention kernel, the
 linears on the blocked kernel) the same loop runs in C++ with the GIL released: the same
 kernels and ATen ops in the same order, so the same bits (``tests/unit/test_layer_loop.py``),

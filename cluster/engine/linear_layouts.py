@@ -209,13 +209,13 @@ def tuned(weights: list[torch.Tensor], dtype: str, biases: "list[torch.Tensor | 
     return layouts
 
 
-def _time(weights: list[torch.Tensor], rows: int, layout: int, packs: "list | None", repeats: int = 1) -> float:
+def _time(weights: list[torch.Tensor], rows: int, layout: int, packs: "list | None") -> float:
     if rows > SAMPLE_ABOVE_ROWS:
         weights, packs = weights[:TIME_SAMPLE], packs and packs[:TIME_SAMPLE]
     xs = [torch.randn(rows, w.shape[1], dtype=w.dtype, device=w.device) for w in weights]
     packs = packs or [None] * len(weights)
     best = float("inf")
-    for _ in range(repeats + 1):   # the first pass warms up
+    for _ in range(2):   # the first pass warms up
         began = time.perf_counter()
         for w, x, p in zip(weights, xs, packs):
             linear(x, w, None, layout, p)

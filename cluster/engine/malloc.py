@@ -53,19 +53,13 @@ def tcmalloc_library() -> str | None:
     return name or None
 
 
-def choice(environ: Mapping[str, str] | None = None) -> str:
-    environ = os.environ if environ is None else environ
-    value = environ.get(ENV_VAR, "tcmalloc").strip().lower() or "tcmalloc"
-    if value not in CHOICES:
-        raise ValueError(f"{ENV_VAR} must be one of {list(CHOICES)}, got {environ.get(ENV_VAR)!r}")
-    return value
-
-
 def worker_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment variables to start a CPU worker's process with (empty: as it starts).
     ``LD_PRELOAD`` here holds only the allocator: ``cluster.engine.worker_env`` puts it first."""
     environ = os.environ if environ is None else environ
-    picked = choice(environ)
+    picked = environ.get(ENV_VAR, "tcmalloc").strip().lower() or "tcmalloc"
+    if picked not in CHOICES:
+        raise ValueError(f"{ENV_VAR} must be one of {list(CHOICES)}, got {environ.get(ENV_VAR)!r}")
     if picked == "system" or not sys.platform.startswith("linux"):
         return {}
     if picked == "tcmalloc":

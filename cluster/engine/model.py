@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -70,11 +71,23 @@ class ModelConfig:
     rope_in_float32: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
-                     "head_dim", "intermediate_size", "max_position"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
+        def check(names: tuple[str, ...], ok, what: str) -> None:
+            for name in names:
+                if not ok(getattr(self, name)):
+                    raise ValueError(f"ModelConfig.{name} must be {what}, got {getattr(self, name)!r}")
+
+        def is_int(value: object) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool)
+
+        check(("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+               "intermediate_size", "max_position", "rope_original_max_position"),
+              lambda v: is_int(v) and v > 0, "a positive int")
+        check(("rope_theta", "rms_norm_eps", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor"),
+              lambda v: (is_int(v) or isinstance(v, float)) and math.isfinite(v) and v > 0,
+              "a positive finite number")
+        check(("seed",), lambda v: is_int(v) and 0 <= v < 2**63, "an int in [0, 2**63)")
+        check(("tie_word_embeddings", "qkv_bias", "o_bias", "mlp_bias", "qk_norm", "rope_in_float32"),
+              lambda v: isinstance(v, bool), "a bool")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of "
@@ -84,33 +97,15 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig.head_dim must be even for rotary embeddings, got {self.head_dim}"
             )
-        for name in ("rope_theta", "rms_norm_eps"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                    or not math.isfinite(value) or value <= 0:
-                raise ValueError(f"ModelConfig.{name} must be a positive finite number, got {value!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
-            raise ValueError(f"ModelConfig.seed must be an int in [0, 2**63), got {self.seed!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"ModelConfig.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        for name in ("tie_word_embeddings", "qkv_bias", "o_bias", "mlp_bias", "qk_norm", "rope_in_float32"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"ModelConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.rope_type not in ROPE_TYPES:
             raise ValueError(f"ModelConfig.rope_type must be one of {list(ROPE_TYPES)}, got {self.rope_type!r}")
-        for name in ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                    or not math.isfinite(value) or value <= 0:
-                raise ValueError(f"ModelConfig.{name} must be a positive finite number, got {value!r}")
         if self.rope_type == "llama3" and self.rope_high_freq_factor <= self.rope_low_freq_factor:
             raise ValueError(
                 f"ModelConfig.rope_high_freq_factor ({self.rope_high_freq_factor}) must exceed "
                 f"rope_low_freq_factor ({self.rope_low_freq_factor}) for llama3 rope scaling"
             )
-        value = self.rope_original_max_position
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"ModelConfig.rope_original_max_position must be a positive int, got {value!r}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -142,7 +137,7 @@ class CausalLMConfig(Protocol):
 
 @runtime_checkable
 class CausalLM(Protocol):
-    """What the engine needs from a model: DecoderModel and HFCausalLM both fit."""
+    """What the engine needs from a model: DecoderModel and the tests' transformers reference both fit."""
 
     @property
     def config(self) -> CausalLMConfig: ...
@@ -386,7 +381,7 @@ class DecoderModel(nn.Module):
             if start_pos:
                 keys = torch.cat((past_kv[layer_index, 0], keys))
                 values = torch.cat((past_kv[layer_index, 1], values))
-            return self._attend(q, keys.transpose(0, 1), values.transpose(0, 1), start_pos)
+            return attention.attend_torch(c, q, keys.transpose(0, 1), values.transpose(0, 1), start_pos)
 
         logits = self._forward([(t, p) for t, p, _ in checked], attend, last_logits_only)
         return list(zip(logits, new_kvs))
@@ -492,10 +487,8 @@ class DecoderModel(nn.Module):
         ``decodes``: the items that decode one token, attended all at once per layer."""
         tokens = torch.cat([t for t, _ in checked]) if len(checked) > 1 else checked[0][0]
         positions = torch.cat([torch.arange(p, p + t.numel(), device=self.device) for t, p in checked])
-        bounds, offset = [], 0
-        for t, _ in checked:
-            bounds.append((offset, offset + t.numel()))
-            offset += t.numel()
+        ends = list(accumulate(t.numel() for t, _ in checked))
+        bounds = list(zip([0] + ends[:-1], ends))
         logits, bounds = self._layers(tokens, positions, bounds, attend, last_logits_only, decodes)
         return [logits[begin:end] for begin, end in bounds]
 
@@ -553,13 +546,6 @@ class DecoderModel(nn.Module):
         logits = self._linear(norm(hidden, self.final_norm, c.rms_norm_eps), self.output_weight, None,
                               linear_layouts.layout_for(self._head_layouts, hidden.shape[0])).float()
         return logits, bounds
-
-    def _attend(
-        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start_pos: int
-    ) -> torch.Tensor:
-        """q [T, heads, hd] at positions start_pos.., keys/values [kv_heads, start_pos + T, hd]:
-        ``attention.attend_torch`` with this model's shapes."""
-        return attention.attend_torch(self.config, q, keys, values, start_pos)
 
 
 def sample(

@@ -5,7 +5,7 @@ pool slot of every position it holds, then of the room it reserved for this
 step's tokens). A model with ``forward_paged`` (the packed decoder) attends
 over the HOT pool through those tables and writes the new tokens' K/V straight
 into the reserved slots: a running request's KV exists once, in the cache's
-blocks, whatever its length. Any other model (the ``transformers`` adapter)
+blocks, whatever its length. Any other model (the tests' ``transformers`` reference)
 gets its past gathered from the pool (``KVLease.read``) and its new KV written
 back through the lease. Either way the lease is told what was written, and the
 runner returns each request's logits: every computed row's when the plan asks
@@ -16,7 +16,6 @@ It sees the plan and the leases' slot tables; never a node, an extent or a queue
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
@@ -34,7 +33,6 @@ class ModelRunner:
         self.model = model
         self.pool = hot_pool
         self.paged = hasattr(model, "forward_paged") and hot_pool.tensor is not None
-        self._last_logits_only = "last_logits_only" in inspect.signature(model.forward_batch).parameters
         self.decode_kernel = model.use_decode_kernel(decode_kernel) if hasattr(model, "use_decode_kernel") \
             else False
         self.cuda_graphs = model.use_cuda_graphs(cuda_graphs) if hasattr(model, "use_cuda_graphs") else False
@@ -44,19 +42,18 @@ class ModelRunner:
     def run(self, plan: StepPlan) -> list[torch.Tensor]:
         """The step's forward; each request's new KV ends up in its reserved slots (its lease
         told). Returns each request's logits."""
-        last_only = not plan.all_logits and self._last_logits_only
         items = plan.items
         tokens = [torch.tensor(item.tokens) for item in items]
         if self.paged:
             logits = self.model.forward_paged([(t, item.start, item.request.lease.slots())
                                                for t, item in zip(tokens, items)],
-                                              self.pool.tensor, last_logits_only=last_only)
+                                              self.pool.tensor, last_logits_only=not plan.all_logits)
             for item in items:
                 item.request.lease.written(item.num_tokens)
             return logits
+        # Every row's logits: the sampler reads the last, so this path needs no last-row option.
         batch = [(t, item.start, item.request.lease.read() if item.start else None) for t, item in zip(tokens, items)]
-        outputs = self.model.forward_batch(batch, last_logits_only=True) if last_only \
-            else self.model.forward_batch(batch)
+        outputs = self.model.forward_batch(batch)
         for item, (_, new_kv) in zip(items, outputs):
             item.request.lease.write(new_kv)
         return [logits for logits, _ in outputs]

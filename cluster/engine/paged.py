@@ -21,23 +21,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
 from cluster.engine.attention import EXTEND_MAX, attend_torch
 
 PagedItem = tuple[torch.Tensor, int, torch.Tensor]   # (tokens, start_pos, slots)
-
-
-def slots_of(extents: Sequence[tuple[int, int, int]], block_tokens: int) -> torch.Tensor:
-    """The slot table of a sequence held in ``extents`` ``(block, offset, length)``, in order:
-    int64 [sum of lengths]."""
-    if not extents:
-        return torch.empty(0, dtype=torch.long)
-    first = torch.tensor([b * block_tokens + off for b, off, _ in extents], dtype=torch.long)
-    lengths = torch.tensor([n for _, _, n in extents], dtype=torch.long)
-    before = torch.cumsum(lengths, 0) - lengths   # positions ahead of each extent
-    return torch.repeat_interleave(first - before, lengths) + torch.arange(int(lengths.sum()))
 
 
 def validate_pool(config, pool: object, device: torch.device) -> torch.Tensor:
@@ -175,18 +165,13 @@ def kernel_items(kernel, pool: torch.Tensor, checked: Sequence[PagedItem]) -> Pa
     index = [i for i, (t, p, _) in enumerate(checked) if t.numel() <= EXTEND_MAX and p > 0]
     if not index:
         return None
-    rows, offset, chosen = [], 0, set(index)
-    for i, (t, _, _) in enumerate(checked):
-        if i in chosen:
-            rows.extend(range(offset, offset + t.numel()))
-        offset += t.numel()
-    slots = torch.cat([checked[i][2] for i in index]) if len(index) > 1 else checked[index[0]][2]
-    starts = [0]
-    for i in index:
-        starts.append(starts[-1] + checked[i][2].numel())
     positions = [checked[i][1] for i in index]
     counts = [checked[i][0].numel() for i in index]
+    ends = list(accumulate(t.numel() for t, _, _ in checked))   # each item's rows end there
+    rows = [row for i, count in zip(index, counts) for row in range(ends[i] - count, ends[i])]
+    slots = torch.cat([checked[i][2] for i in index]) if len(index) > 1 else checked[index[0]][2]
+    starts = [0, *accumulate(checked[i][2].numel() for i in index)]
     batch = kernel.prepare_paged(pool, slots, starts, positions, counts) if hasattr(kernel, "prepare_paged") \
         else None
-    return PagedItems(kernel, chosen, torch.tensor(rows, dtype=torch.long, device=pool.device), pool, slots,
+    return PagedItems(kernel, set(index), torch.tensor(rows, dtype=torch.long, device=pool.device), pool, slots,
                       starts, positions, counts, batch)

@@ -331,7 +331,7 @@ class ChatPromptBuilder:
         if not self.segmented:
             return ChatPrompt([int(i) for i in self.tokenizer.apply_chat_template(chat)], 0, False)
         tokenizer: SegmentedChatTokenizer = self.tokenizer  # type: ignore[assignment]
-        rendered = tokenizer.render_chat(chat, tools=tools) if tools else tokenizer.render_chat(chat)
+        rendered = tokenizer.render_chat(chat, tools=tools)
         templates = self._template_pieces(pairs, rendered, tools)
         if templates is None:
             return self._fallback(chat, tools)
@@ -378,8 +378,7 @@ class ChatPromptBuilder:
         if any(sentinel in content for sentinel in sentinels for _, content in pairs):
             return None
         marked_chat = [{"role": role, "content": sentinel} for (role, _), sentinel in zip(pairs, sentinels)]
-        marked = (self.tokenizer.render_chat(marked_chat, tools=tools) if tools  # type: ignore[attr-defined]
-                  else self.tokenizer.render_chat(marked_chat))  # type: ignore[attr-defined]
+        marked = self.tokenizer.render_chat(marked_chat, tools=tools)  # type: ignore[attr-defined]
         pieces, position = [], 0
         for sentinel in sentinels:
             found = marked.find(sentinel, position)

@@ -207,7 +207,7 @@ def test_hf_adapter_reuse_through_the_engine(tmp_path):
     from tests.requirements import require_module
 
     transformers = require_module("transformers")
-    from cluster.engine.hf_adapter import HFCausalLM
+    from tests.unit.hf_reference import HFCausalLM
 
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -11,9 +11,10 @@ from tests.requirements import require_module  # noqa: E402
 
 transformers = require_module("transformers")
 
-from cluster.engine.hf_adapter import HFCausalLM, HFTokenizer  # noqa: E402
+from cluster.engine.hf_adapter import HFTokenizer  # noqa: E402
 from cluster.engine.model import CausalLM, DecoderModel, ModelConfig, kv_shape  # noqa: E402
 from cluster.engine.tokenizer import Tokenizer  # noqa: E402
+from tests.unit.hf_reference import HFCausalLM  # noqa: E402
 
 VOCAB = 300
 

@@ -364,7 +364,7 @@ def test_decode_kernel_equals_the_torch_path_at_every_length_on_the_vector_path(
     for b, n in enumerate(lengths):
         keys = torch.cat([buffers[b][1, 0, :, :n], k_new[b, :, None]], dim=1)
         values = torch.cat([buffers[b][1, 1, :, :n], v_new[b, :, None]], dim=1)
-        want.append(model._attend(q[b:b + 1], keys, values, n)[0])
+        want.append(attention.attend_torch(cfg, q[b:b + 1], keys, values, n)[0])
     pool, tables, starts = _in_pool(buffers)
     got = model._paged_kernel(q, k_new, v_new, pool, 1, torch.cat(tables), starts, lengths, [1] * len(lengths),
                               64 ** -0.5)
@@ -397,7 +397,7 @@ def test_paged_kernel_attends_each_new_token_causally_like_the_torch_path():
         rows = slice(offset, offset + n)
         keys = torch.cat([buffers[b][1, 0, :, :s], k_new[rows].transpose(0, 1)], dim=1)
         values = torch.cat([buffers[b][1, 1, :, :s], v_new[rows].transpose(0, 1)], dim=1)
-        want.append(model._attend(q[rows], keys, values, s))
+        want.append(attention.attend_torch(cfg, q[rows], keys, values, s))
         offset += n
     pool, tables, table_starts = _in_pool(buffers)
     slots = torch.cat(tables)
