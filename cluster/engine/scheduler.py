@@ -184,6 +184,10 @@ class Scheduler:
             filling = [r for r in self.running if r.to_compute > 1]
             budget = self._plan_running(plan, decoding + filling, budget, planned)
             self._plan_waiting(plan, budget, planned, _Pass())
+        used: dict = {}
+        for item in plan.items:   # each tenant's recent service, whichever way the step was planned
+            used[item.request.namespace] = used.get(item.request.namespace, 0) + item.num_tokens
+        self.shares.charge(used)
         self.note_waiting()
         plan.all_logits = self.keep_logits or any(wants_prompt_rows(i.request) for i in plan.items)
         return plan
@@ -213,7 +217,8 @@ class Scheduler:
         an equal part of what is left for its own prefills and then its own waiting requests
         (``cluster.engine.fair_share``); a last pass gives what is left to anyone."""
         budget = self._plan_running(plan, [r for r in self.running if r.to_compute == 1], budget, planned)
-        order = self.shares.order(tenants)
+        prompting = {r.namespace for r in (*self.running, *self.waiting) if id(r) not in planned}
+        order = self.shares.order([t for t in tenants if t in prompting])   # those with prompt work share the rest
         state = _Pass()
         for last in (False, True):
             for i, tenant in enumerate(order):
@@ -225,10 +230,6 @@ class Scheduler:
                 left = self._plan_running(plan, fills, share, planned)
                 left = self._plan_waiting(plan, left, planned, state, tenant)
                 budget -= share - left
-        used: dict = {}
-        for item in plan.items:
-            used[item.request.namespace] = used.get(item.request.namespace, 0) + item.num_tokens
-        self.shares.charge(used)
 
     def _plan_waiting(self, plan: StepPlan, budget: int, planned: set[int], state: "_Pass",
                       tenant: Any = _ANY) -> int:
