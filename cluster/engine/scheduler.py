@@ -31,8 +31,9 @@ Every planned request has reserved the HOT room of this step's tokens
 prefixes), so nothing computed is lost for lack of room. When a running
 request cannot get its room, the newest running request is preempted: what
 it computed is committed to the cache and it goes back to the front of the
-queue; admitted again, it finds what the cache kept and recomputes only the
-rest, and its sampling continues exactly (a function of seed and position).
+queue (with several tenants, the newest of the tenant served most
+recently: a flood gives way before a quieter tenant's request); admitted
+again, it finds what the cache kept and recomputes only the rest, and its sampling continues exactly (a function of seed and position).
 A waiting request that finds no room waits.
 
 Two named policies:
@@ -166,6 +167,10 @@ class Scheduler:
         # Each tenant's share of a step (``cluster.engine.fair_share``); the shorter step while
         # tenants share the engine comes with the tenant quotas (``tenant_quotas.step_tokens``).
         quotas = cache.quotas.config if cache.quotas is not None else None
+        # Tenants in the plan's order and the preemptions only where tenants are configured: without
+        # quotas, a tenant's request put ahead of a flood's prefills in one shared LRU HOT pool
+        # pushed its own prefix out (measured: docs/engine.md), so it stays first come, first served.
+        self.fair = quotas is not None
         self.shares = TenantShares(quotas.step_tokens if quotas else None,
                                    quotas.active_window_s if quotas else 30.0)
 
@@ -177,7 +182,7 @@ class Scheduler:
         planned: set[int] = set()
         tenants = self._tenants_with_work()
         budget = self.shares.budget(self.max_batch_tokens, tenants, self.clock())
-        if len(tenants) > 1 or budget < self.max_batch_tokens:
+        if self.fair and (len(tenants) > 1 or budget < self.max_batch_tokens):
             self._plan_fair(plan, budget, planned, tenants)
         else:   # one tenant: first come, first served, as always
             decoding = [r for r in self.running if r.to_compute == 1]
@@ -256,7 +261,7 @@ class Scheduler:
                 if readiness.blocked:   # the oldest one's promotion found no room: nobody takes room before it
                     self.stats["waits_for_promotion_room"] += 1
                     self.blocked = req
-                    state.halted = not self._stall_tenant(req, state.stalled)
+                    state.halted = self._preempt_for(req, planned) or not self._stall_tenant(req, state.stalled)
                     continue
                 self.stats["waits_for_promotion"] += 1   # on its way up to HOT: the others go meanwhile
                 state.promoting = True
@@ -272,8 +277,8 @@ class Scheduler:
                     continue
                 self.stats["waits_for_room"] += 1
                 self.blocked = req
-                # no room: it waits for running requests to finish or yield (its tenant's alone under quotas)
-                state.halted = not self._stall_tenant(req, state.stalled)
+                # no room: it waits for running requests to finish, yield or give way (its tenant's alone under quotas)
+                state.halted = self._preempt_for(req, planned) or not self._stall_tenant(req, state.stalled)
                 continue
             self.waiting.remove(req)
             self.running.append(req)
@@ -327,12 +332,36 @@ class Scheduler:
             self.blocked = None
             return
         now = self.clock()
-        victim = next((r for r in reversed(self.running) if r.to_compute == 1 and r.output
-                       and r.running_since is not None and now - r.running_since >= self.time_slice_s), None)
+        victim = self._most_served((r for r in reversed(self.running) if r.to_compute == 1 and r.output
+                                    and r.running_since is not None and now - r.running_since >= self.time_slice_s))
         if victim is not None:
             self.preempt(victim, at=len(self.waiting))
             victim.yielded_to = head
             self.stats["time_slice_preemptions"] += 1
+
+    def _most_served(self, candidates) -> EngineRequest | None:
+        """The first of ``candidates`` (newest first) of the tenant served most recently: a
+        tenant's flood gives way before a quieter tenant's request (one tenant: the newest)."""
+        if not self.fair:
+            return next(iter(candidates), None)
+        return max(candidates, key=lambda r: self.shares.served.get(r.namespace, 0.0), default=None)
+
+    def _preempt_for(self, req: EngineRequest, planned: set[int]) -> bool:
+        """Under tenant quotas, a waiting request that found no room (for its chunk or its
+        prefix's promotion) takes it from a running request of another tenant that
+        ``may_preempt`` allows (over its HOT guarantee, the requester under its cap), of the
+        tenant served most, newest first, not one in this step's plan: the room rules hold
+        for admission as for running requests. True: one was preempted (the room is free
+        for the next step)."""
+        if not self.fair:
+            return False
+        victim = self._most_served(r for r in reversed(self.running) if id(r) not in planned
+                                   and r.namespace != req.namespace
+                                   and self.cache.may_preempt(req.namespace, r.namespace, r.num_computed_tokens))
+        if victim is None:
+            return False
+        self.preempt(victim)
+        return True
 
     def _reserve_or_preempt(self, req: EngineRequest, n: int, planned: set[int]) -> bool:
         """Room for ``n`` more tokens of ``req``; preempts the newest running request
@@ -342,8 +371,9 @@ class Scheduler:
                 req.lease.reserve(n)
                 return True
             except PoolExhaustedError:
-                victim = next((r for r in reversed(self.running) if id(r) not in planned
-                               and self.cache.may_preempt(req.namespace, r.namespace, r.num_computed_tokens)), None)
+                victim = self._most_served((r for r in reversed(self.running) if id(r) not in planned
+                                            and self.cache.may_preempt(req.namespace, r.namespace,
+                                                                       r.num_computed_tokens)))
                 if victim is None:   # everyone else is in this step already: this one yields
                     victim = req
                 self.preempt(victim)

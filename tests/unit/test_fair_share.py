@@ -22,7 +22,9 @@ class Clock:
         return self.now
 
 
-def make_engine(budget=16, hot_blocks=256, quotas=None, clock=None):
+def make_engine(budget=16, hot_blocks=256, quotas=(), clock=None):
+    """Tenant quotas on (the fair share comes with them; ``()``: none listed), or None: off."""
+    quotas = {} if quotas == () else quotas
     c = MODEL.config
     cache = TieredCache(TierConfig(hot_blocks=hot_blocks, warm_blocks=0, block_tokens=BT, device="cpu",
                                    tenant_quotas=quotas),

@@ -338,8 +338,8 @@ def _drive(engine):
 def test_the_engine_preempts_the_tenant_over_its_guarantee_not_the_newest_request():
     """B holds an idle prefix and runs one request, within its HOT guarantee; A runs two
     requests that do not fit beside them. Without quotas the newest running request (B's)
-    is preempted; with them A's own newer request is (again each time it comes back while
-    the room is short: three times under the per-tenant step order), and B loses nothing to A."""
+    is preempted; with them A's own newer request gives way each time it comes back while
+    the room is short (three times, under the per-tenant step order), and B loses nothing to A."""
     from cluster.engine.engine import EngineRequest, SamplingParams
     from tests.unit.test_scheduler import reference_outputs
 
