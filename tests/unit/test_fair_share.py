@@ -173,3 +173,36 @@ def test_step_tokens_config_is_checked_and_round_trips():
                        ({"active_window_s": 0}, r"active_window_s must be a number of seconds in \(0, 86400\]")):
         with pytest.raises(InvalidInputError, match=match):
             QuotaConfig.parse(bad)
+
+
+def test_under_quotas_a_waiting_request_without_room_preempts_the_flooding_tenant():
+    """A (no guarantee) decodes one request and fills another; HOT has one free block. B
+    (guaranteed a quarter of HOT, holding nothing) sends a 20-token prompt: it finds no room,
+    so A's filling request gives way (preempted, its KV into the cache) instead of B waiting
+    for A's requests to end, and B runs in the next step. Every token is that of a run alone."""
+    work = [(seq(i * 30, 28), SamplingParams(max_tokens=4)) for i in range(2)]
+    b_work = (seq(5, 20), SamplingParams(max_tokens=2))
+    want = reference_outputs(work + [b_work])
+    engine = make_engine(budget=16, hot_blocks=14, quotas={"tenants": {"B": {"hot": {"guarantee": 0.25}}}})
+    reqs = [engine.submit(EngineRequest(list(p), s, namespace="A")) for p, s in work]
+    assert [step(engine) for _ in range(3)] == [[("A", 0, 16)], [("A", 16, 12), ("A", 0, 4)],
+                                                [("A", 28, 1), ("A", 4, 15)]]
+    assert engine.cache.hot.allocator.free_blocks == 1
+    b = engine.submit(EngineRequest(list(b_work[0]), b_work[1], namespace="B"))
+    assert step(engine) == [("A", 29, 1)]          # B found no room: A's filling request gave it
+    assert [r.preemptions for r in reqs] == [0, 1]
+    assert step(engine) == [("A", 30, 1), ("B", 0, 8), ("A", 0, 7)]   # B first, A's back from its cache
+    drive(engine)
+    assert [r.output for r in reqs + [b]] == want
+    engine.cache.check_invariants()
+
+
+def test_without_tenant_quotas_tenants_stay_first_come_first_served():
+    """No ``tenant_quotas``: the plan is the one-queue order of before (B behind A's backlog)."""
+    engine = make_engine(budget=16, quotas=None)
+    submit(engine, "A", seq(0, 40))
+    submit(engine, "A", seq(40, 32))
+    assert step(engine) == [("A", 0, 16)]
+    submit(engine, "B", [7, 8, 9, 10, 11, 12])
+    assert step(engine) == [("A", 16, 16)]
+    assert step(engine) == [("A", 32, 8), ("A", 0, 8)]
