@@ -11,9 +11,12 @@ replica may keep written in L3 for all tenants together):
       default: {hot: {guarantee: 0.1, cap: 0.5}, warm: {cap: 0.5}}
       tenants: {team-b: {hot: {guarantee: 0.5, cap: 1.0}}}
       keys: {sk-live-123: {warm: {guarantee: 0.25}}}     # resolved to the key's tenant by the app
+      step_tokens: 32          # the engine step's token budget while tenants share the engine
+      active_window_s: 30      # ... that is, while another tenant was seen this recently
 
 A tier left out of a quota is unlimited (guarantee 0, cap 1). The rules the
-cache keeps with them: ``cluster.cache.quotas``.
+cache keeps with them: ``cluster.cache.quotas``; the engine's per-tenant fair
+share of each step (``step_tokens``): ``cluster.engine.fair_share``.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ from cluster.errors import InvalidInputError
 
 QUOTA_TIERS = ("hot", "warm", "cold", "l3")   # index = cluster.names tier (HOT=0, WARM=1, COLD=2), L3=3
 L3_INDEX = 3
-_TOP_KEYS = ("default", "tenants", "keys", "l3_blocks")
+_TOP_KEYS = ("default", "tenants", "keys", "l3_blocks", "step_tokens", "active_window_s")
+DEFAULT_ACTIVE_WINDOW_S = 30.0
 
 
 def _number(value: Any, where: str) -> float:
@@ -89,6 +93,10 @@ class QuotaConfig:
     default: TenantQuota = field(default_factory=TenantQuota)
     tenants: tuple[tuple[str, TenantQuota], ...] = ()
     l3_blocks: int = 0
+    # The engine's step budget while more than one tenant was active within ``active_window_s``
+    # (None: ``max_batch_tokens`` always; ``cluster.engine.fair_share``).
+    step_tokens: int | None = None
+    active_window_s: float = DEFAULT_ACTIVE_WINDOW_S
 
     def quota_of(self, namespace: Hashable) -> TenantQuota:
         for tenant, quota in self.tenants:
@@ -111,6 +119,7 @@ class QuotaConfig:
         l3_blocks = data.get("l3_blocks", 0)
         if isinstance(l3_blocks, bool) or not isinstance(l3_blocks, int) or l3_blocks < 0:
             raise InvalidInputError(f"tenant_quotas.l3_blocks must be a non-negative integer, got {l3_blocks!r}")
+        step_tokens, window = _scheduling(data)
         default = TenantQuota.parse(data.get("default"), "tenant_quotas.default")
         tenants: dict[str, tuple[TenantQuota, str]] = {}
         for section in ("tenants", "keys"):
@@ -125,7 +134,8 @@ class QuotaConfig:
                     raise InvalidInputError(f"{where}: tenant {tenant!r} already has a different quota "
                                             f"(from {tenants[tenant][1]})")
                 tenants[tenant] = (quota, where)
-        config = cls(default, tuple(sorted((t, q) for t, (q, _) in tenants.items())), l3_blocks)
+        config = cls(default, tuple(sorted((t, q) for t, (q, _) in tenants.items())), l3_blocks,
+                     step_tokens, window)
         config.check()
         return config
 
@@ -145,8 +155,26 @@ class QuotaConfig:
 
     def to_dict(self) -> dict:
         """The form ``parse`` reads (keys resolved to tenants)."""
-        return {"default": self.default.to_dict(), "tenants": {t: q.to_dict() for t, q in self.tenants},
-                "l3_blocks": self.l3_blocks}
+        out = {"default": self.default.to_dict(), "tenants": {t: q.to_dict() for t, q in self.tenants},
+               "l3_blocks": self.l3_blocks}
+        if self.step_tokens is not None:   # the scheduling keys only when set
+            out["step_tokens"] = self.step_tokens
+        if self.active_window_s != DEFAULT_ACTIVE_WINDOW_S:
+            out["active_window_s"] = self.active_window_s
+        return out
+
+
+def _scheduling(data: Mapping) -> tuple[int | None, float]:
+    """``step_tokens`` (an integer >= 1, or absent) and ``active_window_s`` (seconds > 0)."""
+    step = data.get("step_tokens")
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 1):
+        raise InvalidInputError(f"tenant_quotas.step_tokens must be an integer >= 1 (tokens per engine step "
+                                f"while tenants share it), got {step!r}")
+    window = data.get("active_window_s", DEFAULT_ACTIVE_WINDOW_S)
+    if isinstance(window, bool) or not isinstance(window, (int, float)) or not 0 < window <= 86400:
+        raise InvalidInputError(f"tenant_quotas.active_window_s must be a number of seconds in (0, 86400], "
+                                f"got {window!r}")
+    return step, float(window)
 
 
 def _tenant_of_key(key: str, api_keys: Mapping[str, str] | None) -> str:

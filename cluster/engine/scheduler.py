@@ -17,13 +17,23 @@ in this order (vLLM v1's, with chunked prefill):
    counted in ``recompute_chosen_tokens``. ``recomputed_held_tokens`` (by tier)
    counts what a request recomputed although a tier held it: it stays 0.
 
+With more than one tenant (cache namespace) in the engine, the order is per
+tenant instead (``cluster.engine.fair_share``): every decode, then each
+tenant, least served recently first, an equal part of what is left of the
+budget for its own prefill chunks and then its own waiting requests (first
+come, first served within the tenant), so one tenant's backlog neither holds
+another's request back nor fills its step; with ``tenant_quotas.step_tokens``
+the step is that short while tenants share the engine. One tenant alone is
+planned exactly as above.
+
 Every planned request has reserved the HOT room of this step's tokens
 (``KVLease.reserve``: real slots, after demoting or evicting unlocked
 prefixes), so nothing computed is lost for lack of room. When a running
 request cannot get its room, the newest running request is preempted: what
 it computed is committed to the cache and it goes back to the front of the
-queue; admitted again, it finds what the cache kept and recomputes only the
-rest, and its sampling continues exactly (a function of seed and position).
+queue (with several tenants, the newest of the tenant served most
+recently: a flood gives way before a quieter tenant's request); admitted
+again, it finds what the cache kept and recomputes only the rest, and its sampling continues exactly (a function of seed and position).
 A waiting request that finds no room waits.
 
 Two named policies:
@@ -55,6 +65,7 @@ from typing import Any, Callable
 import torch
 
 from cluster.cache.tiered import TieredCache
+from cluster.engine.fair_share import TenantShares
 from cluster.engine.prompt_logprobs import wants_prompt_rows
 from cluster.engine.request import EngineRequest, TokenEvent, split_by_tier
 from cluster.errors import CacheError, PoolExhaustedError
@@ -63,6 +74,17 @@ from cluster.protocol import FinishReason
 from cluster.tokens import common_prefix
 
 log = logging.getLogger(__name__)
+
+_ANY = object()   # every tenant's waiting requests (``Scheduler._plan_waiting``)
+
+
+@dataclass(slots=True)
+class _Pass:
+    """What one step's planning of waiting requests carries from one request to the next."""
+
+    promoting: bool = False   # an older waiting request's prefix is on its way up
+    stalled: set = field(default_factory=set)   # tenants whose oldest waiting request found no room (quotas)
+    halted: bool = False      # a request found no room: nobody behind it takes room before it
 
 
 @dataclass(slots=True)
@@ -142,17 +164,47 @@ class Scheduler:
         # what a promotion's copy time is weighed against (``TieredCache.ready``).
         self.prefill_s_per_token: float | None = None
         self._bytes_per_token = cache.layout.bytes_per_token() if cache.layout is not None else 0
+        # Each tenant's share of a step (``cluster.engine.fair_share``); the shorter step while
+        # tenants share the engine comes with the tenant quotas (``tenant_quotas.step_tokens``).
+        quotas = cache.quotas.config if cache.quotas is not None else None
+        # Tenants in the plan's order and the preemptions only where tenants are configured: without
+        # quotas, a tenant's request put ahead of a flood's prefills in one shared LRU HOT pool
+        # pushed its own prefix out (measured: docs/engine.md), so it stays first come, first served.
+        self.fair = quotas is not None
+        self.shares = TenantShares(quotas.step_tokens if quotas else None,
+                                   quotas.active_window_s if quotas else 30.0)
 
     # ------------------------------------------------------------------ planning
     def schedule(self) -> StepPlan:
         """This step's plan, every request in it with its HOT room reserved."""
-        budget = self.max_batch_tokens
         plan = StepPlan()
         self._yield_to_blocked()
         planned: set[int] = set()
-        decoding = [r for r in self.running if r.to_compute == 1]
-        filling = [r for r in self.running if r.to_compute > 1]
-        for req in decoding + filling:
+        tenants = self._tenants_with_work()
+        budget = self.shares.budget(self.max_batch_tokens, tenants, self.clock())
+        if self.fair and (len(tenants) > 1 or budget < self.max_batch_tokens):
+            self._plan_fair(plan, budget, planned, tenants)
+        else:   # one tenant: first come, first served, as always
+            decoding = [r for r in self.running if r.to_compute == 1]
+            filling = [r for r in self.running if r.to_compute > 1]
+            budget = self._plan_running(plan, decoding + filling, budget, planned)
+            self._plan_waiting(plan, budget, planned, _Pass())
+        used: dict = {}
+        for item in plan.items:   # each tenant's recent service, whichever way the step was planned
+            used[item.request.namespace] = used.get(item.request.namespace, 0) + item.num_tokens
+        self.shares.charge(used)
+        self.note_waiting()
+        plan.all_logits = self.keep_logits or any(wants_prompt_rows(i.request) for i in plan.items)
+        return plan
+
+    def _tenants_with_work(self) -> list:
+        """The tenants with a running or waiting request, oldest request first."""
+        return list(dict.fromkeys(r.namespace for r in (*self.running, *self.waiting)))
+
+    def _plan_running(self, plan: StepPlan, reqs: list[EngineRequest], budget: int, planned: set[int]) -> int:
+        """Running requests into the plan in the given order, as far as ``budget`` goes
+        (a decode one token, a prefill its next chunk); the budget left."""
+        for req in reqs:
             if budget <= 0:
                 break
             if req not in self.running:   # preempted for an older request of this step
@@ -162,28 +214,46 @@ class Scheduler:
                 plan.items.append(ScheduledRequest(req, req.num_computed_tokens, n))
                 planned.add(id(req))
                 budget -= n
-        self._plan_waiting(plan, budget, planned)
-        self.note_waiting()
-        plan.all_logits = self.keep_logits or any(wants_prompt_rows(i.request) for i in plan.items)
-        return plan
+        return budget
 
-    def _plan_waiting(self, plan: StepPlan, budget: int, planned: set[int]) -> None:
-        """Waiting requests into the plan, first come first served, as far as the budget goes.
-        Promotions that make room go oldest first and one at a time; behind it only those
-        that fit in free blocks (started for every waiting request at once, their prefixes
-        pushed each other back out of a full HOT pool before any was admitted: a livelock)."""
-        promoting = False   # an older waiting request's prefix is on its way up
-        stalled: set = set()   # tenants whose oldest waiting request found no room (tenant quotas)
+    def _plan_fair(self, plan: StepPlan, budget: int, planned: set[int], tenants: list) -> None:
+        """Several tenants (or one beside a recently active other): every decode first, then
+        the rest of the budget shared among the tenants, least served recently first, each
+        an equal part of what is left for its own prefills and then its own waiting requests
+        (``cluster.engine.fair_share``); a last pass gives what is left to anyone."""
+        budget = self._plan_running(plan, [r for r in self.running if r.to_compute == 1], budget, planned)
+        prompting = {r.namespace for r in (*self.running, *self.waiting) if id(r) not in planned}
+        order = self.shares.order([t for t in tenants if t in prompting])   # those with prompt work share the rest
+        state = _Pass()
+        for last in (False, True):
+            for i, tenant in enumerate(order):
+                if budget <= 0:
+                    break
+                share = budget if last else self.shares.allot(budget, len(order) - i)
+                fills = [r for r in self.running if r.namespace == tenant and r.to_compute > 1
+                         and id(r) not in planned]
+                left = self._plan_running(plan, fills, share, planned)
+                left = self._plan_waiting(plan, left, planned, state, tenant)
+                budget -= share - left
+
+    def _plan_waiting(self, plan: StepPlan, budget: int, planned: set[int], state: "_Pass",
+                      tenant: Any = _ANY) -> int:
+        """Waiting requests (of ``tenant``, or all) into the plan, first come first served, as
+        far as the budget goes; the budget left. Promotions that make room go oldest first
+        and one at a time; behind it only those that fit in free blocks (started for every
+        waiting request at once, their prefixes pushed each other back out of a full HOT
+        pool before any was admitted: a livelock). ``state`` carries that across a step's
+        calls, and whether a request that found no room stops everyone behind it."""
         for req in list(self.waiting):
-            if budget <= 0 or len(self.running) >= self.max_running:
+            if budget <= 0 or len(self.running) >= self.max_running or state.halted:
                 break
-            if req.namespace in stalled:
+            if (tenant is not _ANY and req.namespace != tenant) or req.namespace in state.stalled:
                 continue
             if req.yielded_to is not None:   # it gave its room to an older request: not back before it
                 if req.yielded_to in self.waiting:
                     continue
                 req.yielded_to = None
-            readiness = self.cache.ready(req.tokens, req.namespace, make_room=not promoting,
+            readiness = self.cache.ready(req.tokens, req.namespace, make_room=not state.promoting,
                                          recompute_s_per_token=self.prefill_s_per_token)
             if req.first_look is None:   # where its KV comes from, before any promotion
                 req.first_look = readiness.tiers
@@ -191,11 +261,10 @@ class Scheduler:
                 if readiness.blocked:   # the oldest one's promotion found no room: nobody takes room before it
                     self.stats["waits_for_promotion_room"] += 1
                     self.blocked = req
-                    if self._stall_tenant(req, stalled):
-                        continue
-                    break
+                    state.halted = self._preempt_for(req, planned) or not self._stall_tenant(req, state.stalled)
+                    continue
                 self.stats["waits_for_promotion"] += 1   # on its way up to HOT: the others go meanwhile
-                promoting = True
+                state.promoting = True
                 continue
             if self.shared_fills and self._behind_shared_fill(req, sum(readiness.tiers)):
                 self.stats["waits_for_shared_prefix"] += 1
@@ -208,9 +277,9 @@ class Scheduler:
                     continue
                 self.stats["waits_for_room"] += 1
                 self.blocked = req
-                if self._stall_tenant(req, stalled):
-                    continue
-                break              # no room: it waits for running requests to finish or yield
+                # no room: it waits for running requests to finish, yield or give way (its tenant's alone under quotas)
+                state.halted = self._preempt_for(req, planned) or not self._stall_tenant(req, state.stalled)
+                continue
             self.waiting.remove(req)
             self.running.append(req)
             if req is self.blocked:
@@ -218,6 +287,7 @@ class Scheduler:
             plan.items.append(ScheduledRequest(req, req.num_computed_tokens, n))
             planned.add(id(req))
             budget -= n
+        return budget
 
     def _stall_tenant(self, req: EngineRequest, stalled: set) -> bool:
         """Under tenant quotas the room a blocked request waits for may be another tenant's
@@ -262,12 +332,36 @@ class Scheduler:
             self.blocked = None
             return
         now = self.clock()
-        victim = next((r for r in reversed(self.running) if r.to_compute == 1 and r.output
-                       and r.running_since is not None and now - r.running_since >= self.time_slice_s), None)
+        victim = self._most_served((r for r in reversed(self.running) if r.to_compute == 1 and r.output
+                                    and r.running_since is not None and now - r.running_since >= self.time_slice_s))
         if victim is not None:
             self.preempt(victim, at=len(self.waiting))
             victim.yielded_to = head
             self.stats["time_slice_preemptions"] += 1
+
+    def _most_served(self, candidates) -> EngineRequest | None:
+        """The first of ``candidates`` (newest first) of the tenant served most recently: a
+        tenant's flood gives way before a quieter tenant's request (one tenant: the newest)."""
+        if not self.fair:
+            return next(iter(candidates), None)
+        return max(candidates, key=lambda r: self.shares.served.get(r.namespace, 0.0), default=None)
+
+    def _preempt_for(self, req: EngineRequest, planned: set[int]) -> bool:
+        """Under tenant quotas, a waiting request that found no room (for its chunk or its
+        prefix's promotion) takes it from a running request of another tenant that
+        ``may_preempt`` allows (over its HOT guarantee, the requester under its cap), of the
+        tenant served most, newest first, not one in this step's plan: the room rules hold
+        for admission as for running requests. True: one was preempted (the room is free
+        for the next step)."""
+        if not self.fair:
+            return False
+        victim = self._most_served(r for r in reversed(self.running) if id(r) not in planned
+                                   and r.namespace != req.namespace
+                                   and self.cache.may_preempt(req.namespace, r.namespace, r.num_computed_tokens))
+        if victim is None:
+            return False
+        self.preempt(victim)
+        return True
 
     def _reserve_or_preempt(self, req: EngineRequest, n: int, planned: set[int]) -> bool:
         """Room for ``n`` more tokens of ``req``; preempts the newest running request
@@ -277,8 +371,9 @@ class Scheduler:
                 req.lease.reserve(n)
                 return True
             except PoolExhaustedError:
-                victim = next((r for r in reversed(self.running) if id(r) not in planned
-                               and self.cache.may_preempt(req.namespace, r.namespace, r.num_computed_tokens)), None)
+                victim = self._most_served((r for r in reversed(self.running) if id(r) not in planned
+                                            and self.cache.may_preempt(req.namespace, r.namespace,
+                                                                       r.num_computed_tokens)))
                 if victim is None:   # everyone else is in this step already: this one yields
                     victim = req
                 self.preempt(victim)

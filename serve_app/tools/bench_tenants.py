@@ -2,13 +2,15 @@
 
     prefix-cache bench tenants [--sessions 5] [--turns 3] [--doc-tokens 600] [--flood-tokens 600]
                                [--flood-ratio 2] [--hot-tokens 2048] [--warm-tokens 8192] [--quotas JSON]
+                               [--step-tokens 32]
 
 Tenant B (key ``key-b``) runs the long-session workload
 (``serve_app.tools.session_workload``: sessions with their own documents,
 Poisson arrivals, think times and long pauses) through the HTTP app, and tenant
 A (key ``key-a``) floods it with distinct long prompts (``--flood-tokens``
 each, never repeated) at ``--flood-ratio`` times B's request rate (B's rate as
-measured when it ran alone), open loop, for as long as B runs. In one run:
+measured when it ran alone), open loop with Poisson arrivals (seeded: every arm
+gets the same gaps), for as long as B runs. In one run:
 
 1. ``b_alone``: B alone, as a tenant without shares;
 2. ``flood_no_quotas``: B while A floods, both tenants without shares (plain
@@ -73,6 +75,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quotas", default=None, metavar="JSON",
                    help="tenant_quotas of the quotas arm (tenants tenant-a, tenant-b); default: B guaranteed "
                         "half of HOT and 3/4 of WARM, A capped at half of HOT and 1/4 of WARM")
+    p.add_argument("--step-tokens", type=int, default=32,
+                   help="tenant_quotas.step_tokens of the quotas arm (the engine step's token budget while both "
+                        "tenants are active; 0: none, every step max_batch_tokens)")
     p.add_argument("--torch-threads", type=int, default=2, help="the replica's torch threads")
     p.add_argument("--model", default=None, help="model spec (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--seed", type=int, default=0)
@@ -90,21 +95,26 @@ def check_args(args: argparse.Namespace) -> dict:
     for name in ("arrival_s", "think_s", "long_pause_s"):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
+    if args.step_tokens < 0:
+        raise ValueError("--step-tokens must be >= 0 (0: no shorter steps)")
     if not args.flood_ratio > 0:
         raise ValueError("--flood-ratio must be > 0")
     if not 0.0 <= args.long_pause_share <= 1.0:
         raise ValueError("--long-pause-share must be in [0, 1]")
     quotas = DEFAULT_QUOTAS if args.quotas is None else json.loads(args.quotas)
+    if args.step_tokens and isinstance(quotas, dict):
+        quotas = {"step_tokens": args.step_tokens, **quotas}   # --quotas may set its own
     QuotaConfig.parse(quotas, KEYS)   # a bad one fails here, before anything starts
     return quotas
 
 
 # ------------------------------------------------------------------- the flood
 async def flood(base: str, model: str, prompts: list[str], rate_per_s: float, stop: asyncio.Event,
-                max_tokens: int, key: str = "key-a", max_s: float | None = None, timeout_s: float = 600.0) -> dict:
-    """Tenant A: one request every 1/``rate_per_s`` s (open loop, each a distinct prompt)
-    until ``stop`` (or ``max_s`` of sending); then waits for those in flight. Served and
-    failed counts."""
+                max_tokens: int, key: str = "key-a", max_s: float | None = None, timeout_s: float = 600.0,
+                seed: int = 0) -> dict:
+    """Tenant A: Poisson arrivals at ``rate_per_s`` (open loop, each a distinct prompt; the
+    gaps seeded by ``seed``) until ``stop`` (or ``max_s`` of sending); then waits for those
+    in flight. Served and failed counts."""
     import httpx
 
     results: list[bool] = []
@@ -119,12 +129,14 @@ async def flood(base: str, model: str, prompts: list[str], rate_per_s: float, st
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
     async with httpx.AsyncClient(base_url=base, timeout=timeout_s, limits=limits,
                                  headers={"Authorization": f"Bearer {key}"}) as http:
-        t0, i = time.perf_counter(), 0
+        gaps = random.Random(f"{seed}:flood-arrivals")
+        t0, i, at = time.perf_counter(), 0, 0.0
         while not stop.is_set() and (max_s is None or time.perf_counter() - t0 < max_s):
             tasks.append(asyncio.create_task(one(i, http)))
             i += 1
+            at += gaps.expovariate(rate_per_s)
             try:
-                await asyncio.wait_for(stop.wait(), max(0.0, t0 + i / rate_per_s - time.perf_counter()))
+                await asyncio.wait_for(stop.wait(), max(0.0, t0 + at - time.perf_counter()))
             except TimeoutError:
                 pass
         await asyncio.gather(*tasks)
@@ -133,11 +145,11 @@ async def flood(base: str, model: str, prompts: list[str], rate_per_s: float, st
 
 async def b_with_flood(base: str, model: str, plan, system: str, prompts: list[str] | None,
                        rate_per_s: float, flood_max_tokens: int, suffix: str = "",
-                       flood_max_s: float | None = None) -> tuple:
+                       flood_max_s: float | None = None, seed: int = 0) -> tuple:
     """B's sessions (``key-b`` + ``suffix``), with A's flood beside them when ``prompts`` is given."""
     stop = asyncio.Event()
     flooding = asyncio.create_task(flood(base, model, prompts, rate_per_s, stop, flood_max_tokens,
-                                         key="key-a" + suffix, max_s=flood_max_s)) if prompts else None
+                                         key="key-a" + suffix, max_s=flood_max_s, seed=seed)) if prompts else None
     b = await run_sessions(base, model, plan, system=system, api_key="key-b" + suffix)
     stop.set()
     a = await flooding if flooding is not None else {"a_sent": 0, "a_served": 0, "a_failed": 0}
@@ -168,7 +180,7 @@ def run_arm(name: str, base: str, model: str, plan, system: str, prompts, rate: 
     httpx.post(base + "/v1/cache/flush", headers=admin, json={}, timeout=60).raise_for_status()
     quotas = name == "flood_quotas"
     b, a = asyncio.run(b_with_flood(base, model, plan, system, prompts, rate, args.flood_max_tokens,
-                                    "" if quotas else "0", args.flood_max_s))
+                                    "" if quotas else "0", args.flood_max_s, args.seed))
     stats = httpx.get(base + "/v1/cache/stats", headers=admin, timeout=60).json()
     summary = b.summary()
     fields = session_fields(b.turns)
@@ -183,7 +195,19 @@ def run_arm(name: str, base: str, model: str, plan, system: str, prompts, rate: 
             "b_ttft_ms_first_turn_p50": fields["ttft_ms_first_turn_p50"],
             "a_rate_per_s": rounded(rate, 3) if prompts else 0.0,
             "a_max_send_s": rounded(args.flood_max_s, 1) if prompts else None, **a,
-            "b_tokens_lost_to_a": b_lost, "errors": summary["errors"]}
+            "b_tokens_lost_to_a": b_lost, "errors": summary["errors"], **_engine_fields(stats)}
+
+
+def _engine_fields(stats: dict) -> dict:
+    """The replicas' engine steps in the arm (the cache was flushed, not the counters: totals
+    since deploy), for where B's time went: steps and mean step time."""
+    steps = step_ms = 0.0
+    for worker in (stats.get("workers") or {}).values():
+        engine = worker.get("engine") or {}
+        steps += engine.get("steps", 0)
+        step_ms += engine.get("step_ms", 0.0)
+    return {"engine_steps_since_deploy": int(steps),
+            "engine_step_ms_mean": rounded(step_ms / steps, 1) if steps else None}
 
 
 def compare(alone: dict, no_quotas: dict, quotas: dict) -> dict:

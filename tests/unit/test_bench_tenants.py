@@ -18,7 +18,11 @@ def args(**kw):
 
 
 def test_arguments_and_quotas_are_checked_before_anything_starts():
-    assert bench_tenants.check_args(args()) == bench_tenants.DEFAULT_QUOTAS
+    assert bench_tenants.check_args(args()) == {**bench_tenants.DEFAULT_QUOTAS, "step_tokens": 32}
+    assert bench_tenants.check_args(args(step_tokens=0)) == bench_tenants.DEFAULT_QUOTAS
+    assert bench_tenants.check_args(args(quotas='{"step_tokens": 8}'))["step_tokens"] == 8   # --quotas' own wins
+    with pytest.raises(ValueError, match="--step-tokens must be >= 0"):
+        bench_tenants.check_args(args(step_tokens=-1))
     with pytest.raises(ValueError, match="--flood-ratio must be > 0"):
         bench_tenants.check_args(args(flood_ratio=0))
     with pytest.raises(ValueError, match="--doc-tokens must be >= 1"):

@@ -1,0 +1,208 @@
+"""Each tenant's fair share of an engine step (``cluster.engine.fair_share``): step by step,
+exactly which tenant's tokens a plan holds, and that the tokens produced do not change."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.cache.kv_pool import KVLayout
+from cluster.cache.quota_config import QuotaConfig
+from cluster.cache.tiered import TierConfig, TieredCache
+from cluster.engine.engine import Engine, EngineRequest, SamplingParams
+from cluster.engine.fair_share import TenantShares
+from cluster.errors import InvalidInputError
+from tests.unit.test_scheduler import BT, MODEL, reference_outputs
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_engine(budget=16, hot_blocks=256, quotas=(), clock=None):
+    """Tenant quotas on (the fair share comes with them; ``()``: none listed), or None: off."""
+    quotas = {} if quotas == () else quotas
+    c = MODEL.config
+    cache = TieredCache(TierConfig(hot_blocks=hot_blocks, warm_blocks=0, block_tokens=BT, device="cpu",
+                                   tenant_quotas=quotas),
+                        KVLayout(c.num_layers, c.num_kv_heads, c.head_dim), vocab_size=c.vocab_size,
+                        deterministic_io=True)
+    kw = {"clock": clock} if clock is not None else {}
+    return Engine(MODEL, cache, max_batch_tokens=budget, max_running=16, cache_final_token=False, **kw)
+
+
+def seq(start: int, n: int) -> list[int]:
+    """``n`` token ids of the test model's vocabulary (64), from ``start + 1`` on."""
+    return [(start + i) % 63 + 1 for i in range(n)]
+
+
+def submit(engine, ns, prompt, max_tokens=2):
+    return engine.submit(EngineRequest(list(prompt), SamplingParams(max_tokens=max_tokens), namespace=ns))
+
+
+def step(engine) -> list[tuple]:
+    """One engine step; its plan as (tenant, start, tokens) per item."""
+    plan = engine.scheduler.schedule()
+    items = [(i.request.namespace, i.start, i.num_tokens) for i in plan.items]
+    engine.scheduler.schedule = lambda: plan   # the step runs exactly this plan
+    try:
+        engine.step()
+    finally:
+        del engine.scheduler.schedule
+    return items
+
+
+def drive(engine, limit=2000):
+    n = 0
+    while engine.has_work():
+        engine.step()
+        n += 1
+        assert n < limit, "the engine stopped making progress"
+
+
+def test_a_lone_tenant_gets_the_whole_budget_first_come_first_served():
+    engine = make_engine(budget=16)
+    submit(engine, "A", range(1, 41))
+    submit(engine, "A", range(41, 51))
+    assert step(engine) == [("A", 0, 16)]
+    assert step(engine) == [("A", 16, 16)]
+    assert step(engine) == [("A", 32, 8), ("A", 0, 8)]   # its own later request fills the rest
+
+
+def test_a_short_request_of_another_tenant_runs_whole_in_the_next_step_beside_a_flood():
+    """A fills the budget with a long prompt and has two more queued; B's 6-token prompt,
+    submitted after all of them, is planned whole in the very next step (first come, first
+    served it would wait for A's 104 tokens), and A takes the rest of the budget."""
+    engine = make_engine(budget=16)
+    submit(engine, "A", seq(0, 40))
+    submit(engine, "A", seq(40, 32))
+    submit(engine, "A", seq(20, 32))
+    assert step(engine) == [("A", 0, 16)]
+    submit(engine, "B", [7, 8, 9, 10, 11, 12])
+    assert step(engine) == [("B", 0, 6), ("A", 16, 10)]
+    # B decodes next: its token first, then the rest to A, least served
+    assert step(engine) == [("B", 6, 1), ("A", 26, 14), ("A", 0, 1)]
+
+
+def test_two_backlogged_tenants_split_the_budget_exactly():
+    """Both with long prompts: half each, the tenant with the older request first (ties), and
+    the one served less last step first after that; the odd token to the earlier one."""
+    engine = make_engine(budget=17)
+    submit(engine, "A", range(1, 61))
+    submit(engine, "B", range(2, 62))
+    assert step(engine) == [("A", 0, 9), ("B", 0, 8)]   # a tie: A's request is older; it gets the odd token
+    assert step(engine) == [("B", 8, 9), ("A", 9, 8)]   # B served less: B first, B the odd token
+    assert step(engine) == [("A", 17, 9), ("B", 17, 8)]
+
+
+def test_three_tenants_share_and_what_one_leaves_goes_to_the_next():
+    engine = make_engine(budget=30)
+    submit(engine, "A", range(1, 61))
+    submit(engine, "B", [5, 6, 7, 8])          # needs 4 of its 10
+    submit(engine, "C", range(3, 63))
+    # A: 30/3 = 10; B: ceil(20/2) = 10, uses 4; C: the 16 left
+    assert step(engine) == [("A", 0, 10), ("B", 0, 4), ("C", 0, 16)]
+
+
+def test_every_tenants_decodes_ride_in_every_step():
+    engine = make_engine(budget=8)
+    submit(engine, "B", [1, 2, 3], max_tokens=6)
+    submit(engine, "C", [4, 5, 6], max_tokens=6)
+    step(engine)                        # both prompts
+    submit(engine, "A", range(1, 61))
+    for _ in range(4):
+        items = step(engine)
+        assert [(ns, n) for ns, _, n in items] == [("B", 1), ("C", 1), ("A", 6)]
+
+
+def test_fair_order_changes_no_token():
+    """Three tenants, interleaved prompts sharing prefixes within a tenant and a small HOT
+    (preemptions): each request's tokens are exactly those of a run alone."""
+    prompts = [("A", list(range(1, 30))), ("B", [9, 8, 7]), ("A", list(range(1, 20)) + [50, 51]),
+               ("C", list(range(30, 60))), ("B", [9, 8, 7, 6, 5]), ("C", list(range(30, 45)))]
+    work = [(p, SamplingParams(max_tokens=7, temperature=0.8, seed=i)) for i, (_, p) in enumerate(prompts)]
+    want = reference_outputs(work)
+    engine = make_engine(budget=12, hot_blocks=24)
+    reqs = [engine.submit(EngineRequest(list(p), s, namespace=ns)) for (ns, _), (p, s) in zip(prompts, work)]
+    drive(engine)
+    assert [r.output for r in reqs] == want
+    assert engine.stats["preemptions"] > 0   # the small HOT did make requests give way
+    engine.cache.check_invariants()
+
+
+def test_step_tokens_shorten_steps_while_another_tenant_was_active_within_the_window():
+    clock = Clock()
+    engine = make_engine(budget=32, clock=clock, quotas={"step_tokens": 8, "active_window_s": 10})
+    submit(engine, "A", seq(0, 100), max_tokens=1)
+    assert step(engine) == [("A", 0, 32)]      # A alone: the whole budget
+    submit(engine, "B", [3, 4, 5], max_tokens=1)
+    assert step(engine) == [("B", 0, 3), ("A", 32, 5)]   # two tenants: 8 tokens a step
+    clock.now = 5.0
+    assert step(engine) == [("A", 37, 8)]      # B done 5 s ago: still within the window
+    clock.now = 10.5
+    assert step(engine) == [("A", 45, 32)]     # B quiet for longer than the window: A's whole budget again
+
+
+def test_tenant_shares_order_and_allot():
+    shares = TenantShares()
+    assert shares.order(["A", "B"]) == ["A", "B"]
+    shares.charge({"A": 10})
+    assert shares.order(["A", "B"]) == ["B", "A"]
+    shares.charge({"B": 20})   # A 9, B 20
+    assert shares.served == pytest.approx({"A": 9.0, "B": 20.0})
+    assert shares.order(["A", "B"]) == ["A", "B"]
+    assert [TenantShares.allot(17, 2), TenantShares.allot(8, 1), TenantShares.allot(30, 3)] == [9, 8, 10]
+    assert shares.budget(512, ["A"], 0.0) == 512   # no step_tokens: always the whole budget
+    capped = TenantShares(step_tokens=64, window_s=5)
+    assert capped.budget(512, ["A"], 0.0) == 512
+    assert capped.budget(512, ["A", "B"], 1.0) == 64
+    assert capped.budget(32, ["A"], 2.0) == 32   # never above max_batch_tokens
+    assert capped.budget(512, ["A"], 6.5) == 512   # B last seen at 1.0: out of the window
+
+
+def test_step_tokens_config_is_checked_and_round_trips():
+    config = QuotaConfig.parse({"step_tokens": 48, "active_window_s": 12.5})
+    assert (config.step_tokens, config.active_window_s) == (48, 12.5)
+    assert QuotaConfig.parse(config.to_dict()) == config
+    assert "step_tokens" not in QuotaConfig.parse({}).to_dict()
+    for bad, match in (({"step_tokens": 0}, "step_tokens must be an integer >= 1"),
+                       ({"step_tokens": True}, "step_tokens must be an integer >= 1"),
+                       ({"active_window_s": 0}, r"active_window_s must be a number of seconds in \(0, 86400\]")):
+        with pytest.raises(InvalidInputError, match=match):
+            QuotaConfig.parse(bad)
+
+
+def test_under_quotas_a_waiting_request_without_room_preempts_the_flooding_tenant():
+    """A (no guarantee) decodes one request and fills another; HOT has one free block. B
+    (guaranteed a quarter of HOT, holding nothing) sends a 20-token prompt: it finds no room,
+    so A's filling request gives way (preempted, its KV into the cache) instead of B waiting
+    for A's requests to end, and B runs in the next step. Every token is that of a run alone."""
+    work = [(seq(i * 30, 28), SamplingParams(max_tokens=4)) for i in range(2)]
+    b_work = (seq(5, 20), SamplingParams(max_tokens=2))
+    want = reference_outputs(work + [b_work])
+    engine = make_engine(budget=16, hot_blocks=14, quotas={"tenants": {"B": {"hot": {"guarantee": 0.25}}}})
+    reqs = [engine.submit(EngineRequest(list(p), s, namespace="A")) for p, s in work]
+    assert [step(engine) for _ in range(3)] == [[("A", 0, 16)], [("A", 16, 12), ("A", 0, 4)],
+                                                [("A", 28, 1), ("A", 4, 15)]]
+    assert engine.cache.hot.allocator.free_blocks == 1
+    b = engine.submit(EngineRequest(list(b_work[0]), b_work[1], namespace="B"))
+    assert step(engine) == [("A", 29, 1)]          # B found no room: A's filling request gave it
+    assert [r.preemptions for r in reqs] == [0, 1]
+    assert step(engine) == [("A", 30, 1), ("B", 0, 8), ("A", 0, 7)]   # B first, A's back from its cache
+    drive(engine)
+    assert [r.output for r in reqs + [b]] == want
+    engine.cache.check_invariants()
+
+
+def test_without_tenant_quotas_tenants_stay_first_come_first_served():
+    """No ``tenant_quotas``: the plan is the one-queue order of before (B behind A's backlog)."""
+    engine = make_engine(budget=16, quotas=None)
+    submit(engine, "A", seq(0, 40))
+    submit(engine, "A", seq(40, 32))
+    assert step(engine) == [("A", 0, 16)]
+    submit(engine, "B", [7, 8, 9, 10, 11, 12])
+    assert step(engine) == [("A", 16, 16)]
+    assert step(engine) == [("A", 32, 8), ("A", 0, 8)]
