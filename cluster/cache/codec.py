@@ -153,21 +153,31 @@ class TierCodec:
 
     def decode_into(self, out: torch.Tensor, s: torch.Tensor) -> None:
         """Write stored ``s`` (``[..., head_dim + 1]``) into ``out`` (model dtype, ``[..., head_dim]``):
-        ``(q @ R) * s / b``, the integer product straight into ``out`` where it is float32 and
+        ``(q @ R) * s / b``, the integer product written into ``out`` where it is float32 and
         contiguous, then the row scales multiplied in place (no model-sized temporary)."""
         d = self.head_dim
         rows = s.reshape(-1, d + 1)
-        if self.name == "int8":
-            q = rows.float()[:, :d]   # all d + 1 columns: a contiguous conversion, far faster than a strided one
-        else:
-            q = rows[:, :d].contiguous().view(torch.float8_e4m3fn).float()
         scale = _scales(s.device, self.rotation_block)[rows[:, d].long().add_(128)].unsqueeze(1)
         if out.dtype == torch.float32 and out.is_contiguous():
             flat = out.view(-1, d)
-            torch.matmul(q, rotation(d, s.device), out=flat)
+            self._rotated_codes(rows, flat)
             flat.mul_(scale)
         else:
-            out.copy_(torch.matmul(q, rotation(d, s.device)).mul_(scale).view(out.shape))
+            out.copy_(self._rotated_codes(rows, None).float().mul_(scale).view(out.shape))
+
+    def _rotated_codes(self, rows: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        """``q @ R`` of stored rows ``[n, head_dim + 1]`` (into ``out`` if given): exact integers,
+        from the CPU's int8 matrix product into int32 (VNNI/AMX: several times faster than a
+        float32 one) or a float32 one elsewhere."""
+        d = self.head_dim
+        if self.name == "int8":
+            if rows.device.type == "cpu" and _int_mm_works():
+                prod = torch._int_mm(rows[:, :d], rotation(d, rows.device, torch.int8))
+                return out.copy_(prod) if out is not None else prod
+            q = rows.float()[:, :d]   # all d + 1 columns: a contiguous conversion, far faster than a strided one
+        else:
+            q = rows[:, :d].contiguous().view(torch.float8_e4m3fn).float()
+        return torch.matmul(q, rotation(d, rows.device), out=out)
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.empty((*x.shape[:-1], self.stored_row), dtype=self.stored_dtype, device=x.device)
@@ -219,7 +229,7 @@ class TierCodec:
 
 
 _SCALES: dict[tuple[torch.device, int], torch.Tensor] = {}
-_ROTATIONS: dict[tuple[int, torch.device], torch.Tensor] = {}
+_ROTATIONS: dict[tuple[int, torch.device, torch.dtype], torch.Tensor] = {}
 
 
 def _scales(device: torch.device, divisor: int = 1) -> torch.Tensor:
@@ -234,19 +244,36 @@ def _scales(device: torch.device, divisor: int = 1) -> torch.Tensor:
     return table
 
 
-def rotation(head_dim: int, device: torch.device) -> torch.Tensor:
+def rotation(head_dim: int, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``R``: the ``head_dim x head_dim`` block-diagonal Sylvester-Hadamard matrix of +-1
-    entries (blocks of the largest power of two dividing ``head_dim``), float32.
+    entries (blocks of the largest power of two dividing ``head_dim``).
     ``R @ R = b * I``: the same matrix turns a row and turns it back."""
-    key = (head_dim, device)
+    key = (head_dim, device, dtype)
     r = _ROTATIONS.get(key)
     if r is None:
         b = head_dim & -head_dim
         h = torch.ones(1, 1)
         while h.shape[0] < b:
             h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-        r = _ROTATIONS[key] = torch.block_diag(*[h] * (head_dim // b)).to(device)
+        r = _ROTATIONS[key] = torch.block_diag(*[h] * (head_dim // b)).to(device=device, dtype=dtype)
     return r
+
+
+_INT_MM: list[bool] = []
+
+
+def _int_mm_works() -> bool:
+    """Whether this torch multiplies int8 matrices into int32 on the CPU (``torch._int_mm``;
+    checked once, on the shapes it will see: a row stride of ``head_dim + 1``)."""
+    if not _INT_MM:
+        try:
+            a = torch.tensor([[1, -2, 3, 0, 9]], dtype=torch.int8)[:, :4]
+            ok = torch.equal(torch._int_mm(a, rotation(4, torch.device("cpu"), torch.int8)),
+                             torch.tensor([[2, 6, -4, 0]], dtype=torch.int32))
+        except (AttributeError, RuntimeError, NotImplementedError):
+            ok = False
+        _INT_MM.append(ok)
+    return _INT_MM[0]
 
 
 def scale_of(code: torch.Tensor) -> torch.Tensor:
