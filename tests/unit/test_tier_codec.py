@@ -119,6 +119,18 @@ def test_decoding_gives_the_same_bits_whatever_the_shape_or_destination():
     assert torch.equal(hot[1, :, :, 2:7], whole[:, :, 2:7]) and not hot[1, :, :, :2].any()
 
 
+def test_the_cpu_int8_matrix_product_decodes_the_same_bits_as_the_float_one(monkeypatch):
+    import cluster.cache.codec as codec_module
+
+    codec = make_codec("int8", torch.float32, 64)
+    stored = codec.encode(torch.randn(2, 2, 16, 3, 64, generator=torch.Generator().manual_seed(4)) * 5)
+    if not codec_module._int_mm_works():
+        pytest.skip("this torch has no int8 matrix product on the CPU")
+    fast = codec.decode(stored)
+    monkeypatch.setattr(codec_module, "_INT_MM", [False])
+    assert torch.equal(codec.decode(stored), fast)
+
+
 def test_fp8_round_trip_error_is_within_its_mantissa():
     codec = make_codec("fp8", torch.float32, 4)
     x = kv(64, seed=1)
