@@ -78,9 +78,6 @@ def format_id(name: str) -> str:
     return name if name == "none" else f"{name}v{FORMAT_VERSION}"
 
 
-FORMATS = tuple(format_id(name) for name in CODECS)
-
-
 def fp8_supported(device: torch.device) -> bool:
     """float8 e4m3 conversions run on the device (CUDA, compute capability 8.9 and up)."""
     if device.type != "cuda" or not hasattr(torch, "float8_e4m3fn"):
