@@ -12,12 +12,13 @@ import xxhash
 import tests.unit.test_staged_upload as tsu
 import tests.unit.test_tiered as tt
 from actors.config import WorkerConfig
-from cluster.cache.codec import SCALE_STEPS, CodecMismatchError, TierCodec, make_codec, scale_of
+from cluster.cache.codec import (FORMAT_VERSION, SCALE_STEPS, CodecMismatchError, TierCodec, make_codec,
+                                 rotation, scale_of)
 from cluster.cache.kv_pool import KVLayout
 from cluster.cache.l3.memory import MemoryL3Store
 from cluster.cache.l3.store import kv_layout_version
 from cluster.cache.l3.tier import L3Tier, L3TierConfig
-from cluster.cache.l3.wire import L3Block, L3Lookup
+from cluster.cache.l3.wire import L3Block, L3Lookup, l3_key
 from cluster.cache.radix_tree import COLD, HOT, WARM
 from cluster.cache.tiered import TierConfig, TieredCache
 from cluster.errors import ChecksumError, InvalidInputError
@@ -34,14 +35,19 @@ def kv(tokens: int, seed: int = 0, layout: KVLayout = LAYOUT) -> torch.Tensor:
     return x * torch.logspace(-3, 2, tokens).view(1, 1, tokens, 1, 1)   # rows of very different sizes
 
 
+def stored_rows(q: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
+    """Stored bytes from codes ``q`` (``[..., d]``) and scale codes (``[..., 1]``)."""
+    return torch.cat([q, code], dim=-1).to(torch.int8)
+
+
 def exact_kv_for(tokens):
-    """KV the int8 codec stores exactly: codes in [-127, 127] with a 127 in every row,
-    times a power of two (a scale code that is a multiple of SCALE_STEPS)."""
+    """KV the int8 codec stores exactly: what it decodes from codes in [-127, 127] with a
+    127 in every row (so encoding it again finds the same scale and the same codes)."""
     g = torch.Generator().manual_seed(hash(tuple(tokens)) % (2 ** 31))
-    q = torch.randint(-127, 128, (LAYOUT.num_layers, 2, len(tokens), 1, 4), generator=g).float()
-    q[..., 0] = 127.0
-    exp = torch.randint(-6, 4, (LAYOUT.num_layers, 2, len(tokens), 1, 1), generator=g).float()
-    return q * torch.exp2(exp)
+    q = torch.randint(-127, 128, (LAYOUT.num_layers, 2, len(tokens), 1, 4), generator=g)
+    q[..., 0] = 127
+    code = torch.randint(-60, 30, (LAYOUT.num_layers, 2, len(tokens), 1, 1), generator=g)
+    return INT8.decode(stored_rows(q, code))
 
 
 def cache(tmp_path, codec="int8", hot=8, warm=8, cold=16, **kw):
@@ -51,20 +57,49 @@ def cache(tmp_path, codec="int8", hot=8, warm=8, cold=16, **kw):
 
 
 # ------------------------------------------------------------------ the codec
-def test_int8_round_trip_error_is_within_half_a_step_of_each_rows_scale():
+def test_the_rotation_is_a_block_diagonal_hadamard_matrix_its_own_inverse_up_to_b():
+    cpu = torch.device("cpu")
+    for d, b in ((4, 4), (64, 64), (128, 128), (80, 16), (96, 32), (6, 2), (3, 1)):
+        r = rotation(d, cpu)
+        assert make_codec("int8", torch.float32, d).rotation_block == b
+        assert torch.equal(r, r.T) and torch.equal(r @ r, b * torch.eye(d))
+        assert set(r.unique().tolist()) <= {-1.0, 0.0, 1.0} and int((r != 0).sum()) == d * b
+        assert torch.equal(r[:b, b:], torch.zeros(b, d - b))   # blocks never mix across
+    assert torch.equal(rotation(4, cpu), torch.tensor([[1., 1, 1, 1], [1, -1, 1, -1], [1, 1, -1, -1],
+                                                        [1, -1, -1, 1]]))
+
+
+def test_int8_round_trip_error_is_within_half_a_step_of_each_rotated_row():
     x = kv(64)
     x[0, 0, 5] = 0.0                                  # an all-zero row
     x[1, 1, 9, 0, 2] = 1e4                            # an outlier in one row only
     stored = INT8.encode(x)
     assert stored.dtype == torch.int8 and stored.shape == (*x.shape[:-1], 5)
     back = INT8.decode(stored)
-    amax = x.abs().amax(-1, keepdim=True)
+    r = rotation(4, x.device)
+    y, y_back = x @ r, back @ r                       # the rotated rows the codes quantize
+    amax = y.abs().amax(-1, keepdim=True)
     step = scale_of(stored[..., 4:])
-    assert torch.all(step >= amax / 127) and torch.all(step <= amax / 127 * 2 ** (1 / SCALE_STEPS) + 2 ** -16)
-    assert torch.all((back - x).abs() <= step / 2 * (1 + 1e-6))
+    slack = 2 ** (1e-3 / SCALE_STEPS)                 # a rounding error above a step keeps that step
+    assert torch.all(step * slack >= amax / 127)
+    assert torch.all(step <= amax / 127 * 2 ** (1 / SCALE_STEPS) + 2 ** -16)
+    assert torch.all((y_back - y).abs() <= step * (0.5 + 127 * (slack - 1)) + amax * 1e-6)
+    # In the model's coordinates: the rotation is orthogonal up to sqrt(b), so a row's
+    # error is at most half a step times sqrt(d / b) in length.
+    assert torch.all((back - x).norm(dim=-1, keepdim=True) <= step * 0.512 + amax * 1e-6)
     assert torch.equal(back[0, 0, 5], torch.zeros(1, 4))
     # The outlier coarsens its own row only: the row beside it keeps its own step.
     assert step[1, 1, 9].item() > 70 and step[1, 1, 8].item() < 1
+
+
+def test_the_rotation_spreads_an_outlier_channel_so_the_other_channels_keep_their_precision():
+    codec = make_codec("int8", torch.float32, 64)
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(2000, 64, generator=g) * 0.05
+    x[:, 7] = 20.0 * torch.sign(torch.randn(2000, generator=g))   # a key's large channel, every row
+    err = (codec.decode(codec.encode(x)) - x)[:, torch.arange(64) != 7]
+    unrotated_rms = 20.0 / 127 / 12 ** 0.5           # one scale per row set by the outlier, no rotation
+    assert err.pow(2).mean().sqrt().item() < unrotated_rms / 4
 
 
 def test_exactly_representable_kv_round_trips_bit_exact():
@@ -72,20 +107,46 @@ def test_exactly_representable_kv_round_trips_bit_exact():
     assert torch.equal(INT8.decode(INT8.encode(x)), x)
 
 
+def test_decoding_gives_the_same_bits_whatever_the_shape_or_destination():
+    codec = make_codec("int8", torch.float32, 64)
+    x = torch.randn(3, 2, 8, 3, 64, generator=torch.Generator().manual_seed(2)) * 3
+    stored = codec.encode(x)
+    whole = codec.decode(stored)
+    rows = torch.cat([codec.decode(stored.reshape(-1, 65)[i:i + 1]) for i in range(stored.numel() // 65)])
+    assert torch.equal(rows.view_as(whole), whole)
+    hot = torch.zeros(4, 3, 2, 8, 3, 64)
+    codec.copy_kv(hot[1, :, :, 2:7], stored[:, :, 2:7])   # a slot view: not contiguous
+    assert torch.equal(hot[1, :, :, 2:7], whole[:, :, 2:7]) and not hot[1, :, :, :2].any()
+
+
+def test_the_cpu_int8_matrix_product_decodes_the_same_bits_as_the_float_one(monkeypatch):
+    import cluster.cache.codec as codec_module
+
+    codec = make_codec("int8", torch.float32, 64)
+    stored = codec.encode(torch.randn(2, 2, 16, 3, 64, generator=torch.Generator().manual_seed(4)) * 5)
+    if not codec_module._int_mm_works():
+        pytest.skip("this torch has no int8 matrix product on the CPU")
+    fast = codec.decode(stored)
+    monkeypatch.setattr(codec_module, "_INT_MM", [False])
+    assert torch.equal(codec.decode(stored), fast)
+
+
 def test_fp8_round_trip_error_is_within_its_mantissa():
     codec = make_codec("fp8", torch.float32, 4)
     x = kv(64, seed=1)
-    back = codec.decode(codec.encode(x))
-    step = scale_of(codec.encode(x)[..., 4:])
+    stored = codec.encode(x)
+    y, y_back = x @ rotation(4, x.device), codec.decode(stored) @ rotation(4, x.device)
+    step = scale_of(stored[..., 4:])
     # e4m3: 3 mantissa bits (half a step is 1/16 of the value); subnormals below 2**-6.
-    assert torch.all((back - x).abs() <= x.abs() / 16 + step * 2 ** -10)
+    assert torch.all((y_back - y).abs() <= y.abs() / 16 + step * 2 ** -9 + y.abs().amax(-1, keepdim=True) * 1e-6)
 
 
 def test_bfloat16_kv_decodes_to_bfloat16():
     codec = make_codec("int8", torch.bfloat16, 4)
-    x = exact_kv_for(list(range(8))).to(torch.bfloat16)
-    back = codec.decode(codec.encode(x))
-    assert back.dtype == torch.bfloat16 and torch.equal(back, x)
+    stored = INT8.encode(kv(8, seed=2))
+    back = codec.decode(stored)
+    assert back.dtype == torch.bfloat16 and torch.equal(back, INT8.decode(stored).to(torch.bfloat16))
+    assert torch.equal(codec.encode(back), INT8.encode(back.float()))
 
 
 def test_stored_bytes_are_a_quarter_of_float32_and_about_half_of_bfloat16():
@@ -180,14 +241,33 @@ def test_conversions_run_on_the_copy_thread_never_the_callers(tmp_path, monkeypa
 
 
 # ---------------------------------------------------------------------- L3
-def test_the_l3_key_names_the_codec():
+def test_the_l3_key_names_the_codec_and_its_format_version():
+    assert FORMAT_VERSION == 2   # the rotated rows; version 1 (no rotation) had the same shape
     assert kv_layout_version(LAYOUT, 16) == "f1-L2-H1-D4-float32-B16"
-    assert kv_layout_version(LAYOUT, 16, "int8") == "f1-L2-H1-D4-float32-B16-int8"
-    assert kv_layout_version(LAYOUT, 16, "fp8") == "f1-L2-H1-D4-float32-B16-fp8"
+    assert kv_layout_version(LAYOUT, 16, "int8") == "f1-L2-H1-D4-float32-B16-int8v2"
+    assert kv_layout_version(LAYOUT, 16, "fp8") == "f1-L2-H1-D4-float32-B16-fp8v2"
+    assert INT8.format_id == "int8v2" and make_codec("none", torch.float32, 4).format_id == "none"
     with pytest.raises(InvalidInputError, match="tier codec must be one of"):
         kv_layout_version(LAYOUT, 16, "int4")
+    with pytest.raises(InvalidInputError, match="tier codec must be one of"):
+        kv_layout_version(LAYOUT, 16, "int8v2")   # a codec's name, not a format's
     tier = L3Tier(MemoryL3Store(), LAYOUT, 4, L3TierConfig(model_id="m"), start_thread=False, codec=INT8)
-    assert tier.key(0xAB).name == "pc/m/f1-L2-H1-D4-float32-B4-int8/00000000000000ab"
+    assert tier.key(0xAB).name == "pc/m/f1-L2-H1-D4-float32-B4-int8v2/00000000000000ab"
+
+
+def test_a_value_stored_under_the_old_format_s_key_is_never_read():
+    """Version 1's int8 bytes (the same shape, no rotation) sit under ``...-int8/``: a
+    reader of version 2 looks only under ``...-int8v2/`` and finds nothing."""
+    store = MemoryL3Store()
+    b, tier_b = _l3_cache(store)
+    toks = list(range(1, 9))
+    h = block_hashes(toks, 4)
+    old_key = l3_key("m", "f1-L2-H1-D4-float32-B4-int8", h[0])
+    store.put_blocks([L3Block(old_key, tuple(toks[:4]), INT8.encode(kv(4)))])
+    assert not b.ready(toks + [50]).ready
+    tier_b.run_pending()
+    assert b.apply_l3() == 0 and tier_b.stats.verify_failed_removed == 0 and store.num_values == 1
+    b.close()
 
 
 def _l3_cache(store, codec="int8"):
@@ -349,14 +429,16 @@ def test_cuda_round_trip_through_pinned_int8_warm_matches_the_cpu_codec(tmp_path
 
 # ------------------------------------- the tiered state machine again, under int8
 def exact_kv_of(tokens):
-    """test_tiered_state_machine's KV, made of rows the int8 codec stores exactly
-    (127 * 2**e beside q * 2**e), still distinct per prefix."""
-    rows = []
+    """test_tiered_state_machine's KV, made of rows the int8 codec stores exactly (what it
+    decodes from codes [127, q] at scale code e), still distinct per prefix."""
+    q, code = [], []
     for i in range(len(tokens)):
         h = hash(tuple(tokens[:i + 1]))
-        e, q = h % 13 - 6, (h // 13) % 255 - 127
-        rows.append([127.0 * 2.0 ** e, q * 2.0 ** e])
-    return torch.tensor(rows).view(1, 1, -1, 1, 2).expand(1, 2, -1, 1, 2).contiguous()
+        q.append([127, (h // 13) % 255 - 127])
+        code.append([8 * (h % 13 - 6)])
+    stored = stored_rows(torch.tensor(q).view(1, 1, -1, 1, 2), torch.tensor(code).view(1, 1, -1, 1, 1))
+    x = make_codec("int8", torch.float32, 2).decode(stored)
+    return x.expand(1, 2, -1, 1, 2).contiguous()
 
 
 def test_the_tiered_state_machine_under_int8(monkeypatch):

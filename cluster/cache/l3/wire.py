@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import xxhash
 
-from cluster.cache.codec import CODECS
+from cluster.cache.codec import CODECS, format_id
 from cluster.cache.kv_pool import KVLayout
 from cluster.errors import InvalidInputError
 
@@ -29,14 +29,15 @@ _CODE_DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
 # ------------------------------------------------------------------ keys
 def kv_layout_version(layout: KVLayout, block_tokens: int, codec: str = "none") -> str:
     """The name of one block's KV format, e.g. ``f1-L30-H3-D64-bfloat16-B16``, and with a
-    compressed tier codec (``cluster.cache.codec``) its name after it
-    (``f1-L30-H3-D64-float32-B16-int8``): blocks of different formats never share a key."""
+    compressed tier codec (``cluster.cache.codec``) its stored format's name and version
+    after it (``f1-L30-H3-D64-float32-B16-int8v2``): blocks of different formats, a codec's
+    older versions included, never share a key."""
     if not isinstance(block_tokens, int) or block_tokens <= 0:
         raise InvalidInputError(f"block_tokens must be a positive integer, got {block_tokens!r}")
     if codec not in CODECS:
         raise InvalidInputError(f"tier codec must be one of {', '.join(CODECS)}; got {codec!r}")
     return (f"f{FORMAT_VERSION}-L{layout.num_layers}-H{layout.num_kv_heads}-D{layout.head_dim}"
-            f"-{layout.dtype}-B{block_tokens}" + ("" if codec == "none" else f"-{codec}"))
+            f"-{layout.dtype}-B{block_tokens}" + ("" if codec == "none" else f"-{format_id(codec)}"))
 
 
 def _check_key_part(name: str, value: Any) -> None:
