@@ -127,7 +127,13 @@ class Migrator:
         self.holder_stats["migrations_out"] += 1
         return StagedPrefix(self.worker_id, n, blocks,
                             tuple(block_checksum(self.cache.staging.block(b)) for b in blocks),
-                            lease, self.block_tokens, tokens_hash(list(tokens[:n]), namespace))
+                            lease, self.block_tokens, tokens_hash(list(tokens[:n]), namespace), self.stored_format)
+
+    @property
+    def stored_format(self) -> str:
+        """The format of what this cache stages (its tier codec's ``format_id``): a target of
+        another format (codec, or codec version during a rolling upgrade) never installs it."""
+        return self.cache.codec.format_id if self.cache.codec is not None else "none"
 
     def _own_lease(self, lease: str) -> tuple[list, float]:
         entry = self._leases.get(lease) if isinstance(lease, str) else None
@@ -203,6 +209,13 @@ class Migrator:
             log.info("migration from %s found nothing cached (stale decision); recomputing", holder_id)
             return result
         n = staged.tokens
+        if staged.codec != self.stored_format:   # same shape is not same format: never read it as ours
+            self.stats["refused_installs"] += 1
+            log.warning("export from %s is stored as %r, this cache stores %r; recomputing",
+                        holder_id, staged.codec, self.stored_format)
+            link.release(staged.lease)
+            self.stats["recomputed_after_failed_migration"] += 1
+            return result
         if (staged.holder != holder_id or n > len(tokens)
                 or staged.tokens_hash != tokens_hash(list(tokens[:n]), tenant)):
             # Another worker answered, or for other tokens: its KV must never be installed.

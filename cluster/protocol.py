@@ -238,6 +238,7 @@ class StagedPrefix:
     lease: str | None = None         # "<worker>/<process uuid>/<n>": unique across workers
     block_tokens: int = 0
     tokens_hash: int = 0             # of the tokens covered and their tenant: the target compares its own
+    codec: str = "none"              # the staged bytes' stored format (``cluster.cache.codec.format_id``)
 
     def to_fields(self) -> dict:
         return {f: getattr(self, f) for f in self.__slots__}
@@ -250,7 +251,9 @@ class StagedPrefix:
             return cls(str(fields["holder"]), _count(fields["tokens"], "staged prefix tokens"),
                        tuple(_count(b, "staged prefix block") for b in fields["blocks"]),
                        tuple(int(c) for c in fields["checksums"]), fields.get("lease"),
-                       _count(fields["block_tokens"], "staged prefix block_tokens"), int(fields["tokens_hash"]))
+                       _count(fields["block_tokens"], "staged prefix block_tokens"), int(fields["tokens_hash"]),
+                       # A holder that names no format stores uncompressed (what came before the codecs).
+                       str(fields.get("codec", "none")))
         except MalformedMessageError:
             raise
         except (KeyError, TypeError, ValueError) as exc:

@@ -2,6 +2,7 @@
 engine, and migrations that never install the wrong KV or wait unbounded."""
 
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -75,14 +76,16 @@ class Link:
 
     transport = Transport.OBJECT_STORE
 
-    def __init__(self, core, *, hang=False, other_tokens=None, corrupt=False):
+    def __init__(self, core, *, hang=False, other_tokens=None, corrupt=False, codec=None):
         self.core, self.hang, self.other_tokens, self.corrupt = core, hang, other_tokens, corrupt
+        self.codec = codec   # the stored format the holder's answer names (None: its own)
         self.released = []
 
     async def export_prefix(self, tokens, tenant):
         if self.hang:
             await asyncio.Event().wait()   # a holder that never answers
-        return await self.core.export_prefix(self.other_tokens or tokens, tenant)
+        staged = await self.core.export_prefix(self.other_tokens or tokens, tenant)
+        return dataclasses.replace(staged, codec=self.codec) if self.codec else staged
 
     async def info(self):
         return self.core.info()
@@ -144,6 +147,22 @@ def test_an_export_for_other_tokens_is_refused(pair):
     assert target.migration.stats["refused_installs"] == before["refused_installs"] + 1
     items = run(target, mine, max_tokens=1)
     assert items[0].cached_tokens == 0   # nothing of the other tokens' KV was installed
+
+
+def test_an_export_stored_in_another_format_is_refused(pair):
+    """Same shape is not same format (another codec version during a rolling upgrade):
+    the target recomputes rather than read the holder's bytes as its own."""
+    holder, target = pair
+    prompt = list(range(220, 252))
+    run(holder, prompt, max_tokens=1)
+    assert target.migration.stored_format == "none"
+    before = dict(target.migration.stats)
+    link = Link(holder, codec="int8v2")
+    got = migrate(target, link, prompt)
+    assert (got.transport, got.tokens) == (None, 0)
+    assert target.migration.stats["refused_installs"] == before["refused_installs"] + 1
+    assert len(link.released) == 1
+    assert run(target, prompt, max_tokens=1)[0].cached_tokens == 0
 
 
 def test_leases_are_unique_across_workers_and_checked(pair):

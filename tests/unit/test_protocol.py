@@ -22,7 +22,7 @@ DECISION = RouteDecision("w1", "cached_prefix", expected_ttft_s=0.125, cached_to
 COST = CostModel(prefill_tokens_per_s=12_000.0, warm_promote_tokens_per_s=150_000.0,
                  cold_promote_tokens_per_s=21_000.0, transfer_tokens_per_s=80_000.0, block_tokens=16)
 RATES = MeasuredRates(12_000.0, 150_000.0, 21_000.0, 80_000.0, 16, 46080)
-STAGED = StagedPrefix("w2", 40, (3, 9, 4), (11, 12, 13), "w2/abc/7", 16, 987654321)
+STAGED = StagedPrefix("w2", 40, (3, 9, 4), (11, 12, 13), "w2/abc/7", 16, 987654321, "int8v2")
 INFO = WorkerInfo("w2", "127.0.0.1:4100", b"\x00nixl-meta", "w2-agent", 16, RATES, 49152, "SmolLM2", True)
 
 
@@ -73,6 +73,12 @@ def test_peer_channel_messages_round_trip_through_msgpack(message):
     """What the peer channel sends: the field map, packed and unpacked, rebuilds the same message."""
     fields = msgpack.unpackb(msgpack.packb(message.to_fields(), use_bin_type=True), raw=False)
     assert type(message).from_fields(fields) == message
+
+
+def test_a_staged_prefix_that_names_no_format_is_uncompressed():
+    """A holder from before the tier codecs sends no ``codec``: its bytes are the model's dtype."""
+    assert StagedPrefix.from_fields(_fields(STAGED, codec=_DROP)).codec == "none"
+    assert StagedPrefix.from_fields(_fields(STAGED)).codec == "int8v2"
 
 
 def test_snapshot_and_decision_shapes():
