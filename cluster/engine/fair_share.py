@@ -16,10 +16,12 @@ first come, first served):
    continue, a waiting request), least served recently first (``order``):
    each in turn gets an equal share of what is left among the tenants still to
    go (``allot``), for its own running prefills and then its own waiting
-   requests, first come, first served within the tenant; what a tenant leaves
-   unused goes to the tenants after it (so a short request of a quiet tenant
-   runs whole in the next step, and the flood gets the rest); a last pass
-   gives what is still left to any request not yet in the step.
+   requests, first come, first served within the tenant; a prompt that can
+   end within what is left of the step ends in it, past the tenant's equal
+   part (a quiet tenant's short request runs whole in the next step, its
+   first token a step sooner; the tenant then counts as served more); what a
+   tenant leaves unused goes to the tenants after it, and a last pass gives
+   what is still left to any request not yet in the step.
 
 "Served recently": the tokens each tenant had planned, decayed by ``DECAY``
 per step (deficit round robin's counter, kept across steps, so the tenant

@@ -78,6 +78,14 @@ log = logging.getLogger(__name__)
 _ANY = object()   # every tenant's waiting requests (``Scheduler._plan_waiting``)
 
 
+def _chunk(need: int, budget: int, extra: int) -> int:
+    """The tokens a request computes this step: ``need`` whole where it fits in ``budget`` plus
+    ``extra`` (under the fair share, a tenant's prompt that can end in this step's budget ends
+    in it, past the tenant's equal part: its first token a step sooner, and the tenant then
+    counts as served more, so the next step's order turns), else a chunk of ``budget``."""
+    return need if need <= budget + max(0, extra) else min(need, budget)
+
+
 @dataclass(slots=True)
 class _Pass:
     """What one step's planning of waiting requests carries from one request to the next."""
@@ -201,15 +209,17 @@ class Scheduler:
         """The tenants with a running or waiting request, oldest request first."""
         return list(dict.fromkeys(r.namespace for r in (*self.running, *self.waiting)))
 
-    def _plan_running(self, plan: StepPlan, reqs: list[EngineRequest], budget: int, planned: set[int]) -> int:
+    def _plan_running(self, plan: StepPlan, reqs: list[EngineRequest], budget: int, planned: set[int],
+                      extra: int = 0) -> int:
         """Running requests into the plan in the given order, as far as ``budget`` goes
-        (a decode one token, a prefill its next chunk); the budget left."""
+        (a decode one token, a prefill its next chunk); the budget left. ``extra``: how far
+        past ``budget`` a prompt that ends within it may go (``_chunk``)."""
         for req in reqs:
             if budget <= 0:
                 break
             if req not in self.running:   # preempted for an older request of this step
                 continue
-            n = min(req.to_compute, budget)
+            n = _chunk(req.to_compute, budget, extra)
             if self._reserve_or_preempt(req, n, planned):
                 plan.items.append(ScheduledRequest(req, req.num_computed_tokens, n))
                 planned.add(id(req))
@@ -232,12 +242,12 @@ class Scheduler:
                 share = budget if last else self.shares.allot(budget, len(order) - i)
                 fills = [r for r in self.running if r.namespace == tenant and r.to_compute > 1
                          and id(r) not in planned]
-                left = self._plan_running(plan, fills, share, planned)
-                left = self._plan_waiting(plan, left, planned, state, tenant)
+                left = self._plan_running(plan, fills, share, planned, budget - share)
+                left = self._plan_waiting(plan, left, planned, state, tenant, budget - share)
                 budget -= share - left
 
     def _plan_waiting(self, plan: StepPlan, budget: int, planned: set[int], state: "_Pass",
-                      tenant: Any = _ANY) -> int:
+                      tenant: Any = _ANY, extra: int = 0) -> int:
         """Waiting requests (of ``tenant``, or all) into the plan, first come first served, as
         far as the budget goes; the budget left. Promotions that make room go oldest first
         and one at a time; behind it only those that fit in free blocks (started for every
@@ -270,7 +280,7 @@ class Scheduler:
                 self.stats["waits_for_shared_prefix"] += 1
                 continue
             req.scheduled_at = self.clock() if req.scheduled_at is None else req.scheduled_at
-            n = self._admit(req, budget, promote=not readiness.recompute)
+            n = self._admit(req, budget, promote=not readiness.recompute, extra=extra)
             if n is None:
                 if req.finished:   # the cache refused its prompt
                     self.waiting.remove(req)
@@ -380,7 +390,7 @@ class Scheduler:
                 if victim is req:
                     return False
 
-    def _admit(self, req: EngineRequest, budget: int, promote: bool = True) -> int | None:
+    def _admit(self, req: EngineRequest, budget: int, promote: bool = True, extra: int = 0) -> int | None:
         """Lease the sequence's cached prefix and reserve the first chunk; the chunk's length,
         or None when it cannot run now (no room: it waits, holding nothing; or the cache
         refused its prompt: it ended). ``promote=False``: the scheduler chose to recompute
@@ -393,7 +403,7 @@ class Scheduler:
             req.finished, req.finish_reason, req.error = True, FinishReason.ERROR, str(exc)
             self.ended.append(TokenEvent(req, None, True))
             return None
-        n = min(len(seq) - lease.cached_tokens, budget)
+        n = _chunk(len(seq) - lease.cached_tokens, budget, extra)
         try:
             lease.reserve(n)
         except PoolExhaustedError:

@@ -87,6 +87,24 @@ def test_a_short_request_of_another_tenant_runs_whole_in_the_next_step_beside_a_
     assert step(engine) == [("B", 6, 1), ("A", 26, 14), ("A", 0, 1)]
 
 
+@pytest.mark.parametrize("b_tokens, want", [
+    (11, [("B", 0, 11), ("A", 16, 5)]),    # past its equal part (8) but within the step: whole
+    (16, [("B", 0, 16)]),                  # the whole step: whole, A waits a step
+    (20, [("B", 0, 8), ("A", 16, 8)]),     # longer than the step: an equal part, chunked
+])
+def test_a_prompt_that_can_end_in_this_step_ends_in_it(b_tokens, want):
+    """B's prompt goes whole where the step's budget holds it, even past B's equal part (its
+    first token a step sooner); a longer one is chunked at the equal part, and its rest (12,
+    B still the less served of the two) ends whole in the next step."""
+    engine = make_engine(budget=16)
+    submit(engine, "A", seq(0, 60))
+    assert step(engine) == [("A", 0, 16)]
+    submit(engine, "B", seq(5, b_tokens))
+    assert step(engine) == want
+    if b_tokens == 20:
+        assert step(engine) == [("B", 8, 12), ("A", 24, 4)]
+
+
 def test_two_backlogged_tenants_split_the_budget_exactly():
     """Both with long prompts: half each, the tenant with the older request first (ties), and
     the one served less last step first after that; the odd token to the earlier one."""
@@ -125,7 +143,7 @@ def test_fair_order_changes_no_token():
                ("C", list(range(30, 60))), ("B", [9, 8, 7, 6, 5]), ("C", list(range(30, 45)))]
     work = [(p, SamplingParams(max_tokens=7, temperature=0.8, seed=i)) for i, (_, p) in enumerate(prompts)]
     want = reference_outputs(work)
-    engine = make_engine(budget=12, hot_blocks=24)
+    engine = make_engine(budget=12, hot_blocks=20)
     reqs = [engine.submit(EngineRequest(list(p), s, namespace=ns)) for (ns, _), (p, s) in zip(prompts, work)]
     drive(engine)
     assert [r.output for r in reqs] == want
