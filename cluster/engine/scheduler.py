@@ -189,7 +189,8 @@ class Scheduler:
         self._yield_to_blocked()
         planned: set[int] = set()
         tenants = self._tenants_with_work()
-        budget = self.shares.budget(self.max_batch_tokens, tenants, self.clock())
+        # (the clock is read only under quotas: without them a step is planned as it always was)
+        budget = self.shares.budget(self.max_batch_tokens, tenants, self.clock()) if self.fair else self.max_batch_tokens
         if self.fair and (len(tenants) > 1 or budget < self.max_batch_tokens):
             self._plan_fair(plan, budget, planned, tenants)
         else:   # one tenant: first come, first served, as always
