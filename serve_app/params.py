@@ -174,6 +174,10 @@ class GenerationBody(BaseModel):
                                code="limit_exceeded")
         _at_most(self.top_k, "top_k", Range(-1, context.vocab_size))
         _at_most(self.min_tokens, "min_tokens", Range(0, self.answer_tokens))
+        for i, token in enumerate(self.stop_token_ids):   # an id no model emits would be a stop never met
+            if not 0 <= token < context.vocab_size:
+                raise APIError(400, f"'stop_token_ids[{i}]' token id {token} outside [0, {context.vocab_size})",
+                               param=f"stop_token_ids[{i}]")
         return self
 
     # ---------------------------------------------------------------- derived

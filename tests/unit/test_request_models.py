@@ -49,6 +49,8 @@ def test_null_is_the_default_and_best_of_equal_to_n_is_plain_n():
     ({"seed": True}, "seed", "'seed' must be an integer, got bool"),
     ({"temperature": "1"}, "temperature", "'temperature' must be a number, got str"),
     ({"stop_token_ids": [1, "2"]}, "stop_token_ids[1]", "'stop_token_ids[1]' must be an integer, got str"),
+    ({"stop_token_ids": [1, -5]}, "stop_token_ids[1]", "'stop_token_ids[1]' token id -5 outside [0, 259)"),
+    ({"stop_token_ids": [259]}, "stop_token_ids[0]", "'stop_token_ids[0]' token id 259 outside [0, 259)"),
     ({"logit_bias": {"300": 1}}, "logit_bias", "'logit_bias' token id 300 outside [0, 259)"),
     ({"best_of": 3, "stream": True}, "best_of", "'best_of' > 'n' cannot be streamed"),
     ({"top_logprobs": 1}, "top_logprobs", "unknown parameter 'top_logprobs' for /v1/completions"),
