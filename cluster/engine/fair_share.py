@@ -45,6 +45,14 @@ from typing import Hashable, Iterable
 DECAY = 0.9   # per step: a tenant's recent service counts for about the last ten steps
 
 
+def chunk_tokens(need: int, budget: int, extra: int) -> int:
+    """The tokens a request computes this step: ``need`` whole where it fits in ``budget`` plus
+    ``extra`` (under the fair share, a tenant's prompt that can end in this step's budget ends
+    in it, past the tenant's equal part: its first token a step sooner, and the tenant then
+    counts as served more, so the next step's order turns), else a chunk of ``budget``."""
+    return need if need <= budget + max(0, extra) else min(need, budget)
+
+
 class TenantShares:
     """Recent service and last activity per tenant; the step budget and each tenant's part of it."""
 

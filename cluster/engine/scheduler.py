@@ -65,7 +65,7 @@ from typing import Any, Callable
 import torch
 
 from cluster.cache.tiered import TieredCache
-from cluster.engine.fair_share import TenantShares
+from cluster.engine.fair_share import TenantShares, chunk_tokens
 from cluster.engine.prompt_logprobs import wants_prompt_rows
 from cluster.engine.request import EngineRequest, TokenEvent, split_by_tier
 from cluster.errors import CacheError, PoolExhaustedError
@@ -76,14 +76,6 @@ from cluster.tokens import common_prefix
 log = logging.getLogger(__name__)
 
 _ANY = object()   # every tenant's waiting requests (``Scheduler._plan_waiting``)
-
-
-def _chunk(need: int, budget: int, extra: int) -> int:
-    """The tokens a request computes this step: ``need`` whole where it fits in ``budget`` plus
-    ``extra`` (under the fair share, a tenant's prompt that can end in this step's budget ends
-    in it, past the tenant's equal part: its first token a step sooner, and the tenant then
-    counts as served more, so the next step's order turns), else a chunk of ``budget``."""
-    return need if need <= budget + max(0, extra) else min(need, budget)
 
 
 @dataclass(slots=True)
@@ -188,20 +180,22 @@ class Scheduler:
         plan = StepPlan()
         self._yield_to_blocked()
         planned: set[int] = set()
-        tenants = self._tenants_with_work()
-        # (the clock is read only under quotas: without them a step is planned as it always was)
-        budget = self.shares.budget(self.max_batch_tokens, tenants, self.clock()) if self.fair else self.max_batch_tokens
-        if self.fair and (len(tenants) > 1 or budget < self.max_batch_tokens):
+        budget, tenants = self.max_batch_tokens, []
+        if self.fair:   # under tenant quotas only: without them a step is planned (and timed) as always
+            tenants = self._tenants_with_work()
+            budget = self.shares.budget(budget, tenants, self.clock())
+        if len(tenants) > 1 or budget < self.max_batch_tokens:
             self._plan_fair(plan, budget, planned, tenants)
         else:   # one tenant: first come, first served, as always
             decoding = [r for r in self.running if r.to_compute == 1]
             filling = [r for r in self.running if r.to_compute > 1]
             budget = self._plan_running(plan, decoding + filling, budget, planned)
             self._plan_waiting(plan, budget, planned, _Pass())
-        used: dict = {}
-        for item in plan.items:   # each tenant's recent service, whichever way the step was planned
-            used[item.request.namespace] = used.get(item.request.namespace, 0) + item.num_tokens
-        self.shares.charge(used)
+        if self.fair:   # each tenant's recent service, whichever way the step was planned
+            used: dict = {}
+            for item in plan.items:
+                used[item.request.namespace] = used.get(item.request.namespace, 0) + item.num_tokens
+            self.shares.charge(used)
         self.note_waiting()
         plan.all_logits = self.keep_logits or any(wants_prompt_rows(i.request) for i in plan.items)
         return plan
@@ -214,13 +208,13 @@ class Scheduler:
                       extra: int = 0) -> int:
         """Running requests into the plan in the given order, as far as ``budget`` goes
         (a decode one token, a prefill its next chunk); the budget left. ``extra``: how far
-        past ``budget`` a prompt that ends within it may go (``_chunk``)."""
+        past ``budget`` a prompt that ends within it may go (``fair_share.chunk_tokens``)."""
         for req in reqs:
             if budget <= 0:
                 break
             if req not in self.running:   # preempted for an older request of this step
                 continue
-            n = _chunk(req.to_compute, budget, extra)
+            n = chunk_tokens(req.to_compute, budget, extra)
             if self._reserve_or_preempt(req, n, planned):
                 plan.items.append(ScheduledRequest(req, req.num_computed_tokens, n))
                 planned.add(id(req))
@@ -404,7 +398,7 @@ class Scheduler:
             req.finished, req.finish_reason, req.error = True, FinishReason.ERROR, str(exc)
             self.ended.append(TokenEvent(req, None, True))
             return None
-        n = _chunk(len(seq) - lease.cached_tokens, budget, extra)
+        n = chunk_tokens(len(seq) - lease.cached_tokens, budget, extra)
         try:
             lease.reserve(n)
         except PoolExhaustedError:

@@ -224,3 +224,14 @@ def test_without_tenant_quotas_tenants_stay_first_come_first_served():
     submit(engine, "B", [7, 8, 9, 10, 11, 12])
     assert step(engine) == [("A", 16, 16)]
     assert step(engine) == [("A", 32, 8), ("A", 0, 8)]
+
+
+@pytest.mark.parametrize("need, budget, extra, want", [
+    (11, 8, 8, 11),   # ends within the share and what is left after it: whole
+    (17, 8, 8, 8),    # does not: a chunk of the share
+    (5, 8, 0, 5),     # within the share
+    (9, 8, -3, 8),    # nothing past the share to take
+])
+def test_chunk_tokens(need, budget, extra, want):
+    from cluster.engine.fair_share import chunk_tokens
+    assert chunk_tokens(need, budget, extra) == want
