@@ -80,10 +80,11 @@ class L3TierConfig:
 
 @dataclass(slots=True)
 class FetchResult:
-    """Blocks ``[first_block, first_block + blocks)`` of ``tokens`` read from L3
-    (``kv`` covers exactly those tokens, token-major ``[L, 2, T, H, D]``)."""
+    """Blocks ``[first_block, first_block + blocks)`` of ``tokens`` read from L3, and
+    a partial block of ``tail_tokens`` after them (``kv`` covers exactly those tokens,
+    token-major ``[L, 2, T, H, D]``)."""
     namespace: Hashable
-    tokens: list[int]          # the sequence the fetch was for, up to the last block asked for
+    tokens: list[int]          # the sequence the fetch was for, up to the end of what was found
     first_block: int
     blocks: int                # leading blocks found (0: the first one was missing)
     kv: torch.Tensor | None
@@ -94,12 +95,24 @@ class FetchResult:
     found: list[int] = field(default_factory=list)   # hashes of the blocks found
     unanswered: bool = False   # the run stopped at a block the store did not answer for (timeout, off)
     backoff: list[int] = field(default_factory=list)   # that block: not asked for again a while (locally)
+    tail_tokens: int = 0       # a partial block found after the blocks (``kv`` and ``tokens`` end with it)
+    tail_hash: int = 0         # ... its ``cluster.hashing.tail_hash``
+
+
+@dataclass(slots=True)
+class WriteDone:
+    """A finished write: which of its full blocks and its partial block were stored."""
+    hashes: list[int]
+    stored: list[bool]
+    nbytes: int
+    tail: int | None = None    # the partial block's hash (None: the write had none)
+    tail_stored: bool = False
 
 
 @dataclass(slots=True)
 class FetchJob:
     namespace: Hashable
-    tokens: list[int]
+    tokens: list[int]          # up to block_tokens - 1 past the last block asked for (a partial block's)
     hashes: list[int]
     first_block: int
 
@@ -111,9 +124,10 @@ class InventoryJob:
 
 @dataclass(slots=True)
 class WriteJob:
-    blocks: list[L3Block]
+    blocks: list[L3Block]      # the full blocks of ``hashes``, then the partial one of ``tail``
     hashes: list[int]
     nbytes: int
+    tail: int | None = None    # the hash of a partial last block written after them (``tail_hash``)
     remove: list = field(default_factory=list)   # keys to remove first (tenant quotas: ``TenantQuotas.l3_admit``)
     keys: list[tuple[Any, tuple[int, ...]]] = field(default_factory=list)   # blocks the I/O thread makes
     parts: list[torch.Tensor] = field(default_factory=list)                 # from these (encoded there)
@@ -130,6 +144,8 @@ class L3TierStats:
     fetches: int = 0
     fetch_blocks_asked: int = 0
     fetch_blocks_hit: int = 0
+    tails_written: int = 0          # partial last blocks stored (or found already there)
+    tails_fetched: int = 0          # partial blocks a fetch found after its full blocks
     fetch_misses: int = 0           # fetches that found not even their first block
     fetch_skipped_slower: int = 0   # a fetch was possible but recompute is faster
     fetch_unanswered: int = 0       # fetches cut short by a block the store did not answer for
