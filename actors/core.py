@@ -135,8 +135,11 @@ class WorkerCore:
 
     def _start_reporting(self, directory, on_report: Callable[["WorkerCore"], None] | None) -> None:
         """The KV events' publisher on the tree (and L3's inventories), and the reporter that
-        sends them with the load to ``directory`` (None: nothing is reported)."""
-        self.publisher = KVEventPublisher(self.worker_id, self.cache.tree, self.config.tier_config().block_tokens)
+        sends them with the load to ``directory`` (None: nothing is reported). The publisher's
+        epoch is the directory's (``cluster.routing.events``); its own clock's when it did not answer."""
+        epoch = directory.publisher_epoch(self.worker_id) if directory is not None else None
+        self.publisher = KVEventPublisher(self.worker_id, self.cache.tree, self.config.tier_config().block_tokens,
+                                          epoch=epoch)
         self.cache.add_listener(self.publisher)
         if self.l3 is not None:
             self.l3.set_rates(self.cost.l3_fetch_tokens_per_s or None, self.cost.prefill_tokens_per_s)
@@ -148,7 +151,9 @@ class WorkerCore:
             self.reporter = EventReporter(self.worker_id, self.publisher, directory, lambda: self.loop.load_report,
                                           on_report=(lambda: on_report(self)) if on_report else None,
                                           wake=lambda: self.loop.wake(),
-                                          register=self._reannounce)
+                                          register=self._reannounce,
+                                          renew_epoch=(lambda: directory.publisher_epoch_future(self.worker_id))
+                                          if epoch is None else None)
 
     def _reannounce(self) -> None:
         """Before every snapshot (engine thread): register again, and list L3 once

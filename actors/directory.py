@@ -9,10 +9,12 @@ starts empty and is rebuilt from the workers' snapshots within one report
 interval; L3's part from the inventory (a listing of the store) every worker
 sends with its snapshot and at its start. Until the first inventory arrives,
 the ``l3`` routing option is not priced (stats: ``l3_inventory_s``, how long
-after this process started that took). Every batch and snapshot carries its
-worker's epoch (its start); one of an older epoch than the newest seen for
-that worker is refused (``stale_epoch``), and a newer one replaces the
-worker's entries: events of a previous life never credit a replica.
+after this process started that took). A starting worker asks it for its
+publisher's epoch (``publisher_epoch``: above every epoch issued or seen for
+that id, so no node's clock matters); every batch and snapshot carries it, one
+of an older epoch than the newest seen for that worker is refused
+(``stale_epoch``), and a newer one replaces the worker's entries: events of a
+previous life never credit a replica.
 
 Routers do not ask it per request: each keeps a copy of its routing table
 (``cluster.routing.table.TableReplica``), fed by ``subscribe``, a long poll
@@ -32,8 +34,9 @@ import ray
 
 from cluster.errors import InvalidInputError
 from cluster.names import DIRECTORY_NAME
-from cluster.protocol import RATE_FIELDS, LoadReport, MeasuredRates, RouteDecision, Snapshot, TableUpdate
-from cluster.routing.events import EventBatch, MalformedBatchError
+from cluster.protocol import (RATE_FIELDS, LoadReport, MeasuredRates, PublisherEpoch, RouteDecision, Snapshot,
+                              TableUpdate)
+from cluster.routing.events import EpochIssuer, EventBatch, MalformedBatchError
 from cluster.routing.policies import CostModel, make_policy
 from cluster.routing.table import ChangeLog, RoutingTable
 
@@ -55,7 +58,7 @@ class DirectoryImpl:
 
     def __init__(self, policy: str = "cost", block_tokens: int = 16, namespace: str = "prefix-cache",
                  policy_kwargs: dict | None = None, heartbeat_timeout_s: float = 3.0, clock=time.monotonic,
-                 log_capacity: int = 4096):
+                 log_capacity: int = 4096, wall_clock_ns=time.time_ns):
         self.namespace = namespace
         self.block_tokens = block_tokens
         self.costs: dict[str, MeasuredRates] = {}
@@ -72,9 +75,10 @@ class DirectoryImpl:
         self.stats = {"decisions": 0, "by_reason": {}, "resyncs": 0, "snapshots": 0, "malformed_batches": 0,
                       "unknown_worker_batches": 0, "gaps": 0, "dropped_workers": 0, "subscribe_polls": 0,
                       "full_states_sent": 0, "drained_workers": 0, "process_exits": 0, "started_at": time.time(),
-                      "stale_epoch_batches": 0, "stale_epoch_snapshots": 0, "new_epochs": 0,
+                      "stale_epoch_batches": 0, "stale_epoch_snapshots": 0, "new_epochs": 0, "issued_epochs": 0,
                       "l3_inventories": 0, "l3_inventory_s": None}
-        self.epochs: dict[str, int] = {}   # worker -> the newest epoch seen (kept after a drop)
+        self.epochs: dict[str, int] = {}   # worker -> the newest epoch seen or issued (kept after a drop)
+        self.epoch_issuer = EpochIssuer(wall_clock_ns)
         self._started = clock()
         self.l3_known = False   # an L3 inventory arrived: the l3 option may be priced
         self._watches: dict[str, asyncio.Task] = {}
@@ -146,6 +150,21 @@ class DirectoryImpl:
             self.costs[worker_id] = rates
             self._reprice()
         self._ensure_health_task()
+
+    async def publisher_epoch(self, worker_id: str) -> PublisherEpoch:
+        """The epoch of a starting worker's publisher: newer than any life of that id
+        this directory issued or saw, so the old life's events are refused from now
+        on. An old life still in the table is one: its entries go at once."""
+        if not isinstance(worker_id, str) or not worker_id:
+            raise InvalidInputError(f"worker_id must be a non-empty string, got {worker_id!r}")
+        epoch = self.epoch_issuer.issue(self.epochs.get(worker_id))
+        self.epochs[worker_id] = epoch
+        self.stats["issued_epochs"] += 1
+        if worker_id in self.workers:   # the previous life's entries and load
+            self.stats["new_epochs"] += 1
+            self._change("register", worker_id, True)
+            log.info("worker %s starts again (epoch %d); its old entries are dropped", worker_id, epoch)
+        return PublisherEpoch(worker_id, epoch)
 
     async def drop_worker(self, worker_id: str, reason: str = "failed") -> bool:
         """Forget a worker and every block it held, at once."""

@@ -20,7 +20,8 @@ from ray.exceptions import RayActorError
 
 from cluster.hashing import block_hashes
 from cluster.names import DEFAULT_NAMESPACE, DIRECTORY_NAME
-from cluster.protocol import LoadReport, MeasuredRates, RouteDecision, Snapshot, Tenant
+from cluster.protocol import (LoadReport, MalformedMessageError, MeasuredRates, PublisherEpoch, RouteDecision,
+                              Snapshot, Tenant)
 from cluster.routing.policies import NoLiveWorkerError
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,28 @@ class DirectoryLink:
         """``fresh``: a new process (the directory forgets what an earlier one of the same
         id held); False when a live worker registers again before its snapshot."""
         self.handle().register_worker.remote(worker_id, rates, peer_address, fresh)
+
+    def publisher_epoch(self, worker_id: str, timeout_s: float = 2.0) -> int | None:
+        """The epoch the directory hands this new process's KV event publisher, or None
+        (no directory within ``timeout_s``: the publisher then takes its own clock's,
+        and asks again if the directory refuses it). Blocking: called in constructors."""
+        try:
+            issued = ray.get(self.handle().publisher_epoch.remote(worker_id), timeout=timeout_s)
+        except Exception as exc:
+            log.warning("no publisher epoch from the directory for %s (%s); using this node's clock",
+                        worker_id, type(exc).__name__)
+            self.forget()
+            return None
+        if not isinstance(issued, PublisherEpoch) or issued.worker_id != worker_id:
+            raise MalformedMessageError(f"the directory answered {issued!r:.80} for {worker_id}'s publisher epoch")
+        return issued.epoch
+
+    def publisher_epoch_future(self, worker_id: str):
+        """``publisher_epoch`` without blocking: a future of the ``PublisherEpoch``
+        (the caller bounds how long it waits for it)."""
+        fut = self.handle().publisher_epoch.remote(worker_id).future()
+        fut.add_done_callback(self._watch)
+        return fut
 
     def measured_rates(self, bytes_per_token: int, block_tokens: int,
                        timeout_s: float = 2.0) -> MeasuredRates | None:

@@ -10,6 +10,12 @@ directory that restarted, or dropped this worker, would otherwise know it only
 as a name its reports carry (and admin calls, session prefetch and pulls from
 this worker would reach nothing).
 
+A "stale epoch" answer means the directory knows a newer start of this worker
+id: the process falls silent (an old life). Unless its epoch is its own clock's
+(the directory did not answer at its start, ``renew_epoch``): then it asks the
+directory for an epoch, at most one request in flight (``EPOCH_RENEW_S``), and
+publishes under it, from a snapshot.
+
 A heartbeat thread (``start_heartbeat``) sends the latest load when the engine
 thread has sent nothing for 500 ms: one step longer than the directory's 3 s
 liveness bound (a long prefill on shared cores) must not get a live worker
@@ -20,6 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from concurrent.futures import Future
 from typing import Callable
 
 from cluster.protocol import LoadReport
@@ -27,17 +34,22 @@ from cluster.routing.events import EVENT_INTERVAL_S, HEARTBEAT_S, IDLE_HEARTBEAT
 
 log = logging.getLogger(__name__)
 
-__all__ = ["EVENT_INTERVAL_S", "HEARTBEAT_S", "IDLE_HEARTBEAT_S", "EventReporter"]
+__all__ = ["EVENT_INTERVAL_S", "HEARTBEAT_S", "IDLE_HEARTBEAT_S", "EPOCH_RENEW_S", "EventReporter"]
+
+EPOCH_RENEW_S = 5.0   # an epoch request unanswered this long is asked again
 
 
 class EventReporter:
     def __init__(self, worker_id: str, publisher: KVEventPublisher, directory, load: Callable[[], LoadReport],
                  on_report: Callable[[], None] | None = None, wake: Callable[[], None] = lambda: None,
-                 register: Callable[[], None] | None = None, clock: Callable[[], float] = time.monotonic):
+                 register: Callable[[], None] | None = None, clock: Callable[[], float] = time.monotonic,
+                 renew_epoch: Callable[[], Future] | None = None):
         """``directory``: a ``DirectoryLink`` (or anything with ``publish`` and
         ``push_snapshot``); ``on_report`` runs before each send (metrics);
         ``register`` registers the worker again (rates, peer address); ``load``
-        must be safe to call from the heartbeat thread (an immutable snapshot)."""
+        must be safe to call from the heartbeat thread (an immutable snapshot).
+        ``renew_epoch``: only while the publisher's epoch is its own clock's, a
+        request for one from the directory (a future of a ``PublisherEpoch``)."""
         self.worker_id = worker_id
         self.publisher = publisher
         self.directory = directory
@@ -50,6 +62,10 @@ class EventReporter:
         # The directory saw a newer start of this worker id: this process is an old life
         # (a zombie) and says nothing more (any thread sets it).
         self.superseded = False
+        self.renew_epoch = renew_epoch
+        self.epoch_wanted = False              # refused, with an epoch of our own: ask for one
+        self._epoch_asked_at: float | None = None
+        self._issued_epoch: int | None = None  # set by the request's callback, adopted on the engine thread
         self.heartbeats = 0            # sent by the heartbeat thread
         self._last_events = 0.0
         self._last_report = 0.0        # any thread, under _lock
@@ -62,6 +78,8 @@ class EventReporter:
         if self.superseded:
             return
         now = self.clock()
+        if self.epoch_wanted:
+            self._renew_epoch(now)
         if now - self._last_events > EVENT_INTERVAL_S:
             self._last_events = now
             self.flush(now)
@@ -106,13 +124,40 @@ class EventReporter:
             status = fut.result()
         except Exception:
             status = "failed"
-        if status == "stale_epoch":
+        if status == "stale_epoch" and self.renew_epoch is not None:
+            self.epoch_wanted = True   # our clock's epoch lost to an earlier life's: not a zombie
+            self.wake()
+        elif status == "stale_epoch":
             if not self.superseded:
                 log.error("the directory knows a newer start of %s: this process stops reporting", self.worker_id)
             self.superseded = True
         elif status != "ok":
             self.snapshot_wanted = True
             self.wake()
+
+    def _renew_epoch(self, now: float) -> None:
+        """(engine thread) Adopt the epoch the directory handed out, or ask for one."""
+        issued = self._issued_epoch
+        if issued is not None:
+            self.publisher.adopt_epoch(issued)   # the next batch resyncs: a snapshot follows
+            log.info("%s publishes under the directory's epoch %d from now on", self.worker_id, issued)
+            self.renew_epoch, self.epoch_wanted, self._issued_epoch = None, False, None
+            return
+        if self._epoch_asked_at is not None and now - self._epoch_asked_at < EPOCH_RENEW_S:
+            return
+        self._epoch_asked_at = now
+        try:
+            self.renew_epoch().add_done_callback(self._on_epoch)
+        except Exception as exc:   # no directory now: asked again after EPOCH_RENEW_S
+            log.warning("no publisher epoch for %s: %s", self.worker_id, exc)
+
+    def _on_epoch(self, fut) -> None:
+        # Runs on whatever thread completes the future: only set fields.
+        try:
+            self._issued_epoch = fut.result().epoch
+        except Exception as exc:   # asked again EPOCH_RENEW_S after the request
+            log.warning("no publisher epoch for %s: %s", self.worker_id, exc)
+        self.wake()
 
     # ------------------------------------------------------------ heartbeat
     def start_heartbeat(self, alive: Callable[[], bool] = lambda: True) -> None:

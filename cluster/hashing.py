@@ -30,6 +30,14 @@ def block_hashes(tokens: Sequence[int], block_tokens: int, salt: str | int | Non
     return chain_hashes(array("q", tokens).tobytes(), block_tokens, salt_seed(salt))
 
 
+def tail_hash(prev: int, tokens: Sequence[int]) -> int:
+    """The hash of a *partial* last block (fewer than ``block_tokens`` tokens) after
+    the chain's hash ``prev``: the chain's step over fewer bytes, so it names those
+    exact tokens after that prefix (L3 keys it apart from full blocks, and every
+    read still compares the tokens)."""
+    return xxhash.xxh3_64_intdigest(array("q", tokens).tobytes(), seed=prev)
+
+
 def chain_hashes(int64_bytes: bytes, block_tokens: int, prev: int) -> list[int]:
     """Continue a chain from ``prev`` over the full blocks of ``int64_bytes``
     (tokens as native int64, the encoding ``block_hashes`` hashes)."""

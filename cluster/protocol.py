@@ -369,7 +369,23 @@ class Snapshot(NamedTuple):
 
     seq: int
     entries: dict[int, int]
-    epoch: int = 0   # the publisher's start (ns): a snapshot of an older life is refused
+    epoch: int = 0   # the publisher's epoch (``PublisherEpoch``): a snapshot of an older life is refused
+
+
+@dataclass(frozen=True, slots=True)
+class PublisherEpoch:
+    """The epoch the directory hands a starting worker's KV event publisher
+    (``cluster.routing.events``): above every epoch it issued or saw for that
+    worker id, whatever the worker's clock says."""
+
+    worker_id: str
+    epoch: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.worker_id, str) or not self.worker_id:
+            raise MalformedMessageError(f"publisher epoch worker_id must be a non-empty string, got {self.worker_id!r}")
+        if type(self.epoch) is not int or not 0 < self.epoch < 1 << 64:
+            raise MalformedMessageError(f"publisher epoch must be an integer in (0, 2**64), got {self.epoch!r}")
 
 
 @dataclass(slots=True)

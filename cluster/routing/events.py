@@ -22,11 +22,15 @@ from the worker's own entries (they outlive the worker). Sequence numbers
 start at 1 and grow by one per batch, so the directory sees a lost or
 reordered batch as a gap.
 
-Epochs: a publisher's ``epoch`` is its process's start time in nanoseconds
-(so it grows with every start of a worker of the same id); batches and
-snapshots carry it, and the directory refuses any of an epoch older than the
-newest it has seen for that worker: events of a previous life never credit
-the replica.
+Epochs: batches and snapshots carry their publisher's ``epoch``, and the
+directory refuses any of an epoch older than the newest it has seen for that
+worker: events of a previous life never credit the replica. A worker's epoch
+is handed out by the directory when the worker starts (``EpochIssuer``, above
+every epoch it issued or saw for that id), so a replica restarted on a node
+whose clock is behind is still newer than its previous life. A publisher built
+without one (unit tests, the routing replay, a worker the directory did not
+answer in time) takes its wall-clock start in nanoseconds; a worker of such an
+epoch that the directory refuses asks for an issued one (``adopt_epoch``).
 
 Back-pressure: the publisher never blocks the worker and never grows without
 bound. When its buffer would pass ``max_buffer_events`` it drops what it holds
@@ -41,7 +45,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import msgpack
 
@@ -80,7 +84,7 @@ class EventBatch:
     seq: int
     events: list[KVEvent] = field(default_factory=list)
     resync: bool = False
-    epoch: int = 0   # the publisher's start (ns): see the module docstring
+    epoch: int = 0   # the publisher's epoch: see the module docstring
 
     def encode(self) -> bytes:
         return msgpack.packb({"v": WIRE_VERSION, "w": self.worker_id, "p": self.epoch, "s": self.seq,
@@ -135,6 +139,31 @@ class EventBatch:
         return cls(worker, seq, events, resync, epoch)
 
 
+class EpochIssuer:
+    """Publisher epochs that never go backwards (the directory owns one).
+
+    An epoch is above the last one this issuer handed out and above the newest
+    ``known`` for the worker, so a restarted worker is newer than its previous
+    life whatever its node's clock says. The issuer's own wall clock (ns) is a
+    floor only: it keeps a restarted directory, which remembers nothing, issuing
+    above what its previous process issued (as far as its clock allows; a live
+    worker's reports tell it their epochs again within a report interval)."""
+
+    __slots__ = ("_wall_ns", "last")
+
+    def __init__(self, wall_ns: Callable[[], int] = time.time_ns):
+        self._wall_ns = wall_ns
+        self.last = 0   # the latest epoch handed out
+
+    def issue(self, known: int | None = None) -> int:
+        """A new epoch, above ``known`` (the newest epoch seen for the worker, if any)."""
+        epoch = max(int(self._wall_ns()), self.last + 1, (known or 0) + 1)
+        if epoch >= _U64:
+            raise InvalidInputError(f"publisher epochs are exhausted (next would be {epoch})")
+        self.last = epoch
+        return epoch
+
+
 class KVEventPublisher:
     """Turns a tree's listener callbacks into event batches (one owner thread).
 
@@ -144,7 +173,8 @@ class KVEventPublisher:
 
     def __init__(self, worker_id: str, tree: RadixTree, block_tokens: int, max_buffer_events: int = 10_000,
                  epoch: int | None = None):
-        """``epoch``: default this start's wall time in ns (module docstring)."""
+        """``epoch``: the directory's (``EpochIssuer``); default this start's wall
+        time in ns (module docstring)."""
         if not isinstance(worker_id, str) or not worker_id:
             raise InvalidInputError(f"worker_id must be a non-empty string, got {worker_id!r}")
         if not isinstance(block_tokens, int) or block_tokens <= 0:
@@ -165,6 +195,17 @@ class KVEventPublisher:
         self._pending: list[KVEvent] = []
         self._seq = 0   # last sequence number handed out
         self.stats = {"events": 0, "batches": 0, "overflows": 0, "dropped_events": 0}
+
+    def adopt_epoch(self, epoch: int) -> None:
+        """Publish under ``epoch`` from now on (one the directory handed out after it
+        refused this publisher's own). The directory reloads the worker: the next
+        batch asks for a snapshot, and events pending under the old epoch go."""
+        if type(epoch) is not int or not 0 <= epoch < _U64:
+            raise InvalidInputError(f"epoch must be an unsigned 64-bit integer, got {epoch!r}")
+        self.epoch = epoch
+        self.stats["dropped_events"] += len(self._pending)
+        self._pending = []
+        self.needs_resync = True
 
     # ------------------------------------------------------- tree listener API
     def on_stored(self, node: TreeNode) -> None:

@@ -65,6 +65,45 @@ def test_events_and_snapshots_of_an_older_epoch_never_credit_the_worker():
     asyncio.run(go())
 
 
+class WallNs:
+    def __init__(self, now: int):
+        self.now = now
+
+    def __call__(self) -> int:
+        return self.now
+
+
+def test_a_worker_restarted_on_a_clock_behind_its_last_life_is_accepted():
+    async def go():
+        wall = WallNs(50_000)
+        d = DirectoryImpl(policy="cost", block_tokens=BT, heartbeat_timeout_s=0, clock=Clock(), wall_clock_ns=wall)
+        first = (await d.publisher_epoch("w")).epoch
+        await d.register_worker("w", rates=RATES)
+        assert await d.publish("w", batch("w", 1, [KVEvent("stored", H[:4], HOT)], epoch=first)) == "ok"
+        # Restarted on a node 40 us behind (and the directory's own clock stepped back too):
+        # its own start would be older than its last life's; the issued epoch is newer.
+        wall.now = 10_000
+        issued = await d.publisher_epoch("w")
+        assert issued.worker_id == "w" and issued.epoch == first + 1
+        assert d.index.entries("w") == {} and d.stats["new_epochs"] == 1   # the old life's entries went
+        assert await d.publish("w", batch("w", 1, [KVEvent("stored", H[4:6], HOT)], epoch=issued.epoch)) == "ok"
+        assert d.index.entries("w") == {H[4]: HOT, H[5]: HOT}
+        # The old life, still talking, is refused from the moment the new epoch was issued.
+        assert await d.publish("w", batch("w", 2, [KVEvent("stored", H[:4], HOT)], epoch=first)) == "stale_epoch"
+        assert await d.load_snapshot("w", Snapshot(2, {h: HOT for h in H[:4]}, first)) == "stale_epoch"
+        assert d.index.entries("w") == {H[4]: HOT, H[5]: HOT}
+        # A worker that took its own clock's epoch (the directory did not answer at its
+        # start) and lost to its last life's is refused; the epoch it then asks for wins.
+        wall.now = 0
+        assert await d.publish("w", batch("w", 2, [], epoch=9_999)) == "stale_epoch"
+        renewed = (await d.publisher_epoch("w")).epoch
+        assert renewed == issued.epoch + 1 and d.stats["issued_epochs"] == 3
+        assert await d.publish("w", batch("w", 1, [], epoch=renewed)) == "ok"
+        assert await d.load_snapshot("w", Snapshot(1, {H[7]: HOT}, renewed)) == "ok"
+        assert d.index.entries("w") == {H[7]: HOT}
+    asyncio.run(go())
+
+
 def test_a_restarted_directory_prices_l3_only_after_an_inventory_and_says_when():
     async def go():
         clock = Clock()

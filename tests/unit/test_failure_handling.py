@@ -197,6 +197,9 @@ class RatesOnlyDirectory:
     def register(self, worker_id, rates, peer_address=None, fresh=True):
         self.registered.append(worker_id)
 
+    def publisher_epoch(self, worker_id):
+        return 7   # the directory's, whatever this node's clock says
+
 
 def test_a_replacement_worker_reuses_a_peers_measured_rates():
     from cluster.routing.policies import CostModel
@@ -208,6 +211,7 @@ def test_a_replacement_worker_reuses_a_peers_measured_rates():
     core = WorkerCore("fast", cfg, directory=directory)
     try:
         assert directory.asked == [(core.layout.bytes_per_token(), 16)] and directory.registered == ["fast"]
+        assert core.publisher.epoch == 7 and core.reporter.renew_epoch is None
         assert core.cost.prefill_tokens_per_s == 1234.0 and core.cost.transfer_tokens_per_s == 2e5
     finally:
         core.close()

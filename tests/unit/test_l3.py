@@ -3,6 +3,7 @@ the client against a real ``mooncake_master`` plus pool holder on loopback."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -10,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -338,6 +340,68 @@ def test_a_master_that_stops_answering_trips_the_store_off_and_back_on(caplog):
         messages = [r.getMessage() for r in caplog.records if r.name == "cluster.cache.l3"]
         assert [m.split(":")[0] for m in messages if m.startswith(("L3 off", "L3 back on"))] == ["L3 off", "L3 back on"]
         store.close()
+
+
+class SlowClient:
+    """A Mooncake client whose ``batch_is_exist`` blocks until ``gate`` opens (or raises)."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.entered = threading.Semaphore(0)
+        self.raises = False
+
+    def batch_is_exist(self, names):
+        if self.raises:
+            raise RuntimeError("the master hung up")
+        self.entered.release()
+        assert self.gate.wait(30), "the test never opened the gate"
+        return [0] * len(names)
+
+    def close(self) -> None:
+        pass
+
+
+class FakeClientStore(MooncakeL3Store):
+    """The store's own logic (lane, deadlines, trip) on a fake client: no Mooncake needed."""
+
+    def __init__(self, client: SlowClient, config: L3Config):
+        self.fake = client
+        super().__init__(config, clock=ManualClock())
+
+    def _setup(self) -> None:
+        self._client, self._replicate, self._state = self.fake, None, "on"
+
+
+def test_calls_that_time_out_queued_behind_a_call_within_its_deadline_never_trip_the_store():
+    client = SlowClient()
+    store = FakeClientStore(client, L3Config(op_timeout_s=60.0, trip_after_failures=2))
+    key = l3_key("trip", VERSION, 1)
+    slow: list = []
+    runner = threading.Thread(target=lambda: slow.append(store.contains([key])))
+    runner.start()                                    # A: running, within its 60 s
+    assert client.entered.acquire(timeout=30)
+    store.config = dataclasses.replace(store.config, op_timeout_s=0.01)
+    for _ in range(3):                                # B: queued behind A until their deadline: never ran
+        assert store.contains([key]) == (False,)
+    stats = store.stats()
+    assert (stats.state, stats.timeouts, stats.queued_timeouts, stats.off_calls) == ("on", 3, 3, 0)
+    client.gate.set()
+    runner.join(30)
+    assert slow == [(False,)] and not client.entered.acquire(blocking=False)   # B's calls never reached it
+
+    # Calls that fail themselves do count: one that ran past its own deadline, then one that raised.
+    client.gate.clear()
+    assert store.contains([key]) == (False,)          # ran, and was still running at its deadline
+    assert client.entered.acquire(timeout=30)
+    client.gate.set()
+    store._worker.call(lambda: None, 30.0)            # the lane is free again (nothing stuck)
+    assert store.stats().state == "on" and store.stats().timeouts == 4
+    client.raises = True
+    assert store.contains([key]) == (False,)
+    stats = store.stats()
+    assert (stats.state, stats.timeouts, stats.queued_timeouts) == ("off", 4, 3)
+    assert "2 failed calls in a row" in stats.off_reason and "raised" in stats.off_reason
+    store.close()
 
 
 @needs_mooncake

@@ -88,21 +88,22 @@ def test_a_turn_written_on_one_replica_is_read_on_another_exactly(model):
     a, tier_a, heard_a = make(model, store)
     b, tier_b, _ = make(model, store)
     prompt = toks(1, 42)                       # 42 tokens
-    first = run(a, tier_a, prompt, max_tokens=5)      # commits 42 + 5 = 47 tokens: 5 full blocks
+    first = run(a, tier_a, prompt, max_tokens=5)      # commits 42 + 5 = 47 tokens: 5 full blocks and 7
     seq = prompt + first.output
     hashes = block_hashes(seq[:40], BT)
-    assert store.num_values == 5 and heard_a.stored == hashes
-    assert tier_a.stats.blocks_written == 5 and tier_a.stats.writes_queued == 5
+    assert store.num_values == 6 and heard_a.stored == hashes   # the partial block: no event
+    assert tier_a.stats.blocks_written == 5 and tier_a.stats.tails_written == 1
+    assert tier_a.stats.writes_queued == 6
 
     follow = seq + [7, 8, 9, 10, 11, 12]              # the next turn lands on the other replica
     second = run(b, tier_b, follow)
-    assert second.cached_tokens == 40                 # five whole blocks from L3
-    assert second.tier_hits == [0, 0, 0, 40]          # from L3 (installed into HOT before admission)
-    assert tier_b.stats.fetches == 1 and tier_b.stats.fetch_blocks_hit == 5
-    assert tier_b.stats.installed_tokens == 40
+    assert second.cached_tokens == 47                 # five whole blocks and the partial one from L3
+    assert second.tier_hits == [0, 0, 0, 47]          # from L3 (installed into HOT before admission)
+    assert tier_b.stats.fetches == 1 and tier_b.stats.fetch_blocks_hit == 5 and tier_b.stats.tails_fetched == 1
+    assert tier_b.stats.installed_tokens == 47
     assert_exact(model, second)
-    # b wrote only what L3 lacked: of the 53 + 3 tokens it committed, blocks 5 and 6.
-    assert tier_b.stats.writes_queued == 2 and store.num_values == 7
+    # b wrote only what L3 lacked: of the 53 + 3 tokens it committed, blocks 5 and 6 (no partial one).
+    assert tier_b.stats.writes_queued == 2 and store.num_values == 8
 
 
 def test_only_the_leading_run_of_verified_blocks_is_used(model):
@@ -119,7 +120,7 @@ def test_only_the_leading_run_of_verified_blocks_is_used(model):
     assert store.stats().verify_failures == 1
     # ... and it was removed from L3 (every read of it would fail), counted; b computed
     # blocks 3-5 and wrote them, so L3 now holds a sound block 3: a third replica reads all 6.
-    assert tier_b.stats.verify_failed_removed == 1 and tier_b.stats.writes_queued == 3
+    assert tier_b.stats.verify_failed_removed == 1 and tier_b.stats.writes_queued == 3 + 1   # and its 4-token tail
     c, tier_c, _ = make(model, store)
     assert run(c, tier_c, prompt + [4, 5]).cached_tokens == 48
     assert_exact(model, second)
@@ -234,8 +235,8 @@ def test_a_full_write_queue_drops_writes_and_counts_them(model):
     store = MemoryL3Store()
     a, tier_a, _ = make(model, store, max_pending_bytes=4096)   # less than one block of this model's KV
     run(a, tier_a, toks(600, 40), max_tokens=1)
-    assert tier_a.stats.writes_dropped == 5 and store.num_values == 0
-    assert len(tier_a.written) == 0     # nothing is believed written
+    assert tier_a.stats.writes_dropped == 5 + 1 and store.num_values == 0   # 41 tokens: 5 blocks and 1
+    assert len(tier_a.written) == 0 and len(tier_a.written_tails) == 0     # nothing is believed written
 
 
 def test_a_flush_drops_the_writes_still_queued(model):
@@ -248,13 +249,13 @@ def test_a_flush_drops_the_writes_still_queued(model):
         tier_a.run_pending()   # the fetch ahead (a miss)
         a.step()               # the last step commits: the write is queued
     a.complete_finished()
-    assert tier_a.pending() == 1 and store.num_values == 0   # 5 blocks queued, not stored yet
+    assert tier_a.pending() == 1 and store.num_values == 0   # 5 blocks and 1 token queued, not stored yet
     a.cache.drop_all()
-    assert tier_a.drop_queued_writes() == 5
+    assert tier_a.drop_queued_writes() == 6
     assert tier_a.run_pending() == 0 and store.num_values == 0 and tier_a.pending() == 0
     a.cache.apply_l3()
-    assert tier_a.stats.writes_dropped == 5 and tier_a.stats.blocks_written == 0 and heard.stored == []
-    assert len(tier_a.written) == 0     # nothing is believed written
+    assert tier_a.stats.writes_dropped == 6 and tier_a.stats.blocks_written == 0 and heard.stored == []
+    assert len(tier_a.written) == 0 and len(tier_a.written_tails) == 0   # nothing is believed written
 
 
 def test_hand_off_writes_what_l3_lacks_most_valuable_first(model):
@@ -271,8 +272,8 @@ def test_hand_off_writes_what_l3_lacks_most_valuable_first(model):
     tier_a.config = L3TierConfig(model_id="test-model")   # writes back on, for the hand-off
     done = a.cache.l3.queue_hand_off(deadline=time.monotonic() + 5.0)
     assert tier_a.flush(1.0) and a.cache.apply_l3() == 0
-    assert done == {"prefixes": 2, "blocks": 5 + 8, "of_prefixes": 2}
-    assert store.num_values == 13 and tier_a.stats.blocks_written == 13
+    assert done == {"prefixes": 2, "blocks": 5 + 8 + 2, "of_prefixes": 2}   # and the partial last blocks
+    assert store.num_values == 15 and tier_a.stats.blocks_written == 13 and tier_a.stats.tails_written == 2
 
 
 def test_shared_prefixes_are_the_branch_points_most_used_first(model):

@@ -132,3 +132,71 @@ def test_a_process_the_directory_knows_a_newer_start_of_falls_silent():
         reporter.tick()
         assert reporter.beat() is False
     assert len(directory.calls) == 1 and registered == []
+
+
+def test_a_process_refused_with_its_own_clocks_epoch_asks_for_one_and_goes_on():
+    """The directory did not answer at the start (the epoch is this node's clock's)
+    and then knows a newer epoch of an earlier life: not a zombie, it asks for an
+    issued epoch (one request at a time) and reports under it, from a snapshot."""
+    from cluster.protocol import PublisherEpoch
+
+    class EpochPublisher(Publisher):
+        adopted: list[int] = []
+
+        def adopt_epoch(self, epoch):
+            self.adopted.append(epoch)
+
+    load, asks, pending = [LoadReport(0, 0)], [], []
+
+    def renew():
+        asks.append(clock.now)
+        fut = cf.Future()
+        pending.append(fut)
+        return fut
+
+    clock, directory, registered = Clock(), Directory(), []
+    publisher = EpochPublisher()
+    reporter = EventReporter("w0", publisher, directory, lambda: load[0], clock=clock,
+                             register=lambda: registered.append(clock.now), renew_epoch=renew)
+    directory.status = "stale_epoch"
+    reporter.tick()
+    assert reporter.epoch_wanted and not reporter.superseded and asks == []
+    clock.now += IDLE_HEARTBEAT_S + 0.01
+    reporter.tick()                                  # asks; the answer is not back yet
+    clock.now += IDLE_HEARTBEAT_S + 0.01
+    reporter.tick()                                  # one request in flight: not asked again
+    assert len(asks) == 1 and publisher.adopted == []
+    pending[0].set_result(PublisherEpoch("w0", 42))
+    directory.status = "ok"
+    reporter.tick()
+    assert publisher.adopted == [42] and not reporter.epoch_wanted and reporter.renew_epoch is None
+    # Issued now: a later stale epoch is a real newer life, and this one falls silent.
+    directory.status = "stale_epoch"
+    clock.now += IDLE_HEARTBEAT_S + 0.01
+    reporter.tick()
+    assert reporter.superseded and len(asks) == 1
+
+
+def test_an_unanswered_epoch_request_is_asked_again_after_its_bound():
+    from actors.reporter import EPOCH_RENEW_S
+
+    asks = []
+
+    def renew():
+        asks.append(clock.now)
+        fut = cf.Future()
+        fut.set_exception(TimeoutError("no directory"))
+        return fut
+
+    load = [LoadReport(0, 0)]
+    clock, directory = Clock(), Directory()
+    directory.status = "stale_epoch"
+    reporter = EventReporter("w0", Publisher(), directory, lambda: load[0], clock=clock, renew_epoch=renew)
+    reporter.tick()
+    reporter.tick()                                  # asks: the request fails
+    clock.now += EPOCH_RENEW_S - 0.01
+    reporter.tick()
+    assert asks == [100.0] and reporter.epoch_wanted
+    clock.now += 0.02
+    reporter.tick()
+    assert len(asks) == 2 and asks[1] == clock.now

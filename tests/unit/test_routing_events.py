@@ -7,7 +7,7 @@ from cluster.cache.radix_tree import COLD, HOT, WARM
 from cluster.cache.tiered import TierConfig, TieredCache
 from cluster.errors import InvalidInputError
 from cluster.hashing import block_hashes
-from cluster.routing.events import EventBatch, KVEvent, KVEventPublisher, MalformedBatchError
+from cluster.routing.events import EpochIssuer, EventBatch, KVEvent, KVEventPublisher, MalformedBatchError
 from cluster.routing.index import GlobalIndex
 from tests.unit.helpers import TickClock
 
@@ -205,3 +205,58 @@ def test_publisher_rejects_bad_arguments():
         KVEventPublisher("w", cache.tree, 0)
     with pytest.raises(InvalidInputError):
         KVEventPublisher("w", cache.tree, B, max_buffer_events=0)
+
+
+class WallNs:
+    """A node's wall clock in ns, set by hand (it may go backwards)."""
+
+    def __init__(self, now: int):
+        self.now = now
+
+    def __call__(self) -> int:
+        return self.now
+
+
+def test_an_issued_epoch_is_newer_than_the_last_life_whatever_the_clocks_say():
+    wall = WallNs(5_000)
+    issuer = EpochIssuer(wall)
+    first = issuer.issue(None)
+    assert first == 5_000                                  # the wall clock is the floor
+    wall.now = 1_000                                       # the clock stepped back
+    second = issuer.issue(first)
+    assert second == 5_001 and issuer.issue(None) == 5_002
+    # A restarted directory (a new issuer, nothing issued yet) on a clock behind both:
+    # the epoch it saw from the worker's previous life keeps the next one above it.
+    again = EpochIssuer(WallNs(10)).issue(second)
+    assert again == second + 1
+    assert EpochIssuer(WallNs(10)).issue(None) == 10
+    with pytest.raises(InvalidInputError, match="exhausted"):
+        EpochIssuer(WallNs(10)).issue((1 << 64) - 1)
+
+
+def test_a_publisher_on_a_clock_behind_its_last_life_publishes_under_the_issued_epoch():
+    issuer = EpochIssuer(WallNs(9_000))
+    cache, old = make(hot=16)
+    old.epoch = issuer.issue(None)
+    # Restarted on a node whose clock is 8,000 ns behind: its own start would be older.
+    cache2 = TieredCache(TierConfig(hot_blocks=16, warm_blocks=4, block_tokens=B, device="cpu"), None,
+                         clock=TickClock())
+    issuer._wall_ns = WallNs(1_000)
+    new = KVEventPublisher("w0", cache2.tree, B, epoch=issuer.issue(old.epoch))
+    cache2.tree.listeners.append(new)
+    put(cache2, A)
+    batch = new.drain()
+    assert batch.epoch == new.epoch == old.epoch + 1 and new.snapshot().epoch == new.epoch
+
+
+def test_adopting_an_epoch_drops_what_is_pending_and_resyncs():
+    cache, pub = make(hot=16)
+    put(cache, A)
+    assert pub.pending == 1
+    pub.adopt_epoch(77)
+    assert pub.pending == 0 and pub.stats["dropped_events"] == 1
+    batch = pub.drain()
+    assert (batch.seq, batch.resync, batch.events, batch.epoch) == (1, True, [], 77)
+    assert pub.snapshot().epoch == 77
+    with pytest.raises(InvalidInputError, match="epoch"):
+        pub.adopt_epoch(-1)

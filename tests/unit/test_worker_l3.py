@@ -42,14 +42,16 @@ def test_a_turn_served_by_one_worker_is_read_by_another_from_l3(master):
         prompt = [(7 * i) % 250 + 1 for i in range(70)]
         first = run_worker(a, prompt, max_tokens=4)
         seq = prompt + [i.token for i in first]
-        stats = wait_written(a, 4)                    # 70 + 3 computed tokens: 4 full 16-token blocks
+        stats = wait_written(a, 4)   # 70 + 3 computed tokens: 4 full 16-token blocks and a partial one of 9
         assert stats["l3"]["blocks_written"] == 4 and stats["l3"]["write_failures"] == 0
+        assert stats["l3"]["tails_written"] == 1      # in the same write as the blocks
         follow = seq + [5, 6, 7]
         second = run_worker(b, follow, max_tokens=4)
-        assert second[0].cached_tokens == 64 and second[0].tier_hits == (0, 0, 0, 64)
+        assert second[0].cached_tokens == 73 and second[0].tier_hits == (0, 0, 0, 73)
         assert [i.token for i in second] == greedy(follow, 4)
         got = asyncio.run(b.stats())["l3"]
-        assert got["fetches"] == 1 and got["fetch_blocks_hit"] == 4 and got["installed_tokens"] == 64
+        assert got["fetches"] == 1 and got["fetch_blocks_hit"] == 4 and got["installed_tokens"] == 73
+        assert got["tails_fetched"] == 1
     finally:
         a.close()
         b.close()

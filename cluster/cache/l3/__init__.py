@@ -6,7 +6,7 @@
 - ``wire``: keys and the value format (header, tokens, KV; every read verified).
 - ``memory``: ``MemoryL3Store``, the same interface in process (tests, replays).
 - ``tier``: ``L3Tier``, the cache's side: write behind, fetch ahead, inventories,
-  on two I/O threads.
+  on two I/O threads; ``tier_types``: its config, stats, jobs and results.
 - ``link``: ``L3Link``, what ``TieredCache`` does with it on the owner thread
   (installing fetched blocks, hand-off writes, warm-up fetches).
 - ``master``: ``L3Master``, a local ``mooncake_master`` and pool holder.

@@ -5,7 +5,8 @@ class decides what crosses and applies what comes back, on the cache's owner
 thread, with the cache's tree and pools:
 
 - ``write_behind`` (from ``KVLease.commit``): the full blocks of a committed
-  sequence that L3 lacks are copied out of HOT/WARM and queued for writing.
+  sequence that L3 lacks, and its partial last block, are copied out of
+  HOT/WARM and queued for writing, at the front of the write queue.
 - ``fetch_ahead`` (from ``TieredCache.ready``): a waiting request whose full
   blocks run at least ``min_fetch_blocks`` past the tree's prefix gets them
   fetched; it waits (others run) until ``apply`` installs them.
@@ -28,7 +29,7 @@ from cluster.cache.l3.tier import FetchResult, L3Tier
 from cluster.cache.prefix_value import ValuedPrefix, valuable_prefixes
 from cluster.cache.token_key import encode_tokens
 from cluster.errors import ChecksumError, PoolExhaustedError
-from cluster.hashing import block_hashes
+from cluster.hashing import block_hashes, tail_hash
 from cluster.names import COLD, WARM
 
 if TYPE_CHECKING:
@@ -86,7 +87,7 @@ class L3Link:
         self._applying = True
         try:
             self.tier.take_written()
-            return sum(self._install(r) for r in self.tier.take_fetched() if r.blocks)
+            return sum(self._install(r) for r in self.tier.take_fetched() if r.blocks or r.tail_tokens)
         finally:
             self._applying = False
 
@@ -124,13 +125,15 @@ class L3Link:
     # ------------------------------------------------------------- writes
     def write_behind(self, tokens: Sequence[int], namespace: Hashable) -> int:
         """Queue the full blocks of a just-committed ``tokens`` that L3 lacks (as
-        far as this replica knows); their KV is copied out of HOT/WARM here.
-        Returns the blocks queued."""
+        far as this replica knows) and its partial last block; their KV is copied
+        out of HOT/WARM here. The write goes to the front of the queue (the
+        session's next turn may land on another replica at once). Returns the
+        blocks queued."""
         if not self.tier.writes:
             return 0
-        return self._write(tokens, namespace, allow_cold=False)
+        return self._write(tokens, namespace, allow_cold=False, front=True)
 
-    def _write(self, tokens: Sequence[int], namespace: Hashable, *, allow_cold: bool) -> int:
+    def _write(self, tokens: Sequence[int], namespace: Hashable, *, allow_cold: bool, front: bool = False) -> int:
         tier = self.tier
         bt = tier.block_tokens
         full = len(tokens) // bt
@@ -138,24 +141,42 @@ class L3Link:
             return 0
         hashes = block_hashes(tokens[:full * bt], bt, salt=namespace)
         todo = tier.unwritten(hashes)
-        if not todo:
+        tail = self._unwritten_tail(tokens, hashes)
+        if not todo and tail is None:
             return 0
         remove: list[int] = []
         quotas = self.cache.quotas
-        if quotas is not None:   # the tenant's L3 share: what it may add, what goes to make room
+        if quotas is not None and todo:   # the tenant's L3 share: what it may add, what goes to make room
             take, remove = quotas.l3_admit(namespace, [hashes[i] for i in todo])
             todo = [todo[j] for j in take]
-            if not todo:
+            if not todo and tail is None:
                 return 0
-        kv = self._read_blocks(tokens[:full * bt], namespace, todo, allow_cold)
+        ranges = [(i * bt, (i + 1) * bt) for i in todo]
+        kv = self._read_blocks(tokens, namespace, ranges + [(full * bt, len(tokens))], allow_cold) \
+            if tail is not None else None
+        if kv is None:   # no partial block, or its KV is not all cached here: the full blocks alone
+            tail = None
+            kv = self._read_blocks(tokens, namespace, ranges, allow_cold) if todo else None
         if kv is None:
             if quotas is not None:
                 quotas.l3_forget([hashes[i] for i in todo])
             return 0
-        queued = tier.write(tokens, hashes, todo, kv, remove)
+        queued = tier.write(tokens[:full * bt] if tail is None else tokens, hashes, todo, kv, remove,
+                            tail=tail, front=front)
         if not queued and quotas is not None:   # dropped (the write queue is full): not held
             quotas.l3_forget([hashes[i] for i in todo])
         return queued
+
+    def _unwritten_tail(self, tokens: Sequence[int], hashes: list[int]) -> int | None:
+        """The ``tail_hash`` of ``tokens``' partial last block when it is worth writing:
+        there is one, after at least one full block, L3 lacks it (as far as this replica
+        knows), and no tenant has an L3 quota (quotas count full blocks only)."""
+        quotas = self.cache.quotas
+        start = len(hashes) * self.tier.block_tokens
+        if not hashes or start == len(tokens) or (quotas is not None and quotas.config.l3_blocks):
+            return None
+        h = tail_hash(hashes[-1], tokens[start:])
+        return None if h in self.tier.written_tails else h
 
     def _spans(self, tokens: Sequence[int], namespace: Hashable) -> list[tuple[int, "TreeNode"]]:
         """(first token, node) of every node the cached path of ``tokens`` runs
@@ -173,18 +194,19 @@ class L3Link:
                 spans.append((at, child))
         return spans
 
-    def _read_blocks(self, tokens: Sequence[int], namespace: Hashable, blocks: list[int],
+    def _read_blocks(self, tokens: Sequence[int], namespace: Hashable, ranges: list[tuple[int, int]],
                      allow_cold: bool) -> torch.Tensor | list[torch.Tensor] | None:
-        """The KV of whole blocks ``blocks`` of ``tokens`` as one token-major CPU
-        tensor (a copy), in order; None when part of them is not cached, or only
-        on disk without ``allow_cold`` (no disk read on the request path). Under a
-        compressed tier codec HOT's parts are model-dtype and the lower tiers' stored
-        bytes: then a list of copied parts, which L3's write thread encodes."""
-        bt = self.tier.block_tokens
+        """The KV of token ranges ``[lo, hi)`` of ``tokens`` (whole blocks, and a
+        partial last one) as one token-major CPU tensor (a copy), in order; None when
+        part of them is not cached, or only on disk without ``allow_cold`` (no disk
+        read on the request path). Under a compressed tier codec HOT's parts are
+        model-dtype and the lower tiers' stored bytes: then a list of copied parts,
+        which L3's write thread encodes."""
+        if not ranges:
+            return None
         spans = self._spans(tokens, namespace)
         parts = []
-        for b in blocks:
-            lo, hi = b * bt, (b + 1) * bt
+        for lo, hi in ranges:
             covered = lo
             for first, node in spans:
                 end = first + len(node.key)

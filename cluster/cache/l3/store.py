@@ -35,9 +35,12 @@ settings and by a TCP probe of the master first.
 Off. Without mooncake, with the master unreachable at setup, or after
 ``trip_after_failures`` failed calls in a row, the store is off: one warning
 says why; calls return misses, ``OFF`` or ``False`` at once (``off_calls``),
-never raise. A store tripped at run time probes the master every
-``retry_after_s`` and comes back on (one info line); one that never set up
-stays off. Put keeps Mooncake's rule that an existing key keeps its old value:
+never raise. Only calls that failed themselves count (they raised, returned
+an RPC error, or ran past their deadline); a call whose deadline passed while
+it was queued behind another never ran and does not (``queued_timeouts``), so
+a busy but healthy master is never switched off. A store tripped at run time
+probes the master every ``retry_after_s`` and comes back on (one info line);
+one that never set up stays off. Put keeps Mooncake's rule that an existing key keeps its old value:
 such a key is ``ALREADY_PRESENT`` and not sent. Calls are synchronous and
 bounded; writing behind is the caller's business.
 """
@@ -103,6 +106,7 @@ class L3Stats:
     put_bytes: int = 0
     get_bytes: int = 0
     timeouts: int = 0
+    queued_timeouts: int = 0           # of ``timeouts``: deadline passed before the call ran (not failures)
     rpc_failures: int = 0
     off_calls: int = 0
 
@@ -206,10 +210,12 @@ class _DeadlineWorker:
 
     Calls queue behind each other (a fetch issued during a write waits for it,
     within the fetch's own deadline: measured, a write batch takes tens of ms).
-    A queued call whose deadline passes is cancelled and never runs. ``stuck``
-    means the running call is past *its* deadline, still inside Mooncake: until
-    it returns, new calls fail at once instead of queueing behind it. A daemon
-    thread, so a call stuck in Mooncake never keeps the interpreter from exiting.
+    A queued call whose deadline passes is cancelled and never runs
+    (``NeverStarted``: the lane was busy, which says nothing of the store).
+    ``stuck`` means the running call is past *its* deadline, still inside
+    Mooncake: until it returns, new calls fail at once instead of queueing
+    behind it. A daemon thread, so a call stuck in Mooncake never keeps the
+    interpreter from exiting.
     """
 
     def __init__(self, name: str):
@@ -241,7 +247,8 @@ class _DeadlineWorker:
         return running is not None and time.monotonic() > running
 
     def call(self, fn: Callable[[], Any], timeout_s: float) -> Any:
-        """``fn()``'s result; ``FutureTimeout`` past ``timeout_s`` (a queued call is cancelled)."""
+        """``fn()``'s result. Past ``timeout_s``: ``NeverStarted`` when it was still
+        queued (cancelled: it never runs), ``FutureTimeout`` when it was running."""
         fut: Future = Future()
         timeout_s = max(timeout_s, 0.0)
         with self._cond:
@@ -250,8 +257,16 @@ class _DeadlineWorker:
         try:
             return fut.result(timeout=timeout_s)
         except FutureTimeout:
-            fut.cancel()
+            if fut.cancel():   # still queued: cancelled before it ran
+                raise NeverStarted() from None
+            if fut.done():     # it finished just now
+                return fut.result()
             raise
+
+
+class NeverStarted(FutureTimeout):
+    """A call whose deadline passed while it waited behind another call: it never
+    ran, so it is not a failure of the store (``trip_after_failures`` ignores it)."""
 
 
 def _probe(host: str, port: int, timeout_s: float) -> str | None:
@@ -379,6 +394,9 @@ class MooncakeL3Store(L3Store):
             raise _Off()
         try:
             return self._worker.call(fn, deadline - self._clock())
+        except NeverStarted:   # queued behind a call within its own deadline: the store is busy, not failing
+            self._count(timeouts=1, queued_timeouts=1)
+            raise _Off() from None
         except FutureTimeout:
             self._count(timeouts=1)
             self._failed("a call ran past its deadline")

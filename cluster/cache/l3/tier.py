@@ -6,18 +6,22 @@ tenant-salted chained hash (``cluster.cache.l3``). Two flows cross:
 
 - **write behind**: when a request commits its sequence, the engine thread
   copies the KV of its full blocks that L3 does not have yet (as far as this
-  replica knows: ``written``) out of the pools, and the I/O thread stores
-  them. The request never waits; a write queue over ``max_pending_bytes``
-  drops the newest writes (counted), so a slow store costs L3 coverage, never
-  memory or latency.
+  replica knows: ``written``), and of its partial last block, out of the
+  pools, and the I/O thread stores them. A commit's write goes to the front
+  of the write queue, behind only the queued writes of the same chain (the
+  session's next turn may land on another replica at once). The request never
+  waits; a write queue over ``max_pending_bytes`` drops the newest writes
+  (counted), so a slow store costs L3 coverage, never memory or latency.
 - **fetch ahead**: when the scheduler looks at a waiting request whose full
   blocks run past what the tree holds, the cache starts a fetch of those
   blocks (``start_fetch``) and the request waits while others run, as it does
   for a promotion. The I/O thread reads the leading run of blocks L3 has
-  (verified with their tokens: ``cluster.cache.l3.wire``), and the engine
-  thread installs them into the tree (``take_fetched``) before the request is
-  admitted. A fetch is started only where it beats recompute: the measured
-  fetch rate (``set_rates``) must exceed the prefill rate.
+  (verified with their tokens: ``cluster.cache.l3.wire``), then the longest
+  partial block stored right after that run (where a sequence committed
+  elsewhere ended), and the engine thread installs them into the tree
+  (``take_fetched``) before the request is admitted. A fetch is started only
+  where it beats recompute: the measured fetch rate (``set_rates``) must
+  exceed the prefill rate.
 
 Every method but the I/O loop runs on the cache's owner thread. Results come
 back through a queue the owner drains (``take_fetched``, ``take_written``),
@@ -33,188 +37,20 @@ import logging
 import os
 import threading
 import time
-from collections import OrderedDict, deque
-from dataclasses import dataclass, field
+from collections import deque
 from typing import Any, Callable, Hashable, Sequence
 
 import torch
-import xxhash
 
 from cluster.cache.codec import TierCodec
 from cluster.cache.kv_pool import KVLayout
 from cluster.cache.l3.store import GetStatus, L3Block, L3Lookup, L3Store, kv_layout_version, l3_key
+from cluster.cache.l3.tier_types import (  # noqa: F401  (l3_model_id: imported from here)
+    BoundedHashes, FetchJob, FetchResult, InventoryJob, L3TierConfig, L3TierStats, WriteDone, WriteJob, l3_model_id)
 from cluster.errors import InvalidInputError
+from cluster.hashing import tail_hash
 
 log = logging.getLogger(__name__)
-
-WRITE_POLICIES = ("commit", "off")
-FETCH_POLICIES = ("auto", "always", "off")
-
-
-def l3_model_id(name: str, model: Any) -> str:
-    """The model part of L3 keys: the served name and a fingerprint of the
-    weights (a sample of every parameter), so two checkpoints under one name,
-    or two seeds of the built-in model, never read each other's blocks."""
-    digest = xxhash.xxh3_64()
-    for pname, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
-        flat = p.detach().reshape(-1)[:64].to("cpu", torch.float32).contiguous()
-        digest.update(pname.encode())
-        digest.update(flat.numpy().tobytes())
-    safe = "".join(c if c.isprintable() and not c.isspace() else "_" for c in name)[:160] or "model"
-    return f"{safe}-{digest.intdigest():016x}"
-
-
-@dataclass(frozen=True)
-class L3TierConfig:
-    """How the cache uses L3.
-
-    - ``model_id``: part of every key (blocks of another model are never read).
-    - ``write``: ``commit`` stores the full blocks of every committed sequence
-      behind the request (what crash survival needs: a replica killed a moment
-      after a turn has that turn in L3); ``off`` never writes (read only).
-    - ``fetch``: read blocks the tree lacks from L3 before prefill: ``auto``
-      where the measured fetch rate beats prefill, ``always`` (tests, or an
-      operator who measured otherwise), ``off``.
-    - ``min_fetch_blocks``: fetch only when at least this many full blocks lie
-      past the tree's prefix (a one-block fetch saves less than its round trip).
-    - ``max_fetch_blocks``: the most blocks one fetch asks for.
-    - ``max_pending_bytes``: KV queued for writing; past it new writes are dropped.
-    - ``max_remembered``: block hashes remembered as written (and as missing).
-    - ``miss_ttl_s``: a block a fetch found missing is not asked for again this long.
-    - ``write_nice``: the nice value of the thread that writes (0-19; 0: as the rest of
-      the process). Fetches have a thread of their own at the process's priority: a
-      request may be waiting for one. Writes wait for nobody, so by default they take
-      the cores when the engine leaves them (between steps, in its Python stretches)
-      instead of beside its two threads.
-    """
-    model_id: str
-    write: str = "commit"
-    fetch: str = "auto"
-    min_fetch_blocks: int = 2
-    max_fetch_blocks: int = 1024
-    max_pending_bytes: int = 256 << 20
-    max_remembered: int = 1 << 20
-    miss_ttl_s: float = 10.0
-    write_nice: int = 19
-
-    def __post_init__(self) -> None:
-        if self.write not in WRITE_POLICIES:
-            raise InvalidInputError(f"l3 write policy must be one of {WRITE_POLICIES}, got {self.write!r}")
-        if self.fetch not in FETCH_POLICIES:
-            raise InvalidInputError(f"l3 fetch policy must be one of {FETCH_POLICIES}, got {self.fetch!r}")
-        for name in ("min_fetch_blocks", "max_fetch_blocks", "max_pending_bytes", "max_remembered"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise InvalidInputError(f"l3 {name} must be a positive integer, got {v!r}")
-        if not isinstance(self.miss_ttl_s, (int, float)) or self.miss_ttl_s < 0:
-            raise InvalidInputError(f"l3 miss_ttl_s must be >= 0, got {self.miss_ttl_s!r}")
-        if isinstance(self.write_nice, bool) or not isinstance(self.write_nice, int) or not 0 <= self.write_nice <= 19:
-            raise InvalidInputError(f"l3 write_nice must be an integer in 0..19, got {self.write_nice!r}")
-
-
-@dataclass(slots=True)
-class FetchResult:
-    """Blocks ``[first_block, first_block + blocks)`` of ``tokens`` read from L3
-    (``kv`` covers exactly those tokens, token-major ``[L, 2, T, H, D]``)."""
-    namespace: Hashable
-    tokens: list[int]          # the sequence the fetch was for, up to the last block asked for
-    first_block: int
-    blocks: int                # leading blocks found (0: the first one was missing)
-    kv: torch.Tensor | None
-    missing: list[int]         # hash of the first block not found (empty when all were found)
-    seconds: float             # the I/O thread's time for it
-    first_hash: int = 0        # the hash of block ``first_block`` (what the fetch is known by)
-    bytes: int = 0
-    found: list[int] = field(default_factory=list)   # hashes of the blocks found
-    unanswered: bool = False   # the run stopped at a block the store did not answer for (timeout, off)
-    backoff: list[int] = field(default_factory=list)   # that block: not asked for again a while (locally)
-
-
-@dataclass(slots=True)
-class _Fetch:
-    namespace: Hashable
-    tokens: list[int]
-    hashes: list[int]
-    first_block: int
-
-
-@dataclass(slots=True)
-class _Inventory:
-    """List every block of this model and layout L3 holds (for the directory)."""
-
-
-@dataclass(slots=True)
-class _Write:
-    blocks: list[L3Block]
-    hashes: list[int]
-    nbytes: int
-    remove: list = field(default_factory=list)   # keys to remove first (tenant quotas: ``TenantQuotas.l3_admit``)
-    keys: list[tuple[Any, tuple[int, ...]]] = field(default_factory=list)   # blocks the I/O thread makes
-    parts: list[torch.Tensor] = field(default_factory=list)                 # from these (encoded there)
-
-
-@dataclass
-class L3TierStats:
-    writes_queued: int = 0          # blocks handed to the I/O thread
-    quota_removed: int = 0          # blocks removed to keep a tenant's L3 quota (``TenantQuotas.l3_admit``)
-    blocks_written: int = 0         # stored (or found already there)
-    write_failures: int = 0
-    writes_dropped: int = 0         # not stored: over max_pending_bytes, or queued when a flush came
-    bytes_written: int = 0
-    fetches: int = 0
-    fetch_blocks_asked: int = 0
-    fetch_blocks_hit: int = 0
-    fetch_misses: int = 0           # fetches that found not even their first block
-    fetch_skipped_slower: int = 0   # a fetch was possible but recompute is faster
-    fetch_unanswered: int = 0       # fetches cut short by a block the store did not answer for
-    verify_failed_removed: int = 0  # blocks that failed verification, removed from L3
-    inventories: int = 0            # L3 inventories sent to the directory
-    inventory_blocks: int = 0       # ... and the blocks the latest one listed
-    inventory_listed: bool | None = None   # the latest came from the store's listing (False: what was known)
-    bytes_fetched: int = 0
-    installed_tokens: int = 0
-    install_failures: int = 0
-    fetches_timed: int = 0          # fetches that found blocks, timed (the latest in ``fetch_s``)
-    fetch_s: list[float] = field(default_factory=list)   # the latest fetches' times (bounded)
-    fetch_tokens: list[int] = field(default_factory=list)   # ... and the tokens each brought
-
-    def as_dict(self) -> dict:
-        out = {k: v for k, v in self.__dict__.items() if k not in ("fetch_s", "fetch_tokens")}
-        times = sorted(self.fetch_s)
-        out["fetch_ms_p50"] = round(times[len(times) // 2] * 1e3, 3) if times else None
-        out["fetch_ms_p99"] = round(times[min(len(times) - 1, int(0.99 * len(times)))] * 1e3, 3) if times else None
-        return out
-
-
-class _Bounded:
-    """A set of hashes that forgets its oldest entries past ``limit`` (values: a time)."""
-    __slots__ = ("limit", "_d")
-
-    def __init__(self, limit: int):
-        self.limit = limit
-        self._d: OrderedDict[int, float] = OrderedDict()
-
-    def add(self, h: int, value: float = 0.0) -> None:
-        d = self._d
-        d[h] = value
-        d.move_to_end(h)
-        if len(d) > self.limit:
-            d.popitem(last=False)
-
-    def get(self, h: int) -> float | None:
-        return self._d.get(h)
-
-    def discard(self, h: int) -> None:
-        self._d.pop(h, None)
-
-    def __contains__(self, h: int) -> bool:
-        return h in self._d
-
-    def keys(self) -> list[int]:
-        return list(self._d)
-
-    def __len__(self) -> int:
-        return len(self._d)
 
 
 class L3Tier:
@@ -233,18 +69,19 @@ class L3Tier:
         self.clock = clock
         self.codec = codec if codec is not None and codec.compressed else None
         self.version = kv_layout_version(layout, block_tokens, self.codec_name)
-        self.written = _Bounded(config.max_remembered)
-        self._missing = _Bounded(config.max_remembered)   # hash -> when a fetch found it missing
-        self._fetching: dict[int, _Fetch] = {}             # first block's hash -> fetch in flight
+        self.written = BoundedHashes(config.max_remembered)
+        self.written_tails = BoundedHashes(config.max_remembered)   # partial blocks' hashes (``tail_hash``)
+        self._missing = BoundedHashes(config.max_remembered)   # hash -> when a fetch found it missing
+        self._fetching: dict[int, FetchJob] = {}             # first block's hash -> fetch in flight
         self.fetch_tokens_per_s: float | None = None       # measured (calibration), then observed
         self.prefill_tokens_per_s: float | None = None
         self.listeners: list[Any] = []                     # on_l3_stored(hashes), on_l3_removed(hashes)
         self.stats = L3TierStats()
         self._cv = threading.Condition()
-        self._fetch_jobs: deque[_Fetch] = deque()
-        self._write_jobs: deque[_Write] = deque()
+        self._fetch_jobs: deque[FetchJob] = deque()
+        self._write_jobs: deque[WriteJob] = deque()
         self._done_fetches: deque[FetchResult] = deque()
-        self._done_writes: deque[tuple[list[int], list[bool], int]] = deque()
+        self._done_writes: deque[WriteDone] = deque()
         self._done_inventories: deque[list[int] | None] = deque()
         self._inventory_queued = False
         self._pending_bytes = 0
@@ -276,8 +113,9 @@ class L3Tier:
     def writes(self) -> bool:
         return self.config.write != "off" and self.store.stats().state != "closed"
 
-    def key(self, block_hash: int):
-        return l3_key(self.config.model_id, self.version, block_hash)
+    def key(self, block_hash: int, tail_tokens: int = 0):
+        """The key of a full block, or of a partial one of ``tail_tokens`` (its ``tail_hash``)."""
+        return l3_key(self.config.model_id, self.version, block_hash, tail_tokens)
 
     @property
     def key_prefix(self) -> str:
@@ -291,8 +129,9 @@ class L3Tier:
 
     def forget(self) -> None:
         """Forget which blocks were written or missing (owner thread; after ``remove_all``)."""
-        self.written = _Bounded(self.config.max_remembered)
-        self._missing = _Bounded(self.config.max_remembered)
+        self.written = BoundedHashes(self.config.max_remembered)
+        self.written_tails = BoundedHashes(self.config.max_remembered)
+        self._missing = BoundedHashes(self.config.max_remembered)
 
     # ------------------------------------------------------------- writes
     def unwritten(self, hashes: Sequence[int]) -> list[int]:
@@ -301,38 +140,64 @@ class L3Tier:
         return [i for i, h in enumerate(hashes) if h not in written]
 
     def write(self, tokens: Sequence[int], hashes: Sequence[int], index: Sequence[int],
-              kv: torch.Tensor | list[torch.Tensor], remove: Sequence[int] = ()) -> int:
-        """Queue blocks ``index`` (indices into ``hashes``) of ``tokens`` for writing;
-        ``kv`` holds exactly those blocks' KV, in order, token-major (a private
-        copy: the caller's pools may change once this returns); under a compressed
-        codec it may be parts, each model-dtype or stored, encoded on the I/O thread.
-        Returns the blocks queued (0 when over ``max_pending_bytes``: dropped, counted).
-        ``remove``: hashes of blocks to remove from L3 before these are stored (a tenant's quota)."""
-        if not index:
-            return 0
+              kv: torch.Tensor | list[torch.Tensor], remove: Sequence[int] = (), *,
+              tail: int | None = None, front: bool = False) -> int:
+        """Queue blocks ``index`` (indices into ``hashes``, the full blocks of ``tokens``)
+        for writing, and with ``tail`` (its ``tail_hash``) the partial block after them,
+        ``tokens[len(hashes) * block_tokens:]``; ``kv`` holds exactly those blocks' KV,
+        in order, token-major (a private copy: the caller's pools may change once this
+        returns); under a compressed codec it may be parts, each model-dtype or stored,
+        encoded on the I/O thread. Returns the blocks queued (0 when over
+        ``max_pending_bytes``: dropped, counted). ``remove``: hashes of blocks to remove
+        from L3 before these are stored (a tenant's quota). ``front``: a commit's write,
+        queued ahead of every other write but those holding blocks of ``hashes``."""
         bt = self.block_tokens
+        full = len(hashes) * bt
+        if tail is not None and not 0 < len(tokens) - full < bt:
+            raise InvalidInputError(f"a partial block has 1 to {bt - 1} tokens, got {len(tokens) - full}")
+        count = len(index) + (tail is not None)
+        if not count:
+            return 0
         parts = kv if isinstance(kv, list) else [kv]
         nbytes = sum(p.numel() * p.element_size() for p in parts)
         with self._cv:
             if self._pending_bytes + nbytes > self.config.max_pending_bytes:
-                self.stats.writes_dropped += len(index)
+                self.stats.writes_dropped += count
                 return 0
             keys = [(self.key(hashes[i]), tuple(tokens[i * bt:(i + 1) * bt])) for i in index]
-            removals = [self.key(h) for h in remove]
-            if self.codec is None and len(parts) == 1:
-                blocks = [L3Block(k, toks, parts[0][:, :, j * bt:(j + 1) * bt]) for j, (k, toks) in enumerate(keys)]
-                job = _Write(blocks, [hashes[i] for i in index], nbytes, removals)
+            if tail is not None:
+                keys.append((self.key(tail, len(tokens) - full), tuple(tokens[full:])))
+            job = WriteJob([], [hashes[i] for i in index], nbytes, tail=tail, remove=[self.key(h) for h in remove])
+            if self.codec is None and len(parts) == 1:   # slices of one tensor (the tail's is the shorter last)
+                job.blocks = [L3Block(k, toks, parts[0][:, :, j * bt:(j + 1) * bt]) for j, (k, toks) in enumerate(keys)]
             else:
-                job = _Write([], [hashes[i] for i in index], nbytes, removals, keys, parts)
-            self._write_jobs.append(job)
+                job.keys, job.parts = keys, parts
+            self._queue_write(job, set(hashes) if front else None)
             self._pending_bytes += nbytes
-            self.stats.writes_queued += len(index)
+            self.stats.writes_queued += count
             self._cv.notify_all()   # two I/O threads wait on it: wake the one whose queue it is
         for i in index:   # optimistic: a failed write is forgotten again in take_written
             self.written.add(hashes[i])
+        if tail is not None:
+            self.written_tails.add(tail)
         for h in remove:
             self.written.discard(h)
-        return len(index)
+        return count
+
+    def _queue_write(self, job: WriteJob, chain: set[int] | None) -> None:
+        """(under ``_cv``) Queue ``job`` last, or with its ``chain`` first: the queued
+        writes holding blocks of that chain (earlier turns of the session, a shared
+        prefix), in their order, then ``job``, then every other write."""
+        jobs = self._write_jobs
+        if chain is None:
+            jobs.append(job)
+            return
+        mine = [j for j in jobs if not chain.isdisjoint(j.hashes)]
+        others = [j for j in jobs if chain.isdisjoint(j.hashes)] if mine else list(jobs)
+        jobs.clear()
+        jobs.extend(mine)
+        jobs.append(job)
+        jobs.extend(others)
 
     def take_written(self) -> int:
         """Apply finished writes (owner thread): tell the listeners which blocks L3
@@ -340,14 +205,20 @@ class L3Tier:
         with self._cv:
             done, self._done_writes = self._done_writes, deque()
         stored_total = 0
-        for hashes, stored, nbytes in done:
-            ok = [h for h, s in zip(hashes, stored) if s]
-            for h, s in zip(hashes, stored):
+        for w in done:
+            ok = [h for h, s in zip(w.hashes, w.stored) if s]
+            for h, s in zip(w.hashes, w.stored):
                 if not s:
                     self.written.discard(h)
+            if w.tail is not None:   # partial blocks stay out of the directory's index: no event
+                if w.tail_stored:
+                    self.stats.tails_written += 1
+                else:
+                    self.written_tails.discard(w.tail)
+                    self.stats.write_failures += 1
             self.stats.blocks_written += len(ok)
-            self.stats.write_failures += len(hashes) - len(ok)
-            self.stats.bytes_written += nbytes
+            self.stats.write_failures += len(w.hashes) - len(ok)
+            self.stats.bytes_written += w.nbytes
             stored_total += len(ok)
             if ok:
                 for listener in self.listeners:
@@ -365,7 +236,7 @@ class L3Tier:
             if self._inventory_queued:
                 return
             self._inventory_queued = True
-            self._fetch_jobs.append(_Inventory())
+            self._fetch_jobs.append(InventoryJob())
             self._cv.notify_all()
 
     def _take_inventories(self) -> None:
@@ -422,9 +293,12 @@ class L3Tier:
     def start_fetch(self, namespace: Hashable, tokens: Sequence[int], hashes: Sequence[int],
                     first_block: int) -> None:
         """Ask L3 for blocks ``[first_block, len(hashes))`` of ``tokens`` (at most
-        ``max_fetch_blocks``); the answer comes back through ``take_fetched``."""
+        ``max_fetch_blocks``), and for a partial block where that run ends (the job
+        keeps up to ``block_tokens - 1`` tokens past it); the answer comes back
+        through ``take_fetched``."""
         last = min(len(hashes), first_block + self.config.max_fetch_blocks)
-        job = _Fetch(namespace, list(tokens[:last * self.block_tokens]), list(hashes[:last]), first_block)
+        bt = self.block_tokens
+        job = FetchJob(namespace, list(tokens[:last * bt + bt - 1]), list(hashes[:last]), first_block)
         self._fetching[hashes[first_block]] = job
         self.stats.fetches += 1
         self.stats.fetch_blocks_asked += last - first_block
@@ -441,18 +315,22 @@ class L3Tier:
             self._fetching.pop(r.first_hash, None)
             for h in r.found:        # in L3: installing them must not write them back
                 self.written.add(h)
-            if r.blocks:
+            if r.tail_tokens:
+                self.written_tails.add(r.tail_hash)
+                self.stats.tails_fetched += 1
+            brought = r.blocks * self.block_tokens + r.tail_tokens
+            if brought:
                 self.stats.fetch_blocks_hit += r.blocks
                 self.stats.bytes_fetched += r.bytes
                 times, sizes = self.stats.fetch_s, self.stats.fetch_tokens
                 times.append(r.seconds)
-                sizes.append(r.blocks * self.block_tokens)
+                sizes.append(brought)
                 self.stats.fetches_timed += 1
                 if len(times) > 4096:
                     del times[:2048]
                     del sizes[:2048]
                 if r.seconds > 0:   # observed rate, smoothed: what the next decisions weigh
-                    rate = r.blocks * self.block_tokens / r.seconds
+                    rate = brought / r.seconds
                     f = self.fetch_tokens_per_s
                     self.fetch_tokens_per_s = rate if f is None else 0.8 * f + 0.2 * rate
             elif not r.unanswered:
@@ -503,25 +381,32 @@ class L3Tier:
             self._run(job)
             n += 1
 
-    def _run(self, job: _Fetch | _Write | _Inventory) -> None:
-        if isinstance(job, _Inventory):
+    def _run(self, job: FetchJob | WriteJob | InventoryJob) -> None:
+        if isinstance(job, InventoryJob):
             listed = self._list_hashes()
             with self._cv:
                 self._inventory_queued = False
                 self._done_inventories.append(listed)
             return
-        if isinstance(job, _Write):
+        if isinstance(job, WriteJob):
             if job.remove:
                 removed = self.store.remove_keys(job.remove)
                 with self._cv:
                     self.stats.quota_removed += max(0, removed)
             if job.parts:
                 job.blocks = self._stored_blocks(job)
-            results = self.store.put_blocks(job.blocks)
+            stored = [r.stored for r in self.store.put_blocks(job.blocks)]
+            n = len(job.hashes)
             with self._cv:
                 self._pending_bytes -= job.nbytes
-                self._done_writes.append((job.hashes, [r.stored for r in results], job.nbytes))
+                self._done_writes.append(WriteDone(job.hashes, stored[:n], job.nbytes, job.tail,
+                                                   job.tail is not None and stored[n]))
             return
+        self._fetch(job)
+
+    def _fetch(self, job: FetchJob) -> None:
+        """The leading run of verified blocks L3 holds from ``job.first_block``, then
+        the partial block stored where that run ends, if any (``_read_tail``)."""
         started = time.perf_counter()
         bt = self.block_tokens
         first, hashes, tokens = job.first_block, job.hashes, job.tokens
@@ -541,26 +426,58 @@ class L3Tier:
                     results[i] = dataclasses.replace(results[i], status=GetStatus.VERIFY_FAILED, kv=None)
                     found = i
                     break
-        kv = torch.cat([r.kv for r in results[:found]], dim=2) if found else None
+        stop = results[found].status if found < len(results) else None
+        # A partial block only continues a run that ended in an answer (a miss, or the last block asked).
+        tail = self._read_tail(job, first + found) if stop in (None, GetStatus.MISS) else None
+        n_tail, tail_h = (tail[0], tail[1]) if tail is not None else (0, 0)
+        parts = [r.kv for r in results[:found]] + ([tail[2]] if tail is not None else [])
+        kv = torch.cat(parts, dim=2) if parts else None
         nbytes = 0 if kv is None else kv.numel() * kv.element_size()
         if kv is not None and self.codec is not None:
             kv = self.codec.decode(kv)   # restored to the model's dtype here, on the fetch thread
-        stop = results[found].status if found < len(results) else None
         if stop is GetStatus.VERIFY_FAILED:   # every read of it would fail: it goes (and is missing)
-            removed = self.store.remove_keys([results[found].key])
-            with self._cv:
-                self.stats.verify_failed_removed += max(0, removed)
+            self._remove_failed(results[found].key)
         # Only an answer makes a block missing: a timeout or an off store says nothing of it.
         missing = [hashes[first + found]] if stop in (GetStatus.MISS, GetStatus.VERIFY_FAILED) else []
-        out = FetchResult(job.namespace, tokens[:(first + found) * bt], first, found, kv, missing,
+        out = FetchResult(job.namespace, tokens[:(first + found) * bt + n_tail], first, found, kv, missing,
                           time.perf_counter() - started, hashes[first],
                           nbytes, hashes[first:first + found],
                           unanswered=stop in (GetStatus.TIMEOUT, GetStatus.OFF),
-                          backoff=[hashes[first + found]] if stop in (GetStatus.TIMEOUT, GetStatus.OFF) else [])
+                          backoff=[hashes[first + found]] if stop in (GetStatus.TIMEOUT, GetStatus.OFF) else [],
+                          tail_tokens=n_tail, tail_hash=tail_h)
         with self._cv:
             self._done_fetches.append(out)
 
-    def _stored_blocks(self, job: _Write) -> list[L3Block]:
+    def _read_tail(self, job: FetchJob, block: int) -> tuple[int, int, torch.Tensor] | None:
+        """(tokens, tail hash, KV) of the longest partial block L3 holds right after block
+        ``block - 1`` of ``job.tokens`` (a sequence committed elsewhere ended inside block
+        ``block``): its keys name their tokens, so one existence check covers every
+        length, and the read verifies the tokens as any other."""
+        bt, tokens = self.block_tokens, job.tokens
+        start = block * bt
+        longest = min(bt - 1, len(tokens) - start)
+        if block < 1 or longest < 1:
+            return None
+        prev = job.hashes[block - 1]
+        candidates = [(n, tail_hash(prev, tokens[start:start + n])) for n in range(longest, 0, -1)]
+        keys = [self.key(h, n) for n, h in candidates]
+        for (n, h), key, there in zip(candidates, keys, self.store.contains(keys)):
+            if not there:
+                continue
+            got = self.store.get_blocks([L3Lookup(key, tuple(tokens[start:start + n]))])[0]
+            if got.hit and (self.codec is None or self.codec.is_stored(got.kv)):
+                return n, h, got.kv
+            if got.status is GetStatus.VERIFY_FAILED:
+                self._remove_failed(key)
+        return None
+
+    def _remove_failed(self, key) -> None:
+        """A value that failed verification goes: every read of it would fail."""
+        removed = self.store.remove_keys([key])
+        with self._cv:
+            self.stats.verify_failed_removed += max(0, removed)
+
+    def _stored_blocks(self, job: WriteJob) -> list[L3Block]:
         """The blocks of a write whose KV came as parts: each part in the stored format
         (encoded here, on the write thread), then cut into blocks."""
         codec, bt = self.codec, self.block_tokens
@@ -571,14 +488,14 @@ class L3Tier:
         kv = torch.cat(stored, dim=2) if len(stored) > 1 else stored[0]
         return [L3Block(k, toks, kv[:, :, j * bt:(j + 1) * bt]) for j, (k, toks) in enumerate(job.keys)]
 
-    def _fail(self, job: _Fetch | _Write | _Inventory) -> None:
+    def _fail(self, job: FetchJob | WriteJob | InventoryJob) -> None:
         with self._cv:
-            if isinstance(job, _Inventory):
+            if isinstance(job, InventoryJob):
                 self._inventory_queued = False
                 self._done_inventories.append(None)
-            elif isinstance(job, _Write):
+            elif isinstance(job, WriteJob):
                 self._pending_bytes -= job.nbytes
-                self._done_writes.append((job.hashes, [False] * len(job.hashes), job.nbytes))
+                self._done_writes.append(WriteDone(job.hashes, [False] * len(job.hashes), job.nbytes, job.tail))
             else:
                 self._done_fetches.append(FetchResult(job.namespace, [], job.first_block, 0, None, [], 0.0,
                                                       job.hashes[job.first_block], unanswered=True,
@@ -602,10 +519,12 @@ class L3Tier:
             for job in jobs:
                 self._pending_bytes -= job.nbytes
             self._cv.notify_all()
-        dropped = sum(len(job.hashes) for job in jobs)
+        dropped = sum(len(job.hashes) + (job.tail is not None) for job in jobs)
         for job in jobs:
             for h in job.hashes:
                 self.written.discard(h)
+            if job.tail is not None:
+                self.written_tails.discard(job.tail)
         self.stats.writes_dropped += dropped
         return dropped
 

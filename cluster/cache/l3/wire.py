@@ -49,25 +49,32 @@ def _check_key_part(name: str, value: Any) -> None:
 
 @dataclass(frozen=True, slots=True)
 class L3Key:
-    """Where one block lives in L3: model, KV format and the salted chained hash."""
+    """Where one block lives in L3: model, KV format and the salted chained hash.
+    A partial last block (``tail_tokens`` of them, fewer than a block: the end of a
+    committed sequence) is keyed by ``cluster.hashing.tail_hash`` and its name ends
+    in ``-t<tail_tokens>``, so it never shares a name with a full block."""
 
     model_id: str
     layout_version: str
     block_hash: int
+    tail_tokens: int = 0
 
     def __post_init__(self) -> None:
         _check_key_part("model_id", self.model_id)
         _check_key_part("layout_version", self.layout_version)
         if not isinstance(self.block_hash, int) or not 0 <= self.block_hash < 1 << 64:
             raise InvalidInputError(f"L3 key block_hash must be an unsigned 64-bit integer, got {self.block_hash!r}")
+        if type(self.tail_tokens) is not int or self.tail_tokens < 0:
+            raise InvalidInputError(f"L3 key tail_tokens must be a non-negative integer, got {self.tail_tokens!r}")
 
     @property
     def name(self) -> str:
-        return f"pc/{self.model_id}/{self.layout_version}/{self.block_hash:016x}"
+        tail = f"-t{self.tail_tokens}" if self.tail_tokens else ""
+        return f"pc/{self.model_id}/{self.layout_version}/{self.block_hash:016x}{tail}"
 
 
-def l3_key(model_id: str, layout_version: str, block_hash: int) -> L3Key:
-    return L3Key(model_id, layout_version, block_hash)
+def l3_key(model_id: str, layout_version: str, block_hash: int, tail_tokens: int = 0) -> L3Key:
+    return L3Key(model_id, layout_version, block_hash, tail_tokens)
 
 
 # ------------------------------------------------------------------ values
