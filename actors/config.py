@@ -188,7 +188,9 @@ class WorkerConfig:
             raise InvalidInputError(f"unknown worker config keys: {sorted(unknown)} "
                                     f"(worker keys: {sorted(own)}; tier keys: {sorted(TIER_KEYS)})")
         given = {k: data.pop(k) for k in TIER_KEYS if k in data}
-        defaults = {k: v for k, v in DEFAULT_TIERS.items() if f"{k[:-len('_blocks')]}_mb" not in given}
+        # Block-count defaults only where the config sizes neither that tier nor the whole budget.
+        defaults = {} if "kv_memory_mb" in given else \
+            {k: v for k, v in DEFAULT_TIERS.items() if f"{k[:-len('_blocks')]}_mb" not in given}
         tiers = TierConfig(**{**defaults, **given})
         return cls(tiers=tiers, **data)   # a bad model spec fails here, naming the key, not in a replica
 

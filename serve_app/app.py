@@ -57,6 +57,7 @@ from fastapi import Request
 from actors.core import WorkerConfig
 from cluster.cache.quota_config import QuotaConfig
 from cluster.engine.worker_env import cpu_worker_env
+from cluster.errors import InvalidInputError
 from cluster.routing.policies import make_policy
 from serve_app import admin
 from serve_app.auth import parse_keys
@@ -158,6 +159,21 @@ def cluster_resources() -> tuple[Mapping[str, float], str]:
         "this machine (Ray is not connected yet)"
 
 
+def worker_config_of(args: dict[str, Any]) -> tuple[dict, WorkerConfig]:
+    """The app args' ``worker`` mapping with ``tenant_quotas`` (keys resolved to tenants: the
+    replicas never see a key), and that mapping as a checked ``WorkerConfig``. Nothing starts: ``prefix-cache
+    serve`` calls it before any node does, ``build_app`` before any replica. An error is one
+    line naming the key (``worker config: ...``)."""
+    worker = dict(args.get("worker", {}) or {})
+    try:
+        if "tenant_quotas" in args:
+            keys = parse_keys(args.get("api_keys") or os.environ.get("PREFIX_CACHE_API_KEYS"))
+            worker["tenant_quotas"] = QuotaConfig.parse(args["tenant_quotas"], keys).to_dict()
+        return worker, WorkerConfig.from_dict(worker)
+    except ValueError as exc:
+        raise InvalidInputError(f"worker config: {exc}") from None
+
+
 def build_app(args: dict[str, Any] | None = None):
     args = dict(args or {})
     namespace = args.pop("namespace", "prefix-cache")
@@ -171,14 +187,15 @@ def build_app(args: dict[str, Any] | None = None):
     make_policy(policy, **policy_args)   # an unknown policy or option fails here, naming it
     peer_secret = str(args.pop("peer_secret", None) or os.environ.get("PREFIX_CACHE_PEER_SECRET")
                       or secrets.token_hex(16))
-    worker = dict(args.pop("worker", {}) or {})
-    if "tenant_quotas" in args:   # keys resolve to their tenants here: the replicas never see a key
-        keys = parse_keys(args.get("api_keys") or os.environ.get("PREFIX_CACHE_API_KEYS"))
-        worker["tenant_quotas"] = QuotaConfig.parse(args.pop("tenant_quotas"), keys).to_dict()
-    worker_config = WorkerConfig.from_dict(worker)   # a bad worker config or model spec fails here
+    worker, worker_config = worker_config_of(args)   # a bad worker config or model spec fails here, naming the key
+    args.pop("worker", None), args.pop("tenant_quotas", None)
     block_tokens = worker_config.block_tokens
     resources, seen_by = cluster_resources()
     placement = decide_placement(args.pop("gpus_per_replica", None), worker_config.tiers.device, resources, seen_by)
+    try:
+        worker_config.tiers.check_budget("cuda" if placement.on_gpu else "cpu")
+    except InvalidInputError as exc:
+        raise InvalidInputError(f"worker config: {exc}") from None
     (log.warning if placement.warning else log.info)("prefix-cache deploy: %s", placement.reason)
     actor_opts: dict[str, Any] = placement.actor_options()
     # A CPU replica's process: its allocator, its OpenMP runtime, whether its linears may run packed.

@@ -64,6 +64,12 @@ def run(args: argparse.Namespace) -> int:
         app_args["worker"]["l3_master"] = args.l3_master
     if args.args:
         app_args.update(json.loads(args.args))
+    from serve_app.app import worker_config_of   # checks the config before anything starts
+
+    try:
+        worker_config_of(app_args)
+    except ValueError as exc:
+        raise SystemExit(f"prefix-cache serve: {exc}") from None
     if not args.address:   # on a cluster of its own, each replica gets the model where it runs
         print("preparing the model (the first run converts the embedded GGUF once, ~30 s)...", flush=True)
     model = prepare_model(app_args["worker"].get("model"), resolve=not args.address)

@@ -314,8 +314,9 @@ def tier_codec(config, layout, device: torch.device) -> TierCodec | None:
 def stored_block_bytes(codec: TierCodec | None, layout, config) -> int:
     """Bytes of one stored block below HOT (what ``warm_mb``/``cold_mb`` are divided by)."""
     if layout is None:
-        if config.warm_mb is not None or config.cold_mb is not None:
-            raise InvalidInputError("warm_mb/cold_mb need a KV layout (a cache without KV payload counts blocks)")
+        if config.warm_mb is not None or config.cold_mb is not None or config.kv_memory_mb is not None:
+            raise InvalidInputError("warm_mb/cold_mb/kv_memory_mb need a KV layout (a cache without KV payload "
+                                    "counts blocks)")
         return 1
     row = codec.stored_bytes_per_value_row() if codec is not None else layout.head_dim * layout.torch_dtype.itemsize
     return layout.num_layers * 2 * config.block_tokens * layout.num_kv_heads * row

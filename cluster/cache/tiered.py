@@ -73,7 +73,9 @@ class TieredCache:
         self.device = config.resolved_device()
         # How WARM, COLD and L3 store KV (``cluster.cache.codec``); sizes in MiB become blocks of it.
         self.codec = tier_codec(config, layout, self.device)
-        config = config.sized(stored_block_bytes(self.codec, layout, config))
+        config = config.sized(stored_block_bytes(self.codec, layout, config),
+                              layout and layout.num_layers * 2 * config.block_tokens * layout.num_kv_heads
+                              * layout.head_dim * layout.torch_dtype.itemsize, self.device.type)
         self.config = config
         self.layout = layout
         bt, mode = config.block_tokens, config.mode

@@ -162,3 +162,30 @@ def test_tenant_quotas_are_checked_and_keys_resolved_when_the_app_is_built():
         build_app({"tenant_quotas": {"tenants": {"x": {"warm": {"guarantee": 0.9, "cap": 0.5}}}}})
     with pytest.raises(ValueError, match="not among the configured api_keys"):
         build_app({"api_keys": "sk-a=team-a", "tenant_quotas": {"keys": {"sk-z": {}}}})
+
+
+def test_a_worker_config_error_is_one_line_naming_the_key_before_anything_starts(monkeypatch):
+    """``build_app`` (``serve deploy``'s first step) and ``prefix-cache serve`` refuse a bad
+    worker config before a node or a replica starts: one line, naming the key."""
+    import argparse
+
+    import pytest
+
+    from serve_app import cli_serve
+    from serve_app.app import build_app
+
+    with pytest.raises(ValueError, match="^worker config: give kv_memory_mb or hot_blocks, not both$"):
+        build_app({"worker": {"kv_memory_mb": 512, "hot_blocks": 64}})
+    with pytest.raises(ValueError, match="^worker config: kv_memory_mb is HOT and WARM together on a CPU cache"):
+        build_app({"worker": {"kv_memory_mb": 512, "warm_blocks": 64, "device": "cpu"}, "gpus_per_replica": 0})
+    assert type(build_app({"worker": {"kv_memory_mb": 512}})).__name__ == "Application"
+    started = []
+    monkeypatch.setattr(cli_serve, "LocalCluster", lambda *a, **k: started.append(a) or pytest.fail("started"))
+    monkeypatch.setattr(cli_serve, "prepare_model", lambda *a, **k: started.append(a) or pytest.fail("started"))
+    p = argparse.ArgumentParser()
+    cli_serve.add_arguments(p)
+    with pytest.raises(SystemExit) as stopped:
+        cli_serve.run(p.parse_args(["--args", '{"worker": {"kv_memory_mb": 0}}']))
+    assert str(stopped.value) == ("prefix-cache serve: worker config: kv_memory_mb must be a positive number "
+                                  "of MiB or null, got 0")
+    assert started == []

@@ -370,7 +370,10 @@ def test_warm_mb_holds_four_times_the_blocks_of_float32_under_int8():
 
 # ----------------------------------------------- the tier tests again, under int8
 TIER_TESTS = [n for n in dir(tt) if n.startswith("test_") and n not in (
-    "test_bad_config_is_rejected", "test_cold_tier_needs_a_directory", "test_simulation_mode_without_payload_moves_at_once",
+    "test_bad_config_is_rejected", "test_cold_without_a_directory_lives_in_the_users_cache",
+    "test_kv_memory_is_one_budget_split_by_the_cache_and_cold_is_on",   # int8 there already
+    "test_bad_memory_budget_is_rejected_naming_the_key",
+    "test_on_a_cpu_cache_warm_beside_a_memory_budget_is_an_error_naming_both", "test_simulation_mode_without_payload_moves_at_once",
     "test_a_prefetch_pushes_out_only_idle_prefixes_no_waiting_request_or_prefetch_touched",
     "test_ready_recomputes_only_where_the_measured_copy_is_slower_and_measures_again",
     "test_cuda_round_trip_through_pinned_host",

@@ -297,9 +297,54 @@ def test_bad_config_is_rejected(kw, message):
         TierConfig(**{**base, **kw})
 
 
-def test_cold_tier_needs_a_directory():
-    with pytest.raises(InvalidInputError, match="needs disk_dir"):
-        TieredCache(TierConfig(hot_blocks=4, warm_blocks=4, cold_blocks=4, device="cpu"), LAYOUT)
+def test_cold_without_a_directory_lives_in_the_users_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    cache = TieredCache(TierConfig(hot_blocks=4, warm_blocks=4, cold_blocks=4, device="cpu"), LAYOUT)
+    try:
+        assert cache.config.disk_dir == str(tmp_path / "prefix-cache" / "cold")
+        assert [p.name for p in (tmp_path / "prefix-cache" / "cold").iterdir()] == [f"cold-{os.getpid()}.kvblocks"]
+    finally:
+        cache.close()
+    assert list((tmp_path / "prefix-cache" / "cold").iterdir()) == []   # the file goes with the cache
+
+
+# One block of LAYOUT in float32: 2 layers x K,V x 16 tokens x 1 head x 4 dims x 4 bytes.
+BLOCK_BYTES = 2 * 2 * 16 * 1 * 4 * 4
+
+
+def test_kv_memory_is_one_budget_split_by_the_cache_and_cold_is_on(tmp_path):
+    mb = 64 * BLOCK_BYTES / (1 << 20)   # 64 blocks of memory
+    cache = TieredCache(TierConfig(kv_memory_mb=mb, disk_dir=str(tmp_path), device="cpu"), LAYOUT)
+    try:
+        c = cache.config
+        assert (c.hot_blocks, c.warm_blocks) == (56, 8)          # 7/8 HOT, the rest WARM: the same bytes
+        assert c.cold_blocks == 4 * 64 and c.kv_memory_mb is None  # COLD 4x the budget on disk
+        assert [p.allocator.num_blocks for p in cache.pools] == [56, 8, 256]
+    finally:
+        cache.close()
+    # int8 below HOT: the same WARM bytes hold more blocks; an explicit COLD size is kept.
+    cache = TieredCache(TierConfig(kv_memory_mb=mb, cold_blocks=5, disk_dir=str(tmp_path), device="cpu",
+                                   tier_codec="int8"), LAYOUT)
+    try:
+        assert cache.config.hot_blocks == 56 and cache.config.warm_blocks > 8 and cache.config.cold_blocks == 5
+    finally:
+        cache.close()
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(kv_memory_mb=1, hot_blocks=4), "kv_memory_mb or hot_blocks, not both"),
+    (dict(kv_memory_mb=0), "kv_memory_mb must be a positive number"),
+    (dict(kv_memory_mb="1g"), "kv_memory_mb must be a positive number"),
+    (dict(kv_memory_mb=True), "kv_memory_mb must be a positive number"),
+])
+def test_bad_memory_budget_is_rejected_naming_the_key(kw, message):
+    with pytest.raises(InvalidInputError, match=message):
+        TierConfig(**{"device": "cpu", **kw})
+
+
+def test_on_a_cpu_cache_warm_beside_a_memory_budget_is_an_error_naming_both(tmp_path):
+    with pytest.raises(InvalidInputError, match="kv_memory_mb is HOT and WARM together on a CPU cache"):
+        TieredCache(TierConfig(kv_memory_mb=1, warm_blocks=4, disk_dir=str(tmp_path), device="cpu"), LAYOUT)
 
 
 def test_missing_or_unwritable_disk_directory(tmp_path, monkeypatch):

@@ -171,6 +171,25 @@ def test_every_tier_setting_is_a_worker_key():
         WorkerConfig.from_dict({"high_watermark": 0.5, "low_watermark": 0.6})
 
 
+def test_a_memory_budget_replaces_the_block_defaults_and_the_worker_splits_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    cfg = WorkerConfig.from_dict({"model": MODEL, "kv_memory_mb": 2})
+    assert (cfg.tiers.kv_memory_mb, cfg.tiers.hot_blocks, cfg.tiers.warm_blocks) == (2, 0, 0)
+    core = WorkerCore("w-memory", WorkerConfig.from_dict({"model": MODEL, "kv_memory_mb": 2}))
+    try:
+        tiers = core.cache.config
+        block = core.cache.pools[0].block_bytes
+        assert tiers.hot_blocks == int(2 * (1 << 20) * 7 / 8) // block
+        assert (tiers.hot_blocks + tiers.warm_blocks) * block <= 2 << 20 < (tiers.hot_blocks + tiers.warm_blocks + 2) * block
+        assert tiers.cold_blocks == 4 * (2 << 20) // block and tiers.disk_dir == str(tmp_path / "prefix-cache" / "cold")
+    finally:
+        core.close()
+    for bad, message in (({"kv_memory_mb": 2, "hot_blocks": 8}, "give kv_memory_mb or hot_blocks, not both"),
+                         ({"kv_memory_mb": "lots"}, "kv_memory_mb must be a positive number of MiB")):
+        with pytest.raises(ValueError, match=message):
+            WorkerConfig.from_dict(bad)
+
+
 def test_cache_touched_off_the_engine_thread_fails_in_debug_mode(monkeypatch):
     monkeypatch.setenv(ENV_VAR, "1")
     core = make("w-own")
