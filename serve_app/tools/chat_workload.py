@@ -68,6 +68,7 @@ class Turn:
     cached_by_tier: dict = field(default_factory=dict)   # this app's cached_tokens_by_tier
     timing_ms: dict = field(default_factory=dict)        # this app's TTFT by part (serve_app.timing)
     after_long_pause: bool = False     # sent after a long think time (serve_app.tools.session_workload)
+    itl_s: list = field(default_factory=list)   # the gaps between its streamed pieces after the first
 
 
 @dataclass
@@ -84,6 +85,7 @@ class WorkloadResult:
         tpot = [(t.e2e_s - t.ttft_s) / (t.completion_tokens - 1) for t in ok
                 if t.e2e_s is not None and t.ttft_s is not None and t.completion_tokens > 1]
         prompt = sum(t.prompt_tokens for t in ok)
+        gaps = [g for t in ok for g in t.itl_s]
 
         def ms(values: list[float], q: float) -> float | None:
             return rounded(percentile(values, q) * 1e3, 1) if values else None
@@ -95,6 +97,9 @@ class WorkloadResult:
                 "ttft_ms_first_turn_p50": ms(first, 50), "ttft_ms_first_turn_p99": ms(first, 99),
                 "ttft_ms_later_turns_p50": ms(later, 50), "ttft_ms_later_turns_p99": ms(later, 99),
                 "e2e_ms_p50": ms(e2e, 50), "tpot_ms_p50": ms(tpot, 50), "tpot_ms_p99": ms(tpot, 99),
+                # inter-token latency: every gap between two streamed pieces of a reply, and the
+                # longest (a stream stalled while others ran)
+                "itl_ms_p99": ms(gaps, 99), "itl_ms_max": rounded(max(gaps) * 1e3, 1) if gaps else None,
                 "cached_token_share": rounded(sum(t.cached_tokens for t in ok) / prompt, 4) if prompt else 0.0,
                 "errors": sorted({t.error for t in self.turns if t.error})[:5],
                 **_ttft_parts(ok)}
@@ -151,7 +156,7 @@ async def ask_turn(http, model: str, messages: list[dict], i: int, t: int, max_t
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
             "stream": True, "stream_options": {"include_usage": True}}
     started, sent_at = time.perf_counter(), time.monotonic()
-    ttft, text, usage, finished, cache = None, [], None, False, {}
+    ttft, text, usage, finished, cache, last, gaps = None, [], None, False, {}, None, []
     try:
         async with http.stream("POST", "/v1/chat/completions", json=body, headers=headers) as resp:
             if resp.status_code != 200:
@@ -169,9 +174,13 @@ async def ask_turn(http, model: str, messages: list[dict], i: int, t: int, max_t
                                 started_at=sent_at), ""
                 for choice in chunk.get("choices") or []:
                     piece = (choice.get("delta") or {}).get("content")
-                    if piece and ttft is None:
-                        ttft = time.perf_counter() - started
                     if piece:
+                        now = time.perf_counter()
+                        if ttft is None:
+                            ttft = now - started
+                        else:
+                            gaps.append(now - last)
+                        last = now
                         text.append(piece)
                 if chunk.get("usage"):
                     usage = chunk["usage"]
@@ -183,5 +192,6 @@ async def ask_turn(http, model: str, messages: list[dict], i: int, t: int, max_t
     cached = int(((usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0)
     return Turn(i, t, True, ttft, time.perf_counter() - started, int(usage.get("prompt_tokens", 0)),
                 int(usage.get("completion_tokens", 0)), cached, None, sent_at, cache.get("worker_id"),
-                dict(cache.get("cached_tokens_by_tier") or {}), dict(cache.get("timing_ms") or {})), "".join(text)
+                dict(cache.get("cached_tokens_by_tier") or {}), dict(cache.get("timing_ms") or {}),
+                itl_s=gaps), "".join(text)
 
