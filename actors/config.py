@@ -87,9 +87,13 @@ class WorkerConfig:
     # The shared-fills policy (cluster.engine.scheduler): a request whose part beyond the cache
     # another's prefill computes waits for that fill's checkpoint. Off: each computes its own part.
     shared_fills: bool = True
-    # Time slicing: a request waiting for HOT room that running decodes hold gets the room of
-    # the newest one that has decoded this long (seconds; it yields: its KV goes to the cache
-    # and it resumes exactly). Null: waiting requests wait for decodes to finish.
+    # Time slicing (cluster.engine.preemption): a request waiting for HOT room that running
+    # decodes hold may take the room of one that has decoded max(this, 8 measured steps)
+    # (seconds; it yields: its KV goes to the cache and it resumes exactly), only where the
+    # measured gain (the wait it avoids) beats the measured cost (the victim's swap out and
+    # back, the waiting request's promotion, the victim's wait behind it), and a stream
+    # yields at most once: a short answer does not wait behind a long one, and no running
+    # stream stalls for a long one. Null: waiting requests always wait for decodes to finish.
     time_slice_s: float | None = DEFAULT_TIME_SLICE_S
     # Bound on each remote call of a migration (export, info, object-store pull):
     # a holder that is gone or slow costs at most this per call, then recompute.

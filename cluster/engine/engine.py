@@ -39,8 +39,9 @@ __all__ = ["Engine", "EngineRequest", "SamplingParams", "TokenEvent", "position_
 # The default budget: a step computes at most this many tokens (decodes and prefill chunks
 # together), so no step keeps running decodes waiting long behind a prompt.
 DEFAULT_BATCH_TOKENS = 512
-# What a serving worker runs with (``actors.config.WorkerConfig.time_slice_s``): a decode yields
-# its HOT room to a waiting request after this long (``cluster.engine.scheduler``).
+# What a serving worker runs with (``actors.config.WorkerConfig.time_slice_s``): the shortest time
+# a decode runs before it may yield its HOT room to a waiting request, and then only where the
+# measured gain beats the cost (``cluster.engine.preemption``).
 DEFAULT_TIME_SLICE_S = 0.5
 
 
@@ -197,6 +198,7 @@ class Engine:
         if not plan.items:
             return events
         forward_at = self.clock()
+        self.scheduler.slicer.steps.forward(forward_at)   # the step time time slicing weighs
         for item in plan.items:
             if item.request.forward_at is None:
                 item.request.forward_at = forward_at

@@ -39,9 +39,10 @@ A waiting request that finds no room waits.
 Two named policies:
 
 - **time slicing** (``time_slice_s``; workers set it): a waiting request that
-  found no room is not left behind running decodes for as long as they take:
-  the newest request that has decoded for a slice yields (preempted, its KV
-  into the cache, mostly a free move to WARM) and queues last.
+  found no room takes the room of a decode that ran ``max(time_slice_s, 8
+  measured steps)``, once per stream at most, only where the measured gain
+  beats the cost (``cluster.engine.preemption``); the victim, its KV into the
+  cache, queues right behind it. Refusals count in ``time_slice_declined``.
 - **shared fills** (``shared_fills``): a waiting request whose part beyond the
   cache a running prompt fill computes (a block of it or more, or all but its
   last token) waits for that fill's checkpoint instead of computing the same
@@ -66,6 +67,7 @@ import torch
 
 from cluster.cache.tiered import TieredCache
 from cluster.engine.fair_share import TenantShares, chunk_tokens
+from cluster.engine.preemption import TimeSlicer, spare_repeated
 from cluster.engine.prompt_logprobs import wants_prompt_rows
 from cluster.engine.request import EngineRequest, TokenEvent, split_by_tier
 from cluster.errors import CacheError, PoolExhaustedError
@@ -134,7 +136,7 @@ STAT_KEYS = ("prompt_tokens", "cached_tokens", "computed_tokens", "requests_fini
              "swap_in_bytes", "waits_for_room", "waits_for_promotion", "recomputed_held_tokens",
              "recomputed_held_hot_tokens", "recomputed_held_warm_tokens", "recomputed_held_cold_tokens",
              "recompute_chosen_tokens", "waits_for_promotion_room", "time_slice_preemptions",
-             "waits_for_shared_prefix", "final_tokens_skipped")
+             "time_slice_declined", "waits_for_shared_prefix", "final_tokens_skipped")
 
 
 class Scheduler:
@@ -157,7 +159,8 @@ class Scheduler:
         self.running: list[EngineRequest] = []   # in admission order: the newest is preempted first
         self.ended: list[TokenEvent] = []   # requests that ended outside a sampled token
         self.finishing: list[tuple[EngineRequest, FinishReason]] = []   # ended by a token, not yet cached
-        self.time_slice_s: float | None = None
+        self.time_slice_s: float | None = None   # the shortest slice (None: no slicing)
+        self.slicer = TimeSlicer(stats, cache.promote_s_per_token, max_batch_tokens)   # its measures, its rule
         self.shared_fills = True
         self.blocked: EngineRequest | None = None   # the waiting request that found no room last step
         # Measured seconds per computed token of steps with prefill (the engine keeps it):
@@ -197,6 +200,8 @@ class Scheduler:
                 used[item.request.namespace] = used.get(item.request.namespace, 0) + item.num_tokens
             self.shares.charge(used)
         self.note_waiting()
+        if not plan.items:   # no forward: the next step's interval is no step's time
+            self.slicer.steps.idle()
         plan.all_logits = self.keep_logits or any(wants_prompt_rows(i.request) for i in plan.items)
         return plan
 
@@ -326,21 +331,16 @@ class Scheduler:
                                        default=None)
 
     def _yield_to_blocked(self) -> None:
-        """Time slicing: the waiting request that found no room last step gets the room of
-        the newest request that has decoded for a whole slice, which queues last (requests
-        still waiting for their first token go first; one a step: what it frees usually
-        suffices)."""
-        head = self.blocked
-        if head is None or self.time_slice_s is None:
-            return
-        if head not in self.waiting:
+        """Time slicing: the request that found no room last step may take a decode's room
+        (``TimeSlicer.victim``; under quotas, the tenant served most's), one a step."""
+        if self.blocked is not None and self.blocked not in self.waiting:
             self.blocked = None
-            return
-        now = self.clock()
-        victim = self._most_served((r for r in reversed(self.running) if r.to_compute == 1 and r.output
-                                    and r.running_since is not None and now - r.running_since >= self.time_slice_s))
+        head, hot = self.blocked, self.cache.hot.allocator
+        victim = None if head is None or self.time_slice_s is None else self.slicer.victim(
+            head, self.running, self.clock(), self.time_slice_s, self.prefill_s_per_token,
+            hot.free_blocks * hot.block_tokens, self._most_served if self.fair else None)
         if victim is not None:
-            self.preempt(victim, at=len(self.waiting))
+            self.preempt(victim, at=self.waiting.index(head) + 1)
             victim.yielded_to = head
             self.stats["time_slice_preemptions"] += 1
 
@@ -360,25 +360,25 @@ class Scheduler:
         for the next step)."""
         if not self.fair:
             return False
-        victim = self._most_served(r for r in reversed(self.running) if id(r) not in planned
-                                   and r.namespace != req.namespace
-                                   and self.cache.may_preempt(req.namespace, r.namespace, r.num_computed_tokens))
+        victim = self._most_served(spare_repeated(
+            r for r in reversed(self.running) if id(r) not in planned and r.namespace != req.namespace
+            and self.cache.may_preempt(req.namespace, r.namespace, r.num_computed_tokens)))
         if victim is None:
             return False
         self.preempt(victim)
         return True
 
     def _reserve_or_preempt(self, req: EngineRequest, n: int, planned: set[int]) -> bool:
-        """Room for ``n`` more tokens of ``req``; preempts the newest running request
-        not yet in this step's plan until there is room (False: ``req`` itself was it)."""
+        """Room for ``n`` more tokens of ``req``; preempts the newest running request not in this
+        step's plan (``spare_repeated``) until there is room (False: ``req`` itself was it)."""
         while True:
             try:
                 req.lease.reserve(n)
                 return True
             except PoolExhaustedError:
-                victim = self._most_served((r for r in reversed(self.running) if id(r) not in planned
-                                            and self.cache.may_preempt(req.namespace, r.namespace,
-                                                                       r.num_computed_tokens)))
+                victim = self._most_served(spare_repeated(
+                    r for r in reversed(self.running) if id(r) not in planned
+                    and self.cache.may_preempt(req.namespace, r.namespace, r.num_computed_tokens)))
                 if victim is None:   # everyone else is in this step already: this one yields
                     victim = req
                 self.preempt(victim)

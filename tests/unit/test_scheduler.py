@@ -325,9 +325,10 @@ def test_time_slicing_gives_a_waiting_request_the_room_of_a_long_decode():
     """HOT holds one of two 40-token sessions and its answer; A decodes 30 tokens, B
     arrives behind it and finds no room. Without time slicing B waits for all of A's
     answer; with ``time_slice_s`` (a step is one tick of this clock) A yields once it has
-    decoded a slice: its KV goes to WARM, B gets its first token long before A ends,
-    A resumes from WARM with nothing recomputed, and both answers are the ones of
-    unlimited memory."""
+    decoded a slice, here 8 measured steps (longer than the 3 s asked for), and B's short
+    answer is worth it (its 5 steps against A's 21 left): its KV goes to WARM, B gets its
+    first token long before A ends, A resumes from WARM with nothing recomputed, and
+    both answers are the ones of unlimited memory."""
     a = [(3 * i) % 64 for i in range(40)]
     b = [(5 * i + 1) % 64 for i in range(40)]
     requests = [(a, SamplingParams(max_tokens=30)), (b, SamplingParams(max_tokens=4))]
@@ -349,11 +350,11 @@ def test_time_slicing_gives_a_waiting_request_the_room_of_a_long_decode():
             assert steps < 500
         assert [ra.output, rb.output] == want
         assert ra.error is None and rb.error is None
-        firsts[time_slice] = (rb.first_token_at, ra.finished, engine.stats["time_slice_preemptions"],
+        firsts[time_slice] = (rb.first_token_at, ra.preemptions, engine.stats["time_slice_preemptions"],
                               engine.stats["recomputed_tokens"])
         check_drained(engine)
-    assert firsts[None][2] == 0 and firsts[3.0][2] >= 1
+    assert firsts[None][1:3] == (0, 0) and firsts[3.0][1:3] == (1, 1)   # A yielded once
     assert firsts[3.0][3] == 0   # A found all it had computed
-    # B's first token: after all of A's 29 further decodes without slicing; with it, as soon as A
-    # has decoded its 3-tick slice.
-    assert (firsts[None][0], firsts[3.0][0]) == (30.0, 3.0)
+    # B's first token: after all of A's 29 further decodes without slicing; with it, once 8 step
+    # intervals are measured (the forwards at ticks 0-8) and A has run max(3 s, 8 x 1 s).
+    assert (firsts[None][0], firsts[3.0][0]) == (30.0, 9.0)
