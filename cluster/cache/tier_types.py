@@ -77,8 +77,9 @@ class TierConfig:
     cold_mb: float | None = None
     # One KV budget in MiB instead of hot_blocks: on a CPU cache HOT and WARM together (the
     # cache splits it: ``CPU_HOT_SHARE``); on a CUDA cache HOT, from device memory, beside
-    # warm_blocks/warm_mb from host memory (default: as many bytes again). Without a COLD size, COLD is on: disk_dir (default
-    # the user's cache directory) holding ``DEFAULT_COLD_TIMES_MEMORY`` times the budget.
+    # warm_blocks/warm_mb from host memory (default: as many bytes again). Without a COLD size,
+    # COLD is on: disk_dir (default the user's cache directory) holding
+    # ``DEFAULT_COLD_TIMES_MEMORY`` times the budget; cold_mb: 0 turns it off.
     kv_memory_mb: float | None = None
 
     def __post_init__(self) -> None:
@@ -103,8 +104,9 @@ class TierConfig:
             mb = getattr(self, f"{name}_mb")
             if mb is None:
                 continue
-            if isinstance(mb, bool) or not isinstance(mb, (int, float)) or not mb > 0:
-                raise InvalidInputError(f"{name}_mb must be a positive number of MiB or null, got {mb!r}")
+            if isinstance(mb, bool) or not isinstance(mb, (int, float)) or not (mb > 0 or (name == "cold" and mb == 0)):
+                raise InvalidInputError(f"{name}_mb must be a positive number of MiB or null"
+                                        f"{' (cold_mb: 0 turns COLD off)' if name == 'cold' else ''}, got {mb!r}")
             if getattr(self, f"{name}_blocks"):
                 raise InvalidInputError(f"give {name}_blocks or {name}_mb, not both")
         if (self.cold_blocks or self.cold_mb) and not (self.warm_blocks or self.warm_mb or self.kv_memory_mb):
@@ -138,8 +140,8 @@ class TierConfig:
             out = dataclasses.replace(out, kv_memory_mb=None, **split_memory(self, block_bytes, hot_block_bytes,
                                                                               device_type))
         if out.warm_mb is not None or out.cold_mb is not None:
-            blocks = {f"{name}_blocks": max(1, int(getattr(out, f"{name}_mb") * (1 << 20)) // block_bytes)
-                      for name in ("warm", "cold") if getattr(out, f"{name}_mb") is not None}
+            blocks = {f"{name}_blocks": max(1, int(mb * (1 << 20)) // block_bytes) if mb else 0   # cold_mb 0: off
+                      for name in ("warm", "cold") if (mb := getattr(out, f"{name}_mb")) is not None}
             out = dataclasses.replace(out, warm_mb=None, cold_mb=None, **blocks)
         if out.cold_blocks and not out.warm_blocks:
             raise InvalidInputError("cold_blocks needs warm_blocks > 0 (COLD is reached through WARM)")
@@ -157,8 +159,8 @@ def split_memory(config: TierConfig, block_bytes: int, hot_block_bytes: int, dev
     """``config.kv_memory_mb`` as tier sizes: ``hot_blocks``, and on a CPU cache ``warm_blocks``
     (the rest of the budget; ``warm_blocks``/``warm_mb`` given beside it are a configuration
     error there); on CUDA, HOT is all of it and WARM is as given, else as many bytes of host
-    memory again. Without a COLD size, COLD
-    is ``DEFAULT_COLD_TIMES_MEMORY`` times the budget, at most a quarter of the free disk."""
+    memory again. Without a COLD size, COLD is ``DEFAULT_COLD_TIMES_MEMORY`` times the budget,
+    at most a quarter of the free disk (``cold_mb: 0``: none)."""
     budget = int(config.kv_memory_mb * (1 << 20))
     out: dict = {}
     if device_type == "cuda":
@@ -172,7 +174,11 @@ def split_memory(config: TierConfig, block_bytes: int, hot_block_bytes: int, dev
         out["warm_blocks"] = max(1, (budget - hot * hot_block_bytes) // block_bytes)
     if not config.cold_blocks and config.cold_mb is None:
         directory = config.disk_dir or default_cold_dir()
-        free = os.statvfs(directory).f_bavail * os.statvfs(directory).f_frsize
+        try:
+            disk = os.statvfs(directory)
+        except OSError as exc:
+            raise InvalidInputError(f"disk_dir {directory!r} (the COLD tier's directory): {exc.strerror}") from None
+        free = disk.f_bavail * disk.f_frsize
         cold_bytes = min(DEFAULT_COLD_TIMES_MEMORY * budget, int(free * COLD_DISK_SHARE))
         out["cold_blocks"] = cold_bytes // block_bytes
         out["disk_dir"] = directory

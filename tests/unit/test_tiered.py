@@ -322,6 +322,14 @@ def test_kv_memory_is_one_budget_split_by_the_cache_and_cold_is_on(tmp_path):
         assert [p.allocator.num_blocks for p in cache.pools] == [56, 8, 256]
     finally:
         cache.close()
+    # cold_mb: 0 turns COLD off; a disk_dir that does not exist is named.
+    cache = TieredCache(TierConfig(kv_memory_mb=mb, cold_mb=0, device="cpu"), LAYOUT)
+    try:
+        assert [p.allocator.num_blocks for p in cache.pools] == [56, 8]
+    finally:
+        cache.close()
+    with pytest.raises(InvalidInputError, match="disk_dir '/nonexistent/cold' .*No such file"):
+        TieredCache(TierConfig(kv_memory_mb=mb, disk_dir="/nonexistent/cold", device="cpu"), LAYOUT)
     # int8 below HOT: the same WARM bytes hold more blocks; an explicit COLD size is kept.
     cache = TieredCache(TierConfig(kv_memory_mb=mb, cold_blocks=5, disk_dir=str(tmp_path), device="cpu",
                                    tier_codec="int8"), LAYOUT)
