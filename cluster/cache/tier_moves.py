@@ -28,6 +28,7 @@ from cluster.cache.kv_pool import copy_pairs
 from cluster.cache.radix_tree import TreeNode
 from cluster.cache.tier_types import Move, MoveKind
 from cluster.errors import ChecksumError, PoolExhaustedError
+from cluster.estimators import RecentMedian
 from cluster.names import HOT, TIER_NAMES, WARM
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,7 @@ class TierMoves:
         self.pending_out = [0, 0, 0]   # tokens leaving each tier in flight
         # Measured seconds per token of a promotion from WARM and from COLD (None until one ran).
         self.promote_s_per_token: list[float | None] = [None, None, None]
+        self._copy_samples = [RecentMedian() for _ in range(3)]   # per source tier
 
     @property
     def hot(self):
@@ -335,9 +337,8 @@ class TierMoves:
                         self.tree.requeue(node)
 
     def _note_copy_rate(self, move: Move, tokens: int, seconds: float) -> None:
-        """Seconds per token of promotions from the source tier (the copy's own time),
-        a moving average: what ``ready`` weighs a promotion against recomputing."""
+        """Seconds per token of promotions from the source tier (the copy's own time), the
+        median of the recent copies (``cluster.estimators``): what ``ready`` weighs a promotion
+        against recomputing. Set in place: the scheduler's time slicer reads the same list."""
         tier = max(move.src_tiers)
-        per_token = seconds / tokens
-        old = self.promote_s_per_token[tier]
-        self.promote_s_per_token[tier] = per_token if old is None else 0.8 * old + 0.2 * per_token
+        self.promote_s_per_token[tier] = self._copy_samples[tier].add(seconds / tokens)

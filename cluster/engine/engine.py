@@ -30,6 +30,7 @@ from cluster.engine.request import EngineRequest, TokenEvent, position_seed
 from cluster.engine.sampler import Sampler
 from cluster.engine.scheduler import Scheduler, StepPlan
 from cluster.errors import CacheError, InvalidInputError
+from cluster.estimators import RecentMedian
 from cluster.ownership import ThreadOwner
 from cluster.protocol import FinishReason, SamplingParams
 from cluster.tokens import as_token_list
@@ -67,6 +68,7 @@ class Engine:
         self.cache = cache
         self.keep_logits = keep_logits
         self.owner: ThreadOwner | None = None   # the worker's engine thread, when ownership checks are on
+        self._prefill_samples = RecentMedian()   # seconds per prompt token of recent prefill steps
         self.stats: dict = {"steps": 0, "step_ms": 0.0, "forward_ms": 0.0, "decode_steps": 0,
                             "decode_step_ms": 0.0, "decode_rows": 0}
         self.runner = ModelRunner(model, cache.hot, decode_kernel=decode_kernel, cuda_graphs=cuda_graphs)
@@ -239,7 +241,5 @@ class Engine:
             stats["decode_step_ms"] += step_ms
             stats["decode_rows"] += len(plan.items)
         computed = sum(item.num_tokens for item in plan.items)
-        if computed - len(plan.items) >= 64:   # mostly prompt tokens: a prefill's rate (a moving average)
-            per_token = forward_ms / 1e3 / computed
-            old = self.scheduler.prefill_s_per_token
-            self.scheduler.prefill_s_per_token = per_token if old is None else 0.8 * old + 0.2 * per_token
+        if computed - len(plan.items) >= 64:   # mostly prompt tokens: a prefill's rate (the recent median)
+            self.scheduler.prefill_s_per_token = self._prefill_samples.add(forward_ms / 1e3 / computed)

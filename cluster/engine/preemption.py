@@ -50,12 +50,11 @@ with the steady steps however slow three of them were.
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
-from statistics import median
 from typing import Callable, Iterable
 
 from cluster.engine.request import EngineRequest
+from cluster.estimators import RecentMedian
 from cluster.names import COLD, HOT, WARM
 
 SLICE_MIN_STEPS = 8          # a slice is at least this many measured steps, and needs as many measured
@@ -142,16 +141,16 @@ class StepTimes:
     steps in a row that ran something (a step with nothing to run breaks the row: an idle
     gap is no step). The engine stamps each forward with its clock (``Engine.step``)."""
 
-    __slots__ = ("recent", "_last")
+    __slots__ = ("samples", "_last")
 
     def __init__(self, window: int = STEP_WINDOW):
-        self.recent: deque[float] = deque(maxlen=window)
+        self.samples = RecentMedian(window)
         self._last: float | None = None   # when the previous step's forward began
 
     def forward(self, now: float) -> None:
         """A step's forward begins at ``now``."""
         if self._last is not None and now >= self._last:
-            self.recent.append(now - self._last)
+            self.samples.add(now - self._last)
         self._last = now
 
     def idle(self) -> None:
@@ -159,10 +158,10 @@ class StepTimes:
         self._last = None
 
     def median(self) -> float | None:
-        return median(self.recent) if self.recent else None
+        return self.samples.value()
 
     def __len__(self) -> int:
-        return len(self.recent)
+        return len(self.samples)
 
 
 class TimeSlicer:
