@@ -163,6 +163,18 @@ class RadixTree:
             break
         return node, pos, path
 
+    def split_node(self, node: TreeNode, at: int) -> TreeNode:
+        """Cut ``node`` after ``at`` tokens (0 < at < its length), as an insert that
+        diverges there would: the head, in the same tier, becomes its parent and
+        ``node`` keeps the tail. Returns the head."""
+        if not 0 < at < len(node.key):
+            raise ValueError(f"a split point must fall inside the node (0 < {at} < {len(node.key)})")
+        start, p = 0, node.parent
+        while p is not None:
+            start += len(p.key)
+            p = p.parent
+        return self._split(node, at, start)
+
     def _split(self, node: TreeNode, at: int, start: int) -> TreeNode:
         """Cut ``node`` (whose first token is token ``start`` of its path) after
         ``at`` tokens; returns the new parent holding the head."""

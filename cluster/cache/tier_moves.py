@@ -150,6 +150,7 @@ class TierMoves:
             if last_tier:
                 self.count_drop(tier, "last_tier", self.tree.drop(node))
             else:
+                node = self.fit_below(node)
                 move = self.start_demotion(node)
                 if node.alive and node.tier != tier:   # it had a lower copy: moved down at no copy
                     continue
@@ -169,6 +170,31 @@ class TierMoves:
                 else:
                     passed_over.append(node)
         return True
+
+    def fit_below(self, node: TreeNode) -> TreeNode:
+        """``node`` as it may move down: whole, or, where it would take more than half of
+        the tier below, cut so that its leaf-ward part does (the part that moves; the head
+        stays, a candidate of its own once the tail has gone). A node larger than the tier
+        below could never move down, however empty that tier (a 1k-token prefix over a WARM
+        of 1k tokens: HOT stuck full, every waiting request stalled); one that fills it would
+        push everything else out of it."""
+        dst = node.tier + 1
+        if dst >= self.num_tiers or node.lower is not None:   # a lower copy moves it down for free
+            return node
+        bt = self.pools[dst].allocator.config.block_tokens
+        limit = self.pools[dst].allocator.num_blocks // 2 * bt
+        if limit == 0 or len(node.key) <= limit:
+            return node
+        start, p = 0, node.parent
+        while p is not None:
+            start += len(p.key)
+            p = p.parent
+        at = -(-(start + len(node.key) - limit) // bt) * bt - start   # the head ends on a block boundary
+        if not 0 < at < len(node.key):
+            return node
+        self.tree.split_node(node, at)
+        self.stats["demotion_splits"] = self.stats.get("demotion_splits", 0) + 1
+        return node
 
     def start_demotion(self, nodes: TreeNode | list[TreeNode]) -> Move | None:
         """Move nodes of one tier one tier down, as a single asynchronous copy

@@ -611,6 +611,7 @@ class TieredCache:
                 node = self.moves.pick(tier, leaves_only=False)
                 if node is None:
                     break
+                node = self.moves.fit_below(node)
                 batch.append(node)
                 leaving -= len(node.key)
             if batch:

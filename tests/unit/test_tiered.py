@@ -530,3 +530,25 @@ def test_ready_recomputes_only_where_the_measured_copy_is_slower_and_measures_ag
     lease.release()
     cache.check_invariants()
     cache.close()
+
+
+def test_a_node_larger_than_warm_moves_down_in_parts_and_a_waiting_prompt_gets_its_room(tmp_path):
+    """A committed prompt of 7 blocks over a WARM of 4: whole, it could never move down, and
+    HOT would stay full with every new prompt waiting (measured: 26 requests stalled on an
+    idle engine). Cut to what fits, it moves down part by part (through WARM to COLD), exactly."""
+    cache = make(tmp_path, hot=8, warm=4, cold=32)
+    try:
+        old = list(range(1, 29))                         # 7 blocks of 4 tokens
+        put(cache, old)
+        assert cache.lookup(old).tier_lengths == [28, 0, 0]
+        new = list(range(100, 128))                      # another 7 blocks: HOT must give 6
+        put(cache, new)
+        assert cache.lookup(new).tier_lengths == [28, 0, 0]
+        hot, warm, cold = cache.lookup(old).tier_lengths
+        assert hot + warm + cold == 28 and hot < 28      # moved down in parts, nothing dropped
+        assert cache.stats["dropped_tokens"] == 0 and cache.moves.stats["demotion_splits"] >= 1
+        cache.check_invariants()
+        got = match(cache, old)                          # and it comes back whole and exact
+        assert got.length == 28 and torch.equal(got.kv, kv_for(old))
+    finally:
+        cache.close()
