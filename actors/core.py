@@ -50,6 +50,7 @@ from cluster.engine.grammar import Grammars, grammar_available
 from cluster.engine.engine import Engine, EngineRequest
 from cluster.protocol import (GenerateRequest, LoadReport, MeasuredRates, MigrationResult, PrefixOffer, Snapshot,
                               StagedPrefix, StreamItem, Tenant, WorkerInfo)
+from cluster.routing.autoscale_signals import ReplicaSignals
 from cluster.routing.policies import CostModel
 from cluster.routing.events import KVEventPublisher
 from cluster.transfer.nixl_transport import NixlEndpoint, TransferError, nixl_available, recommended_ucx_env
@@ -122,6 +123,7 @@ class WorkerCore:
         self.loop = EngineLoop(worker_id, self.engine, max_queued_requests=config.max_queued_requests,
                                on_idle=self._idle, on_tick=self._tick,
                                transfer_rate=lambda: self.migration.transfer_tokens_per_s,
+                               prefill_rate=lambda: self.cost.prefill_tokens_per_s,
                                watchdog_s=config.watchdog_s, on_trip=self._tripped,
                                gather_s=(config.gather_quiet_ms / 1e3, config.gather_max_ms / 1e3))
         self.migration.on_engine = lambda fn: self.loop.call(fn).result()
@@ -347,6 +349,10 @@ class WorkerCore:
         """The load as of the engine thread's last iteration (any thread)."""
         return self.loop.load_report
 
+    def signals(self) -> ReplicaSignals:
+        """The autoscaling signals as of the engine thread's last iteration (any thread)."""
+        return self.loop.signals
+
     async def stats(self) -> dict:
         """Tier occupancy, hit counters, migrations, fragmentation (a JSON document)."""
         out = await self.loop.run(self._engine_stats)
@@ -363,7 +369,8 @@ class WorkerCore:
                            "linear_layouts": self.engine.linear_layouts, "decode_kernel": self.engine.decode_kernel,
                            "ownership_violations": self.loop.owner.violations,
                            "watchdog_trips": self.loop.watchdog_trips},
-                "load": dataclasses.asdict(self.loop.measure_load()), "fragmentation": c.fragmentation(),
+                "load": dataclasses.asdict(self.loop.measure_load()), "autoscaling": self.loop.signals.as_metrics(),
+                "fragmentation": c.fragmentation(),
                 "protected_tokens": c.protected_tokens, "evictable_tokens": c.evictable_tokens,
                 "l3": self._l3_stats(), "tenants": c.tenant_stats()}
 

@@ -6,8 +6,11 @@ guards the tree and the forward pass never waits on a caller. A step's tokens go
 back to their requests' event loop through one ``call_soon_threadsafe`` per loop.
 
 Owned by the engine thread: ``engine`` (its queues and stats), the cache, the
-streams table, ``stats``. Published for other threads: ``load_report`` (a
-frozen ``LoadReport`` replaced whole after each iteration). With ownership
+streams table, ``stats``, ``ttft`` (the window of times to first token).
+Published for other threads, each frozen and replaced whole after every
+iteration: ``load_report`` (a ``LoadReport``, for the directory) and
+``signals`` (a ``ReplicaSignals``, for the autoscaler:
+``cluster.routing.autoscale_signals``). With ownership
 checks on (``cluster.ownership``), the engine and the cache raise
 ``OwnershipError`` when another thread touches them.
 
@@ -39,6 +42,7 @@ from cluster.engine.engine import Engine, EngineRequest
 from cluster.errors import CacheError
 from cluster.ownership import ThreadOwner, checks_enabled
 from cluster.protocol import FinishReason, LoadReport, MigrationResult, ReplicaTiming, StreamItem
+from cluster.routing.autoscale_signals import ReplicaSignals, TtftWindow
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +90,7 @@ class EngineLoop:
     def __init__(self, name: str, engine: Engine, *, max_queued_requests: int,
                  on_idle: Callable[[], None] | None = None, on_tick: Callable[[], None] | None = None,
                  transfer_rate: Callable[[], float | None] = lambda: None,
+                 prefill_rate: Callable[[], float | None] = lambda: None,
                  watchdog_s: float | None = 10.0, on_trip: Callable[[str], None] | None = None,
                  clock: Callable[[], float] = time.monotonic, gather_s: tuple[float, float] = (0.0, 0.0)):
         """``on_idle`` runs in idle gaps (housekeeping), ``on_tick`` after every
@@ -93,13 +98,15 @@ class EngineLoop:
         the longest the engine may go without finishing an iteration while it
         has work (None: no watchdog); ``on_trip(reason)`` runs on the watchdog
         thread when it trips. ``gather_s``: (quiet, most) seconds the first step after an
-        idle gap waits for more work (``_gather``)."""
+        idle gap waits for more work (``_gather``). ``prefill_rate``: the prefill tokens/s
+        the signals report until the engine measured its own (the calibrated rate)."""
         self.name = name
         self.gather_quiet_s, self.gather_max_s = gather_s
         self.engine = engine
         self.cache = engine.cache
         self.max_queued_requests = max_queued_requests
         self._on_idle, self._on_tick, self._transfer_rate = on_idle, on_tick, transfer_rate
+        self._prefill_rate = prefill_rate
         self.owner = ThreadOwner(f"engine-{name}")
         if checks_enabled():
             engine.owner = self.cache.owner = self.owner
@@ -110,7 +117,9 @@ class EngineLoop:
         self._streams: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue, float, StreamContext]] = {}
         self._streams_lock = threading.Lock()
         self.load_report = LoadReport(0, 0, 0)
+        self.signals = ReplicaSignals()
         self.clock = clock
+        self.ttft = TtftWindow()
         self.watchdog_s = watchdog_s
         self._on_trip = on_trip
         self._progress_at = clock()     # replaced whole by the engine thread after each iteration
@@ -158,7 +167,7 @@ class EngineLoop:
                 else:
                     idle_wait = min(IDLE_WAIT_MAX_S, idle_wait * 2)
                 self._wake.clear()
-            self.load_report = self.measure_load()
+            self.load_report, self.signals = self._measure()
             self._progress_at = self.clock()
             if self._on_tick is not None and self.wedged is None:   # a tripped worker stays dropped
                 self._on_tick()
@@ -222,6 +231,9 @@ class EngineLoop:
         if token is not None and len(req.output) == 1 and req.prompt_logprobs is not None:
             k = req.params.prompt_logprobs
             prompt_lps = tuple(None if e is None else (e[0], tuple(e[1][:k])) for e in req.prompt_logprobs)
+        if token is not None and len(req.output) == 1 and req.first_token_at is not None:
+            # The replica's TTFT: its migration, then from the hand-over to the engine on.
+            self.ttft.add(self.clock(), ctx.migrate_s + max(0.0, req.first_token_at - entered))
         item = StreamItem(token, finished, req.finish_reason, req.error, req.cached_tokens, tuple(req.tier_hits),
                           len(req.prompt), self.name, ctx.reason, ctx.migration, timing, logprob, top, prompt_lps,
                           tiers_found=tuple(req.tiers_found))
@@ -279,11 +291,19 @@ class EngineLoop:
 
     def measure_load(self) -> LoadReport:
         """(engine thread) Queued work in prefill-token equivalents."""
+        return self._measure()[0]
+
+    def _measure(self) -> tuple[LoadReport, ReplicaSignals]:
+        """(engine thread) The load for the directory and the signals for the autoscaler."""
         self.owner.check("EngineLoop.measure_load")
-        waiting = sum(len(r.prompt) - r.cached_tokens for r in self.engine.waiting)
-        running = sum(r.params.max_tokens - len(r.output) for r in self.engine.running)
-        return LoadReport(waiting + running, len(self.engine.running), len(self.engine.waiting),
-                          self._transfer_rate())
+        engine = self.engine
+        waiting = sum(len(r.prompt) - r.cached_tokens for r in engine.waiting)
+        running = sum(r.params.max_tokens - len(r.output) for r in engine.running)
+        load = LoadReport(waiting + running, len(engine.running), len(engine.waiting), self._transfer_rate())
+        rate = engine.prefill_tokens_per_s or self._prefill_rate() or 0.0
+        signals = ReplicaSignals(waiting, 1.0 if engine.blocked_for_room else 0.0, self.ttft.p90(self.clock()),
+                                 len(engine.running), rate)
+        return load, signals
 
     def wake(self) -> None:
         self._wake.set()

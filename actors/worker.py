@@ -137,6 +137,15 @@ class CacheWorker:
         """The whole answer of one request in one reply (the ingress's non-streamed path)."""
         return [item async for item in self.core.generate(request, self.link)]
 
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Ray Serve's custom autoscaling metrics hook (the Serve replica inherits it): the
+        signals the engine thread published after its last iteration
+        (``cluster.routing.autoscale_signals``), read without a call to the engine, so it
+        answers at once however long a step runs. Empty until the worker has started."""
+        if self.core is None:
+            return {}
+        return self.core.signals().as_metrics()
+
     def check_health(self) -> None:
         """Raises when the engine is wedged (watchdog) or its thread died; the directory
         has then already dropped this worker. Serve calls it every health_check_period_s

@@ -22,7 +22,11 @@ every request from the directory's decision.
 - ``admin_without_keys``: with no key configured at all, admin endpoints are
   off (403) unless this is true (the local demo sets it)
 - ``num_replicas`` or ``autoscaling_config`` for the cache replicas,
-  ``max_ongoing_requests``, ``max_queued_requests``
+  ``max_ongoing_requests``, ``max_queued_requests``; with ``autoscaling_config``,
+  ``autoscaling_policy`` (``prefix_cache``, the default: queued prefill, TTFT and
+  HOT room; ``serve_default``: Serve's request-count policy) and
+  ``autoscaling_policy_args`` (the ``prefix_cache`` policy's knobs, e.g.
+  ``ttft_slo_s``): ``serve_app.autoscaling``, docs/deployment.md "Autoscaling"
 - ``gpus_per_replica``: unset (the default), one GPU per replica when the Ray
   cluster has GPUs and the CPU otherwise, decided when the app is built and said
   in the deploy log; a number (0 or more) is honoured as given
@@ -61,6 +65,7 @@ from cluster.errors import InvalidInputError
 from cluster.routing.policies import make_policy
 from serve_app import admin
 from serve_app.auth import parse_keys
+from serve_app.autoscaling import replica_autoscaling_config
 from serve_app.http_app import make_fastapi
 from serve_app.ingress import IngressCore, handle_generation, replica_calls_of
 from serve_app.placement import decide_placement
@@ -213,7 +218,9 @@ def build_app(args: dict[str, Any] | None = None):
                                                       worker_config.handoff_s + 10.0)),
         "request_router_config": RequestRouterConfig(request_router_class=DirectoryRouter),
     }
-    autoscaling = args.pop("autoscaling_config", None)
+    autoscaling = replica_autoscaling_config(args.pop("autoscaling_config", None),
+                                             args.pop("autoscaling_policy", None),
+                                             args.pop("autoscaling_policy_args", None))
     num_replicas = args.pop("num_replicas", None)
     if autoscaling is not None:
         replica_opts["autoscaling_config"] = autoscaling

@@ -22,6 +22,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--replicas", type=int, default=3, help="cache replicas (default 3)")
+    p.add_argument("--autoscale", type=replica_bounds, default=None, metavar="MIN:MAX",
+                   help="autoscale the cache replicas between MIN and MAX instead of --replicas, with the "
+                        "prefix_cache policy (queued prefill, TTFT, HOT room; --args "
+                        "'{\"autoscaling_policy\": \"serve_default\"}' for Serve's own)")
     p.add_argument("--worker-nodes", type=int, default=2, help="local cluster worker nodes (default 2)")
     p.add_argument("--routing-policy", "--policy", dest="policy", default="cost",
                    help="the directory's routing policy (default cost)")
@@ -34,6 +38,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--l3-pool-mb", type=int, default=1024, help="the local L3 pool, MiB (default 1024)")
     p.add_argument("--l3-master", default=None,
                    help="host:port of a running mooncake_master to use instead of starting one")
+
+
+def replica_bounds(text: str) -> tuple[int, int]:
+    """``MIN:MAX`` (0 <= MIN <= MAX, MAX >= 1) as two integers; argparse names the flag on error."""
+    lo, sep, hi = text.partition(":")
+    try:
+        bounds = int(lo), int(hi)
+    except ValueError:
+        bounds = None
+    if not sep or bounds is None or bounds[0] < 0 or bounds[1] < max(1, bounds[0]):
+        raise argparse.ArgumentTypeError(f"expected MIN:MAX replicas with 0 <= MIN <= MAX and MAX >= 1, "
+                                         f"got {text!r}")
+    return bounds
 
 
 def wait_for_stop(poll_s: float = 0.2, ready: Callable[[], None] | None = None) -> int:
@@ -58,6 +75,9 @@ def wait_for_stop(poll_s: float = 0.2, ready: Callable[[], None] | None = None) 
 
 def run(args: argparse.Namespace) -> int:
     app_args = {"num_replicas": args.replicas, "routing_policy": args.policy, "worker": dict(DEMO_WORKER)}
+    if args.autoscale is not None:
+        del app_args["num_replicas"]
+        app_args["autoscaling_config"] = {"min_replicas": args.autoscale[0], "max_replicas": args.autoscale[1]}
     if args.model is not None:
         app_args["worker"]["model"] = args.model
     if args.l3 == "on" and args.l3_master:

@@ -116,6 +116,19 @@ class Engine:
         self.scheduler.shared_fills = value
 
     @property
+    def prefill_tokens_per_s(self) -> float | None:
+        """The prefill rate measured on this engine's prompt-heavy steps (None: none yet)."""
+        per_token = self.scheduler.prefill_s_per_token
+        return 1.0 / per_token if per_token else None
+
+    @property
+    def blocked_for_room(self) -> bool:
+        """A waiting request found no HOT room for its admission (its prefix's promotion or its
+        own KV) on its last look and still waits."""
+        blocked = self.scheduler.blocked
+        return blocked is not None and not blocked.finished
+
+    @property
     def decode_kernel(self) -> bool:
         return self.runner.decode_kernel
 

@@ -1,0 +1,202 @@
+"""The autoscaling policy without Ray (``cluster.routing.autoscale``): exact decisions over
+an injected clock and sequences of replica signals, and the TTFT window the replicas keep."""
+
+import pytest
+
+from cluster.errors import InvalidInputError
+from cluster.routing.autoscale import AutoscaleConfig, AutoscaleState, decide
+from cluster.routing.autoscale_signals import ReplicaSignals, TtftWindow
+
+CONFIG = AutoscaleConfig()   # ttft_slo_s 2, 2 s of queued prefill, window 60 s, intervals 10 s out / 30 s in
+RATE = 1000.0                # prefill tokens/s: the queue threshold is 2,000 tokens a replica
+IDLE = ReplicaSignals(0, 0, 0.0, 0, RATE)
+
+
+def busy(queued=0, blocked=0.0, ttft=0.0, running=0, rate=RATE):
+    return ReplicaSignals(queued, blocked, ttft, running, rate)
+
+
+def run(signals, target, now, state=AutoscaleState(), running=None, lo=1, hi=8, config=CONFIG):
+    return decide(config, signals, target=target, running=target if running is None else running,
+                  min_replicas=lo, max_replicas=hi, now=now, state=state)
+
+
+def test_queued_prefill_past_the_mean_threshold_scales_out_to_what_keeps_each_replica_at_it():
+    d = run([busy(queued=3000), busy(queued=2000)], target=2, now=100.0)   # 1.5 + 1.0 replicas of queue
+    assert (d.replicas, d.reason) == (3, "scale_out_queue")
+    assert d.state == AutoscaleState(last_scale_at=100.0, low_since=None)
+    # The same tokens at the mean threshold exactly: no scale-out (and not low: a replica is past half).
+    d = run([busy(queued=2000), busy(queued=2000)], target=2, now=100.0)
+    assert (d.replicas, d.reason) == (2, "hold")
+
+
+def test_without_a_measured_rate_the_token_threshold_applies():
+    d = run([busy(queued=4097, rate=0.0)], target=1, now=5.0)
+    assert (d.replicas, d.reason) == (2, "scale_out_queue")
+    assert run([busy(queued=4096, rate=0.0)], target=1, now=5.0).reason == "hold"
+    small = AutoscaleConfig(scale_out_queued_tokens=100)
+    assert run([busy(queued=250, rate=0.0)], target=1, now=5.0, config=small).replicas == 3
+
+
+def test_a_scale_out_adds_at_most_max_scale_out_step_and_never_passes_max_replicas():
+    flood = [busy(queued=20_000)]   # ten replicas' worth of queue
+    assert run(flood, target=1, now=0.0).replicas == 3
+    assert run(flood, target=1, now=0.0, config=AutoscaleConfig(max_scale_out_step=5)).replicas == 6
+    assert run(flood, target=1, now=0.0, hi=2).replicas == 2
+    d = run(flood, target=8, now=0.0)
+    assert (d.replicas, d.reason) == (8, "at_max")
+
+
+def test_ttft_p90_above_the_slo_adds_one_replica_unless_one_is_already_starting():
+    d = run([busy(ttft=2.5), busy(ttft=0.4)], target=2, now=50.0)
+    assert (d.replicas, d.reason) == (3, "scale_out_ttft")
+    d = run([busy(ttft=2.5)], target=2, running=1, now=50.0)   # the second replica is on its way
+    assert (d.replicas, d.reason) == (2, "starting")
+    assert run([busy(ttft=2.0)], target=1, now=50.0).reason == "hold"   # at the SLO is not above it
+
+
+def test_a_replica_out_of_hot_room_for_half_the_look_back_scales_out():
+    d = run([busy(blocked=0.5), IDLE], target=2, now=50.0)
+    assert (d.replicas, d.reason) == (3, "scale_out_blocked")
+    assert run([busy(blocked=0.4)], target=1, now=50.0).reason == "hold"
+
+
+def test_the_strongest_reason_sets_the_count():
+    d = run([busy(queued=6000, ttft=3.0)], target=1, now=0.0)   # queue wants 3, TTFT 2
+    assert (d.replicas, d.reason) == (3, "scale_out_queue")
+
+
+def test_scale_outs_are_rate_limited_by_the_last_scale_event():
+    state = run([busy(ttft=3.0)], target=1, now=100.0).state
+    assert state.last_scale_at == 100.0
+    d = run([busy(ttft=3.0)] * 2, target=2, now=109.0, state=state)
+    assert (d.replicas, d.reason, d.state) == (2, "rate_limited", state)
+    d = run([busy(ttft=3.0)] * 2, target=2, now=110.0, state=state)
+    assert (d.replicas, d.reason, d.state.last_scale_at) == (3, "scale_out_ttft", 110.0)
+
+
+def test_scale_in_waits_for_every_signal_to_stay_low_for_the_window_then_goes_to_min():
+    state = AutoscaleState(last_scale_at=0.0)
+    decisions = []
+    # (time, signals): TTFT at 1.5 s is under the SLO but not low (over half of it): the window restarts.
+    sequence = [(100.0, [IDLE] * 3), (130.0, [IDLE, busy(ttft=1.5), IDLE]), (131.0, [IDLE] * 3),
+                (190.0, [IDLE] * 3), (191.0, [IDLE] * 3)]
+    target = 3
+    for now, signals in sequence:
+        d = run(signals, target=target, now=now, state=state)
+        decisions.append((now, d.replicas, d.reason, d.state.low_since))
+        state, target = d.state, d.replicas
+    assert decisions == [(100.0, 3, "low_window", 100.0), (130.0, 3, "hold", None), (131.0, 3, "low_window", 131.0),
+                         (190.0, 3, "low_window", 131.0), (191.0, 1, "scale_in", None)]
+    assert state.last_scale_at == 191.0
+
+
+@pytest.mark.parametrize("signal", [busy(queued=1001), busy(blocked=0.1), busy(ttft=1.01)])
+def test_any_signal_above_low_keeps_the_replicas(signal):
+    state = AutoscaleState(low_since=0.0)
+    d = run([IDLE, signal], target=2, now=1000.0, state=state)
+    assert (d.replicas, d.reason, d.state.low_since) == (2, "hold", None)
+
+
+def test_scale_in_keeps_what_the_running_requests_and_the_queue_need():
+    low = AutoscaleState(low_since=0.0)
+    signals = [busy(running=2), busy(running=2), busy(running=1), IDLE]   # 5 running: 2 replicas of 4
+    assert run(signals, target=4, now=60.0, state=low).replicas == 2
+    d = run([busy(running=4)] * 4, target=4, now=60.0, state=low)   # 16 running need all 4
+    assert (d.replicas, d.reason, d.state.low_since) == (4, "hold", 0.0)
+    queued = [busy(queued=900)] * 4   # 4 x 0.45 replicas of queue, kept at half a threshold: 4
+    assert run(queued, target=4, now=60.0, state=low).replicas == 4
+    assert run([busy(queued=400)] * 4, target=4, now=60.0, state=low).replicas == 2
+
+
+def test_scale_in_is_rate_limited_by_the_last_scale_event():
+    state = AutoscaleState(last_scale_at=50.0, low_since=0.0)
+    d = run([IDLE] * 2, target=2, now=79.0, state=state)
+    assert (d.replicas, d.reason) == (2, "rate_limited")
+    assert run([IDLE] * 2, target=2, now=80.0, state=state).replicas == 1
+
+
+def test_never_below_min_or_above_max_and_no_signals_holds():
+    assert run([IDLE] * 3, target=3, now=100.0, state=AutoscaleState(low_since=0.0), lo=2).replicas == 2
+    d = run([IDLE], target=1, now=100.0, state=AutoscaleState(low_since=0.0), lo=1)
+    assert (d.replicas, d.reason) == (1, "hold")
+    assert run([IDLE], target=0, now=1.0, lo=1).replicas == 1
+    d = run([IDLE] * 9, target=9, now=1.0, hi=8)
+    assert (d.replicas, d.reason) == (8, "bounds")
+    d = run([], target=3, now=1.0, state=AutoscaleState(low_since=0.0))
+    assert (d.replicas, d.reason, d.state.low_since) == (3, "no_signals", None)
+
+
+def test_idle_returns_to_min_within_three_minutes_with_the_defaults():
+    """A ramp to 4 replicas, then idle: back at min_replicas one window (60 s) after the signals
+    went quiet, on the policy's own clock; the replicas' 30 s TTFT window and Serve's 10 s
+    look-back come before it (100 s in all, under 180)."""
+    state, target, t, events = AutoscaleState(), 1, 0.0, []
+    while t < 400.0:
+        if t < 100.0:
+            signals = [busy(queued=5000)] * target
+        elif t < 140.0:   # the load stopped at 100 s; the TTFT window still shows its tail
+            signals = [busy(ttft=2.0)] * target
+        else:
+            signals = [IDLE] * target
+        d = run(signals, target=target, now=t, state=state)
+        if d.replicas != target:
+            events.append((t, d.replicas, d.reason))
+        state, target = d.state, d.replicas
+        t += 1.0
+    assert events == [(0.0, 3, "scale_out_queue"), (10.0, 5, "scale_out_queue"), (20.0, 7, "scale_out_queue"),
+                      (30.0, 8, "scale_out_queue"), (200.0, 1, "scale_in")]
+
+
+def test_the_state_round_trips_through_serves_policy_state():
+    state = AutoscaleState(last_scale_at=12.5, low_since=3.0)
+    kept = {"__decision_counters": 2, **state.as_policy_state()}
+    assert AutoscaleState.from_policy_state(kept) == state
+    assert AutoscaleState.from_policy_state({}) == AutoscaleState() == AutoscaleState.from_policy_state(None)
+
+
+def test_bad_options_fail_naming_the_key():
+    with pytest.raises(InvalidInputError, match="unknown autoscaling policy option\\(s\\) ttft_slo "):
+        AutoscaleConfig.from_kwargs({"ttft_slo": 1.0})
+    with pytest.raises(InvalidInputError, match="ttft_slo_s must be a number, got 'fast'"):
+        AutoscaleConfig.from_kwargs({"ttft_slo_s": "fast"})
+    with pytest.raises(InvalidInputError, match="ttft_slo_s must be > 0"):
+        AutoscaleConfig.from_kwargs({"ttft_slo_s": 0})
+    with pytest.raises(InvalidInputError, match="max_scale_out_step must be an integer, got 1.5"):
+        AutoscaleConfig.from_kwargs({"max_scale_out_step": 1.5})
+    with pytest.raises(InvalidInputError, match="downscale_window_s must be >= 0 seconds"):
+        AutoscaleConfig.from_kwargs({"downscale_window_s": -1})
+    with pytest.raises(InvalidInputError, match="low_fraction must be in \\(0, 1\\]"):
+        AutoscaleConfig.from_kwargs({"low_fraction": 1.5})
+    with pytest.raises(InvalidInputError, match="scale_out_blocked must be a number, got True"):
+        AutoscaleConfig.from_kwargs({"scale_out_blocked": True})
+    assert AutoscaleConfig.from_kwargs({"ttft_slo_s": 1, "downscale_window_s": 30}).ttft_slo_s == 1
+
+
+def test_signals_round_trip_through_serve_metrics_and_an_incomplete_report_is_none():
+    s = ReplicaSignals(1200, 1.0, 0.75, 3, 850.0)
+    assert s.as_metrics() == {"queued_prompt_tokens": 1200.0, "blocked_for_room": 1.0, "ttft_p90_s": 0.75,
+                              "engine_running": 3.0, "prefill_tokens_per_s": 850.0}
+    assert ReplicaSignals.from_metrics(s.as_metrics()) == s
+    metrics = s.as_metrics()
+    del metrics["prefill_tokens_per_s"]   # optional: unknown rate
+    assert ReplicaSignals.from_metrics(metrics).prefill_tokens_per_s == 0.0
+    del metrics["ttft_p90_s"]
+    assert ReplicaSignals.from_metrics(metrics) is None
+    assert ReplicaSignals.from_metrics({**s.as_metrics(), "blocked_for_room": float("nan")}) is None
+
+
+def test_the_ttft_window_keeps_the_last_window_and_its_nearest_rank_p90():
+    w = TtftWindow(window_s=30.0, max_samples=100)
+    assert w.p90(0.0) == 0.0
+    for i in range(10):   # 0.1 .. 1.0 s at t = 0 .. 9
+        w.add(float(i), (i + 1) / 10)
+    assert w.p90(9.0) == 0.9   # the 9th of 10
+    w.add(20.0, 5.0)
+    assert w.p90(20.0) == 1.0   # the 10th of 11 (5.0 is the 11th)
+    assert w.p90(35.0) == 5.0 and len(w) == 5   # t <= 5 expired: 0.7 .. 1.0 and 5.0 remain
+    assert w.p90(50.0) == 0.0 and len(w) == 0
+    small = TtftWindow(window_s=30.0, max_samples=3)
+    for i in range(5):
+        small.add(0.0, float(i))
+    assert len(small) == 3 and small.p90(0.0) == 4.0
