@@ -102,17 +102,22 @@ class ThreadEngine:
         self._futures: dict[int, Future] = {}
         self._lock = threading.Lock()
 
-    def submit(self, job: Callable[[], None]) -> int:
+    def submit(self, job: Callable[[], float | None]) -> int:
         op_id = next(self._ids)
 
         def run() -> None:
             err = None
             began = time.perf_counter()
+            seconds = None
             try:
-                job()
+                seconds = job()
             except BaseException as exc:  # reported to the owner, never lost
                 err = exc
-            self._done.put(Completion(op_id, err, time.perf_counter() - began))
+            # A job may time itself (a float: the staged upload's copies on the device, which
+            # the host's wall time would add queued compute to); else its wall time here.
+            if not isinstance(seconds, float):
+                seconds = time.perf_counter() - began
+            self._done.put(Completion(op_id, err, seconds))
 
         self._futures[op_id] = self._pool.submit(run)
         return op_id
@@ -164,14 +169,23 @@ class ThreadEngine:
 
 
 class CudaStreamEngine:
-    """Copies on a dedicated CUDA stream, completion tracked by events."""
+    """Copies on a dedicated CUDA stream, completion tracked by events. Each op is timed by a
+    pair of timing events on the copy stream, the first recorded after the stream has waited
+    for the forward pass's queued work: a completion's ``seconds`` is the copy's own time
+    on the device (what ``TieredCache.ready`` weighs against recomputing), not 0."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.stream = torch.cuda.Stream(device=device)
         self._ids = itertools.count(1)
         self._events: dict[int, torch.cuda.Event] = {}
+        self._starts: dict[int, torch.cuda.Event] = {}
         self._keepalive: dict[int, list] = {}
+
+    def _timed(self) -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(self.stream)
+        return event
 
     def submit_copies(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, paced: bool = True,
                       codec: Any = None) -> int:
@@ -182,36 +196,38 @@ class CudaStreamEngine:
         with torch.cuda.stream(self.stream):
             # Source KV may still be being written by the forward pass.
             self.stream.wait_stream(producer)
+            start = self._timed()
             for dst, src in pairs:
                 if codec is not None:
                     codec.copy_kv(dst, src, non_blocking=True)
                 else:
                     dst.copy_(src, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self.stream)
+            event = self._timed()
         for dst, src in pairs:  # the allocator must not reuse memory the copy reads or writes
             for t in (dst, src):
                 if t.is_cuda:
                     t.record_stream(self.stream)
-        self._events[op_id] = event
+        self._events[op_id], self._starts[op_id] = event, start
         self._keepalive[op_id] = list(pairs)
         return op_id
 
     def submit(self, job: Callable[[], None]) -> int:
         op_id = next(self._ids)
         with torch.cuda.stream(self.stream):
+            start = self._timed()
             job()
-            event = torch.cuda.Event()
-            event.record(self.stream)
-        self._events[op_id] = event
+            event = self._timed()
+        self._events[op_id], self._starts[op_id] = event, start
         return op_id
 
     def poll(self) -> list[Completion]:
         done = [op for op, ev in self._events.items() if ev.query()]
+        out = []
         for op in done:
-            del self._events[op]
+            end, start = self._events.pop(op), self._starts.pop(op, None)
             self._keepalive.pop(op, None)
-        return [Completion(op, None) for op in done]
+            out.append(Completion(op, None, start.elapsed_time(end) / 1e3 if start is not None else 0.0))
+        return out
 
     def wait(self, op_id: int) -> None:
         ev = self._events.get(op_id)

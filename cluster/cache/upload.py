@@ -85,18 +85,28 @@ class StagedUpload:
         return self._bufs
 
     def run(self, jobs: Sequence[tuple[Any, list[Extent], list[Extent]]], failed: list[int],
-            pacer: Any = None, after: Any = None) -> None:
-        """Copy each job ``(source pool, src extents, HOT extents)`` up, in order.
+            pacer: Any = None, after: Any = None) -> float | None:
+        """Copy each job ``(source pool, src extents, HOT extents)`` up, in order; on CUDA,
+        the seconds it took on the device from when its stream was free of the engine's
+        queued work (the copy rate the cache measures), else None (the thread times it).
         A COLD block that fails its checksum appends its first job's index to
         ``failed`` and raises ``ChecksumError``; every job before that one is
         copied whole first. ``after``: a CUDA event the copies wait for."""
-        if self.cuda:
-            with torch.cuda.device(self.hot.device):
-                if after is not None:
-                    self.stream.wait_event(after)
-                self._run(jobs, failed, pacer)
-        else:
+        if not self.cuda:
             self._run(jobs, failed, pacer)
+            return None
+        with torch.cuda.device(self.hot.device):
+            if after is not None:
+                self.stream.wait_event(after)
+            # Timed from when the stream has waited for the engine's queued work: the upload's
+            # own time (disk reads overlap the copies), not the forward passes before it.
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(self.stream)
+            self._run(jobs, failed, pacer)
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(self.stream)
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
 
     def _run(self, jobs, failed: list[int], pacer) -> None:
         which = 0

@@ -1,0 +1,43 @@
+"""What a copy engine says a copy took: the copy's own time, the rate ``TieredCache.ready``
+weighs a promotion by (issue 51: CUDA promotions said 0 s, COLD's included queued compute)."""
+
+import pytest
+import torch
+
+from cluster.cache.offload import CudaStreamEngine, ThreadEngine
+
+CUDA = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def drain(engine, op):
+    engine.wait(op)
+    done = []
+    while not done:
+        done = [c for c in engine.poll() if c.op_id == op]
+    return done[0]
+
+
+def test_a_job_that_times_itself_is_taken_at_its_word_else_its_wall_time():
+    engine = ThreadEngine("t")
+    try:
+        timed = drain(engine, engine.submit(lambda: 0.25))          # the upload's device time
+        assert timed.error is None and timed.seconds == 0.25
+        plain = drain(engine, engine.submit(lambda: None))
+        assert plain.error is None and 0.0 <= plain.seconds < 0.25
+        failed = drain(engine, engine.submit(lambda: 1 / 0))
+        assert isinstance(failed.error, ZeroDivisionError)
+    finally:
+        engine.close()
+
+
+@CUDA[0]
+@CUDA[1]
+def test_a_cuda_copy_reports_its_time_on_the_device():
+    device = torch.device("cuda")
+    engine = CudaStreamEngine(device)
+    src = torch.randn(64 << 20 // 4, pin_memory=True)               # 64 MiB from pinned host memory
+    dst = torch.empty(src.shape, device=device)
+    done = drain(engine, engine.submit_copies([(dst, src)]))
+    assert done.error is None and done.seconds > 0                  # timed by events, not 0
+    assert torch.equal(dst.cpu(), src)
+    engine.close()
