@@ -13,13 +13,16 @@
   request uses, then read back with verification (``L3Store.get_blocks``,
   what a fetch does), tokens per second; none when L3 is off.
 
-It runs once at start-up, before the engine thread owns the cache, and leaves
-the cache empty and its counters as they were. Missing tiers or NIXL fall back to ratios of what was
+It runs at start-up only where ``calibrate_at_start`` asks (before the engine thread owns
+the cache; it leaves the cache empty and its counters as they were). By default a worker
+serves at once on a peer's rates or on ``prior_rates`` (one prefill), and ``RateRefiner``
+replaces them with what the engine and the cache measure on real requests. Missing tiers or NIXL fall back to ratios of what was
 measured (transfer = WARM/4, COLD = WARM/10) so the model is complete.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Callable
@@ -145,3 +148,79 @@ def _nixl_rate(migrator: Migrator, cache: TieredCache, nblocks: int = 8) -> floa
     except Exception as exc:  # measuring must never stop a worker from starting
         log.warning("could not measure the NIXL transfer rate: %s", exc)
         return None
+
+
+def prior_rates(engine: Engine, *, seed: int = 0) -> CostModel:
+    """What a worker serves on until it has measured its own rates (no peer's to take):
+    one prefill of four blocks of random tokens (the first forward, also the model's warm-up,
+    so a slow rate: the conservative side), and the copy rates as the ratios ``calibrate``
+    falls back on. Runs before the engine thread owns the cache; leaves it empty."""
+    cache = engine.cache
+    bt = cache.config.block_tokens
+    cfg = engine.model.config
+    n = max(1, min(4 * bt, cache.config.hot_blocks * bt // 4, cfg.max_position - 2))
+    prompt = torch.randint(0, cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    counters = [(d, dict(d)) for d in (engine.stats, cache.stats, cache.tree.stats)]
+    l3, cache.l3 = cache.l3, None
+    try:
+        tokens, seconds = _timed(lambda: engine.generate(prompt, SamplingParams(max_tokens=1)), n)
+    finally:
+        cache.l3 = l3
+        cache.drop_all()
+        for live, before in counters:
+            live.clear()
+            live.update(before)
+    prefill = tokens / max(seconds, 1e-6)
+    return CostModel(prefill_tokens_per_s=prefill, warm_promote_tokens_per_s=prefill * 20,
+                     cold_promote_tokens_per_s=prefill * 2, transfer_tokens_per_s=prefill * 5, block_tokens=bt)
+
+
+class RateRefiner:
+    """The worker's rates while it serves: the start-up ones (a peer's or the prior) replaced
+    by what the engine and the cache measure on real requests (the engine's prefill steps,
+    the cache's promotions, NIXL pulls, L3 fetches: each a median of recent samples or a
+    smoothed rate). ``tick`` on the engine thread after every iteration; a rate that moved
+    by more than ``min_change`` (relative) from the one in force replaces it, and
+    ``on_change(cost)`` re-registers the worker (the directory re-prices on a real change).
+    ``measured``: the rates this worker has measured itself so far."""
+
+    def __init__(self, cost: CostModel, sources: dict[str, Callable[[], float | None]],
+                 on_change: Callable[[CostModel], None], min_change: float = 0.25):
+        self.cost = cost
+        self.sources = sources
+        self.on_change = on_change
+        self.min_change = min_change
+        self.measured: set[str] = set()
+        self.changes = 0
+
+    def tick(self) -> bool:
+        changed = {}
+        for name, read in self.sources.items():
+            value = read()
+            if not value or value <= 0:
+                continue
+            self.measured.add(name)
+            old = getattr(self.cost, name)
+            if not old or abs(value / old - 1.0) > self.min_change:
+                changed[name] = float(value)
+        if not changed:
+            return False
+        self.cost = dataclasses.replace(self.cost, **changed)
+        self.changes += 1
+        self.on_change(self.cost)
+        return True
+
+
+def rate_sources(engine: Engine, migrator: Migrator, l3: L3Tier | None) -> dict[str, Callable[[], float | None]]:
+    """Where each rate is measured while serving (engine thread reads)."""
+    moves = engine.cache.moves
+
+    def per_token(tier: int) -> Callable[[], float | None]:
+        return lambda: 1.0 / moves.promote_s_per_token[tier] if moves.promote_s_per_token[tier] else None
+    sources = {"prefill_tokens_per_s": lambda: engine.prefill_tokens_per_s,
+               "warm_promote_tokens_per_s": per_token(WARM), "cold_promote_tokens_per_s": per_token(COLD)}
+    if migrator.nixl is not None:
+        sources["transfer_tokens_per_s"] = lambda: migrator.transfer_tokens_per_s
+    if l3 is not None:
+        sources["l3_fetch_tokens_per_s"] = lambda: l3.fetch_tokens_per_s
+    return sources

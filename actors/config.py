@@ -102,6 +102,10 @@ class WorkerConfig:
     # peer's measured rates instead of calibrating (seconds of start-up: a replacement
     # replica is serving sooner). False: always measure.
     reuse_peer_calibration: bool = True
+    # True: measure every rate (actors.calibration.calibrate, ~5 s) before serving. False: serve
+    # at once on a peer's rates, else on a one-prefill prior, and take the engine's and the
+    # cache's own measurements as they come (actors.calibration.RateRefiner).
+    calibrate_at_start: bool = False
     # Compute the last sampled token's KV when a request ends (a lone forward per
     # finished request) so that the next turn hits one more token: see Engine.
     cache_final_token: bool = False

@@ -28,12 +28,13 @@ import logging
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Awaitable, Callable
 
 import numpy as np
 import torch
 
-from actors.calibration import calibrate
+from actors.calibration import RateRefiner, calibrate, prior_rates, rate_sources
 from actors.config import WorkerConfig
 from actors.elastic import shared_offers
 from actors.engine_loop import EngineLoop, EngineWedgedError, QueueFullError, StreamContext
@@ -76,7 +77,7 @@ class WorkerCore:
         self.worker_id = worker_id
         self.config = config
         # Seconds of each start-up part (a replacement's recovery waits for all of them).
-        self.startup: dict[str, float] = {}
+        self.startup: dict[str, float | str] = {}
         mark = time.perf_counter()
 
         def part(name: str) -> None:
@@ -94,25 +95,44 @@ class WorkerCore:
         self.layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, mc.dtype)
         self.cache = TieredCache(tiers, self.layout, vocab_size=mc.vocab_size)
         part("cache_s")
-        self.l3 = self._open_l3(peer_host)
-        part("l3_s")
-        self.engine = Engine(self.model, self.cache, max_batch_tokens=config.max_batch_tokens,
-                             max_running=config.max_running, cache_final_token=config.cache_final_token,
-                             decode_kernel=config.decode_kernel, grammars=self._grammars(mc.vocab_size))
+        # L3, NIXL and the tokenizer's grammars open on threads while this one builds the engine
+        # (the packed weights, the kernels); each is bounded where it calls out (the L3 store's
+        # calls, NIXL's local agent). Each part's seconds are its own thread's.
+        with ThreadPoolExecutor(3, thread_name_prefix=f"start-{worker_id}") as pool:
+            l3 = pool.submit(self._timed_part, "l3_s", self._open_l3, peer_host)
+            nixl = pool.submit(self._timed_part, "nixl_s", self._open_nixl)
+            grammars = pool.submit(self._timed_part, "grammars_s", self._grammars, mc.vocab_size)
+            self.engine = Engine(self.model, self.cache, max_batch_tokens=config.max_batch_tokens,
+                                 max_running=config.max_running, cache_final_token=config.cache_final_token,
+                                 decode_kernel=config.decode_kernel)
+            self.startup["packed_weights"] = getattr(self.model, "packed_source", {}).get("source", "none")
+            part("engine_s")
+            self.l3, self.nixl = l3.result(), nixl.result()
+            if self.l3 is not None:   # the cache is this thread's until the engine thread starts
+                self.cache.attach_l3(self.l3)
+            self.engine.grammars = self.engine.sampler.grammars = grammars.result()
+        part("parallel_wait_s")
         self.engine.shared_fills = config.shared_fills
         self.engine.time_slice_s = config.time_slice_s
         log.info("worker %s: OpenMP %s, allocator %s, %d torch threads, linear layouts by row count %s",
                  worker_id, openmp.runtime(), malloc.runtime(), torch.get_num_threads(), self.engine.linear_layouts)
-        part("engine_s")
-        self.nixl = self._open_nixl()
         self.migration = Migrator(worker_id, self.cache, self.nixl, block_tokens=tiers.block_tokens,
                                   bytes_per_token=self.layout.bytes_per_token(),
                                   call_timeout_s=config.migration_timeout_s)
-        part("nixl_s")
-        self.cost = self._peer_cost(directory) or calibrate(self.engine, self.migration)   # before the engine thread owns the cache
+        # Before the engine thread owns the cache: the full calibration where asked, else a
+        # peer's rates or a one-prefill prior; either way refined while serving (RateRefiner).
+        self.rates_source = "peer"
+        self.cost = self._peer_cost(directory)
+        if self.cost is None:
+            self.rates_source = "calibrated" if config.calibrate_at_start else "prior"
+            self.cost = calibrate(self.engine, self.migration) if config.calibrate_at_start \
+                else prior_rates(self.engine)
         part("rates_s")
-        if self.nixl is not None:
+        self.startup["rates_source"] = self.rates_source
+        if self.nixl is not None and self.rates_source != "prior":   # a prior is no NIXL measurement
             self.migration.transfer_tokens_per_s = self.cost.transfer_tokens_per_s
+        self.refiner = RateRefiner(self.cost, rate_sources(self.engine, self.migration, self.l3),
+                                   self._rates_changed)
         self._start_reporting(directory, on_report)
         self.on_migration = on_migration
         self._on_trip = on_trip
@@ -176,7 +196,7 @@ class WorkerCore:
         return Grammars(load_tokenizer(self.loaded), vocab_size)
 
     def _open_l3(self, host: str | None) -> L3Tier | None:
-        """L3 on the configured master, attached to the cache; None (one log line)
+        """L3 on the configured master (the caller attaches it to the cache); None (one log line)
         without a master, without Mooncake, or when the master cannot be reached."""
         cfg = self.config
         if not cfg.l3_master:
@@ -195,7 +215,6 @@ class WorkerCore:
                                    write=cfg.l3_write, fetch=cfg.l3_fetch,
                                    min_fetch_blocks=cfg.l3_min_fetch_blocks, write_nice=cfg.l3_write_nice),
                       codec=self.cache.codec)
-        self.cache.attach_l3(tier)
         log.info("worker %s uses L3 at %s (write %s)", self.worker_id, cfg.l3_master, cfg.l3_write)
         return tier
 
@@ -252,8 +271,26 @@ class WorkerCore:
         # (and its finished fetches land) before the reporter sends what changed.
         if self.l3 is not None:
             self.cache.apply_l3()
+        self.refiner.tick()
         if self.reporter is not None:
             self.reporter.tick()
+
+    def _rates_changed(self, cost: CostModel) -> None:
+        """Engine thread: the refiner measured a rate that moved materially; it is in
+        force here now (the engine loop's and L3's reads) and at the directory."""
+        self.cost = cost
+        if self.l3 is not None:
+            self.l3.set_rates(cost.l3_fetch_tokens_per_s or None, cost.prefill_tokens_per_s)
+        if self.directory is not None:
+            self._register(fresh=False)
+
+    def _timed_part(self, name: str, fn, *args):
+        """``fn(*args)``, its seconds as the start-up part ``name`` (a start-up thread's)."""
+        began = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.startup[name] = round(time.perf_counter() - began, 3)
 
     def rates(self) -> MeasuredRates:
         """What this worker measured, as it registers with the directory."""

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cluster.engine import attention, layer_loop, linear_layouts, paged
+from cluster.engine import attention, layer_loop, linear_layouts, packed_weights, paged
 from cluster.engine.attention import EXTEND_MAX  # noqa: F401  (re-exported: the kernel's reach)
 from cluster.engine.linear_layouts import linear as _linear
 from cluster.engine.tokenizer import BYTE_VOCAB_SIZE
@@ -316,6 +316,10 @@ class DecoderModel(nn.Module):
         self._layer_layouts: linear_layouts.Layouts | None = None
         self._head_layouts: linear_layouts.Layouts | None = None
         self._packed: dict[tuple[int, int], object] = {}
+        # The checkpoint's identity and name, set by its loader: the packed file's key (None: not kept).
+        self.weights_id: str | None = None
+        self.weights_name = ""
+        self.packed_source: dict = {}
         if init_weights:
             self._init_weights()
         self.eval()
@@ -453,28 +457,14 @@ class DecoderModel(nn.Module):
     def tune_linears(self) -> dict[str, dict[int, str]]:
         """Use, per row count, the fastest of MKL's linear layouts on this machine
         (``cluster.engine.linear_layouts``: measured once a machine), for the layers'
-        linears and for the output head apart; CPU only. Returns the layout per
-        measured row count of each group."""
+        linears and for the output head apart; CPU only. The layouts and the weights'
+        packed copies come from this machine's packed file when the checkpoint has one
+        (``cluster.engine.packed_weights``; ``packed_source`` says which). Returns the
+        layout per measured row count of each group."""
         if self.device.type != "cpu":
             return {}
-        pairs = [(w, b) for layer in self.layers for w, b in (
-            (layer.qkv_proj, layer.qkv_bias), (layer.o_proj, layer.o_bias),
-            (layer.gate_up_proj, layer.gate_up_bias), (layer.down_proj, layer.down_bias))]
-        layers, biases = [w for w, _ in pairs], [b for _, b in pairs]
-        self._layer_layouts = linear_layouts.tuned(layers, self.config.dtype, biases)
-        self._head_layouts = linear_layouts.tuned([self.output_weight], self.config.dtype)
-        self._packed = {}
-        for group, layouts in ((pairs, self._layer_layouts), ([(self.output_weight, None)], self._head_layouts)):
-            # Only the copies some row count of the group runs on (each costs its weight's memory or more).
-            if linear_layouts.PACKED in layouts:
-                self._packed.update(((linear_layouts.PACKED, id(w)), linear_layouts.pack(w)) for w, _ in group)
-            if linear_layouts.BLOCKED in layouts:
-                order = linear_layouts.blocked_order(group)
-                self._packed.update(((linear_layouts.BLOCKED, id(w)), linear_layouts.panels(w, order))
-                                    for w, _ in group)
-        self._compiled_layers = layer_loop.compiled_layers(self)
-        return {"layers": linear_layouts.describe(self._layer_layouts),
-                "head": linear_layouts.describe(self._head_layouts)}
+        self.packed_source = packed_weights.tune(self)
+        return packed_weights.finish(self)
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layout: int,
                 residual: torch.Tensor | None = None) -> torch.Tensor:

@@ -206,7 +206,7 @@ def test_cache_touched_off_the_engine_thread_fails_in_debug_mode(monkeypatch):
 
 
 def test_calibration_measures_every_rate_through_the_worker(tmp_path):
-    core = make("w-cal", cold_blocks=32, disk_dir=str(tmp_path))   # every tier, so every rate is measured
+    core = make("w-cal", cold_blocks=32, disk_dir=str(tmp_path), calibrate_at_start=True)   # every tier and rate
     try:
         cost = core.cost
         # Calibration produced a measurement for each rate (its size is the benchmarks' business).

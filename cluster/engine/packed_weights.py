@@ -1,0 +1,171 @@
+"""The packed decoder's tuned linear layouts and packed weight copies, kept on local disk.
+
+``DecoderModel.tune_linears`` spends most of a replica's engine build here: finding the
+blocked kernel's summation order (``linear_layouts.blocked_order``: F.linear over a
+1,024-row batch for each weight shape, 1.3 s for SmolLM2's head on one thread), reading
+the tuned layouts, and cutting every weight into column panels (0.5 s, 0.5 GB). All of it
+is a pure function of the checkpoint's weights, the machine (CPU, torch, thread count),
+the dtype and the kernel's source, so a machine computes it once per model: ``tune``
+writes it to ``<dir>/<model-id>-<key hash>.pt`` (``PackedStore``) and a later start
+loads the copies with ``torch.load(mmap=True)``: the file's pages are shared through
+the page cache by every replica on the machine and nothing is recomputed. The tensors
+are the bytes the packing made, so the forward is bit for bit the unpacked path's.
+
+The key names everything the copies depend on: the checkpoint (its directory, each
+weight file's name, size and modification time, its ``config.json``), ``LAYOUT_VERSION``,
+the dtype, CPU, torch version, thread count, ``PREFIX_CACHE_MKL_PACKED`` and the compiled
+kernel's source; a file whose key differs is ignored and replaced. A model without a
+``weights_id`` (the seeded test models, set by ``checkpoint.load_model`` only) is not
+cached. ``PREFIX_CACHE_PACKED_CACHE=0`` turns the cache off (``bench coldstart``'s
+"before" arm); ``PREFIX_CACHE_PACKED_DIR`` moves it (default
+``~/.cache/prefix-cache/packed``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cluster.engine import layer_loop, linear_layouts
+from cluster.engine.linear_layouts import BLOCKED, PACKED, Panels
+
+log = logging.getLogger(__name__)
+
+LAYOUT_VERSION = 1   # bump when what is stored (or how a copy is packed) changes
+DIR_ENV = "PREFIX_CACHE_PACKED_DIR"
+SWITCH_ENV = "PREFIX_CACHE_PACKED_CACHE"
+
+
+def enabled() -> bool:
+    return os.environ.get(SWITCH_ENV, "1").strip().lower() not in ("0", "false", "no")
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get(DIR_ENV) or "~/.cache/prefix-cache/packed").expanduser()
+
+
+def checkpoint_identity(directory: Path) -> str:
+    """What the checkpoint's weights are known by without reading them: every weight
+    file's name, size and modification time, and the config's bytes."""
+    parts = [str(directory.resolve())] + [f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in sorted(directory.glob("*.safetensors"))]
+    config = directory / "config.json"
+    parts.append(hashlib.sha256(config.read_bytes()).hexdigest() if config.is_file() else "-")
+    return "|".join(parts)
+
+
+def cache_key(model: Any) -> str:
+    """The full key of a model's packed copies here (see the module's docstring)."""
+    from cluster.engine import kernels
+
+    source = Path(kernels.__file__).parent / "blocked_linear.cpp"
+    kernel = hashlib.sha256(source.read_bytes()).hexdigest()[:16] if source.is_file() else "-"
+    return (f"v{LAYOUT_VERSION}|{model.weights_id}|{model.config.dtype}|{linear_layouts._cpu_name()}|"
+            f"torch {torch.__version__}|{torch.get_num_threads()} threads|"
+            f"packed {int(linear_layouts.packed_enabled())}|kernel {kernel}")
+
+
+class PackedStore:
+    """One model's packed file: ``load`` (None on a miss or another key), ``save``."""
+
+    def __init__(self, name: str, key: str, directory: Path | None = None):
+        self.key = key
+        self.directory = directory or cache_dir()
+        stem = re.sub(r"[^A-Za-z0-9._-]", "_", name)[:80] or "model"
+        self.prefix = f"{stem}-"
+        self.path = self.directory / f"{self.prefix}{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
+
+    def load(self) -> dict | None:
+        """The stored state, its tensors mapped from the file; None without a file of this key."""
+        try:
+            state = torch.load(self.path, mmap=True, weights_only=True)
+        except FileNotFoundError:
+            return None
+        except Exception as exc:   # a torn or foreign file: measured again and replaced
+            log.warning("packed weights %s unreadable (%s); packing again", self.path, exc)
+            return None
+        return state if isinstance(state, dict) and state.get("key") == self.key else None
+
+    def save(self, state: dict) -> None:
+        """Write atomically (a reader sees the old file or the new one) and remove this
+        model's files of other keys; a read-only disk keeps the copies in memory only."""
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
+            torch.save({**state, "key": self.key}, tmp)
+            tmp.replace(self.path)
+            for old in self.directory.glob(f"{self.prefix}*.pt"):
+                if old != self.path and len(old.name) == len(self.path.name):
+                    old.unlink(missing_ok=True)
+        except OSError as exc:
+            log.warning("packed weights not kept on disk (%s)", exc)
+
+
+def _groups(model: Any) -> tuple[list, list]:
+    """The layers' (weight, bias) pairs in a fixed order, and the head's."""
+    layers = [(w, b) for layer in model.layers for w, b in (
+        (layer.qkv_proj, layer.qkv_bias), (layer.o_proj, layer.o_bias),
+        (layer.gate_up_proj, layer.gate_up_bias), (layer.down_proj, layer.down_bias))]
+    return layers, [(model.output_weight, None)]
+
+
+def _measure(model: Any) -> dict:
+    """Tune and pack (``linear_layouts``): the state ``tune`` stores and applies."""
+    layers, head = _groups(model)
+    state: dict = {"layouts": [], "orders": [], "copies": []}
+    for group in (layers, head):
+        layouts = linear_layouts.tuned([w for w, _ in group], model.config.dtype, [b for _, b in group])
+        order = linear_layouts.blocked_order(group) if BLOCKED in layouts else None
+        # Only the copies some row count of the group runs on (each costs its weight's memory or more).
+        copies = {}
+        if PACKED in layouts:
+            copies[f"{PACKED}"] = [linear_layouts.pack(w) for w, _ in group]
+        if order is not None:
+            copies[f"{BLOCKED}"] = [linear_layouts.panels(w, order).panels for w, _ in group]
+        state["layouts"].append(list(layouts))
+        state["orders"].append(list(order) if order else [])
+        state["copies"].append(copies)
+    return state
+
+
+def _apply(model: Any, state: dict) -> None:
+    model._packed = {}
+    groups = _groups(model)
+    for (group, layouts, order, copies) in zip(groups, state["layouts"], state["orders"], state["copies"]):
+        for layout, tensors in copies.items():
+            layout = int(layout)
+            for (w, _), t in zip(group, tensors):
+                copy = Panels(t, w.shape[0], *order) if layout == BLOCKED else t
+                model._packed[(layout, id(w))] = copy
+    model._layer_layouts, model._head_layouts = (tuple(state["layouts"][0]), tuple(state["layouts"][1]))
+
+
+def tune(model: Any) -> dict:
+    """``DecoderModel.tune_linears``: the layouts and copies from this machine's packed
+    file when its key matches, else measured, packed and stored. Returns what it did
+    (``source``: "disk", "measured", or "memory" when not cached)."""
+    store = None
+    if getattr(model, "weights_id", None) and enabled():
+        store = PackedStore(model.weights_name, cache_key(model))
+        state = store.load()
+        if state is not None:
+            _apply(model, state)
+            return {"source": "disk", "path": str(store.path)}
+    state = _measure(model)
+    _apply(model, state)
+    if store is not None:
+        store.save(state)
+        return {"source": "measured", "path": str(store.path)}
+    return {"source": "memory"}
+
+
+def finish(model: Any) -> dict[str, dict[int, str]]:
+    """After ``tune``: the compiled layer loop over the copies, and the layouts by row count."""
+    model._compiled_layers = layer_loop.compiled_layers(model)
+    return {"layers": linear_layouts.describe(model._layer_layouts),
+            "head": linear_layouts.describe(model._head_layouts)}
