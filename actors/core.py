@@ -112,27 +112,13 @@ class WorkerCore:
                 self.cache.attach_l3(self.l3)
             self.engine.grammars = self.engine.sampler.grammars = grammars.result()
         part("parallel_wait_s")
-        self.engine.shared_fills = config.shared_fills
-        self.engine.time_slice_s = config.time_slice_s
-        log.info("worker %s: OpenMP %s, allocator %s, %d torch threads, linear layouts by row count %s",
-                 worker_id, openmp.runtime(), malloc.runtime(), torch.get_num_threads(), self.engine.linear_layouts)
+        self._configure_engine()
         self.migration = Migrator(worker_id, self.cache, self.nixl, block_tokens=tiers.block_tokens,
                                   bytes_per_token=self.layout.bytes_per_token(),
                                   call_timeout_s=config.migration_timeout_s)
-        # Before the engine thread owns the cache: the full calibration where asked, else a
-        # peer's rates or a one-prefill prior; either way refined while serving (RateRefiner).
-        self.rates_source = "peer"
-        self.cost = self._peer_cost(directory)
-        if self.cost is None:
-            self.rates_source = "calibrated" if config.calibrate_at_start else "prior"
-            self.cost = calibrate(self.engine, self.migration) if config.calibrate_at_start \
-                else prior_rates(self.engine)
+        self._initial_rates(directory)
         part("rates_s")
         self.startup["rates_source"] = self.rates_source
-        if self.nixl is not None and self.rates_source != "prior":   # a prior is no NIXL measurement
-            self.migration.transfer_tokens_per_s = self.cost.transfer_tokens_per_s
-        self.refiner = RateRefiner(self.cost, rate_sources(self.engine, self.migration, self.l3),
-                                   self._rates_changed)
         self._start_reporting(directory, on_report)
         self.on_migration = on_migration
         self._on_trip = on_trip
@@ -154,6 +140,28 @@ class WorkerCore:
             self._register()
             self.reporter.start_heartbeat(alive=self.loop.alive)
         part("loop_s")
+
+    def _configure_engine(self) -> None:
+        """The engine's scheduling policies from the config, and what it runs on, in the log."""
+        self.engine.shared_fills = self.config.shared_fills
+        self.engine.time_slice_s = self.config.time_slice_s
+        log.info("worker %s: OpenMP %s, allocator %s, %d torch threads, linear layouts by row count %s",
+                 self.worker_id, openmp.runtime(), malloc.runtime(), torch.get_num_threads(),
+                 self.engine.linear_layouts)
+
+    def _initial_rates(self, directory) -> None:
+        """Before the engine thread owns the cache: the full calibration where asked, else a
+        peer's rates or a one-prefill prior; either way refined while serving (``RateRefiner``)."""
+        self.rates_source = "peer"
+        self.cost = self._peer_cost(directory)
+        if self.cost is None:
+            self.rates_source = "calibrated" if self.config.calibrate_at_start else "prior"
+            self.cost = calibrate(self.engine, self.migration) if self.config.calibrate_at_start \
+                else prior_rates(self.engine)
+        if self.nixl is not None and self.rates_source != "prior":   # a prior is no NIXL measurement
+            self.migration.transfer_tokens_per_s = self.cost.transfer_tokens_per_s
+        self.refiner = RateRefiner(self.cost, rate_sources(self.engine, self.migration, self.l3),
+                                   self._rates_changed)
 
     def _start_reporting(self, directory, on_report: Callable[["WorkerCore"], None] | None) -> None:
         """The KV events' publisher on the tree (and L3's inventories), and the reporter that
