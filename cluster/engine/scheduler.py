@@ -3,7 +3,8 @@
 ``schedule`` spends one token budget (``max_batch_tokens``) on one step's plan,
 in this order (vLLM v1's, with chunked prefill):
 
-1. running requests that decode: one token each;
+1. running requests that decode: one token each; beside them, prompts get at
+   most what keeps the step from stalling them (``cluster.engine.stall_free``);
 2. running requests still filling their prompt: the next chunk each, first
    come first served, as far as the budget goes;
 3. waiting requests, first come first served: a lease on the prompt's cached
@@ -44,15 +45,13 @@ Two named policies:
   beats the cost (``cluster.engine.preemption``); the victim, its KV into the
   cache, queues right behind it. Refusals count in ``time_slice_declined``.
 - **shared fills** (``shared_fills``): a waiting request whose part beyond the
-  cache a running prompt fill computes (a block of it or more, or all but its
-  last token) waits for that fill's checkpoint instead of computing the same
-  KV beside it; the fill checkpoints when its prompt is done, even less than
-  a block when awaited.
+  cache a running prompt fill computes (a block or more, or all but its last
+  token) waits for that fill's checkpoint (taken at its prompt's end, even
+  under a block when awaited) instead of computing the same KV beside it.
 
-``update`` takes the step's sampled tokens: a request that completed its
-prompt checkpoints it into the tree (for the requests that share it), takes
-its token, and ends on a stop token, its grammar's end or ``max_tokens``.
-Everything runs on the engine thread.
+``update`` takes the step's sampled tokens: a request that completed its prompt
+checkpoints it into the tree, takes its token, and ends on a stop token, its
+grammar's end or ``max_tokens``. Everything runs on the engine thread.
 """
 
 from __future__ import annotations
@@ -63,12 +62,12 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import torch
 
 from cluster.cache.tiered import TieredCache
 from cluster.engine.fair_share import TenantShares, chunk_tokens
 from cluster.engine.preemption import TimeSlicer, spare_repeated
 from cluster.engine.prompt_logprobs import wants_prompt_rows
+from cluster.engine.stall_free import prefill_cap
 from cluster.engine.request import EngineRequest, TokenEvent, split_by_tier
 from cluster.errors import CacheError, PoolExhaustedError
 from cluster.names import COLD, HOT, L3, WARM
@@ -191,8 +190,8 @@ class Scheduler:
             self._plan_fair(plan, budget, planned, tenants)
         else:   # one tenant: first come, first served, as always
             decoding = [r for r in self.running if r.to_compute == 1]
-            filling = [r for r in self.running if r.to_compute > 1]
-            budget = self._plan_running(plan, decoding + filling, budget, planned)
+            budget = self._beside_decodes(self._plan_running(plan, decoding, budget, planned), plan)
+            budget = self._plan_running(plan, [r for r in self.running if r.to_compute > 1], budget, planned)
             self._plan_waiting(plan, budget, planned, _Pass())
         if self.fair:   # each tenant's recent service, whichever way the step was planned
             used: dict = {}
@@ -204,6 +203,11 @@ class Scheduler:
             self.slicer.steps.idle()
         plan.all_logits = self.keep_logits or any(wants_prompt_rows(i.request) for i in plan.items)
         return plan
+
+    def _beside_decodes(self, budget: int, plan: StepPlan) -> int:
+        """``budget`` for prompts, at most what keeps the plan's decodes from stalling (if any)."""
+        return min(budget, prefill_cap(budget, self.slicer.steps.median(), self.prefill_s_per_token,
+                                       self.cache.config.block_tokens)) if plan.items else budget
 
     def _tenants_with_work(self) -> list:
         """The tenants with a running or waiting request, oldest request first."""
@@ -232,6 +236,7 @@ class Scheduler:
         an equal part of what is left for its own prefills and then its own waiting requests
         (``cluster.engine.fair_share``); a last pass gives what is left to anyone."""
         budget = self._plan_running(plan, [r for r in self.running if r.to_compute == 1], budget, planned)
+        budget = self._beside_decodes(budget, plan)
         prompting = {r.namespace for r in (*self.running, *self.waiting) if id(r) not in planned}
         order = self.shares.order([t for t in tenants if t in prompting])   # those with prompt work share the rest
         state = _Pass()

@@ -1,0 +1,47 @@
+"""Prompts beside running decodes (``cluster.engine.stall_free``): a step with decodes in
+it computes only what the measured prefill rate does in a few measured step times."""
+
+from cluster.engine.engine import EngineRequest, SamplingParams
+from cluster.engine.stall_free import MIN_PREFILL_TOKENS, STALL_STEPS, prefill_cap
+from tests.unit.test_scheduler import make_engine
+
+
+def test_the_cap_is_what_the_measured_prefill_rate_computes_in_the_stall_budget():
+    # 30 ms steps, 2.5 ms a prompt token: (8 - 1) x 30 / 2.5 = 84 -> 80 (whole blocks of 16)
+    assert STALL_STEPS == 8 and prefill_cap(512, 0.030, 0.0025, 16) == 80
+    assert prefill_cap(512, 0.030, 0.0001, 16) == 512                   # a fast prefill: the budget
+    assert prefill_cap(512, 0.001, 0.01, 16) == MIN_PREFILL_TOKENS      # a prompt still advances
+    assert prefill_cap(512, None, 0.0025, 16) == prefill_cap(512, 0.03, None, 16) == 512   # unmeasured
+
+
+def test_a_prompt_beside_decodes_gets_the_cap_and_alone_the_whole_budget():
+    engine = make_engine(hot_blocks=256, budget=64)
+    s = engine.scheduler
+    decode = engine.submit(EngineRequest(list(range(1, 9)), SamplingParams(max_tokens=40)))
+    engine.step()
+    assert decode.output and decode in s.running                       # it decodes from now on
+    for t in range(10):                                                # measured: 10 ms steps,
+        s.slicer.steps.forward(t * 0.010)                              # 1 ms a prompt token
+    s.prefill_s_per_token = 0.001
+    prompt = engine.submit(EngineRequest(list(range(10, 60)), SamplingParams(max_tokens=1)))
+    plan = s.schedule()                                                # (8 - 1) x 10 / 1 = 70 -> 68 (blocks of 4)
+    sizes = {id(i.request): i.num_tokens for i in plan.items}
+    assert sizes == {id(decode): 1, id(prompt): 50}                    # 50 <= 68: the whole prompt
+    s.fail_plan(plan, "test")                                          # (not run: planning only)
+    engine2 = make_engine(hot_blocks=256, budget=64)
+    s2 = engine2.scheduler
+    for t in range(10):
+        s2.slicer.steps.forward(t * 0.010)
+    s2.prefill_s_per_token = 0.005                                     # 7 x 10 / 5 = 14 -> 12 -> 32 (floor)
+    decode2 = engine2.submit(EngineRequest(list(range(1, 9)), SamplingParams(max_tokens=40)))
+    engine2.step()
+    long = engine2.submit(EngineRequest([t % 60 + 1 for t in range(10, 70)], SamplingParams(max_tokens=1)))
+    plan = s2.schedule()
+    assert {id(i.request): i.num_tokens for i in plan.items} == {id(decode2): 1, id(long): MIN_PREFILL_TOKENS}
+    alone = make_engine(hot_blocks=256, budget=64)
+    alone.scheduler.prefill_s_per_token = 0.005
+    for t in range(10):
+        alone.scheduler.slicer.steps.forward(t * 0.010)
+    first = alone.submit(EngineRequest([t % 60 + 1 for t in range(10, 110)], SamplingParams(max_tokens=1)))
+    plan = alone.scheduler.schedule()
+    assert [(id(i.request), i.num_tokens) for i in plan.items] == [(id(first), 64)]   # no decode: the budget
