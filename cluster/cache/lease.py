@@ -49,7 +49,7 @@ class LeaseHost(Protocol):
     def lease_append(self, own: list[Extent], num_tokens: int,
                      tenant: Hashable) -> tuple[list[Extent], list[Extent]]: ...
 
-    def lease_free(self, own: list[Extent]) -> None: ...
+    def lease_free(self, own: list[Extent], tenant: Hashable) -> None: ...
 
     def lease_checkpoint(self, tokens: Sequence[int], own: list[Extent], namespace: Hashable, start: int,
                          node: "TreeNode") -> "tuple[TreeNode, list[Extent]] | None": ...
@@ -283,7 +283,7 @@ class KVLease:
         self.host.check_owner("KVLease.release")
         try:
             if self._own:
-                self.host.lease_free(self._own)
+                self.host.lease_free(self._own, self.namespace)
         finally:
             self._own, self._reserved = [], None
             self._end()

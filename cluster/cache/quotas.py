@@ -4,18 +4,39 @@ The rules, in each tier, for a request of tenant R (``acting``) that needs room:
 
 1. R at its cap (what R holds in the tier plus what it asks for passes its
    cap): R's own colder data goes (policy order within R), nobody else's, even
-   when the tier has free room.
-2. Otherwise the tenants over their guarantee give first, R among them,
-   in the eviction policy's order across them.
+   when the tier has free room; what still does not fit under the cap is
+   refused (``TenantCapError``: a request waits or yields; a node not taken
+   below stays, or is dropped, counted as ``over_cap``), so a cap stays a cap.
+2. Otherwise the tenants over the guarantee they keep now give first, R among
+   them, in the eviction policy's order across them.
 3. Then R's own data, even below R's guarantee.
-4. A tenant at or under its guarantee is never evicted for another tenant:
-   when nothing above is left, the room is not made (the request waits, or
-   is preempted by the engine, whose victims ``may_preempt`` allows).
+4. A tenant at or under the guarantee it keeps is never evicted for another
+   tenant: when nothing above is left, the room is not made (the request
+   waits, or is preempted by the engine, whose victims ``may_preempt`` allows).
 
-Background demotions (the watermarks, no tenant acting) follow rule 2 only.
-"Holds" counts the tree's nodes resident in the tier, kept current from the
-tree's listener callbacks; a running request's own KV counts once committed.
-A WARM lower copy (a duplicate of a HOT node) counts toward nobody: it is
+**Guarantees are work-conserving.** The engine tells the cache each step which
+tenants have work (a running or waiting request: ``set_work``). A tenant
+without work lends its whole guarantee to room made for a tenant with work: its
+prefixes count as over its guarantee there and are pushed down like anyone's
+(demoted where the tier below takes them, dropped only where none can: no WARM,
+or the last tier), and they come back by promotion like any session. When the
+owner has work again it keeps its guarantee again, and the room it lent is
+reclaimed through rule 2 from the borrowers' unlocked prefixes (a borrower's
+running request by preemption, ``may_preempt``). Background work (the
+watermarks, no tenant acting) and a tenant without work (a session prefetch)
+borrow nothing. One more lender: when an otherwise idle engine's step admitted
+nothing (every waiting tenant's request blocked by the others' guarantees,
+which can add up past the tier when many tenants fall under ``default``), the
+engine lends every waiting tenant's guarantee too, until a request is admitted
+(``cluster.engine.tenant_work``). So a request whose prompt fits under its own
+tenant's HOT cap is always admitted once the work ahead of it ends, and that
+cap is all the engine checks at submit (``hot_room_for``).
+
+"Holds" counts the tree's nodes resident in the tier (kept current from the
+tree's listener callbacks) as the tier moves in flight will leave them (room
+taken for a move counts at once; a promotion's source no longer), and in HOT
+the KV running requests' leases hold beyond their prefix (``note_running``:
+written or reserved, not in the tree yet). A WARM lower copy (a duplicate of a HOT node) counts toward nobody: it is
 reclaimed first and loses nothing. L3 (per replica, of ``l3_blocks``): the
 blocks this replica wrote for each tenant, oldest first; a write past a
 cap removes the tenant's own oldest blocks, a write past ``l3_blocks`` removes
@@ -31,15 +52,20 @@ from __future__ import annotations
 
 from collections import OrderedDict, defaultdict
 from contextlib import contextmanager
-from typing import Any, Callable, Hashable, Iterator, Sequence
+from typing import Any, Callable, Collection, Hashable, Iterator, Sequence
 
 from cluster.cache.quota_config import L3_INDEX, QUOTA_TIERS, QuotaConfig
 from cluster.cache.radix_tree import RadixTree, TreeNode
+from cluster.errors import PoolExhaustedError
 from cluster.names import HOT
 
 NOBODY = object()   # no tenant acting (background work)
 CURRENT = object()  # whoever is acting now (a default argument)
 _TIERS = len(QUOTA_TIERS)
+
+
+class TenantCapError(PoolExhaustedError):
+    """Room in a tier refused because its tenant would pass its cap there (rule 1)."""
 
 
 def tenant_label(namespace: Hashable) -> str:
@@ -59,6 +85,15 @@ class TenantQuotas:
         self.stats: dict[Hashable, dict[str, list[int]]] = {}
         self.l3_written: dict[Hashable, OrderedDict[int, None]] = defaultdict(OrderedDict)
         self.l3_skipped_blocks = 0
+        self.running: dict[Hashable, int] = defaultdict(int)   # HOT tokens of leases not in the tree yet
+        # What tier moves in flight change of each tenant's share of each tier (the cache sets
+        # it to ``TierMoves.pending_by_tenant``): counted at once, so moves in flight cannot pass
+        # a cap, and a promotion's source, which ends as a lower copy, counts no longer.
+        self.in_flight: list[dict[Hashable, int]] = [{}, {}, {}]
+        # Who has work in the engine, and whose guarantee holds (``set_work``); None: never
+        # told (a cache without an engine), and every guarantee holds always.
+        self.active: frozenset | None = None
+        self.protected: frozenset = frozenset()
         tree.listeners.append(self)
 
     # ---------------------------------------------------------------- shares
@@ -73,20 +108,43 @@ class TenantQuotas:
     def cap(self, namespace: Hashable, tier: int) -> int:
         return int(self.config.quota_of(namespace).shares[tier].cap * self.capacity(tier))
 
-    def others_guarantee(self, namespace: Hashable, tier: int) -> int:
-        """The guarantees of the listed tenants other than ``namespace`` in ``tier``."""
-        return sum(self.guarantee(t, tier) for t, _ in self.config.tenants if t != namespace)
-
     def holds(self, namespace: Hashable, tier: int) -> int:
+        """What ``namespace`` holds in ``tier``: its resident nodes, as tier moves in flight
+        will leave them, and in HOT its running KV."""
         if tier == L3_INDEX:
             return len(self.l3_written.get(namespace, ()))
-        return self.resident[tier].get(namespace, 0)
+        held = self.resident[tier].get(namespace, 0) + self.in_flight[tier].get(namespace, 0)
+        return held + self.running.get(namespace, 0) if tier == HOT else held
 
     def over_guarantee(self, namespace: Hashable, tier: int) -> bool:
         return self.holds(namespace, tier) > self.guarantee(namespace, tier)
 
     def at_cap(self, namespace: Hashable, tier: int, asked: int) -> bool:
         return self.holds(namespace, tier) + asked > self.cap(namespace, tier)
+
+    # ------------------------------------------------------------- who works
+    def set_work(self, active: Collection[Hashable], protected: Collection[Hashable] | None = None) -> None:
+        """The tenants with a running or waiting request (``active``), and those of them whose
+        guarantees hold now (``protected``, default all of them): the others' are lent to
+        room made for an active tenant (``cluster.engine.tenant_work`` tells it each step)."""
+        self.active = frozenset(active)
+        self.protected = self.active if protected is None else frozenset(protected)
+
+    def lending(self) -> bool:
+        """Whether the room being made now borrows unprotected tenants' guarantees: it is made
+        by a tenant (not background work) on behalf of one with work in the engine."""
+        if self.active is None or not self._acting or self._acting[-1][0] is NOBODY:
+            return False
+        return any(t in self.active for t, _ in self._acting)
+
+    def note_running(self, namespace: Hashable, tokens: int) -> None:
+        """A lease of ``namespace`` took (``tokens`` > 0) or gave up (< 0) HOT KV outside the tree."""
+        left = self.running[namespace] + tokens
+        assert left >= 0, f"tenant {namespace!r}'s running KV went negative ({left})"
+        if left:
+            self.running[namespace] = left
+        else:
+            del self.running[namespace]
 
     # ---------------------------------------------------------------- acting
     @contextmanager
@@ -102,17 +160,38 @@ class TenantQuotas:
     def actor(self) -> tuple[Any, int]:
         return self._acting[-1] if self._acting else (NOBODY, 0)
 
+    @contextmanager
+    def within_cap(self, namespace: Any, tier: int, asked: int,
+                   shed: Callable[[int, Callable[[], bool]], Any] | None) -> Iterator[None]:
+        """Acting for ``namespace`` (``CURRENT``: whoever acts) for ``asked`` tokens of ``tier``:
+        at its cap its own data there goes first (``shed``, the cache's; None: nothing is pushed
+        out), and what would still pass the cap (its data locked or moving) is refused."""
+        who = self.actor[0] if namespace is CURRENT else namespace
+        with self.acting(who, asked):
+            if self.must_shed(tier) and shed is not None:
+                shed(tier, lambda: self.must_shed(tier))
+            if self.must_shed(tier):
+                raise TenantCapError(f"tenant {who!r} at its {QUOTA_TIERS[tier]} cap ({self.cap(who, tier)} "
+                                     f"tokens): {self.holds(who, tier)} held, {asked} more asked")
+            yield
+
     # --------------------------------------------------------------- victims
     def allowed(self, tier: int) -> list[Callable[[TreeNode], bool]]:
         """The rules' passes for the acting tenant, in order (each a node filter)."""
         who, asked = self.actor
         ns = self.tree.namespace_of
+        lend, protected = self.lending(), self.protected
+
+        def gives(node: TreeNode) -> bool:   # over the guarantee its tenant keeps now
+            t = ns(node)
+            return self.holds(t, tier) > (0 if lend and t not in protected else self.guarantee(t, tier))
+
         if who is NOBODY:
-            return [lambda n: self.over_guarantee(ns(n), tier)]
+            return [gives]
         own = lambda n: ns(n) == who   # noqa: E731
         if self.at_cap(who, tier, asked):
             return [own]
-        return [lambda n: self.over_guarantee(ns(n), tier), own]
+        return [gives, own]
 
     def pick(self, tier: int, *, leaves_only: bool) -> TreeNode | None:
         """The next node of ``tier`` to push down (or drop) under the rules, or None."""
@@ -130,15 +209,23 @@ class TenantQuotas:
         who, asked = self.actor
         return who is not NOBODY and self.at_cap(who, tier, asked)
 
-    def may_preempt(self, requester: Hashable, victim: Hashable, victim_running: int = 0) -> bool:
-        """Whether the engine may preempt a running request of ``victim`` (holding
-        ``victim_running`` HOT tokens) to make HOT room for one of ``requester``: its
-        own, or one of a tenant over its HOT guarantee (what it holds in the tree plus
-        that request) while the requester is under its cap."""
+    def shed_over_caps(self, namespaces: Collection[Hashable], shed: Callable[[int, Callable[[], bool]], Any]) -> None:
+        """Tenants over a cap below HOT (a promotion counted its nodes out of their tier, its
+        tenant shed into that room, and the promotion did not start): their own data there goes."""
+        for namespace in namespaces:
+            for tier in range(1, _TIERS - 1):
+                with self.acting(namespace, 0):
+                    if self.must_shed(tier):
+                        shed(tier, lambda: self.must_shed(tier))
+
+    def may_preempt(self, requester: Hashable, victim: Hashable) -> bool:
+        """Whether the engine may preempt a running request of ``victim`` to make HOT room
+        for one of ``requester``: its own, or one of a tenant over its HOT guarantee (what
+        it holds, its running requests' KV included) while the requester is under its cap.
+        A tenant with a running request has work, so its guarantee holds."""
         if requester == victim:
             return True
-        return (not self.at_cap(requester, HOT, 0)
-                and self.holds(victim, HOT) + victim_running > self.guarantee(victim, HOT))
+        return not self.at_cap(requester, HOT, 0) and self.over_guarantee(victim, HOT)
 
     # ------------------------------------------------------- tree listener
     def on_stored(self, node: TreeNode) -> None:
@@ -164,6 +251,18 @@ class TenantQuotas:
             self._counters(who)["evictions_caused"][tier] += tokens
             if who != victim:
                 self._counters(victim)["evictions_suffered_from_others"][tier] += tokens
+
+    def check_invariants(self, hot_used_tokens: int) -> None:
+        """What each tenant holds per tier is what the tree holds for it; running KV is
+        never negative and fits in what HOT has allocated."""
+        counted: list[dict[Hashable, int]] = [defaultdict(int) for _ in range(_TIERS)]
+        for node in self.tree.iter_nodes():
+            counted[node.tier][self.tree.namespace_of(node)] += len(node.key)
+        for tier in range(3):
+            kept = {ns: n for ns, n in self.resident[tier].items() if n}
+            assert kept == dict(counted[tier]), f"tier {tier} residency drifted: {kept} != {dict(counted[tier])}"
+        assert all(n > 0 for n in self.running.values()), f"running KV not positive: {dict(self.running)}"
+        assert sum(self.running.values()) <= hot_used_tokens, "more running KV counted than HOT holds"
 
     # -------------------------------------------------------------- counters
     def _counters(self, namespace: Hashable) -> dict[str, list[int]]:

@@ -12,19 +12,21 @@ WARM reclaims such copies before it demotes or drops anything. Every token
 that leaves the tree is counted by tier and reason (``count_drop``); a drop
 while the tier below had room for it is a defect, counted apart. It is given the
 tree, the pools, the copy engines and the cache's ``allocate``; it owns the moves in
-flight (``active``) and the tokens leaving each tier (``pending_out``).
+flight (``active``), the tokens leaving each tier (``pending_out``) and, by tenant,
+what they change of each tier's share (``pending_by_tenant``: the quotas count it).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
 from cluster.cache.allocator import Extent
 from cluster.cache.kv_pool import copy_pairs
+from cluster.cache.quotas import TenantCapError
 from cluster.cache.radix_tree import TreeNode
 from cluster.cache.tier_types import Move, MoveKind
 from cluster.errors import ChecksumError, PoolExhaustedError
@@ -49,8 +51,17 @@ class TierMoves:
         # The next node of a tier to push down: the tree's policy order, or the tenant
         # quotas' rules (``cluster.cache.quotas``: the cache sets it when they are on).
         self.pick: Callable[..., TreeNode | None] = tree.pop_candidate
+        # Quotas (the cache sets them): whether a tenant's ``tokens`` more in a tier would pass its
+        # cap there, and what brings tenants back under their caps (a promotion that made room
+        # against its own nodes' room below and then did not start).
+        self.capped: Callable[[Any, int, int], bool] = lambda namespace, tier, tokens: False
+        self.recap: Callable[[set], None] = lambda namespaces: None
         self.active: dict[tuple[int, int], Move] = {}   # (engine, op id) -> the move in flight
         self.pending_out = [0, 0, 0]   # tokens leaving each tier in flight
+        # tier -> namespace -> tokens: + the room a move in flight took there, - a promotion's source
+        # (it ends a lower copy, which counts toward nobody, or freed)
+        self.pending_by_tenant: list[dict] = [{}, {}, {}]
+        self.refused: PoolExhaustedError | None = None   # why the last demotion found no room below
         # Measured seconds per token of a promotion from WARM and from COLD (None until one ran).
         self.promote_s_per_token: list[float | None] = [None, None, None]
         self._copy_samples = [RecentMedian() for _ in range(3)]   # per source tier
@@ -93,14 +104,14 @@ class TierMoves:
 
     def count_drop(self, tier: int, reason: str, tokens: int) -> None:
         """``tokens`` left the tree from ``tier`` for ``reason`` (``last_tier``: LRU at
-        the lowest tier; ``lower_full``: the tier below could make no room;
-        ``copy_failed``; ``checksum``; ``flush``)."""
+        the lowest tier; ``lower_full``: the tier below could make no room; ``over_cap``:
+        its tenant at its cap there (quotas); ``copy_failed``; ``checksum``; ``flush``)."""
         if not tokens:
             return
         self.stats["dropped_tokens"] += tokens
         key = f"dropped_{TIER_NAMES[tier].lower()}_{reason}_tokens"
         self.stats[key] = self.stats.get(key, 0) + tokens
-        if tier + 1 < self.num_tiers and reason not in ("checksum", "flush"):
+        if tier + 1 < self.num_tiers and reason not in ("checksum", "flush", "over_cap"):
             below = self.pools[tier + 1].allocator
             if below.free_blocks * below.block_tokens >= tokens + below.block_tokens:
                 self.stats["dropped_with_room_tokens"] += tokens   # a defect: it should have gone down
@@ -165,7 +176,8 @@ class TierMoves:
                         log.warning("demotion from tier %d failed (%s: %s); dropping instead", tier,
                                     type(move.error).__name__, move.error)
                 if not node.children and not node.lock_ref and node.alive and not node.busy:
-                    reason = "lower_full" if move is None else "copy_failed"
+                    reason = "copy_failed" if move is not None else (
+                        "over_cap" if isinstance(self.refused, TenantCapError) else "lower_full")
                     self.count_drop(tier, reason, self.tree.drop(node))   # the next tier is stuck too
                 else:
                     passed_over.append(node)
@@ -201,11 +213,16 @@ class TierMoves:
         (consecutive whole blocks coalesce). Nodes whose room cannot be found
         below stay where they are; None when none could start."""
         nodes = [nodes] if isinstance(nodes, TreeNode) else list(nodes)
+        self.refused = None
         copied = []
         for node in nodes:
             assert all(c.tier > node.tier for c in node.children.values()), \
                 "only a frontier node (no child in its own tier) moves down"
             if node.lower is not None and node.tier == HOT and not node.busy and not node.lock_ref:
+                if self.capped(self.tree.namespace_of(node), WARM, len(node.key)):
+                    self.tree.drop_lower(node)   # its tenant at its WARM cap: room is made as for a copy
+                    copied.append(node)
+                    continue
                 self.tree.demote_to_lower(node)   # its WARM copy is still there: nothing to move
                 self.stats["demoted_to_warm"] += 1
                 self.stats["demoted_without_copy"] += 1
@@ -226,7 +243,9 @@ class TierMoves:
                 dst_exts.append(self._allocate(dst, len(node.key), private_tail=False,
                                                tenant=self.tree.namespace_of(node)))
                 taken.append(node)
-            except PoolExhaustedError:
+                self._coming(dst, node, len(node.key))   # counts for the next node's room already
+            except PoolExhaustedError as exc:
+                self.refused = exc
                 break
         for node in nodes[len(taken):]:
             node.busy = None
@@ -267,17 +286,22 @@ class TierMoves:
         ``make_room=False``: only into HOT's free blocks (nothing is pushed out)."""
         for n in nodes:
             self.tree.lock(n)  # nothing on these paths may move or go meanwhile
+            self._coming(n.tier, n, -len(n.key))   # on its way out: its tenant's room there is free
         dst_exts: list[list[Extent]] = []
         try:
-            for n in nodes:
-                dst_exts.append(self._allocate(HOT, len(n.key), private_tail=False) if make_room
-                                else self.hot.allocator.allocate(len(n.key)))
+            for n in nodes:   # for the node's own tenant: within its HOT cap (quotas)
+                dst_exts.append(self._allocate(HOT, len(n.key), private_tail=False, make_room=make_room,
+                                               tenant=self.tree.namespace_of(n)))
+                self._coming(HOT, n, len(n.key))
         except PoolExhaustedError:
-            for ext in dst_exts:
+            for n, ext in zip(nodes, dst_exts):
                 self.hot.allocator.free(ext)
+                self._coming(HOT, n, -len(n.key))
             for n in nodes:
+                self._coming(n.tier, n, len(n.key))
                 self.tree.unlock(n)
             self.stats["promotion_skipped_no_room"] += 1
+            self.recap({self.tree.namespace_of(n) for n in nodes})
             return None
         move = Move(MoveKind.PROMOTE, list(nodes), [n.tier for n in nodes], HOT, dst_exts, None)
         if self.layout is None:
@@ -305,6 +329,29 @@ class TierMoves:
         self.active[(id(move.engine), move.op_id)] = move
         return move
 
+    def check_invariants(self) -> None:
+        """What leaves and enters each tier in flight is what the moves in flight carry."""
+        moving = [(m, n, src) for m in self.active.values() for n, src in zip(m.nodes, m.src_tiers)]
+        by_tenant: list[dict] = [{}, {}, {}]
+        for m, n, src in moving:
+            for tier, sign in ((m.dst_tier, 1), (src, -1 if m.kind is MoveKind.PROMOTE else 0)):
+                ns = self.tree.namespace_of(n)
+                by_tenant[tier][ns] = by_tenant[tier].get(ns, 0) + sign * len(n.key)
+        assert self.pending_by_tenant == [{k: v for k, v in d.items() if v} for d in by_tenant], \
+            "in-flight tokens by tenant drifted"
+        for tier in range(self.num_tiers):
+            assert self.pending_out[tier] == sum(len(n.key) for m, n, src in moving if m.kind is MoveKind.DEMOTE
+                                                 and src == tier), "in-flight token count drifted"
+
+    def _coming(self, tier: int, node: TreeNode, tokens: int) -> None:
+        """``tokens`` more (or fewer) of ``node``'s tenant in ``tier`` once a move in flight lands."""
+        into, ns = self.pending_by_tenant[tier], self.tree.namespace_of(node)
+        left = into.get(ns, 0) + tokens
+        if left:
+            into[ns] = left
+        else:
+            del into[ns]
+
     def promote_sync(self, nodes: list[TreeNode]) -> int:
         move = self.start_promotion(nodes)
         if move is None:
@@ -321,6 +368,7 @@ class TierMoves:
             freed: list[Extent] = []   # freed in one call: the next allocation gets them in order
             for node, dst_ext in zip(move.nodes, move.dst_extents):
                 self.pending_out[src] -= len(node.key)
+                self._coming(dst, node, -len(node.key))
                 if error is not None or node.lock_ref:
                     # Failed copy, or the source got locked meanwhile: keep the source.
                     self.pools[dst].allocator.free(dst_ext)
@@ -338,9 +386,11 @@ class TierMoves:
         bad = move.failed_index[0] if move.failed_index else (0 if error is not None else len(move.nodes))
         tokens = 0
         for i, (node, ext) in enumerate(zip(move.nodes, move.dst_extents)):
+            self._coming(HOT, node, -len(node.key))   # landed here, or given up
             if i < bad:
                 old_tier, old = node.tier, node.extents
                 self.tree.retier(node, HOT, ext)
+                self._coming(old_tier, node, len(node.key))
                 if old_tier == WARM:   # inclusive: the WARM copy stays until WARM wants the room
                     self.tree.keep_lower(node, old)
                 else:
@@ -349,6 +399,7 @@ class TierMoves:
                 tokens += len(node.key)
             else:
                 self.hot.allocator.free(ext)
+                self._coming(node.tier, node, len(node.key))   # it stays where it was
         self.stats["promotions"] += 1
         if tokens and error is None and seconds > 0:
             self._note_copy_rate(move, tokens, seconds)

@@ -20,6 +20,8 @@ What callers use, and nothing inside:
   ``staging``), ``install`` (target: KV computed elsewhere, cached here).
 - the worker: ``poll``, ``housekeeping`` (idle gaps), ``drop_all``,
   ``add_listener``, ``close``; ``lookup``, ``tier_summary``, ``stats`` to look.
+- the engine, under tenant quotas: ``set_work`` each step (who has work, whose
+  guarantee holds: ``cluster.cache.quotas``), ``may_preempt``, ``hot_room_for``.
 - L3 (``attach_l3`` gives the cache an ``L3Link`` as ``l3``,
   ``cluster.cache.l3.link``): a committed sequence's full blocks are written
   behind the request; ``ready`` fetches the blocks a waiting request's prompt
@@ -39,7 +41,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from contextlib import nullcontext
-from typing import Any, Callable, Hashable, Sequence
+from typing import Any, Callable, Collection, Hashable, Sequence
 
 import torch
 
@@ -131,6 +133,9 @@ class TieredCache:
         if config.tenant_quotas is not None:
             self.quotas = TenantQuotas(self.tree, QuotaConfig.parse(config.tenant_quotas))
             self.moves.pick = self.quotas.pick
+            self.quotas.in_flight = self.moves.pending_by_tenant
+            self.moves.capped = self.quotas.at_cap
+            self.moves.recap = lambda namespaces: self.quotas.shed_over_caps(namespaces, self.moves.shed_own)
 
     @property
     def num_tiers(self) -> int:
@@ -414,21 +419,24 @@ class TieredCache:
         return TieredMatch(length, last, extents, tier_lengths, promoted, time.perf_counter() - t0)
 
     # ------------------------------------------------------ the lease's host (``LeaseHost``)
-    def lease_allocate(self, num_tokens: int, tenant: Any = CURRENT) -> list[Extent]:
+    def lease_allocate(self, num_tokens: int, tenant: Hashable) -> list[Extent]:
         """HOT extents for a lease's new KV; demotes (or drops) to make room, all or nothing.
-        ``tenant``: whose KV it is (the lease's namespace), for the quotas."""
-        return self._allocate(HOT, num_tokens, private_tail=False, tenant=tenant)
+        ``tenant``: whose KV it is (the lease's namespace): it counts toward that tenant's
+        HOT share until it enters the tree or is freed (quotas)."""
+        out = self._allocate(HOT, num_tokens, private_tail=False, tenant=tenant)
+        if self.quotas is not None:
+            self.quotas.note_running(tenant, num_tokens)
+        return out
 
     def lease_append(self, extents: list[Extent], num_tokens: int,
-                     tenant: Any = CURRENT) -> tuple[list[Extent], list[Extent]]:
+                     tenant: Hashable) -> tuple[list[Extent], list[Extent]]:
         """Grow a lease's private HOT sequence (copy-on-write of a shared tail)."""
         if self.quotas is None:
             return self._append_hot_room(extents, num_tokens)
-        who = self.quotas.actor[0] if tenant is CURRENT else tenant
-        with self.quotas.acting(who, num_tokens):
-            if self.quotas.must_shed(HOT):
-                self.moves.shed_own(HOT, lambda: self.quotas.must_shed(HOT))
-            return self._append_hot_room(extents, num_tokens)
+        with self.quotas.within_cap(tenant, HOT, num_tokens, self.moves.shed_own):
+            out = self._append_hot_room(extents, num_tokens)
+        self.quotas.note_running(tenant, num_tokens)
+        return out
 
     def _append_hot_room(self, extents: list[Extent], num_tokens: int) -> tuple[list[Extent], list[Extent]]:
         while True:
@@ -440,8 +448,13 @@ class TieredCache:
                 if not self.moves.make_room(HOT, max(1, exc.needed_blocks - exc.free_blocks)):
                     raise
 
-    def lease_free(self, own: list[Extent]) -> None:
+    def lease_free(self, own: list[Extent], tenant: Hashable) -> None:
+        self._running_ends(own, tenant)
         self.hot.allocator.free(own)
+
+    def _running_ends(self, own: Sequence[Extent], tenant: Hashable) -> None:
+        if self.quotas is not None and own:   # into the tree, or freed: no longer running KV
+            self.quotas.note_running(tenant, -sum(e.length for e in own))
 
     def lease_checkpoint(self, tokens: Sequence[int], own: list[Extent], namespace: Hashable, start: int,
                          node: TreeNode) -> tuple[TreeNode, list[Extent]] | None:
@@ -454,6 +467,7 @@ class TieredCache:
             self.stats["checkpoints_deferred"] += 1
             return None
         self.hot.allocator.seal(own[-1])
+        self._running_ends(own, namespace)
         self.tree.insert(tokens, own, namespace, start=start)
         m = self.tree.match_prefix(tokens, namespace, validate=False)
         if m.length != len(tokens) or any(n.tier != HOT for n in m.nodes):
@@ -473,6 +487,7 @@ class TieredCache:
         node = None
         if own:
             self.hot.allocator.seal(own[-1])   # no later slots in a block about to enter the tree
+            self._running_ends(own, namespace)
             node = self._insert(tokens, own, namespace, start=start).node
             if self.l3 is not None:   # behind the request, while the sequence is still locked
                 self.l3.write_behind(tokens, namespace)
@@ -665,34 +680,38 @@ class TieredCache:
         return self.quotas.acting(tenant, asked) if self.quotas is not None else nullcontext()
 
     def may_preempt(self, requester: Hashable, victim: Hashable, victim_running: int = 0) -> bool:
-        """Whether the engine may preempt a running request of tenant ``victim`` (holding
-        ``victim_running`` HOT tokens) for HOT room for one of ``requester`` (always,
-        without quotas; ``TenantQuotas.may_preempt``)."""
-        return self.quotas is None or self.quotas.may_preempt(requester, victim, victim_running)
+        """Whether the engine may preempt a running request of tenant ``victim`` for HOT room for
+        one of ``requester`` (always, without quotas; ``TenantQuotas.may_preempt``). ``victim_running``
+        is unused: a running request's KV counts toward its tenant already (callers may drop it)."""
+        return self.quotas is None or self.quotas.may_preempt(requester, victim)
+
+    def set_work(self, active: Collection[Hashable], protected: Collection[Hashable] | None = None) -> None:
+        if self.quotas is not None:   # ``TenantQuotas.set_work``
+            self.quotas.set_work(active, protected)
 
     def hot_room_for(self, namespace: Hashable) -> int:
-        """The HOT tokens a request of ``namespace`` can ever have: all of HOT less the
-        other listed tenants' guarantees (a request that needs more would wait forever)."""
+        """The HOT tokens a request of ``namespace`` can ever have: all of HOT, or its tenant's HOT
+        cap (every other tenant's guarantee is lent to it once the work ahead of it ends)."""
         cap = self.hot.allocator.capacity_tokens
-        return cap if self.quotas is None else cap - self.quotas.others_guarantee(namespace, HOT)
+        return cap if self.quotas is None else min(cap, self.quotas.cap(namespace, HOT))
 
     def tenant_stats(self) -> dict[str, dict]:
         """Per tenant: resident tokens by tier, hits, evictions caused and suffered ({} without quotas)."""
         return {} if self.quotas is None else self.quotas.tenant_stats()
 
-    def _allocate(self, tier: int, num_tokens: int, *, private_tail: bool, tenant: Any = CURRENT) -> list[Extent]:
-        """Extents in ``tier``, making room; ``tenant`` (default: whoever is acting) is
-        whose data it will be: at its cap, its own colder data goes first."""
+    def _allocate(self, tier: int, num_tokens: int, *, private_tail: bool, tenant: Any = CURRENT,
+                  make_room: bool = True) -> list[Extent]:
+        """Extents in ``tier``, making room (``make_room=False``: only free blocks, nothing pushed
+        out); ``tenant`` (default: whoever is acting) is whose data it will be: within its cap."""
         if self.quotas is None:
-            return self._allocate_room(tier, num_tokens, private_tail)
-        who = self.quotas.actor[0] if tenant is CURRENT else tenant
-        with self.quotas.acting(who, num_tokens):
-            if self.quotas.must_shed(tier):
-                self.moves.shed_own(tier, lambda: self.quotas.must_shed(tier))
-            return self._allocate_room(tier, num_tokens, private_tail)
+            return self._allocate_room(tier, num_tokens, private_tail, make_room)
+        with self.quotas.within_cap(tenant, tier, num_tokens, self.moves.shed_own if make_room else None):
+            return self._allocate_room(tier, num_tokens, private_tail, make_room)
 
-    def _allocate_room(self, tier: int, num_tokens: int, private_tail: bool) -> list[Extent]:
+    def _allocate_room(self, tier: int, num_tokens: int, private_tail: bool, make_room: bool = True) -> list[Extent]:
         alloc = self.pools[tier].allocator
+        if not make_room:
+            return alloc.allocate(num_tokens, private_tail=private_tail)
         while True:
             try:
                 ext = alloc.allocate(num_tokens, private_tail=private_tail)
@@ -713,13 +732,12 @@ class TieredCache:
 
     def check_invariants(self) -> None:
         self.tree.check_invariants()
+        if self.quotas is not None:
+            self.quotas.check_invariants(self.hot.allocator.used_tokens)
         for node in self.tree.iter_nodes():
             if node.busy:
                 assert (id(node.busy.engine), node.busy.op_id) in self.moves.active, "busy node without a move"
-        for tier in range(self.num_tiers):
-            assert self.moves.pending_out[tier] == sum(
-                len(n.key) for m in self.moves.active.values() if m.kind is MoveKind.DEMOTE and m.src_tiers[0] == tier
-                for n in m.nodes), "in-flight token count drifted"
+        self.moves.check_invariants()
 
 
 def _split(tokens: int, tier_lengths: Sequence[int]) -> tuple[int, int, int]:

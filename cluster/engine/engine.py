@@ -12,7 +12,9 @@ that never fails for lack of KV (room reserved before the forward,
 preemption into the cache, time slicing, shared fills). ``ModelRunner``
 (``cluster.engine.model_runner``) runs the forward over the leases' slot
 tables. ``Sampler`` (``cluster.engine.sampler``) turns logits into tokens.
-``Engine`` wires them, validates what is submitted and measures the steps.
+``Engine`` wires them, validates what is submitted and measures the steps;
+under tenant quotas it tells the cache before each step which tenants have
+work (``cluster.engine.tenant_work``: an idle tenant's guarantee is lent).
 Everything runs on one thread (the worker's engine thread).
 """
 
@@ -29,6 +31,7 @@ from cluster.engine.model_runner import ModelRunner
 from cluster.engine.request import EngineRequest, TokenEvent, position_seed
 from cluster.engine.sampler import Sampler
 from cluster.engine.scheduler import Scheduler, StepPlan
+from cluster.engine.tenant_work import TenantWork
 from cluster.errors import CacheError, InvalidInputError
 from cluster.estimators import RecentMedian
 from cluster.ownership import ThreadOwner
@@ -78,6 +81,7 @@ class Engine:
                                    prompt_logprob_cache=self.sampler.prompt_logprob_cache,
                                    keep_logits=keep_logits, clock=clock)
         self.grammars = grammars
+        self.tenant_work = TenantWork(cache)   # who has work, for the tenant quotas' guarantees
         self._ids = itertools.count(1)
         # What one request may hold alone: HOT, less a block of slack for a copy-on-write tail.
         self.max_request_tokens = cache.request_room_tokens()
@@ -157,10 +161,10 @@ class Engine:
                 f"than this worker's HOT cache can hold for one request ({self.max_request_tokens - 1} tokens); "
                 f"shorten the prompt or lower max_tokens")
         room = self.cache.hot_room_for(request.namespace) - self.cache.config.block_tokens
-        if need + 1 > room:   # the other tenants' HOT guarantees are never its room (tenant quotas)
+        if need + 1 > room:   # the tenant's HOT cap (tenant quotas: the others' guarantees are lent to it)
             raise InvalidInputError(
                 f"prompt ({len(request.prompt)} tokens) + max_tokens ({request.params.max_tokens}) needs more KV "
-                f"than this tenant can hold in HOT beside the other tenants' guarantees ({room - 1} tokens); "
+                f"than its tenant's HOT cap (tenant_quotas hot.cap) lets it hold ({room - 1} tokens); "
                 f"shorten the prompt or lower max_tokens")
         spec = request.params.grammar
         if spec is not None:
@@ -208,7 +212,10 @@ class Engine:
             self.owner.check("Engine.step")
         self.complete_finished()
         self.cache.poll()
-        plan = self.scheduler.schedule()
+        s = self.scheduler
+        self.tenant_work.before_step(s.running, s.waiting)
+        plan = s.schedule()
+        self.tenant_work.after_step(len(plan.items), s.running, s.waiting)
         events = self.scheduler.take_ended()
         if not plan.items:
             return events

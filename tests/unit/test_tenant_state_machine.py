@@ -1,0 +1,200 @@
+"""Tenants under quotas, driven at random: every accepted request is served, caps and
+active tenants' guarantees hold.
+
+A Hypothesis state machine drives one engine with ``tenant_quotas`` over HOT,
+WARM and COLD (a disk directory), under one of a few quota configurations, some
+with ``default`` guarantees that add up past HOT once several unlisted tenants
+(``U1``, ``U2`` and the shared namespace ``None``) have work. Rules submit
+requests of five tenants (a new prompt, or a tenant's next turn on its last
+sequence), step the engine, and cancel requests. A request is refused at submit
+exactly when its prompt and ``max_tokens`` pass its tenant's HOT cap (less a
+block of slack); everything else must be served. After every step:
+
+- no accepted request waits more than ``IDLE_STEPS`` steps in a row on an
+  otherwise idle engine (a step that computed nothing, with nothing running and
+  no tier move in flight after it);
+- no tenant holds more of HOT than its cap (its running requests' KV counted);
+- a tenant with a running request, or a waiting one while the engine is not
+  lending the waiting tenants' guarantees (``cluster.engine.tenant_work``: only on
+  an otherwise idle engine whose last step planned nothing), never loses a prefix
+  to another tenant while at or under its guarantee: checked at every pick of a
+  node to push down, against the queues as the test saw them before the step;
+- the cache's invariants hold (every committed node whole in its tier, each
+  tenant's counts as the tree holds them), and nothing left the tree while the
+  tier below had room for it.
+"""
+
+from __future__ import annotations
+
+import tempfile
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from cluster.cache.kv_pool import KVLayout
+from cluster.cache.quotas import NOBODY
+from cluster.cache.tiered import TierConfig, TieredCache
+from cluster.engine.engine import Engine, EngineRequest, SamplingParams
+from cluster.errors import InvalidInputError
+from cluster.names import HOT
+from cluster.protocol import FinishReason
+from tests.unit.test_pressure_state_machine import BT, MODEL
+
+TENANTS = ("A", "B", "U1", "U2", None)   # A and B listed (in some configurations), the rest ``default``
+IDLE_STEPS = 4
+CONFIGS = (
+    # default guarantees that add up past HOT with three unlisted tenants at work
+    {"default": {"hot": {"guarantee": 0.25}}, "tenants": {"A": {"hot": {"guarantee": 0.5}}}},
+    # caps: B's leaves room for short requests only; default's refuses the longest
+    {"default": {"hot": {"guarantee": 0.2, "cap": 0.5}, "warm": {"cap": 0.5}},
+     "tenants": {"A": {"hot": {"guarantee": 0.4, "cap": 0.8}, "warm": {"guarantee": 0.5}},
+                 "B": {"hot": {"cap": 0.3}}}},
+    # WARM and COLD shares too
+    {"default": {"hot": {"guarantee": 0.3}, "cold": {"cap": 0.5}},
+     "tenants": {"B": {"hot": {"guarantee": 0.4}, "warm": {"guarantee": 0.3, "cap": 0.6}}}},
+)
+
+
+class TenantMachine(RuleBasedStateMachine):
+    @initialize(config=st.sampled_from(CONFIGS), time_slice=st.booleans())
+    def build(self, config, time_slice):
+        c = MODEL.config
+        self.dir = tempfile.TemporaryDirectory()
+        cache = TieredCache(TierConfig(hot_blocks=24, warm_blocks=24, cold_blocks=32, block_tokens=BT,
+                                       disk_dir=self.dir.name, device="cpu", tenant_quotas=config),
+                            KVLayout(c.num_layers, c.num_kv_heads, c.head_dim), vocab_size=c.vocab_size,
+                            deterministic_io=True)
+        self.now = 0.0
+        self.engine = Engine(MODEL, cache, max_batch_tokens=16, max_running=4, cache_final_token=False,
+                             clock=lambda: self.now)
+        self.engine.time_slice_s = 3.0 if time_slice else None
+        self.quotas = cache.quotas
+        self.requests: list[EngineRequest] = []
+        self.last: dict = {}   # tenant -> its last finished request
+        self.idle_steps = 0
+        self.kept_from: tuple[set, set] | None = None   # (running, waiting) tenants of the step in progress
+        pick = self.quotas.pick
+
+        def checked_pick(tier, *, leaves_only):
+            node = pick(tier, leaves_only=leaves_only)
+            if node is not None and self.kept_from is not None:
+                self._check_guarantee(node, tier)
+            return node
+        cache.moves.pick = checked_pick
+
+    def _check_guarantee(self, node, tier: int) -> None:
+        who = self.quotas.actor[0]
+        victim = self.engine.cache.tree.namespace_of(node)
+        if who is NOBODY or who == victim:
+            return
+        running, waiting = self.kept_from
+        kept = victim in running or (victim in waiting and not self.lending)
+        if kept:
+            assert self.quotas.holds(victim, tier) > self.quotas.guarantee(victim, tier), (
+                f"tenant {victim!r} (at work) lost a node of tier {tier} to {who!r} while within its guarantee")
+
+    # ------------------------------------------------------------------ rules
+    @rule(tenant=st.sampled_from(TENANTS), length=st.integers(2, 40), max_tokens=st.integers(1, 6),
+          first=st.integers(0, 63), next_turn=st.booleans(), extra=st.integers(1, 12))
+    def submit(self, tenant, length, max_tokens, first, next_turn, extra):
+        prev = self.last.get(tenant)
+        if next_turn and prev is not None:   # its sequence so far and a few new tokens
+            prompt = prev.tokens[:len(prev.tokens) - 1] + [(first + i) % 64 for i in range(extra)]
+        else:
+            prompt = [(first + 7 * i) % 64 for i in range(length)]
+        need = len(prompt) + max_tokens
+        fits = need + 1 <= min(self.engine.max_request_tokens,
+                               self.quotas.cap(tenant, HOT) - self.engine.cache.config.block_tokens)
+        req = EngineRequest(prompt, SamplingParams(max_tokens=max_tokens), namespace=tenant)
+        try:
+            self.engine.submit(req)
+        except InvalidInputError as exc:
+            assert not fits, f"refused although it fits under its tenant's HOT cap: {exc}"
+            assert "tenant_quotas hot.cap" in str(exc) or "for one request" in str(exc), str(exc)
+            return
+        assert fits, "accepted although it passes its tenant's HOT cap"
+        self.requests.append(req)
+
+    @rule(k=st.integers(1, 6))
+    def step(self, k):
+        for _ in range(k):
+            self._step()
+
+    @precondition(lambda self: any(not r.finished for r in self.requests))
+    @rule(i=st.integers(0, 50))
+    def cancel(self, i):
+        live = [r for r in self.requests if not r.finished]
+        self.engine.cancel(live[i % len(live)], FinishReason.CANCELLED)
+        self._settle()
+
+    # ------------------------------------------------------------ bookkeeping
+    @property
+    def lending(self) -> bool:
+        return self.engine.tenant_work.lending_waiting
+
+    def _step(self) -> None:
+        engine = self.engine
+        if self.lending:   # only ever on an otherwise idle engine
+            assert not engine.running and not engine.cache.in_flight()
+        self.kept_from = ({r.namespace for r in engine.running}, {r.namespace for r in engine.waiting})
+        self.now += 1.0
+        computed = engine.stats["steps"]
+        try:
+            engine.step()
+        finally:
+            self.kept_from = None
+        idle = (engine.stats["steps"] == computed and engine.waiting and not engine.running
+                and not engine.cache.in_flight())
+        self.idle_steps = self.idle_steps + 1 if idle else 0
+        assert self.idle_steps <= IDLE_STEPS, (
+            f"accepted requests waited {self.idle_steps} steps on an idle engine: "
+            f"{[(r.namespace, len(r.tokens)) for r in engine.waiting]}")
+        self._settle()
+
+    def _settle(self) -> None:
+        for r in self.requests:
+            if r.finished:
+                assert r.error is None, r.error
+                if r.finish_reason is not FinishReason.CANCELLED:
+                    self.last[r.namespace] = r
+        self.caps_hold()
+
+    @invariant()
+    def caps_hold(self):
+        """Counted here from the tree, the running requests' leases and the moves in flight
+        (what a move will add to a tier, or take from it: checked by ``check_invariants``)."""
+        cache, q = self.engine.cache, self.quotas
+        held = {(t, tier): cache.moves.pending_by_tenant[tier].get(t, 0) for t in TENANTS for tier in range(3)}
+        for node in cache.tree.iter_nodes():
+            held[cache.tree.namespace_of(node), node.tier] += len(node.key)
+        for r in self.engine.running:
+            held[r.namespace, HOT] += r.lease.uncommitted
+        for (t, tier), n in held.items():
+            assert n <= q.cap(t, tier), f"tenant {t!r} holds {n} tokens of tier {tier}, past its cap {q.cap(t, tier)}"
+
+    @invariant()
+    def cache_whole(self):
+        cache = self.engine.cache
+        cache.check_invariants()
+        assert cache.stats["dropped_with_room_tokens"] == 0
+        assert cache.stats["commit_tail_discarded_tokens"] == 0
+
+    def teardown(self):
+        steps = 0
+        while self.engine.has_work():
+            self._step()
+            steps += 1
+            assert steps < 1000, "the engine stopped making progress"
+        self.engine.cache.wait_all()
+        self.engine.cache.poll()
+        self.cache_whole()
+        assert all(r.finished and r.error is None for r in self.requests)
+        assert self.engine.cache.protected_tokens == 0 and not self.quotas.running
+        self.engine.cache.close()
+        self.dir.cleanup()
+
+
+TenantMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None,
+                                           suppress_health_check=[HealthCheck.too_slow])
+test_every_accepted_request_is_served_within_its_quotas = TenantMachine.TestCase
