@@ -5,8 +5,9 @@ model with ``--kv-memory-mb``), each in a fresh Python process, and prints one J
 start with each part's seconds (``WorkerCore.startup``: model, cache, engine with the packed
 weights' source, L3/NIXL/grammars on their threads, the rates). Two arms in the same run:
 ``before`` (no packed-weights cache, ``PREFIX_CACHE_PACKED_CACHE=0``, and the full
-calibration before serving, ``calibrate_at_start``) and ``after`` (the defaults); a
-summary line with each arm's median ``core_s``. No Ray.
+calibration before serving, ``calibrate_at_start``) and ``after`` (the packed weights from
+disk and serving on the prior, ``calibrate_at_start: false``; the default still calibrates
+first: ``actors/config.py``); a summary line with each arm's median ``core_s``. No Ray.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ def start_once(worker: dict, arm: str) -> dict:
     if arm == "before":
         env["PREFIX_CACHE_PACKED_CACHE"] = "0"
         worker = {**worker, "calibrate_at_start": True}
+    else:
+        worker = {**worker, "calibrate_at_start": False}
     out = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(worker)], env=env, capture_output=True,
                          text=True, timeout=900)
     lines = [line for line in out.stdout.splitlines() if line.startswith("COLDSTART ")]

@@ -102,10 +102,13 @@ class WorkerConfig:
     # peer's measured rates instead of calibrating (seconds of start-up: a replacement
     # replica is serving sooner). False: always measure.
     reuse_peer_calibration: bool = True
-    # True: measure every rate (actors.calibration.calibrate, ~5 s) before serving. False: serve
-    # at once on a peer's rates, else on a one-prefill prior, and take the engine's and the
-    # cache's own measurements as they come (actors.calibration.RateRefiner).
-    calibrate_at_start: bool = False
+    # True (default): measure every rate (actors.calibration.calibrate, ~5 s) before serving,
+    # unless a peer's are taken. False: serve at once on a one-prefill prior. Either way the
+    # engine's and the cache's own measurements replace them as they come (RateRefiner).
+    # Not yet the default: on the prior, L3's fetch rate was first measured on small fetches
+    # and the "auto" fetch guard turned L3 off under round-robin turns (demo: reuse 0.85
+    # against 0.998 calibrated).
+    calibrate_at_start: bool = True
     # Compute the last sampled token's KV when a request ends (a lone forward per
     # finished request) so that the next turn hits one more token: see Engine.
     cache_final_token: bool = False

@@ -91,7 +91,7 @@ def test_checkpoint_identity_changes_with_the_weights(tmp_path):
 
 
 def test_a_worker_serves_on_prior_rates_then_its_own_appear():
-    core = make_worker("w-prior")
+    core = make_worker("w-prior", calibrate_at_start=False)
     try:
         assert core.rates_source == "prior" and core.startup["rates_source"] == "prior"
         assert core.refiner.measured == set() and "prefill_tokens_per_s" not in core.refiner.measured
