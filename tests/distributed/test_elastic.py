@@ -51,8 +51,10 @@ def test_a_killed_replicas_sessions_continue_from_l3(cache_cluster):
     prompt = prompt_of(31, 100)
     first = complete(cc, prompt, worker_id=victim)
     assert first.worker_id == victim
-    # 100 prompt + 3 computed output tokens committed (the last one is never computed): 6 full blocks.
-    wait_until(lambda: l3_stats(cc, victim)["blocks_written"] >= 6, "the turn's blocks in L3")
+    # 100 prompt + 3 computed output tokens committed (the last one is never computed): 6 full
+    # blocks and a partial last block of 7 tokens (its own tail key: docs/l3.md).
+    wait_until(lambda: l3_stats(cc, victim)["blocks_written"] >= 6 and l3_stats(cc, victim)["tails_written"] >= 1,
+               "the turn's blocks in L3")
     pid = ray.get(cc.workers[victim].pid.remote())
     os.kill(pid, signal.SIGKILL)   # kill -9: no hand-off, nothing flushed
     wait_until(lambda: victim not in ray.get(cc.directory.live_workers.remote()), "the directory dropping it")
@@ -60,7 +62,7 @@ def test_a_killed_replicas_sessions_continue_from_l3(cache_cluster):
         follow = prompt + first.tokens + prompt_of(32, 10)
         second = complete(cc, follow)
         assert second.worker_id != victim
-        assert second.cached_tokens == 96 and second.tier_hits == (0, 0, 0, 96)   # every block from L3
+        assert second.cached_tokens == 103 and second.tier_hits == (0, 0, 0, 103)   # every token from L3
     finally:
         cc.restart_worker(victim)
 
@@ -81,15 +83,15 @@ def test_scale_in_hands_the_cache_to_l3_and_a_peer(cache_cluster):
     assert report["of_prefixes"] == 1 and report["l3_prefixes"] == 1 and report["budget_s"] == 10.0
     assert leaving not in ray.get(cc.directory.live_workers.remote())
     try:
-        # The peer that pulled it has all 93 tokens in HOT; the other one reads the
-        # five whole blocks (80 tokens) that the hand-off and write-behind put in L3.
+        # The peer that pulled it has all 93 tokens in HOT; the other one reads them from L3:
+        # the five whole blocks and the 13-token last block the hand-off and write-behind put there.
         got = {}
         for i, w in enumerate(w for w in cc.worker_ids if w != leaving):
             follow = prompt + first.tokens + prompt_of(42 + i, 8)   # the continuations differ from token 94
             turn = complete(cc, follow, worker_id=w)
             assert turn.worker_id == w
             got[w] = (turn.cached_tokens, turn.tier_hits)
-        assert sorted(got.values()) == [(80, (0, 0, 0, 80)), (93, (93, 0, 0, 0))], got
+        assert sorted(got.values()) == [(93, (0, 0, 0, 93)), (93, (93, 0, 0, 0))], got
         assert cc_stats["l3"]["state"] == "on"
     finally:
         cc.restart_worker(leaving)
@@ -104,10 +106,10 @@ def test_when_every_worker_leaves_the_hand_off_goes_to_l3_only(cache_cluster):
     report = ray.get(cc.workers[leaving].leave.remote(10.0, False))
     assert report["to_peers"] is False and report["peer_prefixes"] == 0 and report["l3_prefixes"] == 1
     assert report["drained"] and report["left"] and report["l3_flushed"], report
-    try:   # no peer pulled it: every other worker reads the five whole blocks from L3
+    try:   # no peer pulled it: every other worker reads the five whole blocks and the last one from L3
         for i, w in enumerate(w for w in cc.worker_ids if w != leaving):
             turn = complete(cc, prompt + first.tokens + prompt_of(46 + i, 8), worker_id=w)
-            assert (turn.worker_id, turn.cached_tokens, turn.tier_hits) == (w, 80, (0, 0, 0, 80))
+            assert (turn.worker_id, turn.cached_tokens, turn.tier_hits) == (w, 93, (0, 0, 0, 93))
     finally:
         cc.restart_worker(leaving)
 
@@ -135,7 +137,8 @@ def test_the_whole_app_restarted_against_a_running_master_finds_its_prefixes_in_
     cc = cache_cluster
     prompt = prompt_of(71, 120)
     first = complete(cc, prompt)
-    wait_until(lambda: l3_stats(cc, first.worker_id)["blocks_written"] >= 7, "the turn's blocks in L3")
+    wait_until(lambda: l3_stats(cc, first.worker_id)["blocks_written"] >= 7
+               and l3_stats(cc, first.worker_id)["tails_written"] >= 1, "the turn's blocks in L3")
     for h in cc.workers.values():
         ray.kill(h, no_restart=True)
     ray.kill(cc.directory, no_restart=True)
@@ -150,4 +153,4 @@ def test_the_whole_app_restarted_against_a_running_master_finds_its_prefixes_in_
     assert ray.get(cc.directory.get_stats.remote())["l3_blocks_known"] >= 7
     follow = prompt + first.tokens + prompt_of(72, 6)
     second = complete(cc, follow)
-    assert second.cached_tokens == 112 and second.tier_hits == (0, 0, 0, 112)   # 7 blocks of 120 + 3
+    assert second.cached_tokens == 123 and second.tier_hits == (0, 0, 0, 123)   # 7 blocks and 11 of 120 + 3

@@ -27,7 +27,9 @@ def prompt_of(seed: int, n: int) -> list[int]:
 def store_hashes(master, prefix: str) -> set[int]:
     with _NO_PROXY.open(f"http://{master.http_address}/get_all_keys", timeout=10) as resp:
         names = resp.read().decode().splitlines()
-    return {int(n[len(prefix):], 16) for n in names if n.startswith(prefix)}
+    # Full blocks only: a sequence's partial last block (a ``-t<n>`` tail key) is no KV event
+    # and not in the inventory (docs/l3.md).
+    return {int(n[len(prefix):], 16) for n in names if n.startswith(prefix) and "-t" not in n[len(prefix):]}
 
 
 class Load:
