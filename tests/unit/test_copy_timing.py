@@ -17,13 +17,21 @@ def drain(engine, op):
     return done[0]
 
 
-def test_a_job_that_times_itself_is_taken_at_its_word_else_its_wall_time():
+def test_a_job_that_times_itself_is_taken_at_its_word_else_its_wall_time(monkeypatch):
+    import itertools
+    import types
+
+    from cluster.cache import offload
+
+    ticks = itertools.count(0.0, 0.5)                                # a clock that moves 0.5 s a reading
+    monkeypatch.setattr(offload, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks),
+                                                               sleep=offload.time.sleep))
     engine = ThreadEngine("t")
     try:
         timed = drain(engine, engine.submit(lambda: 0.25))          # the upload's device time
         assert timed.error is None and timed.seconds == 0.25
         plain = drain(engine, engine.submit(lambda: None))
-        assert plain.error is None and 0.0 <= plain.seconds < 0.25
+        assert plain.error is None and plain.seconds == 0.5            # the wall time between two readings
         failed = drain(engine, engine.submit(lambda: 1 / 0))
         assert isinstance(failed.error, ZeroDivisionError)
     finally:
