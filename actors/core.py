@@ -36,7 +36,6 @@ import torch
 
 from actors.calibration import RateRefiner, calibrate, prior_rates, rate_sources
 from actors.config import WorkerConfig
-from actors.elastic import shared_offers
 from actors.engine_loop import EngineLoop, EngineWedgedError, QueueFullError, StreamContext
 from actors.migration import Migrator, PeerLink
 from actors.peer import PeerServer
@@ -44,16 +43,27 @@ from actors.reporter import EventReporter
 from cluster.cache.kv_pool import KVLayout
 from cluster.cache.l3 import INSTALL_HINT, L3Config, MooncakeL3Store, mooncake_available
 from cluster.cache.l3.tier import L3Tier, L3TierConfig, l3_model_id
+from cluster.cache.prefix_value import shared_prefixes
 from cluster.cache.tiered import TieredCache
 from cluster.engine import malloc, openmp
 from cluster.engine.checkpoint import load_model, load_tokenizer
-from cluster.engine.grammar import Grammars, grammar_available
 from cluster.engine.engine import Engine, EngineRequest
-from cluster.protocol import (GenerateRequest, LoadReport, MeasuredRates, MigrationResult, PrefixOffer, Snapshot,
-                              StagedPrefix, StreamItem, Tenant, WorkerInfo)
+from cluster.engine.grammar import Grammars, grammar_available
+from cluster.protocol import (
+    GenerateRequest,
+    LoadReport,
+    MeasuredRates,
+    MigrationResult,
+    PrefixOffer,
+    Snapshot,
+    StagedPrefix,
+    StreamItem,
+    Tenant,
+    WorkerInfo,
+)
 from cluster.routing.autoscale_signals import ReplicaSignals
-from cluster.routing.policies import CostModel
 from cluster.routing.events import KVEventPublisher
+from cluster.routing.policies import CostModel
 from cluster.transfer.nixl_transport import NixlEndpoint, TransferError, nixl_available, recommended_ucx_env
 
 log = logging.getLogger(__name__)
@@ -335,7 +345,8 @@ class WorkerCore:
 
     async def offers(self, limit: int) -> list[PrefixOffer]:
         """This worker's most valuable shared prefixes (a new peer warms up with them)."""
-        return await self.loop.run(lambda: shared_offers(self, limit))
+        return await self.loop.run(lambda: [PrefixOffer(self.worker_id, p.namespace, p.tokens, p.value)
+                                            for p in shared_prefixes(self.cache.tree, limit)])
 
     async def wait_idle(self, deadline: float) -> bool:
         """Until the engine has no request (True), or ``deadline`` (``time.monotonic``)."""

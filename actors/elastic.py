@@ -35,7 +35,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Awaitable, Callable, Protocol
 
-from cluster.cache.prefix_value import shared_prefixes, valuable_prefixes
+from cluster.cache.prefix_value import valuable_prefixes
 from cluster.protocol import PrefixOffer
 
 if TYPE_CHECKING:
@@ -237,8 +237,3 @@ async def warm_up(core: "WorkerCore", ops: PeerOps, *, budget_s: float, max_byte
         await core.directory.note_lifecycle(core.worker_id, "warmup", report.as_dict())
     return report
 
-
-def shared_offers(core: "WorkerCore", limit: int) -> list[PrefixOffer]:
-    """This worker's most valuable shared prefixes, as offers (engine thread)."""
-    return [PrefixOffer(core.worker_id, p.namespace, p.tokens, p.value)
-            for p in shared_prefixes(core.cache.tree, limit)]

@@ -1,9 +1,6 @@
-"""The ``prefix-cache`` command line.
-
-Commands implemented in this pure layer (benchmarks, trace replay) are listed
-here; commands that need Ray (the demo, the server, the transfer benchmark)
-live in higher layers and register through the ``prefix_cache.commands`` entry
-point group, so this module never imports them by name.
+"""The ``prefix-cache`` command line: a dispatcher over the commands registered in the
+``prefix_cache.commands`` entry point group (the server in ``serve_app``; benchmarks, load
+tests, the demo and the k8s render in ``lab``), so this module imports none of them by name.
 """
 
 from __future__ import annotations
@@ -13,27 +10,18 @@ import importlib
 import sys
 from importlib.metadata import entry_points
 
+from cluster import results
 from cluster.errors import CacheError
 
-# command words -> module exposing add_arguments(parser), run(args) -> int, and a docstring.
-BUILTIN = {
-    ("bench", "radix"): "cluster.bench.radix",
-    ("bench", "fragmentation"): "cluster.bench.fragmentation",
-    ("bench", "tiers"): "cluster.bench.tiers",
-    ("bench", "multiturn"): "cluster.bench.multiturn",
-    ("bench", "engine"): "cluster.bench.engine",
-    ("bench", "chat"): "cluster.bench.chat",
-    ("bench", "exactness"): "cluster.bench.exactness",
-    ("replay",): "cluster.bench.replay",
-}
+# Every command registers through this entry point group (pyproject.toml): ``bench.tiers`` ->
+# ``lab.bench.tiers``. A command module exposes add_arguments(parser), run(args) -> int, and a
+# docstring. The lab (benchmarks, load tests, the demo) and the server register alike, so this
+# module imports none of them by name.
 ENTRY_POINT_GROUP = "prefix_cache.commands"
 
 
 def _registered() -> dict[tuple[str, ...], str]:
-    commands = dict(BUILTIN)
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        commands[tuple(ep.name.split("."))] = ep.value
-    return commands
+    return {tuple(ep.name.split(".")): ep.value for ep in entry_points(group=ENTRY_POINT_GROUP)}
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict]:
@@ -45,7 +33,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as exc:  # a layer whose third-party package is not installed
-            if exc.name and exc.name.split(".")[0] not in ("cluster", "actors", "serve_app"):
+            if exc.name and exc.name.split(".")[0] not in ("cluster", "actors", "serve_app", "lab"):
                 continue
             raise
         doc = (module.__doc__ or "").strip().splitlines()[0] if module.__doc__ else ""
@@ -69,9 +57,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
 def main(argv: list[str] | None = None) -> int:
     parser, _ = build_parser()
     args = parser.parse_args(argv)
-    from cluster.bench import common
-
-    common.RESULTS_FILE = args.results
+    results.RESULTS_FILE = args.results
     try:
         return int(args._handler(args) or 0)
     except (CacheError, ValueError) as exc:

@@ -79,7 +79,7 @@ step() {
     rc=$?
   fi
   local line status
-  line=$("$PY" scripts/gpu_check_report.py "$name" "$rc" "$(( $(date +%s) - t0 ))" \
+  line=$("$PY" -m lab.gpu_check.report "$name" "$rc" "$(( $(date +%s) - t0 ))" \
          "$OUT/$name.out" "$OUT/$name.err" "$note")
   status=$?
   echo "$line"
@@ -154,7 +154,7 @@ step bench-engine 75 "$PY" -m cluster.cli bench engine --model "$MODEL" --device
   --threads 8 --prompt-tokens 1000 --concurrency 8 --max-tokens 32 --repeats 2
 step bench-multiturn 90 "$PY" -m cluster.cli bench multiturn --model "$MODEL" --device cuda --dtype bfloat16 \
   --sessions 16 --turns 3 --copy-gb-per-s 0 --policies drop,tiered,tiered+prefetch --prefetch-trigger arrival
-step serve 200 "$PY" scripts/gpu_check_serve.py --model "$MODEL" --expect-gpu
-step nixl-device 40 "$PY" scripts/gpu_check_nixl.py --device cuda
-step mooncake-cuda 90 "$PY" scripts/gpu_check_mooncake.py
+step serve 200 "$PY" -m lab.gpu_check.serve --model "$MODEL" --expect-gpu
+step nixl-device 40 "$PY" -m lab.gpu_check.nixl --device cuda
+step mooncake-cuda 90 "$PY" -m lab.gpu_check.mooncake
 finish 1

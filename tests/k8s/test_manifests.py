@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from cluster import cli
-from serve_app.tools import k8s_render
+from lab import k8s_render
 from tests.k8s import validation as v
 from tests.k8s.builds import built, by_kind, rayservice
 from tests.requirements import K8S_SCHEMAS, require

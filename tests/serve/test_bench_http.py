@@ -23,8 +23,8 @@ def app_url(ray_loopback_cluster):
     from ray import serve
 
     from actors.pytest_plugin import TEST_MODEL
+    from lab.load.echo_app import APP_NAME, ROUTE_PREFIX, build_echo_app
     from serve_app.app import build_app
-    from serve_app.tools.echo_app import APP_NAME, ROUTE_PREFIX, build_echo_app
     from serve_app.local import free_port
 
     port = free_port()
@@ -40,7 +40,7 @@ def app_url(ray_loopback_cluster):
 def test_bench_http_rows_breakdown_and_local_decisions(app_url):
     import ray
 
-    from serve_app.tools.bench_http import Arms, measure, rows
+    from lab.bench.http import Arms, measure, rows
 
     prompt = [100 + i % 150 for i in range(256)]   # byte-level vocabulary: ids below 256
     arms = Arms(app_url, MODEL, prompt, suffix_tokens=16, vocab=256, seed=3)

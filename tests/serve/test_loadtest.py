@@ -33,7 +33,7 @@ def app_url(ray_loopback_cluster):
 
 
 def test_loadtest_refuses_hosts_other_than_loopback():
-    from serve_app.tools.loadtest import check_url
+    from lab.load.loadtest import check_url
 
     check_url("http://127.0.0.1:8000", False)
     with pytest.raises(SystemExit, match="--allow-remote-host"):
@@ -51,8 +51,8 @@ def test_a_replica_killed_under_load_loses_no_request_and_cuts_no_stream(app_url
     """The kill lands on a replica running requests (the loadtest waits for one; 64-token replies, the limit, keep
     them running well past the load report it read); every one of
     the 48 completes, the ones the dead replica was serving resumed on the others."""
-    from serve_app.tools.faults import ClusterProbe
-    from serve_app.tools.loadtest import run_load
+    from lab.load.faults import ClusterProbe
+    from lab.load.loadtest import run_load
 
     probe = ClusterProbe(NAMESPACE)
     replicas = {a.actor_id: a.worker_id for a in probe.replicas()}
@@ -83,7 +83,7 @@ def test_a_wedged_replica_fails_its_calls_and_is_replaced(app_url):
 
     from actors.peer import PeerCallError, PeerClient
     from cluster.names import DIRECTORY_NAME
-    from serve_app.tools.faults import ClusterProbe
+    from lab.load.faults import ClusterProbe
 
     probe = ClusterProbe(NAMESPACE)
     directory = ray.get_actor(DIRECTORY_NAME, namespace=NAMESPACE)
@@ -105,8 +105,8 @@ def test_a_wedged_replica_fails_its_calls_and_is_replaced(app_url):
 
 
 def test_a_hostile_tenant_gets_4xx_only_and_the_other_tenant_is_served(app_url):
-    from serve_app.tools.hostile import hostile_bodies
-    from serve_app.tools.loadtest import run_load
+    from lab.load.hostile import hostile_bodies
+    from lab.load.loadtest import run_load
 
     report = asyncio.run(run_load(app_url, requests=24, concurrency=4, stream_fraction=0.5, max_tokens=8,
                                   prompt_tokens=96, timeout=60, hostile_concurrency=2, hostile_rate=0))

@@ -176,7 +176,7 @@ def test_lm_eval_local_completions_equals_its_hf_model(base_url):
     the same accuracy and per-choice loglikelihoods within 1e-4."""
     require_module("lm_eval")
     from cluster.engine.checkpoint import resolve_checkpoint
-    from serve_app.tools.api_clients import QUESTIONS, lm_eval_compare
+    from lab.load.api_clients import QUESTIONS, lm_eval_compare
 
     result = lm_eval_compare(base_url, MODEL, resolve_checkpoint(None), batch_size=4)
     assert result["choices"] == 4 * len(QUESTIONS)
@@ -192,7 +192,7 @@ def test_openai_client_tool_loop_reuses_the_first_step(base_url):
     reply's stop token, which was sampled but never run through the model),
     whichever of the two ingress replicas each step reaches."""
     require_module("openai")
-    from serve_app.tools.api_clients import openai_tool_loop
+    from lab.load.api_clients import openai_tool_loop
 
     r = openai_tool_loop(base_url, MODEL)
     assert r["finish_reason_1"] == "tool_calls" and r["tool"] == "get_weather"
@@ -206,7 +206,7 @@ def test_bench_api_parts_print_their_figures(base_url):
     (the command starts its own; n_fork and lm_eval read admin stats, off here)."""
     import argparse
 
-    from serve_app.tools import bench_api
+    from lab.bench import api as bench_api
 
     p = argparse.ArgumentParser()
     bench_api.add_arguments(p)

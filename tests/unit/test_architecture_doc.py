@@ -1,6 +1,6 @@
 """ARCHITECTURE.md stays a map of the code as it is (issue 41).
 
-- Every module under ``cluster/``, ``actors/`` and ``serve_app/`` is named in its
+- Every module under ``cluster/``, ``actors/``, ``serve_app/`` and ``lab/`` is named in its
   module tables. ``__init__.py`` files count only where they hold code (more than a
   docstring): an empty package marker is not a module a reader looks for.
   A table row's first cell names modules: a path (``cluster/cache/l3/store.py``),
@@ -18,7 +18,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "ARCHITECTURE.md"
-PACKAGES = ("cluster", "actors", "serve_app")
+PACKAGES = ("cluster", "actors", "serve_app", "lab")
 
 
 def prose() -> str:

@@ -2,8 +2,8 @@
 
 import argparse
 
-from cluster.bench import fragmentation, radix
-from cluster.bench.sglang_baseline import _CountingAllocator  # noqa: F401 - importable without sglang
+from lab.bench import fragmentation, radix
+from lab.bench.sglang_baseline import _CountingAllocator  # noqa: F401 - importable without sglang
 
 
 def _args(module, argv):

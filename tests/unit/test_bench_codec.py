@@ -2,8 +2,8 @@
 
 import argparse
 
-from cluster.bench import codec as bench
 from cluster.cache.kv_pool import KVLayout
+from lab.bench import codec_parts as bench
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=4)
 

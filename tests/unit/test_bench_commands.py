@@ -49,7 +49,7 @@ def test_bench_engine_rows_and_exact_greedy_tokens(tmp_path, capsys, shared):
 
 
 def test_greedy_agreement_counts_prompts_and_tokens_before_the_first_difference():
-    from cluster.bench.engine import greedy_agreement
+    from lab.bench.engine import greedy_agreement
 
     reference = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 9, 9, 9]]
     # equal; differs at the third token (and agrees again after it: not counted); differs first
@@ -96,7 +96,7 @@ def test_bench_serving_starts_vllm_with_its_documented_cpu_setup(tmp_path, monke
     (vLLM's documented CPU setup) unless told otherwise; never this process's preload."""
     import argparse
 
-    from serve_app.tools.bench_serving import _vllm_command, add_arguments
+    from lab.bench.serving import _vllm_command, add_arguments
 
     python, model = vllm_venv
     venv = python.parent.parent
@@ -120,8 +120,8 @@ def test_bench_serving_starts_vllm_with_its_documented_cpu_setup(tmp_path, monke
 
 
 def test_chat_workload_summary_gives_the_median_ttft_parts_where_the_server_reports_them() -> None:
+    from lab.load.chat_workload import Turn, WorkloadResult
     from serve_app.timing import TTFT_PARTS
-    from serve_app.tools.chat_workload import Turn, WorkloadResult
 
     def turn(session, t, queue_ms, forward_ms, timing=True):
         parts = {"replica_queue": queue_ms, "first_forward": forward_ms, "ttft": queue_ms + forward_ms} if timing else {}
@@ -141,7 +141,7 @@ def test_chat_workload_summary_gives_the_median_ttft_parts_where_the_server_repo
 
 
 def test_chat_workload_time_per_output_token_is_the_time_after_the_first_over_the_tokens_after_it() -> None:
-    from serve_app.tools.chat_workload import Turn, WorkloadResult
+    from lab.load.chat_workload import Turn, WorkloadResult
 
     # (ttft s, e2e s, completion tokens): 24 tokens in 0.5 + 23 x 0.08 s; 11 in 0.3 + 10 x 0.1 s;
     # a one-token answer has no time per token; a failed turn counts nowhere.
@@ -155,8 +155,7 @@ def test_bench_serving_names_how_the_ingress_calls_the_replicas() -> None:
     """``--replica-calls`` takes the app arg's choices (grpc by default) and nothing else."""
     import argparse
 
-    from serve_app.tools.bench_serving import add_arguments
-
+    from lab.bench.serving import add_arguments
     from serve_app.ingress import REPLICA_CALLS
 
     p = argparse.ArgumentParser()
@@ -190,7 +189,7 @@ def test_bench_serving_pairs_alternate_the_order_and_end_with_the_median_of_each
 
     import cluster.engine.checkpoint as checkpoint
     import serve_app.local as local
-    from serve_app.tools import bench_serving
+    from lab.bench import serving as bench_serving
 
     ran, tokens_per_s = [], iter([80.0, 100.0, 90.0, 90.0, 110.0, 100.0, 85.0])   # in the order the arms run
 

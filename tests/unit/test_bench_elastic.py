@@ -11,9 +11,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from serve_app.tools import bench_elastic
-from serve_app.tools.bench_elastic import arm_order, fresh_messages, plan, probe_sizes, shared_prompt_tokens
-from serve_app.tools.elastic_figures import reuse_ratio, summarize
+from lab.bench import elastic as bench_elastic
+from lab.bench.elastic import arm_order, fresh_messages, plan, probe_sizes, shared_prompt_tokens
+from lab.bench.elastic_figures import reuse_ratio, summarize
 
 
 def parse(argv):
@@ -142,14 +142,14 @@ def test_summary_keeps_the_order_rows_first_appear_in_and_one_row_per_arm_and_ev
 
 
 def _rec(session, t, worker, start, e2e=1.0, previous=100):
-    from serve_app.tools.elastic_figures import Record
-    from serve_app.tools.chat_workload import Turn
+    from lab.bench.elastic_figures import Record
+    from lab.load.chat_workload import Turn
     return Record(Turn(session, t, True, e2e_s=e2e, started_at=start, worker_id=worker, prompt_tokens=previous + 10),
                   session, previous if t else 0)
 
 
 def test_touched_sessions_are_those_on_the_replica_when_the_event_began():
-    from serve_app.tools.elastic_figures import Happening, touched_turns
+    from lab.bench.elastic_figures import Happening, touched_turns
     h = Happening(["a", "b", "c"], at=100.0, effective=110.0, gone="c")
     recs = [_rec(1, 0, "c", 90), _rec(1, 1, "a", 104),      # moved off c while it drained: touched
             _rec(2, 0, "a", 90), _rec(2, 1, "b", 104),      # never on c

@@ -10,9 +10,9 @@ import json
 import pytest
 
 from actors.pytest_plugin import TEST_MODEL
-from cluster.bench import multiturn
 from cluster.cli import main
 from cluster.engine.checkpoint import ModelSpec, load_model
+from lab.bench import multiturn
 
 TINY = ["--sessions", "3", "--turns", "3", "--group-size", "2", "--system-tokens", "32,48",
         "--message-tokens", "8,12", "--decode-tokens", "2", "--think-s", "5,10", "--seed", "3"]

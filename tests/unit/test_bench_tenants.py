@@ -5,7 +5,7 @@ import asyncio
 
 import pytest
 
-from serve_app.tools import bench_tenants
+from lab.bench import tenants as bench_tenants
 
 
 def args(**kw):

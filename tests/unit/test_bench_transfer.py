@@ -1,6 +1,6 @@
 """The UCX protocol report parser of bench transfer (no Ray: the module imports it lazily)."""
 
-from actors.bench_transfer import parse_read_transports
+from lab.bench.transfer import parse_read_transports
 
 REPORT = """\
 [1.0] [vm:1 :0]   +--------+-------------+-----------------------------------+

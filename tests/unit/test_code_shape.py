@@ -18,7 +18,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-SOURCE_DIRS = ("cluster", "actors", "serve_app", "scripts")
+SOURCE_DIRS = ("cluster", "actors", "serve_app", "lab", "scripts")
 MAX_FUNCTION_LINES = 80
 
 # (rule, "path::qualified name" for functions, "path" for the others): in rewrite elsewhere.

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from serve_app.tools import bench_serving, equal_memory
-from serve_app.tools.chat_workload import Turn, WorkloadResult
+from lab.bench import equal_memory
+from lab.bench import serving as bench_serving
+from lab.load.chat_workload import Turn, WorkloadResult
 from tests.unit.test_session_workload import FakeServer, Words, parser
 
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from serve_app.tools.faults import ActorRecord, ClusterProbe
+from lab.load.faults import ActorRecord, ClusterProbe
 
 
 def replica(n: int) -> ActorRecord:
@@ -117,7 +117,7 @@ def test_a_counter_is_read_per_node_and_series(monkeypatch):
     (None, {"n1|a": 1.0}, None),                       # no endpoint answered at the kill
 ])
 def test_resumed_is_the_rise_of_the_counter_per_series(before, after, resumed):
-    from serve_app.tools import loadtest
+    from lab.load import loadtest
 
     probe = StandIn()
     probe.metric = lambda name: after

@@ -1,7 +1,7 @@
 """scripts/gpu-check.sh tells the truth: one summary line per step, every step run whatever
 failed before, a non-zero exit when any step failed. No GPU needed: ``GPU_CHECK_DRY=1`` skips
 the steps' commands and ``GPU_CHECK_FORCE_FAIL`` fails the named ones; the figure checks of
-``scripts/gpu_check_report.py`` run on recorded outputs (the first H200 run's among them)."""
+``lab/gpu_check/report.py`` run on recorded outputs (the first H200 run's among them)."""
 
 import importlib.util
 import json
@@ -19,7 +19,7 @@ STEPS = ["gpu", "install", "torch", "model", "cuda-tests", "bench-tiers", "exact
 
 
 def _report_module():
-    spec = importlib.util.spec_from_file_location("gpu_check_report", REPO / "scripts" / "gpu_check_report.py")
+    spec = importlib.util.spec_from_file_location("gpu_check_report", REPO / "lab" / "gpu_check" / "report.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -124,8 +124,8 @@ ROWS = {   # what each stand-in command prints: figures that meet every check
     "bench multiturn": [{"policy": arm, "prefetch_trigger": "arrival" if arm.endswith("prefetch") else "none",
                          "hit_rate": 0.8, "ttft_ms_p50": 50.0, "failed_requests": 0}
                         for arm in ("drop", "tiered", "tiered+prefetch")],
-    "gpu_check_serve.py": [{"replicas": 2, "replicas_on_gpu": 2, "failed": []}],
-    "gpu_check_nixl.py": [{"exact": True, "gb_per_s": 20.0, "failed": []}],
+    "lab.gpu_check.serve": [{"replicas": 2, "replicas_on_gpu": 2, "failed": []}],
+    "lab.gpu_check.nixl": [{"exact": True, "gb_per_s": 20.0, "failed": []}],
 }
 
 
@@ -144,13 +144,13 @@ def _stand_ins(folder: Path, gpu: bool) -> dict:
         "nvidia-smi": "echo 'GPU 0: NVIDIA Stand-in (UUID: GPU-0)'" if gpu else "exit 9",
         "bash": f'echo "bash $*" >> {log}',
         "python": f'''case "$1" in
-  scripts/gpu_check_report.py) exec {shlex.quote(sys.executable)} "$@" ;;
+  -m) if [ "$2" = lab.gpu_check.report ]; then exec {shlex.quote(sys.executable)} "$@"; fi ;;
   -c) echo "python -c" >> {log}; echo '{{"failed": []}}'; exit 0 ;;
 esac
 echo "python $*" >> {log}
 case "$*" in
   *"-m pytest"*) echo "1 failed, 2 passed in 0.5s"; echo "E   a cuda test failed" >&2; exit 1 ;;
-  *gpu_check_mooncake.py*) echo '{{"skipped": "cannot install mooncake-transfer-engine here: no index"}}'; exit 3 ;;
+  *lab.gpu_check.mooncake*) echo '{{"skipped": "cannot install mooncake-transfer-engine here: no index"}}'; exit 3 ;;
 {cases}
 esac''',
     }
@@ -170,12 +170,12 @@ def test_every_step_runs_in_order_past_a_failed_one(tmp_path):
     done = subprocess.run(["/bin/bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 1, done.stderr
     calls = (tmp_path / "bin" / "calls.log").read_text().splitlines()
-    assert [c.split()[:4] if " -m cluster.cli" in c else c.split()[:2] for c in calls] == [
+    assert [c.split()[:4] if " -m cluster.cli" in c else c.split()[:3] if " -m lab." in c else c.split()[:2] for c in calls] == [
         ["bash", ".ci/install"], ["python", "-c"], ["python", "-c"], ["python", "-m"],
         ["python", "-m", "cluster.cli", "bench"], ["python", "-m", "cluster.cli", "bench"],
         ["python", "-m", "cluster.cli", "bench"], ["python", "-m", "cluster.cli", "bench"],
-        ["python", "-m", "cluster.cli", "bench"], ["python", "scripts/gpu_check_serve.py"],
-        ["python", "scripts/gpu_check_nixl.py"], ["python", "scripts/gpu_check_mooncake.py"]]
+        ["python", "-m", "cluster.cli", "bench"], ["python", "-m", "lab.gpu_check.serve"],
+        ["python", "-m", "lab.gpu_check.nixl"], ["python", "-m", "lab.gpu_check.mooncake"]]
     assert "-m cuda" in calls[3] and "tests/unit/test_cuda_engine.py" in calls[3].split()
     assert [c.split()[4] for c in calls if " -m cluster.cli" in c] == ["tiers", "exactness", "exactness", "engine",
                                                                       "multiturn"]

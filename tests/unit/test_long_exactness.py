@@ -1,6 +1,6 @@
 """Exactness at 1,000+ tokens: the real default model (SmolLM2-135M-Instruct) through the
 compiled CPU kernels against transformers' own forward, cold, with a cached prefix and on a
-later turn (``cluster.bench.exactness``, which the GPU check runs on CUDA).
+later turn (``lab.bench.exactness``, which the GPU check runs on CUDA).
 
 The compiled path is forced, not left to this machine's timing: the blocked linear is made
 the fastest layout at every row count (``linear_layouts`` measures per machine and would
@@ -11,9 +11,9 @@ runs the compiled layer loop. The calls of each compiled part are counted.
 import pytest
 import torch
 
-from cluster.bench.exactness import compare, make_engine, make_prompts, package_text
 from cluster.engine import kernels, linear_layouts
 from cluster.engine.checkpoint import ModelSpec, load_model, load_tokenizer
+from lab.bench.exactness import compare, make_engine, make_prompts, package_text
 from tests.requirements import require_default_model, require_kernel, require_module
 
 PROMPT, SHARED, LATER, MAX_TOKENS = 1100, 900, 16, 8

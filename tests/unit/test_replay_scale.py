@@ -1,4 +1,4 @@
-"""Scale events in the routing replay (cluster/bench/replay_elastic.py): the replicas
+"""Scale events in the routing replay (lab/bench/replay_elastic.py): the replicas
 change as the trace reaches each event, L3 serves what a departed replica held only
 in the elastic arms, and the windows count exactly the requests around each event."""
 
@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from cluster.bench.replay_elastic import parse_events
 from cluster.cli import main
 from cluster.errors import InvalidInputError
+from lab.bench.replay_elastic import parse_events
 
 ARGS = ["--records", "3000", "--replicas", "4", "--hot-blocks", "48", "--warm-blocks", "96", "--policy", "cost",
         "--scale-events", "scale_in@40,scale_out@80,kill@110", "--scale-window-s", "20"]

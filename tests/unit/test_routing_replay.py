@@ -2,9 +2,9 @@ import json
 
 import pytest
 
-from cluster.bench.replay import ORDER, synthetic_chat_trace
 from cluster.cli import main
 from cluster.trace import write_trace
+from lab.bench.replay import ORDER, synthetic_chat_trace
 
 KEYS = {"bench", "policy", "records", "hit_rate", "hot_hit_rate", "warm_hit_rate", "migrated_rate",
         "load_imbalance", "ttft_ms_p50", "ttft_ms_p99", "decisions_per_s"}
@@ -81,7 +81,7 @@ def test_a_request_longer_than_the_hot_tier_is_served_uncached(capsys, tmp_path)
 
 
 def test_trace_shapes_are_mooncake_chains():
-    from cluster.bench.traces import SHAPES, shape_trace
+    from lab.bench.traces import SHAPES, shape_trace
 
     for name in [*SHAPES, "mixed"]:
         recs = shape_trace(name, 400, seed=2)
@@ -236,8 +236,8 @@ def test_every_line_says_which_information_it_had(capsys):
 def test_load_report_is_what_the_engine_measures():
     """Waiting requests count their whole prompt, running ones their remaining output
     tokens (all of them during the prefill, fewer as the decode goes), finished ones nothing."""
-    from cluster.bench.replay import Replica
     from cluster.cache.tiered import TierConfig
+    from lab.bench.replay import Replica
 
     r = Replica("r0", TierConfig(hot_blocks=4, warm_blocks=0, block_tokens=1, device="cpu"))
     # (routed, start, prefill_end, decode_end, prompt tokens, output tokens)
@@ -253,8 +253,8 @@ def test_load_report_is_what_the_engine_measures():
 
 
 def test_prefill_service_grows_with_context_and_noise_is_shared_by_policies():
-    from cluster.bench.replay import ServiceModel
     from cluster.routing.policies import CostModel
+    from lab.bench.replay import ServiceModel
 
     model = ServiceModel(CostModel(prefill_tokens_per_s=1000.0), 1000.0, [(1.0, 1.0, 1.0, 1.0), (2.0, 1.0, 1.0, 1.0)])
     assert model.prefill_s(0, 100, 0) == pytest.approx(0.1 * (1 + 50 / 1000))

@@ -14,10 +14,16 @@ import statistics
 
 import pytest
 
-from serve_app.tools import bench_serving
-from serve_app.tools.chat_workload import Turn
-from serve_app.tools.session_workload import (SESSION_HEADER, PlannedSession, distinct_questions,
-                                              plan_sessions, run_sessions, session_fields)
+from lab.bench import serving as bench_serving
+from lab.load.chat_workload import Turn
+from lab.load.session_workload import (
+    SESSION_HEADER,
+    PlannedSession,
+    distinct_questions,
+    plan_sessions,
+    run_sessions,
+    session_fields,
+)
 
 
 class Words:
