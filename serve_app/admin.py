@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Protocol, TypeVar
 
 from actors.peer import PeerClient, PeerDirectory, UnknownPeerSessionError
-from serve_app.protocol import APIError
+from serve_app.errors import APIError
 
 
 class IngressCore(Protocol):

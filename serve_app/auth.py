@@ -18,7 +18,8 @@ from typing import Callable
 
 from fastapi import Request
 
-from serve_app.protocol import APIError, Limits, parse_json
+from serve_app.errors import APIError
+from serve_app.parse import Limits, parse_json
 
 
 def key_tenant(key: str) -> str:

@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve_app import metrics
-from serve_app.protocol import APIError
+from serve_app.errors import APIError
 
 log = logging.getLogger("ray.serve")
 

@@ -1,7 +1,7 @@
 """IngressCore: one HTTP request's way to the replicas and back, without the Serve wiring.
 
 Per request, one way down and back: the body is read and validated into an
-``ApiRequest`` (``serve_app.protocol``, its fields by the typed models of
+``ApiRequest`` (``serve_app.parse``, its fields by the typed models of
 ``serve_app.params``); a ``ReplicaStream`` (``serve_app.replica_stream``)
 routes it, calls the replicas, resumes it on another replica when one fails
 and counts its metrics; ``serve_app.responses`` renders the answer from that
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 import time
 from typing import Any
 
@@ -46,7 +45,7 @@ from serve_app import admin, metrics
 from serve_app.auth import Auth, read_json_body
 from serve_app.logprobs import TokenNames
 from serve_app.openapi import add_request_bodies
-from serve_app.protocol import APIError, ApiRequest, Limits, batch_prompts, parse_chat, parse_completion
+from serve_app.parse import ApiRequest, Limits, ParseContext, parse_generation
 from serve_app.replica_stream import ReplicaCalls, ReplicaStream, session_key
 from serve_app.responses import Presenter, merge_batch, respond
 from serve_app.structured import assistant_texts
@@ -240,43 +239,24 @@ async def handle_generation(core: IngressCore, request, endpoint: str, chat: boo
     body = await core.body(request, clock=clock)
     if chat:
         await core.recall_replies(body, tenant)
-        gen = parse_chat(body, core.limits, core.model_name, core.tokenizer, core.render_chat(tenant))
-    else:
-        prompts = batch_prompts(body)
-        if prompts is not None and len(prompts) > 1:
-            return await _batch(core, body, prompts, tenant, header_session, clock)
-        gen = parse_completion(body, core.limits, core.model_name, core.tokenizer)
+    context = ParseContext(core.limits, core.model_name, core.tokenizer,
+                           core.render_chat(tenant) if chat else None, header_session)
+    gens = parse_generation(body, chat, context)
     clock.mark_parsed()
-    if gen.seed is None:   # every request gets one: a resumed request continues where it stopped
-        gen.with_seed(secrets.randbits(63))
-    if gen.session_id is None:   # the body's field first, then the header
-        gen.session_id = header_session
-    result = await core.complete(gen, tenant, endpoint, chat, clock)
+    if len(gens) > 1:
+        return await _batch(core, gens, tenant, clock)
+    result = await core.complete(gens[0], tenant, endpoint, chat, clock)
     metrics.requests.inc(tags={"endpoint": endpoint, "status": "200"})
     return result if isinstance(result, Response) else JSONResponse(result)
 
 
 BATCH_CONCURRENCY = 8     # prompts of one request in flight at once (the rest wait their turn)
-MAX_BATCH_SEQUENCES = 64  # prompts x (n or best_of) of one request
 
 
-async def _batch(core: IngressCore, body: dict, prompts: list, tenant: Tenant | None, header_session: str | None,
-                 clock: RequestClock) -> Response:
+async def _batch(core: IngressCore, gens: list[ApiRequest], tenant: Tenant | None, clock: RequestClock) -> Response:
     """A completions request with several prompts: each is its own request (routed on
     its own: prompts that share a context go where it is cached), run side by side;
     one answer with their choices in order (prompt i's choice j at index i * n + j)."""
-    gens = [parse_completion({**body, "prompt": p}, core.limits, core.model_name, core.tokenizer) for p in prompts]
-    runs = sum(g.body.candidates or g.body.n for g in gens)
-    if runs > MAX_BATCH_SEQUENCES:
-        raise APIError(400, f"{len(gens)} prompts with {runs // len(gens)} sequences each are {runs} sequences; "
-                            f"at most {MAX_BATCH_SEQUENCES} per request", param="prompt")
-    clock.mark_parsed()
-    seed = gens[0].seed if gens[0].seed is not None else secrets.randbits(63)
-    for gen in gens:
-        gen.with_seed(seed)
-        gen.batched = True
-        if gen.session_id is None:
-            gen.session_id = header_session
     clocks = [clock] + [RequestClock.start() for _ in gens[1:]]
     gate = asyncio.Semaphore(BATCH_CONCURRENCY)
 

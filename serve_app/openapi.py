@@ -1,6 +1,6 @@
 """The OpenAPI description of the request bodies the ingress reads.
 
-The endpoints read raw JSON (``serve_app.protocol`` names the field at fault
+The endpoints read raw JSON (``serve_app.parse`` names the field at fault
 in every 4xx), so FastAPI cannot infer their bodies: the generation endpoints'
 schemas come from their typed models (``serve_app.params``), with what only the
 deployment knows filled in (the served model's name, the vocabulary). They

@@ -10,7 +10,7 @@ that answers something other than what was asked); fields that change nothing
 about the answer (``user``, ``metadata``, ...) are accepted. Every error is a 400
 naming the parameter (``validate_body``).
 
-The prompt, the messages and the tools keep their own checks (``serve_app.protocol``,
+The prompt, the messages and the tools keep their own checks (``serve_app.parse``,
 ``serve_app.structured``): their fields are declared here as JSON values with the
 schema they document.
 """

@@ -45,7 +45,7 @@ from cluster.names import SOURCE_NAMES
 from cluster.protocol import FinishReason, GenerateRequest, RouteDecision, SamplingParams, StreamItem, Tenant
 from serve_app import metrics
 from serve_app.errors import APIError
-from serve_app.protocol import ApiRequest
+from serve_app.parse import ApiRequest
 from serve_app.timing import RequestClock
 
 log = logging.getLogger("ray.serve")

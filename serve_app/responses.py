@@ -30,7 +30,7 @@ from cluster.protocol import StreamItem
 from serve_app import metrics
 from serve_app.logprobs import TokenNames, chat_logprobs, completion_logprobs
 from serve_app.output import TextStream
-from serve_app.protocol import ApiRequest
+from serve_app.parse import ApiRequest
 from serve_app.replica_stream import ReplicaStream
 from serve_app.structured import assistant_text
 from serve_app.timing import RequestClock

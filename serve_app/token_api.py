@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from serve_app.errors import APIError
 from serve_app.params import valid_text
-from serve_app.protocol import Limits, chat_prompt
+from serve_app.parse import Limits, chat_prompt
 
 TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "tools", "tool_choice", "add_special_tokens",
                              "add_generation_prompt", "return_token_strs"})

@@ -11,11 +11,12 @@ from ray.exceptions import ActorDiedError
 
 from actors.engine_loop import EngineWedgedError
 from actors.pytest_plugin import TEST_MODEL
+from cluster.engine.checkpoint import ModelSpec, load_tokenizer
 from cluster.errors import CacheError
 from cluster.protocol import FinishReason, GenerateRequest, RouteDecision, StreamItem
+from serve_app.errors import APIError
 from serve_app.ingress import IngressCore
-from cluster.engine.checkpoint import ModelSpec, load_tokenizer
-from serve_app.protocol import APIError, Limits, parse_completion
+from serve_app.parse import Limits, parse_completion
 
 
 class FakeRouter:

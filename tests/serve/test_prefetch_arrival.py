@@ -19,7 +19,7 @@ from actors.pytest_plugin import TEST_MODEL
 from cluster.protocol import FinishReason, RouteDecision, StreamItem
 from serve_app import admin, ingress, metrics
 from serve_app.ingress import IngressCore, handle_generation
-from serve_app.protocol import APIError
+from serve_app.errors import APIError
 
 
 class Recorder:

@@ -456,7 +456,7 @@ TOOLS_TEMPLATE = (
 def _chat_ids(tok, **body):
     """The prompt both ways the app renders one: the tokenizer's template, and the
     ingress's prompt builder (reply memory); they must agree."""
-    from serve_app.protocol import Limits, parse_chat
+    from serve_app.parse import Limits, parse_chat
 
     body = {"model": "m", "messages": [{"role": "user", "content": "Weather in Paris?"}], **body}
     builder = ChatPromptBuilder(tok, ReplyMemory())
@@ -467,7 +467,7 @@ def _chat_ids(tok, **body):
 
 
 def test_tools_go_through_a_template_that_takes_them_and_a_fallback_prompt_otherwise(smol_dir) -> None:
-    from serve_app.protocol import template_takes_tools
+    from serve_app.parse import template_takes_tools
 
     plain = HFTokenizer.from_pretrained(smol_dir)
     assert not template_takes_tools(plain)             # SmolLM2's template has no tools
@@ -490,7 +490,7 @@ def test_a_tool_call_another_ingress_remembered_is_bridged_here(smol: HFTokenize
     """An ingress that did not answer step 1 of an agent loop asks the reply store for
     ``assistant_texts`` of step 2's messages: they must be the very keys the answering
     ingress remembered the call under, or step 2 recomputes the call's KV."""
-    from serve_app.protocol import Limits, parse_chat
+    from serve_app.parse import Limits, parse_chat
     from serve_app.structured import assistant_texts, call_text
 
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}

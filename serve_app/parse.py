@@ -1,16 +1,20 @@
-"""Request parsing and OpenAI-shaped errors for the HTTP ingress.
+"""The one parse step: a request body becomes the engine's request here, and only here.
 
-The body is read as JSON here (``parse_json``: size, NaN, depth), validated
-once by its endpoint's typed model (``serve_app.params``), and its prompt or
-messages turned into token ids: an ``ApiRequest``, every 4xx naming the field
-at fault in the OpenAI error body ``{"error": {message, type, param, code}}``,
-so nothing malformed reaches a replica.
+``parse_generation`` takes a ``/v1/completions`` or ``/v1/chat/completions`` body (read
+as JSON by ``parse_json``: size, NaN, depth) and returns what the ingress sends on: one
+``ApiRequest`` per prompt, each with its prompt as token ids, its body validated once by
+its endpoint's typed model (``serve_app.params``), its constraint (``serve_app.structured``:
+``response_format``, forced tools), the engine's ``SamplingParams``, a seed and a session.
+Every 4xx names the field at fault in the OpenAI error body ``{"error": {message, type,
+param, code}}``, so nothing malformed reaches a replica. The modules it calls (params,
+structured, the tokenizer) never call back into it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import secrets
 from dataclasses import dataclass
 from typing import Callable, Union
 
@@ -20,7 +24,8 @@ from serve_app.errors import APIError
 from serve_app.params import BodyContext, ChatBody, CompletionBody, valid_text, validate_body
 from serve_app.structured import Tools, parse_constraint, parse_tools, plain_messages, validate_tool_messages
 
-__all__ = ["APIError", "ApiRequest", "Limits", "parse_json", "parse_completion", "parse_chat", "chat_prompt"]
+__all__ = ["ApiRequest", "Limits", "ParseContext", "parse_json", "parse_generation", "parse_completion", "parse_chat",
+           "chat_prompt"]
 
 
 @dataclass(frozen=True)
@@ -29,6 +34,53 @@ class Limits:
     max_tokens: int = 1024
     max_body_bytes: int = 1 << 20
     body_timeout_s: float = 10.0     # a body that stalls longer gets 408
+
+
+@dataclass(frozen=True)
+class ParseContext:
+    """What parsing a body needs besides the body: the server's limits and model, the
+    tokenizer, the chat renderer (None: the tokenizer's template) and the request's
+    ``X-Session-Id`` header (a body's ``session_id`` wins over it)."""
+
+    limits: Limits
+    served_model: str
+    tokenizer: Tokenizer
+    render: Callable[..., list[int]] | None = None
+    header_session: str | None = None
+
+
+MAX_BATCH_SEQUENCES = 64  # prompts x (n or best_of) of one completions request
+
+
+def parse_generation(body: dict, chat: bool, ctx: ParseContext) -> list[ApiRequest]:
+    """``body`` as the engine's requests: one for a chat or a single prompt, one per prompt
+    of a completions body that sends several (``batched``, sharing one seed). Each has a
+    seed (sampling is a function of seed and position, so a request resumed on another
+    replica continues exactly where it stopped) and its session."""
+    if chat:
+        gens = [parse_chat(body, ctx.limits, ctx.served_model, ctx.tokenizer, ctx.render)]
+    else:
+        prompts = batch_prompts(body)
+        if prompts is None or len(prompts) == 1:
+            gens = [parse_completion(body, ctx.limits, ctx.served_model, ctx.tokenizer)]
+        else:
+            gens = [parse_completion({**body, "prompt": p}, ctx.limits, ctx.served_model, ctx.tokenizer)
+                    for p in prompts]
+            _check_batch(gens)
+    seed = gens[0].seed if gens[0].seed is not None else secrets.randbits(63)
+    for gen in gens:
+        gen.with_seed(seed)
+        gen.batched = len(gens) > 1
+        if gen.session_id is None:   # the body's field first, then the header
+            gen.session_id = ctx.header_session
+    return gens
+
+
+def _check_batch(gens: list[ApiRequest]) -> None:
+    runs = sum(g.body.candidates or g.body.n for g in gens)
+    if runs > MAX_BATCH_SEQUENCES:
+        raise APIError(400, f"{len(gens)} prompts with {runs // len(gens)} sequences each are {runs} sequences; "
+                            f"at most {MAX_BATCH_SEQUENCES} per request", param="prompt")
 
 
 @dataclass
