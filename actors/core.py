@@ -68,6 +68,8 @@ from cluster.transfer.nixl_transport import NixlEndpoint, TransferError, nixl_av
 
 log = logging.getLogger(__name__)
 
+SLOW_FAULT_STEP_S = 0.05   # what the 'slow' drill fault adds to every engine iteration
+
 __all__ = ["WorkerCore", "WorkerConfig", "PeerLink", "QueueFullError", "EngineWedgedError"]
 
 
@@ -133,6 +135,7 @@ class WorkerCore:
         self.on_migration = on_migration
         self._on_trip = on_trip
         self._wedge = threading.Event()
+        self._slow_step_s = 0.0   # the 'slow' drill fault (inject_fault)
         # How this worker reaches a holder to pull from it (``link_for(holder_id)``), for
         # the pulls a leaving peer asks of it; the shell sets it (None: it cannot pull).
         self.link_for: Callable[[str], Awaitable[PeerLink | None]] | None = None
@@ -265,9 +268,13 @@ class WorkerCore:
 
     def inject_fault(self, kind: str, on: bool = True) -> None:
         """Drills and tests: 'wedge' blocks the engine thread (until turned off:
-        the watchdog trips meanwhile); 'nixl' and 'fallback' break a transport
+        the watchdog trips meanwhile); 'slow' makes every engine iteration last
+        ``SLOW_FAULT_STEP_S`` longer (requests stay in flight long enough for a drill
+        to kill a replica under them); 'nixl' and 'fallback' break a transport
         (``actors.migration.FAULTS``)."""
-        if kind != "wedge":
+        if kind == "slow":
+            self._slow_step_s = SLOW_FAULT_STEP_S if on else 0.0
+        elif kind != "wedge":
             self.migration.inject_fault(kind, on)
         elif on:
             self._wedge.clear()
@@ -292,6 +299,8 @@ class WorkerCore:
         self.refiner.tick()
         if self.reporter is not None:
             self.reporter.tick()
+        if self._slow_step_s:
+            time.sleep(self._slow_step_s)
 
     def _rates_changed(self, cost: CostModel) -> None:
         """Engine thread: the refiner measured a rate that moved materially; it is in

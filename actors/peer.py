@@ -432,7 +432,8 @@ class PeerClient:
                                        tokens=None if tokens is None else list(tokens), tenant=tenant))
 
     async def inject_fault(self, kind: str, on: bool = True, *, timeout_s: float | None = None) -> None:
-        """Drills: 'wedge' blocks the engine thread, 'nixl' and 'fallback' break a transport."""
+        """Drills: 'wedge' blocks the engine thread, 'slow' lengthens every engine iteration,
+        'nixl' and 'fallback' break a transport."""
         await self._request("inject_fault", timeout_s, kind=kind, on=on)
 
     async def pull(self, offer: PrefixOffer, *, timeout_s: float | None = None) -> int:

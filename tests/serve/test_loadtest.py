@@ -2,6 +2,7 @@
 a cache replica killed mid-run (only actors of the app this module started)."""
 
 import asyncio
+import contextlib
 import time
 
 import httpx
@@ -47,19 +48,42 @@ def test_loadtest_refuses_a_connect_timeout_that_is_not_positive(capsys):
         main(["loadtest", "--url", "http://127.0.0.1:9", "--connect-timeout", "0"])
 
 
+@contextlib.contextmanager
+def _slow_engines(workers):
+    """The 'slow' drill fault on these workers' engines while the block runs (off again on those still alive)."""
+    import ray
+
+    from actors.peer import PeerCallError, PeerClient
+    from cluster.names import DIRECTORY_NAME
+
+    directory = ray.get_actor(DIRECTORY_NAME, namespace=NAMESPACE)
+    addresses = ray.get(directory.peer_addresses.remote(), timeout=30)
+    peers = [PeerClient(w, addresses[w], secret=SECRET, timeout_s=30) for w in workers]
+    for peer in peers:
+        asyncio.run(peer.inject_fault("slow"))
+    try:
+        yield
+    finally:
+        for peer in peers:
+            with contextlib.suppress(PeerCallError, OSError, asyncio.TimeoutError):   # the killed one is gone
+                asyncio.run(peer.inject_fault("slow", False))
+
+
 def test_a_replica_killed_under_load_loses_no_request_and_cuts_no_stream(app_url):
-    """The kill lands on a replica running requests (the loadtest waits for one; 64-token replies, the limit, keep
-    them running well past the load report it read); every one of
-    the 48 completes, the ones the dead replica was serving resumed on the others."""
+    """The kill lands on a replica running requests (the loadtest waits for one; the 'slow' drill fault makes
+    each 64-token reply, the limit, take over 3 s, so they are still running when the kill lands after the
+    load report it read); every one of the 48 completes, the ones the dead replica was serving resumed on
+    the others."""
     from lab.load.faults import ClusterProbe
     from lab.load.loadtest import run_load
 
     probe = ClusterProbe(NAMESPACE)
     replicas = {a.actor_id: a.worker_id for a in probe.replicas()}
     assert len(replicas) == 3
-    report = asyncio.run(run_load(app_url, requests=48, concurrency=8, stream_fraction=0.5, max_tokens=64,
-                                  prompt_tokens=96, kill="replica", kill_at=0.5, probe=probe, timeout=60,
-                                  recovery_limit_s=90))
+    with _slow_engines(replicas.values()):
+        report = asyncio.run(run_load(app_url, requests=48, concurrency=8, stream_fraction=0.5, max_tokens=64,
+                                      prompt_tokens=96, kill="replica", kill_at=0.5, probe=probe, timeout=60,
+                                      recovery_limit_s=90))
     print("loadtest report:", report)
     assert (report["completed"], report["failed_by_status"], report["lost"], report["cut_streams"]) == \
         (48, {}, 0, 0), report
