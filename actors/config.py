@@ -26,7 +26,7 @@ TIER_KEYS = tuple(f.name for f in dataclasses.fields(TierConfig))
 # The raylet starts its worker processes (actors and Serve replicas, ours among them) at this
 # niceness; Ray's default is 15, below the raylet, the GCS and any client on the machine, so a
 # replica's engine thread lost its cores to each of them mid-step. At 0 (what vLLM's processes
-# run at) its decode step is shorter (docs/benchmarks.md, "Figures behind choices in the code").
+# run at) its decode step is shorter (docs/benchmarks.md, "Why the defaults are what they are").
 WORKER_NICENESS_VAR = "RAY_worker_niceness"
 
 # The environment a serving cluster's Ray nodes start with; every process they start (the Serve
@@ -40,7 +40,7 @@ WORKER_NICENESS_VAR = "RAY_worker_niceness"
 #   extra threads: every request and every streamed token otherwise crosses two threads in
 #   the Ingress (a wake-up and a GIL hand-over each), and this app's handlers never block.
 # Both cut the Ingress's and the proxy's CPU time a request, CPU the engine's steps no longer
-# lose (docs/benchmarks.md, "Figures behind choices in the code").
+# lose (docs/benchmarks.md, "Why the defaults are what they are").
 SERVING_ENV = {
     WORKER_NICENESS_VAR: "0",
     "RAY_SERVE_PROXY_USE_GRPC": "1",

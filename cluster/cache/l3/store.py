@@ -304,7 +304,7 @@ class MooncakeL3Store(L3Store):
         self._consecutive_failures = 0
         self._worker = _DeadlineWorker("l3-mooncake")
         # Mooncake's staging allocator does not fit a batch of the buffer's full size
-        # (docs/benchmarks.md, "Figures behind choices in the code"): batches use half of it.
+        # (docs/benchmarks.md, "Why the defaults are what they are"): batches use half of it.
         self._batch_bytes = self.config.local_buffer_bytes // 2
         self._setup()
 
