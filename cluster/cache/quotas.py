@@ -76,7 +76,9 @@ def tenant_label(namespace: Hashable) -> str:
 class TenantQuotas:
     """The quota state of one cache: what each tenant holds per tier, who acts, the counters."""
 
-    def __init__(self, tree: RadixTree, config: QuotaConfig):
+    def __init__(self, tree: RadixTree, config: QuotaConfig, in_flight: list[dict[Hashable, int]] | None = None):
+        """``in_flight``: what tier moves in flight change of each tenant's share of each tier
+        (``TierSpace.pending_by_tenant``; None: no moves)."""
         self.tree = tree
         self.config = config
         self.resident: list[dict[Hashable, int]] = [defaultdict(int) for _ in range(_TIERS)]
@@ -86,10 +88,9 @@ class TenantQuotas:
         self.l3_written: dict[Hashable, OrderedDict[int, None]] = defaultdict(OrderedDict)
         self.l3_skipped_blocks = 0
         self.running: dict[Hashable, int] = defaultdict(int)   # HOT tokens of leases not in the tree yet
-        # What tier moves in flight change of each tenant's share of each tier (the cache sets
-        # it to ``TierMoves.pending_by_tenant``): counted at once, so moves in flight cannot pass
-        # a cap, and a promotion's source, which ends as a lower copy, counts no longer.
-        self.in_flight: list[dict[Hashable, int]] = [{}, {}, {}]
+        # Counted at once, so moves in flight cannot pass a cap, and a promotion's source,
+        # which ends as a lower copy, counts no longer.
+        self.in_flight: list[dict[Hashable, int]] = [{}, {}, {}] if in_flight is None else in_flight
         # Who has work in the engine, and whose guarantee holds (``set_work``); None: never
         # told (a cache without an engine), and every guarantee holds always.
         self.active: frozenset | None = None
@@ -298,6 +299,10 @@ class TenantQuotas:
         return out
 
     # -------------------------------------------------------------------- L3
+    def l3_limited(self) -> bool:
+        """Whether tenants' L3 blocks are counted against ``l3_blocks``."""
+        return bool(self.config.l3_blocks)
+
     def l3_admit(self, namespace: Hashable, hashes: Sequence[int]) -> tuple[list[int], list[int]]:
         """Of blocks ``hashes`` a commit of ``namespace`` would write to L3: the indices
         to write, and the hashes (of this tenant or one over its guarantee) to remove

@@ -81,7 +81,7 @@ class TenantMachine(RuleBasedStateMachine):
             if node is not None and self.kept_from is not None:
                 self._check_guarantee(node, tier)
             return node
-        cache.moves.pick = checked_pick
+        self.quotas.pick = checked_pick   # the tier space asks the quotas for every pick
 
     def _check_guarantee(self, node, tier: int) -> None:
         who = self.quotas.actor[0]
@@ -165,7 +165,7 @@ class TenantMachine(RuleBasedStateMachine):
         """Counted here from the tree, the running requests' leases and the moves in flight
         (what a move will add to a tier, or take from it: checked by ``check_invariants``)."""
         cache, q = self.engine.cache, self.quotas
-        held = {(t, tier): cache.moves.pending_by_tenant[tier].get(t, 0) for t in TENANTS for tier in range(3)}
+        held = {(t, tier): cache.space.pending_by_tenant[tier].get(t, 0) for t in TENANTS for tier in range(3)}
         for node in cache.tree.iter_nodes():
             held[cache.tree.namespace_of(node), node.tier] += len(node.key)
         for r in self.engine.running:
