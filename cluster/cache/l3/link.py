@@ -165,7 +165,7 @@ class L3Link:
                 shares.l3_forget([hashes[i] for i in todo])
             return 0
         queued = tier.write(tokens[:full * bt] if tail is None else tokens, hashes, todo, kv, remove,
-                            tail=tail, front=front)
+                            tail=tail, front=front, namespace=namespace)
         if not queued and shares is not None:   # dropped (the write queue is full): not held
             shares.l3_forget([hashes[i] for i in todo])
         return queued
