@@ -49,20 +49,11 @@ from cluster.engine import malloc, openmp
 from cluster.engine.checkpoint import load_model, load_tokenizer
 from cluster.engine.engine import Engine, EngineRequest
 from cluster.engine.grammar import Grammars, grammar_available
-from cluster.protocol import (
-    GenerateRequest,
-    LoadReport,
-    MeasuredRates,
-    MigrationResult,
-    PrefixOffer,
-    Snapshot,
-    StagedPrefix,
-    StreamItem,
-    Tenant,
-    WorkerInfo,
-)
+from cluster.protocol import (GenerateRequest, L3ShareCounts, LoadReport, MeasuredRates, MigrationResult, PrefixOffer,
+                              Snapshot, StagedPrefix, StreamItem, Tenant, WorkerInfo)
 from cluster.routing.autoscale_signals import ReplicaSignals
 from cluster.routing.events import KVEventPublisher
+from cluster.routing.l3_shares import COUNTS_TTL_S as L3_COUNTS_TTL_S
 from cluster.routing.policies import CostModel
 from cluster.transfer.nixl_transport import NixlEndpoint, TransferError, nixl_available, recommended_ucx_env
 
@@ -196,7 +187,17 @@ class WorkerCore:
                                           wake=lambda: self.loop.wake(),
                                           register=self._reannounce,
                                           renew_epoch=(lambda: directory.publisher_epoch_future(self.worker_id))
-                                          if epoch is None else None)
+                                          if epoch is None else None,
+                                          on_l3_shares=self._l3_share_counts())
+
+    def _l3_share_counts(self) -> Callable[[L3ShareCounts], None] | None:
+        """Where the directory's count of the tenants' L3 blocks goes (the quotas enforce L3
+        shares across the cluster against it), or None without L3 shares."""
+        quotas = self.cache.quotas
+        if quotas is None or self.l3 is None or not quotas.l3_limited():
+            return None
+        quotas.expect_l3_counts(L3_COUNTS_TTL_S)
+        return lambda counts: quotas.set_l3_others(counts.as_dict())
 
     def _reannounce(self) -> None:
         """Before every snapshot (engine thread): register again, and list L3 once
@@ -204,6 +205,10 @@ class WorkerCore:
         self._register(fresh=False)
         if self.l3 is not None:
             self.l3.request_inventory()
+            quotas = self.cache.quotas
+            for namespace, held in (quotas.l3_written.items() if quotas is not None else ()):
+                if held:   # the tenants' L3 counts: a directory that restarted learns this replica's
+                    self.publisher.on_l3_stored(list(held), namespace)
 
     def _register(self, fresh: bool = True) -> None:
         """Register with the directory: measured rates and the peer channel's address."""

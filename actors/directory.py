@@ -16,6 +16,11 @@ of an older epoch than the newest seen for that worker is refused
 (``stale_epoch``), and a newer one replaces the worker's entries: events of a
 previous life never credit a replica.
 
+It counts each tenant's L3 blocks across the cluster from the replicas' L3
+events (``cluster.routing.l3_shares.L3ShareBook``) and, to a worker that asks
+with its batch (``want_l3_shares``), answers with them (a ``PublishReply``): the
+replicas enforce the tenants' L3 shares against that count.
+
 Routers do not ask it per request: each keeps a copy of its routing table
 (``cluster.routing.table.TableReplica``), fed by ``subscribe``, a long poll
 on the table's change log, and decides locally; ``route`` answers the
@@ -34,9 +39,10 @@ import ray
 
 from cluster.errors import InvalidInputError
 from cluster.names import DIRECTORY_NAME
-from cluster.protocol import (RATE_FIELDS, LoadReport, MeasuredRates, PublisherEpoch, RouteDecision, Snapshot,
-                              TableUpdate)
+from cluster.protocol import (RATE_FIELDS, LoadReport, MeasuredRates, PublisherEpoch, PublishReply, RouteDecision,
+                              Snapshot, TableUpdate)
 from cluster.routing.events import EpochIssuer, EventBatch, MalformedBatchError
+from cluster.routing.l3_shares import L3ShareBook
 from cluster.routing.policies import CostModel, make_policy
 from cluster.routing.table import ChangeLog, RoutingTable
 
@@ -81,6 +87,7 @@ class DirectoryImpl:
         self.epoch_issuer = EpochIssuer(wall_clock_ns)
         self._started = clock()
         self.l3_known = False   # an L3 inventory arrived: the l3 option may be priced
+        self.l3_shares = L3ShareBook()   # each tenant's L3 blocks across the cluster
         self._watches: dict[str, asyncio.Task] = {}
         self.lifecycle: deque[dict] = deque(maxlen=64)
 
@@ -227,6 +234,7 @@ class DirectoryImpl:
 
     async def clear_l3(self) -> int:
         """L3 was flushed: forget which blocks it holds (the entries it had)."""
+        self.l3_shares.clear()
         return self._change("l3_clear")
 
     def handoff_targets(self, worker_id: str) -> list[str]:
@@ -236,12 +244,21 @@ class DirectoryImpl:
         live.sort(key=lambda st: (st.queued_tokens, st.running, st.worker_id))
         return [st.worker_id for st in live]
 
-    async def publish(self, worker_id: str, data: bytes | None, load: LoadReport | None = None) -> str:
+    async def publish(self, worker_id: str, data: bytes | None, load: LoadReport | None = None,
+                      want_l3_shares: bool = False) -> str | PublishReply:
         """A worker's KV event batch (msgpack) and/or its current load.
 
         Returns "ok", or what the worker must do: "unknown_worker", "gap",
         "resync" or "malformed" all mean "send a snapshot" (``load_snapshot``).
-        """
+        With ``want_l3_shares``, a ``PublishReply`` of that status and the tenants'
+        L3 counts less this worker's own (None where the batch was refused)."""
+        status = await self._publish(worker_id, data, load)
+        if not want_l3_shares:
+            return status
+        taken = status not in ("malformed", "stale_epoch")
+        return PublishReply(status, self.l3_shares.counts_for(worker_id) if taken else None)
+
+    async def _publish(self, worker_id: str, data: bytes | None, load: LoadReport | None) -> str:
         batch = None
         if data is not None:
             try:
@@ -261,6 +278,7 @@ class DirectoryImpl:
             self._set_load(worker_id, load)
             if batch is not None:
                 self.epochs[worker_id] = batch.epoch
+                self.l3_shares.apply(worker_id, batch)
             return "unknown_worker"
         self.last_seen[worker_id] = self.clock()
         self._set_load(worker_id, load)
@@ -269,6 +287,7 @@ class DirectoryImpl:
         if self._epoch(worker_id, batch.epoch) == "new":   # a new life: its old entries went; a snapshot follows
             return "resync"
         inventory = any(ev.kind == "inventory" for ev in batch.events)
+        self.l3_shares.apply(worker_id, batch)   # L3 events are about L3, whatever the worker's entries
         status = self._change("batch", batch)
         if inventory and status == "ok":
             self._note_inventory()
@@ -305,6 +324,7 @@ class DirectoryImpl:
             if known is not None:
                 self.stats["new_epochs"] += 1
                 self._change("register", worker_id, True)   # fresh: forgets the old life's entries
+                self.l3_shares.forget_writer(worker_id)     # its L3 blocks stay: another's now
                 log.info("worker %s started again (epoch %d); its old entries are dropped", worker_id, epoch)
                 return "new"
         return "current"
@@ -397,6 +417,7 @@ class DirectoryImpl:
                 "index": dict(getattr(self.index, "stats", {})), "policy": self.policy_name,
                 "log_seq": self.log.seq, "decision_us_p50": self.table.decision_us(0.5),
                 "decision_us_p99": self.table.decision_us(0.99), "l3_blocks_known": self.index.num_l3,
+                "l3_tenant_blocks": {"" if t is None else str(t): n for t, n in self.l3_shares.totals().items()},
                 "draining": self.table.draining, "lifecycle": list(self.lifecycle)}
 
     def index_dump(self) -> dict:

@@ -107,9 +107,10 @@ class DirectoryLink:
             self.forget()
             return None
 
-    def publish(self, worker_id: str, batch: bytes | None, load: LoadReport):
-        """Events and load; returns a future of the directory's status ("ok", or resend a snapshot)."""
-        fut = self.handle().publish.remote(worker_id, batch, load).future()
+    def publish(self, worker_id: str, batch: bytes | None, load: LoadReport, want_l3_shares: bool = False):
+        """Events and load; returns a future of the directory's status ("ok", or resend a snapshot),
+        with ``want_l3_shares`` a ``PublishReply`` that carries the tenants' L3 counts too."""
+        fut = self.handle().publish.remote(worker_id, batch, load, want_l3_shares).future()
         fut.add_done_callback(self._watch)
         return fut
 

@@ -16,6 +16,11 @@ id: the process falls silent (an old life). Unless its epoch is its own clock's
 directory for an epoch, at most one request in flight (``EPOCH_RENEW_S``), and
 publishes under it, from a snapshot.
 
+With ``on_l3_shares`` each send asks the directory for the tenants' L3 counts
+across the cluster (a ``PublishReply``, ``cluster.routing.l3_shares``); the
+latest that came back is handed over at the next ``tick``, on the engine thread,
+which owns the cache that enforces the shares.
+
 A heartbeat thread (``start_heartbeat``) sends the latest load when the engine
 thread has sent nothing for 500 ms: one step longer than the directory's 3 s
 liveness bound (a long prefill on shared cores) must not get a live worker
@@ -29,7 +34,7 @@ import time
 from concurrent.futures import Future
 from typing import Callable
 
-from cluster.protocol import LoadReport
+from cluster.protocol import L3ShareCounts, LoadReport, PublishReply
 from cluster.routing.events import EVENT_INTERVAL_S, HEARTBEAT_S, IDLE_HEARTBEAT_S, KVEventPublisher
 
 log = logging.getLogger(__name__)
@@ -43,13 +48,15 @@ class EventReporter:
     def __init__(self, worker_id: str, publisher: KVEventPublisher, directory, load: Callable[[], LoadReport],
                  on_report: Callable[[], None] | None = None, wake: Callable[[], None] = lambda: None,
                  register: Callable[[], None] | None = None, clock: Callable[[], float] = time.monotonic,
-                 renew_epoch: Callable[[], Future] | None = None):
+                 renew_epoch: Callable[[], Future] | None = None,
+                 on_l3_shares: Callable[[L3ShareCounts], None] | None = None):
         """``directory``: a ``DirectoryLink`` (or anything with ``publish`` and
         ``push_snapshot``); ``on_report`` runs before each send (metrics);
         ``register`` registers the worker again (rates, peer address); ``load``
         must be safe to call from the heartbeat thread (an immutable snapshot).
         ``renew_epoch``: only while the publisher's epoch is its own clock's, a
-        request for one from the directory (a future of a ``PublisherEpoch``)."""
+        request for one from the directory (a future of a ``PublisherEpoch``).
+        ``on_l3_shares``: takes the tenants' L3 counts (engine thread); None: not asked."""
         self.worker_id = worker_id
         self.publisher = publisher
         self.directory = directory
@@ -63,6 +70,8 @@ class EventReporter:
         # (a zombie) and says nothing more (any thread sets it).
         self.superseded = False
         self.renew_epoch = renew_epoch
+        self.on_l3_shares = on_l3_shares
+        self._l3_shares: L3ShareCounts | None = None   # set by a reply's callback, taken on the engine thread
         self.epoch_wanted = False              # refused, with an epoch of our own: ask for one
         self._epoch_asked_at: float | None = None
         self._issued_epoch: int | None = None  # set by the request's callback, adopted on the engine thread
@@ -80,6 +89,9 @@ class EventReporter:
         now = self.clock()
         if self.epoch_wanted:
             self._renew_epoch(now)
+        shares, self._l3_shares = self._l3_shares, None
+        if shares is not None and self.on_l3_shares is not None:
+            self.on_l3_shares(shares)
         if now - self._last_events > EVENT_INTERVAL_S:
             self._last_events = now
             self.flush(now)
@@ -109,7 +121,10 @@ class EventReporter:
     def _publish(self, data: bytes | None, load: LoadReport, what: str):
         """One send (any thread); its status, or None when the send failed."""
         try:
-            status = self.directory.publish(self.worker_id, data, load)
+            if self.on_l3_shares is not None:
+                status = self.directory.publish(self.worker_id, data, load, want_l3_shares=True)
+            else:
+                status = self.directory.publish(self.worker_id, data, load)
         except Exception as exc:  # the directory may be restarting: resync later
             log.warning("%s from %s failed: %s", what, self.worker_id, exc)
             self.snapshot_wanted = True
@@ -124,6 +139,10 @@ class EventReporter:
             status = fut.result()
         except Exception:
             status = "failed"
+        if isinstance(status, PublishReply):
+            if status.l3_shares is not None:
+                self._l3_shares = status.l3_shares
+            status = status.status
         if status == "stale_epoch" and self.renew_epoch is not None:
             self.epoch_wanted = True   # our clock's epoch lost to an earlier life's: not a zombie
             self.wake()

@@ -487,6 +487,41 @@ class LoadReport:
         _number(self.transfer_tokens_per_s, "load report transfer_tokens_per_s", optional=True)
 
 
+@dataclass(frozen=True, slots=True)
+class L3ShareCounts:
+    """Each tenant's L3 blocks as the directory counts them across the cluster (from every
+    replica's L3 KV events), less those the asking replica wrote: it counts its own exactly
+    and adds them on top (``TenantQuotas.set_l3_others``). ``blocks``: ``(namespace,
+    blocks)`` pairs, a namespace a str, an int or None (the shared one)."""
+
+    blocks: tuple[tuple[str | int | None, int], ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.blocks, tuple):
+            raise MalformedMessageError(f"L3 share blocks must be a tuple of pairs, got {type(self.blocks).__name__}")
+        for pair in self.blocks:
+            if not (isinstance(pair, tuple) and len(pair) == 2):
+                raise MalformedMessageError(f"L3 share blocks hold (namespace, blocks) pairs, got {pair!r:.60}")
+            ns, n = pair
+            if ns is not None and (isinstance(ns, bool) or not isinstance(ns, (str, int))):
+                raise MalformedMessageError(f"L3 share namespace must be a str, an int or None, got {ns!r:.60}")
+            _count(n, f"L3 share blocks of {ns!r:.60}")
+
+    def as_dict(self) -> dict[str | int | None, int]:
+        return dict(self.blocks)
+
+
+@dataclass(frozen=True, slots=True)
+class PublishReply:
+    """The directory's answer to a worker's events and load when the worker asks for the
+    tenants' L3 counts (``publish(..., want_l3_shares=True)``): the status as a plain
+    ``publish`` returns it, and the counts (None when the batch was not taken: a stale
+    epoch, a malformed batch)."""
+
+    status: str
+    l3_shares: L3ShareCounts | None = None
+
+
 def _count(value: Any, what: str) -> int:
     """A non-negative integer field; an integral float (3.0) is read as its integer."""
     if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value)
@@ -519,4 +554,4 @@ __all__ = ["WIRE_VERSION", "Tenant", "MalformedMessageError", "FinishReason", "T
            "Range", "SAMPLING_RANGES", "LOGIT_BIAS_RANGE", "SEED_MIN", "SEED_MAX", "MAX_LOGPROBS", "SamplingParams", "MigrationResult", "RouteDecision", "GenerateRequest", "StagedPrefix", "RATE_FIELDS",
            "PrefixOffer",
            "MeasuredRates", "WorkerInfo", "Snapshot", "ReplicaTiming", "StreamItem", "TableChange", "TableState",
-           "TableUpdate", "LoadReport"]
+           "TableUpdate", "LoadReport", "L3ShareCounts", "PublishReply"]

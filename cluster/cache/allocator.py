@@ -32,10 +32,10 @@ allocate and free.
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from typing import Any, Iterable, NamedTuple
 
+from cluster.cache.allocator_checks import check_allocator, deep_sizeof
 from cluster.errors import InvalidInputError, PoolExhaustedError
 
 ALLOC_MODES = ("slotted", "flat", "token")
@@ -543,36 +543,9 @@ class BlockAllocator:
 
     # --------------------------------------------------------------- invariants
     def check_invariants(self) -> None:
-        bt = self.block_tokens
-        free = set(self._free)
-        assert len(free) == len(self._free), "a block is on the free list twice"
-        total_used = 0
-        expected_gaps = {}
-        for b in range(self.num_blocks):
-            live = self.extents_at(b)
-            assert (self.live[b] is None) == (b in free), f"block {b}: extent table out of step with the free list"
-            assert type(self.live[b]) is not tuple or self.live[b][0] == bt, f"block {b}: a pair table not whole"
-            assert self.refcount[b] == len(live), f"block {b}: refcount {self.refcount[b]} != {len(live)} extents"
-            assert self.used[b] == sum(ln for ln, _ in live.values()), f"block {b}: used count drifted"
-            total_used += self.used[b]
-            if b in free:
-                assert not live and not self.occupied[b] and not self._open[b], f"free block {b} still in use"
-                continue
-            assert live, f"block {b} is neither free nor used"
-            mask = 0
-            for off, (ln, _) in live.items():
-                assert off >= 0 and ln > 0 and off + ln <= bt, f"block {b}: extent outside the block"
-                bits = ((1 << ln) - 1) << off
-                assert not mask & bits, f"block {b}: extents overlap at {off}"
-                mask |= bits
-            assert self.occupied[b] == mask, f"block {b}: occupancy bitmask stale"
-            if self._open[b]:
-                for start, length in self.free_runs(b):
-                    expected_gaps[b * bt + start] = length
-        assert total_used == self.used_tokens, "used_tokens drifted"
-        indexed = {key: length for length, bucket in enumerate(self._gaps) for key in bucket}
-        assert indexed == expected_gaps, "free-run index out of date"
-        assert self._gap_mask == sum(1 << r for r, d in enumerate(self._gaps) if d), "run-length mask stale"
+        """Recount every block's table, bitmask and the free-run index (tests):
+        ``cluster.cache.allocator_checks``."""
+        check_allocator(self)
 
 
 def _free_runs(occupied: int, full_mask: int) -> list[tuple[int, int]]:
@@ -586,28 +559,3 @@ def _free_runs(occupied: int, full_mask: int) -> list[tuple[int, int]]:
         free ^= ((1 << length) - 1) << start
     return runs
 
-
-def deep_sizeof(roots: list[Any]) -> int:
-    """Total ``sys.getsizeof`` of ``roots`` and the lists, dicts, tuples and ints
-    they hold, each object once (cached small ints included: they cost a
-    pointer, counted in their container)."""
-    seen: set[int] = set()
-    stack = list(roots)
-    total = 0
-    while stack:
-        obj = stack.pop()
-        t = type(obj)
-        if id(obj) in seen or not (t in (list, dict, tuple, int) or issubclass(t, tuple)):
-            continue
-        seen.add(id(obj))
-        if t is int:
-            if not -5 <= obj <= 256:  # small ints are shared by the whole interpreter
-                total += sys.getsizeof(obj)
-            continue
-        total += sys.getsizeof(obj)
-        if t is dict:
-            stack.extend(obj.keys())
-            stack.extend(obj.values())
-        else:
-            stack.extend(obj)
-    return total

@@ -37,11 +37,19 @@ tree's listener callbacks) as the tier moves in flight will leave them (room
 taken for a move counts at once; a promotion's source no longer), and in HOT
 the KV running requests' leases hold beyond their prefix (``note_running``:
 written or reserved, not in the tree yet). A WARM lower copy (a duplicate of a HOT node) counts toward nobody: it is
-reclaimed first and loses nothing. L3 (per replica, of ``l3_blocks``): the
-blocks this replica wrote for each tenant, oldest first; a write past a
-cap removes the tenant's own oldest blocks, a write past ``l3_blocks`` removes
-blocks of tenants over their guarantee, and a write that finds neither is
-skipped and counted (never lost silently).
+reclaimed first and loses nothing.
+
+L3 (of ``l3_blocks``, across the cluster): a tenant holds the blocks this
+replica wrote for it (``l3_written``, oldest first, exact) plus those the other
+replicas wrote, as the directory counts them from every replica's L3 KV events
+(``set_l3_others``, handed back with the answer to each event batch:
+``cluster.routing.l3_shares``). A write past a cap removes the tenant's own oldest
+blocks written here, a write past ``l3_blocks`` removes blocks written here of
+tenants over their guarantee, and a write that finds neither is skipped and
+counted (never lost silently). Once a replica expects the directory's counts
+(``expect_l3_counts``) and has none fresh (none yet, or older than their
+time-to-live: the directory is away), it writes no new L3 block at all (counted
+in ``l3_skipped_stale_blocks``): a share is never passed for want of a count.
 
 Nothing is shared across tenants: each namespace has its own tree root, so a
 tenant can match, hold and lose only its own KV (unless an operator gives two
@@ -52,7 +60,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, defaultdict
 from contextlib import contextmanager
-from typing import Any, Callable, Collection, Hashable, Iterator, Sequence
+from typing import Any, Callable, Collection, Hashable, Iterator, Mapping, Sequence
 
 from cluster.cache.quota_config import L3_INDEX, QUOTA_TIERS, QuotaConfig
 from cluster.cache.radix_tree import RadixTree, TreeNode
@@ -76,7 +84,9 @@ def tenant_label(namespace: Hashable) -> str:
 class TenantQuotas:
     """The quota state of one cache: what each tenant holds per tier, who acts, the counters."""
 
-    def __init__(self, tree: RadixTree, config: QuotaConfig):
+    def __init__(self, tree: RadixTree, config: QuotaConfig, in_flight: list[dict[Hashable, int]] | None = None):
+        """``in_flight``: what tier moves in flight change of each tenant's share of each tier
+        (``TierSpace.pending_by_tenant``; None: no moves)."""
         self.tree = tree
         self.config = config
         self.resident: list[dict[Hashable, int]] = [defaultdict(int) for _ in range(_TIERS)]
@@ -85,11 +95,16 @@ class TenantQuotas:
         self.stats: dict[Hashable, dict[str, list[int]]] = {}
         self.l3_written: dict[Hashable, OrderedDict[int, None]] = defaultdict(OrderedDict)
         self.l3_skipped_blocks = 0
+        self.l3_skipped_stale_blocks = 0
+        # Other replicas' L3 blocks by tenant, as the directory last counted them, and when
+        # (the tree's clock); ``l3_counts_ttl_s`` None: no directory counts (one replica).
+        self.l3_others: dict[Hashable, int] = {}
+        self.l3_counts_at: float | None = None
+        self.l3_counts_ttl_s: float | None = None
         self.running: dict[Hashable, int] = defaultdict(int)   # HOT tokens of leases not in the tree yet
-        # What tier moves in flight change of each tenant's share of each tier (the cache sets
-        # it to ``TierMoves.pending_by_tenant``): counted at once, so moves in flight cannot pass
-        # a cap, and a promotion's source, which ends as a lower copy, counts no longer.
-        self.in_flight: list[dict[Hashable, int]] = [{}, {}, {}]
+        # Counted at once, so moves in flight cannot pass a cap, and a promotion's source,
+        # which ends as a lower copy, counts no longer.
+        self.in_flight: list[dict[Hashable, int]] = [{}, {}, {}] if in_flight is None else in_flight
         # Who has work in the engine, and whose guarantee holds (``set_work``); None: never
         # told (a cache without an engine), and every guarantee holds always.
         self.active: frozenset | None = None
@@ -112,7 +127,7 @@ class TenantQuotas:
         """What ``namespace`` holds in ``tier``: its resident nodes, as tier moves in flight
         will leave them, and in HOT its running KV."""
         if tier == L3_INDEX:
-            return len(self.l3_written.get(namespace, ()))
+            return len(self.l3_written.get(namespace, ())) + self.l3_others.get(namespace, 0)
         held = self.resident[tier].get(namespace, 0) + self.in_flight[tier].get(namespace, 0)
         return held + self.running.get(namespace, 0) if tier == HOT else held
 
@@ -285,7 +300,7 @@ class TenantQuotas:
         """Per tenant: resident tokens (L3: blocks), hit tokens by tier, and the evictions
         (tokens pushed down or dropped from a tier; L3: blocks removed) it caused, it
         suffered, and it suffered for another tenant, each by tier name."""
-        names = set(self.stats) | {ns for r in self.resident for ns in r} | set(self.l3_written)
+        names = set(self.stats) | {ns for r in self.resident for ns in r} | set(self.l3_written) | set(self.l3_others)
         out = {}
         for ns in sorted(names, key=tenant_label):
             c = self._counters(ns)
@@ -298,12 +313,39 @@ class TenantQuotas:
         return out
 
     # -------------------------------------------------------------------- L3
+    def l3_limited(self) -> bool:
+        """Whether tenants' L3 blocks are counted against ``l3_blocks``."""
+        return bool(self.config.l3_blocks)
+
+    def expect_l3_counts(self, ttl_s: float) -> None:
+        """From now on L3 shares count the other replicas' blocks as the directory hands
+        them over (``set_l3_others``); counts older than ``ttl_s`` (or none yet) are stale,
+        and nothing new is written to L3 while they are."""
+        self.l3_counts_ttl_s = ttl_s
+
+    def set_l3_others(self, blocks: Mapping[Hashable, int], now: float | None = None) -> None:
+        """The directory's count of each tenant's L3 blocks written by the other replicas."""
+        self.l3_others = {ns: n for ns, n in blocks.items() if n > 0}
+        self.l3_counts_at = self.tree.clock() if now is None else now
+
+    def l3_counts_fresh(self) -> bool:
+        """Whether the other replicas' counts may be used (always, when none are expected)."""
+        if self.l3_counts_ttl_s is None:
+            return True
+        return self.l3_counts_at is not None and self.tree.clock() - self.l3_counts_at <= self.l3_counts_ttl_s
+
     def l3_admit(self, namespace: Hashable, hashes: Sequence[int]) -> tuple[list[int], list[int]]:
         """Of blocks ``hashes`` a commit of ``namespace`` would write to L3: the indices
         to write, and the hashes (of this tenant or one over its guarantee) to remove
-        from L3 first. What fits nowhere is skipped and counted."""
+        from L3 first. What fits nowhere, or anything while the cluster's counts are
+        stale, is skipped and counted."""
         if not self.config.l3_blocks:
             return list(range(len(hashes))), []
+        if not self.l3_counts_fresh():
+            new = sum(1 for h in hashes if h not in self.l3_written[namespace])
+            self.l3_skipped_blocks += new
+            self.l3_skipped_stale_blocks += new
+            return [], []
         mine = self.l3_written[namespace]
         remove: list[int] = []
         take: list[int] = []
@@ -311,7 +353,7 @@ class TenantQuotas:
         for i, h in enumerate(hashes):
             if h in mine:
                 continue
-            if len(mine) + 1 > self.cap(namespace, L3_INDEX):
+            if self.holds(namespace, L3_INDEX) + 1 > self.cap(namespace, L3_INDEX):
                 victim = namespace if mine else None
             elif self._l3_total() + 1 > self.config.l3_blocks:
                 victim = self._l3_victim(namespace)
@@ -332,7 +374,7 @@ class TenantQuotas:
         return take, remove
 
     def _l3_total(self) -> int:
-        return sum(len(v) for v in self.l3_written.values())
+        return sum(len(v) for v in self.l3_written.values()) + sum(self.l3_others.values())
 
     def _l3_victim(self, namespace: Hashable) -> Hashable | None:
         over = [ns for ns, held in self.l3_written.items() if held and ns != namespace
@@ -354,7 +396,7 @@ class TenantQuotas:
     def on_l3_removed(self, hashes: Sequence[int]) -> None:
         self.l3_forget(hashes)
 
-    def on_l3_stored(self, hashes: Sequence[int]) -> None:
+    def on_l3_stored(self, hashes: Sequence[int], namespace: Hashable = None) -> None:
         pass
 
     def on_l3_inventory(self, hashes: Sequence[int]) -> None:

@@ -20,20 +20,15 @@ pool of the node's tier. Children are keyed by their first token.
 - Keys are ``array('I')`` and requests packed uint32 bytes
   (``cluster.cache.token_key``): an edge compare is one memcmp, and the
   garbage collector never walks per-token objects.
-- With ``hash_block_tokens`` set, each node carries the chained block hashes
-  (``cluster.hashing``) of the blocks whose last token it holds, computed
-  once for the new tokens at insert and cut or joined at split and merge, so
-  KV events and snapshots never re-hash a path from the root. A root holds
-  its namespace's chain seed as its one "hash".
+- With ``hash_block_tokens`` set, each node carries the chained block hashes of
+  the blocks whose last token it holds (``cluster.cache.tree_hashes``).
 
 Tiers are numbered HOT=0, WARM=1, COLD=2; along any root-to-leaf path a
 node's tier is never hotter than its parent's. The tiered layer
 (``cluster.cache.tiered``) moves nodes between tiers with ``retier``.
 
 Tiers are inclusive where it is free: a HOT node promoted from WARM keeps its
-WARM copy (``node.lower``, a ``LowerCopy``) until WARM needs the room
-(``reclaim_lower``), so pushing it back out of HOT is no copy at all
-(``demote_to_lower``). Split, merge and drop carry the copy along with the node.
+WARM copy (``cluster.cache.tree_lower``); split, merge and drop carry it along.
 """
 
 from __future__ import annotations
@@ -46,14 +41,17 @@ from typing import Any, Callable, Hashable, Sequence
 
 from cluster.cache.allocator import BlockAllocator, Extent
 from cluster.cache.eviction import make_policy
-from cluster.cache.tree_node import InsertResult, LowerCopy, MatchResult, TreeNode  # noqa: F401  (re-exported)
+from cluster.cache.tree_node import InsertResult, LowerCopy, MatchResult, TreeNode, cut_extents  # noqa: F401  (re-exported)
+from cluster.cache.tree_hashes import hash_whole_tree, new_hashes
+from cluster.cache.tree_invariants import check_tree
+from cluster.cache.tree_lower import LowerCopies
 from cluster.cache.token_key import TOKEN_BYTES, encode_tokens, key_array
 from cluster.errors import InvalidInputError
-from cluster.hashing import chain_hashes_u32, salt_seed
+from cluster.hashing import salt_seed
 from cluster.names import COLD, HOT, TIER_NAMES, WARM  # noqa: F401  (re-exported: the tree's tiers)
 
 
-class RadixTree:
+class RadixTree(LowerCopies):
     def __init__(self, allocators: BlockAllocator | Sequence[BlockAllocator], *, policy: str | Any = "lru",
                  clock: Callable[[], float] = time.monotonic, vocab_size: int | None = None,
                  hash_block_tokens: int | None = None):
@@ -117,7 +115,7 @@ class RadixTree:
         for callers that validated the request once at ingress.
         """
         tokens = encode_tokens(tokens, self.vocab_size, validate=validate)
-        node, pos, path = self._walk(tokens, self.root(namespace), split=True)
+        node, pos, path = self.walk(tokens, self.root(namespace), split=True)
         now = self.clock()
         extents: list[Extent] = []
         tier_lengths = [0, 0, 0]
@@ -128,9 +126,11 @@ class RadixTree:
             tier_lengths[n.tier] += len(n.key)
         return MatchResult(pos, node, extents, tier_lengths, path)
 
-    def _walk(self, data: bytes, node: TreeNode, split: bool) -> tuple[TreeNode, int, list[TreeNode]]:
-        """Follow ``data`` (encoded tokens) down from ``node``; returns the last
-        node reached, the tokens matched and the path (root excluded)."""
+    def walk(self, data: bytes, node: TreeNode, split: bool) -> tuple[TreeNode, int, list[TreeNode]]:
+        """Follow ``data`` (encoded tokens, ``encode_tokens``) down from ``node``; returns
+        the last node reached, the tokens matched and the path (root excluded). With
+        ``split`` a match that ends inside an edge splits it there; without, nothing
+        changes (no split, no recency): a reader's walk (L3's write path)."""
         ids = memoryview(data).cast("I")
         pos, n, path = 0, len(ids), []
         startswith = data.startswith
@@ -179,7 +179,7 @@ class RadixTree:
         """Cut ``node`` (whose first token is token ``start`` of its path) after
         ``at`` tokens; returns the new parent holding the head."""
         alloc = self.allocators[node.tier]
-        head_ext, tail_ext = _cut_extents(alloc, node.extents, at)
+        head_ext, tail_ext = cut_extents(alloc, node.extents, at)
         parent = node.parent
         head = TreeNode(node.key[:at], head_ext, parent, node.tier, node.last_access)
         head.lock_ref = node.lock_ref
@@ -192,7 +192,7 @@ class RadixTree:
         alloc.set_owners(head_ext, head)
         if node.lower is not None:   # its WARM copy is cut at the same token
             low_alloc = self.allocators[WARM]
-            low_head, low_tail = _cut_extents(low_alloc, node.lower.extents, at)
+            low_head, low_tail = cut_extents(low_alloc, node.lower.extents, at)
             node.lower.extents = low_tail
             low_alloc.set_owners(low_tail, node.lower)
             head.lower = LowerCopy(head, low_head)
@@ -233,7 +233,7 @@ class RadixTree:
             for e in extents:
                 if alloc.owner_of(e) is not None:
                     raise InvalidInputError(f"extent {tuple(e)} is already owned by the tree")
-        node, present, path = self._walk(data, self.root(namespace), split=True)
+        node, present, path = self.walk(data, self.root(namespace), split=True)
         if present < start:
             raise InvalidInputError(
                 f"tokens[:{start}] must be cached before inserting from start={start}; only {present} are")
@@ -245,7 +245,7 @@ class RadixTree:
             end = pos + nlen
             if end > start:
                 take_from = max(pos, start)
-                mine, cursor = self._cut(cursor, end - take_from)
+                mine, cursor = cut_extents(self.allocators[HOT], cursor, end - take_from)
                 if n.tier != HOT and take_from == pos and not n.busy:
                     self._rehome(n, mine)
                 else:
@@ -263,7 +263,7 @@ class RadixTree:
             return InsertResult(present, node, freed, ntokens - present)
         leaf = TreeNode(key, cursor, node, HOT, now)
         if self.hash_block_tokens is not None:
-            leaf.hashes = self._new_hashes(data, present, ntokens, node)
+            leaf.hashes = new_hashes(self.hash_block_tokens, data, present, ntokens, node)
         alloc.set_owners(cursor, leaf)
         node.children[leaf.key[0]] = leaf
         self.evictable[HOT] += len(leaf.key)
@@ -279,7 +279,7 @@ class RadixTree:
         cached tokens by tier, as ``match_prefix`` would find them, touching,
         splitting and locking nothing: a look that does not make the prefix recent."""
         data = encode_tokens(tokens, self.vocab_size, validate=validate)
-        node, pos, path = self._walk(data, self.root(namespace), split=False)
+        node, pos, path = self.walk(data, self.root(namespace), split=False)
         tiers = [0, 0, 0]
         hot = True
         for n in path:
@@ -290,7 +290,7 @@ class RadixTree:
             child = node.children.get(ids[pos])   # the edge the match ends inside
             if child is not None:
                 key, lo, hi = child.key, 1, min(len(child.key), len(ids) - pos)
-                while hi - lo > 0:   # the longest common length, as ``_walk`` finds it
+                while hi - lo > 0:   # the longest common length, as ``walk`` finds it
                     mid = (lo + hi + 1) // 2
                     if data.startswith(key[:mid], pos * TOKEN_BYTES):
                         lo = mid
@@ -303,7 +303,7 @@ class RadixTree:
     def touch_path(self, tokens: Sequence[int] | bytes, namespace: Hashable = None, now: float | None = None) -> None:
         """Make the cached path of ``tokens`` the most recently used, splitting nothing."""
         data = encode_tokens(tokens, self.vocab_size, validate=False)
-        _, _, path = self._walk(data, self.root(namespace), split=False)
+        _, _, path = self.walk(data, self.root(namespace), split=False)
         now = self.clock() if now is None else now
         for n in path:
             n.last_access = now
@@ -321,7 +321,7 @@ class RadixTree:
         """The moves (``node.busy``) of the nodes on ``tokens``' path and of the edge
         it would split, each once: what an insert of ``tokens`` waits for."""
         data = encode_tokens(tokens, self.vocab_size, validate=validate)
-        node, pos, path = self._walk(data, self.root(namespace), split=False)
+        node, pos, path = self.walk(data, self.root(namespace), split=False)
         ids = memoryview(data).cast("I")
         if pos < len(ids):
             child = node.children.get(ids[pos])
@@ -333,50 +333,9 @@ class RadixTree:
                 out.append(n.busy)
         return out
 
-    def _new_hashes(self, data: bytes, start: int, end: int, parent: TreeNode) -> list[int]:
-        """Hashes of the blocks ending in tokens ``[start, end)`` of ``data``,
-        chained from the last block hash above ``parent`` (or the seed)."""
-        bt = self.hash_block_tokens
-        first = start // bt
-        if end // bt <= first:
-            return []
-        holder = parent
-        while not holder.hashes:  # the root always has its seed
-            holder = holder.parent
-        return chain_hashes_u32(data, first * bt, (end // bt) * bt, bt, holder.hashes[-1])
-
     def enable_block_hashes(self, block_tokens: int) -> None:
         """Start keeping block hashes on every node (computed now for what is cached)."""
-        if not isinstance(block_tokens, int) or block_tokens <= 0:
-            raise InvalidInputError(f"hash block_tokens must be a positive integer, got {block_tokens!r}")
-        if self.hash_block_tokens is not None:
-            if self.hash_block_tokens != block_tokens:
-                raise InvalidInputError(
-                    f"this tree already keeps {self.hash_block_tokens}-token block hashes, not {block_tokens}")
-            return
-        self.hash_block_tokens = block_tokens
-        for namespace, root in self.roots.items():
-            root.hashes = [salt_seed(namespace)]
-            stack = [(c, array("I")) for c in root.children.values()]
-            while stack:
-                node, prefix = stack.pop()
-                path = prefix + node.key
-                node.hashes = self._new_hashes(path.tobytes(), len(prefix), len(path), node.parent)
-                stack.extend((c, path) for c in node.children.values())
-
-    def _cut(self, extents: list[Extent], ntokens: int) -> tuple[list[Extent], list[Extent]]:
-        """Split an extent list after ``ntokens`` tokens (cutting an extent on its block)."""
-        head, covered = [], 0
-        for i, e in enumerate(extents):
-            if covered + e.length <= ntokens:
-                head.append(e)
-                covered += e.length
-                if covered == ntokens:
-                    return head, extents[i + 1:]
-            else:
-                first, second = self.allocators[HOT].split(e, ntokens - covered)
-                return head + [first], [second] + extents[i + 1:]
-        return head, []
+        hash_whole_tree(self, block_tokens)
 
     def _rehome(self, node: TreeNode, hot_extents: list[Extent]) -> None:
         """Replace a cold copy by freshly computed HOT KV of the same tokens (a WARM
@@ -584,49 +543,6 @@ class RadixTree:
         for listener in self.listeners:
             listener.on_tier(node, old_tier)
 
-    # ---------------------------------------------------------- lower copies
-    def keep_lower(self, node: TreeNode, extents: list[Extent]) -> None:
-        """Keep ``extents`` (WARM, the same tokens' KV) as HOT ``node``'s lower copy."""
-        assert node.tier == HOT and node.lower is None, "only a HOT node without one keeps a lower copy"
-        node.lower = LowerCopy(node, list(extents))
-        self.allocators[WARM].set_owners(node.lower.extents, node.lower)
-        self.lower_copies[id(node)] = node.lower
-        self.lower_tokens += len(node.key)
-
-    def drop_lower(self, node: TreeNode, *, free: bool = True) -> int:
-        """Forget ``node``'s lower copy (freeing its WARM extents unless ``free`` is
-        False); returns its tokens (0 when it had none)."""
-        low = node.lower
-        if low is None:
-            return 0
-        node.lower = None
-        del self.lower_copies[id(node)]
-        n = sum(e.length for e in low.extents)
-        self.lower_tokens -= n
-        if free:
-            self.allocators[WARM].free(low.extents)
-        return n
-
-    def demote_to_lower(self, node: TreeNode) -> None:
-        """Move a HOT node with a lower copy down to WARM at no copy: its HOT
-        extents are freed and the node takes its lower copy's."""
-        low = node.lower
-        assert node.tier == HOT and low is not None and not node.busy and not node.lock_ref
-        self.drop_lower(node, free=False)
-        hot = node.extents
-        self.retier(node, WARM, low.extents)
-        self.allocators[HOT].free(hot)
-
-    def reclaim_lower(self, blocks_wanted: int) -> int:
-        """Free lower copies, oldest first, until WARM has ``blocks_wanted`` free
-        blocks or none is left; returns the tokens freed (nothing is lost: each
-        node still has its HOT copy)."""
-        alloc, freed = self.allocators[WARM], 0
-        while alloc.free_blocks < blocks_wanted and self.lower_copies:
-            low = next(iter(self.lower_copies.values()))
-            freed += self.drop_lower(low.node)
-        return freed
-
     # -------------------------------------------------------------- iteration
     def iter_nodes(self, namespace: Hashable = ...):
         roots = self.roots.values() if namespace is ... else [self.root(namespace)]
@@ -656,22 +572,5 @@ class RadixTree:
     # -------------------------------------------------------------- invariants
     def check_invariants(self) -> None:
         """Recount everything from the nodes (tests): see ``tree_invariants``."""
-        from cluster.cache.tree_invariants import check_tree   # a test aid, kept out of this module
-
         check_tree(self)
 
-
-def _cut_extents(alloc: BlockAllocator, extents: list[Extent], at: int) -> tuple[list[Extent], list[Extent]]:
-    """``extents`` cut after ``at`` tokens (an extent across the cut is split on its block)."""
-    head, tail, covered = [], [], 0
-    for e in extents:
-        if covered >= at:
-            tail.append(e)
-        elif covered + e.length <= at:
-            head.append(e)
-        else:
-            first, second = alloc.split(e, at - covered)
-            head.append(first)
-            tail.append(second)
-        covered += e.length
-    return head, tail

@@ -17,19 +17,17 @@ from typing import Callable, Sequence
 import torch
 
 from cluster.cache.allocator import Extent
-from cluster.cache.kv_pool import KVPool
-from cluster.errors import PoolExhaustedError
+from cluster.cache.tier_space import TierSpace
+from cluster.names import WARM
 
 
 class HostStaging:
-    def __init__(self, pool: KVPool, check_owner: Callable[[str], None],
-                 reclaim: Callable[[int], int] | None = None):
-        """``reclaim(blocks)``: frees WARM blocks that cost nothing to lose (the
-        lower copies of HOT nodes) until ``blocks`` are free; tried once when the
-        pool is full."""
-        self.pool = pool
+    def __init__(self, space: TierSpace, check_owner: Callable[[str], None]):
+        """``space``: the cache's tier space, whose WARM pool the blocks are taken from
+        (``allocate_staging``: only redundant lower copies are reclaimed for them)."""
+        self.space = space
+        self.pool = space.pools[WARM]
         self._check_owner = check_owner
-        self._reclaim = reclaim
 
     @property
     def tensor(self) -> torch.Tensor:
@@ -40,12 +38,7 @@ class HostStaging:
         """Whole host blocks for ``num_tokens``; evicts nothing cached (a pool full of
         cached prefixes raises), only redundant lower copies."""
         self._check_owner("HostStaging.allocate")
-        try:
-            return self.pool.allocator.allocate(num_tokens, private_tail=True)
-        except PoolExhaustedError as exc:
-            if self._reclaim is None or not self._reclaim(exc.needed_blocks):
-                raise
-            return self.pool.allocator.allocate(num_tokens, private_tail=True)
+        return self.space.allocate_staging(num_tokens)
 
     def free(self, extents: Sequence[Extent]) -> None:
         self._check_owner("HostStaging.free")

@@ -11,16 +11,16 @@ WARM copy (``RadixTree.keep_lower``), so demoting it again is no copy, and
 WARM reclaims such copies before it demotes or drops anything. Every token
 that leaves the tree is counted by tier and reason (``count_drop``); a drop
 while the tier below had room for it is a defect, counted apart. It is given the
-tree, the pools, the copy engines and the cache's ``allocate``; it owns the moves in
-flight (``active``), the tokens leaving each tier (``pending_out``) and, by tenant,
-what they change of each tier's share (``pending_by_tenant``: the quotas count it).
+tier space (``cluster.cache.tier_space``: the tree, the pools, room, the pick, the
+counters) and the copy engines; it owns the moves in flight (``active``), and keeps the
+space's count of what they take out of each tier and, by tenant, put into each.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable
+from typing import Callable, Hashable, Sequence
 
 import torch
 
@@ -28,39 +28,24 @@ from cluster.cache.allocator import Extent
 from cluster.cache.kv_pool import copy_pairs
 from cluster.cache.quotas import TenantCapError
 from cluster.cache.radix_tree import TreeNode
+from cluster.cache.tier_space import TierSpace
 from cluster.cache.tier_types import Move, MoveKind
 from cluster.errors import ChecksumError, PoolExhaustedError
 from cluster.estimators import RecentMedian
-from cluster.names import HOT, TIER_NAMES, WARM
+from cluster.names import COLD, HOT, WARM
 
 log = logging.getLogger(__name__)
 
 
 class TierMoves:
-    """Given the tree, the pools, the copy engines and an ``allocate(tier, tokens,
-    private_tail=...)`` that may make room (the cache's: HOT's watermarks live there),
-    it owns the moves in flight (``active``), the tokens leaving each tier
-    (``pending_out``) and the measured promotion rates (``promote_s_per_token``).
-    Owner thread only, like the cache; ``stats`` is the cache's counters dict."""
+    """Given the tier space (room, the pick, the counters) and the copy engines, it owns
+    the moves in flight (``active``) and the measured promotion rates
+    (``promote_s_per_token``). Owner thread only, like the cache."""
 
-    def __init__(self, tree, pools: list, copier, disk_io, upload, layout, stats: dict,
-                 allocate: Callable[..., list[Extent]]):
-        self.tree, self.pools, self.copier, self.disk_io = tree, pools, copier, disk_io
-        self.upload, self.layout, self.stats = upload, layout, stats
-        self._allocate = allocate
-        # The next node of a tier to push down: the tree's policy order, or the tenant
-        # quotas' rules (``cluster.cache.quotas``: the cache sets it when they are on).
-        self.pick: Callable[..., TreeNode | None] = tree.pop_candidate
-        # Quotas (the cache sets them): whether a tenant's ``tokens`` more in a tier would pass its
-        # cap there, and what brings tenants back under their caps (a promotion that made room
-        # against its own nodes' room below and then did not start).
-        self.capped: Callable[[Any, int, int], bool] = lambda namespace, tier, tokens: False
-        self.recap: Callable[[set], None] = lambda namespaces: None
+    def __init__(self, space: TierSpace, copier, disk_io, upload, layout):
+        self.space, self.tree, self.pools, self.stats = space, space.tree, space.pools, space.stats
+        self.copier, self.disk_io, self.upload, self.layout = copier, disk_io, upload, layout
         self.active: dict[tuple[int, int], Move] = {}   # (engine, op id) -> the move in flight
-        self.pending_out = [0, 0, 0]   # tokens leaving each tier in flight
-        # tier -> namespace -> tokens: + the room a move in flight took there, - a promotion's source
-        # (it ends a lower copy, which counts toward nobody, or freed)
-        self.pending_by_tenant: list[dict] = [{}, {}, {}]
         self.refused: PoolExhaustedError | None = None   # why the last demotion found no room below
         # Measured seconds per token of a promotion from WARM and from COLD (None until one ran).
         self.promote_s_per_token: list[float | None] = [None, None, None]
@@ -108,25 +93,23 @@ class TierMoves:
         its tenant at its cap there (quotas); ``copy_failed``; ``checksum``; ``flush``)."""
         if not tokens:
             return
-        self.stats["dropped_tokens"] += tokens
-        key = f"dropped_{TIER_NAMES[tier].lower()}_{reason}_tokens"
-        self.stats[key] = self.stats.get(key, 0) + tokens
+        self.stats.count_drop(tier, reason, tokens)
         if tier + 1 < self.num_tiers and reason not in ("checksum", "flush", "over_cap"):
             below = self.pools[tier + 1].allocator
             if below.free_blocks * below.block_tokens >= tokens + below.block_tokens:
-                self.stats["dropped_with_room_tokens"] += tokens   # a defect: it should have gone down
+                self.stats.dropped_with_room_tokens += tokens   # a defect: it should have gone down
 
     def make_room(self, tier: int, blocks: int) -> bool:
         """Synchronously free ``blocks`` in ``tier``: demote (wait) or drop. False if stuck."""
         alloc = self.pools[tier].allocator
         target = alloc.free_blocks + blocks
-        self.stats["stalls"] += 1
+        self.stats.stalls += 1
         return self._free_until(tier, lambda: alloc.free_blocks >= target, target)
 
     def shed_own(self, tier: int, over_cap: Callable[[], bool]) -> None:
-        """Push the acting tenant's own data out of ``tier`` (``self.pick`` picks only its
+        """Push the acting tenant's own data out of ``tier`` (the space's pick takes only its
         nodes while it is at its cap) until ``over_cap()`` is False or nothing of it can go."""
-        self.stats["quota_sheds"] = self.stats.get("quota_sheds", 0) + 1
+        self.stats.quota_sheds += 1
         self._free_until(tier, lambda: not over_cap(), None)
 
     def _free_until(self, tier: int, done: Callable[[], bool], reclaim_to: int | None) -> bool:
@@ -139,17 +122,17 @@ class TierMoves:
 
     def _free_blocks_until(self, tier: int, done: Callable[[], bool], reclaim_to: int | None,
                            passed_over: list[TreeNode]) -> bool:
-        """Demote or drop ``self.pick``'s nodes until ``done()``; ``reclaim_to``: free
+        """Demote or drop the space's picks until ``done()``; ``reclaim_to``: free
         blocks WARM's lower copies are reclaimed up to first (None: shedding a tenant's
         data, which lower copies do not count toward)."""
         while not done():
             self.poll()
             if tier == WARM and self.tree.lower_copies and reclaim_to is not None:
                 # Duplicates of HOT nodes go first, for free.
-                self.stats["lower_copies_reclaimed_tokens"] += self.tree.reclaim_lower(reclaim_to)
+                self.space.reclaim_lower_to(reclaim_to)
                 continue
             last_tier = tier == self.num_tiers - 1
-            node = self.pick(tier, leaves_only=last_tier)
+            node = self.space.pick(tier, leaves_only=last_tier)
             if node is None:
                 # Blocks held by copies in flight, out of this tier or into it (a promotion
                 # leaves its nodes unlocked, so evictable, when it completes): wait for one.
@@ -171,8 +154,8 @@ class TierMoves:
                         continue
                     # The next tier failed the copy (a disk error): the node stays here, and
                     # demoting it again would fail again, forever. Drop it like a stuck one.
-                    self.stats["demotion_failures"] += 1
-                    if self.stats["demotion_failures"] == 1:
+                    self.stats.demotion_failures += 1
+                    if self.stats.demotion_failures == 1:
                         log.warning("demotion from tier %d failed (%s: %s); dropping instead", tier,
                                     type(move.error).__name__, move.error)
                 if not node.children and not node.lock_ref and node.alive and not node.busy:
@@ -205,7 +188,7 @@ class TierMoves:
         if not 0 < at < len(node.key):
             return node
         self.tree.split_node(node, at)
-        self.stats["demotion_splits"] = self.stats.get("demotion_splits", 0) + 1
+        self.stats.demotion_splits += 1
         return node
 
     def start_demotion(self, nodes: TreeNode | list[TreeNode]) -> Move | None:
@@ -219,13 +202,13 @@ class TierMoves:
             assert all(c.tier > node.tier for c in node.children.values()), \
                 "only a frontier node (no child in its own tier) moves down"
             if node.lower is not None and node.tier == HOT and not node.busy and not node.lock_ref:
-                if self.capped(self.tree.namespace_of(node), WARM, len(node.key)):
+                if self.space.capped(self.tree.namespace_of(node), WARM, len(node.key)):
                     self.tree.drop_lower(node)   # its tenant at its WARM cap: room is made as for a copy
                     copied.append(node)
                     continue
                 self.tree.demote_to_lower(node)   # its WARM copy is still there: nothing to move
-                self.stats["demoted_to_warm"] += 1
-                self.stats["demoted_without_copy"] += 1
+                self.stats.demoted_to_warm += 1
+                self.stats.demoted_without_copy += 1
             else:
                 copied.append(node)
         nodes = copied
@@ -240,10 +223,10 @@ class TierMoves:
         taken, dst_exts = [], []
         for node in nodes:
             try:   # room below is made for the node's own tenant (quotas)
-                dst_exts.append(self._allocate(dst, len(node.key), private_tail=False,
-                                               tenant=self.tree.namespace_of(node)))
+                dst_exts.append(self.space.allocate(dst, len(node.key), private_tail=False,
+                                                    tenant=self.tree.namespace_of(node)))
                 taken.append(node)
-                self._coming(dst, node, len(node.key))   # counts for the next node's room already
+                self.space.coming(dst, node, len(node.key))   # counts for the next node's room already
             except PoolExhaustedError as exc:
                 self.refused = exc
                 break
@@ -275,7 +258,7 @@ class TierMoves:
             move.engine = self.disk_io
             move.op_id = self.disk_io.submit(write_all)
         for node in taken:
-            self.pending_out[src] += len(node.key)
+            self.space.leaving(src, len(node.key))
         self.active[(id(move.engine), move.op_id)] = move
         return move
 
@@ -286,22 +269,22 @@ class TierMoves:
         ``make_room=False``: only into HOT's free blocks (nothing is pushed out)."""
         for n in nodes:
             self.tree.lock(n)  # nothing on these paths may move or go meanwhile
-            self._coming(n.tier, n, -len(n.key))   # on its way out: its tenant's room there is free
+            self.space.coming(n.tier, n, -len(n.key))   # on its way out: its tenant's room there is free
         dst_exts: list[list[Extent]] = []
         try:
             for n in nodes:   # for the node's own tenant: within its HOT cap (quotas)
-                dst_exts.append(self._allocate(HOT, len(n.key), private_tail=False, make_room=make_room,
-                                               tenant=self.tree.namespace_of(n)))
-                self._coming(HOT, n, len(n.key))
+                dst_exts.append(self.space.allocate(HOT, len(n.key), private_tail=False, make_room=make_room,
+                                                    tenant=self.tree.namespace_of(n)))
+                self.space.coming(HOT, n, len(n.key))
         except PoolExhaustedError:
             for n, ext in zip(nodes, dst_exts):
                 self.hot.allocator.free(ext)
-                self._coming(HOT, n, -len(n.key))
+                self.space.coming(HOT, n, -len(n.key))
             for n in nodes:
-                self._coming(n.tier, n, len(n.key))
+                self.space.coming(n.tier, n, len(n.key))
                 self.tree.unlock(n)
-            self.stats["promotion_skipped_no_room"] += 1
-            self.recap({self.tree.namespace_of(n) for n in nodes})
+            self.stats.promotion_skipped_no_room += 1
+            self.space.recap({self.tree.namespace_of(n) for n in nodes})
             return None
         move = Move(MoveKind.PROMOTE, list(nodes), [n.tier for n in nodes], HOT, dst_exts, None)
         if self.layout is None:
@@ -329,6 +312,41 @@ class TierMoves:
         self.active[(id(move.engine), move.op_id)] = move
         return move
 
+    # A promotion must be measured this much slower than computing the same tokens before a
+    # request recomputes them; and every REMEASURE_EVERY-th such case promotes all the same,
+    # so the copy rate is measured again (a disk that was slow once is not written off).
+    RECOMPUTE_MARGIN = 1.25
+    REMEASURE_EVERY = 8
+
+    def recompute_cheaper(self, tiers: Sequence[int], recompute_s: float) -> bool:
+        """Whether bringing up the WARM and COLD parts of a prefix (``tiers``: tokens by tier)
+        is measured slower than computing them (``recompute_s``); counted when it is."""
+        rates = [self.promote_s_per_token[t] for t in (WARM, COLD) if tiers[t]]
+        if None in rates:
+            return False
+        copy_s = sum(tiers[t] * self.promote_s_per_token[t] for t in (WARM, COLD) if tiers[t])
+        if copy_s <= self.RECOMPUTE_MARGIN * recompute_s:
+            return False
+        self.stats.promotions_recompute_cheaper += 1
+        return self.stats.promotions_recompute_cheaper % self.REMEASURE_EVERY != 0
+
+    def demote_path(self, tokens: Sequence[int], namespace: Hashable, tier: int) -> int:
+        """Move the cached path of ``tokens`` down to ``tier`` now (leaf first, waiting for
+        each copy); returns the tokens moved. For calibration and tests."""
+        moved = 0
+        for _ in range(tier):
+            m = self.tree.match_prefix(tokens, namespace)
+            for node in reversed(m.nodes):
+                # Only a frontier node (no child in its tier, off the path too): tiers stay monotone.
+                if node.tier < tier and not node.busy and not node.lock_ref and \
+                        all(c.tier > node.tier for c in node.children.values()):
+                    move = self.start_demotion(node)
+                    if move is not None:
+                        self.wait(move)
+                    if move is not None or node.tier == tier:   # copied, or moved onto its lower copy
+                        moved += len(node.key)
+        return moved
+
     def check_invariants(self) -> None:
         """What leaves and enters each tier in flight is what the moves in flight carry."""
         moving = [(m, n, src) for m in self.active.values() for n, src in zip(m.nodes, m.src_tiers)]
@@ -337,20 +355,11 @@ class TierMoves:
             for tier, sign in ((m.dst_tier, 1), (src, -1 if m.kind is MoveKind.PROMOTE else 0)):
                 ns = self.tree.namespace_of(n)
                 by_tenant[tier][ns] = by_tenant[tier].get(ns, 0) + sign * len(n.key)
-        assert self.pending_by_tenant == [{k: v for k, v in d.items() if v} for d in by_tenant], \
+        assert self.space.pending_by_tenant == [{k: v for k, v in d.items() if v} for d in by_tenant], \
             "in-flight tokens by tenant drifted"
         for tier in range(self.num_tiers):
-            assert self.pending_out[tier] == sum(len(n.key) for m, n, src in moving if m.kind is MoveKind.DEMOTE
+            assert self.space.pending_out[tier] == sum(len(n.key) for m, n, src in moving if m.kind is MoveKind.DEMOTE
                                                  and src == tier), "in-flight token count drifted"
-
-    def _coming(self, tier: int, node: TreeNode, tokens: int) -> None:
-        """``tokens`` more (or fewer) of ``node``'s tenant in ``tier`` once a move in flight lands."""
-        into, ns = self.pending_by_tenant[tier], self.tree.namespace_of(node)
-        left = into.get(ns, 0) + tokens
-        if left:
-            into[ns] = left
-        else:
-            del into[ns]
 
     def promote_sync(self, nodes: list[TreeNode]) -> int:
         move = self.start_promotion(nodes)
@@ -367,17 +376,20 @@ class TierMoves:
             src, dst = move.src_tiers[0], move.dst_tier
             freed: list[Extent] = []   # freed in one call: the next allocation gets them in order
             for node, dst_ext in zip(move.nodes, move.dst_extents):
-                self.pending_out[src] -= len(node.key)
-                self._coming(dst, node, -len(node.key))
+                self.space.leaving(src, -len(node.key))
+                self.space.coming(dst, node, -len(node.key))
                 if error is not None or node.lock_ref:
                     # Failed copy, or the source got locked meanwhile: keep the source.
                     self.pools[dst].allocator.free(dst_ext)
-                    self.stats["demotions_abandoned"] += 1
+                    self.stats.demotions_abandoned += 1
                     self.tree.requeue(node)
                     continue
                 freed.extend(node.extents)
                 self.tree.retier(node, dst, dst_ext)
-                self.stats["demoted_to_warm" if dst == WARM else "demoted_to_cold"] += 1
+                if dst == WARM:
+                    self.stats.demoted_to_warm += 1
+                else:
+                    self.stats.demoted_to_cold += 1
             self.pools[src].allocator.free(freed)
             return
         # Promotion: apply root-ward first so tiers stay monotone along the path.
@@ -386,29 +398,29 @@ class TierMoves:
         bad = move.failed_index[0] if move.failed_index else (0 if error is not None else len(move.nodes))
         tokens = 0
         for i, (node, ext) in enumerate(zip(move.nodes, move.dst_extents)):
-            self._coming(HOT, node, -len(node.key))   # landed here, or given up
+            self.space.coming(HOT, node, -len(node.key))   # landed here, or given up
             if i < bad:
                 old_tier, old = node.tier, node.extents
                 self.tree.retier(node, HOT, ext)
-                self._coming(old_tier, node, len(node.key))
+                self.space.coming(old_tier, node, len(node.key))
                 if old_tier == WARM:   # inclusive: the WARM copy stays until WARM wants the room
                     self.tree.keep_lower(node, old)
                 else:
                     self.pools[old_tier].allocator.free(old)
-                self.stats["promoted_tokens"] += len(node.key)
+                self.stats.promoted_tokens += len(node.key)
                 tokens += len(node.key)
             else:
                 self.hot.allocator.free(ext)
-                self._coming(node.tier, node, len(node.key))   # it stays where it was
-        self.stats["promotions"] += 1
+                self.space.coming(node.tier, node, len(node.key))   # it stays where it was
+        self.stats.promotions += 1
         if tokens and error is None and seconds > 0:
             self._note_copy_rate(move, tokens, seconds)
         if bad < len(move.nodes):
             if isinstance(error, ChecksumError):   # the stored copy is bad: it and what hangs below it go
-                self.stats["checksum_failures"] += 1
+                self.stats.checksum_failures += 1
                 self.count_drop(move.src_tiers[bad], "checksum", self.tree.drop_subtree(move.nodes[bad]))
             else:   # the copy up failed, not the data: the nodes stay where they were, whole
-                self.stats["promotion_failures"] += 1
+                self.stats.promotion_failures += 1
                 for node in move.nodes[bad:]:
                     if node.alive:
                         self.tree.requeue(node)

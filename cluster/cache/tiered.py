@@ -9,7 +9,18 @@ merge, drop or second move), its source KV stays valid until the copy
 completes, and completions are applied by the owner in ``poll``. A demotion
 that finds its node locked when it completes is abandoned (the HOT copy is in
 use); a promotion that fails (disk checksum) drops the bad node and its
-subtree, and the caller recomputes. The copies themselves: ``cluster.cache.tier_moves``.
+subtree, and the caller recomputes.
+
+The parts it holds, each given only what it uses:
+
+- ``space`` (``cluster.cache.tier_space.TierSpace``): the room in each tier
+  (allocation, watermarks, reclaim of lower copies, the quota pick);
+- ``moves`` (``cluster.cache.tier_moves.TierMoves``): the copies between tiers;
+- ``sessions`` (``cluster.cache.sessions.SessionPrefetch``): sessions and prefetch;
+- ``staging`` (``cluster.cache.staging.HostStaging``): migrations' host blocks;
+- ``quotas`` (``cluster.cache.quotas.TenantQuotas``, the space's; None without);
+- ``l3`` (``cluster.cache.l3.link.L3Link``, once ``attach_l3``);
+- ``stats`` (``cluster.cache.cache_stats.CacheStats``): every counter, one object.
 
 What callers use, and nothing inside:
 
@@ -39,29 +50,28 @@ the cache belongs to one thread, the worker's engine thread.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
-from contextlib import nullcontext
 from typing import Any, Callable, Collection, Hashable, Sequence
 
 import torch
 
-from cluster.cache.allocator import AllocatorConfig, Extent
+from cluster.cache.allocator import Extent
+from cluster.cache.cache_stats import CacheStats
 from cluster.cache.codec import CodecMismatchError, stored_block_bytes, tier_codec
 from cluster.cache.disk import DiskPool
 from cluster.cache.kv_pool import KVLayout, KVPool
-from cluster.cache.offload import ImmediateEngine, ThreadEngine, make_copy_engine
 from cluster.cache.lease import KVLease
 from cluster.cache.l3.link import L3Link
 from cluster.cache.l3.tier import L3Tier
-from cluster.cache.quota_config import QuotaConfig
-from cluster.cache.quotas import CURRENT, NOBODY, TenantQuotas
+from cluster.cache.quotas import TenantQuotas
 from cluster.cache.radix_tree import RadixTree, TreeNode
+from cluster.cache.sessions import SessionPrefetch
 from cluster.cache.staging import HostStaging
 from cluster.errors import CacheError, InvalidInputError, PoolExhaustedError
 from cluster.names import COLD, HOT, TIER_NAMES, WARM
 from cluster.ownership import ThreadOwner
 from cluster.cache.tier_moves import TierMoves
-from cluster.cache.upload import StagedUpload
+from cluster.cache.tier_pools import build_copy_engines, build_pools
+from cluster.cache.tier_space import TierSpace
 from cluster.cache.tier_types import Move, MoveKind, Readiness, TieredMatch, TierConfig, UnknownSessionError
 
 __all__ = ["TieredCache", "TierConfig", "Move", "MoveKind", "Readiness", "TieredMatch", "UnknownSessionError"]
@@ -80,62 +90,25 @@ class TieredCache:
                               * layout.head_dim * layout.torch_dtype.itemsize, self.device.type)
         self.config = config
         self.layout = layout
-        bt, mode = config.block_tokens, config.mode
-        self.pools: list[Any] = [KVPool(AllocatorConfig(config.hot_blocks, bt, mode), layout,
-                                        device=self.device, name="hot")]
-        if config.warm_blocks:
-            self.pools.append(KVPool(AllocatorConfig(config.warm_blocks, bt, mode), layout, codec=self.codec,
-                                     device="cpu", pin_memory=self.device.type == "cuda", name="warm"))
-        if config.cold_blocks and layout is None:  # simulation: bookkeeping only, no file
-            self.pools.append(KVPool(AllocatorConfig(config.cold_blocks, bt, mode), None, name="cold"))
-        elif config.cold_blocks:
-            if not config.disk_dir:
-                raise InvalidInputError("cold_blocks > 0 needs disk_dir (the COLD tier's directory)")
-            self.pools.append(DiskPool(AllocatorConfig(config.cold_blocks, bt, mode), layout, config.disk_dir,
-                                       codec=self.codec))
+        self.pools: list[Any] = build_pools(config, layout, self.device, self.codec)
         self.tree = RadixTree([p.allocator for p in self.pools], policy=config.eviction_policy, clock=clock,
                               vocab_size=vocab_size)
-        if layout is None:  # no KV payload: moves are bookkeeping and complete at once
-            self.copier = ImmediateEngine()
-            self.disk_io = ImmediateEngine() if config.cold_blocks else None
-        else:
-            pace = config.copy_gb_per_s * 1e9 if config.copy_gb_per_s else None
-            self.copier = make_copy_engine(self.device, deterministic=deterministic_io, max_bytes_per_s=pace)
-            self.disk_io = ThreadEngine("kv-disk", drain_on_poll=deterministic_io,
-                                        max_bytes_per_s=pace) if config.cold_blocks else None
-        # COLD -> HOT through staging buffers, on the disk thread, on the copy stream under CUDA.
-        upload = StagedUpload(self.hot, self.pools[COLD], stream=getattr(self.copier, "stream", None)) \
-            if self.num_tiers > COLD and layout is not None else None
-        # Host blocks for migrations (None without a WARM tier, or without KV payload).
-        self.staging = HostStaging(self.pools[WARM], self.check_owner, reclaim=self._reclaim_lower_blocks) \
-            if self.num_tiers > WARM and layout is not None else None
+        self.copier, self.disk_io, upload = build_copy_engines(config, layout, self.device, self.pools,
+                                                               deterministic_io)
         self.owner: ThreadOwner | None = None   # set by the worker when ownership checks are on
-        self._sessions: OrderedDict[Any, tuple[Hashable, list[int]]] = OrderedDict()
+        self.stats = CacheStats()
+        # The room in each tier (the quotas' pick among it), and the copies that move data
+        # between tiers to make it: the space makes room through the moves, the moves take
+        # room through the space.
+        self.space = TierSpace(self.tree, self.pools, config, self.stats)
+        self.quotas: TenantQuotas | None = self.space.quotas
+        self.moves = TierMoves(self.space, self.copier, self.disk_io, upload, layout)
+        self.space.bind(self.moves)
+        self.sessions = SessionPrefetch(self.tree, self.space, self.moves, config, self.stats)
+        # Host blocks for migrations (None without a WARM tier, or without KV payload).
+        self.staging = HostStaging(self.space, self.check_owner) \
+            if self.num_tiers > WARM and layout is not None else None
         self.l3: L3Link | None = None   # attach_l3
-        # What a session prefetch must not push out (``prefetch``): prefixes touched since the
-        # oldest waiting request was submitted (the engine keeps it current; None: none waits).
-        self.waiting_since: float | None = None
-        self.stats = {"demoted_to_warm": 0, "demoted_to_cold": 0, "promoted_tokens": 0, "promotions": 0,
-                      "dropped_tokens": 0, "checksum_failures": 0, "demotions_abandoned": 0, "demotion_failures": 0,
-                      "prefetches": 0,
-                      "prefetch_unknown_session": 0, "stalls": 0, "promotion_skipped_no_room": 0, "compacted_blocks": 0,
-                      "checkpoints_deferred": 0,
-                      # Inclusive tiers and what leaves the tree (``TierMoves``): a drop while the
-                      # tier below had room, and a commit's tail the tree could not take, are defects.
-                      "demoted_without_copy": 0, "lower_copies_reclaimed_tokens": 0, "promotion_failures": 0,
-                      "dropped_with_room_tokens": 0, "commit_tail_discarded_tokens": 0,
-                      "prefetch_skipped_no_room": 0, "promotions_recompute_cheaper": 0}
-        # The copies between tiers, and the moves in flight (``cluster.cache.tier_moves``).
-        self.moves = TierMoves(self.tree, self.pools, self.copier, self.disk_io, upload, layout, self.stats,
-                               self._allocate)
-        # Per-tenant shares of each tier (``cluster.cache.quotas``): who is pushed out for whom.
-        self.quotas: TenantQuotas | None = None
-        if config.tenant_quotas is not None:
-            self.quotas = TenantQuotas(self.tree, QuotaConfig.parse(config.tenant_quotas))
-            self.moves.pick = self.quotas.pick
-            self.quotas.in_flight = self.moves.pending_by_tenant
-            self.moves.capped = self.quotas.at_cap
-            self.moves.recap = lambda namespaces: self.quotas.shed_over_caps(namespaces, self.moves.shed_own)
 
     @property
     def num_tiers(self) -> int:
@@ -168,7 +141,7 @@ class TieredCache:
         caller that cannot get it releases the lease, and nothing stays locked).
         ``lease.held_by_tier`` says what the tiers held of what it could use."""
         self.check_owner("admit")
-        with self._acting(namespace):
+        with self.space.acting(namespace):
             m = self._match(prompt, namespace, lock=True, validate=validate, promote=promote)
         cap = len(prompt) - 1 if compute_last else len(prompt)
         if max_cached is not None:
@@ -213,7 +186,7 @@ class TieredCache:
         if hot:
             return Readiness(True, tiers)
         colder_tokens = tiers[WARM] + tiers[COLD]
-        if recompute_s_per_token is not None and colder_tokens and self._recompute_cheaper(
+        if recompute_s_per_token is not None and colder_tokens and self.moves.recompute_cheaper(
                 tiers, recompute_s_per_token * colder_tokens):
             return Readiness(True, tiers, recompute=colder_tokens)
         if not make_room:
@@ -229,28 +202,12 @@ class TieredCache:
             return Readiness(True, tiers)
         if any(n.busy for n in m.nodes):
             return Readiness(False, tiers)
-        with self._acting(namespace):
+        with self.space.acting(namespace):
             move = self.moves.start_promotion(colder, make_room=make_room)
         if move is None:
-            self.stats["promotion_skipped_no_room"] += 1
+            self.stats.promotion_skipped_no_room += 1
             return Readiness(False, tiers, blocked=make_room)
         return Readiness(False, tiers)
-
-    # A promotion must be measured this much slower than computing the same tokens before a
-    # request recomputes them; and every REMEASURE_EVERY-th such case promotes all the same,
-    # so the copy rate is measured again (a disk that was slow once is not written off).
-    RECOMPUTE_MARGIN = 1.25
-    REMEASURE_EVERY = 8
-
-    def _recompute_cheaper(self, tiers: list[int], recompute_s: float) -> bool:
-        rates = [self.moves.promote_s_per_token[t] for t in (WARM, COLD) if tiers[t]]
-        if None in rates:
-            return False
-        copy_s = sum(tiers[t] * self.moves.promote_s_per_token[t] for t in (WARM, COLD) if tiers[t])
-        if copy_s <= self.RECOMPUTE_MARGIN * recompute_s:
-            return False
-        self.stats["promotions_recompute_cheaper"] += 1
-        return self.stats["promotions_recompute_cheaper"] % self.REMEASURE_EVERY != 0
 
     def lookup(self, tokens: Sequence[int], namespace: Hashable = None) -> TieredMatch:
         """What is cached of ``tokens`` and in which tier, moving and locking
@@ -289,14 +246,26 @@ class TieredCache:
             # another codec's bytes are refused, never read as this one's.
             self.codec.check_stored(kv, "migrated KV")
             kv = self.codec.decode(kv)
-        n = kv.shape[2]
-        lease = self.admit(tokens[:n], namespace, compute_last=False)
+        return self._install_at(tokens[:kv.shape[2]], namespace, kv, 0, validate=True) or 0
+
+    def _install_at(self, tokens: Sequence[int], namespace: Hashable, kv: torch.Tensor, start: int, *,
+                    validate: bool = False) -> int | None:
+        """Cache ``kv``, the KV of ``tokens[start:]``, behind the tree's prefix of ``tokens``;
+        the tokens new here, or None when it cannot land: the tree no longer reaches
+        ``start`` (evicted meanwhile), or HOT has no room (what ``L3Link`` installs with)."""
+        end = len(tokens)
+        lease = self.admit(tokens, namespace, compute_last=False, validate=validate)
         try:
-            new = n - lease.cached_tokens
-            if new > 0:
-                lease.append(kv[:, :, lease.cached_tokens:n].to(self.kv_device))
-                lease.commit(tokens[:n])
-            return max(new, 0)
+            have = lease.cached_tokens
+            if have >= end:
+                return 0
+            if have < start:
+                return None
+            lease.append(kv[:, :, have - start:].to(self.kv_device, self.kv_dtype))
+            lease.commit(tokens)
+            return end - have
+        except PoolExhaustedError:
+            return None
         finally:
             lease.release()
 
@@ -309,7 +278,7 @@ class TieredCache:
         if tier.codec_name != self.config.tier_codec:
             raise CodecMismatchError(f"an L3 tier of codec {tier.codec_name!r} on a cache whose tiers use "
                                      f"{self.config.tier_codec!r}: one codec for every tier")
-        self.l3 = L3Link(self, tier)
+        self.l3 = L3Link(tier, self.tree, self.pools, self._install_at, self.quotas)
         if self.quotas is not None:   # blocks found gone from L3 no longer count toward a tenant
             tier.listeners.append(self.quotas)
 
@@ -336,8 +305,8 @@ class TieredCache:
         self.check_owner("housekeeping")
         if self.l3 is not None:
             self.l3.apply()
-        self._enforce_watermarks()
-        self._compact_idle()
+        self.space.enforce_watermarks()
+        self.compact_idle()
 
     @property
     def protected_tokens(self) -> int:
@@ -369,19 +338,7 @@ class TieredCache:
         """Move the cached path of ``tokens`` down to ``tier`` now (leaf first,
         waiting for each copy); returns the tokens moved. For calibration and tests."""
         self.check_owner("demote_path")
-        moved = 0
-        for _ in range(tier):
-            m = self.tree.match_prefix(tokens, namespace)
-            for node in reversed(m.nodes):
-                # Only a frontier node (no child in its tier, off the path too): tiers stay monotone.
-                if node.tier < tier and not node.busy and not node.lock_ref and \
-                        all(c.tier > node.tier for c in node.children.values()):
-                    move = self.moves.start_demotion(node)
-                    if move is not None:
-                        self.moves.wait(move)
-                    if move is not None or node.tier == tier:   # copied, or moved onto its lower copy
-                        moved += len(node.key)
-        return moved
+        return self.moves.demote_path(tokens, namespace, tier)
 
     def drop_page_cache(self) -> None:
         """Make the next COLD reads come from the device, not the OS page cache."""
@@ -423,7 +380,7 @@ class TieredCache:
         """HOT extents for a lease's new KV; demotes (or drops) to make room, all or nothing.
         ``tenant``: whose KV it is (the lease's namespace): it counts toward that tenant's
         HOT share until it enters the tree or is freed (quotas)."""
-        out = self._allocate(HOT, num_tokens, private_tail=False, tenant=tenant)
+        out = self.space.allocate(HOT, num_tokens, private_tail=False, tenant=tenant)
         if self.quotas is not None:
             self.quotas.note_running(tenant, num_tokens)
         return out
@@ -431,22 +388,10 @@ class TieredCache:
     def lease_append(self, extents: list[Extent], num_tokens: int,
                      tenant: Hashable) -> tuple[list[Extent], list[Extent]]:
         """Grow a lease's private HOT sequence (copy-on-write of a shared tail)."""
-        if self.quotas is None:
-            return self._append_hot_room(extents, num_tokens)
-        with self.quotas.within_cap(tenant, HOT, num_tokens, self.moves.shed_own):
-            out = self._append_hot_room(extents, num_tokens)
-        self.quotas.note_running(tenant, num_tokens)
+        out = self.space.append_hot(extents, num_tokens, tenant)
+        if self.quotas is not None:
+            self.quotas.note_running(tenant, num_tokens)
         return out
-
-    def _append_hot_room(self, extents: list[Extent], num_tokens: int) -> tuple[list[Extent], list[Extent]]:
-        while True:
-            try:
-                out = self.hot.append(extents, num_tokens)
-                self._enforce_watermarks()
-                return out
-            except PoolExhaustedError as exc:
-                if not self.moves.make_room(HOT, max(1, exc.needed_blocks - exc.free_blocks)):
-                    raise
 
     def lease_free(self, own: list[Extent], tenant: Hashable) -> None:
         self._running_ends(own, tenant)
@@ -464,7 +409,7 @@ class TieredCache:
         if not self.tree.insert_keeps_whole(tokens, namespace, validate=False):
             # Another request's copy of these tokens is moving between tiers: the tree
             # would keep that one and free ours. Keep ours; the commit inserts it.
-            self.stats["checkpoints_deferred"] += 1
+            self.stats.checkpoints_deferred += 1
             return None
         self.hot.allocator.seal(own[-1])
         self._running_ends(own, namespace)
@@ -476,7 +421,7 @@ class TieredCache:
         self.tree.unlock(node)
         # Watermarks only once it is locked: demoting the new, still unlocked nodes would
         # take the lease's own KV out of HOT.
-        self._enforce_watermarks()
+        self.space.enforce_watermarks()
         return m.last_node, [e for n in m.nodes for e in n.extents]
 
     def lease_commit(self, tokens: Sequence[int], own: list[Extent], namespace: Hashable, start: int,
@@ -492,7 +437,7 @@ class TieredCache:
             if self.l3 is not None:   # behind the request, while the sequence is still locked
                 self.l3.write_behind(tokens, namespace)
         if session_id is not None:
-            self._note_session(session_id, tokens, namespace)
+            self.sessions.note(session_id, tokens, namespace)
         return node
 
     def lease_unlock(self, node: TreeNode) -> None:
@@ -510,132 +455,41 @@ class TieredCache:
             for move in moving:
                 self.moves.wait(move)
         res = self.tree.insert(tokens, extents, namespace, start=start, validate=validate)
-        self.stats["commit_tail_discarded_tokens"] += res.discarded_tokens
-        self._enforce_watermarks()
+        self.stats.commit_tail_discarded_tokens += res.discarded_tokens
+        self.space.enforce_watermarks()
         return res
-
-    def _note_session(self, session_id: Any, tokens: Sequence[int], namespace: Hashable = None) -> None:
-        """Remember a session's latest sequence, for predictive swap-in."""
-        self._sessions[session_id] = (namespace, list(tokens))
-        self._sessions.move_to_end(session_id)
-        while len(self._sessions) > self.config.max_sessions:
-            self._sessions.popitem(last=False)
 
     # --------------------------------------------------------------- sessions
     def prefetch(self, session_id: Any = None, tokens: Sequence[int] | None = None,
                  namespace: Hashable = None) -> int:
         """Start promoting a session's WARM/COLD path; returns the tokens being
-        brought up (0 when already HOT). Returns at once."""
+        brought up (0 when already HOT). Returns at once (``SessionPrefetch``)."""
         self.check_owner("prefetch")
-        if tokens is None:
-            if session_id not in self._sessions:
-                self.stats["prefetch_unknown_session"] += 1
-                raise UnknownSessionError(f"unknown session {session_id!r}: nothing to prefetch")
-            namespace, tokens = self._sessions[session_id]
         self.poll()
-        floor = self.waiting_since if self.waiting_since is not None else float("inf")
-        m = self.tree.match_prefix(tokens, namespace)
-        cold = [n for n in m.nodes if n.tier != HOT]
-        if not cold or any(n.busy for n in cold):
-            return 0
-        # Into free HOT, below the high watermark, after pushing down only idle prefixes, least
-        # recently used first, that no waiting request touched: running requests' are locked, a
-        # request's is touched when it is submitted (``touch``), another prefetch's is locked
-        # while it copies and the most recently used after (the last an LRU push takes). With
-        # many requests waiting at once it finds nothing to push and does nothing.
-        alloc, bt = self.hot.allocator, self.hot.allocator.block_tokens
-        need = sum(-(-len(n.key) // bt) for n in cold) + 1
-        want = need + (1.0 - self.config.high_watermark) * alloc.num_blocks
-        if alloc.free_blocks < want:
-            self.tree.lock(m.last_node)   # its own path is not one to push down meanwhile
-            try:
-                with self._acting(namespace):
-                    room = self._demote_older(floor, want)
-            finally:
-                self.tree.unlock(m.last_node)
-            if not room:
-                self.stats["prefetch_skipped_no_room"] += 1
-                return 0
-        self.stats["prefetches"] += 1
-        move = self.moves.start_promotion(cold, background=True, make_room=False)
-        return 0 if move is None else sum(len(n.key) for n in cold)
+        return self.sessions.prefetch(session_id, tokens, namespace)
 
     def touch(self, tokens: Sequence[int], namespace: Hashable = None) -> float:
         """Mark the cached prefix of ``tokens`` as used now (a request for it arrived) and
         return that time (the tree's clock): while the request waits, a session prefetch
         does not push it out (``waiting_since``). Changes nothing else."""
         self.check_owner("touch")
-        now = self.tree.clock()
-        self.tree.touch_path(tokens, namespace, now)
-        return now
+        return self.sessions.touch(tokens, namespace)
 
-    def _demote_older(self, used_before: float, want_blocks: float) -> bool:
-        """Push idle HOT prefixes last used before ``used_before`` down to WARM (LRU first,
-        waiting for each copy) until HOT has ``want_blocks`` free; whether it does."""
-        alloc, passed_over = self.hot.allocator, []
-        try:
-            while alloc.free_blocks < want_blocks:
-                node = self.moves.pick(HOT, leaves_only=False)
-                if node is None or node.last_access >= used_before:
-                    if node is not None:
-                        passed_over.append(node)
-                    return False
-                move = self.moves.start_demotion(node)
-                if move is not None:
-                    self.moves.wait(move)
-                elif node.alive and node.tier == HOT:   # no room below for it
-                    passed_over.append(node)
-                    return False
-            return True
-        finally:
-            for node in passed_over:
-                self.tree.requeue(node)
+    @property
+    def waiting_since(self) -> float | None:
+        """When the oldest waiting request was submitted (None: none waits): what a session
+        prefetch must not push out was touched since (the engine keeps it current)."""
+        return self.sessions.waiting_since
 
-    # ------------------------------------------------------------- watermarks
+    @waiting_since.setter
+    def waiting_since(self, value: float | None) -> None:
+        self.sessions.waiting_since = value
+
     def usage(self, tier: int) -> float:
-        """The share of ``tier`` held, less what is leaving and the lower copies (free to reclaim)."""
-        alloc = self.pools[tier].allocator
-        return (alloc.used_tokens - self.moves.pending_out[tier] - self._lower_tokens(tier)) / alloc.capacity_tokens
+        """The share of ``tier`` held, less what is leaving and the lower copies (``TierSpace``)."""
+        return self.space.usage(tier)
 
-    def _lower_tokens(self, tier: int) -> int:
-        return self.tree.lower_tokens if tier == WARM else 0
-
-    def _reclaim_lower_blocks(self, blocks: int) -> int:
-        """Free lower copies until WARM has ``blocks`` more free blocks; tokens freed."""
-        freed = self.tree.reclaim_lower(self.pools[WARM].allocator.free_blocks + blocks)
-        self.stats["lower_copies_reclaimed_tokens"] += freed
-        return freed
-
-    def _enforce_watermarks(self) -> None:
-        """Demote LRU frontier nodes of each tier above the high watermark until
-        its usage falls below the low watermark (asynchronously): background work,
-        so under quotas only tenants over their guarantee give."""
-        self.poll()
-        with self._acting(NOBODY):
-            self._demote_past_watermarks()
-
-    def _demote_past_watermarks(self) -> None:
-        cfg = self.config
-        for tier in range(self.num_tiers - 1):
-            if self.usage(tier) <= cfg.high_watermark:
-                continue
-            alloc = self.pools[tier].allocator
-            target = cfg.low_watermark * alloc.capacity_tokens
-            batch, leaving = [], alloc.used_tokens - self.moves.pending_out[tier] - self._lower_tokens(tier)
-            while leaving > target:
-                node = self.moves.pick(tier, leaves_only=False)
-                if node is None:
-                    break
-                node = self.moves.fit_below(node)
-                batch.append(node)
-                leaving -= len(node.key)
-            if batch:
-                self.moves.start_demotion(batch)
-                for node in batch:
-                    if not node.busy:  # no room below for it: offer it again later
-                        self.tree.requeue(node)
-
-    def _compact_idle(self, max_blocks_moved: int = 4) -> int:
+    def compact_idle(self, max_blocks_moved: int = 4) -> int:
         """Online compaction for idle gaps: evacuate a few sparse HOT and WARM
         blocks of idle, unlocked nodes into fewer blocks. Returns blocks freed."""
         movable = lambda n: isinstance(n, TreeNode) and not n.lock_ref and not n.busy  # noqa: E731
@@ -643,7 +497,7 @@ class TieredCache:
         for pool in self.pools[:2]:
             if pool.tensor is not None:
                 freed += pool.compact(max_blocks_moved, can_move=movable)
-        self.stats["compacted_blocks"] += freed
+        self.stats.compacted_blocks += freed
         return freed
 
     # ------------------------------------------------------------ completions
@@ -674,11 +528,6 @@ class TieredCache:
             self.pools[COLD].close()
 
     # ---------------------------------------------------------------- internals
-    def _acting(self, tenant: Any, asked: int = 0):
-        """Room made inside is made for ``tenant`` under the quotas (``NOBODY``: background;
-        a no-op without quotas)."""
-        return self.quotas.acting(tenant, asked) if self.quotas is not None else nullcontext()
-
     def may_preempt(self, requester: Hashable, victim: Hashable, victim_running: int = 0) -> bool:
         """Whether the engine may preempt a running request of tenant ``victim`` for HOT room for
         one of ``requester`` (always, without quotas; ``TenantQuotas.may_preempt``). ``victim_running``
@@ -698,29 +547,6 @@ class TieredCache:
     def tenant_stats(self) -> dict[str, dict]:
         """Per tenant: resident tokens by tier, hits, evictions caused and suffered ({} without quotas)."""
         return {} if self.quotas is None else self.quotas.tenant_stats()
-
-    def _allocate(self, tier: int, num_tokens: int, *, private_tail: bool, tenant: Any = CURRENT,
-                  make_room: bool = True) -> list[Extent]:
-        """Extents in ``tier``, making room (``make_room=False``: only free blocks, nothing pushed
-        out); ``tenant`` (default: whoever is acting) is whose data it will be: within its cap."""
-        if self.quotas is None:
-            return self._allocate_room(tier, num_tokens, private_tail, make_room)
-        with self.quotas.within_cap(tenant, tier, num_tokens, self.moves.shed_own if make_room else None):
-            return self._allocate_room(tier, num_tokens, private_tail, make_room)
-
-    def _allocate_room(self, tier: int, num_tokens: int, private_tail: bool, make_room: bool = True) -> list[Extent]:
-        alloc = self.pools[tier].allocator
-        if not make_room:
-            return alloc.allocate(num_tokens, private_tail=private_tail)
-        while True:
-            try:
-                ext = alloc.allocate(num_tokens, private_tail=private_tail)
-                if tier == HOT:
-                    self._enforce_watermarks()
-                return ext
-            except PoolExhaustedError as exc:
-                if not self.moves.make_room(tier, max(1, exc.needed_blocks - exc.free_blocks)):
-                    raise
 
     def tier_summary(self) -> dict[str, dict[str, int]]:
         out = {}

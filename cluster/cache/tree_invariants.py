@@ -5,17 +5,15 @@ state machines call it after each step)."""
 from __future__ import annotations
 
 from array import array
-from typing import TYPE_CHECKING
+from typing import Any
 
 from cluster.cache.tree_node import LowerCopy, TreeNode
 from cluster.names import HOT, WARM
 from cluster.hashing import block_hashes
 
-if TYPE_CHECKING:
-    from cluster.cache.radix_tree import RadixTree
 
-
-def check_tree(tree: "RadixTree") -> None:
+def check_tree(tree: Any) -> None:
+    """``tree``: a ``RadixTree`` (not imported: the tree imports this module)."""
     ntiers = len(tree.allocators)
     evictable, protected = [0] * ntiers, [0] * ntiers
     owned = [set() for _ in range(ntiers)]

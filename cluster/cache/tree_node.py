@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass, field
+from typing import Any
 
 from cluster.cache.allocator import Extent
 from cluster.names import HOT, TIER_NAMES
@@ -83,3 +84,19 @@ class InsertResult:
     node: TreeNode           # node holding the last inserted token
     freed_duplicate_tokens: int
     discarded_tokens: int = 0   # new tokens not inserted (their path ends at a moving or colder node)
+
+
+def cut_extents(alloc: Any, extents: list[Extent], at: int) -> tuple[list[Extent], list[Extent]]:
+    """``extents`` cut after ``at`` tokens (an extent across the cut is split on its block)."""
+    head, tail, covered = [], [], 0
+    for e in extents:
+        if covered >= at:
+            tail.append(e)
+        elif covered + e.length <= at:
+            head.append(e)
+        else:
+            first, second = alloc.split(e, at - covered)
+            head.append(first)
+            tail.append(second)
+        covered += e.length
+    return head, tail

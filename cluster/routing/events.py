@@ -18,7 +18,10 @@ those blocks to L3, ``removed`` that a fetch found them missing there (or
 removed them: they failed verification), ``inventory`` that L3 holds them
 (a listing of the store, sent at start and with every snapshot: how a
 restarted directory learns L3's content); the directory keeps them apart
-from the worker's own entries (they outlive the worker). Sequence numbers
+from the worker's own entries (they outlive the worker). An L3 ``stored`` event
+carries the tenant the blocks were written for as a fourth element
+(``[kind, tier, [hash, ...], namespace]``): the directory counts each tenant's L3
+blocks across the cluster from them (``cluster.routing.l3_shares``). Sequence numbers
 start at 1 and grow by one per batch, so the directory sees a lost or
 reordered batch as a gap.
 
@@ -76,6 +79,7 @@ class KVEvent:
     kind: str            # "stored" | "tier" | "removed"
     hashes: list[int]    # chained block hashes, root-ward first
     tier: int            # HOT=0, WARM=1, COLD=2 (for "removed": the tier it left from); L3=3
+    tenant: str | int | None = None   # L3 "stored": the namespace the blocks were written for
 
 
 @dataclass(slots=True)
@@ -88,7 +92,7 @@ class EventBatch:
 
     def encode(self) -> bytes:
         return msgpack.packb({"v": WIRE_VERSION, "w": self.worker_id, "p": self.epoch, "s": self.seq,
-                              "r": self.resync, "e": [[e.kind, e.tier, e.hashes] for e in self.events]},
+                              "r": self.resync, "e": [_wire_event(e) for e in self.events]},
                              use_bin_type=True)
 
     @classmethod
@@ -119,9 +123,14 @@ class EventBatch:
             raise MalformedBatchError(f"events must be a list, got {type(raw_events).__name__}")
         events = []
         for i, raw in enumerate(raw_events):
-            if not isinstance(raw, list) or len(raw) != 3:
-                raise MalformedBatchError(f"event {i} must be [kind, tier, hashes], got {raw!r:.80}")
-            kind, tier, hashes = raw
+            if not isinstance(raw, list) or len(raw) not in (3, 4):
+                raise MalformedBatchError(f"event {i} must be [kind, tier, hashes(, tenant)], got {raw!r:.80}")
+            kind, tier, hashes = raw[:3]
+            tenant = raw[3] if len(raw) == 4 else None
+            if len(raw) == 4 and not (tier == L3 and kind == "stored"):
+                raise MalformedBatchError(f"event {i}: only an L3 'stored' event names a tenant")
+            if tenant is not None and (isinstance(tenant, bool) or not isinstance(tenant, (str, int))):
+                raise MalformedBatchError(f"event {i}: tenant must be a str, an int or None, got {tenant!r:.40}")
             if kind not in KINDS:
                 raise MalformedBatchError(f"event {i}: unknown kind {kind!r} (want one of {', '.join(KINDS)})")
             if type(tier) is not int or not HOT <= tier <= L3:
@@ -135,8 +144,14 @@ class EventBatch:
             for h in hashes:
                 if type(h) is not int or not 0 <= h < _U64:
                     raise MalformedBatchError(f"event {i}: hash {h!r:.40} is not an unsigned 64-bit integer")
-            events.append(KVEvent(kind, hashes, tier))
+            events.append(KVEvent(kind, hashes, tier, tenant))
         return cls(worker, seq, events, resync, epoch)
+
+
+def _wire_event(e: KVEvent) -> list:
+    if e.tier == L3 and e.kind == "stored":
+        return [e.kind, e.tier, e.hashes, e.tenant]
+    return [e.kind, e.tier, e.hashes]
 
 
 class EpochIssuer:
@@ -218,8 +233,9 @@ class KVEventPublisher:
         self._emit("removed", node, node.tier)
 
     # ------------------------------------------------ L3 listener API (L3Tier)
-    def on_l3_stored(self, hashes: list[int]) -> None:
-        self._emit_hashes("stored", list(hashes), L3)
+    def on_l3_stored(self, hashes: list[int], namespace: str | int | None = None) -> None:
+        """Blocks this worker wrote to L3 for tenant ``namespace``."""
+        self._emit_hashes("stored", list(hashes), L3, namespace)
 
     def on_l3_removed(self, hashes: list[int]) -> None:
         self._emit_hashes("removed", list(hashes), L3)
@@ -239,7 +255,8 @@ class KVEventPublisher:
     def _emit(self, kind: str, node: TreeNode, tier: int) -> None:
         self._emit_hashes(kind, node.hashes, tier)
 
-    def _emit_hashes(self, kind: str, hashes: list[int] | None, tier: int) -> None:
+    def _emit_hashes(self, kind: str, hashes: list[int] | None, tier: int,
+                     tenant: str | int | None = None) -> None:
         if self.needs_resync:   # the snapshot will cover it (L3 events: the next writes will)
             self.stats["dropped_events"] += 1
             return
@@ -251,7 +268,7 @@ class KVEventPublisher:
             self._pending = []
             self.needs_resync = True
             return
-        self._pending.append(KVEvent(kind, hashes, tier))
+        self._pending.append(KVEvent(kind, hashes, tier, tenant))
         self.stats["events"] += 1
 
     # ------------------------------------------------------------ publishing

@@ -130,3 +130,28 @@ def test_a_restarted_directory_prices_l3_only_after_an_inventory_and_says_when()
         assert await e.publish("v", batch("v", 1, [KVEvent("inventory", [], L3)], epoch=1)) == "ok"
         assert e.table.cost.l3_fetch_tokens_per_s == 8000.0 and e.index.num_l3 == 0
     asyncio.run(go())
+
+
+def test_the_directory_counts_tenants_l3_blocks_across_workers_and_answers_each_without_its_own():
+    from cluster.protocol import L3ShareCounts, PublishReply
+
+    async def go():
+        d = directory()
+        for w in ("a", "b"):
+            await d.register_worker(w, rates=RATES)
+        assert await d.publish("a", batch("a", 1, [KVEvent("stored", H[:3], L3, "t")], epoch=1)) == "ok"
+        reply = await d.publish("b", batch("b", 1, [KVEvent("stored", H[3:5], L3, "t"),
+                                                    KVEvent("stored", H[5:6], L3, None)], epoch=1),
+                                want_l3_shares=True)
+        assert reply == PublishReply("ok", L3ShareCounts((("t", 3),)))
+        assert (await d.publish("a", None, want_l3_shares=True)).l3_shares.as_dict() == {"t": 2, None: 1}
+        assert d.get_stats()["l3_tenant_blocks"] == {"t": 5, "": 1}
+        # A fetch found one missing; then b starts again: its blocks stay, counted as another's.
+        assert await d.publish("a", batch("a", 2, [KVEvent("removed", H[4:5], L3)], epoch=1)) == "ok"
+        assert await d.publish("b", batch("b", 1, [], epoch=2), want_l3_shares=True) == \
+            PublishReply("resync", L3ShareCounts((("t", 4), (None, 1))))
+        old = await d.publish("b", batch("b", 2, [KVEvent("stored", H[6:8], L3, "t")], epoch=1), want_l3_shares=True)
+        assert old == PublishReply("stale_epoch", None) and d.l3_shares.totals() == {"t": 4, None: 1}
+        await d.clear_l3()
+        assert (await d.publish("a", None, want_l3_shares=True)).l3_shares == L3ShareCounts(())
+    asyncio.run(go())

@@ -27,7 +27,7 @@ class Heard:
     def __init__(self):
         self.stored, self.removed, self.inventories = [], [], []
 
-    def on_l3_stored(self, hashes):
+    def on_l3_stored(self, hashes, namespace=None):
         self.stored.extend(hashes)
 
     def on_l3_removed(self, hashes):

@@ -42,7 +42,7 @@ class Listener:
     def on_l3_inventory(self, hashes):
         self.inventories.append(sorted(hashes))
 
-    def on_l3_stored(self, hashes):
+    def on_l3_stored(self, hashes, namespace=None):
         self.stored.extend(hashes)
 
     def on_l3_removed(self, hashes):

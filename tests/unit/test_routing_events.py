@@ -121,7 +121,7 @@ def _wire(**override):
     (_wire(s=1.5), "seq must be a non-negative integer"),
     (_wire(r=1), "resync must be a boolean"),
     (_wire(e={"x": 1}), "events must be a list"),
-    (_wire(e=[["stored", 0]]), "event 0 must be [kind, tier, hashes]"),
+    (_wire(e=[["stored", 0]]), "event 0 must be [kind, tier, hashes(, tenant)]"),
     (_wire(e=[["evicted", 0, [1]]]), "unknown kind 'evicted'"),
     (_wire(e=[["stored", 4, [1]]]), "tier 4 out of range"),
     (_wire(e=[["tier", 3, [1]]]), "a 'tier' event cannot name L3"),

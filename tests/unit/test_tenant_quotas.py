@@ -301,6 +301,16 @@ def test_l3_quota_through_the_cache_removes_the_blocks_from_the_store():
     store = MemoryL3Store()
     tier = L3Tier(store, layout, 4, L3TierConfig(model_id="m"), start_thread=False)
     cache.attach_l3(tier)
+    heard = {"stored": [], "removed": []}   # what the directory hears (its L3 share counts)
+
+    class Heard:
+        def on_l3_stored(self, hashes, namespace=None):
+            heard["stored"].append((namespace, list(hashes)))
+
+        def on_l3_removed(self, hashes):
+            heard["removed"].append(list(hashes))
+
+    tier.listeners.append(Heard())
 
     def commit(tokens, ns):
         lease = cache.admit(tokens, ns, compute_last=False)
@@ -322,6 +332,42 @@ def test_l3_quota_through_the_cache_removes_the_blocks_from_the_store():
     assert store.contains(keys_b) == (True, True)     # another tenant's blocks: untouched
     assert tier.stats.quota_removed == 2
     assert cache.tenant_stats()["A"]["evictions_suffered"]["l3"] == 2
+    assert heard == {"stored": [("A", block_hashes(first, 4, salt="A")), ("A", block_hashes(second, 4, salt="A")),
+                                ("B", block_hashes(first, 4, salt="B"))],
+                     "removed": [block_hashes(first, 4, salt="A")]}
+
+
+
+def test_l3_blocks_removed_for_a_quota_while_still_queued_are_never_written():
+    """A's second sequence pushes its first out of its L3 share before the first was
+    written (the commit's write goes first in the queue): the first is not written
+    at all, so the store never holds more of A than its share."""
+    import torch
+
+    from cluster.cache.kv_pool import KVLayout
+    from cluster.cache.l3.memory import MemoryL3Store
+    from cluster.cache.l3.tier import L3Tier, L3TierConfig
+    from cluster.hashing import block_hashes
+
+    layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=4)
+    cache = TieredCache(TierConfig(hot_blocks=32, block_tokens=4, device="cpu",
+                                   tenant_quotas={"l3_blocks": 8, "default": {"l3": {"cap": 0.25}}}),
+                        layout, clock=TickClock())
+    store = MemoryL3Store()
+    tier = L3Tier(store, layout, 4, L3TierConfig(model_id="m"), start_thread=False)
+    cache.attach_l3(tier)
+    first, second = list(range(1, 9)), list(range(20, 28))
+    for tokens in (first, second):   # both queued before the I/O runs
+        lease = cache.admit(tokens, "A", compute_last=False)
+        lease.append(torch.ones(1, 2, len(tokens), 1, 4))
+        lease.commit(tokens)
+        lease.release()
+    tier.run_pending()
+    cache.apply_l3()
+    assert store.contains([tier.key(h) for h in block_hashes(first, 4, salt="A")]) == (False, False)
+    assert store.contains([tier.key(h) for h in block_hashes(second, 4, salt="A")]) == (True, True)
+    assert (tier.stats.writes_cancelled, tier.stats.write_failures, tier.stats.blocks_written) == (2, 0, 2)
+    assert cache.tenant_stats()["A"]["l3_blocks"] == 2
 
 
 # ----------------------------------------------------------------------- engine

@@ -21,7 +21,10 @@ block of slack); everything else must be served. After every step:
   node to push down, against the queues as the test saw them before the step;
 - the cache's invariants hold (every committed node whole in its tier, each
   tenant's counts as the tree holds them), and nothing left the tree while the
-  tier below had room for it.
+  tier below had room for it;
+- L3 is on (an in-process store, its I/O run after each step), with ``l3_blocks``
+  and per-tenant L3 shares: no tenant's blocks in the store pass its L3 cap, and
+  all of them together never pass ``l3_blocks``.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from cluster.cache.kv_pool import KVLayout
+from cluster.cache.l3.memory import MemoryL3Store
+from cluster.cache.l3.tier import L3Tier, L3TierConfig
 from cluster.cache.quotas import NOBODY
 from cluster.cache.tiered import TierConfig, TieredCache
 from cluster.engine.engine import Engine, EngineRequest, SamplingParams
@@ -43,15 +48,18 @@ from tests.unit.test_pressure_state_machine import BT, MODEL
 
 TENANTS = ("A", "B", "U1", "U2", None)   # A and B listed (in some configurations), the rest ``default``
 IDLE_STEPS = 4
+L3_INDEX = 3
 CONFIGS = (
     # default guarantees that add up past HOT with three unlisted tenants at work
-    {"default": {"hot": {"guarantee": 0.25}}, "tenants": {"A": {"hot": {"guarantee": 0.5}}}},
+    {"l3_blocks": 8, "default": {"hot": {"guarantee": 0.25}, "l3": {"cap": 0.5}},
+     "tenants": {"A": {"hot": {"guarantee": 0.5}}}},
     # caps: B's leaves room for short requests only; default's refuses the longest
-    {"default": {"hot": {"guarantee": 0.2, "cap": 0.5}, "warm": {"cap": 0.5}},
-     "tenants": {"A": {"hot": {"guarantee": 0.4, "cap": 0.8}, "warm": {"guarantee": 0.5}},
-                 "B": {"hot": {"cap": 0.3}}}},
+    {"l3_blocks": 10, "default": {"hot": {"guarantee": 0.2, "cap": 0.5}, "warm": {"cap": 0.5}},
+     "tenants": {"A": {"hot": {"guarantee": 0.4, "cap": 0.8}, "warm": {"guarantee": 0.5},
+                       "l3": {"guarantee": 0.5, "cap": 0.7}},
+                 "B": {"hot": {"cap": 0.3}, "l3": {"cap": 0.2}}}},
     # WARM and COLD shares too
-    {"default": {"hot": {"guarantee": 0.3}, "cold": {"cap": 0.5}},
+    {"l3_blocks": 6, "default": {"hot": {"guarantee": 0.3}, "cold": {"cap": 0.5}},
      "tenants": {"B": {"hot": {"guarantee": 0.4}, "warm": {"guarantee": 0.3, "cap": 0.6}}}},
 )
 
@@ -66,6 +74,23 @@ class TenantMachine(RuleBasedStateMachine):
                             KVLayout(c.num_layers, c.num_kv_heads, c.head_dim), vocab_size=c.vocab_size,
                             deterministic_io=True)
         self.now = 0.0
+        self.store = MemoryL3Store()
+        self.l3 = L3Tier(self.store, cache.layout, BT, L3TierConfig(model_id="tenant-sm"), start_thread=False)
+        self.l3_tenant: dict[int, object] = {}   # block hash -> the tenant it was written for
+
+        machine = self
+
+        class Heard:
+            def on_l3_stored(self, hashes, namespace=None):
+                machine.l3_tenant.update((h, namespace) for h in hashes)
+
+            def on_l3_removed(self, hashes):
+                pass
+
+            def on_l3_inventory(self, hashes):
+                pass
+        self.l3.listeners.append(Heard())
+        cache.attach_l3(self.l3)
         self.engine = Engine(MODEL, cache, max_batch_tokens=16, max_running=4, cache_final_token=False,
                              clock=lambda: self.now)
         self.engine.time_slice_s = 3.0 if time_slice else None
@@ -81,7 +106,7 @@ class TenantMachine(RuleBasedStateMachine):
             if node is not None and self.kept_from is not None:
                 self._check_guarantee(node, tier)
             return node
-        cache.moves.pick = checked_pick
+        self.quotas.pick = checked_pick   # the tier space asks the quotas for every pick
 
     def _check_guarantee(self, node, tier: int) -> None:
         who = self.quotas.actor[0]
@@ -144,6 +169,7 @@ class TenantMachine(RuleBasedStateMachine):
             engine.step()
         finally:
             self.kept_from = None
+        self.l3.run_pending()   # L3's I/O, as its thread would have done meanwhile
         idle = (engine.stats["steps"] == computed and engine.waiting and not engine.running
                 and not engine.cache.in_flight())
         self.idle_steps = self.idle_steps + 1 if idle else 0
@@ -165,13 +191,32 @@ class TenantMachine(RuleBasedStateMachine):
         """Counted here from the tree, the running requests' leases and the moves in flight
         (what a move will add to a tier, or take from it: checked by ``check_invariants``)."""
         cache, q = self.engine.cache, self.quotas
-        held = {(t, tier): cache.moves.pending_by_tenant[tier].get(t, 0) for t in TENANTS for tier in range(3)}
+        held = {(t, tier): cache.space.pending_by_tenant[tier].get(t, 0) for t in TENANTS for tier in range(3)}
         for node in cache.tree.iter_nodes():
             held[cache.tree.namespace_of(node), node.tier] += len(node.key)
         for r in self.engine.running:
             held[r.namespace, HOT] += r.lease.uncommitted
         for (t, tier), n in held.items():
             assert n <= q.cap(t, tier), f"tenant {t!r} holds {n} tokens of tier {tier}, past its cap {q.cap(t, tier)}"
+
+    @invariant()
+    def l3_shares_hold(self):
+        """Counted in the store itself: each tenant's blocks there (by the tenant each was
+        written for) and all of them together."""
+        if not hasattr(self, "l3"):
+            return
+        self.l3.run_pending()   # writes a commit queued (a cancel commits too), as the I/O thread would
+        self.engine.cache.apply_l3()
+        held: dict = {}
+        for h, tenant in self.l3_tenant.items():
+            if self.store.contains([self.l3.key(h)])[0]:
+                held[tenant] = held.get(tenant, 0) + 1
+        for tenant, n in held.items():
+            assert n <= self.quotas.cap(tenant, L3_INDEX), (
+                f"tenant {tenant!r} holds {n} L3 blocks, past its share {self.quotas.cap(tenant, L3_INDEX)}")
+        assert sum(held.values()) <= self.quotas.config.l3_blocks
+        assert held == {t: n for t in TENANTS if (n := self.quotas.holds(t, L3_INDEX))}, \
+            "the quotas' L3 count is not what the store holds"
 
     @invariant()
     def cache_whole(self):

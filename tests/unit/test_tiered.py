@@ -203,7 +203,7 @@ def test_prefetch_runs_in_the_background(tmp_path):
     cache = make(tmp_path)
     toks = list(range(12))
     node = put(cache, toks)
-    cache._note_session("s1", toks)
+    cache.sessions.note("s1", toks)
     demote(cache, node, COLD)
     started = cache.prefetch("s1")
     assert started == 12 and node.busy  # returned before the copy finished
@@ -229,7 +229,7 @@ def test_a_prefetch_pushes_out_only_idle_prefixes_no_waiting_request_or_prefetch
         cache = TieredCache(TierConfig(hot_blocks=8, warm_blocks=32, block_tokens=4, device="cpu"), LAYOUT,
                             clock=TickClock())
         put(cache, session)
-        cache._note_session("s", session)
+        cache.sessions.note("s", session)
         cache.demote_path(session, None, WARM)
         return cache
 
@@ -445,7 +445,7 @@ def test_idle_compaction_moves_only_idle_nodes_and_keeps_kv(tmp_path):
     locked = nodes[1]
     cache.tree.lock(locked)
     before = list(locked.extents)
-    freed = cache._compact_idle(8)
+    freed = cache.compact_idle(8)
     # Four half-full blocks of 2-token slots: the four live nodes fit in two, the locked one unmoved.
     assert freed == 2 and cache.stats["compacted_blocks"] == 2 and cache.hot.allocator.used_blocks == 2
     assert locked.extents == before
@@ -546,7 +546,7 @@ def test_a_node_larger_than_warm_moves_down_in_parts_and_a_waiting_prompt_gets_i
         assert cache.lookup(new).tier_lengths == [28, 0, 0]
         hot, warm, cold = cache.lookup(old).tier_lengths
         assert hot + warm + cold == 28 and hot < 28      # moved down in parts, nothing dropped
-        assert cache.stats["dropped_tokens"] == 0 and cache.moves.stats["demotion_splits"] >= 1
+        assert cache.stats["dropped_tokens"] == 0 and cache.stats["demotion_splits"] >= 1
         cache.check_invariants()
         got = match(cache, old)                          # and it comes back whole and exact
         assert got.length == 28 and torch.equal(got.kv, kv_for(old))

@@ -2,7 +2,10 @@
 
 ``cluster.cache.l3.tier.L3Tier`` does the store I/O on its own thread; this
 class decides what crosses and applies what comes back, on the cache's owner
-thread, with the cache's tree and pools:
+thread. It is given the tree (read only: ``RadixTree.peek`` and ``walk``), the
+pools (to read KV out), an ``install`` function (KV that came back, cached
+behind the tree's prefix: the cache's) and the tenants' L3 shares (None:
+no quotas); never the cache itself:
 
 - ``write_behind`` (from ``KVLease.commit``): the full blocks of a committed
   sequence that L3 lacks, and its partial last block, are copied out of
@@ -20,21 +23,34 @@ sequence to L3 is not a use of it.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Hashable, Sequence
+from typing import Callable, Hashable, Protocol, Sequence
 
 import torch
 
 from cluster.cache.allocator import Extent
 from cluster.cache.l3.tier import FetchResult, L3Tier
 from cluster.cache.prefix_value import ValuedPrefix, valuable_prefixes
+from cluster.cache.radix_tree import RadixTree, TreeNode
 from cluster.cache.token_key import encode_tokens
-from cluster.errors import ChecksumError, PoolExhaustedError
+from cluster.errors import ChecksumError
 from cluster.hashing import block_hashes, tail_hash
 from cluster.names import COLD, WARM
 
-if TYPE_CHECKING:
-    from cluster.cache.radix_tree import TreeNode
-    from cluster.cache.tiered import TieredCache
+# ``install(tokens, namespace, kv, start)``: cache ``kv`` (the KV of ``tokens[start:]``) behind
+# the tree's prefix of ``tokens``; the tokens new to the tree, or None when it cannot land
+# (the tree no longer reaches ``start``, or HOT has no room).
+Install = Callable[[Sequence[int], Hashable, torch.Tensor, int], "int | None"]
+
+
+class L3Shares(Protocol):
+    """The tenants' L3 shares, as the link uses them (``TenantQuotas``)."""
+
+    def l3_limited(self) -> bool: ...
+
+    def l3_admit(self, namespace: Hashable, hashes: Sequence[int]) -> tuple[list[int], list[int]]: ...
+
+    def l3_forget(self, hashes: Sequence[int]) -> None: ...
+
 
 def slice_extents(extents: list[Extent], start: int, end: int) -> list[Extent]:
     """The extents covering tokens ``[start, end)`` of a node (views, nothing moved)."""
@@ -50,9 +66,9 @@ def slice_extents(extents: list[Extent], start: int, end: int) -> list[Extent]:
 
 
 class L3Link:
-    def __init__(self, cache: "TieredCache", tier: L3Tier):
-        self.cache = cache
-        self.tier = tier
+    def __init__(self, tier: L3Tier, tree: RadixTree, pools: Sequence, install: Install,
+                 shares: L3Shares | None = None):
+        self.tier, self.tree, self.pools, self._install_kv, self.shares = tier, tree, pools, install, shares
         self._applying = False
         self.stats = {"handoff_blocks": 0, "handoff_bytes": 0, "handoff_prefixes": 0, "handoff_s": 0.0}
 
@@ -68,7 +84,7 @@ class L3Link:
         least = tier.config.min_fetch_blocks
         if full < least:
             return 0
-        local = sum(self.cache.tree.peek(tokens, namespace, validate=False)[1])
+        local = sum(self.tree.peek(tokens, namespace, validate=False)[1])
         first = local // bt
         if full - first < least:
             return 0
@@ -92,29 +108,16 @@ class L3Link:
             self._applying = False
 
     def _install(self, r: FetchResult) -> int:
-        """Cache blocks read from L3 behind the tree's prefix of the same tokens
-        (``TieredCache.install``, with KV that starts at block ``r.first_block``).
-        Nothing is installed when the tree no longer reaches that block (evicted
-        meanwhile) or HOT has no room: counted, and the request computes."""
-        cache, stats = self.cache, self.tier.stats
-        start, end = r.first_block * self.tier.block_tokens, len(r.tokens)
-        lease = cache.admit(r.tokens, r.namespace, compute_last=False, validate=False)
-        try:
-            have = lease.cached_tokens
-            if have >= end:
-                return 0
-            if have < start:
-                self._not_installed(r)
-                return 0
-            lease.append(r.kv[:, :, have - start:].to(cache.kv_device, cache.kv_dtype))
-            lease.commit(r.tokens)
-            stats.installed_tokens += end - have
-            return end - have
-        except PoolExhaustedError:
+        """Cache blocks read from L3 behind the tree's prefix of the same tokens (the
+        ``install`` function, with KV that starts at block ``r.first_block``). Nothing is
+        installed when the tree no longer reaches that block (evicted meanwhile) or HOT
+        has no room: counted, and the request computes."""
+        new = self._install_kv(r.tokens, r.namespace, r.kv, r.first_block * self.tier.block_tokens)
+        if new is None:
             self._not_installed(r)
             return 0
-        finally:
-            lease.release()
+        self.tier.stats.installed_tokens += new
+        return new
 
     def _not_installed(self, r: FetchResult) -> None:
         """Counted, and not fetched again for a while: the request computes
@@ -145,9 +148,9 @@ class L3Link:
         if not todo and tail is None:
             return 0
         remove: list[int] = []
-        quotas = self.cache.quotas
-        if quotas is not None and todo:   # the tenant's L3 share: what it may add, what goes to make room
-            take, remove = quotas.l3_admit(namespace, [hashes[i] for i in todo])
+        shares = self.shares
+        if shares is not None and todo:   # the tenant's L3 share: what it may add, what goes to make room
+            take, remove = shares.l3_admit(namespace, [hashes[i] for i in todo])
             todo = [todo[j] for j in take]
             if not todo and tail is None:
                 return 0
@@ -158,32 +161,31 @@ class L3Link:
             tail = None
             kv = self._read_blocks(tokens, namespace, ranges, allow_cold) if todo else None
         if kv is None:
-            if quotas is not None:
-                quotas.l3_forget([hashes[i] for i in todo])
+            if shares is not None:
+                shares.l3_forget([hashes[i] for i in todo])
             return 0
         queued = tier.write(tokens[:full * bt] if tail is None else tokens, hashes, todo, kv, remove,
-                            tail=tail, front=front)
-        if not queued and quotas is not None:   # dropped (the write queue is full): not held
-            quotas.l3_forget([hashes[i] for i in todo])
+                            tail=tail, front=front, namespace=namespace)
+        if not queued and shares is not None:   # dropped (the write queue is full): not held
+            shares.l3_forget([hashes[i] for i in todo])
         return queued
 
     def _unwritten_tail(self, tokens: Sequence[int], hashes: list[int]) -> int | None:
         """The ``tail_hash`` of ``tokens``' partial last block when it is worth writing:
         there is one, after at least one full block, L3 lacks it (as far as this replica
         knows), and no tenant has an L3 quota (quotas count full blocks only)."""
-        quotas = self.cache.quotas
         start = len(hashes) * self.tier.block_tokens
-        if not hashes or start == len(tokens) or (quotas is not None and quotas.config.l3_blocks):
+        if not hashes or start == len(tokens) or (self.shares is not None and self.shares.l3_limited()):
             return None
         h = tail_hash(hashes[-1], tokens[start:])
         return None if h in self.tier.written_tails else h
 
-    def _spans(self, tokens: Sequence[int], namespace: Hashable) -> list[tuple[int, "TreeNode"]]:
+    def _spans(self, tokens: Sequence[int], namespace: Hashable) -> list[tuple[int, TreeNode]]:
         """(first token, node) of every node the cached path of ``tokens`` runs
         through, the edge it ends inside included; nothing touched or split."""
-        tree = self.cache.tree
+        tree = self.tree
         data = encode_tokens(tokens, validate=False)
-        node, pos, path = tree._walk(data, tree.root(namespace), split=False)
+        node, pos, path = tree.walk(data, tree.root(namespace), split=False)
         spans, at = [], 0
         for n in path:
             spans.append((at, n))
@@ -220,7 +222,7 @@ class L3Link:
                 if list(node.key[a:z]) != list(tokens[first + a:first + z]):
                     return None   # the edge the match ended in diverges inside the block
                 try:
-                    parts.append(self.cache.pools[node.tier].read(slice_extents(node.extents, a, z)))
+                    parts.append(self.pools[node.tier].read(slice_extents(node.extents, a, z)))
                 except ChecksumError:
                     return None
                 covered = first + z
@@ -232,7 +234,7 @@ class L3Link:
 
     # ------------------------------------------------------------ hand-off
     def valuable_prefixes(self, limit: int | None = None) -> list[ValuedPrefix]:
-        return valuable_prefixes(self.cache.tree, limit)
+        return valuable_prefixes(self.tree, limit)
 
     def queue_hand_off(self, deadline: float, order: str = "value") -> dict:
         """Queue every cached sequence's blocks that L3 lacks for writing (COLD
@@ -259,7 +261,7 @@ class L3Link:
         tier = self.tier
         bt = tier.block_tokens
         full = len(tokens) // bt
-        first = sum(self.cache.tree.peek(tokens, namespace, validate=False)[1]) // bt
+        first = sum(self.tree.peek(tokens, namespace, validate=False)[1]) // bt
         if full <= first:
             return 0
         hashes = block_hashes(tokens[:full * bt], bt, salt=namespace)

@@ -75,7 +75,7 @@ class L3Tier:
         self._fetching: dict[int, FetchJob] = {}             # first block's hash -> fetch in flight
         self.fetch_tokens_per_s: float | None = None       # measured (calibration), then observed
         self.prefill_tokens_per_s: float | None = None
-        self.listeners: list[Any] = []                     # on_l3_stored(hashes), on_l3_removed(hashes)
+        self.listeners: list[Any] = []   # on_l3_stored(hashes, namespace), on_l3_removed(hashes), on_l3_inventory
         self.stats = L3TierStats()
         self._cv = threading.Condition()
         self._fetch_jobs: deque[FetchJob] = deque()
@@ -141,7 +141,7 @@ class L3Tier:
 
     def write(self, tokens: Sequence[int], hashes: Sequence[int], index: Sequence[int],
               kv: torch.Tensor | list[torch.Tensor], remove: Sequence[int] = (), *,
-              tail: int | None = None, front: bool = False) -> int:
+              tail: int | None = None, front: bool = False, namespace: Hashable = None) -> int:
         """Queue blocks ``index`` (indices into ``hashes``, the full blocks of ``tokens``)
         for writing, and with ``tail`` (its ``tail_hash``) the partial block after them,
         ``tokens[len(hashes) * block_tokens:]``; ``kv`` holds exactly those blocks' KV,
@@ -149,8 +149,10 @@ class L3Tier:
         returns); under a compressed codec it may be parts, each model-dtype or stored,
         encoded on the I/O thread. Returns the blocks queued (0 when over
         ``max_pending_bytes``: dropped, counted). ``remove``: hashes of blocks to remove
-        from L3 before these are stored (a tenant's quota). ``front``: a commit's write,
-        queued ahead of every other write but those holding blocks of ``hashes``."""
+        from L3 before these are stored (a tenant's quota; the listeners hear of them as
+        removed once queued). ``front``: a commit's write, queued ahead of every other
+        write but those holding blocks of ``hashes``. ``namespace``: the tenant they are
+        written for (the listeners hear it with the stored blocks)."""
         bt = self.block_tokens
         full = len(hashes) * bt
         if tail is not None and not 0 < len(tokens) - full < bt:
@@ -167,11 +169,17 @@ class L3Tier:
             keys = [(self.key(hashes[i]), tuple(tokens[i * bt:(i + 1) * bt])) for i in index]
             if tail is not None:
                 keys.append((self.key(tail, len(tokens) - full), tuple(tokens[full:])))
-            job = WriteJob([], [hashes[i] for i in index], nbytes, tail=tail, remove=[self.key(h) for h in remove])
+            job = WriteJob([], [hashes[i] for i in index], nbytes, tail=tail, remove=[self.key(h) for h in remove],
+                           namespace=namespace)
             if self.codec is None and len(parts) == 1:   # slices of one tensor (the tail's is the shorter last)
                 job.blocks = [L3Block(k, toks, parts[0][:, :, j * bt:(j + 1) * bt]) for j, (k, toks) in enumerate(keys)]
             else:
                 job.keys, job.parts = keys, parts
+            if remove:   # blocks still queued to be written are not written at all
+                gone = set(remove)
+                for queued in self._write_jobs:
+                    if isinstance(queued, WriteJob):
+                        queued.cancelled.update(gone.intersection(queued.hashes))
             self._queue_write(job, set(hashes) if front else None)
             self._pending_bytes += nbytes
             self.stats.writes_queued += count
@@ -182,6 +190,9 @@ class L3Tier:
             self.written_tails.add(tail)
         for h in remove:
             self.written.discard(h)
+        if remove:
+            for listener in self.listeners:
+                listener.on_l3_removed(list(remove))
         return count
 
     def _queue_write(self, job: WriteJob, chain: set[int] | None) -> None:
@@ -217,12 +228,13 @@ class L3Tier:
                     self.written_tails.discard(w.tail)
                     self.stats.write_failures += 1
             self.stats.blocks_written += len(ok)
-            self.stats.write_failures += len(w.hashes) - len(ok)
+            self.stats.write_failures += len(w.hashes) - len(ok) - w.cancelled
+            self.stats.writes_cancelled += w.cancelled
             self.stats.bytes_written += w.nbytes
             stored_total += len(ok)
             if ok:
                 for listener in self.listeners:
-                    listener.on_l3_stored(ok)
+                    listener.on_l3_stored(ok, w.namespace)
         self._take_inventories()
         return stored_total
 
@@ -395,12 +407,18 @@ class L3Tier:
                     self.stats.quota_removed += max(0, removed)
             if job.parts:
                 job.blocks = self._stored_blocks(job)
-            stored = [r.stored for r in self.store.put_blocks(job.blocks)]
             n = len(job.hashes)
             with self._cv:
+                keep = [i for i, h in enumerate(job.hashes) if h not in job.cancelled]
+            put = [r.stored for r in self.store.put_blocks([job.blocks[i] for i in keep] + job.blocks[n:])]
+            stored = [False] * n
+            for j, i in enumerate(keep):
+                stored[i] = put[j]
+            with self._cv:
                 self._pending_bytes -= job.nbytes
-                self._done_writes.append(WriteDone(job.hashes, stored[:n], job.nbytes, job.tail,
-                                                   job.tail is not None and stored[n]))
+                self._done_writes.append(WriteDone(job.hashes, stored, job.nbytes, job.tail,
+                                                   job.tail is not None and put[len(keep)], job.namespace,
+                                                   n - len(keep)))
             return
         self._fetch(job)
 
@@ -495,7 +513,8 @@ class L3Tier:
                 self._done_inventories.append(None)
             elif isinstance(job, WriteJob):
                 self._pending_bytes -= job.nbytes
-                self._done_writes.append(WriteDone(job.hashes, [False] * len(job.hashes), job.nbytes, job.tail))
+                self._done_writes.append(WriteDone(job.hashes, [False] * len(job.hashes), job.nbytes, job.tail,
+                                                   namespace=job.namespace))
             else:
                 self._done_fetches.append(FetchResult(job.namespace, [], job.first_block, 0, None, [], 0.0,
                                                       job.hashes[job.first_block], unanswered=True,

@@ -107,6 +107,8 @@ class WriteDone:
     nbytes: int
     tail: int | None = None    # the partial block's hash (None: the write had none)
     tail_stored: bool = False
+    namespace: Any = None      # the tenant they were written for
+    cancelled: int = 0         # of ``hashes``, not written: a later write removed them first
 
 
 @dataclass(slots=True)
@@ -131,6 +133,11 @@ class WriteJob:
     remove: list = field(default_factory=list)   # keys to remove first (tenant quotas: ``TenantQuotas.l3_admit``)
     keys: list[tuple[Any, tuple[int, ...]]] = field(default_factory=list)   # blocks the I/O thread makes
     parts: list[torch.Tensor] = field(default_factory=list)                 # from these (encoded there)
+    namespace: Any = None      # the tenant the blocks are written for (the listeners hear it)
+    # Blocks of ``hashes`` a later write removes for a quota while this one still waits in the
+    # queue: not written at all (removing them first would find nothing, and this write
+    # would then store them past the quota). Marked under the tier's lock.
+    cancelled: set = field(default_factory=set)
 
 
 @dataclass
@@ -139,6 +146,7 @@ class L3TierStats:
     quota_removed: int = 0          # blocks removed to keep a tenant's L3 quota (``TenantQuotas.l3_admit``)
     blocks_written: int = 0         # stored (or found already there)
     write_failures: int = 0
+    writes_cancelled: int = 0       # queued, then removed for a quota before they ran: never written
     writes_dropped: int = 0         # not stored: over max_pending_bytes, or queued when a flush came
     bytes_written: int = 0
     fetches: int = 0
