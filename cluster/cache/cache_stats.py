@@ -34,6 +34,7 @@ class CacheStats(Mapping):
     promotion_failures: int = 0          # the copy up failed, not the data
     promotion_skipped_no_room: int = 0
     promotions_recompute_cheaper: int = 0
+    promotions_partial: int = 0
     checksum_failures: int = 0
     stalls: int = 0                      # room made synchronously (``make_room``)
     quota_sheds: int = 0                 # a tenant at its cap pushed its own data out

@@ -49,6 +49,7 @@ class TierMoves:
         self.refused: PoolExhaustedError | None = None   # why the last demotion found no room below
         # Measured seconds per token of a promotion from WARM and from COLD (None until one ran).
         self.promote_s_per_token: list[float | None] = [None, None, None]
+        self._short_choices = 0   # choices to compute a colder part (every REMEASURE_EVERY-th promotes)
         self._copy_samples = [RecentMedian() for _ in range(3)]   # per source tier
 
     @property
@@ -318,17 +319,28 @@ class TierMoves:
     RECOMPUTE_MARGIN = 1.25
     REMEASURE_EVERY = 8
 
-    def recompute_cheaper(self, tiers: Sequence[int], recompute_s: float) -> bool:
-        """Whether bringing up the WARM and COLD parts of a prefix (``tiers``: tokens by tier)
-        is measured slower than computing them (``recompute_s``); counted when it is."""
-        rates = [self.promote_s_per_token[t] for t in (WARM, COLD) if tiers[t]]
-        if None in rates:
-            return False
-        copy_s = sum(tiers[t] * self.promote_s_per_token[t] for t in (WARM, COLD) if tiers[t])
-        if copy_s <= self.RECOMPUTE_MARGIN * recompute_s:
-            return False
-        self.stats.promotions_recompute_cheaper += 1
-        return self.stats.promotions_recompute_cheaper % self.REMEASURE_EVERY != 0
+    def tiers_to_promote(self, tiers: Sequence[int], recompute_s_per_token: float) -> tuple[int, ...]:
+        """Which colder parts of a prefix (``tiers``: its tokens by tier, root-ward HOT, then
+        WARM, then COLD) are worth bringing up rather than computing again, at the measured
+        copy rates and ``recompute_s_per_token``: ``(WARM, COLD)`` (all of it), ``(WARM,)``
+        (partial promotion: the root-ward WARM part comes up, the COLD rest is computed) or
+        ``()`` (compute it all). Promoting wins unless computing is measured cheaper by
+        ``RECOMPUTE_MARGIN``. (The caller counts what it acts on: ``TieredCache.ready``.)"""
+        colder = tuple(t for t in (WARM, COLD) if tiers[t])
+        if any(self.promote_s_per_token[t] is None for t in colder):
+            return colder   # not measured yet: promote (the copy measures it)
+        copy = {t: tiers[t] * self.promote_s_per_token[t] for t in colder}
+        compute = {t: tiers[t] * recompute_s_per_token * self.RECOMPUTE_MARGIN for t in colder}
+        # Root-ward parts first: a part can come up only with every colder part above it.
+        options = [colder[:k] for k in range(len(colder), -1, -1)]
+        cost = {o: sum(copy[t] for t in o) + sum(compute[t] for t in colder if t not in o) for o in options}
+        best = min(options, key=lambda o: (cost[o], -len(o)))   # ties: promote more
+        if best == colder:
+            return colder
+        self._short_choices += 1
+        if self._short_choices % self.REMEASURE_EVERY == 0:
+            return colder   # measure the copy again
+        return best
 
     def demote_path(self, tokens: Sequence[int], namespace: Hashable, tier: int) -> int:
         """Move the cached path of ``tokens`` down to ``tier`` now (leaf first, waiting for

@@ -172,9 +172,12 @@ class TieredCache:
         asks so for every waiting request behind the oldest: promotions that each
         pushed out another's prefix would let none of them run.
 
-        ``recompute_s_per_token``: the engine's measured prefill cost; when the
-        measured copy rate says bringing the colder part up takes longer than
-        computing it, the answer is ready with ``recompute`` set (admit with
+        ``recompute_s_per_token``: the engine's measured prefill cost; where the
+        measured copy rates say bringing a colder part up takes longer than computing
+        it, that part is left to compute (``TierMoves.tiers_to_promote``): all of the
+        colder part, or, in a partial promotion, the COLD rest below a WARM part that
+        comes up (counted in ``promotions_partial``). Once nothing is left to bring
+        up, the answer is ready with ``recompute`` set to the tokens left (admit with
         ``promote=False``; counted in ``promotions_recompute_cheaper``)."""
         self.check_owner("ready")
         self.poll()
@@ -185,21 +188,25 @@ class TieredCache:
         hot, tiers = self.tree.peek(tokens, namespace, validate=False)
         if hot:
             return Readiness(True, tiers)
-        colder_tokens = tiers[WARM] + tiers[COLD]
-        if recompute_s_per_token is not None and colder_tokens and self.moves.recompute_cheaper(
-                tiers, recompute_s_per_token * colder_tokens):
-            return Readiness(True, tiers, recompute=colder_tokens)
+        up = (WARM, COLD)
+        if recompute_s_per_token is not None:
+            up = self.moves.tiers_to_promote(tiers, recompute_s_per_token)
+        left = sum(tiers[t] for t in (WARM, COLD) if t not in up)   # computed again, by choice
+        coming = sum(tiers[t] for t in up)
+        if not coming:
+            self.stats.promotions_recompute_cheaper += bool(left)
+            return Readiness(True, tiers, recompute=left)
         if not make_room:
             bt = self.hot.allocator.block_tokens
             # Whole blocks for the colder tokens, and slack for the partial blocks at
             # node edges (an estimate: a promotion that misses it does not start).
-            if self.hot.allocator.free_blocks < -(-colder_tokens // bt) + 2:
+            if self.hot.allocator.free_blocks < -(-coming // bt) + 2:
                 return Readiness(False, tiers)
         m = self.tree.match_prefix(tokens, namespace, validate=False)
         tiers = list(m.tier_lengths)
-        colder = [n for n in m.nodes if n.tier != HOT]
-        if not colder:
-            return Readiness(True, tiers)
+        colder = [n for n in m.nodes if n.tier in up]
+        if not colder:   # all in HOT (the look saw a HOT node moving), or only what is left to compute
+            return Readiness(True, tiers, recompute=sum(tiers[t] for t in (WARM, COLD) if t not in up))
         if any(n.busy for n in m.nodes):
             return Readiness(False, tiers)
         with self.space.acting(namespace):
@@ -207,6 +214,8 @@ class TieredCache:
         if move is None:
             self.stats.promotion_skipped_no_room += 1
             return Readiness(False, tiers, blocked=make_room)
+        if left:
+            self.stats.promotions_partial += 1
         return Readiness(False, tiers)
 
     def lookup(self, tokens: Sequence[int], namespace: Hashable = None) -> TieredMatch:
