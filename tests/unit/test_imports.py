@@ -26,13 +26,10 @@ PRODUCT = LAYERS[:3]
 MAX_PRODUCT_FILE_LINES = 600
 
 PENDING_CYCLES: set[frozenset[str]] = {
-    frozenset({"cluster.cache.radix_tree", "cluster.cache.tree_invariants"}),
-    frozenset({"cluster.cache.l3.link", "cluster.cache.tiered"}),
     frozenset({"cluster.engine.cuda_graphs", "cluster.engine.layer_loop", "cluster.engine.model",
                "cluster.engine.packed_weights", "cluster.engine.paged"}),
 }
 PENDING_LONG: set[str] = {
-    "cluster/cache/tiered.py", "cluster/cache/radix_tree.py", "cluster/cache/allocator.py",
     "cluster/engine/scheduler.py",
 }
 
