@@ -45,7 +45,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as exc:  # a layer whose third-party package is not installed
-            if exc.name and exc.name.split(".")[0] not in ("cluster", "actors", "serve_app"):
+            if exc.name and exc.name.split(".")[0] not in ("cluster", "actors", "serve_app", "lab"):
                 continue
             raise
         doc = (module.__doc__ or "").strip().splitlines()[0] if module.__doc__ else ""
