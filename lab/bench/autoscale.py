@@ -32,14 +32,17 @@ One row per arm (``lab.bench.autoscale_figures`` computes every figure):
 - ``replica_seconds``: Serve's RUNNING replica count integrated from the load's
   start to the last answer; ``replica_seconds_idle``: from then to the end of
   the idle wait; ``scale_events``: [s after the start, before, after];
-- ``scale_out_running_s``: from the load step (the start of ``peak``) to the
-  first sample with more replicas RUNNING than at the step;
+- ``scale_out_started_s``: from the load step (the start of ``peak``) to the
+  first sample with more replicas starting or running than ran at the step
+  (the policy's decision as Serve carried it out); ``scale_out_running_s``: to
+  the first sample with more replicas RUNNING than at the step;
   ``scale_out_first_served_s``: to the first token a replica that was not live
   at the step streamed;
 - ``replica_starts``: each replica's start-up as it noted it with the directory
   (``process_to_ready_s``: from its process's start to ready to serve; Ray may
   hand an actor a worker process it started earlier, which only adds to it),
   and ``process_to_ready_s_max`` over the replicas started after the load began;
+- ``replicas_left``: each replica that left the directory's live set, and when;
 - ``crossed_scale_in_*``: the turns whose session's previous turn ran on a
   replica that had left before the turn was sent: how many, their sessions,
   ``crossed_scale_in_reuse`` (of what the previous turn left, prompt + reply,

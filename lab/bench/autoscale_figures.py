@@ -125,19 +125,23 @@ def scale_events(samples: list[ReplicaSample]) -> list[tuple[float, int, int]]:
 def scale_out_reaction(samples: list[ReplicaSample], turns: list[Turn], step_at: float,
                        t0: float) -> dict:
     """From the load step (``step_at`` s after the start; turns' ``started_at`` are monotonic, the
-    start at ``t0``) to the first sample with more replicas running than at the step, and to the
-    first token a replica not live at the step streamed (None: none came)."""
+    start at ``t0``) to the first sample with more replicas starting or running than ran at the
+    step (the policy's decision, seen), to the first with more running, and to the first token a
+    replica not live at the step streamed (None: none came)."""
     ordered = sorted(samples, key=lambda s: s.at)
     before = [s for s in ordered if s.at <= step_at]
     at_step = before[-1] if before else (ordered[0] if ordered else None)
     if at_step is None:
-        return {"replicas_at_step": None, "scale_out_running_s": None, "scale_out_first_served_s": None}
+        return {"replicas_at_step": None, "scale_out_started_s": None, "scale_out_running_s": None,
+                "scale_out_first_served_s": None}
     more = next((s for s in ordered if s.at > step_at and s.running > at_step.running), None)
+    asked = next((s for s in ordered if s.at > step_at and s.running + s.starting > at_step.running), None)
     old = set(at_step.live)
     served = [t.started_at - t0 + t.ttft_s for t in turns
               if t.ok and t.ttft_s is not None and t.worker_id and t.worker_id not in old
               and t.started_at - t0 >= step_at]
     return {"replicas_at_step": at_step.running,
+            "scale_out_started_s": rounded(asked.at - step_at, 2) if asked else None,
             "scale_out_running_s": rounded(more.at - step_at, 2) if more else None,
             "scale_out_first_served_s": rounded(min(served) - step_at, 2) if served else None}
 

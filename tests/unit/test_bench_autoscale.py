@@ -109,16 +109,19 @@ def test_scale_out_reaction_from_the_step_to_more_running_and_to_the_new_replica
     turns = [turn(0, 0, at=41, worker="a"), turn(1, 0, at=53, ttft=0.25, worker="b"),
              turn(2, 0, at=54, ttft=0.1, worker="b")]
     assert scale_out_reaction(samples, turns, step_at=40, t0=T0) == {
-        "replicas_at_step": 1, "scale_out_running_s": 12.5, "scale_out_first_served_s": 13.25}
+        "replicas_at_step": 1, "scale_out_started_s": 5, "scale_out_running_s": 12.5,
+        "scale_out_first_served_s": 13.25}
     assert scale_out_reaction(samples[:2], turns[:1], step_at=40, t0=T0) == {
-        "replicas_at_step": 1, "scale_out_running_s": None, "scale_out_first_served_s": None}
+        "replicas_at_step": 1, "scale_out_started_s": None, "scale_out_running_s": None,
+        "scale_out_first_served_s": None}
 
 
 def test_a_replica_already_up_at_the_step_is_no_reaction_to_it():
     samples = [sample(0, 1, ("a",)), sample(30, 2, ("a", "b"))]
     turns = [turn(0, 0, at=45, worker="b")]
     assert scale_out_reaction(samples, turns, step_at=40, t0=T0) == {
-        "replicas_at_step": 2, "scale_out_running_s": None, "scale_out_first_served_s": None}
+        "replicas_at_step": 2, "scale_out_started_s": None, "scale_out_running_s": None,
+        "scale_out_first_served_s": None}
 
 
 def test_idle_to_min_is_the_first_sample_at_the_minimum_with_none_starting_after_the_last_answer():
