@@ -42,7 +42,8 @@ One row per arm (``lab.bench.autoscale_figures`` computes every figure):
   (``process_to_ready_s``: from its process's start to ready to serve; Ray may
   hand an actor a worker process it started earlier, which only adds to it),
   and ``process_to_ready_s_max`` over the replicas started after the load began;
-- ``replicas_left``: each replica that left the directory's live set, and when;
+- ``replicas_left``: each replica that left, and when it stopped taking requests
+  (the scale-in that stopped it, before the directory dropped it);
 - ``crossed_scale_in_*``: the turns whose session's previous turn ran on a
   replica that had left before the turn was sent: how many, their sessions,
   ``crossed_scale_in_reuse`` (of what the previous turn left, prompt + reply,
@@ -70,7 +71,7 @@ import time
 
 from cluster.bench.common import emit, rounded
 from lab.bench.autoscale_figures import (Phase, ReplicaSample, arrival_times, by_phase, crossing_figures,
-                                         crossing_turns, gone_times, idle_to_min, phase_bounds, phases_of,
+                                         crossing_turns, idle_to_min, left_times, phase_bounds, phases_of,
                                          replica_seconds, scale_events, scale_out_reaction, slo_attainment, summary)
 from serve_app.tools.chat_workload import Turn, WorkloadResult, ask_turn
 from serve_app.tools.session_workload import SESSION_HEADER, PlannedSession, plan_sessions
@@ -101,6 +102,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="longest wait after the last answer for min_replicas (the goal's 3 minutes)")
     p.add_argument("--sample-s", type=float, default=0.5, help="replica sampling period")
     p.add_argument("--request-timeout-s", type=float, default=120.0)
+    p.add_argument("--raw", default=None, metavar="FILE",
+                   help="also append each arm's samples and requests to FILE (one JSON line per arm)")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
 
@@ -286,12 +289,25 @@ def arm_row(arm: str, args, phases: list[Phase], load: LoadRun, samples: list[Re
                 "scale_events": [[rounded(at, 1), a, b] for at, a, b in scale_events(samples)],
                 "last_answer_s": rounded(last_answer, 2)})
     row.update(scale_out_reaction(samples, turns, step_at, t0))
-    gone = gone_times(samples)
+    gone = left_times(samples)
     row["replicas_left"] = [[w[-8:], rounded(at, 1)] for w, at in sorted(gone.items(), key=lambda g: g[1])]
     row.update(crossing_figures(crossing_turns(turns, gone, t0)))
     row["idle_to_min_s"] = idle_to_min(samples, last_answer, args.min_replicas)
     row.update(start_figures(notes, load_wall))
     return row
+
+
+def write_raw(path: str, arm: str, samples: list[ReplicaSample], turns: list[Turn], t0: float) -> None:
+    """One JSON line: the arm's replica samples and its requests (times in s after the load's start)."""
+    import json
+
+    record = {"arm": arm, "samples": [[rounded(s.at, 3), s.running, s.starting, list(s.live)] for s in samples],
+              "turns": [{"session": t.session, "turn": t.turn, "ok": t.ok, "sent_s": rounded(t.started_at - t0, 3),
+                         "ttft_s": t.ttft_s, "e2e_s": t.e2e_s, "worker_id": t.worker_id, "prompt": t.prompt_tokens,
+                         "completion": t.completion_tokens, "cached": t.cached_tokens, "error": t.error}
+                        for t in turns]}
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
 
 
 def run_arm(arm: str, args, phases: list[Phase], plan: list[PlannedSession], system: str, model: str) -> dict:
@@ -321,6 +337,8 @@ def run_arm(arm: str, args, phases: list[Phase], plan: list[PlannedSession], sys
         notes = ray.get(directory.get_stats.remote(), timeout=30).get("lifecycle", [])
         row = arm_row(arm, args, phases, load, list(sampler.samples), t0, notes, load_wall)
         row["samples_missed"] = sampler.missed
+        if args.raw:
+            write_raw(args.raw, arm, list(sampler.samples), load.turns, t0)
         return row
     finally:
         local.shutdown()

@@ -10,7 +10,8 @@
 - ``scale_out_reaction``: from the load step to the first new replica running
   and to the first request a new replica answered;
 - ``crossing_turns``: the turns whose session's previous turn ran on a replica
-  that had left (a scale-in) before the turn was sent, and what they kept;
+  that had left (``left_times``: stopped by a scale-in) before the turn was
+  sent, and what they kept;
 - ``idle_to_min``: from the last answer to the deployment back at its minimum;
 - ``summary``: the two arms compared, with the issue's goals as booleans.
 """
@@ -153,6 +154,21 @@ def gone_times(samples: list[ReplicaSample]) -> dict[str, float]:
     for a, b in zip(ordered, ordered[1:]):
         for w in set(a.live) - set(b.live):
             out.setdefault(w, b.at)
+    return out
+
+
+def left_times(samples: list[ReplicaSample]) -> dict[str, float]:
+    """Each replica that left: from when no request could reach it any more, the latest scale-in
+    (Serve's running count falling) at or before the directory dropped it that no earlier leaver
+    took, or that drop where there is none (a replica stops taking requests when Serve stops it,
+    and drains before it leaves)."""
+    drops = [at for at, before, after in scale_events(samples) if after < before]
+    out: dict[str, float] = {}
+    for w, g in sorted(gone_times(samples).items(), key=lambda item: item[1]):
+        earlier = [d for d in drops if d <= g]
+        out[w] = earlier[-1] if earlier else g
+        if earlier:   # one scale-in stops one replica
+            drops.remove(earlier[-1])
     return out
 
 

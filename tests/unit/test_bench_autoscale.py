@@ -11,7 +11,7 @@ import pytest
 
 from lab.bench import autoscale
 from lab.bench.autoscale_figures import (Phase, ReplicaSample, arrival_times, by_phase, crossing_figures,
-                                         crossing_turns, gone_times, idle_to_min, phase_at, phase_bounds,
+                                         crossing_turns, gone_times, idle_to_min, left_times, phase_at, phase_bounds,
                                          phases_of, replica_seconds, scale_events, scale_out_reaction,
                                          slo_attainment, summary)
 from serve_app.tools.chat_workload import Turn
@@ -169,6 +169,17 @@ def test_only_turns_whose_previous_replica_had_left_crossed_a_scale_in():
                                        "crossed_scale_in_lost": 1}
     assert crossing_figures([]) == {"crossed_scale_in_turns": 0, "crossed_scale_in_sessions": 0,
                                     "crossed_scale_in_reuse": None, "crossed_scale_in_lost": 0}
+
+
+def test_a_replica_left_when_the_scale_in_stopped_it_not_when_the_directory_dropped_it():
+    samples = [sample(0, 2, ("a", "b")), sample(50, 2, ("a", "b")), sample(52, 1, ("a", "b")),
+               sample(58, 1, ("a",)), sample(70, 1, ("c",))]   # c: no scale-in before a's drop at 70
+    assert gone_times(samples) == {"b": 58, "a": 70}
+    assert left_times(samples) == {"b": 52, "a": 70}   # one scale-in stops one replica
+    assert left_times(samples[:4]) == {"b": 52}
+    turns = [turn(0, 0, at=40, worker="b"), turn(0, 1, at=55, worker="a", cached=105)]   # sent while b drained
+    assert [(p.turn, t.turn) for p, t in crossing_turns(turns, left_times(samples[:4]), T0)] == [(0, 1)]
+    assert crossing_turns(turns, gone_times(samples[:4]), T0) == []
 
 
 def test_start_figures_take_the_longest_process_to_ready_of_replicas_started_during_the_load():
