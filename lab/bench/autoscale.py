@@ -48,7 +48,9 @@ One row per arm (``lab.bench.autoscale_figures`` computes every figure):
   replica that had left before the turn was sent: how many, their sessions,
   ``crossed_scale_in_reuse`` (of what the previous turn left, prompt + reply,
   the share found cached; a failed turn counts 0) and how many failed;
-- ``idle_to_min_s``: from the last answer to ``min_replicas`` running, none starting;
+- ``idle_to_min_s``: from the last answer to ``min_replicas`` running, none starting
+  (0 where a scale-in during ``cool`` got there first); ``peak_end_to_min_s``: the
+  same from the end of ``peak``, the load back at its base rate;
 - ``lost_requests``: failed requests plus those still unanswered at the deadline;
 - the serving figures every row carries (``serve_app.tools.chat_workload``):
   TTFT, TPOT p50/p99, ITL p99, e2e p50, output tok/s, cached share.
@@ -293,6 +295,7 @@ def arm_row(arm: str, args, phases: list[Phase], load: LoadRun, samples: list[Re
     row["replicas_left"] = [[w[-8:], rounded(at, 1)] for w, at in sorted(gone.items(), key=lambda g: g[1])]
     row.update(crossing_figures(crossing_turns(turns, gone, t0)))
     row["idle_to_min_s"] = idle_to_min(samples, last_answer, args.min_replicas)
+    row["peak_end_to_min_s"] = idle_to_min(samples, phase_bounds(phases)[1][2], args.min_replicas)
     row.update(start_figures(notes, load_wall))
     return row
 
