@@ -27,7 +27,7 @@ def metrics(*per_replica):
     return out
 
 
-def signals(queued=0.0, blocked=0.0, ttft=0.0, running=0.0, rate=1000.0):
+def signals(queued=0.0, blocked=0.0, ttft=0.0, running=0.0, rate=2000.0):   # 1 s of prefill: 2,000 tokens
     return {"queued_prompt_tokens": queued, "blocked_for_room": blocked, "ttft_p90_s": ttft,
             "engine_running": running, "prefill_tokens_per_s": rate}
 
