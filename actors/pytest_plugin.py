@@ -19,8 +19,8 @@ Registered through the ``pytest11`` entry point, so any project that installs
   the fake node provider: worker nodes of type ``pc.autoscaled`` (1 CPU and one
   ``pc_autoscaled`` each, at most 2) are started when work waits for one and
   given back after ``AUTOSCALING_IDLE_MINUTES`` idle (``FakeAutoscalingCluster``).
-  Module-scoped; it takes over this process's Ray connection and gives the one it
-  found back afterwards.
+  Module-scoped; it takes over this process's Ray connection (the actors the old
+  one owned end with it) and reconnects afterwards, so its tests run last.
 
 The plugin turns on the thread-ownership check (``PREFIX_CACHE_CHECK_THREADS``)
 for the whole session, before Ray starts, so every worker runs with it.
@@ -85,6 +85,11 @@ _LIVE_CLUSTERS: list["LoopbackCacheCluster"] = []
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(session, config, items):
+    # The autoscaling cluster's tests last: its fixture takes this process's Ray connection,
+    # and dropping a connection ends the actors it owns (the session cluster's workers).
+    late = [item for item in items if "autoscaling_cluster" in getattr(item, "fixturenames", ())]
+    if late:
+        items[:] = [item for item in items if item not in late] + late
     # After any reordering plugin: the last test, in run order, that uses the cluster.
     users = [item.nodeid for item in items if "cache_cluster" in getattr(item, "fixturenames", ())]
     if users:
