@@ -15,6 +15,13 @@ Registered through the ``pytest11`` entry point, so any project that installs
   is one; yields a ``LoopbackCacheCluster`` with handles and helpers (a
   worker's peer channel: ``on_peer``).
 
+- ``autoscaling_cluster``: a head whose Ray autoscaler (the real one, v1) runs on
+  the fake node provider: worker nodes of type ``pc.autoscaled`` (1 CPU and one
+  ``pc_autoscaled`` each, at most 2) are started when work waits for one and
+  given back after ``AUTOSCALING_IDLE_MINUTES`` idle (``FakeAutoscalingCluster``).
+  Module-scoped; it takes over this process's Ray connection (the actors the old
+  one owned end with it) and reconnects afterwards, so its tests run last.
+
 The plugin turns on the thread-ownership check (``PREFIX_CACHE_CHECK_THREADS``)
 for the whole session, before Ray starts, so every worker runs with it.
 
@@ -30,7 +37,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import json
 import secrets
+import socket
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -75,6 +85,11 @@ _LIVE_CLUSTERS: list["LoopbackCacheCluster"] = []
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(session, config, items):
+    # The autoscaling cluster's tests last: its fixture takes this process's Ray connection,
+    # and dropping a connection ends the actors it owns (the session cluster's workers).
+    late = [item for item in items if "autoscaling_cluster" in getattr(item, "fixturenames", ())]
+    if late:
+        items[:] = [item for item in items if item not in late] + late
     # After any reordering plugin: the last test, in run order, that uses the cluster.
     users = [item.nodeid for item in items if "cache_cluster" in getattr(item, "fixturenames", ())]
     if users:
@@ -235,3 +250,139 @@ def cache_cluster(ray_loopback_cluster, l3_master, request):
     yield cc
     cc.shutdown()
     _LIVE_CLUSTERS.remove(cc)
+
+
+# The fake node provider of Ray's own autoscaler tests, loaded as an "external" provider:
+# its "fake_multinode" type needs a defaults file the Ray wheel does not ship.
+FAKE_NODE_PROVIDER = "ray.autoscaler._private.fake_multi_node.node_provider.FakeMultiNodeProvider"
+AUTOSCALED_RESOURCE = "pc_autoscaled"
+AUTOSCALING_IDLE_MINUTES = 0.05   # 3 s idle before the autoscaler gives a node back
+
+
+def fake_autoscaling_config(gcs_address: str, head_resources: dict[str, float],
+                            worker_types: dict[str, dict[str, Any]], idle_timeout_minutes: float) -> dict[str, Any]:
+    """An autoscaler config for the fake node provider (what ``ray.cluster_utils.AutoscalingCluster``
+    generates from Ray's example file, with the provider pointed at ``gcs_address``)."""
+    types = {name: {"node_config": {}, "min_workers": 0, **t} for name, t in worker_types.items()}
+    types["ray.head.default"] = {"resources": dict(head_resources), "node_config": {}, "max_workers": 0}
+    return {"cluster_name": "pc-fake-autoscaling", "max_workers": sum(t.get("max_workers", 0) for t in types.values()),
+            "provider": {"type": "external", "module": FAKE_NODE_PROVIDER, "gcs_address": gcs_address,
+                         "use_node_id_as_ip": True, "disable_node_updaters": True,
+                         "disable_launch_config_check": True},
+            "available_node_types": types, "head_node_type": "ray.head.default",
+            "upscaling_speed": 1.0, "idle_timeout_minutes": idle_timeout_minutes, "auth": {}, "docker": {},
+            "initialization_commands": [], "setup_commands": [], "head_setup_commands": [],
+            "worker_setup_commands": [], "head_start_ray_commands": [], "worker_start_ray_commands": [],
+            "file_mounts": {}, "cluster_synced_files": [], "file_mounts_sync_continuously": False,
+            "rsync_exclude": [], "rsync_filter": []}
+
+
+class FakeAutoscalingCluster:
+    """A Ray head on loopback whose autoscaler adds and removes fake nodes (each a real raylet
+    in the autoscaler's process) as work waits for them or leaves them idle.
+
+    ``ray.cluster_utils.AutoscalingCluster`` runs ``ray stop --force`` on start and shutdown,
+    which stops every Ray cluster on the machine, and reads a file the wheel does not ship;
+    this runs the same autoscaler from a ``ray.cluster_utils.Cluster`` head of its own and
+    stops only what it started: the head, and every process under the autoscaler's."""
+
+    def __init__(self, head_cpus: int, worker_types: dict[str, dict[str, Any]],
+                 idle_timeout_minutes: float = AUTOSCALING_IDLE_MINUTES):
+        self.head_cpus, self.worker_types, self.idle_timeout_minutes = head_cpus, worker_types, idle_timeout_minutes
+        self.cluster = None
+        self._config_path: str | None = None
+
+    def start(self) -> "FakeAutoscalingCluster":
+        from ray.cluster_utils import Cluster
+
+        with socket.socket() as sock:   # the GCS port, known before the head starts (the provider needs it)
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        config = fake_autoscaling_config(f"127.0.0.1:{port}", {"CPU": self.head_cpus}, self.worker_types,
+                                         self.idle_timeout_minutes)
+        fd, self._config_path = tempfile.mkstemp(prefix="pc-autoscaling-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump(config, f)
+        # The autoscaler process inherits these: the fake provider refuses to run without the
+        # first; the second makes it look every second instead of every five.
+        saved = {k: os.environ.get(k) for k in ("RAY_FAKE_CLUSTER", "AUTOSCALER_UPDATE_INTERVAL_S")}
+        os.environ.update({"RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1"})
+        try:
+            self.cluster = Cluster(initialize_head=True, head_node_args={
+                "num_cpus": self.head_cpus, "include_dashboard": False, "gcs_server_port": port,
+                "autoscaling_config": self._config_path})
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        return self
+
+    @property
+    def address(self) -> str:
+        return self.cluster.address
+
+    def alive_nodes(self) -> list[dict[str, Any]]:
+        import ray
+
+        return [n for n in ray.nodes() if n["Alive"]]
+
+    def wait_nodes(self, count: int, timeout_s: float) -> list[dict[str, Any]]:
+        """Until exactly ``count`` nodes are alive (head included); TimeoutError naming what was seen."""
+        deadline = time.monotonic() + timeout_s
+        alive = self.alive_nodes()
+        while len(alive) != count:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{len(alive)} nodes alive after {timeout_s}s, waiting for {count}")
+            time.sleep(0.5)
+            alive = self.alive_nodes()
+        return alive
+
+    def shutdown(self) -> None:
+        """The head, then whatever is left under the autoscaler's process (its fake nodes)."""
+        import psutil
+        from ray._private import ray_constants
+
+        if self.cluster is None:
+            return
+        leftovers = []
+        for info in self.cluster.head_node.all_processes.get(ray_constants.PROCESS_TYPE_MONITOR, []):
+            try:
+                leftovers += psutil.Process(info.process.pid).children(recursive=True)
+            except psutil.NoSuchProcess:
+                pass
+        self.cluster.shutdown()
+        for proc in leftovers:
+            try:
+                proc.terminate()
+            except psutil.NoSuchProcess:
+                pass
+        _, alive = psutil.wait_procs(leftovers, timeout=10)
+        for proc in alive:
+            proc.kill()
+        self.cluster = None
+        if self._config_path is not None:
+            os.unlink(self._config_path)
+            self._config_path = None
+
+
+@pytest.fixture(scope="module")
+def autoscaling_cluster():
+    import ray
+
+    previous = None
+    if ray.is_initialized():   # a session cluster of this plugin: reconnected afterwards
+        ctx = ray.get_runtime_context()
+        previous = (ctx.gcs_address, ctx.namespace)
+        ray.shutdown()
+    cluster = FakeAutoscalingCluster(head_cpus=1, worker_types={"pc.autoscaled": {
+        "resources": {"CPU": 1, AUTOSCALED_RESOURCE: 1}, "max_workers": 2}}).start()
+    try:
+        ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        if previous is not None:
+            ray.init(address=previous[0], namespace=previous[1], log_to_driver=False)

@@ -106,7 +106,8 @@ class CacheWorker:
         self._on_lifecycle("warmup", self.warmup)
         # Where a new worker's start-up goes (recovery after a kill waits for all of it).
         t_ready = time.perf_counter()
-        self.startup = {"started_at": started_at, "ready_at": started_at + (t_ready - t0),
+        self.startup = {"process_started_at": _process_started_at(), "started_at": started_at,
+                        "ready_at": started_at + (t_ready - t0),
                         "core_s": round(t_core - t0, 3), "cuda_steps_s": round(t_cuda - t_core, 3),
                         "warmup_s": round(t_ready - t_cuda, 3), "total_s": round(t_ready - t0, 3),
                         "core_parts": dict(self.core.startup)}
@@ -225,6 +226,17 @@ class ChannelPeerOps:
 
     async def link(self, holder: str) -> PeerClient | None:
         return await self.worker.link(holder)
+
+
+def _process_started_at() -> float | None:
+    """When this process started (wall clock), so a start-up note says how long the replica's
+    process took to serve, imports included; None where the OS does not say."""
+    try:
+        import psutil   # a dependency of Ray's
+
+        return psutil.Process().create_time()
+    except Exception:
+        return None
 
 
 def start_worker(worker_id: str, config: dict | None = None, *, namespace: str = "prefix-cache",

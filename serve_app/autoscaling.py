@@ -20,7 +20,7 @@ The policy itself is ``cluster.routing.autoscale`` (no Ray). Here:
 Under ``prefix_cache`` the policy's own window and rate limits replace Serve's
 delays (Serve applies ``upscale_delay_s``/``downscale_delay_s`` on top of a
 custom policy's answer, so both are set to 0 and refused in the config), and
-replicas push their metrics every ``metrics_interval_s`` = 2 s over a 10 s
+replicas push their metrics every ``metrics_interval_s`` = 2 s over a 5 s
 look-back unless the config sets them (Ray 2.60 reads the push period from that
 deprecated key; its default of 10 s alone would delay a scale-out by up to 10 s).
 """
@@ -44,7 +44,7 @@ SERVE_DEFAULT = "serve_default"
 AUTOSCALING_POLICIES = (PREFIX_CACHE, SERVE_DEFAULT)
 POLICY_PATH = "serve_app.autoscaling:PrefixCacheAutoscalingPolicy"
 # Serve's settings under the prefix_cache policy, unless the autoscaling_config sets them.
-PREFIX_CACHE_SERVE_SETTINGS = {"look_back_period_s": 10.0, "metrics_interval_s": 2.0}
+PREFIX_CACHE_SERVE_SETTINGS = {"look_back_period_s": 5.0, "metrics_interval_s": 2.0}
 # Serve's default policy's settings that the prefix_cache policy replaces with its own knobs.
 REPLACED_BY_POLICY = {"target_ongoing_requests": "scale_out_queue_s and ttft_slo_s",
                       "upscale_delay_s": "scale_out_interval_s",

@@ -50,7 +50,7 @@ _STATE_PREFIX = "prefix_cache_"
 @dataclass(frozen=True)
 class AutoscaleConfig:
     ttft_slo_s: float = 2.0              # a replica's TTFT p90 above this scales out
-    scale_out_queue_s: float = 2.0       # seconds of queued prefill per replica that scale out
+    scale_out_queue_s: float = 1.0       # seconds of queued prefill per replica that scale out
     scale_out_queued_tokens: int = 4096  # ... as tokens, for a replica that reports no prefill rate
     scale_out_blocked: float = 0.5       # share of the look-back a replica was out of HOT room that scales out
     max_scale_out_step: int = 2          # replicas added by one scale-out at most

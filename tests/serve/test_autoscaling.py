@@ -27,7 +27,7 @@ def metrics(*per_replica):
     return out
 
 
-def signals(queued=0.0, blocked=0.0, ttft=0.0, running=0.0, rate=1000.0):
+def signals(queued=0.0, blocked=0.0, ttft=0.0, running=0.0, rate=2000.0):   # 1 s of prefill: 2,000 tokens
     return {"queued_prompt_tokens": queued, "blocked_for_room": blocked, "ttft_p90_s": ttft,
             "engine_running": running, "prefill_tokens_per_s": rate}
 
@@ -107,7 +107,7 @@ def test_config_yaml_builds_with_the_prefix_cache_policy_and_its_knobs():
     assert scaling.policy.policy_kwargs == args["autoscaling_policy_args"]
     assert (scaling.min_replicas, scaling.max_replicas) == (1, 8)
     assert (scaling.upscale_delay_s, scaling.downscale_delay_s) == (0.0, 0.0)   # the policy's own limits instead
-    assert (scaling.metrics_interval_s, scaling.look_back_period_s) == (2.0, 10.0)
+    assert (scaling.metrics_interval_s, scaling.look_back_period_s) == (2.0, 5.0)
     # Left out, the policy is still ours: it is the default whenever autoscaling is on.
     default = _replica_autoscaling(build_app({"autoscaling_config": {"min_replicas": 1, "max_replicas": 3}}))
     assert default.policy.policy_function == POLICY_PATH and default.policy.policy_kwargs == {}

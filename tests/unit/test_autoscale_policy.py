@@ -7,8 +7,8 @@ from cluster.errors import InvalidInputError
 from cluster.routing.autoscale import AutoscaleConfig, AutoscaleState, decide
 from cluster.routing.autoscale_signals import ReplicaSignals, TtftWindow
 
-CONFIG = AutoscaleConfig()   # ttft_slo_s 2, 2 s of queued prefill, window 60 s, intervals 10 s out / 30 s in
-RATE = 1000.0                # prefill tokens/s: the queue threshold is 2,000 tokens a replica
+CONFIG = AutoscaleConfig()   # ttft_slo_s 2, 1 s of queued prefill, window 60 s, intervals 10 s out / 30 s in
+RATE = 2000.0                # prefill tokens/s: the queue threshold is 2,000 tokens a replica
 IDLE = ReplicaSignals(0, 0, 0.0, 0, RATE)
 
 
@@ -129,8 +129,8 @@ def test_never_below_min_or_above_max_and_no_signals_holds():
 
 def test_idle_returns_to_min_within_three_minutes_with_the_defaults():
     """A ramp to 4 replicas, then idle: back at min_replicas one window (60 s) after the signals
-    went quiet, on the policy's own clock; the replicas' 30 s TTFT window and Serve's 10 s
-    look-back come before it (100 s in all, under 180)."""
+    went quiet, on the policy's own clock; the replicas' 30 s TTFT window and Serve's 5 s
+    look-back come before it (95 s in all, under 180)."""
     state, target, t, events = AutoscaleState(), 1, 0.0, []
     while t < 400.0:
         if t < 100.0:
