@@ -30,7 +30,8 @@ from cluster.cache.tiered import TieredCache
 from cluster.engine.model_runner import ModelRunner
 from cluster.engine.request import EngineRequest, TokenEvent, position_seed
 from cluster.engine.sampler import Sampler
-from cluster.engine.scheduler import Scheduler, StepPlan
+from cluster.engine.plan import StepPlan
+from cluster.engine.scheduler import Scheduler
 from cluster.engine.tenant_work import TenantWork
 from cluster.errors import CacheError, InvalidInputError
 from cluster.estimators import RecentMedian

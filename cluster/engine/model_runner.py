@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from cluster.engine.request import EngineRequest
-from cluster.engine.scheduler import ScheduledRequest, StepPlan
+from cluster.engine.plan import ScheduledRequest, StepPlan
 
 
 class ModelRunner:

@@ -18,7 +18,7 @@ import torch
 from cluster.engine.prompt_logprobs import PromptLogprobCache, record_prompt_logprobs, wants_prompt_rows
 from cluster.engine.request import EngineRequest, position_seed
 from cluster.engine.sampling import greedy_tokens, sample_token, token_logprobs
-from cluster.engine.scheduler import Sampled, StepPlan
+from cluster.engine.plan import Sampled, StepPlan
 from cluster.errors import CacheError
 
 

@@ -66,6 +66,7 @@ from typing import Any, Callable
 from cluster.cache.tiered import TieredCache
 from cluster.engine.fair_share import TenantShares, chunk_tokens
 from cluster.engine.preemption import TimeSlicer, spare_repeated
+from cluster.engine.plan import Sampled, ScheduledRequest, StepPlan
 from cluster.engine.prompt_logprobs import wants_prompt_rows
 from cluster.engine.stall_free import prefill_cap
 from cluster.engine.request import EngineRequest, TokenEvent, split_by_tier
@@ -86,47 +87,6 @@ class _Pass:
     promoting: bool = False   # an older waiting request's prefix is on its way up
     stalled: set = field(default_factory=set)   # tenants whose oldest waiting request found no room (quotas)
     halted: bool = False      # a request found no room: nobody behind it takes room before it
-
-
-@dataclass(slots=True)
-class ScheduledRequest:
-    """One request's part of a step: ``num_tokens`` tokens from position ``start``
-    (its computed tokens when the step began), their HOT room reserved."""
-
-    request: EngineRequest
-    start: int
-    num_tokens: int
-
-    @property
-    def samples(self) -> bool:
-        """Whether this step completes its sequence, so it samples a token."""
-        return self.start + self.num_tokens == len(self.request.tokens)
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.request.tokens[self.start:self.start + self.num_tokens]
-
-
-@dataclass(slots=True)
-class StepPlan:
-    """What one step computes (vLLM's ``SchedulerOutput``, here as small as it is)."""
-
-    items: list[ScheduledRequest] = field(default_factory=list)
-    all_logits: bool = False   # every computed row's logits (prompt logprobs, keep_logits), not just the last
-
-    @property
-    def decodes_only(self) -> bool:
-        return all(i.num_tokens == 1 and i.request.output for i in self.items)
-
-
-@dataclass(slots=True)
-class Sampled:
-    """The sampler's answer for one planned request: its token (None: a prompt chunk with
-    more to come), the token's logprobs entry, or why sampling failed."""
-
-    token: int | None = None
-    logprobs: Any = None
-    error: str | None = None
 
 
 STAT_KEYS = ("prompt_tokens", "cached_tokens", "computed_tokens", "requests_finished", "requests_failed",

@@ -9,7 +9,7 @@ from cluster.cache.tiered import TierConfig, TieredCache
 from cluster.engine.model import DecoderModel, ModelConfig
 from cluster.engine.engine import Engine, EngineRequest, SamplingParams
 from cluster.engine.sampling import greedy_tokens
-from cluster.engine.scheduler import ScheduledRequest, StepPlan
+from cluster.engine.plan import ScheduledRequest, StepPlan
 from cluster.errors import InvalidInputError
 
 TOL = 1e-4
