@@ -54,3 +54,17 @@ class Sampled:
     token: int | None = None
     logprobs: Any = None
     error: str | None = None
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """The runner's answer for one plan: each planned request's logits (every computed row's
+    where ``StepPlan.all_logits``, else the last row's), or why the forward failed; and what
+    the step's measures need: when the forward began (``time.perf_counter``), how long it
+    took, and whether the plan was decodes alone."""
+
+    logits: list | None
+    error: str | None = None
+    began: float = 0.0
+    forward_ms: float = 0.0
+    decodes_only: bool = False

@@ -283,7 +283,7 @@ def test_a_running_request_keeps_its_kv_only_in_its_lease_slots(model, tmp_path)
     checked = 0
     while eng.has_work():
         eng.step()
-        for req in eng.running:
+        for req in eng.scheduler.running:
             n = req.num_computed_tokens
             slots = req.lease.slots()
             assert slots.numel() == n == req.lease.length
