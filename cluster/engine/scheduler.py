@@ -146,9 +146,11 @@ class Scheduler:
         self._yield_slots()
         self._yield_to_blocked()
         planned: set[int] = set()
-        budget = self.policy.step_budget(self.config.max_batch_tokens, self.running, self.waiting, self.clock)
+        budget = step_budget = self.policy.step_budget(self.config.max_batch_tokens, self.running, self.waiting,
+                                                       self.clock)
         budget = self._plan_running(plan, [r for r in self.running if r.to_compute == 1], budget, planned)
         budget = self._beside_decodes(budget, plan)
+        spare = max(0, self._beside_decodes(self.config.max_batch_tokens, plan) - step_budget)
         groups, last_pass = self.policy.groups(self.running, self.waiting, planned)
         state = _Pass()
         for last in (False, True) if last_pass else (False,):
@@ -156,10 +158,11 @@ class Scheduler:
                 if budget <= 0:
                     break
                 share = budget if last else self.policy.share(budget, len(groups) - i)
+                extra = self.policy.reach(budget, share, i == 0 and not last, spare)
                 fills = [r for r in self.running if r.to_compute > 1 and id(r) not in planned
                          and (group is ANY or r.namespace == group)]
-                left = self._plan_running(plan, fills, share, planned, budget - share)
-                left = self._plan_waiting(plan, left, planned, state, group, budget - share)
+                left = self._plan_running(plan, fills, share, planned, extra)
+                left = self._plan_waiting(plan, left, planned, state, group, extra)
                 budget -= share - left
         self._planned(plan)
         self.tenant_work.after_step(len(plan.items), self.running, self.waiting)

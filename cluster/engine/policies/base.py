@@ -52,6 +52,13 @@ class SchedulingPolicy:
         """The next group's part of ``left`` (``groups_to_go``: it and the ones after it)."""
         return left
 
+    def reach(self, left: int, share: int, first: bool, spare: int) -> int:
+        """How far past its ``share`` a group's prompt that can end in this step may go: what is
+        left of the step (``left``), and for a policy that shortens steps, where it says
+        (``spare``: the tokens the shortening kept out of this step, ``first``: the group that
+        comes first in the step's first pass)."""
+        return left - share
+
     def waiting_order(self, waiting: Iterable) -> list:
         """The waiting requests in the order they are looked at (first come, first served)."""
         return list(waiting)

@@ -57,6 +57,13 @@ class FairSharePolicy(SchedulingPolicy):
     def share(self, left: int, groups_to_go: int) -> int:
         return self.shares.allot(left, groups_to_go)
 
+    def reach(self, left: int, share: int, first: bool, spare: int) -> int:
+        """The tenant served least recently (first in the order) may end a prompt in this step
+        past the shortened step (``step_tokens``), up to what the step could hold unshortened
+        beside its decodes: a quiet tenant's later turn is not cut into short chunks beside a
+        flood, while the flood's prompts still are."""
+        return left - share + (spare if first else 0)
+
     def slot_share(self, tenants: int, max_running: int) -> int:
         return max(1, max_running // max(1, tenants))
 
