@@ -100,9 +100,12 @@ class Engine:
         return self.runner.linear_layouts
 
     # ------------------------------------------------------------------ API
+    def _owned(self, what: str) -> None:
+        if self.owner is not None:   # the worker's engine thread, when ownership checks are on
+            self.owner.check(what)
+
     def submit(self, request: EngineRequest) -> EngineRequest:
-        if self.owner is not None:
-            self.owner.check("Engine.submit")
+        self._owned("Engine.submit")
         request.prompt = as_token_list(request.prompt, self.model.config.vocab_size)
         limit = self.model.config.max_position
         need = len(request.prompt) + request.params.max_tokens
@@ -138,8 +141,7 @@ class Engine:
         return request
 
     def cancel(self, request: EngineRequest, reason: FinishReason = FinishReason.CANCELLED) -> None:
-        if self.owner is not None:
-            self.owner.check("Engine.cancel")
+        self._owned("Engine.cancel")
         self.scheduler.cancel(request, FinishReason(reason))
         self.complete_finished()   # a running request's KV into the cache now, its prefix unlocked
 
@@ -157,12 +159,8 @@ class Engine:
         return req
 
     def step(self, defer_finish: bool = False) -> list[TokenEvent]:
-        """One iteration: schedule, run, update. A request that ends on the token it just sampled
-        is finished (its KV cached, its prefix unlocked) before ``step`` returns; with
-        ``defer_finish`` that waits for ``complete_finished`` (the caller delivers the last token
-        first); the next step does it first in any case."""
-        if self.owner is not None:
-            self.owner.check("Engine.step")
+        """One iteration: schedule -> run -> update (``defer_finish``: see ``complete_finished``)."""
+        self._owned("Engine.step")
         self.complete_finished()
         plan = self.scheduler.schedule()
         if plan.items:
@@ -175,7 +173,9 @@ class Engine:
     def complete_finished(self) -> None:
         """Cache the KV of the requests that ended on their last token (with
         ``cache_final_token``, the runner computes that token's KV first) and unlock their
-        prefixes (``step(defer_finish=True)`` leaves this to the caller)."""
+        prefixes. ``step`` does it before it returns, and ``step(defer_finish=True)`` leaves it
+        to the caller (which delivers the last token first); the next step does it first in
+        any case."""
         plan = self.scheduler.final_token_plan()
         self.scheduler.complete_finished(self.runner.final_tokens(plan) if plan.items else frozenset())
 
