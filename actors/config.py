@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from cluster.cache.tiered import TierConfig
 from cluster.engine.checkpoint import ModelSpec
-from cluster.engine.engine import DEFAULT_TIME_SLICE_S
+from cluster.engine.scheduler_config import DEFAULT_TIME_SLICE_S, SchedulerConfig, check_policy_name
 from cluster.errors import InvalidInputError
 
 # A worker's tier sizes when the config names none (TierConfig itself has no default HOT size).
@@ -95,6 +95,11 @@ class WorkerConfig:
     # yields at most once: a short answer does not wait behind a long one, and no running
     # stream stalls for a long one. Null: waiting requests always wait for decodes to finish.
     time_slice_s: float | None = DEFAULT_TIME_SLICE_S
+    # The engine's scheduling policy (cluster.engine.policies): "fcfs" (first come, first served),
+    # "fair" (the tenants' fair share of each step and of max_running) or "priority" (a request's
+    # priority field, lower first; ties first come, first served). Null: "fair" under tenant_quotas,
+    # else "fcfs".
+    scheduling_policy: str | None = None
     # Bound on each remote call of a migration (export, info, object-store pull):
     # a holder that is gone or slow costs at most this per call, then recompute.
     migration_timeout_s: float = 2.0
@@ -159,6 +164,7 @@ class WorkerConfig:
                                     f"got {self.time_slice_s!r}")
         if not isinstance(self.shared_fills, bool):
             raise InvalidInputError(f"shared_fills must be true or false, got {self.shared_fills!r}")
+        check_policy_name(self.scheduling_policy, "scheduling_policy")
         if not self.migration_timeout_s > 0:
             raise InvalidInputError(f"migration_timeout_s must be positive, got {self.migration_timeout_s!r}")
         for name in ("l3_master", "l3_master_http"):
@@ -180,6 +186,12 @@ class WorkerConfig:
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or v < 0:
                 raise InvalidInputError(f"{name} must be a number >= 0, got {v!r}")
+
+    def scheduler_config(self) -> SchedulerConfig:
+        """The engine's scheduler settings from this config."""
+        return SchedulerConfig(max_batch_tokens=self.max_batch_tokens, max_running=self.max_running,
+                               time_slice_s=self.time_slice_s, shared_fills=self.shared_fills,
+                               cache_final_token=self.cache_final_token, policy=self.scheduling_policy)
 
     @classmethod
     def from_dict(cls, data: dict | None) -> "WorkerConfig":

@@ -105,9 +105,7 @@ class WorkerCore:
             l3 = pool.submit(self._timed_part, "l3_s", self._open_l3, peer_host)
             nixl = pool.submit(self._timed_part, "nixl_s", self._open_nixl)
             grammars = pool.submit(self._timed_part, "grammars_s", self._grammars, mc.vocab_size)
-            self.engine = Engine(self.model, self.cache, max_batch_tokens=config.max_batch_tokens,
-                                 max_running=config.max_running, cache_final_token=config.cache_final_token,
-                                 decode_kernel=config.decode_kernel)
+            self.engine = Engine(self.model, self.cache, config.scheduler_config(), decode_kernel=config.decode_kernel)
             self.startup["packed_weights"] = getattr(self.model, "packed_source", {}).get("source", "none")
             part("engine_s")
             self.l3, self.nixl = l3.result(), nixl.result()
@@ -146,9 +144,7 @@ class WorkerCore:
         part("loop_s")
 
     def _configure_engine(self) -> None:
-        """The engine's scheduling policies from the config, and what it runs on, in the log."""
-        self.engine.shared_fills = self.config.shared_fills
-        self.engine.time_slice_s = self.config.time_slice_s
+        """What the engine runs on, in the log."""
         log.info("worker %s: OpenMP %s, allocator %s, %d torch threads, linear layouts by row count %s",
                  self.worker_id, openmp.runtime(), malloc.runtime(), torch.get_num_threads(),
                  self.engine.linear_layouts)

@@ -297,12 +297,12 @@ class EngineLoop:
         """(engine thread) The load for the directory and the signals for the autoscaler."""
         self.owner.check("EngineLoop.measure_load")
         engine = self.engine
-        waiting = sum(len(r.prompt) - r.cached_tokens for r in engine.waiting)
-        running = sum(r.params.max_tokens - len(r.output) for r in engine.running)
-        load = LoadReport(waiting + running, len(engine.running), len(engine.waiting), self._transfer_rate())
+        waiting = sum(len(r.prompt) - r.cached_tokens for r in engine.scheduler.waiting)
+        running = sum(r.params.max_tokens - len(r.output) for r in engine.scheduler.running)
+        load = LoadReport(waiting + running, len(engine.scheduler.running), len(engine.scheduler.waiting), self._transfer_rate())
         rate = engine.prefill_tokens_per_s or self._prefill_rate() or 0.0
         signals = ReplicaSignals(waiting, 1.0 if engine.blocked_for_room else 0.0, self.ttft.p90(self.clock()),
-                                 len(engine.running), rate)
+                                 len(engine.scheduler.running), rate)
         return load, signals
 
     def wake(self) -> None:
@@ -332,9 +332,9 @@ class EngineLoop:
         entered = self.engine.clock()   # the replica's queue time counts from here
 
         def submit():   # the queue bound is read where the queue lives
-            if len(self.engine.waiting) >= self.max_queued_requests:
+            if len(self.engine.scheduler.waiting) >= self.max_queued_requests:
                 self.stats["rejected_queue_full"] += 1
-                raise QueueFullError(f"worker {self.name} has {len(self.engine.waiting)} requests queued")
+                raise QueueFullError(f"worker {self.name} has {len(self.engine.scheduler.waiting)} requests queued")
             self.engine.submit(req)
             with self._streams_lock:
                 self._streams[req.request_id] = (loop, q, entered, context)

@@ -87,6 +87,7 @@ SAMPLING_RANGES: dict[str, Range] = {
 }
 LOGIT_BIAS_RANGE = Range(-100.0, 100.0)
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
+PRIORITY_MIN, PRIORITY_MAX = -(1 << 31), (1 << 31) - 1   # a request's scheduling priority (lower first)
 MAX_LOGPROBS = 20                    # top-k logprobs per token, at most
 
 
@@ -117,6 +118,10 @@ class SamplingParams:
     prior_output: int = 0
     # A structured-output constraint (``cluster.engine.grammar.GrammarSpec``), or None.
     grammar: Any = None
+    # The request's scheduling priority under the engine's ``priority`` policy (vLLM's): lower
+    # is served first, ties first come, first served; other policies ignore it. Not a sampling
+    # setting: it rides here so that it reaches the engine with the request's other settings.
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -126,6 +131,9 @@ class SamplingParams:
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not SEED_MIN <= self.seed <= SEED_MAX):
             raise InvalidInputError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int) or \
+                not PRIORITY_MIN <= self.priority <= PRIORITY_MAX:
+            raise InvalidInputError(f"priority must be an integer in [-2**31, 2**31), got {self.priority!r}")
         ids = self.stop_token_ids
         if not isinstance(ids, tuple) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise InvalidInputError(f"stop_token_ids must be a tuple of ints, got {ids!r:.80}")
@@ -551,7 +559,7 @@ def _check_tokens(tokens: Any, what: str) -> None:
 
 
 __all__ = ["WIRE_VERSION", "Tenant", "MalformedMessageError", "FinishReason", "Transport", "GREEDY_TEMPERATURE",
-           "Range", "SAMPLING_RANGES", "LOGIT_BIAS_RANGE", "SEED_MIN", "SEED_MAX", "MAX_LOGPROBS", "SamplingParams", "MigrationResult", "RouteDecision", "GenerateRequest", "StagedPrefix", "RATE_FIELDS",
+           "Range", "SAMPLING_RANGES", "LOGIT_BIAS_RANGE", "SEED_MIN", "SEED_MAX", "PRIORITY_MIN", "PRIORITY_MAX", "MAX_LOGPROBS", "SamplingParams", "MigrationResult", "RouteDecision", "GenerateRequest", "StagedPrefix", "RATE_FIELDS",
            "PrefixOffer",
            "MeasuredRates", "WorkerInfo", "Snapshot", "ReplicaTiming", "StreamItem", "TableChange", "TableState",
            "TableUpdate", "LoadReport", "L3ShareCounts", "PublishReply"]

@@ -23,7 +23,8 @@ from typing import Any, ClassVar, Optional, Union
 from annotated_types import Ge, Gt, Le, MaxLen, MinLen
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from cluster.protocol import LOGIT_BIAS_RANGE, SAMPLING_RANGES, SEED_MAX, SEED_MIN, Range, SamplingParams
+from cluster.protocol import (LOGIT_BIAS_RANGE, PRIORITY_MAX, PRIORITY_MIN, SAMPLING_RANGES, SEED_MAX, SEED_MIN, Range,
+                              SamplingParams)
 from serve_app.errors import APIError
 
 # Known to OpenAI-compatible clients, not implemented here: named in the 400 with why.
@@ -102,6 +103,8 @@ class GenerationBody(BaseModel):
     logit_bias: Optional[dict] = _json({"type": "object", "additionalProperties": {
         "type": "number", "minimum": LOGIT_BIAS_RANGE.lo, "maximum": LOGIT_BIAS_RANGE.hi}})
     min_tokens: int = Field(0, ge=0)
+    # The engine's ``priority`` scheduling policy (vLLM's field): lower is served first.
+    priority: int = Field(0, ge=PRIORITY_MIN, le=PRIORITY_MAX)
     # Accepted and ignored: they change nothing about the answer.
     user: Any = _json({"type": "string"})
     metadata: Any = _json({"type": "object"})
@@ -202,7 +205,7 @@ class GenerationBody(BaseModel):
             stop_token_ids=stop_token_ids, top_k=max(self.top_k, 0), min_p=self.min_p,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias or (),
-            min_tokens=self.min_tokens, grammar=grammar)
+            min_tokens=self.min_tokens, grammar=grammar, priority=self.priority)
 
 
 class CompletionBody(GenerationBody):
@@ -327,7 +330,7 @@ def _client_error(model: type[GenerationBody], error: dict) -> APIError:
 
 # Bounded on both sides, but the side it broke says more than the range would (the
 # int64/uint64 limits).
-_ONE_SIDED = frozenset({"seed"})
+_ONE_SIDED = frozenset({"seed", "priority"})
 
 
 def _declared_range(model: type[GenerationBody], name: str | None) -> Range | None:

@@ -4,11 +4,11 @@ A tenant is a cache namespace (an API key's tenant). Served first come, first
 served, one tenant's flood of long prompts fills every step's budget with its
 prefill chunks, and another tenant's short request, whose prefix is cached,
 queues behind the whole backlog and then shares a step as long as the flood's
-chunk. With ``tenant_quotas`` configured, the scheduler
-(``cluster.engine.scheduler``) plans a step this way as soon as more than one
-tenant has work in the engine (without quotas, one shared LRU HOT pool, a quiet
-tenant put ahead of the flood's prefills lost its prefix to them: it stays
-first come, first served):
+chunk. Under the ``fair`` scheduling policy (``cluster.engine.policies.fair``:
+what ``tenant_quotas`` select; without quotas, one shared LRU HOT pool, a quiet
+tenant put ahead of the flood's prefills lost its prefix to them, so the
+default there stays first come, first served) the scheduler plans a step this
+way as soon as more than one tenant has work in the engine:
 
 1. every running request that decodes gets its token (all tenants: one token
    each, and what keeps every stream going);

@@ -11,17 +11,22 @@ back through the lease. Either way the lease is told what was written, and the
 runner returns each request's logits: every computed row's when the plan asks
 (prompt logprobs, ``keep_logits``), the last row's otherwise.
 
-It sees the plan and the leases' slot tables; never a node, an extent or a queue.
+It also computes a finished request's last token's KV (``final_tokens``), for
+the scheduler to commit the whole sequence. It sees the plan and the leases'
+slot tables; never a node, an extent or a queue.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any
 
 import torch
 
-from cluster.engine.request import EngineRequest
-from cluster.engine.scheduler import ScheduledRequest, StepPlan
+from cluster.engine.plan import StepOutput, StepPlan
+
+log = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -58,7 +63,28 @@ class ModelRunner:
             item.request.lease.write(new_kv)
         return [logits for logits, _ in outputs]
 
-    def final_token(self, req: EngineRequest) -> None:
-        """The KV of a finished request's last sampled token, into the slot its lease reserved."""
-        start = req.num_computed_tokens
-        self.run(StepPlan([ScheduledRequest(req, start, len(req.tokens) - start)]))
+    def execute(self, plan: StepPlan) -> StepOutput:
+        """``run``, timed; a failed forward is the step's error (it fails the step's requests,
+        never the cache or the engine)."""
+        decodes_only = plan.decodes_only   # before the update appends the step's tokens
+        began = time.perf_counter()   # wall time, whatever the engine's clock is: what a step really costs
+        try:
+            logits = self.run(plan)
+        except Exception as exc:
+            return StepOutput(None, f"model forward failed: {exc}", began)
+        return StepOutput(logits, None, began, (time.perf_counter() - began) * 1e3, decodes_only)
+
+    def final_tokens(self, plan: StepPlan) -> set[int]:
+        """The KV of finished requests' last sampled tokens (``Scheduler.final_token_plan``:
+        one token each, its slot reserved), one forward alone per request; the ids of the
+        requests whose token was computed (a failure leaves the rest of its sequence to be
+        cached all the same)."""
+        done = set()
+        for item in plan.items:
+            try:
+                self.run(StepPlan([item]))
+            except Exception as exc:
+                log.warning("could not compute the final token of request %s: %s", item.request.request_id, exc)
+                continue
+            done.add(id(item.request))
+        return done

@@ -18,7 +18,7 @@ import torch
 from cluster.engine.prompt_logprobs import PromptLogprobCache, record_prompt_logprobs, wants_prompt_rows
 from cluster.engine.request import EngineRequest, position_seed
 from cluster.engine.sampling import greedy_tokens, sample_token, token_logprobs
-from cluster.engine.scheduler import Sampled, StepPlan
+from cluster.engine.plan import Sampled, StepOutput, StepPlan
 from cluster.errors import CacheError
 
 
@@ -29,8 +29,20 @@ class Sampler:
         # Echo requests' prompt logprobs, kept beside the KV (cluster.engine.prompt_logprobs).
         self.prompt_logprob_cache = PromptLogprobCache(block_tokens)
 
-    def sample(self, plan: StepPlan, logits: list[torch.Tensor]) -> list[Sampled]:
-        """One ``Sampled`` per planned request, in the plan's order."""
+    def prepare(self, req: EngineRequest) -> None:
+        """At submit, for a request that wants its prompt's logprobs: the entries this sampler
+        kept for its prompt (``PromptLogprobCache``); the scheduler takes no more of the
+        cached prefix than they cover (positions without one are computed)."""
+        k = req.params.prompt_logprobs
+        if k is not None and req.prompt_logprobs is None:
+            covered, entries = self.prompt_logprob_cache.covered(req.prompt, req.namespace, k)
+            req.prompt_logprobs = entries + [None] * (len(req.prompt) - covered)
+
+    def sample(self, plan: StepPlan, output: StepOutput) -> list[Sampled]:
+        """One ``Sampled`` per planned request, in the plan's order (none after a failed forward)."""
+        if output.error is not None:
+            return []
+        logits = output.logits
         greedy = greedy_tokens(plan, logits)
         out = []
         for item, rows in zip(plan.items, logits):

@@ -1,43 +1,42 @@
 """The scheduler: continuous batching that never fails for lack of KV.
 
-``schedule`` spends one token budget (``max_batch_tokens``) on one step's plan,
-in this order (vLLM v1's, with chunked prefill):
+``schedule`` spends one token budget (``SchedulerConfig.max_batch_tokens``) on
+one step's plan, in this order (vLLM v1's, with chunked prefill):
 
 1. running requests that decode: one token each; beside them, prompts get at
    most what keeps the step from stalling them (``cluster.engine.stall_free``);
-2. running requests still filling their prompt: the next chunk each, first
-   come first served, as far as the budget goes;
-3. waiting requests, first come first served: a lease on the prompt's cached
+2. running requests still filling their prompt: the next chunk each, in the
+   policy's order, as far as the budget goes;
+3. waiting requests, in the policy's order: a lease on the prompt's cached
    prefix (``TieredCache.admit``) and the first chunk of the rest. A waiting
    request whose prefix is still being promoted from WARM/COLD is passed over
    this step (the copy runs meanwhile) and joins once its KV is in HOT. A
-   request is never admitted below what the tiers hold for it: when the oldest
+   request is never admitted below what the tiers hold for it: when the first
    waiting request's promotion finds no room, it waits, and nothing behind it
-   takes room before it (first come, first served); only a measured cost
-   decision (copying slower than computing) admits it without its colder part,
-   counted in ``recompute_chosen_tokens``. ``recomputed_held_tokens`` (by tier)
-   counts what a request recomputed although a tier held it: it stays 0.
+   takes room before it; only a measured cost decision (copying slower than
+   computing) admits it without its colder part, counted in
+   ``recompute_chosen_tokens``. ``recomputed_held_tokens`` (by tier) counts
+   what a request recomputed although a tier held it: it stays 0.
 
-With more than one tenant (cache namespace) in the engine, the order is per
-tenant instead (``cluster.engine.fair_share``): every decode, then each
-tenant, least served recently first, an equal part of what is left of the
-budget for its own prefill chunks and then its own waiting requests (first
-come, first served within the tenant), so one tenant's backlog neither holds
-another's request back nor fills its step; with ``tenant_quotas.step_tokens``
-the step is that short while tenants share the engine. One tenant alone is
-planned exactly as above.
+The scheduling policy (``cluster.engine.policies``, ``SchedulerConfig.policy``)
+owns the choices: the waiting order, who shares the budget after the decodes
+(one group, or each tenant its share: the fair share), and which running
+request yields (for room, for a time slice, for a tenant without a running
+slot). ``fcfs`` is first come, first served; ``fair`` (what tenant quotas
+select) shares steps and running slots among tenants; ``priority`` serves a
+lower ``priority`` value first.
 
 Every planned request has reserved the HOT room of this step's tokens
 (``KVLease.reserve``: real slots, after demoting or evicting unlocked
 prefixes), so nothing computed is lost for lack of room. When a running
-request cannot get its room, the newest running request is preempted: what
-it computed is committed to the cache and it goes back to the front of the
-queue (with several tenants, the newest of the tenant served most
-recently: a flood gives way before a quieter tenant's request); admitted
-again, it finds what the cache kept and recomputes only the rest, and its sampling continues exactly (a function of seed and position).
-A waiting request that finds no room waits.
+request cannot get its room, another running request, the policy's choice
+(the newest under fcfs), is preempted: what it computed is committed to the
+cache and it goes back to the front of the queue; admitted again, it finds what
+the cache kept and recomputes only the rest, and its sampling continues
+exactly (a function of seed and position). A waiting request that finds no
+room waits.
 
-Two named policies:
+Two named policies of the room rules:
 
 - **time slicing** (``time_slice_s``; workers set it): a waiting request that
   found no room takes the room of a decode that ran ``max(time_slice_s, 8
@@ -49,9 +48,12 @@ Two named policies:
   token) waits for that fill's checkpoint (taken at its prompt's end, even
   under a block when awaited) instead of computing the same KV beside it.
 
-``update`` takes the step's sampled tokens: a request that completed its prompt
-checkpoints it into the tree, takes its token, and ends on a stop token, its
-grammar's end or ``max_tokens``. Everything runs on the engine thread.
+``update`` applies a step's result: a request that completed its prompt
+checkpoints it into the tree, takes its sampled token, and ends on a stop
+token, its grammar's end or ``max_tokens``; the step's measures are recorded
+(``cluster.engine.step_measures``). The scheduler never runs the model: a
+finished request's last token's KV is the runner's (``final_token_plan``).
+Everything runs on the engine thread.
 """
 
 from __future__ import annotations
@@ -62,21 +64,23 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-
 from cluster.cache.tiered import TieredCache
-from cluster.engine.fair_share import TenantShares, chunk_tokens
+from cluster.engine.fair_share import chunk_tokens
+from cluster.engine.plan import Sampled, ScheduledRequest, StepOutput, StepPlan
+from cluster.engine.policies import ANY, POLICIES
 from cluster.engine.preemption import TimeSlicer, spare_repeated
 from cluster.engine.prompt_logprobs import wants_prompt_rows
-from cluster.engine.stall_free import prefill_cap
 from cluster.engine.request import EngineRequest, TokenEvent, split_by_tier
+from cluster.engine.scheduler_config import SchedulerConfig
+from cluster.engine.stall_free import prefill_cap
+from cluster.engine.step_measures import StepMeasures
+from cluster.engine.tenant_work import TenantWork
 from cluster.errors import CacheError, PoolExhaustedError
 from cluster.names import COLD, HOT, L3, WARM
 from cluster.protocol import FinishReason
 from cluster.tokens import common_prefix
 
 log = logging.getLogger(__name__)
-
-_ANY = object()   # every tenant's waiting requests (``Scheduler._plan_waiting``)
 
 
 @dataclass(slots=True)
@@ -88,130 +92,104 @@ class _Pass:
     halted: bool = False      # a request found no room: nobody behind it takes room before it
 
 
-@dataclass(slots=True)
-class ScheduledRequest:
-    """One request's part of a step: ``num_tokens`` tokens from position ``start``
-    (its computed tokens when the step began), their HOT room reserved."""
-
-    request: EngineRequest
-    start: int
-    num_tokens: int
-
-    @property
-    def samples(self) -> bool:
-        """Whether this step completes its sequence, so it samples a token."""
-        return self.start + self.num_tokens == len(self.request.tokens)
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.request.tokens[self.start:self.start + self.num_tokens]
-
-
-@dataclass(slots=True)
-class StepPlan:
-    """What one step computes (vLLM's ``SchedulerOutput``, here as small as it is)."""
-
-    items: list[ScheduledRequest] = field(default_factory=list)
-    all_logits: bool = False   # every computed row's logits (prompt logprobs, keep_logits), not just the last
-
-    @property
-    def decodes_only(self) -> bool:
-        return all(i.num_tokens == 1 and i.request.output for i in self.items)
-
-
-@dataclass(slots=True)
-class Sampled:
-    """The sampler's answer for one planned request: its token (None: a prompt chunk with
-    more to come), the token's logprobs entry, or why sampling failed."""
-
-    token: int | None = None
-    logprobs: Any = None
-    error: str | None = None
-
-
 STAT_KEYS = ("prompt_tokens", "cached_tokens", "computed_tokens", "requests_finished", "requests_failed",
              "requests_cancelled", "finish_failures", "preemptions", "preempted_tokens", "resumed_hot_tokens",
              "resumed_warm_tokens", "resumed_cold_tokens", "resumed_l3_tokens", "recomputed_tokens",
              "swap_in_bytes", "waits_for_room", "waits_for_promotion", "recomputed_held_tokens",
              "recomputed_held_hot_tokens", "recomputed_held_warm_tokens", "recomputed_held_cold_tokens",
              "recompute_chosen_tokens", "waits_for_promotion_room", "time_slice_preemptions",
-             "time_slice_declined", "waits_for_shared_prefix", "final_tokens_skipped")
+             "time_slice_declined", "waits_for_shared_prefix", "final_tokens_skipped", "slot_yields")
 
 
 class Scheduler:
     """The queues and the leases: ``schedule`` plans a step, ``update`` applies its result."""
 
-    def __init__(self, cache: TieredCache, stats: dict, *, max_batch_tokens: int, max_running: int,
-                 cache_final_token: bool, final_token: Callable[[EngineRequest], None],
-                 prompt_logprob_cache: Any, keep_logits: bool, clock: Callable[[], float] = time.perf_counter):
+    def __init__(self, cache: TieredCache, stats: dict, config: SchedulerConfig,
+                 clock: Callable[[], float] = time.perf_counter):
         self.cache = cache
         self.stats = stats
+        self.config = config
+        self.measures = StepMeasures(stats)   # the step counters and the prefill rate
         stats.update({key: 0 for key in STAT_KEYS})
-        self.max_batch_tokens = max_batch_tokens
-        self.max_running = max_running
-        self.cache_final_token = cache_final_token
-        self.final_token = final_token
-        self.prompt_logprob_cache = prompt_logprob_cache
-        self.keep_logits = keep_logits
         self.clock = clock
         self.waiting: deque[EngineRequest] = deque()
         self.running: list[EngineRequest] = []   # in admission order: the newest is preempted first
-        self.ended: list[TokenEvent] = []   # requests that ended outside a sampled token
+        self.events: list[TokenEvent] = []   # this step's events (tokens and ends), taken by the engine
         self.finishing: list[tuple[EngineRequest, FinishReason]] = []   # ended by a token, not yet cached
-        self.time_slice_s: float | None = None   # the shortest slice (None: no slicing)
-        self.slicer = TimeSlicer(stats, cache.promote_s_per_token, max_batch_tokens)   # its measures, its rule
-        self.shared_fills = True
+        self.slicer = TimeSlicer(stats, cache.promote_s_per_token, config.max_batch_tokens)   # its measures, its rule
         self.blocked: EngineRequest | None = None   # the waiting request that found no room last step
-        # Measured seconds per computed token of steps with prefill (the engine keeps it):
-        # what a promotion's copy time is weighed against (``TieredCache.ready``).
-        self.prefill_s_per_token: float | None = None
+        self.owed: list[EngineRequest] = []   # waiting requests another yielded its running slot to
+        self.tenant_work = TenantWork(cache)   # who has work, for the tenant quotas' guarantees
         self._bytes_per_token = cache.layout.bytes_per_token() if cache.layout is not None else 0
-        # Each tenant's share of a step (``cluster.engine.fair_share``); the shorter step while
-        # tenants share the engine comes with the tenant quotas (``tenant_quotas.step_tokens``).
         quotas = cache.quotas.config if cache.quotas is not None else None
-        # Tenants in the plan's order and the preemptions only where tenants are configured: without
-        # quotas, a tenant's request put ahead of a flood's prefills in one shared LRU HOT pool
-        # pushed its own prefix out (measured: docs/engine.md), so it stays first come, first served.
-        self.fair = quotas is not None
-        self.shares = TenantShares(quotas.step_tokens if quotas else None,
-                                   quotas.active_window_s if quotas else 30.0)
+        # Without quotas the default stays first come, first served: a tenant's request put ahead of a
+        # flood's prefills in one shared LRU HOT pool pushed its own prefix out (measured: docs/engine.md).
+        self.policy = POLICIES[config.policy_for(quotas is not None)](config.max_running, quotas)
+
+    @property
+    def prefill_s_per_token(self) -> float | None:
+        return self.measures.prefill_s_per_token
+
+    def add(self, req: EngineRequest) -> None:
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.events or self.finishing)
 
     # ------------------------------------------------------------------ planning
     def schedule(self) -> StepPlan:
-        """This step's plan, every request in it with its HOT room reserved."""
+        """This step's plan, every request in it with its HOT room reserved (the cache's
+        finished moves taken in first, the tenants with work told to it)."""
+        self.cache.poll()
+        self.tenant_work.before_step(self.running, self.waiting)
         plan = StepPlan()
+        self._yield_slots()
         self._yield_to_blocked()
         planned: set[int] = set()
-        budget, tenants = self.max_batch_tokens, []
-        if self.fair:   # under tenant quotas only: without them a step is planned (and timed) as always
-            tenants = self._tenants_with_work()
-            budget = self.shares.budget(budget, tenants, self.clock())
-        if len(tenants) > 1 or budget < self.max_batch_tokens:
-            self._plan_fair(plan, budget, planned, tenants)
-        else:   # one tenant: first come, first served, as always
-            decoding = [r for r in self.running if r.to_compute == 1]
-            budget = self._beside_decodes(self._plan_running(plan, decoding, budget, planned), plan)
-            budget = self._plan_running(plan, [r for r in self.running if r.to_compute > 1], budget, planned)
-            self._plan_waiting(plan, budget, planned, _Pass())
-        if self.fair:   # each tenant's recent service, whichever way the step was planned
-            used: dict = {}
-            for item in plan.items:
-                used[item.request.namespace] = used.get(item.request.namespace, 0) + item.num_tokens
-            self.shares.charge(used)
+        budget = step_budget = self.policy.step_budget(self.config.max_batch_tokens, self.running, self.waiting,
+                                                       self.clock)
+        budget = self._plan_running(plan, [r for r in self.running if r.to_compute == 1], budget, planned)
+        budget = self._beside_decodes(budget, plan)
+        spare = max(0, self._beside_decodes(self.config.max_batch_tokens, plan) - step_budget)
+        groups, last_pass = self.policy.groups(self.running, self.waiting, planned)
+        state = _Pass()
+        for last in (False, True) if last_pass else (False,):
+            for i, group in enumerate(groups):
+                if budget <= 0:
+                    break
+                share = budget if last else self.policy.share(budget, len(groups) - i)
+                extra = self.policy.reach(budget, share, i == 0 and not last, spare)
+                fills = [r for r in self.running if r.to_compute > 1 and id(r) not in planned
+                         and (group is ANY or r.namespace == group)]
+                left = self._plan_running(plan, fills, share, planned, extra)
+                left = self._plan_waiting(plan, left, planned, state, group, extra)
+                budget -= share - left
+        self._planned(plan)
+        self.tenant_work.after_step(len(plan.items), self.running, self.waiting)
+        return plan
+
+    def _planned(self, plan: StepPlan) -> None:
+        """The plan's bookkeeping: each tenant's service, what the cache's prefetch leaves
+        alone, the step's start on the slicer's clock (or no step), the logits it returns."""
+        used: dict = {}
+        for item in plan.items:
+            used[item.request.namespace] = used.get(item.request.namespace, 0) + item.num_tokens
+        self.policy.charge(used)
         self.note_waiting()
         if not plan.items:   # no forward: the next step's interval is no step's time
             self.slicer.steps.idle()
-        plan.all_logits = self.keep_logits or any(wants_prompt_rows(i.request) for i in plan.items)
-        return plan
+            return
+        forward_at = self.clock()
+        self.slicer.steps.forward(forward_at)   # the step time time slicing weighs
+        for item in plan.items:
+            if item.request.forward_at is None:
+                item.request.forward_at = forward_at
+        plan.all_logits = self.config.keep_logits or any(wants_prompt_rows(i.request) for i in plan.items)
 
     def _beside_decodes(self, budget: int, plan: StepPlan) -> int:
         """``budget`` for prompts, at most what keeps the plan's decodes from stalling (if any)."""
         return min(budget, prefill_cap(budget, self.slicer.steps.median(), self.prefill_s_per_token,
                                        self.cache.config.block_tokens)) if plan.items else budget
-
-    def _tenants_with_work(self) -> list:
-        """The tenants with a running or waiting request, oldest request first."""
-        return list(dict.fromkeys(r.namespace for r in (*self.running, *self.waiting)))
 
     def _plan_running(self, plan: StepPlan, reqs: list[EngineRequest], budget: int, planned: set[int],
                       extra: int = 0) -> int:
@@ -230,39 +208,19 @@ class Scheduler:
                 budget -= n
         return budget
 
-    def _plan_fair(self, plan: StepPlan, budget: int, planned: set[int], tenants: list) -> None:
-        """Several tenants (or one beside a recently active other): every decode first, then
-        the rest of the budget shared among the tenants, least served recently first, each
-        an equal part of what is left for its own prefills and then its own waiting requests
-        (``cluster.engine.fair_share``); a last pass gives what is left to anyone."""
-        budget = self._plan_running(plan, [r for r in self.running if r.to_compute == 1], budget, planned)
-        budget = self._beside_decodes(budget, plan)
-        prompting = {r.namespace for r in (*self.running, *self.waiting) if id(r) not in planned}
-        order = self.shares.order([t for t in tenants if t in prompting])   # those with prompt work share the rest
-        state = _Pass()
-        for last in (False, True):
-            for i, tenant in enumerate(order):
-                if budget <= 0:
-                    break
-                share = budget if last else self.shares.allot(budget, len(order) - i)
-                fills = [r for r in self.running if r.namespace == tenant and r.to_compute > 1
-                         and id(r) not in planned]
-                left = self._plan_running(plan, fills, share, planned, budget - share)
-                left = self._plan_waiting(plan, left, planned, state, tenant, budget - share)
-                budget -= share - left
-
     def _plan_waiting(self, plan: StepPlan, budget: int, planned: set[int], state: "_Pass",
-                      tenant: Any = _ANY, extra: int = 0) -> int:
-        """Waiting requests (of ``tenant``, or all) into the plan, first come first served, as
+                      tenant: Any = ANY, extra: int = 0) -> int:
+        """Waiting requests (of ``tenant``, or all) into the plan, in the policy's order, as
         far as the budget goes; the budget left. Promotions that make room go oldest first
         and one at a time; behind it only those that fit in free blocks (started for every
         waiting request at once, their prefixes pushed each other back out of a full HOT
         pool before any was admitted: a livelock). ``state`` carries that across a step's
         calls, and whether a request that found no room stops everyone behind it."""
-        for req in list(self.waiting):
-            if budget <= 0 or len(self.running) >= self.max_running or state.halted:
+        for req in self.policy.waiting_order(self.waiting):
+            if budget <= 0 or len(self.running) >= self.config.max_running or state.halted:
                 break
-            if (tenant is not _ANY and req.namespace != tenant) or req.namespace in state.stalled:
+            if (tenant is not ANY and req.namespace != tenant) or req.namespace in state.stalled \
+                    or not self._slot_free(req):
                 continue
             if req.yielded_to is not None:   # it gave its room to an older request: not back before it
                 if req.yielded_to in self.waiting:
@@ -281,7 +239,7 @@ class Scheduler:
                 self.stats["waits_for_promotion"] += 1   # on its way up to HOT: the others go meanwhile
                 state.promoting = True
                 continue
-            if self.shared_fills and self._behind_shared_fill(req, sum(readiness.tiers)):
+            if self.config.shared_fills and self._behind_shared_fill(req, sum(readiness.tiers)):
                 self.stats["waits_for_shared_prefix"] += 1
                 continue
             req.scheduled_at = self.clock() if req.scheduled_at is None else req.scheduled_at
@@ -299,6 +257,8 @@ class Scheduler:
             self.running.append(req)
             if req is self.blocked:
                 self.blocked = None
+            if req in self.owed:
+                self.owed.remove(req)
             plan.items.append(ScheduledRequest(req, req.num_computed_tokens, n))
             planned.add(id(req))
             budget -= n
@@ -337,35 +297,46 @@ class Scheduler:
 
     def _yield_to_blocked(self) -> None:
         """Time slicing: the request that found no room last step may take a decode's room
-        (``TimeSlicer.victim``; under quotas, the tenant served most's), one a step."""
+        (``TimeSlicer.victim``, among the decodes past their slice the policy's pick), one a step."""
         if self.blocked is not None and self.blocked not in self.waiting:
             self.blocked = None
         head, hot = self.blocked, self.cache.hot.allocator
-        victim = None if head is None or self.time_slice_s is None else self.slicer.victim(
-            head, self.running, self.clock(), self.time_slice_s, self.prefill_s_per_token,
-            hot.free_blocks * hot.block_tokens, self._most_served if self.fair else None)
+        slice_s = self.config.time_slice_s
+        victim = None if head is None or slice_s is None else self.slicer.victim(
+            head, self.running, self.clock(), slice_s, self.prefill_s_per_token,
+            hot.free_blocks * hot.block_tokens, self.policy.slice_victim(self.running))
         if victim is not None:
             self.preempt(victim, at=self.waiting.index(head) + 1)
             victim.yielded_to = head
             self.stats["time_slice_preemptions"] += 1
 
-    def _most_served(self, candidates) -> EngineRequest | None:
-        """The first of ``candidates`` (newest first) of the tenant served most recently: a
-        tenant's flood gives way before a quieter tenant's request (one tenant: the newest)."""
-        if not self.fair:
-            return next(iter(candidates), None)
-        return max(candidates, key=lambda r: self.shares.served.get(r.namespace, 0.0), default=None)
+    def _yield_slots(self) -> None:
+        """Running slots under the policy (the fair share: a tenant with waiting work and no
+        running request while every slot is taken gets one from the tenant most over its
+        share): each victim into the cache, back only after the request it yielded to."""
+        self.owed = [r for r in self.owed if r in self.waiting]
+        for victim, head in self.policy.slot_yields(self.running, self.waiting):
+            self.preempt(victim)
+            victim.yielded_to = head
+            self.owed.append(head)
+            self.stats["slot_yields"] += 1
+
+    def _slot_free(self, req: EngineRequest) -> bool:
+        """A running slot for ``req``: one of ``max_running`` that is neither taken nor owed to
+        another waiting request (a slot yielded to it, kept until it is admitted)."""
+        owed = sum(1 for r in self.owed if r is not req)
+        return len(self.running) + owed < self.config.max_running
 
     def _preempt_for(self, req: EngineRequest, planned: set[int]) -> bool:
-        """Under tenant quotas, a waiting request that found no room (for its chunk or its
+        """Under the fair share, a waiting request that found no room (for its chunk or its
         prefix's promotion) takes it from a running request of another tenant that
         ``may_preempt`` allows (over its HOT guarantee, the requester under its cap), of the
         tenant served most, newest first, not one in this step's plan: the room rules hold
         for admission as for running requests. True: one was preempted (the room is free
         for the next step)."""
-        if not self.fair:
+        if not self.policy.preempts_across_tenants:
             return False
-        victim = self._most_served(spare_repeated(
+        victim = self.policy.room_victim(spare_repeated(
             r for r in reversed(self.running) if id(r) not in planned and r.namespace != req.namespace
             and self.cache.may_preempt(req.namespace, r.namespace, r.num_computed_tokens)))
         if victim is None:
@@ -374,14 +345,14 @@ class Scheduler:
         return True
 
     def _reserve_or_preempt(self, req: EngineRequest, n: int, planned: set[int]) -> bool:
-        """Room for ``n`` more tokens of ``req``; preempts the newest running request not in this
-        step's plan (``spare_repeated``) until there is room (False: ``req`` itself was it)."""
+        """Room for ``n`` more tokens of ``req``; preempts the policy's pick of the running requests
+        not in this step's plan (``spare_repeated``) until there is room (False: ``req`` itself was it)."""
         while True:
             try:
                 req.lease.reserve(n)
                 return True
             except PoolExhaustedError:
-                victim = self._most_served(spare_repeated(
+                victim = self.policy.room_victim(spare_repeated(
                     r for r in reversed(self.running) if id(r) not in planned
                     and self.cache.may_preempt(req.namespace, r.namespace, r.num_computed_tokens)))
                 if victim is None:   # everyone else is in this step already: this one yields
@@ -401,7 +372,7 @@ class Scheduler:
                                      promote=promote)
         except CacheError as exc:
             req.finished, req.finish_reason, req.error = True, FinishReason.ERROR, str(exc)
-            self.ended.append(TokenEvent(req, None, True))
+            self.events.append(TokenEvent(req, None, True))
             return None
         n = chunk_tokens(len(seq) - lease.cached_tokens, budget, extra)
         try:
@@ -417,13 +388,10 @@ class Scheduler:
 
     def _logprob_cap(self, req: EngineRequest) -> int | None:
         """For a request that wants its prompt's logprobs: the most prefix it may take from
-        the cache (positions whose logprobs are unknown are computed, even if their KV is cached)."""
-        k = req.params.prompt_logprobs
-        if k is None:
+        the cache (positions whose logprobs are unknown are computed, even if their KV is cached;
+        the sampler filled in what it kept at submit: ``Sampler.prepare``)."""
+        if req.params.prompt_logprobs is None or req.prompt_logprobs is None:
             return None
-        if req.prompt_logprobs is None:
-            covered, entries = self.prompt_logprob_cache.covered(req.prompt, req.namespace, k)
-            req.prompt_logprobs = entries + [None] * (len(req.prompt) - covered)
         known = next((i for i, e in enumerate(req.prompt_logprobs) if e is None and i), len(req.prompt))
         return known - 1 if known < len(req.prompt) else None
 
@@ -462,9 +430,13 @@ class Scheduler:
             self.stats[f"recomputed_held_{tier}_tokens"] += n
 
     # ------------------------------------------------------------------ results
-    def update(self, plan: StepPlan, sampled: list[Sampled], events: list[TokenEvent]) -> None:
+    def update(self, plan: StepPlan, output: StepOutput, sampled: list[Sampled]) -> None:
         """Apply a step's result (its KV is in the leases' slots, confirmed by the runner):
-        each request's progress, its checkpoint once its prompt is done, its token and its end."""
+        each request's progress, its checkpoint once its prompt is done, its token and its end;
+        then the step's measures. A failed forward fails its requests, never the cache."""
+        if output.error is not None:
+            self.fail_plan(plan, output.error)
+            return
         block = self.cache.config.block_tokens
         for item, result in zip(plan.items, sampled):
             req = item.request
@@ -490,9 +462,10 @@ class Scheduler:
             if result.logprobs is not None:
                 req.token_logprobs.append(result.logprobs)
             req.output.append(result.token)
-            self._emitted(req, result.token, events)
+            self._emitted(req, result.token)
+        self.measures.record(plan, output)
 
-    def _emitted(self, req: EngineRequest, token: int, events: list[TokenEvent]) -> None:
+    def _emitted(self, req: EngineRequest, token: int) -> None:
         """``req`` sampled ``token``: its event, and its end when the token ends it."""
         if req.first_token_at is None:
             req.first_token_at = self.clock()
@@ -507,7 +480,7 @@ class Scheduler:
             req.finished, req.finish_reason = True, reason
             self.running.remove(req)
             self.finishing.append((req, reason))
-        events.append(TokenEvent(req, token, req.finished))
+        self.events.append(TokenEvent(req, token, req.finished))
 
     def fail_plan(self, plan: StepPlan, error: str) -> None:
         """A failed forward fails its requests, never the cache."""
@@ -534,10 +507,32 @@ class Scheduler:
         req.first_look = None   # looked at afresh when it comes back: its KV may have moved down meanwhile
         self.waiting.insert(at, req)
 
-    def complete_finished(self) -> None:
-        """Cache the KV of the requests that ended on their last token and unlock their prefixes."""
+    def final_token_plan(self) -> StepPlan:
+        """With ``cache_final_token``: the requests that ended on a token, each with the room of
+        that token's KV reserved (one token, not sampled), for the runner to compute before
+        ``complete_finished`` caches the whole sequence (prompt and output) for the next turn;
+        without room for it the rest is cached all the same (``final_tokens_skipped``)."""
+        plan = StepPlan()
+        if not self.config.cache_final_token:
+            return plan
+        for req, _ in self.finishing:
+            if req.lease is None or not req.output or req.to_compute != 1:
+                continue
+            try:
+                req.lease.reserve(1)
+            except PoolExhaustedError:
+                self.stats["final_tokens_skipped"] += 1
+                continue
+            plan.items.append(ScheduledRequest(req, req.num_computed_tokens, 1))
+        return plan
+
+    def complete_finished(self, final_done: set[int] = frozenset()) -> None:
+        """Cache the KV of the requests that ended on their last token and unlock their prefixes
+        (``final_done``: the ids of those whose last token's KV the runner computed)."""
         finishing, self.finishing = self.finishing, []
         for req, reason in finishing:
+            if id(req) in final_done:
+                req.num_computed_tokens += 1
             try:
                 self.finish(req, reason, keep=True)
             except Exception as exc:   # caching the finished sequence failed: the answer stands
@@ -549,10 +544,12 @@ class Scheduler:
             self.waiting.remove(req)
             self.note_waiting()
             req.finished, req.finish_reason = True, reason
-            self.ended.append(TokenEvent(req, None, True))
+            self.events.append(TokenEvent(req, None, True))
             self.stats["requests_cancelled"] += 1
-        elif req in self.running:
-            self.finish(req, reason, keep=True)
+        elif req in self.running:   # its KV is cached as a finished one's (``complete_finished``)
+            self.running.remove(req)
+            req.finished, req.finish_reason = True, reason
+            self.finishing.append((req, reason))
 
     def fail_all(self, error: str) -> None:
         """End every queued and running request with ``error`` (their KV is not
@@ -560,13 +557,13 @@ class Scheduler:
         for req in list(self.waiting):
             self.waiting.remove(req)
             req.finished, req.finish_reason, req.error = True, FinishReason.ERROR, error
-            self.ended.append(TokenEvent(req, None, True))
+            self.events.append(TokenEvent(req, None, True))
             self.stats["requests_failed"] += 1
         for req in list(self.running):
             self.finish(req, FinishReason.ERROR, keep=False, error=error)
 
-    def take_ended(self) -> list[TokenEvent]:
-        out, self.ended = self.ended, []
+    def take_events(self) -> list[TokenEvent]:
+        out, self.events = self.events, []
         return out
 
     def finish(self, req: EngineRequest, reason: FinishReason, *, keep: bool, error: str | None = None) -> None:
@@ -574,15 +571,13 @@ class Scheduler:
         req.finished, req.finish_reason, req.error = True, reason, error
         cancelled = reason in (FinishReason.CANCELLED, FinishReason.CLIENT_DISCONNECTED)
         if error is not None or cancelled:
-            self.ended.append(TokenEvent(req, None, True))
+            self.events.append(TokenEvent(req, None, True))
         if cancelled:
             self.stats["requests_cancelled"] += 1
         if req in self.running:
             self.running.remove(req)
         lease = req.lease
         try:
-            if keep and lease is not None and self.cache_final_token and req.output and req.to_compute == 1:
-                self._final_token(req)
             if keep and lease is not None and lease.length > lease.cached_tokens:
                 lease.commit(req.tokens[:req.num_computed_tokens], req.session_id)
         finally:
@@ -590,16 +585,3 @@ class Scheduler:
                 lease.release()   # after a commit it only ends the lease
                 req.lease = None
             self.stats["requests_finished" if error is None else "requests_failed"] += 1
-
-    def _final_token(self, req: EngineRequest) -> None:
-        """Compute the last sampled token's KV too, so the whole sequence (prompt and
-        output) is cached for the next turn; without room for it the rest is cached all
-        the same (counted in ``final_tokens_skipped``)."""
-        try:
-            req.lease.reserve(1)
-        except PoolExhaustedError:
-            self.stats["final_tokens_skipped"] += 1
-            return
-        self.final_token(req)
-        req.num_computed_tokens += 1
-

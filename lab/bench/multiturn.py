@@ -181,8 +181,8 @@ class _Arm:
         # HOT must at least hold one whole conversation plus its decode, or nothing runs.
         hot_tokens = max(int(args.hot_fraction * self.total), 2 * work.longest_prompt())
         self.cache = _make_cache(policy, hot_tokens, self.total, args, layout, disk_dir)
-        self.engine = Engine(model, self.cache, max_batch_tokens=args.max_batch_tokens)
-        self.engine.time_slice_s = DEFAULT_TIME_SLICE_S   # as a serving worker runs it
+        self.engine = Engine(model, self.cache, max_batch_tokens=args.max_batch_tokens,
+                             time_slice_s=DEFAULT_TIME_SLICE_S)   # as a serving worker runs it
         self.history = [list(work.system[work.group[s]]) for s in range(args.sessions)]
         self.events: list[tuple[float, int, str, int, int]] = []   # (time, seq, kind, session, turn)
         self.seq = 0
@@ -230,12 +230,12 @@ class _Arm:
     def step(self) -> list:
         """One engine step, its wall time added to simulated time (decode-only steps timed apart)."""
         offload = self.cache.in_flight() > 0
-        decode_only = not self.engine.waiting
+        decode_only = not self.engine.scheduler.waiting
         t0 = time.perf_counter()
         step_events = self.engine.step()
         dt = time.perf_counter() - t0
         self.now += dt
-        if decode_only and self.engine.running:
+        if decode_only and self.engine.scheduler.running:
             (self.decode_busy if offload else self.decode_idle).append(dt * 1e3)
         return step_events
 

@@ -39,6 +39,7 @@ import argparse
 import asyncio
 import json
 import random
+import statistics
 import time
 
 from lab.bench.common import emit, rounded
@@ -81,6 +82,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--torch-threads", type=int, default=2, help="the replica's torch threads")
     p.add_argument("--model", default=None, help="model spec (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--runs", type=int, default=1,
+                   help="run the three arms this many times (each run's lines, then a line with the median and "
+                        "the spread of the ratios to B alone)")
     p.add_argument("--port", type=int, default=None)
 
 
@@ -89,7 +93,7 @@ def check_args(args: argparse.Namespace) -> dict:
     from cluster.cache.quota_config import QuotaConfig
 
     for name in ("sessions", "turns", "doc_tokens", "max_tokens", "flood_tokens", "flood_max_tokens",
-                 "hot_tokens", "warm_tokens", "torch_threads"):
+                 "hot_tokens", "warm_tokens", "torch_threads", "runs"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     for name in ("arrival_s", "think_s", "long_pause_s"):
@@ -250,21 +254,51 @@ def run(args: argparse.Namespace) -> int:
     port = args.port or free_port()
     base = f"http://127.0.0.1:{port}"
     local = LocalCluster(worker_nodes=0, cpus_per_node=2, l3_pool_mb=0)
+    summaries, max_s = [], args.flood_max_s
     try:
-        # The arms without quotas run on the app without ``tenant_quotas``: on the quotas' app an
-        # unlisted tenant's HOT room excludes the listed tenants' guarantees, so it is not quota-free.
-        local.deploy({k: v for k, v in app.items() if k != "tenant_quotas"}, port=port)
-        alone = run_arm("b_alone", base, model_id, plan, system, None, 0.0, args)
-        emit(alone)
-        rate = args.flood_ratio * alone["b_rate_per_s"]
-        # A machine the flood overloads stretches B's run, and with it the flood: bound the sending.
-        args.flood_max_s = args.flood_max_s or 3.0 * alone["b_wall_s"]
-        no_quotas = run_arm("flood_no_quotas", base, model_id, plan, system, prompts, rate, args)
-        emit(no_quotas)
-        local.deploy(app, port=port)   # the same app with the quotas (fresh replicas, empty caches)
-        with_quotas = run_arm("flood_quotas", base, model_id, plan, system, prompts, rate, args)
-        emit({**with_quotas, "tenant_quotas": quotas})
+        for _ in range(max(1, args.runs)):
+            args.flood_max_s = max_s
+            summaries.append(run_once(local, app, port, base, model_id, plan, system, prompts, quotas, args))
+            emit(summaries[-1])
     finally:
         local.shutdown()
-    emit(compare(alone, no_quotas, with_quotas))
+    if len(summaries) > 1:
+        emit(over_runs(summaries))
     return 0
+
+
+def run_once(local, app: dict, port: int, base: str, model_id: str, plan, system: str, prompts, quotas,
+             args) -> dict:
+    """The three arms, each on a freshly deployed app; their lines, and the summary line returned."""
+    # The arms without quotas run on the app without ``tenant_quotas``: on the quotas' app an
+    # unlisted tenant's HOT room excludes the listed tenants' guarantees, so it is not quota-free.
+    local.deploy({k: v for k, v in app.items() if k != "tenant_quotas"}, port=port)
+    alone = run_arm("b_alone", base, model_id, plan, system, None, 0.0, args)
+    emit(alone)
+    rate = args.flood_ratio * alone["b_rate_per_s"]
+    # A machine the flood overloads stretches B's run, and with it the flood: bound the sending.
+    args.flood_max_s = args.flood_max_s or 3.0 * alone["b_wall_s"]
+    no_quotas = run_arm("flood_no_quotas", base, model_id, plan, system, prompts, rate, args)
+    emit(no_quotas)
+    local.deploy(app, port=port)   # the same app with the quotas (fresh replicas, empty caches)
+    with_quotas = run_arm("flood_quotas", base, model_id, plan, system, prompts, rate, args)
+    emit({**with_quotas, "tenant_quotas": quotas})
+    return {**compare(alone, no_quotas, with_quotas), "b_failed": alone["b_failed"] + with_quotas["b_failed"],
+            "b_ttft_ms_later_turns_p50_alone": alone["b_ttft_ms_later_turns_p50"],
+            "b_ttft_ms_later_turns_p50_quotas": with_quotas["b_ttft_ms_later_turns_p50"]}
+
+
+def over_runs(summaries: list[dict]) -> dict:
+    """The runs' summary lines as one: the median of each ratio and its spread (min, max)."""
+    row: dict = {"bench": "tenants", "arm": "runs", "runs": len(summaries)}
+    for key in ("cached_share_vs_alone_quotas", "ttft_p50_vs_alone_quotas", "cached_share_vs_alone_no_quotas",
+                "ttft_p50_vs_alone_no_quotas"):
+        values = [s[key] for s in summaries if s.get(key) is not None]
+        row[f"{key}_median"] = rounded(statistics.median(values), 3) if values else None
+        row[f"{key}_spread"] = [min(values), max(values)] if values else None
+    row["goal_cached_share_met"] = (row["cached_share_vs_alone_quotas_median"] or 0) >= 0.9
+    row["goal_ttft_p50_met"] = row["ttft_p50_vs_alone_quotas_median"] is not None and \
+        row["ttft_p50_vs_alone_quotas_median"] <= 1.5
+    row["goal_a_served_met"] = all(s["goal_a_served_met"] for s in summaries)
+    row["b_failed"] = sum(s["b_failed"] for s in summaries)
+    return row

@@ -26,6 +26,8 @@ def test_completion_text_and_tokens(base_url):
     assert body["choices"][0]["finish_reason"] == "length"
     r = post(base_url, "/v1/completions", {"model": MODEL, "prompt": tokens(1, 40), "max_tokens": 3})
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 40
+    r = post(base_url, "/v1/completions", {"model": MODEL, "prompt": tokens(1, 40), "max_tokens": 3, "priority": -5})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3   # taken; fcfs ignores it
 
 
 def test_streaming_completion_equals_non_streaming(base_url):
@@ -181,6 +183,8 @@ BAD = [
     ({"model": MODEL, "prompt": "x", "logit_bias": {"5": 101}}, "/v1/completions", 400, "'logit_bias' values"),
     ({"model": MODEL, "prompt": "x", "logit_bias": {"999": 1}}, "/v1/completions", 400, "'logit_bias' token id"),
     ({"model": MODEL, "prompt": "x", "min_tokens": -1}, "/v1/completions", 400, "'min_tokens'"),
+    ({"model": MODEL, "prompt": "x", "priority": "high"}, "/v1/completions", 400, "'priority' must be an integer"),
+    ({"model": MODEL, "prompt": "x", "priority": 2 ** 40}, "/v1/completions", 400, "'priority' must be <="),
     ({"model": MODEL, "prompt": "x", "logprobs": 6}, "/v1/completions", 400, "'logprobs' must be in [0, 5]"),
     ({"model": MODEL, "prompt": "x", "echo": "yes"}, "/v1/completions", 400, "'echo' must be a boolean"),
     ({"model": MODEL, "prompt": "x", "best_of": 1, "n": 2}, "/v1/completions", 400, "'best_of' (1) must be >="),

@@ -9,7 +9,7 @@ from cluster.cache.tiered import TierConfig, TieredCache
 from cluster.engine.model import DecoderModel, ModelConfig
 from cluster.engine.engine import Engine, EngineRequest, SamplingParams
 from cluster.engine.sampling import greedy_tokens
-from cluster.engine.scheduler import ScheduledRequest, StepPlan
+from cluster.engine.plan import ScheduledRequest, StepPlan
 from cluster.errors import InvalidInputError
 
 TOL = 1e-4
@@ -283,7 +283,7 @@ def test_a_running_request_keeps_its_kv_only_in_its_lease_slots(model, tmp_path)
     checked = 0
     while eng.has_work():
         eng.step()
-        for req in eng.running:
+        for req in eng.scheduler.running:
             n = req.num_computed_tokens
             slots = req.lease.slots()
             assert slots.numel() == n == req.lease.length

@@ -168,9 +168,8 @@ def test_the_engine_refuses_a_slice_behind_a_decode_that_ends_soon():
     a, b = [(3 * i) % 64 for i in range(40)], [(5 * i + 1) % 64 for i in range(40)]
     params = [SamplingParams(max_tokens=12), SamplingParams(max_tokens=20)]
     now = [0.0]
-    engine = make_engine(hot_blocks=20, warm_blocks=64, budget=64)
+    engine = make_engine(hot_blocks=20, warm_blocks=64, budget=64, time_slice_s=0.5)
     engine.clock = lambda: now[0]
-    engine.time_slice_s = 0.5
     ra = engine.submit(EngineRequest(list(a), params[0]))
     engine.step()
     rb = engine.submit(EngineRequest(list(b), params[1]))
@@ -191,9 +190,8 @@ def test_one_stream_yields_at_most_the_bound_of_slices(monkeypatch, bound):
     a, b, c = ([(k * i + k) % 64 for i in range(40)] for k in (3, 5, 7))
     params = [SamplingParams(max_tokens=30), SamplingParams(max_tokens=2), SamplingParams(max_tokens=2)]
     now = [0.0]
-    engine = make_engine(hot_blocks=20, warm_blocks=64, budget=64)   # 80 tokens: A and its answer
+    engine = make_engine(hot_blocks=20, warm_blocks=64, budget=64, time_slice_s=0.5)   # 80 tokens: A, its answer
     engine.clock = lambda: now[0]
-    engine.time_slice_s = 0.5
     ra = engine.submit(EngineRequest(list(a), params[0]))
     engine.step()
     rb = engine.submit(EngineRequest(list(b), params[1]))

@@ -63,8 +63,7 @@ class PressureMachine(RuleBasedStateMachine):
                             deterministic_io=True)
         self.now = 0.0   # one tick a step: time slicing (a slice of 3 ticks) is exact
         self.engine = Engine(MODEL, cache, max_batch_tokens=16, max_running=4, cache_final_token=False,
-                             clock=lambda: self.now)
-        self.engine.time_slice_s = 3.0
+                             time_slice_s=3.0, clock=lambda: self.now)
         self.engine.scheduler.slicer.min_steps = 2
         self.sessions: list[Session] = []
         self.expected: dict[int, int] = {}   # id(request) -> the cached tokens it must find
@@ -111,7 +110,7 @@ class PressureMachine(RuleBasedStateMachine):
     def measured_rates(self, prefill_us, warm_us):
         """The rates the cost decision weighs, as measured: this model's prompts are too short
         for the engine to measure a prefill rate, and deterministic copies take no time."""
-        self.engine.scheduler.prefill_s_per_token = None if prefill_us is None else prefill_us * 1e-6
+        self.engine.scheduler.measures.prefill_s_per_token = None if prefill_us is None else prefill_us * 1e-6
         self.engine.cache.promote_s_per_token[WARM] = None if warm_us is None else warm_us * 1e-6
 
     @precondition(lambda self: any(s.idle for s in self.sessions))

@@ -28,6 +28,7 @@ def test_the_body_builds_the_engines_sampling_params():
                                     top_k=0, min_p=0.1, presence_penalty=1.0, frequency_penalty=-1.0,
                                     repetition_penalty=1.5, logit_bias=((3, -1.5), (12, 5.0)), min_tokens=2)
     assert body.stop_strings == ("ab",) and body.include_usage is True
+    assert completion(priority=-3).sampling_params((), grammar=None).priority == -3   # the engine's priority policy
 
 
 def test_null_is_the_default_and_best_of_equal_to_n_is_plain_n():
@@ -57,6 +58,9 @@ def test_null_is_the_default_and_best_of_equal_to_n_is_plain_n():
     ({"suffix": "y"}, "suffix", "'suffix' is not supported"),
     ({"session_id": ""}, "session_id", "'session_id' must be a string of 1 to 128 characters"),
     ({"stop": ["a"] * 5}, "stop", "'stop' takes at most 4 strings, got 5"),
+    ({"priority": 1.5}, "priority", "'priority' must be an integer, got float"),
+    ({"priority": "1"}, "priority", "'priority' must be an integer, got str"),
+    ({"priority": 2 ** 31}, "priority", "'priority' must be <= 2147483647, got 2147483648"),
 ])
 def test_each_bad_field_is_a_400_naming_it(fields, param, message):
     with pytest.raises(APIError) as err:

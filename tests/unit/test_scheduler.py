@@ -22,12 +22,12 @@ MODEL = DecoderModel(ModelConfig(num_layers=2, hidden_size=32, num_heads=4, num_
                                  intermediate_size=64, vocab_size=64, seed=11))
 
 
-def make_engine(hot_blocks, warm_blocks=0, budget=64, max_running=16):
+def make_engine(hot_blocks, warm_blocks=0, budget=64, max_running=16, **kw):
     c = MODEL.config
     cache = TieredCache(TierConfig(hot_blocks=hot_blocks, warm_blocks=warm_blocks, block_tokens=BT, device="cpu"),
                         KVLayout(c.num_layers, c.num_kv_heads, c.head_dim), vocab_size=c.vocab_size,
                         deterministic_io=True)
-    return Engine(MODEL, cache, max_batch_tokens=budget, max_running=max_running, cache_final_token=False)
+    return Engine(MODEL, cache, max_batch_tokens=budget, max_running=max_running, cache_final_token=False, **kw)
 
 
 def run_all(engine, requests, max_steps=5000):
@@ -54,7 +54,7 @@ def check_drained(engine):
     cache = engine.cache
     cache.check_invariants()
     assert cache.protected_tokens == 0
-    assert not engine.running and not engine.waiting
+    assert not engine.scheduler.running and not engine.scheduler.waiting
 
 
 request_st = st.tuples(
@@ -161,7 +161,7 @@ def test_a_request_whose_prefix_is_promoted_does_not_hold_up_the_step():
     follow = engine.submit(EngineRequest(first.tokens[:-1] + [4, 4], SamplingParams(max_tokens=2)))
     before = len(running.output)
     engine.step()   # the follow-up's prefix is being promoted: the running one decodes meanwhile
-    assert len(running.output) == before + 1 and follow in engine.waiting
+    assert len(running.output) == before + 1 and follow in engine.scheduler.waiting
     assert engine.stats["waits_for_promotion"] >= 1
     while engine.has_work():
         engine.step()
@@ -207,8 +207,7 @@ def six_requests_after_a_cached_prefix(shared_fills: bool):
     in turn; the outputs checked against each request run alone. Returns the engine, its
     computed tokens and steps before, and the finished requests."""
     system = [(5 * i) % 64 for i in range(64)]
-    engine = make_engine(hot_blocks=256, budget=256)
-    engine.shared_fills = shared_fills
+    engine = make_engine(hot_blocks=256, budget=256, shared_fills=shared_fills)
     run_all(engine, [(system + [63], SamplingParams(max_tokens=1))])   # the prefix, cached
     before, steps = engine.stats["computed_tokens"], engine.stats["steps"]
     tails = ([1, 2, 3], [6, 7, 8])
@@ -336,9 +335,8 @@ def test_time_slicing_gives_a_waiting_request_the_room_of_a_long_decode():
     firsts = {}
     for time_slice in (None, 3.0):
         now = [0.0]
-        engine = make_engine(hot_blocks=20, warm_blocks=64, budget=64)   # 80 tokens: one session and its answer
-        engine.clock = lambda: now[0]
-        engine.time_slice_s = time_slice
+        engine = make_engine(hot_blocks=20, warm_blocks=64, budget=64,   # 80 tokens: one session and its answer
+                             time_slice_s=time_slice, clock=lambda: now[0])
         ra = engine.submit(EngineRequest(list(a), SamplingParams(max_tokens=30)))
         engine.step()   # A alone: its prefill and first token
         rb = engine.submit(EngineRequest(list(b), SamplingParams(max_tokens=4)))

@@ -22,7 +22,7 @@ def test_a_prompt_beside_decodes_gets_the_cap_and_alone_the_whole_budget():
     assert decode.output and decode in s.running                       # it decodes from now on
     for t in range(10):                                                # measured: 10 ms steps,
         s.slicer.steps.forward(t * 0.010)                              # 1 ms a prompt token
-    s.prefill_s_per_token = 0.001
+    s.measures.prefill_s_per_token = 0.001
     prompt = engine.submit(EngineRequest(list(range(10, 60)), SamplingParams(max_tokens=1)))
     plan = s.schedule()                                                # (8 - 1) x 10 / 1 = 70 -> 68 (blocks of 4)
     sizes = {id(i.request): i.num_tokens for i in plan.items}
@@ -32,14 +32,14 @@ def test_a_prompt_beside_decodes_gets_the_cap_and_alone_the_whole_budget():
     s2 = engine2.scheduler
     for t in range(10):
         s2.slicer.steps.forward(t * 0.010)
-    s2.prefill_s_per_token = 0.005                                     # 7 x 10 / 5 = 14 -> 12 -> 32 (floor)
+    s2.measures.prefill_s_per_token = 0.005                                     # 7 x 10 / 5 = 14 -> 12 -> 32 (floor)
     decode2 = engine2.submit(EngineRequest(list(range(1, 9)), SamplingParams(max_tokens=40)))
     engine2.step()
     long = engine2.submit(EngineRequest([t % 60 + 1 for t in range(10, 70)], SamplingParams(max_tokens=1)))
     plan = s2.schedule()
     assert {id(i.request): i.num_tokens for i in plan.items} == {id(decode2): 1, id(long): MIN_PREFILL_TOKENS}
     alone = make_engine(hot_blocks=256, budget=64)
-    alone.scheduler.prefill_s_per_token = 0.005
+    alone.scheduler.measures.prefill_s_per_token = 0.005
     for t in range(10):
         alone.scheduler.slicer.steps.forward(t * 0.010)
     first = alone.submit(EngineRequest([t % 60 + 1 for t in range(10, 110)], SamplingParams(max_tokens=1)))

@@ -521,7 +521,7 @@ def test_tenants_that_only_wait_never_block_each_other_for_good():
             for ns in "BC"]
     lent = []
     while engine.has_work():
-        lent.append(engine.tenant_work.lending_waiting)
+        lent.append(engine.scheduler.tenant_work.lending_waiting)
         engine.step()
         assert len(lent) < 20
     assert lent[:3] == [False, True, False]   # one step planned nothing; lent for the next, which admits

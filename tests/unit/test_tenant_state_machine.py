@@ -19,6 +19,9 @@ block of slack); everything else must be served. After every step:
   an otherwise idle engine whose last step planned nothing), never loses a prefix
   to another tenant while at or under its guarantee: checked at every pick of a
   node to push down, against the queues as the test saw them before the step;
+- a tenant with waiting work and no running request, while every running slot is
+  taken and another tenant holds more than its share of them, runs a request at the
+  next step (``cluster.engine.policies.fair``: the slot it is owed is kept for it);
 - the cache's invariants hold (every committed node whole in its tier, each
   tenant's counts as the tree holds them), and nothing left the tree while the
   tier below had room for it;
@@ -30,6 +33,7 @@ block of slack); everything else must be served. After every step:
 from __future__ import annotations
 
 import tempfile
+from collections import Counter
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -49,6 +53,7 @@ from tests.unit.test_pressure_state_machine import BT, MODEL
 TENANTS = ("A", "B", "U1", "U2", None)   # A and B listed (in some configurations), the rest ``default``
 IDLE_STEPS = 4
 L3_INDEX = 3
+SLOT_STEPS = 1   # the tenant most over its share yields a slot at the next step
 CONFIGS = (
     # default guarantees that add up past HOT with three unlisted tenants at work
     {"l3_blocks": 8, "default": {"hot": {"guarantee": 0.25}, "l3": {"cap": 0.5}},
@@ -92,12 +97,12 @@ class TenantMachine(RuleBasedStateMachine):
         self.l3.listeners.append(Heard())
         cache.attach_l3(self.l3)
         self.engine = Engine(MODEL, cache, max_batch_tokens=16, max_running=4, cache_final_token=False,
-                             clock=lambda: self.now)
-        self.engine.time_slice_s = 3.0 if time_slice else None
+                             time_slice_s=3.0 if time_slice else None, clock=lambda: self.now)
         self.quotas = cache.quotas
         self.requests: list[EngineRequest] = []
         self.last: dict = {}   # tenant -> its last finished request
         self.idle_steps = 0
+        self.slotless: dict = {}   # tenant -> steps in a row it had waiting work and no running request
         self.kept_from: tuple[set, set] | None = None   # (running, waiting) tenants of the step in progress
         pick = self.quotas.pick
 
@@ -156,27 +161,44 @@ class TenantMachine(RuleBasedStateMachine):
     # ------------------------------------------------------------ bookkeeping
     @property
     def lending(self) -> bool:
-        return self.engine.tenant_work.lending_waiting
+        return self.engine.scheduler.tenant_work.lending_waiting
 
     def _step(self) -> None:
         engine = self.engine
-        if self.lending:   # only ever on an otherwise idle engine
-            assert not engine.running and not engine.cache.in_flight()
-        self.kept_from = ({r.namespace for r in engine.running}, {r.namespace for r in engine.waiting})
+        if self.lending:   # only ever while nothing runs (a move in flight: the lent room's promotion)
+            assert not engine.scheduler.running
+        self.kept_from = ({r.namespace for r in engine.scheduler.running}, {r.namespace for r in engine.scheduler.waiting})
         self.now += 1.0
         computed = engine.stats["steps"]
+        self._count_slotless()
         try:
             engine.step()
         finally:
             self.kept_from = None
         self.l3.run_pending()   # L3's I/O, as its thread would have done meanwhile
-        idle = (engine.stats["steps"] == computed and engine.waiting and not engine.running
+        idle = (engine.stats["steps"] == computed and engine.scheduler.waiting and not engine.scheduler.running
                 and not engine.cache.in_flight())
         self.idle_steps = self.idle_steps + 1 if idle else 0
         assert self.idle_steps <= IDLE_STEPS, (
             f"accepted requests waited {self.idle_steps} steps on an idle engine: "
-            f"{[(r.namespace, len(r.tokens)) for r in engine.waiting]}")
+            f"{[(r.namespace, len(r.tokens)) for r in engine.scheduler.waiting]}")
         self._settle()
+
+    def _count_slotless(self) -> None:
+        """Running slots under the fair share: a tenant with waiting work and no running request,
+        while every slot is taken and another tenant holds more than its share of them
+        (``max_running`` over the tenants with work, at least 1), runs a request within
+        ``SLOT_STEPS`` steps (counted before each step)."""
+        s = self.engine.scheduler
+        held = Counter(r.namespace for r in s.running)
+        tenants = set(held) | {r.namespace for r in s.waiting}
+        share = max(1, s.config.max_running // len(tenants)) if tenants else 0
+        starved = len(s.running) >= s.config.max_running and any(n > share for n in held.values())
+        waiting = {r.namespace for r in s.waiting if r.yielded_to is None} - set(held) if starved else set()
+        self.slotless = {t: self.slotless.get(t, 0) + 1 for t in waiting}
+        for t, n in self.slotless.items():
+            assert n <= SLOT_STEPS, (f"tenant {t!r} had waiting work and no running request for {n} steps: "
+                                     f"running {[(r.namespace, len(r.tokens)) for r in s.running]}")
 
     def _settle(self) -> None:
         for r in self.requests:
@@ -194,7 +216,7 @@ class TenantMachine(RuleBasedStateMachine):
         held = {(t, tier): cache.space.pending_by_tenant[tier].get(t, 0) for t in TENANTS for tier in range(3)}
         for node in cache.tree.iter_nodes():
             held[cache.tree.namespace_of(node), node.tier] += len(node.key)
-        for r in self.engine.running:
+        for r in self.engine.scheduler.running:
             held[r.namespace, HOT] += r.lease.uncommitted
         for (t, tier), n in held.items():
             assert n <= q.cap(t, tier), f"tenant {t!r} holds {n} tokens of tier {tier}, past its cap {q.cap(t, tier)}"

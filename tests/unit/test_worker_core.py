@@ -146,7 +146,8 @@ def test_scheduling_policy_settings_are_checked_and_reach_the_engine():
     assert (WorkerConfig().time_slice_s, WorkerConfig().shared_fills) == (0.5, True)
     core = make("w-policies", time_slice_s=None, shared_fills=False)
     try:
-        assert (core.engine.time_slice_s, core.engine.shared_fills) == (None, False)
+        config = core.engine.scheduler.config
+        assert (config.time_slice_s, config.shared_fills) == (None, False)
     finally:
         core.close()
 

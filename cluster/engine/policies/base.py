@@ -1,0 +1,81 @@
+"""``SchedulingPolicy``: what the scheduler asks a policy (``cluster.engine.scheduler``).
+
+The scheduler owns the queues, the leases and the room rules (HOT room reserved
+before a forward, preemption into the cache, no admission below what the tiers
+hold). A policy owns three choices, each a method here:
+
+- **the waiting order** (``waiting_order``): in which order waiting requests are
+  looked at, within a group;
+- **the budget split** (``step_budget``, ``groups``, ``share``, ``charge``): after
+  every decode has its token, who shares what is left of the step's token
+  budget: one group (``ANY``: every request) or one group per tenant, each its
+  share, in the policy's order;
+- **the victim choice** (``room_victim``, ``slice_victim``, ``slot_yields``,
+  ``preempts_across_tenants``): which running request gives up its room when a
+  running request needs room, when a time slice fires
+  (``cluster.engine.preemption``), and when a waiting tenant has no running slot.
+
+The defaults here are first come, first served (``fcfs.py``). A policy is one
+file with a subclass and one line in ``cluster.engine.policies.POLICIES``.
+Engine thread only.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Hashable, Iterable
+
+ANY = object()   # the group of every request (a policy that does not split the budget by tenant)
+
+
+class SchedulingPolicy:
+    """First come, first served: one group, the waiting queue in its order, the newest running
+    request yields. ``max_running``: the scheduler's; ``quotas``: the cache's ``QuotaConfig``
+    (None: no tenant quotas)."""
+
+    name = "fcfs"
+    preempts_across_tenants = False   # a waiting request may take another tenant's room (fair share)
+
+    def __init__(self, max_running: int, quotas: Any = None):
+        self.max_running = max_running
+        self.quotas = quotas
+
+    def step_budget(self, max_batch_tokens: int, running: list, waiting: Iterable, clock: Callable) -> int:
+        """This step's token budget (decodes and prompt chunks together; ``clock``: the engine's)."""
+        return max_batch_tokens
+
+    def groups(self, running: list, waiting: Iterable, planned: set[int]) -> tuple[list, bool]:
+        """Who shares the budget left after the decodes, in order (``ANY`` or tenants), and
+        whether a last pass gives what is still left to anyone not yet in the step."""
+        return [ANY], False
+
+    def share(self, left: int, groups_to_go: int) -> int:
+        """The next group's part of ``left`` (``groups_to_go``: it and the ones after it)."""
+        return left
+
+    def reach(self, left: int, share: int, first: bool, spare: int) -> int:
+        """How far past its ``share`` a group's prompt that can end in this step may go: what is
+        left of the step (``left``), and for a policy that shortens steps, where it says
+        (``spare``: the tokens the shortening kept out of this step, ``first``: the group that
+        comes first in the step's first pass)."""
+        return left - share
+
+    def waiting_order(self, waiting: Iterable) -> list:
+        """The waiting requests in the order they are looked at (first come, first served)."""
+        return list(waiting)
+
+    def room_victim(self, candidates: list) -> Any:
+        """Of ``candidates`` (running requests, newest first), the one that yields its room."""
+        return next(iter(candidates), None)
+
+    def slice_victim(self, running: list) -> Any:
+        """How a time slice picks among the decodes past their slice: a function of those
+        candidates (newest first), or None for the slicer's own pick (fewest tokens to swap)."""
+        return None
+
+    def slot_yields(self, running: list, waiting: Iterable) -> list[tuple[Any, Any]]:
+        """(victim, waiting request) pairs: running requests that yield their slot before
+        this step is planned, each to the waiting request it yields to (none by default)."""
+        return []
+
+    def charge(self, used: dict[Hashable, int]) -> None:
+        """This step's planned tokens per tenant (for a policy that keeps recent service)."""

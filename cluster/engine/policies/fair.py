@@ -1,0 +1,111 @@
+"""The tenants' fair share (``fair``): the policy tenant quotas select (``cluster.engine.fair_share``).
+
+- **Budget split**: every decode first, then the rest of the step shared among the
+  tenants with prompt work, least served recently first, each an equal part of what
+  is left for its own prefills and then its own waiting requests, and a last pass
+  for what is still left (``TenantShares``). One tenant alone with the whole budget
+  is planned first come, first served. While tenants share the engine the step is
+  ``tenant_quotas.step_tokens`` long.
+- **Running slots**: each tenant with work has a share of ``max_running``
+  (``max_running`` over the tenants with work, at least 1). When every slot is
+  taken and a tenant with waiting work has no running request, the tenant most
+  over its slot share yields one slot to it before the step is planned
+  (``slot_yields``: its newest request not preempted often, into the cache, back
+  after the request it yielded to): a tenant's short request does not wait behind
+  another's long decodes. This yield is not gated by time slicing's measured gain
+  and cost: it happens only for a tenant with no running slot, once per free
+  slot it needs.
+- **Victims**: for room (and for a time slice, still gated by its measured gain
+  and cost) the tenant most over its slot share yields first, then the tenant
+  served most recently; a waiting request that finds no room may take it from
+  another tenant's running request that the quotas allow (``may_preempt``).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any, Callable, Hashable, Iterable
+
+from cluster.engine.fair_share import TenantShares
+from cluster.engine.policies.base import ANY, SchedulingPolicy
+from cluster.engine.preemption import spare_repeated
+
+
+class FairSharePolicy(SchedulingPolicy):
+    name = "fair"
+    preempts_across_tenants = True
+
+    def __init__(self, max_running: int, quotas: Any = None):
+        super().__init__(max_running, quotas)
+        self.shares = TenantShares(quotas.step_tokens if quotas else None,
+                                   quotas.active_window_s if quotas else 30.0)
+        self.tenants: list = []   # this step's tenants with work, oldest request first
+        self.full_budget = True   # this step has the whole max_batch_tokens
+
+    def step_budget(self, max_batch_tokens: int, running: list, waiting: Iterable, clock: Callable) -> int:
+        self.tenants = list(dict.fromkeys(r.namespace for r in (*running, *waiting)))
+        budget = self.shares.budget(max_batch_tokens, self.tenants, clock())
+        self.full_budget = budget >= max_batch_tokens
+        return budget
+
+    def groups(self, running: list, waiting: Iterable, planned: set[int]) -> tuple[list, bool]:
+        if len(self.tenants) <= 1 and self.full_budget:   # one tenant: first come, first served
+            return [ANY], False
+        prompting = {r.namespace for r in (*running, *waiting) if id(r) not in planned}
+        return self.shares.order([t for t in self.tenants if t in prompting]), True
+
+    def share(self, left: int, groups_to_go: int) -> int:
+        return self.shares.allot(left, groups_to_go)
+
+    def reach(self, left: int, share: int, first: bool, spare: int) -> int:
+        """The tenant served least recently (first in the order) may end a prompt in this step
+        past the shortened step (``step_tokens``), up to what the step could hold unshortened
+        beside its decodes: a quiet tenant's later turn is not cut into short chunks beside a
+        flood, while the flood's prompts still are."""
+        return left - share + (spare if first else 0)
+
+    def slot_share(self, tenants: int, max_running: int) -> int:
+        return max(1, max_running // max(1, tenants))
+
+    def over_share_key(self, running: list):
+        """A running request's rank as a victim: its tenant's running requests past the
+        tenant's slot share, then the tenant's recent service (higher yields first)."""
+        counts = Counter(r.namespace for r in running)
+        share = self.slot_share(len(self.tenants) or len(counts), self.max_running)
+        served = self.shares.served
+        return lambda r: (counts[r.namespace] - share, served.get(r.namespace, 0.0))
+
+    def room_victim(self, candidates: list):
+        return max(candidates, key=lambda r: self.shares.served.get(r.namespace, 0.0), default=None)
+
+    def slice_victim(self, running: list):
+        key = self.over_share_key(running)
+        return lambda candidates: max(candidates, key=key, default=None)
+
+    def slot_yields(self, running: list, waiting: Iterable) -> list[tuple[Any, Any]]:
+        max_running = self.max_running
+        waiting = list(waiting)
+        tenants = list(dict.fromkeys(r.namespace for r in (*running, *waiting)))
+        if len(running) < max_running or len(tenants) < 2:
+            return []
+        counts = Counter(r.namespace for r in running)
+        share = self.slot_share(len(tenants), max_running)
+        out, taken = [], set()
+        heads = {}
+        for req in waiting:   # each slot-less tenant's oldest request that may run now
+            if counts[req.namespace] == 0 and req.yielded_to is None:
+                heads.setdefault(req.namespace, req)
+        for tenant in self.shares.order(list(heads)):
+            over = [r for r in reversed(running) if counts[r.namespace] > share and id(r) not in taken]
+            if not over:
+                break
+            victim = max(spare_repeated(over), key=lambda r: (counts[r.namespace] - share,
+                                                              self.shares.served.get(r.namespace, 0.0)))
+            taken.add(id(victim))
+            counts[victim.namespace] -= 1
+            counts[tenant] += 1
+            out.append((victim, heads[tenant]))
+        return out
+
+    def charge(self, used: dict[Hashable, int]) -> None:
+        self.shares.charge(used)
