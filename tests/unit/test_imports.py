@@ -29,9 +29,7 @@ PENDING_CYCLES: set[frozenset[str]] = {
     frozenset({"cluster.engine.cuda_graphs", "cluster.engine.layer_loop", "cluster.engine.model",
                "cluster.engine.packed_weights", "cluster.engine.paged"}),
 }
-PENDING_LONG: set[str] = {
-    "cluster/engine/scheduler.py",
-}
+PENDING_LONG: set[str] = set()
 
 
 def module_files() -> dict[str, Path]:
