@@ -25,9 +25,11 @@ block of slack); everything else must be served. After every step:
 - the cache's invariants hold (every committed node whole in its tier, each
   tenant's counts as the tree holds them), and nothing left the tree while the
   tier below had room for it;
-- L3 is on (an in-process store, its I/O run after each step), with ``l3_blocks``
-  and per-tenant L3 shares: no tenant's blocks in the store pass its L3 cap, and
-  all of them together never pass ``l3_blocks``.
+- L3 is on for writes (an in-process store, its I/O run after each step), with
+  ``l3_blocks`` and per-tenant L3 shares: no tenant's blocks in the store pass its
+  L3 cap, all of them together never pass ``l3_blocks``, and the quotas count
+  exactly what the store holds. (Fetches are off: a request waiting for one
+  plans nothing, which the idle-step rules above do not model.)
 """
 
 from __future__ import annotations
@@ -80,7 +82,8 @@ class TenantMachine(RuleBasedStateMachine):
                             deterministic_io=True)
         self.now = 0.0
         self.store = MemoryL3Store()
-        self.l3 = L3Tier(self.store, cache.layout, BT, L3TierConfig(model_id="tenant-sm"), start_thread=False)
+        self.l3 = L3Tier(self.store, cache.layout, BT, L3TierConfig(model_id="tenant-sm", fetch="off"),
+                         start_thread=False)
         self.l3_tenant: dict[int, object] = {}   # block hash -> the tenant it was written for
 
         machine = self

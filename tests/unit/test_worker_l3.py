@@ -65,3 +65,57 @@ def test_without_a_reachable_master_l3_is_off_and_the_worker_serves(caplog):
         assert items[-1].finished and items[-1].error is None
     finally:
         core.close()
+
+
+class SharesDirectory:
+    """The ``DirectoryLink`` calls a starting worker makes; every batch is answered with
+    the tenants' L3 counts (as ``DirectoryImpl.publish(..., want_l3_shares=True)``)."""
+
+    def __init__(self):
+        self.asked = []
+
+    def measured_rates(self, bytes_per_token, block_tokens):
+        return None
+
+    def register(self, worker_id, rates, peer_address=None, fresh=True):
+        pass
+
+    def publisher_epoch(self, worker_id):
+        return 7
+
+    def publish(self, worker_id, batch, load, want_l3_shares=False):
+        from concurrent.futures import Future
+
+        from cluster.protocol import L3ShareCounts, PublishReply
+
+        self.asked.append(want_l3_shares)
+        fut = Future()
+        fut.set_result(PublishReply("ok", L3ShareCounts((("t", 5),))))
+        return fut
+
+    def push_snapshot(self, worker_id, snapshot):
+        pass
+
+
+def test_a_worker_with_l3_shares_takes_the_directorys_counts_on_its_engine_thread(master):
+    from actors.core import WorkerConfig, WorkerCore
+    from cluster.protocol import GenerateRequest, SamplingParams
+    from tests.unit.helpers import WORKER_MODEL
+
+    cfg = WorkerConfig.from_dict(dict(model=WORKER_MODEL, hot_blocks=128, warm_blocks=128, block_tokens=16,
+                                      l3_master=master.address, calibrate_at_start=False,
+                                      tenant_quotas={"l3_blocks": 64, "tenants": {"t": {"l3": {"cap": 0.5}}}}))
+    directory = SharesDirectory()
+    core = WorkerCore("l3-shares", cfg, directory=directory)
+    try:
+        quotas = core.cache.quotas
+        assert quotas.l3_counts_ttl_s == 3.0 and not quotas.l3_counts_fresh()   # none yet: nothing written
+
+        async def go():
+            req = GenerateRequest([(5 * i) % 250 + 1 for i in range(40)], SamplingParams(max_tokens=2), tenant="t")
+            return [item async for item in core.generate(req)]
+        asyncio.run(go())
+        assert directory.asked and all(directory.asked)
+        assert quotas.l3_others == {"t": 5} and quotas.l3_counts_fresh()
+    finally:
+        core.close()

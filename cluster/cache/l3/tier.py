@@ -175,11 +175,7 @@ class L3Tier:
                 job.blocks = [L3Block(k, toks, parts[0][:, :, j * bt:(j + 1) * bt]) for j, (k, toks) in enumerate(keys)]
             else:
                 job.keys, job.parts = keys, parts
-            if remove:   # blocks still queued to be written are not written at all
-                gone = set(remove)
-                for queued in self._write_jobs:
-                    if isinstance(queued, WriteJob):
-                        queued.cancelled.update(gone.intersection(queued.hashes))
+            self._settle_queued(hashes, index, remove)
             self._queue_write(job, set(hashes) if front else None)
             self._pending_bytes += nbytes
             self.stats.writes_queued += count
@@ -194,6 +190,21 @@ class L3Tier:
             for listener in self.listeners:
                 listener.on_l3_removed(list(remove))
         return count
+
+    def _settle_queued(self, hashes: Sequence[int], index: Sequence[int], remove: Sequence[int]) -> None:
+        """(under ``_cv``) A write may run before the queued ones (``front``): a block it
+        removes that a queued write still holds is not written at all, and a block it
+        writes that a queued write would remove is no longer removed, so the store ends
+        holding what the quotas admitted, whatever order the writes run in."""
+        gone = set(remove)
+        adding = {self.key(hashes[i]) for i in index}
+        for queued in self._write_jobs:
+            if not isinstance(queued, WriteJob):
+                continue
+            if gone:
+                queued.cancelled.update(gone.intersection(queued.hashes))
+            if adding and queued.remove:
+                queued.remove = [k for k in queued.remove if k not in adding]
 
     def _queue_write(self, job: WriteJob, chain: set[int] | None) -> None:
         """(under ``_cv``) Queue ``job`` last, or with its ``chain`` first: the queued
