@@ -150,7 +150,9 @@ class Scheduler:
                                                        self.clock)
         budget = self._plan_running(plan, [r for r in self.running if r.to_compute == 1], budget, planned)
         budget = self._beside_decodes(budget, plan)
-        spare = max(0, self._beside_decodes(self.config.max_batch_tokens, plan) - step_budget)
+        # What a shortened step (tenant quotas' step_tokens) kept out, up to one more such step:
+        # the policy may let a waiting request's prompt end in this step past it (``reach``).
+        spare = min(step_budget, max(0, self._beside_decodes(self.config.max_batch_tokens, plan) - step_budget))
         groups, last_pass = self.policy.groups(self.running, self.waiting, planned)
         state = _Pass()
         for last in (False, True) if last_pass else (False,):
@@ -161,7 +163,7 @@ class Scheduler:
                 extra = self.policy.reach(budget, share, i == 0 and not last, spare)
                 fills = [r for r in self.running if r.to_compute > 1 and id(r) not in planned
                          and (group is ANY or r.namespace == group)]
-                left = self._plan_running(plan, fills, share, planned, extra)
+                left = self._plan_running(plan, fills, share, planned, budget - share)   # fills: no spare
                 left = self._plan_waiting(plan, left, planned, state, group, extra)
                 budget -= share - left
         self._planned(plan)

@@ -165,17 +165,18 @@ def test_step_tokens_shorten_steps_while_another_tenant_was_active_within_the_wi
 
 
 def test_the_least_served_tenant_ends_a_prompt_past_the_shortened_step_the_flood_is_chunked():
-    """Steps of 8 while two tenants work (``step_tokens``), budget 32: B's 20-token later turn
-    (B served least) ends in one step, past the 8, up to the unshortened 32; A's prompt goes
-    on in the short steps' chunks, and B's next prompt, longer than 32, is chunked too."""
+    """Steps of 8 while two tenants work (``step_tokens``), budget 32: B's 14-token request
+    (B served least) ends in one step, past the 8 by up to one more step of 8; A's prompt goes
+    on in the short steps' chunks, and B's next prompt, longer than 16, is chunked too."""
     engine = make_engine(budget=32, quotas={"step_tokens": 8})
     submit(engine, "A", seq(0, 100), max_tokens=1)
     assert step(engine) == [("A", 0, 32)]
-    submit(engine, "B", seq(40, 20), max_tokens=1)
-    assert step(engine) == [("B", 0, 20)]                  # B first (least served), whole: 20 <= 32
-    assert step(engine) == [("A", 32, 8)]                  # A's 8-token chunks go on
-    submit(engine, "B", seq(7, 40), max_tokens=1)
-    assert step(engine) == [("B", 0, 4), ("A", 40, 4)]     # 40 > 32: B's equal part of 8 (B least served again)
+    submit(engine, "B", seq(40, 14), max_tokens=1)
+    assert step(engine) == [("B", 0, 14)]                  # B first (least served), whole: 14 <= 8 + 8
+    assert step(engine) == [("A", 32, 8)]                  # A's 8-token chunks go on, never past 8
+    assert step(engine) == [("A", 40, 8)]
+    submit(engine, "B", seq(7, 20), max_tokens=1)
+    assert step(engine) == [("B", 0, 4), ("A", 48, 4)]     # 20 > 16: B's equal part of 8
 
 
 def test_tenant_shares_order_and_allot():

@@ -58,10 +58,11 @@ class FairSharePolicy(SchedulingPolicy):
         return self.shares.allot(left, groups_to_go)
 
     def reach(self, left: int, share: int, first: bool, spare: int) -> int:
-        """The tenant served least recently (first in the order) may end a prompt in this step
-        past the shortened step (``step_tokens``), up to what the step could hold unshortened
-        beside its decodes: a quiet tenant's later turn is not cut into short chunks beside a
-        flood, while the flood's prompts still are."""
+        """The tenant served least recently (first in the order) may end a waiting request's
+        prompt in this step past the shortened step (``step_tokens``) by at most one more
+        shortened step (``spare``, given for waiting requests only): a quiet tenant's later
+        turn is not cut into two or three short chunks beside a flood, while no step grows
+        long (a running fill, the flood's, never gets it)."""
         return left - share + (spare if first else 0)
 
     def slot_share(self, tenants: int, max_running: int) -> int:
