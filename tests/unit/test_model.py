@@ -130,17 +130,21 @@ def test_prefill_with_cached_prefix_equals_full_prefill(model: DecoderModel, spl
     torch.testing.assert_close(kv, full_kv[:, :, split:], atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("chunk", [1, 5, 64])
-def test_chunked_attention_over_a_cached_prefix_is_exact(
-    model: DecoderModel, monkeypatch: pytest.MonkeyPatch, chunk: int
-) -> None:
-    # Queries after a cached prefix are attended in chunks of QUERY_CHUNK; any chunking is exact.
-    tokens = tokens_of(40, seed=8)
-    full_logits, full_kv = model.forward_one(tokens, 0, None)
-    monkeypatch.setattr(attention, "QUERY_CHUNK", chunk)
-    logits, kv = model.forward_one(tokens[11:], 11, full_kv[:, :, :11])
-    torch.testing.assert_close(logits, full_logits[11:], atol=1e-4, rtol=0)
-    torch.testing.assert_close(kv, full_kv[:, :, 11:], atol=1e-4, rtol=0)
+@pytest.mark.parametrize(("new", "past"), [(2, 1), (5, 30), (40, 11), (300, 700)])
+def test_attention_after_a_cached_prefix_equals_one_masked_softmax(new: int, past: int) -> None:
+    # On the CPU the queries after a cached prefix attend the prefix and their own keys in two
+    # flash calls merged through their log-sum-exps; that is one causal softmax over all keys.
+    config = ModelConfig(num_heads=6, num_kv_heads=2, head_dim=16)
+    gen = torch.Generator().manual_seed(new + past)
+    q = torch.randn(new, 6, 16, generator=gen)
+    keys, values = (torch.randn(2, past + new, 16, generator=gen) for _ in range(2))
+    got = attention.attend_torch(config, q, keys, values, past)
+    visible = torch.arange(past + new)[None, :] <= torch.arange(past, past + new)[:, None]
+    scores = torch.einsum("thd,hsd->hts", q, keys.repeat_interleave(3, 0)) * 16 ** -0.5
+    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    expected = torch.einsum("hts,hsd->thd", probs, values.repeat_interleave(3, 0))
+    assert got.shape == (new, 6, 16)
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
 
 
 def test_token_by_token_decode_equals_full_prefill(model: DecoderModel) -> None:
