@@ -71,6 +71,6 @@ def tune_blocked(model, monkeypatch, tmp_path) -> dict:
     monkeypatch.setattr(linear_layouts, "_time", lambda weights, rows, layout, packs:
                         -1.0 if layout == linear_layouts.BLOCKED else float(layout))
     tuned = model.tune_linears()
-    if linear_layouts.BLOCKED not in model._layer_layouts:
+    if linear_layouts.BLOCKED not in model.kernels.layer_layouts:
         pytest.skip("no summation order of MKL's found on this machine")
     return tuned

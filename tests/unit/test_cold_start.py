@@ -36,8 +36,8 @@ def test_packed_weights_miss_then_hit_give_the_same_logits(packed_dir):
     loaded = _model()
     loaded.tune_linears()
     assert loaded.packed_source == {"source": "disk", "path": str(packed_dir / files[0])}
-    assert loaded._layer_layouts == measured._layer_layouts and loaded._head_layouts == measured._head_layouts
-    assert sorted(k[0] for k in loaded._packed) == sorted(k[0] for k in measured._packed)
+    assert loaded.kernels.layer_layouts == measured.kernels.layer_layouts and loaded.kernels.head_layouts == measured.kernels.head_layouts
+    assert sorted(k[0] for k in loaded.kernels.packed) == sorted(k[0] for k in measured.kernels.packed)
     assert torch.equal(_logits(loaded), _logits(measured))   # bit for bit
 
 

@@ -370,7 +370,7 @@ def test_decode_kernel_equals_the_torch_path_at_every_length_on_the_vector_path(
         values = torch.cat([buffers[b][1, 1, :, :n], v_new[b, :, None]], dim=1)
         want.append(attention.attend_torch(cfg, q[b:b + 1], keys, values, n)[0])
     pool, tables, starts = _in_pool(buffers)
-    got = model._paged_kernel(q, k_new, v_new, pool, 1, torch.cat(tables), starts, lengths, [1] * len(lengths),
+    got = model.kernels.attention(q, k_new, v_new, pool, 1, torch.cat(tables), starts, lengths, [1] * len(lengths),
                               64 ** -0.5)
     # Outputs of magnitude ~10: float32 sums of 300 terms in another order differ by
     # up to about 1e-5 relative (seen: 1.3e-5 absolute on an output of 1.4).
@@ -387,7 +387,7 @@ def test_paged_kernel_attends_each_new_token_causally_like_the_torch_path():
     cfg = ModelConfig(num_layers=2, hidden_size=192, num_heads=3, num_kv_heads=1, head_dim=64,
                       intermediate_size=128, seed=4)
     model = DecoderModel(cfg)
-    require(KERNELS, model.use_decode_kernel(True) and model._paged_kernel is not None,
+    require(KERNELS, model.use_decode_kernel(True) and model.kernels.attention is not None,
             "the attention kernels could not be built here")
     g = torch.Generator().manual_seed(5)
     starts, counts = [1, 7, 8, 23, 300], [3, 1, 17, 128, 8]
@@ -405,7 +405,7 @@ def test_paged_kernel_attends_each_new_token_causally_like_the_torch_path():
         offset += n
     pool, tables, table_starts = _in_pool(buffers)
     slots = torch.cat(tables)
-    got = model._paged_kernel(q, k_new, v_new, pool, 1, slots, table_starts, starts, counts, 64 ** -0.5)
+    got = model.kernels.attention(q, k_new, v_new, pool, 1, slots, table_starts, starts, counts, 64 ** -0.5)
     # As for the decode kernel: float32 sums of up to 428 terms in another order (seen: 1.2e-5
     # absolute, 2 outputs of 30,144 past 1e-5).
     torch.testing.assert_close(got, torch.cat(want), atol=3e-5, rtol=3e-5)
@@ -415,7 +415,7 @@ def test_paged_kernel_attends_each_new_token_causally_like_the_torch_path():
         assert torch.equal(_at(pool, tables[b][s:], 1, 1), v_new[offset:offset + n])
         offset += n
     with pytest.raises(RuntimeError, match="counts add up to"):
-        model._paged_kernel(q[:5], k_new[:5], v_new[:5], pool, 1, slots, table_starts, starts, counts, 64 ** -0.5)
+        model.kernels.attention(q[:5], k_new[:5], v_new[:5], pool, 1, slots, table_starts, starts, counts, 64 ** -0.5)
 
 
 def _linears(model: DecoderModel) -> list[torch.Tensor]:
@@ -431,18 +431,18 @@ def test_every_linear_layout_gives_the_same_logits_at_every_row_count() -> None:
     layouts = [linear_layouts.PLAIN, linear_layouts.TRANSPOSED]
     if linear_layouts.packed_available():
         layouts.append(linear_layouts.PACKED)
-        model._packed = {(linear_layouts.PACKED, id(w)): linear_layouts.pack(w) for w in _linears(model)}
+        model.kernels.packed = {(linear_layouts.PACKED, id(w)): linear_layouts.pack(w) for w in _linears(model)}
     order = linear_layouts.blocked_order([(w, None) for w in _linears(model)])
     if order is not None:
         layouts.append(linear_layouts.BLOCKED)
-        model._packed.update(((linear_layouts.BLOCKED, id(w)), linear_layouts.panels(w, order))
+        model.kernels.packed.update(((linear_layouts.BLOCKED, id(w)), linear_layouts.panels(w, order))
                              for w in _linears(model))
     for rows in (1, 2, 5, 16, 40):
         outs = []
         for layer_layout in layouts:
             for head_layout in layouts:
-                model._layer_layouts = (0,) + (layer_layout,) * 64
-                model._head_layouts = (0,) + (head_layout,) * 64
+                model.kernels.layer_layouts = (0,) + (layer_layout,) * 64
+                model.kernels.head_layouts = (0,) + (head_layout,) * 64
                 outs.append(model.forward_batch(items[:rows]))
         for other in outs[1:]:
             for (la, ka), (lb, kb) in zip(outs[0], other):
@@ -456,7 +456,7 @@ def test_tuned_layouts_cover_every_row_count_and_are_measured_once_a_machine(mon
     model = DecoderModel(SMALL)
     tuned = model.tune_linears()
     assert sorted(tuned) == ["head", "layers"]
-    for group, layouts in (("layers", model._layer_layouts), ("head", model._head_layouts)):
+    for group, layouts in (("layers", model.kernels.layer_layouts), ("head", model.kernels.head_layouts)):
         assert sorted(tuned[group]) == list(linear_layouts.TUNED_ROWS)
         assert set(tuned[group].values()) <= set(linear_layouts.NAMES.values())
         # Row counts between two measured ones take the layout of the one below; beyond the last, the last's.
@@ -467,13 +467,13 @@ def test_tuned_layouts_cover_every_row_count_and_are_measured_once_a_machine(mon
         last = linear_layouts.TUNED_ROWS[-1]
         assert linear_layouts.NAMES[linear_layouts.layout_for(layouts, 4096)] == tuned[group][last]
     # A group some row count runs packed has its weights packed; the others none.
-    packed_layers = linear_layouts.PACKED in model._layer_layouts
-    assert ((linear_layouts.PACKED, id(model.layers[0].qkv_proj)) in model._packed) == packed_layers
-    assert ((linear_layouts.PACKED, id(model.output_weight)) in model._packed) == \
-        (linear_layouts.PACKED in model._head_layouts)
-    for group, weight in ((model._layer_layouts, model.layers[-1].down_proj), (model._head_layouts,
+    packed_layers = linear_layouts.PACKED in model.kernels.layer_layouts
+    assert ((linear_layouts.PACKED, id(model.layers[0].qkv_proj)) in model.kernels.packed) == packed_layers
+    assert ((linear_layouts.PACKED, id(model.output_weight)) in model.kernels.packed) == \
+        (linear_layouts.PACKED in model.kernels.head_layouts)
+    for group, weight in ((model.kernels.layer_layouts, model.layers[-1].down_proj), (model.kernels.head_layouts,
                                                                                 model.output_weight)):
-        assert ((linear_layouts.BLOCKED, id(weight)) in model._packed) == (linear_layouts.BLOCKED in group)
+        assert ((linear_layouts.BLOCKED, id(weight)) in model.kernels.packed) == (linear_layouts.BLOCKED in group)
     assert (tmp_path / "linear-layouts.json").is_file()
 
     # Another process on this machine (an empty in-process table) reads the file instead of measuring.
@@ -512,12 +512,12 @@ def test_packed_layout_is_picked_only_when_asked_for(monkeypatch, tmp_path, opt_
     tuned = model.tune_linears()
     expected = "packed" if opt_in == "1" else "W @ x^T"
     assert set(tuned["layers"].values()) == set(tuned["head"].values()) == {expected}
-    assert sum(key[0] == linear_layouts.PACKED for key in model._packed) == \
+    assert sum(key[0] == linear_layouts.PACKED for key in model.kernels.packed) == \
         (4 * SMALL.num_layers + 1 if opt_in == "1" else 0)
     logits = model.forward_batch([(tokens_of(1, seed=s), 0, None) for s in range(4)])
-    monkeypatch.setattr(model, "_layer_layouts", None)
-    monkeypatch.setattr(model, "_head_layouts", None)
-    model._packed = {}
+    monkeypatch.setattr(model.kernels, "layer_layouts", None)
+    monkeypatch.setattr(model.kernels, "head_layouts", None)
+    model.kernels.packed = {}
     for (la, _), (lb, _) in zip(logits, model.forward_batch([(tokens_of(1, seed=s), 0, None) for s in range(4)])):
         torch.testing.assert_close(la, lb, atol=1e-5, rtol=0)
 

@@ -103,8 +103,8 @@ def test_paged_logits_equal_the_reference_wherever_the_slots_lie(config, kernel)
     model = model_of(config, kernel)
     calls = []
     if kernel:
-        inner = model._paged_kernel
-        model._paged_kernel = lambda *args: calls.append(args[4]) or inner(*args)
+        inner = model.kernels.attention
+        model.kernels.attention = lambda *args: calls.append(args[4]) or inner(*args)
     pool, before, tables, refs, paged = run_paged(model, MIXED)
     assert calls == (list(range(config.num_layers)) if kernel else [])   # one kernel call a layer
     in_order, _, order_tables, _, want = run_paged(model, MIXED, scattered=False)
@@ -178,13 +178,13 @@ def test_the_compiled_layer_loop_takes_paged_steps_bit_for_bit(monkeypatch, tmp_
     model = blocked_model(SMALL, monkeypatch, tmp_path)
     plan = [(40, 1), (52, 1), (43, 1), (60, 5)]
     calls = []
-    compiled = model._compiled_layers
-    model._compiled_layers = lambda *args: calls.append(1) or compiled(*args)
+    compiled = model.kernels.layer_loop
+    model.kernels.layer_loop = lambda *args: calls.append(1) or compiled(*args)
     pool, _, tables, refs, got = run_paged(model, plan)
     in_order, _, order_tables, _, ordered = run_paged(model, plan, scattered=False)
     assert calls == [1, 1]   # each forward in the compiled loop
     new_kv = [pool.get(slots[p:]) for (p, _), slots in zip(plan, tables)]
-    model._compiled_layers = None   # the Python loop
+    model.kernels.layer_loop = None   # the Python loop
     pool2, _, tables2, _, want = run_paged(model, plan)
     for a, b, c_, (p, _), (ref, _) in zip(got, want, ordered, plan, refs):
         assert torch.equal(a, b) and torch.equal(a, c_)

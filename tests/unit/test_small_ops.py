@@ -64,7 +64,7 @@ def test_a_model_with_the_compiled_ops_gives_the_torch_paths_logits(ops):
                       intermediate_size=192, seed=4)
     plain, compiled = DecoderModel(cfg), DecoderModel(cfg)
     plain.use_decode_kernel(False)
-    assert compiled.use_decode_kernel(True) and compiled._small_ops is ops
+    assert compiled.use_decode_kernel(True) and compiled.kernels.small_ops is ops
     tokens = torch.randint(0, cfg.vocab_size, (40,), generator=torch.Generator().manual_seed(2))
     want, want_kv = plain.forward_one(tokens)
     got, got_kv = compiled.forward_one(tokens)
