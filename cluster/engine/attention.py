@@ -5,7 +5,7 @@ the reach of the compiled kernels (``EXTEND_MAX``).
 two ways: items after a cached prefix with at most ``EXTEND_MAX`` new tokens (decodes, a
 later turn's few tokens, a burst of sessions behind one system prompt) all at once in the
 compiled kernel (``cluster.engine.kernels``: C++ on the CPU, Triton on CUDA), the rest one
-by one with ``attend_torch``; ``forward_batch`` attends every item with ``attend_torch``.
+by one with ``attend_torch`` (as the tests' reference forward attends every item).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ The engine's caches store, for T tokens, one tensor per sequence segment:
     kv[num_layers, 2, T, num_kv_heads, head_dim]   (index 0: K after RoPE, 1: V)
 
 Because K is stored after the rotary embedding of its absolute position, a
-cached prefix is reused as is: `forward_one(tokens[p:], p, kv_of(tokens[:p]))`
+cached prefix is reused as is: `forward_paged` of `tokens[p:]` after the slots of `tokens[:p]`
 gives the same logits and KV as a full prefill, which is the whole point of a
 prefix cache and is what the tests check.
 
@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cluster.engine import attention, layer_loop, linear_layouts, packed_weights, paged
+from cluster.engine import layer_loop, linear_layouts, packed_weights, paged
 from cluster.engine.attention import EXTEND_MAX  # noqa: F401  (re-exported: the kernel's reach)
 from cluster.engine.linear_layouts import linear as _linear
 from cluster.engine.model_kernels import ModelKernels
@@ -246,51 +246,6 @@ class DecoderModel(nn.Module):
         """The lm_head matrix [vocab, hidden] (the embedding when tied)."""
         return self.embed if self.lm_head is None else self.lm_head
 
-    def forward_one(
-        self, tokens: torch.Tensor, start_pos: int = 0, past_kv: torch.Tensor | None = None,
-        last_logits_only: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits [T, vocab] (float32; [1, vocab] with `last_logits_only`) and the new
-        tokens' KV [layers, 2, T, kv_heads, head_dim].
-
-        `past_kv` is the KV of the `start_pos` tokens before `tokens` (None when 0).
-        """
-        return self.forward_batch([(tokens, start_pos, past_kv)], last_logits_only=last_logits_only)[0]
-
-    forward = forward_one
-
-    @torch.no_grad()
-    def forward_batch(
-        self, items: Sequence[BatchItem], last_logits_only: bool = False
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """forward_one for each item; the token-wise work runs once on all tokens packed.
-
-        With `last_logits_only` each item's logits are those of its last position only,
-        [1, vocab]: a prefill then skips the output projection of every other token
-        (for a 49k vocabulary that is a fifth of a small model's work).
-        """
-        c = self.config
-        checked = [(tokens.to(self.device), start_pos, None if past_kv is None else past_kv.to(self.device))
-                   for tokens, start_pos, past_kv in validate_items(c, items)]
-        if not checked:
-            return []
-        new_kvs = [torch.empty(kv_shape(c, t.numel()), dtype=c.torch_dtype, device=self.device)
-                   for t, _, _ in checked]
-
-        def attend(layer_index, q, k, v, item_index):
-            _, start_pos, past_kv = checked[item_index]
-            new_kv = new_kvs[item_index]
-            new_kv[layer_index, 0] = k
-            new_kv[layer_index, 1] = v
-            keys, values = new_kv[layer_index, 0], new_kv[layer_index, 1]
-            if start_pos:
-                keys = torch.cat((past_kv[layer_index, 0], keys))
-                values = torch.cat((past_kv[layer_index, 1], values))
-            return attention.attend_torch(c, q, keys.transpose(0, 1), values.transpose(0, 1), start_pos)
-
-        logits = self._forward([(t, p) for t, p, _ in checked], attend, last_logits_only)
-        return list(zip(logits, new_kvs))
-
     @torch.no_grad()
     def forward_paged(self, items: Sequence[paged.PagedItem], pool: torch.Tensor,
                       last_logits_only: bool = False) -> list[torch.Tensor]:
@@ -321,7 +276,7 @@ class DecoderModel(nn.Module):
         def attend(layer_index, q, k, v, item_index):
             return slot_rows.attend(self.config, layer_index, q, k, v, item_index)
 
-        return self._forward([(t.to(self.device), p) for t, p, _ in checked], attend, last_logits_only, decodes)
+        return self.forward_packed([(t.to(self.device), p) for t, p, _ in checked], attend, last_logits_only, decodes)
 
     def use_decode_kernel(self, on: bool = True) -> bool:
         """Attend the items of ``forward_paged`` that follow a prefix with at most
@@ -372,11 +327,14 @@ class DecoderModel(nn.Module):
                 residual: torch.Tensor | None = None) -> torch.Tensor:
         return _linear(x, weight, bias, layout, self.kernels.packed.get((layout, id(weight))), residual)
 
-    def _forward(self, checked: list[tuple[torch.Tensor, int]], attend, last_logits_only: bool,
-                 decodes: "paged.PagedItems | None" = None) -> list[torch.Tensor]:
-        """The packed forward over every item's new tokens; ``attend(layer, q, k, v, item)``
-        stores one item's new K/V where it keeps them and returns its attention output.
-        ``decodes``: the items that decode one token, attended all at once per layer."""
+    def forward_packed(self, checked: list[tuple[torch.Tensor, int]], attend, last_logits_only: bool,
+                       decodes: "paged.PagedItems | None" = None) -> list[torch.Tensor]:
+        """The packed forward over every item's new tokens (``(tokens, start_pos)`` each, on the
+        model's device, checked); ``attend(layer, q, k, v, item)`` stores one item's new K/V where
+        it keeps them and returns its attention output. ``decodes``: the items the batched kernel
+        attends, all at once per layer. ``forward_paged`` is this over the pool's slot tables;
+        the tests' reference forward (``tests/unit/reference_forward.py``) is this over one
+        contiguous KV tensor per item."""
         tokens = torch.cat([t for t, _ in checked]) if len(checked) > 1 else checked[0][0]
         positions = torch.cat([torch.arange(p, p + t.numel(), device=self.device) for t, p in checked])
         ends = list(accumulate(t.numel() for t, _ in checked))

@@ -41,7 +41,8 @@ class CausalLMConfig(Protocol):
 
 @runtime_checkable
 class CausalLM(Protocol):
-    """What the engine needs from a model: DecoderModel and the tests' transformers reference both fit."""
+    """What the engine needs from a model without ``forward_paged`` (the transformers adapters; the
+    packed decoder's one forward is ``forward_paged``, and the tests' reference adapter fits this too)."""
 
     @property
     def config(self) -> CausalLMConfig: ...

@@ -10,6 +10,7 @@ import torch
 from cluster.engine import kernels, linear_layouts
 from cluster.engine.model import DecoderModel, ModelConfig
 from tests.unit.helpers import require_compiled, tune_blocked
+from tests.unit.reference_forward import forward_one
 
 SMALL = ModelConfig(hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16,
                     intermediate_size=160, vocab_size=300, max_position=256, seed=4)
@@ -60,8 +61,8 @@ def step(model: DecoderModel, shared: bool) -> tuple[list[torch.Tensor], torch.T
     first_prefix, items = take(common.numel()), []
     for i, (seq, n) in enumerate(zip(seqs, counts)):
         start = len(seq) - n
-        _, past = model.forward_one(seq[:common.numel()], 0, None)   # the same bytes for every sequence
-        _, rest = model.forward_one(seq[common.numel():start], common.numel(), past)
+        _, past = forward_one(model, seq[:common.numel()], 0, None)   # the same bytes for every sequence
+        _, rest = forward_one(model, seq[common.numel():start], common.numel(), past)
         prefix = first_prefix if shared or i == 0 else take(common.numel())
         slots = torch.cat([prefix, take(len(seq) - common.numel())])
         put(pool, slots[:start], torch.cat([past, rest], dim=2))
