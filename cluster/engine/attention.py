@@ -73,7 +73,10 @@ def _flash(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, causal: bo
 
 
 def _merge(first: tuple[torch.Tensor, torch.Tensor], second: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Softmax attention over two key sets, from each set's output and log-sum-exp."""
+    """Softmax attention over two key sets, from each set's output and log-sum-exp: the first
+    set's share of the total weight is ``exp(lse1) / (exp(lse1) + exp(lse2))``, the sigmoid of
+    ``lse1 - lse2``, and the output moves from the second's toward the first's by it (three
+    ops: at a later turn's few rows each op's dispatch costs more than its arithmetic)."""
     (out1, lse1), (out2, lse2) = first, second
-    lse = torch.logaddexp(lse1, lse2)
-    return (out1 * torch.exp(lse1 - lse).unsqueeze(-1) + out2 * torch.exp(lse2 - lse).unsqueeze(-1)).to(out1.dtype)
+    share = torch.sigmoid(lse1 - lse2).unsqueeze(-1).to(out1.dtype)
+    return torch.lerp(out2, out1, share)
