@@ -5,7 +5,7 @@ the reach of the compiled kernels (``EXTEND_MAX``).
 two ways: items after a cached prefix with at most ``EXTEND_MAX`` new tokens (decodes, a
 later turn's few tokens, a burst of sessions behind one system prompt) all at once in the
 compiled kernel (``cluster.engine.kernels``: C++ on the CPU, Triton on CUDA), the rest one
-by one with ``attend_torch``; ``forward_batch`` attends every item with ``attend_torch``.
+by one with ``attend_torch`` (as the tests' reference forward attends every item).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-QUERY_CHUNK = 256  # queries per attention call when a cached prefix precedes them
+QUERY_CHUNK = 256  # CUDA: queries per masked attention call when a cached prefix precedes them
 # New tokens after a prefix that the compiled kernel attends (one call a layer for all such
 # items); longer ones go to SDPA, whose flash kernel is faster from a few dozen tokens on
 # (the measurements behind 32: docs/engine.md, "Speed on the CPU").
@@ -42,10 +42,17 @@ def attend_torch(config, q: torch.Tensor, keys: torch.Tensor, values: torch.Tens
         # No past: SDPA's top-left causal mask is exact, and its fused kernel skips the
         # masked half (twice as fast as an explicit mask for a long prefill).
         out = F.scaled_dot_product_attention(q, keys, values, is_causal=num_new > 1, enable_gqa=gqa)
+    elif q.device.type == "cpu":
+        # New token i sits at absolute position start_pos + i and sees every cached key and
+        # the new keys 0..i: two flash calls without a mask, the queries over the cached keys
+        # (all visible) and over their own keys (causal; top-left is right when the lengths
+        # match), merged through their log-sum-exps. No mask is built and no score is
+        # computed for a hidden key.
+        out = _merge(_flash(q, keys[:, :, :start_pos], values[:, :, :start_pos], False),
+                     _flash(q, keys[:, :, start_pos:], values[:, :, start_pos:], num_new > 1))
     else:
-        # New token i sits at absolute position start_pos + i and sees keys 0..start_pos + i.
-        # With an explicit mask the kernel computes every score, so queries go in chunks that
-        # each see only the keys up to their last position: the masked-out work stays small.
+        # CUDA: an explicit mask, queries in chunks that each see only the keys up to their last
+        # position, so the masked-out work stays small.
         out = torch.empty_like(q)
         for begin in range(0, num_new, QUERY_CHUNK):
             end = min(begin + QUERY_CHUNK, num_new)
@@ -57,3 +64,19 @@ def attend_torch(config, q: torch.Tensor, keys: torch.Tensor, values: torch.Tens
                 enable_gqa=gqa,
             )
     return out[0].transpose(0, 1)
+
+
+def _flash(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """SDPA's CPU flash kernel (what ``scaled_dot_product_attention`` runs there; query head h
+    reads K/V head h // group) with its log-sum-exp: output [1, heads, T, hd], lse [1, heads, T]."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, keys, values, 0.0, causal)
+
+
+def _merge(first: tuple[torch.Tensor, torch.Tensor], second: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Softmax attention over two key sets, from each set's output and log-sum-exp: the first
+    set's share of the total weight is ``exp(lse1) / (exp(lse1) + exp(lse2))``, the sigmoid of
+    ``lse1 - lse2``, and the output moves from the second's toward the first's by it (three
+    ops: at a later turn's few rows each op's dispatch costs more than its arithmetic)."""
+    (out1, lse1), (out2, lse2) = first, second
+    share = torch.sigmoid(lse1 - lse2).unsqueeze(-1).to(out1.dtype)
+    return torch.lerp(out2, out1, share)

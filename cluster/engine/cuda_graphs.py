@@ -119,7 +119,7 @@ class DecodeGraphs:
         bounds = [(i, i + 1) for i in range(size)]
 
         def forward() -> torch.Tensor:   # one row per item: every row's logits are its last
-            return model._layers(tokens, batch.row_pos, bounds, None, False, decodes)[0]
+            return model.run_layers(tokens, batch.row_pos, bounds, None, False, decodes)[0]
 
         stream = torch.cuda.Stream(device=model.device)
         stream.wait_stream(torch.cuda.current_stream(model.device))
@@ -172,12 +172,12 @@ def warm_up_steps(model) -> list[tuple[str, Callable[[], dict]]]:
     (the first capture's warm-up launches compile the graph's own variants). Empty where nothing
     compiles: on the CPU (its kernels are built when the engine is made), or without the
     Triton attention."""
-    kernel = getattr(model, "_paged_kernel", None)
+    kernel = getattr(getattr(model, "kernels", None), "attention", None)
     if getattr(model, "device", torch.device("cpu")).type != "cuda" or not hasattr(kernel, "prepare_paged"):
         return []
     steps: list[tuple[str, Callable[[], dict]]] = [
         (f"triton-{count}", lambda count=count: _warm_eager(model, count)) for count in WARM_EXTEND_TOKENS]
-    graphs = getattr(model, "_graphs", None)
+    graphs = getattr(getattr(model, "kernels", None), "graphs", None)
     if graphs is not None:
         steps += [(f"graph-{size}", lambda size=size: _warm_graph(graphs, size)) for size in graphs.sizes]
     return steps
@@ -189,7 +189,7 @@ def _warm_eager(model, count: int) -> dict:
     launches (its cache on disk makes a restart's quick)."""
     c = model.config
     began = time.perf_counter()
-    graphs, model._graphs = model._graphs, None   # not a step of decodes a graph could take
+    graphs, model.kernels.graphs = model.kernels.graphs, None   # not a step of decodes a graph could take
     try:
         tokens = torch.zeros(count, dtype=torch.long)
         pool = torch.zeros(1, c.num_layers, 2, WARM_PREFIX + count, c.num_kv_heads, c.head_dim,
@@ -197,7 +197,7 @@ def _warm_eager(model, count: int) -> dict:
         model.forward_paged([(tokens, WARM_PREFIX, torch.arange(WARM_PREFIX + count))], pool)
         torch.cuda.synchronize(model.device)
     finally:
-        model._graphs = graphs
+        model.kernels.graphs = graphs
     return {"eager_tokens": count, "seconds": round(time.perf_counter() - began, 3)}
 
 
@@ -218,7 +218,7 @@ def warm_up(model, run: Callable[[Callable[[], dict]], dict] = lambda step: step
         return {"steps": 0}
     began = time.perf_counter()
     done = [run(step) for _, step in steps]
-    graphs = getattr(model, "_graphs", None)
+    graphs = getattr(getattr(model, "kernels", None), "graphs", None)
     return {"steps": len(steps), "triton_eager_steps": sum("eager_tokens" in d for d in done),
             "graphs_captured": sorted(graphs._graphs) if graphs is not None else [],
             "graph_capture_failures": graphs.stats["capture_failures"] if graphs is not None else 0,

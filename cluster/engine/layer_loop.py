@@ -53,8 +53,8 @@ class CompiledLayers:
 def compiled_layers(model: Any) -> CompiledLayers | None:
     """The compiled loop for ``model`` where its steps can take it (CPU, float32, the batched
     kernel and the small ops on, every layer linear with blocked panels), else None."""
-    if model._small_ops is None or model._paged_kernel is None or model.device.type != "cpu" or \
-            model.config.dtype != "float32" or linear_layouts.BLOCKED not in (model._layer_layouts or ()):
+    if model.kernels.small_ops is None or model.kernels.attention is None or model.device.type != "cpu" or \
+            model.config.dtype != "float32" or linear_layouts.BLOCKED not in (model.kernels.layer_layouts or ()):
         return None
     from cluster.engine import kernels
 
@@ -62,7 +62,7 @@ def compiled_layers(model: Any) -> CompiledLayers | None:
     if fn is None:
         return None
     names = {"qkv": "qkv_proj", "o": "o_proj", "gate_up": "gate_up_proj", "down": "down_proj"}
-    panels = {kind: [model._packed.get((linear_layouts.BLOCKED, id(getattr(layer, name)))) for layer in model.layers]
+    panels = {kind: [model.kernels.packed.get((linear_layouts.BLOCKED, id(getattr(layer, name)))) for layer in model.layers]
               for kind, name in names.items()}
     if any(p is None for group in panels.values() for p in group) or \
             len({(p.parts, p.kc) for group in panels.values() for p in group}) != 1:

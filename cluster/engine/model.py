@@ -5,7 +5,7 @@ The engine's caches store, for T tokens, one tensor per sequence segment:
     kv[num_layers, 2, T, num_kv_heads, head_dim]   (index 0: K after RoPE, 1: V)
 
 Because K is stored after the rotary embedding of its absolute position, a
-cached prefix is reused as is: `forward_one(tokens[p:], p, kv_of(tokens[:p]))`
+cached prefix is reused as is: `forward_paged` of `tokens[p:]` after the slots of `tokens[:p]`
 gives the same logits and KV as a full prefill, which is the whole point of a
 prefix cache and is what the tests check.
 
@@ -23,21 +23,22 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
-from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cluster.engine import attention, layer_loop, linear_layouts, packed_weights, paged
+from cluster.engine import layer_loop, linear_layouts, packed_weights, paged
 from cluster.engine.attention import EXTEND_MAX  # noqa: F401  (re-exported: the kernel's reach)
 from cluster.engine.linear_layouts import linear as _linear
+from cluster.engine.model_kernels import ModelKernels
+from cluster.engine.model_inputs import (  # noqa: F401  (re-exported: the model's contract)
+    BatchItem, CausalLM, CausalLMConfig, kv_shape, validate_item, validate_items, validate_tokens,
+)
 from cluster.engine.tokenizer import BYTE_VOCAB_SIZE
 from cluster.names import DTYPES
 INIT_STD = 0.02
 ROPE_TYPES = ("default", "linear", "llama3")
-
-BatchItem = tuple[torch.Tensor, int, "torch.Tensor | None"]
 
 
 @dataclass(frozen=True)
@@ -110,100 +111,6 @@ class ModelConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
-
-
-def kv_shape(config: CausalLMConfig, num_tokens: int) -> tuple[int, int, int, int, int]:
-    """Shape of the KV of `num_tokens` tokens for all layers."""
-    return (config.num_layers, 2, num_tokens, config.num_kv_heads, config.head_dim)
-
-
-@runtime_checkable
-class CausalLMConfig(Protocol):
-    """The config fields the engine and the KV pools read."""
-
-    @property
-    def num_layers(self) -> int: ...
-    @property
-    def num_kv_heads(self) -> int: ...
-    @property
-    def head_dim(self) -> int: ...
-    @property
-    def vocab_size(self) -> int: ...
-    @property
-    def dtype(self) -> str: ...
-    @property
-    def max_position(self) -> int: ...
-
-
-@runtime_checkable
-class CausalLM(Protocol):
-    """What the engine needs from a model: DecoderModel and the tests' transformers reference both fit."""
-
-    @property
-    def config(self) -> CausalLMConfig: ...
-
-    def forward_one(
-        self, tokens: torch.Tensor, start_pos: int, past_kv: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-    def forward_batch(
-        self, items: Sequence[BatchItem]
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]: ...
-
-
-def validate_items(config: "CausalLMConfig", items: Sequence["BatchItem"]) -> list["BatchItem"]:
-    """Validate every (tokens, start_pos, past_kv) of a batch before any runs;
-    returns them with tokens as checked tensors."""
-    checked = []
-    for index, item in enumerate(items):
-        if not isinstance(item, tuple) or len(item) != 3:
-            raise TypeError(f"items[{index}] must be a (tokens, start_pos, past_kv) tuple")
-        tokens, start_pos, past_kv = item
-        where = f"items[{index}]: " if len(items) > 1 else ""
-        checked.append((validate_item(config, tokens, start_pos, past_kv, where), start_pos, past_kv))
-    return checked
-
-
-def validate_item(
-    config: CausalLMConfig, tokens: object, start_pos: object, past_kv: object, where: str = ""
-) -> torch.Tensor:
-    """Checks one (tokens, start_pos, past_kv) request; returns tokens as int64."""
-    tokens = validate_tokens(config, tokens, start_pos, where)
-    if past_kv is None:
-        if start_pos:
-            raise ValueError(
-                f"{where}past_kv is None but start_pos is {start_pos}: pass the KV of the prefix"
-            )
-    else:
-        expected = kv_shape(config, start_pos)
-        if not isinstance(past_kv, torch.Tensor) or tuple(past_kv.shape) != expected:
-            shape = tuple(past_kv.shape) if isinstance(past_kv, torch.Tensor) else type(past_kv).__name__
-            raise ValueError(f"{where}past_kv must have shape {expected} (P == start_pos), got {shape}")
-        if past_kv.dtype != DTYPES[config.dtype]:
-            raise ValueError(
-                f"{where}past_kv dtype {past_kv.dtype} differs from the model dtype {config.dtype}"
-            )
-    return tokens
-
-
-def validate_tokens(config: CausalLMConfig, tokens: object, start_pos: object, where: str = "") -> torch.Tensor:
-    """Checks a request's new tokens and where they start; returns them as int64."""
-    if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1 \
-            or tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
-        raise TypeError(f"{where}tokens must be a 1-D integer tensor, got {tokens!r:.80}")
-    if tokens.numel() == 0:
-        raise ValueError(f"{where}tokens must not be empty")
-    if isinstance(start_pos, bool) or not isinstance(start_pos, int) or start_pos < 0:
-        raise ValueError(f"{where}start_pos must be a non-negative int, got {start_pos!r}")
-    if start_pos + tokens.numel() > config.max_position:
-        raise ValueError(
-            f"{where}start_pos + len(tokens) = {start_pos + tokens.numel()} exceeds "
-            f"max_position {config.max_position}"
-        )
-    low, high = int(tokens.min()), int(tokens.max())
-    if low < 0 or high >= config.vocab_size:
-        raise ValueError(f"{where}tokens must lie in [0, {config.vocab_size}), got [{low}, {high}]")
-    return tokens.long()
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -306,16 +213,10 @@ class DecoderModel(nn.Module):
         cos, sin = rope_tables(config)   # float32, whatever the model dtype
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self._paged_kernel = None    # the batched attention over the KV pool's slots: see use_decode_kernel
-        self._small_ops = None       # the compiled rms_norm and rope (CPU, float32), likewise
-        self._graphs = None          # see use_cuda_graphs
-        self._compiled_layers = None  # the layer loop in one call (layer_loop), where it applies
-        # See tune_linears: the layout per row count of the layers' linears and of the head, and
-        # the copies (MKL-packed, panels) of the weights whose group runs on them at some row count,
-        # by (layout, id).
-        self._layer_layouts: linear_layouts.Layouts | None = None
-        self._head_layouts: linear_layouts.Layouts | None = None
-        self._packed: dict[tuple[int, int], object] = {}
+        # The compiled parts in use (model_kernels): the batched attention and small ops (see
+        # use_decode_kernel), the CUDA graphs (use_cuda_graphs), the tuned linear layouts and the
+        # weights' packed copies (tune_linears), the compiled layer loop over them.
+        self.kernels = ModelKernels()
         # The checkpoint's identity and name, set by its loader: the packed file's key (None: not kept).
         self.weights_id: str | None = None
         self.weights_name = ""
@@ -345,51 +246,6 @@ class DecoderModel(nn.Module):
         """The lm_head matrix [vocab, hidden] (the embedding when tied)."""
         return self.embed if self.lm_head is None else self.lm_head
 
-    def forward_one(
-        self, tokens: torch.Tensor, start_pos: int = 0, past_kv: torch.Tensor | None = None,
-        last_logits_only: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits [T, vocab] (float32; [1, vocab] with `last_logits_only`) and the new
-        tokens' KV [layers, 2, T, kv_heads, head_dim].
-
-        `past_kv` is the KV of the `start_pos` tokens before `tokens` (None when 0).
-        """
-        return self.forward_batch([(tokens, start_pos, past_kv)], last_logits_only=last_logits_only)[0]
-
-    forward = forward_one
-
-    @torch.no_grad()
-    def forward_batch(
-        self, items: Sequence[BatchItem], last_logits_only: bool = False
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """forward_one for each item; the token-wise work runs once on all tokens packed.
-
-        With `last_logits_only` each item's logits are those of its last position only,
-        [1, vocab]: a prefill then skips the output projection of every other token
-        (for a 49k vocabulary that is a fifth of a small model's work).
-        """
-        c = self.config
-        checked = [(tokens.to(self.device), start_pos, None if past_kv is None else past_kv.to(self.device))
-                   for tokens, start_pos, past_kv in validate_items(c, items)]
-        if not checked:
-            return []
-        new_kvs = [torch.empty(kv_shape(c, t.numel()), dtype=c.torch_dtype, device=self.device)
-                   for t, _, _ in checked]
-
-        def attend(layer_index, q, k, v, item_index):
-            _, start_pos, past_kv = checked[item_index]
-            new_kv = new_kvs[item_index]
-            new_kv[layer_index, 0] = k
-            new_kv[layer_index, 1] = v
-            keys, values = new_kv[layer_index, 0], new_kv[layer_index, 1]
-            if start_pos:
-                keys = torch.cat((past_kv[layer_index, 0], keys))
-                values = torch.cat((past_kv[layer_index, 1], values))
-            return attention.attend_torch(c, q, keys.transpose(0, 1), values.transpose(0, 1), start_pos)
-
-        logits = self._forward([(t, p) for t, p, _ in checked], attend, last_logits_only)
-        return list(zip(logits, new_kvs))
-
     @torch.no_grad()
     def forward_paged(self, items: Sequence[paged.PagedItem], pool: torch.Tensor,
                       last_logits_only: bool = False) -> list[torch.Tensor]:
@@ -409,10 +265,10 @@ class DecoderModel(nn.Module):
         checked = paged.validate_items(self.config, items, pool)
         if not checked:
             return []
-        decodes = paged.kernel_items(self._paged_kernel, pool, checked)
+        decodes = paged.kernel_items(self.kernels.attention, pool, checked)
         paged.check_writes(checked, decodes.items if decodes is not None else set())
-        if self._graphs is not None:   # CUDA: a step of decodes alone replays a captured graph
-            logits = self._graphs.run(checked, pool)
+        if self.kernels.graphs is not None:   # CUDA: a step of decodes alone replays a captured graph
+            logits = self.kernels.graphs.run(checked, pool)
             if logits is not None:
                 return logits
         slot_rows = paged.SlotRows(pool, checked)
@@ -420,7 +276,7 @@ class DecoderModel(nn.Module):
         def attend(layer_index, q, k, v, item_index):
             return slot_rows.attend(self.config, layer_index, q, k, v, item_index)
 
-        return self._forward([(t.to(self.device), p) for t, p, _ in checked], attend, last_logits_only, decodes)
+        return self.forward_packed([(t.to(self.device), p) for t, p, _ in checked], attend, last_logits_only, decodes)
 
     def use_decode_kernel(self, on: bool = True) -> bool:
         """Attend the items of ``forward_paged`` that follow a prefix with at most
@@ -429,30 +285,31 @@ class DecoderModel(nn.Module):
         Triton on CUDA); True when it is in use. On the CPU the norms and the rotary
         embedding then run compiled too (one call each instead of five or six ops: at a
         decode step's few rows the dispatch costs more than the arithmetic)."""
-        self._paged_kernel, self._graphs, self._small_ops, self._compiled_layers = None, None, None, None
+        kernels = self.kernels
+        kernels.attention, kernels.graphs, kernels.small_ops, kernels.layer_loop = None, None, None, None
         if on and self.config.dtype == "float32" and self.device.type == "cpu":
             from cluster.engine.kernels import paged_attention, small_ops
-            self._paged_kernel = paged_attention()
-            self._small_ops = small_ops()
+            self.kernels.attention = paged_attention()
+            self.kernels.small_ops = small_ops()
         elif on and self.device.type == "cuda":
             from cluster.engine.kernels import cuda_paged_attention
-            self._paged_kernel = cuda_paged_attention()
-        self._compiled_layers = layer_loop.compiled_layers(self)
-        return self._paged_kernel is not None
+            self.kernels.attention = cuda_paged_attention()
+        self.kernels.layer_loop = layer_loop.compiled_layers(self)
+        return self.kernels.attention is not None
 
     def use_cuda_graphs(self, on: bool = True, sizes: Sequence[int] | None = None) -> bool:
         """On CUDA with the Triton attention in use (``use_decode_kernel``): replay a CUDA
         graph per batch-size bucket for ``forward_paged`` steps of decodes alone
         (``cluster.engine.cuda_graphs``); True when on."""
-        self._graphs = None
-        if on and self.device.type == "cuda" and hasattr(self._paged_kernel, "prepare_paged"):
+        self.kernels.graphs = None
+        if on and self.device.type == "cuda" and hasattr(self.kernels.attention, "prepare_paged"):
             from cluster.engine.cuda_graphs import DEFAULT_SIZES, DecodeGraphs
-            self._graphs = DecodeGraphs(self, self._paged_kernel, sizes or DEFAULT_SIZES)
-        return self._graphs is not None
+            self.kernels.graphs = DecodeGraphs(self, self.kernels.attention, sizes or DEFAULT_SIZES)
+        return self.kernels.graphs is not None
 
     @property
     def graph_stats(self) -> dict[str, int]:
-        return dict(self._graphs.stats) if self._graphs is not None else {}
+        return dict(self.kernels.graphs.stats) if self.kernels.graphs is not None else {}
 
     def tune_linears(self) -> dict[str, dict[int, str]]:
         """Use, per row count, the fastest of MKL's linear layouts on this machine
@@ -468,21 +325,24 @@ class DecoderModel(nn.Module):
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layout: int,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
-        return _linear(x, weight, bias, layout, self._packed.get((layout, id(weight))), residual)
+        return _linear(x, weight, bias, layout, self.kernels.packed.get((layout, id(weight))), residual)
 
-    def _forward(self, checked: list[tuple[torch.Tensor, int]], attend, last_logits_only: bool,
-                 decodes: "paged.PagedItems | None" = None) -> list[torch.Tensor]:
-        """The packed forward over every item's new tokens; ``attend(layer, q, k, v, item)``
-        stores one item's new K/V where it keeps them and returns its attention output.
-        ``decodes``: the items that decode one token, attended all at once per layer."""
+    def forward_packed(self, checked: list[tuple[torch.Tensor, int]], attend, last_logits_only: bool,
+                       decodes: "paged.PagedItems | None" = None) -> list[torch.Tensor]:
+        """The packed forward over every item's new tokens (``(tokens, start_pos)`` each, on the
+        model's device, checked); ``attend(layer, q, k, v, item)`` stores one item's new K/V where
+        it keeps them and returns its attention output. ``decodes``: the items the batched kernel
+        attends, all at once per layer. ``forward_paged`` is this over the pool's slot tables;
+        the tests' reference forward (``tests/unit/reference_forward.py``) is this over one
+        contiguous KV tensor per item."""
         tokens = torch.cat([t for t, _ in checked]) if len(checked) > 1 else checked[0][0]
         positions = torch.cat([torch.arange(p, p + t.numel(), device=self.device) for t, p in checked])
         ends = list(accumulate(t.numel() for t, _ in checked))
         bounds = list(zip([0] + ends[:-1], ends))
-        logits, bounds = self._layers(tokens, positions, bounds, attend, last_logits_only, decodes)
+        logits, bounds = self.run_layers(tokens, positions, bounds, attend, last_logits_only, decodes)
         return [logits[begin:end] for begin, end in bounds]
 
-    def _layers(self, tokens: torch.Tensor, positions: torch.Tensor, bounds: list[tuple[int, int]], attend,
+    def run_layers(self, tokens: torch.Tensor, positions: torch.Tensor, bounds: list[tuple[int, int]], attend,
                 last_logits_only: bool, decodes: "paged.PagedItems | None"
                 ) -> tuple[torch.Tensor, list[tuple[int, int]]]:
         """``_forward`` on the packed tokens and their positions (device tensors; what a CUDA
@@ -495,12 +355,12 @@ class DecoderModel(nn.Module):
         kv_width = c.num_kv_heads * c.head_dim
 
         hidden = self.embed[tokens]
-        layout = linear_layouts.layout_for(self._layer_layouts, hidden.shape[0])   # the fastest for these rows
+        layout = linear_layouts.layout_for(self.kernels.layer_layouts, hidden.shape[0])   # the fastest for these rows
         norm, rope = _rms_norm, _apply_rope
-        if self._small_ops is not None:
-            norm, rope = self._small_ops.rms_norm, self._small_ops.rope
+        if self.kernels.small_ops is not None:
+            norm, rope = self.kernels.small_ops.rms_norm, self.kernels.small_ops.rope
         all_on_kernel = decodes is not None and len(decodes.items) == len(bounds)
-        loop = self._compiled_layers if all_on_kernel and layout == linear_layouts.BLOCKED else None
+        loop = self.kernels.layer_loop if all_on_kernel and layout == linear_layouts.BLOCKED else None
         if loop is not None:   # every sequence on the kernel, the linears blocked: the loop in one call (CPU)
             hidden = loop(hidden, cos, sin, decodes)
         python_layers = self.layers if loop is None else ()
@@ -534,7 +394,7 @@ class DecoderModel(nn.Module):
             hidden = hidden[[end - 1 for _, end in bounds]]
             bounds = [(i, i + 1) for i in range(len(bounds))]
         logits = self._linear(norm(hidden, self.final_norm, c.rms_norm_eps), self.output_weight, None,
-                              linear_layouts.layout_for(self._head_layouts, hidden.shape[0])).float()
+                              linear_layouts.layout_for(self.kernels.head_layouts, hidden.shape[0])).float()
         return logits, bounds
 
 

@@ -134,15 +134,15 @@ def _measure(model: Any) -> dict:
 
 
 def _apply(model: Any, state: dict) -> None:
-    model._packed = {}
+    model.kernels.packed = {}
     groups = _groups(model)
     for (group, layouts, order, copies) in zip(groups, state["layouts"], state["orders"], state["copies"]):
         for layout, tensors in copies.items():
             layout = int(layout)
             for (w, _), t in zip(group, tensors):
                 copy = Panels(t, w.shape[0], *order) if layout == BLOCKED else t
-                model._packed[(layout, id(w))] = copy
-    model._layer_layouts, model._head_layouts = (tuple(state["layouts"][0]), tuple(state["layouts"][1]))
+                model.kernels.packed[(layout, id(w))] = copy
+    model.kernels.layer_layouts, model.kernels.head_layouts = (tuple(state["layouts"][0]), tuple(state["layouts"][1]))
 
 
 def tune(model: Any) -> dict:
@@ -166,6 +166,6 @@ def tune(model: Any) -> dict:
 
 def finish(model: Any) -> dict[str, dict[int, str]]:
     """After ``tune``: the compiled layer loop over the copies, and the layouts by row count."""
-    model._compiled_layers = layer_loop.compiled_layers(model)
-    return {"layers": linear_layouts.describe(model._layer_layouts),
-            "head": linear_layouts.describe(model._head_layouts)}
+    model.kernels.layer_loop = layer_loop.compiled_layers(model)
+    return {"layers": linear_layouts.describe(model.kernels.layer_layouts),
+            "head": linear_layouts.describe(model.kernels.head_layouts)}

@@ -26,6 +26,7 @@ from itertools import accumulate
 import torch
 
 from cluster.engine.attention import EXTEND_MAX, attend_torch
+from cluster.engine.model_inputs import validate_tokens
 
 PagedItem = tuple[torch.Tensor, int, torch.Tensor]   # (tokens, start_pos, slots)
 
@@ -49,8 +50,6 @@ def validate_pool(config, pool: object, device: torch.device) -> torch.Tensor:
 def validate_items(config, items: Sequence[PagedItem], pool: torch.Tensor) -> list[PagedItem]:
     """Every ``(tokens, start_pos, slots)`` checked before any runs; tokens and slots as
     int64 on the host."""
-    from cluster.engine.model import validate_tokens
-
     capacity = pool.shape[0] * pool.shape[3]
     checked = []
     for index, item in enumerate(items):

@@ -130,7 +130,7 @@ def counted_kernels(model: Any) -> Iterator[dict[str, int]]:
     rotary embedding (``small_ops``) and the layer loop in one call (``layer_loop``, per
     step). Nothing is counted on CUDA (see the graph figures)."""
     counts = {"paged_attention": 0, "extend_attention": 0, "small_ops": 0, "layer_loop": 0}
-    saved = (model._paged_kernel, model._small_ops, model._compiled_layers)
+    saved = (model.kernels.attention, model.kernels.small_ops, model.kernels.layer_loop)
 
     def counting(names: tuple[str, ...], fn: Any) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -141,15 +141,15 @@ def counted_kernels(model: Any) -> Iterator[dict[str, int]]:
 
     if model.device.type == "cpu":
         if saved[0] is not None:
-            model._paged_kernel = counting(("paged_attention", "extend_attention"), saved[0])
+            model.kernels.attention = counting(("paged_attention", "extend_attention"), saved[0])
         if saved[1] is not None:
-            model._small_ops = _CountedOps(saved[1], counting)
+            model.kernels.small_ops = _CountedOps(saved[1], counting)
         if saved[2] is not None:
-            model._compiled_layers = counting(("layer_loop",), saved[2])
+            model.kernels.layer_loop = counting(("layer_loop",), saved[2])
     try:
         yield counts
     finally:
-        model._paged_kernel, model._small_ops, model._compiled_layers = saved
+        model.kernels.attention, model.kernels.small_ops, model.kernels.layer_loop = saved
 
 
 class _CountedOps:

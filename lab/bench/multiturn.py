@@ -299,10 +299,16 @@ class _Arm:
 
 
 def measure_prefill(model, tokens: int = 2000) -> float:
-    x = torch.randint(0, model.config.vocab_size, (tokens,), device=model.device)
-    model.forward_one(x, 0, None)
+    """Prompt tokens a second of one prefill of ``tokens`` (the second of two), through the
+    model's one forward over a scratch pool of one block."""
+    c = model.config
+    x = torch.randint(0, c.vocab_size, (tokens,), device=model.device)
+    pool = torch.zeros(1, c.num_layers, 2, tokens, c.num_kv_heads, c.head_dim, dtype=c.torch_dtype,
+                       device=model.device)
+    item = [(x, 0, torch.arange(tokens))]
+    model.forward_paged(item, pool, last_logits_only=True)
     t0 = time.perf_counter()
-    model.forward_one(x, 0, None)
+    model.forward_paged(item, pool, last_logits_only=True)
     return tokens / (time.perf_counter() - t0)
 
 

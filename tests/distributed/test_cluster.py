@@ -12,6 +12,7 @@ from actors.pytest_plugin import TEST_MODEL
 from cluster.engine.model import DecoderModel, ModelConfig
 from cluster.hashing import block_hashes
 from cluster.protocol import GenerateRequest, RouteDecision, SamplingParams
+from tests.unit.reference_forward import forward_one
 
 pytestmark = pytest.mark.distributed
 
@@ -24,7 +25,7 @@ def reference():
     def greedy(prompt, n):
         toks = list(prompt)
         for _ in range(n):
-            toks.append(int(model.forward_one(torch.tensor(toks), 0, None)[0][-1].argmax()))
+            toks.append(int(forward_one(model, torch.tensor(toks), 0, None)[0][-1].argmax()))
         return toks[len(prompt):]
 
     greedy.model = model
@@ -126,7 +127,7 @@ def test_nixl_moves_real_bytes_between_nodes(cache_cluster, reference):
     complete(cc, prompt, max_tokens=1, worker_id=holder)
     staged, got = ray.get(cc.workers[target].nixl_read.remote(holder, prompt))
     assert staged.tokens == 256
-    _, kv = reference.model.forward_one(torch.tensor(prompt), 0, None)
+    _, kv = forward_one(reference.model, torch.tensor(prompt), 0, None)
     assert torch.allclose(got[:, :, :256], kv, atol=1e-5)
     stats = cc.on_peer(target, lambda peer: peer.stats())
     assert stats["worker"]["migration_bytes"] > 0

@@ -41,11 +41,12 @@ def greedy_reference(prompt, n, model_config=None):
     import torch
 
     from cluster.engine.model import DecoderModel, ModelConfig
+    from tests.unit.reference_forward import forward_one
 
     model = DecoderModel(ModelConfig(**(model_config or WORKER_MODEL)))
     toks = list(prompt)
     for _ in range(n):
-        toks.append(int(model.forward_one(torch.tensor(toks), 0, None)[0][-1].argmax()))
+        toks.append(int(forward_one(model, torch.tensor(toks), 0, None)[0][-1].argmax()))
     return toks[len(prompt):]
 
 
@@ -71,6 +72,6 @@ def tune_blocked(model, monkeypatch, tmp_path) -> dict:
     monkeypatch.setattr(linear_layouts, "_time", lambda weights, rows, layout, packs:
                         -1.0 if layout == linear_layouts.BLOCKED else float(layout))
     tuned = model.tune_linears()
-    if linear_layouts.BLOCKED not in model._layer_layouts:
+    if linear_layouts.BLOCKED not in model.kernels.layer_layouts:
         pytest.skip("no summation order of MKL's found on this machine")
     return tuned

@@ -10,6 +10,7 @@ import torch
 from cluster.engine import kernels, linear_layouts
 from cluster.engine.model import DecoderModel, ModelConfig
 from tests.unit.helpers import require_compiled, tune_blocked
+from tests.unit.reference_forward import forward_batch
 
 SMALL = ModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                     intermediate_size=160, vocab_size=300, max_position=256)
@@ -116,18 +117,18 @@ def test_a_model_running_blocked_gives_one_prompt_the_logits_of_a_large_batch(mo
     model = DecoderModel(SMALL)
     tuned = tune_blocked(model, monkeypatch, tmp_path)
     assert set(tuned["layers"].values()) == {"blocked"}
-    assert all((linear_layouts.BLOCKED, id(w)) in model._packed for w in (model.layers[0].qkv_proj,
+    assert all((linear_layouts.BLOCKED, id(w)) in model.kernels.packed for w in (model.layers[0].qkv_proj,
                                                                            model.layers[1].down_proj))
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, SMALL.vocab_size, (n,), generator=gen) for n in (3, 5, 8, 16, 32)]
-    assert linear_layouts.layout_for(model._layer_layouts, 64) == linear_layouts.BLOCKED
-    model._layer_layouts = (linear_layouts.PLAIN,) * len(model._layer_layouts)   # the batch on MKL
-    batch = model.forward_batch([(p, 0, None) for p in prompts])
+    assert linear_layouts.layout_for(model.kernels.layer_layouts, 64) == linear_layouts.BLOCKED
+    model.kernels.layer_layouts = (linear_layouts.PLAIN,) * len(model.kernels.layer_layouts)   # the batch on MKL
+    batch = forward_batch(model, [(p, 0, None) for p in prompts])
     model.tune_linears()   # blocked again (remembered)
     for prompt, (logits, kv) in zip(prompts, batch):
-        alone_logits, alone_kv = model.forward_batch([(prompt, 0, None)])[0]
+        alone_logits, alone_kv = forward_batch(model, [(prompt, 0, None)])[0]
         assert torch.equal(alone_kv, kv)
-        if linear_layouts.BLOCKED in model._head_layouts:
+        if linear_layouts.BLOCKED in model.kernels.head_layouts:
             assert torch.equal(alone_logits, logits)
 
 
@@ -137,11 +138,11 @@ def test_a_long_prompt_on_the_kernel_gets_mkls_numbers_bit_for_bit(module, monke
     gets the logits and KV MKL's ``x @ W^T`` gives it, bit for bit."""
     model = DecoderModel(SMALL)
     tune_blocked(model, monkeypatch, tmp_path)
-    assert linear_layouts.layout_for(model._layer_layouts, 250) == linear_layouts.BLOCKED
+    assert linear_layouts.layout_for(model.kernels.layer_layouts, 250) == linear_layouts.BLOCKED
     prompt = torch.randint(0, SMALL.vocab_size, (250,), generator=torch.Generator().manual_seed(5))
-    blocked_logits, blocked_kv = model.forward_batch([(prompt, 0, None)])[0]
-    model._layer_layouts = (linear_layouts.PLAIN,) * len(model._layer_layouts)
-    model._head_layouts = (linear_layouts.PLAIN,) * len(model._head_layouts)
-    logits, kv = model.forward_batch([(prompt, 0, None)])[0]
+    blocked_logits, blocked_kv = forward_batch(model, [(prompt, 0, None)])[0]
+    model.kernels.layer_layouts = (linear_layouts.PLAIN,) * len(model.kernels.layer_layouts)
+    model.kernels.head_layouts = (linear_layouts.PLAIN,) * len(model.kernels.head_layouts)
+    logits, kv = forward_batch(model, [(prompt, 0, None)])[0]
     assert torch.equal(blocked_kv, kv)
     assert torch.equal(blocked_logits, logits)

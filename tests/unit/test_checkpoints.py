@@ -43,6 +43,7 @@ from cluster.engine.model import DecoderModel, ModelConfig, kv_shape  # noqa: E4
 from cluster.engine.engine import Engine, SamplingParams  # noqa: E402
 from cluster.engine.tokenizer import ByteTokenizer  # noqa: E402
 from cluster.errors import InvalidInputError  # noqa: E402
+from tests.unit.reference_forward import forward_one
 
 TOL = 1e-4
 VOCAB = 300
@@ -139,10 +140,10 @@ def test_config_flags_follow_the_family(family) -> None:
 def test_full_forward_equals_transformers(family) -> None:
     _, hf_model, loaded, _ = family
     tokens = prompt_of(40, seed=1)
-    logits, kv = loaded.model.forward_one(torch.tensor(tokens))
+    logits, kv = forward_one(loaded.model, torch.tensor(tokens))
     torch.testing.assert_close(logits, hf_logits(hf_model, tokens), atol=TOL, rtol=0)
     assert kv.shape == kv_shape(loaded.model.config, 40)
-    last, _ = loaded.model.forward_one(torch.tensor(tokens), last_logits_only=True)
+    last, _ = forward_one(loaded.model, torch.tensor(tokens), last_logits_only=True)
     torch.testing.assert_close(last, logits[-1:], atol=1e-5, rtol=0)
 
 
@@ -183,9 +184,9 @@ def test_half_precision_loads_in_its_dtype(tmp_path, dtype: str) -> None:
     assert half.config.dtype == dtype
     assert {p.dtype for p in half.parameters()} == {getattr(torch, dtype)}
     tokens = torch.tensor(prompt_of(16, seed=5))
-    logits, kv = half.forward_one(tokens)
+    logits, kv = forward_one(half, tokens)
     assert logits.dtype == torch.float32 and kv.dtype == getattr(torch, dtype)
-    reference = full.forward_one(tokens)[0]
+    reference = forward_one(full, tokens)[0]
     assert torch.isfinite(logits).all()
     assert (logits - reference).abs().max() < 0.1 * reference.abs().max()
 
@@ -272,7 +273,7 @@ def test_builtin_loads_the_seeded_model_and_byte_tokenizer() -> None:
     expected = DecoderModel(ModelConfig(num_layers=1, hidden_size=64, num_heads=4, num_kv_heads=2,
                                         head_dim=16, intermediate_size=128))
     tokens = torch.arange(10)
-    assert torch.equal(loaded.model.forward_one(tokens)[0], expected.forward_one(tokens)[0])
+    assert torch.equal(forward_one(loaded.model, tokens)[0], forward_one(expected, tokens)[0])
     assert isinstance(load_tokenizer(loaded), ByteTokenizer)
     assert resolve_checkpoint(ModelSpec()) is None
 
@@ -340,7 +341,7 @@ def test_default_model_equals_transformers_with_cache_hits_and_greedy_tokens(def
     tokenizer = load_tokenizer(loaded)
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Name a colour."}])
     assert 15 <= len(prompt) <= 40
-    logits, _ = loaded.model.forward_one(torch.tensor(prompt))
+    logits, _ = forward_one(loaded.model, torch.tensor(prompt))
     torch.testing.assert_close(logits, hf_logits(hf_model, prompt), atol=TOL, rtol=0)
 
     engine = make_engine(loaded.model, tmp_path)

@@ -7,6 +7,7 @@ import torch
 from cluster.engine import packed_weights
 from cluster.engine.model import DecoderModel, ModelConfig
 from tests.unit.helpers import WORKER_MODEL, make_worker, run_worker
+from tests.unit.reference_forward import forward_one
 
 
 @pytest.fixture
@@ -24,7 +25,7 @@ def _model(weights_id="ckpt-1"):
 
 def _logits(model):
     tokens = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4])
-    return model.forward_one(tokens, 0, None)[0]
+    return forward_one(model, tokens, 0, None)[0]
 
 
 def test_packed_weights_miss_then_hit_give_the_same_logits(packed_dir):
@@ -36,8 +37,8 @@ def test_packed_weights_miss_then_hit_give_the_same_logits(packed_dir):
     loaded = _model()
     loaded.tune_linears()
     assert loaded.packed_source == {"source": "disk", "path": str(packed_dir / files[0])}
-    assert loaded._layer_layouts == measured._layer_layouts and loaded._head_layouts == measured._head_layouts
-    assert sorted(k[0] for k in loaded._packed) == sorted(k[0] for k in measured._packed)
+    assert loaded.kernels.layer_layouts == measured.kernels.layer_layouts and loaded.kernels.head_layouts == measured.kernels.head_layouts
+    assert sorted(k[0] for k in loaded.kernels.packed) == sorted(k[0] for k in measured.kernels.packed)
     assert torch.equal(_logits(loaded), _logits(measured))   # bit for bit
 
 

@@ -13,6 +13,7 @@ from cluster.engine import attention
 from cluster.engine.model import DecoderModel, ModelConfig
 from cluster.engine.engine import Engine, EngineRequest, SamplingParams
 from tests.requirements import TRITON, require
+from tests.unit.reference_forward import forward_one
 
 CUDA = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -156,7 +157,7 @@ def test_engine_matches_the_reference_forward(device, request):
     assert follow.cached_tokens == len(reqs[0].prompt) + 6   # the whole first turn, its reply included
     for req in reqs + [follow]:
         tokens = req.prompt + req.output
-        reference = model.forward_one(torch.tensor(tokens), 0, None)[0]
+        reference = forward_one(model, torch.tensor(tokens), 0, None)[0]
         got = torch.cat(req.logits, dim=0)
         start = req.cached_tokens
         assert torch.allclose(got, reference[start:start + got.shape[0]].to(got.device), atol=1e-4, rtol=0)
@@ -190,7 +191,7 @@ def test_warm_up_builds_every_bucket_before_the_first_step(device, request):
     while engine.has_work():
         engine.step()
     for req in reqs:
-        reference = model.forward_one(torch.tensor(req.prompt + req.output), 0, None)[0]
+        reference = forward_one(model, torch.tensor(req.prompt + req.output), 0, None)[0]
         assert req.output == reference[len(req.prompt) - 1:-1].argmax(dim=-1).tolist()
     if device == "cuda":   # served from the graphs captured at start-up: none captured since
         assert model.graph_stats["captured"] == len(DEFAULT_SIZES) and model.graph_stats["replays"] >= 4

@@ -11,6 +11,7 @@ from cluster.engine.engine import Engine, EngineRequest, SamplingParams
 from cluster.engine.sampling import greedy_tokens
 from cluster.engine.plan import ScheduledRequest, StepPlan
 from cluster.errors import InvalidInputError
+from tests.unit.reference_forward import forward_one
 
 TOL = 1e-4
 
@@ -33,7 +34,7 @@ def make_engine(model, tmp_path, hot=64, warm=64, cold=64, block_tokens=8, **kw)
 
 
 def full_logits(model, tokens):
-    return model.forward_one(torch.tensor(tokens), 0, None)[0]
+    return forward_one(model, torch.tensor(tokens), 0, None)[0]
 
 
 def assert_exact(model, req):
@@ -287,7 +288,7 @@ def test_a_running_request_keeps_its_kv_only_in_its_lease_slots(model, tmp_path)
             n = req.num_computed_tokens
             slots = req.lease.slots()
             assert slots.numel() == n == req.lease.length
-            _, kv = model.forward_one(torch.tensor(req.tokens[:n]))
+            _, kv = forward_one(model, torch.tensor(req.tokens[:n]))
             assert torch.allclose(gather_slots(eng.cache.hot, slots), kv, atol=1e-5)
             checked += 1
     assert checked >= 4 and not hasattr(eng, "scratch")

@@ -15,6 +15,7 @@ from cluster.engine.hf_adapter import HFTokenizer  # noqa: E402
 from cluster.engine.model import CausalLM, DecoderModel, ModelConfig, kv_shape  # noqa: E402
 from cluster.engine.tokenizer import Tokenizer  # noqa: E402
 from tests.unit.hf_reference import HFCausalLM  # noqa: E402
+from tests.unit.reference_forward import forward_batch, forward_one
 
 VOCAB = 300
 
@@ -59,7 +60,7 @@ def test_config_view(adapter: HFCausalLM) -> None:
 
 def test_full_prefill_matches_plain_transformers(adapter: HFCausalLM, hf_model) -> None:
     tokens = tokens_of(12, seed=1)
-    logits, kv = adapter.forward_one(tokens, 0, None)
+    logits, kv = forward_one(adapter, tokens, 0, None)
     with torch.no_grad():
         reference = hf_model(input_ids=tokens.unsqueeze(0)).logits[0]
     torch.testing.assert_close(logits, reference, atol=1e-5, rtol=0)
@@ -69,27 +70,27 @@ def test_full_prefill_matches_plain_transformers(adapter: HFCausalLM, hf_model) 
 @pytest.mark.parametrize("split", [0, 1, 9, 20, 31])
 def test_prefill_with_cached_prefix_equals_full_prefill(adapter: HFCausalLM, split: int) -> None:
     tokens = tokens_of(32, seed=2)
-    full_logits, full_kv = adapter.forward_one(tokens, 0, None)
-    prefix_kv = adapter.forward_one(tokens[:split], 0, None)[1] if split else None
-    logits, kv = adapter.forward_one(tokens[split:], split, prefix_kv)
+    full_logits, full_kv = forward_one(adapter, tokens, 0, None)
+    prefix_kv = forward_one(adapter, tokens[:split], 0, None)[1] if split else None
+    logits, kv = forward_one(adapter, tokens[split:], split, prefix_kv)
     torch.testing.assert_close(logits, full_logits[split:], atol=1e-4, rtol=0)
     torch.testing.assert_close(kv, full_kv[:, :, split:], atol=1e-4, rtol=0)
 
 
 def test_forward_batch_equals_forward_one(adapter: HFCausalLM) -> None:
     history = tokens_of(40, seed=3)
-    history_kv = adapter.forward_one(history, 0, None)[1]
+    history_kv = forward_one(adapter, history, 0, None)[1]
     items = [
         (tokens_of(9, seed=4), 0, None),
         (history[15:30], 15, history_kv[:, :, :15]),
         (tokens_of(1, seed=5), 40, history_kv),
     ]
-    for item, (logits, kv) in zip(items, adapter.forward_batch(items)):
-        one_logits, one_kv = adapter.forward_one(*item)
+    for item, (logits, kv) in zip(items, forward_batch(adapter, items)):
+        one_logits, one_kv = forward_one(adapter, *item)
         torch.testing.assert_close(logits, one_logits, atol=1e-5, rtol=0)
         torch.testing.assert_close(kv, one_kv, atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match=r"items\[1\]: past_kv must have shape"):
-        adapter.forward_batch([items[0], (history[15:30], 15, history_kv)])
+        forward_batch(adapter, [items[0], (history[15:30], 15, history_kv)])
 
 
 def test_decoder_model_is_numerically_a_llama() -> None:
@@ -121,7 +122,7 @@ def test_decoder_model_is_numerically_a_llama() -> None:
             dst.input_layernorm.weight.copy_(src.attn_norm)
             dst.post_attention_layernorm.weight.copy_(src.mlp_norm)
     tokens = torch.randint(0, config.vocab_size, (40,), generator=torch.Generator().manual_seed(5))
-    our_logits, our_kv = ours.forward_one(tokens[10:], 10, ours.forward_one(tokens[:10])[1])
+    our_logits, our_kv = forward_one(ours, tokens[10:], 10, forward_one(ours, tokens[:10])[1])
     hf_logits, hf_kv = HFCausalLM(llama).forward_one(tokens, 0, None)
     assert our_logits.abs().max() > 0.1
     torch.testing.assert_close(our_logits, hf_logits[10:], atol=1e-4, rtol=0)
@@ -132,7 +133,7 @@ def test_from_pretrained_loads_a_local_checkpoint(hf_model, tmp_path: Path) -> N
     hf_model.save_pretrained(tmp_path)
     loaded = HFCausalLM.from_pretrained(tmp_path)
     tokens = tokens_of(8, seed=6)
-    torch.testing.assert_close(loaded.forward_one(tokens)[0], HFCausalLM(hf_model).forward_one(tokens)[0],
+    torch.testing.assert_close(forward_one(loaded, tokens)[0], HFCausalLM(hf_model).forward_one(tokens)[0],
                                atol=1e-6, rtol=0)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         HFCausalLM.from_pretrained(tmp_path / "missing")
@@ -142,9 +143,9 @@ def test_adapter_rejects_non_models_and_bad_inputs(adapter: HFCausalLM) -> None:
     with pytest.raises(TypeError, match="PreTrainedModel"):
         HFCausalLM(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match=r"tokens must lie in \[0, 300\)"):
-        adapter.forward_one(torch.tensor([300]), 0, None)
+        forward_one(adapter, torch.tensor([300]), 0, None)
     with pytest.raises(ValueError, match="past_kv is None but start_pos is 3"):
-        adapter.forward_one(torch.tensor([1]), 3, None)
+        forward_one(adapter, torch.tensor([1]), 3, None)
 
 
 def word_level_tokenizer() -> "transformers.PreTrainedTokenizerFast":
@@ -194,7 +195,7 @@ def test_the_engine_runs_a_model_without_paged_attention_through_its_leases(adap
     def greedy(prompt: list[int], n: int) -> list[int]:
         seq = list(prompt)
         for _ in range(n):
-            logits, _ = adapter.forward_one(torch.tensor(seq))
+            logits, _ = forward_one(adapter, torch.tensor(seq))
             seq.append(int(torch.argmax(logits[-1])))
         return seq[len(prompt):]
 

@@ -18,6 +18,7 @@ from cluster.engine.model import DecoderModel, ModelConfig
 from cluster.engine.engine import Engine, EngineRequest, SamplingParams
 from cluster.errors import InvalidInputError
 from cluster.hashing import block_hashes
+from tests.unit.reference_forward import forward_one
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 BT = 8
@@ -73,7 +74,7 @@ def run(engine, tier, prompt, max_tokens=3, namespace=None):
 
 
 def full_logits(model, tokens):
-    return model.forward_one(torch.tensor(tokens), 0, None)[0]
+    return forward_one(model, torch.tensor(tokens), 0, None)[0]
 
 
 def assert_exact(model, req):

@@ -10,6 +10,7 @@ import torch
 from cluster.engine import kernels, linear_layouts
 from cluster.engine.model import DecoderModel, ModelConfig
 from tests.unit.helpers import require_compiled, tune_blocked
+from tests.unit.reference_forward import forward_one
 
 SMALL = ModelConfig(hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16,
                     intermediate_size=160, vocab_size=300, max_position=256, seed=4)
@@ -60,8 +61,8 @@ def step(model: DecoderModel, shared: bool) -> tuple[list[torch.Tensor], torch.T
     first_prefix, items = take(common.numel()), []
     for i, (seq, n) in enumerate(zip(seqs, counts)):
         start = len(seq) - n
-        _, past = model.forward_one(seq[:common.numel()], 0, None)   # the same bytes for every sequence
-        _, rest = model.forward_one(seq[common.numel():start], common.numel(), past)
+        _, past = forward_one(model, seq[:common.numel()], 0, None)   # the same bytes for every sequence
+        _, rest = forward_one(model, seq[common.numel():start], common.numel(), past)
         prefix = first_prefix if shared or i == 0 else take(common.numel())
         slots = torch.cat([prefix, take(len(seq) - common.numel())])
         put(pool, slots[:start], torch.cat([past, rest], dim=2))
@@ -75,13 +76,13 @@ def step(model: DecoderModel, shared: bool) -> tuple[list[torch.Tensor], torch.T
 def test_the_compiled_loop_gives_the_python_loops_logits_and_kv_bit_for_bit(config, shared, monkeypatch,
                                                                               tmp_path):
     model = blocked_model(config, monkeypatch, tmp_path)
-    assert model._compiled_layers is not None
+    assert model.kernels.layer_loop is not None
     calls = []
-    compiled = model._compiled_layers
-    model._compiled_layers = lambda *args: calls.append(1) or compiled(*args)
+    compiled = model.kernels.layer_loop
+    model.kernels.layer_loop = lambda *args: calls.append(1) or compiled(*args)
     got_logits, got_pool = step(model, shared)
     assert calls == [1]   # the step took the compiled loop
-    model._compiled_layers = None   # the Python loop
+    model.kernels.layer_loop = None   # the Python loop
     want_logits, want_pool = step(model, shared)
     for got, want in zip(got_logits, want_logits):
         assert torch.equal(got, want)
@@ -93,20 +94,20 @@ def test_steps_the_loop_does_not_cover_take_the_python_loop(monkeypatch, tmp_pat
     not blocked at the step's rows run the Python loop."""
     model = blocked_model(SMALL, monkeypatch, tmp_path)
     calls = []
-    compiled = model._compiled_layers
-    model._compiled_layers = lambda *args: calls.append(1) or compiled(*args)
+    compiled = model.kernels.layer_loop
+    model.kernels.layer_loop = lambda *args: calls.append(1) or compiled(*args)
     pool, slots = pool_of(SMALL), torch.arange(37, 53)   # across two blocks
     model.forward_paged([(torch.arange(1, 9), 0, slots[:8])], pool)
     assert calls == []
-    model._layer_layouts = (linear_layouts.PLAIN,) * len(model._layer_layouts)
+    model.kernels.layer_layouts = (linear_layouts.PLAIN,) * len(model.kernels.layer_layouts)
     model.forward_paged([(torch.tensor([3]), 8, slots[:9])], pool)
     assert calls == []
-    model._layer_layouts = (linear_layouts.BLOCKED,) * len(model._layer_layouts)
+    model.kernels.layer_layouts = (linear_layouts.BLOCKED,) * len(model.kernels.layer_layouts)
     model.forward_paged([(torch.tensor([4]), 9, slots[:10])], pool)
     assert calls == [1]
     # Without the batched kernel there is no compiled loop at all.
     model.use_decode_kernel(False)
-    assert model._compiled_layers is None
+    assert model.kernels.layer_loop is None
 
 
 def test_the_layer_loop_module_is_rebuilt_when_a_kernel_it_includes_changes(monkeypatch, tmp_path):

@@ -44,9 +44,9 @@ def test_long_prompts_equal_transformers_through_the_compiled_kernels(blocked_ev
     assert prompts.cached[SHARED] != prompts.first[SHARED]
 
     engine = make_engine(model, torch.device("cpu"), 2 * PROMPT + LATER + 3 * MAX_TOKENS, 16, 512)
-    assert engine.decode_kernel and model._small_ops is not None
-    blocked = linear_layouts.BLOCKED in model._layer_layouts   # False only where MKL's order is not found here
-    assert (model._compiled_layers is not None) == blocked
+    assert engine.decode_kernel and model.kernels.small_ops is not None
+    blocked = linear_layouts.BLOCKED in model.kernels.layer_layouts   # False only where MKL's order is not found here
+    assert (model.kernels.layer_loop is not None) == blocked
 
     result = compare(engine, hf_model, prompts, MAX_TOKENS)
     cases = result["cases"]

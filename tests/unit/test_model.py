@@ -16,6 +16,7 @@ from cluster.engine.model import (
 )
 from cluster.engine.tokenizer import ByteTokenizer
 from tests.requirements import KERNELS, require
+from tests.unit.reference_forward import ReferenceForward, forward_batch, forward_one
 
 SMALL = ModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                     intermediate_size=128, max_position=512, seed=7)
@@ -70,12 +71,14 @@ def test_default_config_matches_byte_tokenizer_and_allows_explicit_head_dim() ->
     # head_dim need not equal hidden_size / num_heads (as in Llama's config).
     wide = DecoderModel(ModelConfig(hidden_size=48, num_heads=4, num_kv_heads=1, head_dim=16,
                                     num_layers=1, intermediate_size=64, max_position=64))
-    logits, kv = wide.forward_one(tokens_of(5), 0, None)
+    logits, kv = forward_one(wide, tokens_of(5), 0, None)
     assert logits.shape == (5, 259) and kv.shape == (1, 2, 5, 1, 16)
 
 
 def test_model_satisfies_causal_lm_protocol(model: DecoderModel) -> None:
-    assert isinstance(model, CausalLM)
+    # One forward on the model (forward_paged); the CausalLM methods are the tests' reference adapter.
+    assert not hasattr(model, "forward_one") and not hasattr(model, "forward_batch")
+    assert isinstance(ReferenceForward(model), CausalLM)
     assert not model.training
     assert all(not p.requires_grad for p in model.parameters())
 
@@ -84,11 +87,11 @@ def test_model_satisfies_causal_lm_protocol(model: DecoderModel) -> None:
 
 def test_same_seed_same_logits_different_seed_differs(model: DecoderModel) -> None:
     tokens = tokens_of(24)
-    logits, kv = model.forward_one(tokens, 0, None)
-    again_logits, again_kv = DecoderModel(SMALL).forward_one(tokens, 0, None)
+    logits, kv = forward_one(model, tokens, 0, None)
+    again_logits, again_kv = forward_one(DecoderModel(SMALL), tokens, 0, None)
     assert torch.equal(logits, again_logits) and torch.equal(kv, again_kv)
     other = DecoderModel(ModelConfig(**{**SMALL.__dict__, "seed": 8}))
-    assert (other.forward_one(tokens, 0, None)[0] - logits).abs().max() > 1e-3
+    assert (forward_one(other, tokens, 0, None)[0] - logits).abs().max() > 1e-3
 
 
 def test_construction_leaves_global_rng_alone() -> None:
@@ -100,7 +103,7 @@ def test_construction_leaves_global_rng_alone() -> None:
 
 
 def test_output_shapes_and_logits_are_well_behaved(model: DecoderModel) -> None:
-    logits, kv = model.forward_one(tokens_of(10), 0, None)
+    logits, kv = forward_one(model, tokens_of(10), 0, None)
     assert logits.shape == (10, SMALL.vocab_size) and logits.dtype == torch.float32
     assert kv.shape == kv_shape(SMALL, 10) == (2, 2, 10, 2, 16)
     assert torch.isfinite(logits).all() and logits.abs().max() < 10
@@ -109,11 +112,11 @@ def test_output_shapes_and_logits_are_well_behaved(model: DecoderModel) -> None:
 def test_bfloat16_model_keeps_kv_in_bfloat16_and_logits_in_float32(model: DecoderModel) -> None:
     half = DecoderModel(ModelConfig(**{**SMALL.__dict__, "dtype": "bfloat16"}))
     tokens = tokens_of(30, seed=2)
-    logits, kv = half.forward_one(tokens, 0, None)
+    logits, kv = forward_one(half, tokens, 0, None)
     assert kv.dtype == torch.bfloat16 and logits.dtype == torch.float32
     assert half.rope_cos.dtype == torch.float32
-    torch.testing.assert_close(logits, model.forward_one(tokens, 0, None)[0], atol=2e-2, rtol=0)
-    suffix_logits, _ = half.forward_one(tokens[10:], 10, kv[:, :, :10])
+    torch.testing.assert_close(logits, forward_one(model, tokens, 0, None)[0], atol=2e-2, rtol=0)
+    suffix_logits, _ = forward_one(half, tokens[10:], 10, kv[:, :, :10])
     torch.testing.assert_close(suffix_logits, logits[10:], atol=1e-2, rtol=0)
 
 
@@ -122,33 +125,37 @@ def test_bfloat16_model_keeps_kv_in_bfloat16_and_logits_in_float32(model: Decode
 @pytest.mark.parametrize("split", [0, 1, 7, 16, 31, 47, 48])
 def test_prefill_with_cached_prefix_equals_full_prefill(model: DecoderModel, split: int) -> None:
     tokens = tokens_of(49, seed=3)
-    full_logits, full_kv = model.forward_one(tokens, 0, None)
-    prefix_kv = model.forward_one(tokens[:split], 0, None)[1] if split else None
-    logits, kv = model.forward_one(tokens[split:], split, prefix_kv)
+    full_logits, full_kv = forward_one(model, tokens, 0, None)
+    prefix_kv = forward_one(model, tokens[:split], 0, None)[1] if split else None
+    logits, kv = forward_one(model, tokens[split:], split, prefix_kv)
     assert logits.shape == (49 - split, SMALL.vocab_size)
     torch.testing.assert_close(logits, full_logits[split:], atol=1e-4, rtol=0)
     torch.testing.assert_close(kv, full_kv[:, :, split:], atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("chunk", [1, 5, 64])
-def test_chunked_attention_over_a_cached_prefix_is_exact(
-    model: DecoderModel, monkeypatch: pytest.MonkeyPatch, chunk: int
-) -> None:
-    # Queries after a cached prefix are attended in chunks of QUERY_CHUNK; any chunking is exact.
-    tokens = tokens_of(40, seed=8)
-    full_logits, full_kv = model.forward_one(tokens, 0, None)
-    monkeypatch.setattr(attention, "QUERY_CHUNK", chunk)
-    logits, kv = model.forward_one(tokens[11:], 11, full_kv[:, :, :11])
-    torch.testing.assert_close(logits, full_logits[11:], atol=1e-4, rtol=0)
-    torch.testing.assert_close(kv, full_kv[:, :, 11:], atol=1e-4, rtol=0)
+@pytest.mark.parametrize(("new", "past"), [(2, 1), (5, 30), (40, 11), (300, 700)])
+def test_attention_after_a_cached_prefix_equals_one_masked_softmax(new: int, past: int) -> None:
+    # On the CPU the queries after a cached prefix attend the prefix and their own keys in two
+    # flash calls merged through their log-sum-exps; that is one causal softmax over all keys.
+    config = ModelConfig(num_heads=6, num_kv_heads=2, head_dim=16)
+    gen = torch.Generator().manual_seed(new + past)
+    q = torch.randn(new, 6, 16, generator=gen)
+    keys, values = (torch.randn(2, past + new, 16, generator=gen) for _ in range(2))
+    got = attention.attend_torch(config, q, keys, values, past)
+    visible = torch.arange(past + new)[None, :] <= torch.arange(past, past + new)[:, None]
+    scores = torch.einsum("thd,hsd->hts", q, keys.repeat_interleave(3, 0)) * 16 ** -0.5
+    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    expected = torch.einsum("hts,hsd->thd", probs, values.repeat_interleave(3, 0))
+    assert got.shape == (new, 6, 16)
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
 
 
 def test_token_by_token_decode_equals_full_prefill(model: DecoderModel) -> None:
     tokens = tokens_of(20, seed=4)
-    full_logits, full_kv = model.forward_one(tokens, 0, None)
-    kv = model.forward_one(tokens[:1], 0, None)[1]
+    full_logits, full_kv = forward_one(model, tokens, 0, None)
+    kv = forward_one(model, tokens[:1], 0, None)[1]
     for pos in range(1, 20):
-        logits, new_kv = model.forward_one(tokens[pos:pos + 1], pos, kv)
+        logits, new_kv = forward_one(model, tokens[pos:pos + 1], pos, kv)
         torch.testing.assert_close(logits[0], full_logits[pos], atol=1e-4, rtol=0)
         kv = torch.cat((kv, new_kv), dim=2)
     torch.testing.assert_close(kv, full_kv, atol=1e-4, rtol=0)
@@ -158,10 +165,10 @@ def test_position_matters(model: DecoderModel) -> None:
     # Same tokens after two different prefixes of equal length: K differs only through the past,
     # so the first layer's K must be identical and later outputs must differ.
     suffix = tokens_of(5, seed=5)
-    kv_a = model.forward_one(tokens_of(8, seed=6), 0, None)[1]
-    kv_b = model.forward_one(tokens_of(8, seed=9), 0, None)[1]
-    logits_a, new_a = model.forward_one(suffix, 8, kv_a)
-    logits_b, new_b = model.forward_one(suffix, 8, kv_b)
+    kv_a = forward_one(model, tokens_of(8, seed=6), 0, None)[1]
+    kv_b = forward_one(model, tokens_of(8, seed=9), 0, None)[1]
+    logits_a, new_a = forward_one(model, suffix, 8, kv_a)
+    logits_b, new_b = forward_one(model, suffix, 8, kv_b)
     torch.testing.assert_close(new_a[0], new_b[0], atol=0, rtol=0)
     assert (logits_a - logits_b).abs().max() > 1e-4
 
@@ -170,7 +177,7 @@ def test_position_matters(model: DecoderModel) -> None:
 
 def test_forward_batch_equals_forward_one_per_item(model: DecoderModel) -> None:
     history = tokens_of(60, seed=10)
-    history_kv = model.forward_one(history, 0, None)[1]
+    history_kv = forward_one(model, history, 0, None)[1]
     items = [
         (tokens_of(17, seed=11), 0, None),
         (history[25:40], 25, history_kv[:, :, :25]),
@@ -178,33 +185,33 @@ def test_forward_batch_equals_forward_one_per_item(model: DecoderModel) -> None:
         (tokens_of(3, seed=13), 0, None),
         (history[59:], 59, history_kv[:, :, :59].clone()),
     ]
-    batched = model.forward_batch(items)
+    batched = forward_batch(model, items)
     assert len(batched) == len(items)
     for (tokens, _, _), (logits, kv), item in zip(items, batched, items):
-        one_logits, one_kv = model.forward_one(*item)
+        one_logits, one_kv = forward_one(model, *item)
         assert logits.shape == (tokens.numel(), SMALL.vocab_size)
         torch.testing.assert_close(logits, one_logits, atol=1e-5, rtol=0)
         torch.testing.assert_close(kv, one_kv, atol=1e-5, rtol=0)
-    assert model.forward_batch([]) == []
+    assert forward_batch(model, []) == []
 
 
 def test_last_logits_only_gives_each_items_last_row(model: DecoderModel) -> None:
     history = tokens_of(30, seed=14)
-    history_kv = model.forward_one(history, 0, None)[1]
+    history_kv = forward_one(model, history, 0, None)[1]
     items = [(tokens_of(9, seed=15), 0, None), (history[20:], 20, history_kv[:, :, :20]),
              (tokens_of(1, seed=16), 30, history_kv)]
-    full = model.forward_batch(items)
-    last = model.forward_batch(items, last_logits_only=True)
+    full = forward_batch(model, items)
+    last = forward_batch(model, items, last_logits_only=True)
     for (logits, kv), (last_logits, last_kv) in zip(full, last):
         assert last_logits.shape == (1, SMALL.vocab_size)
         torch.testing.assert_close(last_logits, logits[-1:], atol=1e-5, rtol=0)
         assert torch.equal(kv, last_kv)
-    one_logits, _ = model.forward_one(history, last_logits_only=True)
+    one_logits, _ = forward_one(model, history, last_logits_only=True)
     torch.testing.assert_close(one_logits, full_logits_of(model, history)[-1:], atol=1e-5, rtol=0)
 
 
 def full_logits_of(model: DecoderModel, tokens: torch.Tensor) -> torch.Tensor:
-    return model.forward_one(tokens, 0, None)[0]
+    return forward_one(model, tokens, 0, None)[0]
 
 
 VARIANT = ModelConfig(**{**SMALL.__dict__, "head_dim": 24, "tie_word_embeddings": True, "qkv_bias": True,
@@ -218,8 +225,8 @@ def test_every_variant_flag_keeps_prefix_splits_exact(split: int) -> None:
     assert variant.lm_head is None and variant.output_weight is variant.embed
     assert variant.layers[0].qk_norm.shape == (SMALL.num_heads + SMALL.num_kv_heads, 24)
     tokens = tokens_of(40, seed=17)
-    full_logits, full_kv = variant.forward_one(tokens, 0, None)
-    logits, kv = variant.forward_one(tokens[split:], split, full_kv[:, :, :split])
+    full_logits, full_kv = forward_one(variant, tokens, 0, None)
+    logits, kv = forward_one(variant, tokens[split:], split, full_kv[:, :, :split])
     torch.testing.assert_close(logits, full_logits[split:], atol=1e-4, rtol=0)
     torch.testing.assert_close(kv, full_kv[:, :, split:], atol=1e-4, rtol=0)
 
@@ -243,29 +250,29 @@ def test_rope_scaling_follows_transformers_formulas() -> None:
 
 def test_forward_rejects_bad_inputs(model: DecoderModel) -> None:
     tokens = tokens_of(4)
-    kv = model.forward_one(tokens, 0, None)[1]
+    kv = forward_one(model, tokens, 0, None)[1]
     with pytest.raises(TypeError, match="1-D integer tensor"):
-        model.forward_one(tokens.float(), 0, None)
+        forward_one(model, tokens.float(), 0, None)
     with pytest.raises(TypeError, match="1-D integer tensor"):
-        model.forward_one(tokens.view(2, 2), 0, None)
+        forward_one(model, tokens.view(2, 2), 0, None)
     with pytest.raises(ValueError, match="must not be empty"):
-        model.forward_one(tokens[:0], 0, None)
+        forward_one(model, tokens[:0], 0, None)
     with pytest.raises(ValueError, match=r"tokens must lie in \[0, 259\)"):
-        model.forward_one(torch.tensor([1, 259]), 0, None)
+        forward_one(model, torch.tensor([1, 259]), 0, None)
     with pytest.raises(ValueError, match="start_pos must be a non-negative int"):
-        model.forward_one(tokens, -1, None)
+        forward_one(model, tokens, -1, None)
     with pytest.raises(ValueError, match="past_kv is None but start_pos is 4"):
-        model.forward_one(tokens, 4, None)
+        forward_one(model, tokens, 4, None)
     with pytest.raises(ValueError, match=r"past_kv must have shape \(2, 2, 3, 2, 16\)"):
-        model.forward_one(tokens, 3, kv)
+        forward_one(model, tokens, 3, kv)
     with pytest.raises(ValueError, match="past_kv dtype"):
-        model.forward_one(tokens, 4, kv.double())
+        forward_one(model, tokens, 4, kv.double())
     with pytest.raises(ValueError, match="exceeds max_position 512"):
-        model.forward_one(tokens, 510, torch.zeros(kv_shape(SMALL, 510)))
+        forward_one(model, tokens, 510, torch.zeros(kv_shape(SMALL, 510)))
     with pytest.raises(ValueError, match=r"items\[1\]: start_pos"):
-        model.forward_batch([(tokens, 0, None), (tokens, -2, None)])
+        forward_batch(model, [(tokens, 0, None), (tokens, -2, None)])
     with pytest.raises(TypeError, match=r"items\[0\] must be a \(tokens, start_pos, past_kv\) tuple"):
-        model.forward_batch([tokens])
+        forward_batch(model, [tokens])
 
 
 # ---- sampling -----------------------------------------------------------------------------------
@@ -366,7 +373,7 @@ def test_decode_kernel_equals_the_torch_path_at_every_length_on_the_vector_path(
         values = torch.cat([buffers[b][1, 1, :, :n], v_new[b, :, None]], dim=1)
         want.append(attention.attend_torch(cfg, q[b:b + 1], keys, values, n)[0])
     pool, tables, starts = _in_pool(buffers)
-    got = model._paged_kernel(q, k_new, v_new, pool, 1, torch.cat(tables), starts, lengths, [1] * len(lengths),
+    got = model.kernels.attention(q, k_new, v_new, pool, 1, torch.cat(tables), starts, lengths, [1] * len(lengths),
                               64 ** -0.5)
     # Outputs of magnitude ~10: float32 sums of 300 terms in another order differ by
     # up to about 1e-5 relative (seen: 1.3e-5 absolute on an output of 1.4).
@@ -383,7 +390,7 @@ def test_paged_kernel_attends_each_new_token_causally_like_the_torch_path():
     cfg = ModelConfig(num_layers=2, hidden_size=192, num_heads=3, num_kv_heads=1, head_dim=64,
                       intermediate_size=128, seed=4)
     model = DecoderModel(cfg)
-    require(KERNELS, model.use_decode_kernel(True) and model._paged_kernel is not None,
+    require(KERNELS, model.use_decode_kernel(True) and model.kernels.attention is not None,
             "the attention kernels could not be built here")
     g = torch.Generator().manual_seed(5)
     starts, counts = [1, 7, 8, 23, 300], [3, 1, 17, 128, 8]
@@ -401,7 +408,7 @@ def test_paged_kernel_attends_each_new_token_causally_like_the_torch_path():
         offset += n
     pool, tables, table_starts = _in_pool(buffers)
     slots = torch.cat(tables)
-    got = model._paged_kernel(q, k_new, v_new, pool, 1, slots, table_starts, starts, counts, 64 ** -0.5)
+    got = model.kernels.attention(q, k_new, v_new, pool, 1, slots, table_starts, starts, counts, 64 ** -0.5)
     # As for the decode kernel: float32 sums of up to 428 terms in another order (seen: 1.2e-5
     # absolute, 2 outputs of 30,144 past 1e-5).
     torch.testing.assert_close(got, torch.cat(want), atol=3e-5, rtol=3e-5)
@@ -411,7 +418,7 @@ def test_paged_kernel_attends_each_new_token_causally_like_the_torch_path():
         assert torch.equal(_at(pool, tables[b][s:], 1, 1), v_new[offset:offset + n])
         offset += n
     with pytest.raises(RuntimeError, match="counts add up to"):
-        model._paged_kernel(q[:5], k_new[:5], v_new[:5], pool, 1, slots, table_starts, starts, counts, 64 ** -0.5)
+        model.kernels.attention(q[:5], k_new[:5], v_new[:5], pool, 1, slots, table_starts, starts, counts, 64 ** -0.5)
 
 
 def _linears(model: DecoderModel) -> list[torch.Tensor]:
@@ -427,19 +434,19 @@ def test_every_linear_layout_gives_the_same_logits_at_every_row_count() -> None:
     layouts = [linear_layouts.PLAIN, linear_layouts.TRANSPOSED]
     if linear_layouts.packed_available():
         layouts.append(linear_layouts.PACKED)
-        model._packed = {(linear_layouts.PACKED, id(w)): linear_layouts.pack(w) for w in _linears(model)}
+        model.kernels.packed = {(linear_layouts.PACKED, id(w)): linear_layouts.pack(w) for w in _linears(model)}
     order = linear_layouts.blocked_order([(w, None) for w in _linears(model)])
     if order is not None:
         layouts.append(linear_layouts.BLOCKED)
-        model._packed.update(((linear_layouts.BLOCKED, id(w)), linear_layouts.panels(w, order))
+        model.kernels.packed.update(((linear_layouts.BLOCKED, id(w)), linear_layouts.panels(w, order))
                              for w in _linears(model))
     for rows in (1, 2, 5, 16, 40):
         outs = []
         for layer_layout in layouts:
             for head_layout in layouts:
-                model._layer_layouts = (0,) + (layer_layout,) * 64
-                model._head_layouts = (0,) + (head_layout,) * 64
-                outs.append(model.forward_batch(items[:rows]))
+                model.kernels.layer_layouts = (0,) + (layer_layout,) * 64
+                model.kernels.head_layouts = (0,) + (head_layout,) * 64
+                outs.append(forward_batch(model, items[:rows]))
         for other in outs[1:]:
             for (la, ka), (lb, kb) in zip(outs[0], other):
                 torch.testing.assert_close(la, lb, atol=1e-5, rtol=0)
@@ -452,7 +459,7 @@ def test_tuned_layouts_cover_every_row_count_and_are_measured_once_a_machine(mon
     model = DecoderModel(SMALL)
     tuned = model.tune_linears()
     assert sorted(tuned) == ["head", "layers"]
-    for group, layouts in (("layers", model._layer_layouts), ("head", model._head_layouts)):
+    for group, layouts in (("layers", model.kernels.layer_layouts), ("head", model.kernels.head_layouts)):
         assert sorted(tuned[group]) == list(linear_layouts.TUNED_ROWS)
         assert set(tuned[group].values()) <= set(linear_layouts.NAMES.values())
         # Row counts between two measured ones take the layout of the one below; beyond the last, the last's.
@@ -463,13 +470,13 @@ def test_tuned_layouts_cover_every_row_count_and_are_measured_once_a_machine(mon
         last = linear_layouts.TUNED_ROWS[-1]
         assert linear_layouts.NAMES[linear_layouts.layout_for(layouts, 4096)] == tuned[group][last]
     # A group some row count runs packed has its weights packed; the others none.
-    packed_layers = linear_layouts.PACKED in model._layer_layouts
-    assert ((linear_layouts.PACKED, id(model.layers[0].qkv_proj)) in model._packed) == packed_layers
-    assert ((linear_layouts.PACKED, id(model.output_weight)) in model._packed) == \
-        (linear_layouts.PACKED in model._head_layouts)
-    for group, weight in ((model._layer_layouts, model.layers[-1].down_proj), (model._head_layouts,
+    packed_layers = linear_layouts.PACKED in model.kernels.layer_layouts
+    assert ((linear_layouts.PACKED, id(model.layers[0].qkv_proj)) in model.kernels.packed) == packed_layers
+    assert ((linear_layouts.PACKED, id(model.output_weight)) in model.kernels.packed) == \
+        (linear_layouts.PACKED in model.kernels.head_layouts)
+    for group, weight in ((model.kernels.layer_layouts, model.layers[-1].down_proj), (model.kernels.head_layouts,
                                                                                 model.output_weight)):
-        assert ((linear_layouts.BLOCKED, id(weight)) in model._packed) == (linear_layouts.BLOCKED in group)
+        assert ((linear_layouts.BLOCKED, id(weight)) in model.kernels.packed) == (linear_layouts.BLOCKED in group)
     assert (tmp_path / "linear-layouts.json").is_file()
 
     # Another process on this machine (an empty in-process table) reads the file instead of measuring.
@@ -508,13 +515,13 @@ def test_packed_layout_is_picked_only_when_asked_for(monkeypatch, tmp_path, opt_
     tuned = model.tune_linears()
     expected = "packed" if opt_in == "1" else "W @ x^T"
     assert set(tuned["layers"].values()) == set(tuned["head"].values()) == {expected}
-    assert sum(key[0] == linear_layouts.PACKED for key in model._packed) == \
+    assert sum(key[0] == linear_layouts.PACKED for key in model.kernels.packed) == \
         (4 * SMALL.num_layers + 1 if opt_in == "1" else 0)
-    logits = model.forward_batch([(tokens_of(1, seed=s), 0, None) for s in range(4)])
-    monkeypatch.setattr(model, "_layer_layouts", None)
-    monkeypatch.setattr(model, "_head_layouts", None)
-    model._packed = {}
-    for (la, _), (lb, _) in zip(logits, model.forward_batch([(tokens_of(1, seed=s), 0, None) for s in range(4)])):
+    logits = forward_batch(model, [(tokens_of(1, seed=s), 0, None) for s in range(4)])
+    monkeypatch.setattr(model.kernels, "layer_layouts", None)
+    monkeypatch.setattr(model.kernels, "head_layouts", None)
+    model.kernels.packed = {}
+    for (la, _), (lb, _) in zip(logits, forward_batch(model, [(tokens_of(1, seed=s), 0, None) for s in range(4)])):
         torch.testing.assert_close(la, lb, atol=1e-5, rtol=0)
 
 

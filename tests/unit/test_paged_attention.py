@@ -14,6 +14,7 @@ from cluster.engine import kernels
 from cluster.engine.attention import EXTEND_MAX
 from cluster.engine.model import DecoderModel, ModelConfig
 from tests.unit.helpers import require_compiled
+from tests.unit.reference_forward import forward_one
 
 SMALL = ModelConfig(hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16,
                     intermediate_size=160, vocab_size=300, max_position=512, seed=4)
@@ -86,7 +87,7 @@ def run_paged(model: DecoderModel, plan, seed: int = 3, scattered: bool = True):
     c = model.config
     pool = Pool(c, seed)
     seqs = sequences(c, plan, seed)
-    refs = [model.forward_one(seq, 0, None) for seq in seqs]
+    refs = [forward_one(model, seq, 0, None) for seq in seqs]
     tables, items = [], []
     for seq, (p, n), (_, kv) in zip(seqs, plan, refs):
         slots = pool.take(p + n) if scattered else pool.take_in_order(p + n)
@@ -103,8 +104,8 @@ def test_paged_logits_equal_the_reference_wherever_the_slots_lie(config, kernel)
     model = model_of(config, kernel)
     calls = []
     if kernel:
-        inner = model._paged_kernel
-        model._paged_kernel = lambda *args: calls.append(args[4]) or inner(*args)
+        inner = model.kernels.attention
+        model.kernels.attention = lambda *args: calls.append(args[4]) or inner(*args)
     pool, before, tables, refs, paged = run_paged(model, MIXED)
     assert calls == (list(range(config.num_layers)) if kernel else [])   # one kernel call a layer
     in_order, _, order_tables, _, want = run_paged(model, MIXED, scattered=False)
@@ -136,14 +137,14 @@ def test_items_sharing_a_prefix_read_the_same_slots():
     g = torch.Generator().manual_seed(9)
     prefix = torch.randint(0, c.vocab_size, (45,), generator=g)
     tails = [torch.randint(0, c.vocab_size, (n,), generator=g) for n in (1, 4, 40)]
-    _, prefix_kv = model.forward_one(prefix, 0, None)
+    _, prefix_kv = forward_one(model, prefix, 0, None)
     shared = pool.take(45)
     pool.put(shared, prefix_kv)
     items, refs = [], []
     for tail in tails:
         slots = torch.cat([shared, pool.take(tail.numel())])
         items.append((tail, 45, slots))
-        refs.append(model.forward_one(torch.cat([prefix, tail]), 0, None))
+        refs.append(forward_one(model, torch.cat([prefix, tail]), 0, None))
     before = pool.get(shared).clone()
     got = model.forward_paged(items, pool.tensor)
     for logits, (ref, kv), (tail, _, slots) in zip(got, refs, items):
@@ -165,8 +166,8 @@ def test_a_kernel_item_reads_what_a_prefill_of_the_same_step_writes():
     prompt_slots = pool.take(40)
     behind = torch.cat([prompt_slots[:20], pool.take(3)])
     got = model.forward_paged([(prompt, 0, prompt_slots), (tail, 20, behind)], pool.tensor)
-    torch.testing.assert_close(got[0], model.forward_one(prompt, 0, None)[0], rtol=0, atol=1e-5)
-    torch.testing.assert_close(got[1], model.forward_one(torch.cat([prompt[:20], tail]), 0, None)[0][20:],
+    torch.testing.assert_close(got[0], forward_one(model, prompt, 0, None)[0], rtol=0, atol=1e-5)
+    torch.testing.assert_close(got[1], forward_one(model, torch.cat([prompt[:20], tail]), 0, None)[0][20:],
                                rtol=0, atol=1e-5)
 
 
@@ -178,13 +179,13 @@ def test_the_compiled_layer_loop_takes_paged_steps_bit_for_bit(monkeypatch, tmp_
     model = blocked_model(SMALL, monkeypatch, tmp_path)
     plan = [(40, 1), (52, 1), (43, 1), (60, 5)]
     calls = []
-    compiled = model._compiled_layers
-    model._compiled_layers = lambda *args: calls.append(1) or compiled(*args)
+    compiled = model.kernels.layer_loop
+    model.kernels.layer_loop = lambda *args: calls.append(1) or compiled(*args)
     pool, _, tables, refs, got = run_paged(model, plan)
     in_order, _, order_tables, _, ordered = run_paged(model, plan, scattered=False)
     assert calls == [1, 1]   # each forward in the compiled loop
     new_kv = [pool.get(slots[p:]) for (p, _), slots in zip(plan, tables)]
-    model._compiled_layers = None   # the Python loop
+    model.kernels.layer_loop = None   # the Python loop
     pool2, _, tables2, _, want = run_paged(model, plan)
     for a, b, c_, (p, _), (ref, _) in zip(got, want, ordered, plan, refs):
         assert torch.equal(a, b) and torch.equal(a, c_)
@@ -244,7 +245,7 @@ def test_on_cuda_the_triton_kernel_and_its_graphs_attend_over_the_slots(graphs):
     pool.tensor = pool.tensor.cuda()
     items, refs = [], []
     for seq, (p, n) in zip(sequences(SMALL, plan, 3), plan):
-        logits, kv = model.forward_one(seq, 0, None)
+        logits, kv = forward_one(model, seq, 0, None)
         slots = pool.take(p + n)
         pool.put(slots[:p].cuda(), kv[:, :, :p])
         items.append((seq[p:], p, slots))

@@ -14,6 +14,7 @@ from cluster.engine.engine import Engine
 from cluster.engine.sampling import process, sample_token, token_logprobs
 from cluster.errors import InvalidInputError
 from cluster.protocol import SamplingParams
+from tests.unit.reference_forward import forward_one
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -126,7 +127,7 @@ def test_prompt_and_token_logprobs_equal_a_full_forward_and_are_kept_beside_the_
     eng, model = engine_and_model
     prompt = [(i * 7) % 250 + 1 for i in range(37)]
     first = eng.generate(prompt, SamplingParams(max_tokens=3, logprobs=2, prompt_logprobs=1))
-    ref = torch.log_softmax(model.forward_one(torch.tensor(prompt + first.output), 0, None)[0].float(), -1)
+    ref = torch.log_softmax(forward_one(model, torch.tensor(prompt + first.output), 0, None)[0].float(), -1)
     assert first.cached_tokens == 0 and first.prompt_logprobs[0] is None
     for i in range(1, len(prompt)):
         lp, top = first.prompt_logprobs[i]
@@ -138,7 +139,7 @@ def test_prompt_and_token_logprobs_equal_a_full_forward_and_are_kept_beside_the_
     second_prompt = prompt[:32] + [9, 9, 9, 9, 9]
     second = eng.generate(second_prompt, SamplingParams(max_tokens=1, prompt_logprobs=1))
     assert second.cached_tokens == 31
-    ref2 = torch.log_softmax(model.forward_one(torch.tensor(second_prompt), 0, None)[0].float(), -1)
+    ref2 = torch.log_softmax(forward_one(model, torch.tensor(second_prompt), 0, None)[0].float(), -1)
     for i in range(1, len(second_prompt)):
         assert abs(second.prompt_logprobs[i][0] - float(ref2[i - 1, second_prompt[i]])) < 1e-5
 

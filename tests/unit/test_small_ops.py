@@ -7,6 +7,7 @@ import torch
 from cluster.engine import kernels
 from cluster.engine.model import DecoderModel, ModelConfig, _apply_rope, _rms_norm
 from tests.unit.helpers import require_compiled
+from tests.unit.reference_forward import forward_one
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -64,10 +65,10 @@ def test_a_model_with_the_compiled_ops_gives_the_torch_paths_logits(ops):
                       intermediate_size=192, seed=4)
     plain, compiled = DecoderModel(cfg), DecoderModel(cfg)
     plain.use_decode_kernel(False)
-    assert compiled.use_decode_kernel(True) and compiled._small_ops is ops
+    assert compiled.use_decode_kernel(True) and compiled.kernels.small_ops is ops
     tokens = torch.randint(0, cfg.vocab_size, (40,), generator=torch.Generator().manual_seed(2))
-    want, want_kv = plain.forward_one(tokens)
-    got, got_kv = compiled.forward_one(tokens)
+    want, want_kv = forward_one(plain, tokens)
+    got, got_kv = forward_one(compiled, tokens)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     torch.testing.assert_close(got_kv, want_kv, atol=1e-5, rtol=0)
 

@@ -16,6 +16,7 @@ from cluster.protocol import FinishReason, Transport
 from cluster.engine.model import DecoderModel, ModelConfig
 from cluster.transfer.nixl_transport import nixl_available
 from tests.unit.helpers import WORKER_MODEL, TickClock, greedy_reference, make_worker, run_worker
+from tests.unit.reference_forward import forward_one
 
 MODEL = WORKER_MODEL
 make, run = make_worker, run_worker
@@ -240,7 +241,7 @@ def test_prefix_moves_between_workers_over_nixl():
         kv, nbytes = target.migration.pull_blocks_nixl(peer, staged.blocks, staged.checksums, staged.tokens)
         assert nbytes == 5 * 16 * target.layout.bytes_per_token()
         asyncio.run(holder.release(staged.lease))
-        _, ref = DecoderModel(ModelConfig(**MODEL)).forward_one(torch.tensor(prompt), 0, None)
+        _, ref = forward_one(DecoderModel(ModelConfig(**MODEL)), torch.tensor(prompt), 0, None)
         assert torch.allclose(kv, ref, atol=1e-5)
         assert target.loop.call(lambda: target.cache.install(prompt, None, kv)).result() == 80
         items = run(target, prompt + [7])
