@@ -25,10 +25,7 @@ LAYERS = ("cluster", "actors", "serve_app", "lab")
 PRODUCT = LAYERS[:3]
 MAX_PRODUCT_FILE_LINES = 600
 
-PENDING_CYCLES: set[frozenset[str]] = {
-    frozenset({"cluster.engine.cuda_graphs", "cluster.engine.layer_loop", "cluster.engine.model",
-               "cluster.engine.packed_weights", "cluster.engine.paged"}),
-}
+PENDING_CYCLES: set[frozenset[str]] = set()
 PENDING_LONG: set[str] = set()
 
 
