@@ -397,38 +397,3 @@ class DecoderModel(nn.Module):
                               linear_layouts.layout_for(self.kernels.head_layouts, hidden.shape[0])).float()
         return logits, bounds
 
-
-def sample(
-    logits_row: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0,
-    generator: torch.Generator | None = None,
-) -> int:
-    """Next token id: greedy when temperature == 0, else temperature + nucleus sampling.
-
-    Top-p keeps the smallest set of most likely tokens whose probability reaches
-    top_p (the most likely token always). Ties sort stably, so a seeded generator
-    gives the same token on every run.
-    """
-    if not isinstance(logits_row, torch.Tensor) or logits_row.dim() != 1 or logits_row.numel() == 0:
-        raise ValueError(f"logits_row must be a non-empty 1-D tensor, got {logits_row!r:.80}")
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
-            or not math.isfinite(temperature) or temperature < 0:
-        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
-    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
-    logits = logits_row.float()
-    if torch.isnan(logits).any():
-        raise ValueError("logits_row contains NaN")
-    if temperature == 0:
-        return int(torch.argmax(logits))
-    if generator is not None and generator.device != logits.device:
-        logits = logits.to(generator.device)
-    probs = torch.softmax(logits / temperature, dim=-1)
-    if top_p < 1:
-        sorted_probs, order = torch.sort(probs, descending=True, stable=True)
-        before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-        keep = before < top_p
-        keep[0] = True   # the most likely token always: a top_p below float32's range compares as 0
-        sorted_probs = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
-        choice = torch.multinomial(sorted_probs, 1, generator=generator)
-        return int(order[choice])
-    return int(torch.multinomial(probs, 1, generator=generator))

@@ -6,7 +6,7 @@ penalties (``repetition_penalty`` over prompt and output, as transformers
 applies it; ``frequency_penalty`` and ``presence_penalty`` over the output, as
 OpenAI defines them), then greedy (argmax) or ``temperature``, ``min_p``,
 ``top_k``, ``top_p`` and a draw from the request's generator. A request that
-sets none of them takes exactly the path of ``cluster.engine.model.sample``
+sets none of them takes exactly the path of ``sample``
 (same floats, same draws), so seeded sampling stays a function of (seed,
 position) and a preempted or resumed request continues exactly.
 
@@ -17,14 +17,50 @@ comparable across requests and equal the model's reference forward.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Sequence
 
 import torch
 
-from cluster.engine.model import sample
 from cluster.protocol import SamplingParams
 
 NEG_INF = float("-inf")
+
+
+def sample(
+    logits_row: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> int:
+    """Next token id: greedy when temperature == 0, else temperature + nucleus sampling.
+
+    Top-p keeps the smallest set of most likely tokens whose probability reaches
+    top_p (the most likely token always). Ties sort stably, so a seeded generator
+    gives the same token on every run.
+    """
+    if not isinstance(logits_row, torch.Tensor) or logits_row.dim() != 1 or logits_row.numel() == 0:
+        raise ValueError(f"logits_row must be a non-empty 1-D tensor, got {logits_row!r:.80}")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
+            or not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+    logits = logits_row.float()
+    if torch.isnan(logits).any():
+        raise ValueError("logits_row contains NaN")
+    if temperature == 0:
+        return int(torch.argmax(logits))
+    if generator is not None and generator.device != logits.device:
+        logits = logits.to(generator.device)
+    probs = torch.softmax(logits / temperature, dim=-1)
+    if top_p < 1:
+        sorted_probs, order = torch.sort(probs, descending=True, stable=True)
+        before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        keep = before < top_p
+        keep[0] = True   # the most likely token always: a top_p below float32's range compares as 0
+        sorted_probs = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
+        choice = torch.multinomial(sorted_probs, 1, generator=generator)
+        return int(order[choice])
+    return int(torch.multinomial(probs, 1, generator=generator))
 
 
 def needs_processing(params: SamplingParams) -> bool:

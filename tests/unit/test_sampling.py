@@ -9,7 +9,8 @@ import torch
 
 from cluster.cache.kv_pool import KVLayout
 from cluster.cache.tiered import TierConfig, TieredCache
-from cluster.engine.model import DecoderModel, ModelConfig, sample
+from cluster.engine.model import DecoderModel, ModelConfig
+from cluster.engine.sampling import sample
 from cluster.engine.engine import Engine
 from cluster.engine.sampling import process, sample_token, token_logprobs
 from cluster.errors import InvalidInputError
