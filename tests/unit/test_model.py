@@ -12,8 +12,8 @@ from cluster.engine.model import (
     DecoderModel,
     ModelConfig,
     kv_shape,
-    sample,
 )
+from cluster.engine.sampling import sample
 from cluster.engine.tokenizer import ByteTokenizer
 from tests.requirements import KERNELS, require
 from tests.unit.reference_forward import ReferenceForward, forward_batch, forward_one
