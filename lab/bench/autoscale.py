@@ -47,7 +47,12 @@ One row per arm (``lab.bench.autoscale_figures`` computes every figure):
 - ``crossed_scale_in_*``: the turns whose session's previous turn ran on a
   replica that had left before the turn was sent: how many, their sessions,
   ``crossed_scale_in_reuse`` (of what the previous turn left, prompt + reply,
-  the share found cached; a failed turn counts 0) and how many failed;
+  the share found cached; a failed turn counts 0), ``crossed_scale_in_by_tier``
+  (where those cached tokens were) and how many failed;
+- ``handoffs``: each stopped replica's hand-off report (blocks queued for L3,
+  sequences its peers pulled); ``l3_at_end``: the live replicas' L3 counters
+  (fetches, misses, skips, install failures) and ``l3_master``: the L3 pool's
+  capacity, use and evictions at the end;
 - ``idle_to_min_s``: from the last answer to ``min_replicas`` running, none starting
   (0 where a scale-in during ``cool`` got there first); ``peak_end_to_min_s``: the
   same from the end of ``peak``, the load back at its base rate;
@@ -309,6 +314,27 @@ def l3_counters(base: str) -> dict:
     return out
 
 
+MASTER_METRICS = ("master_total_capacity_bytes", "master_allocated_bytes", "master_key_count",
+                  "master_evicted_key_count", "master_evicted_size_bytes")
+
+
+def master_counters(url: str) -> dict:
+    """The L3 master's pool and evictions at the end (its Prometheus text; {} when it does not answer):
+    a full pool evicts, and a session missing one block of its run reads only what comes before it."""
+    import httpx
+
+    try:
+        text = httpx.get(url, timeout=10).text
+    except httpx.HTTPError:
+        return {}
+    out = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in MASTER_METRICS:
+            out[name.removeprefix("master_")] = int(float(value))
+    return out
+
+
 def arm_row(arm: str, args, phases: list[Phase], load: LoadRun, samples: list[ReplicaSample], t0: float,
             notes: list[dict], load_wall: float) -> dict:
     """One arm's figures from what it recorded."""
@@ -384,6 +410,7 @@ def run_arm(arm: str, args, phases: list[Phase], plan: list[PlannedSession], sys
         row["samples_missed"] = sampler.missed
         row["handoffs"] = handoff_figures(notes)
         row["l3_at_end"] = l3_counters(f"http://127.0.0.1:{port}")
+        row["l3_master"] = master_counters(local.l3.metrics_url) if local.l3 is not None else None
         if args.raw:
             write_raw(args.raw, arm, list(sampler.samples), load.turns, t0)
         return row
