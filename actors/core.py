@@ -97,23 +97,9 @@ class WorkerCore:
         self.model = self.loaded.model
         mc = self.model.config
         self.layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, mc.dtype)
-        self.cache = TieredCache(tiers, self.layout, vocab_size=mc.vocab_size)
+        self.cache = TieredCache(tiers, self.layout, vocab_size=mc.vocab_size, prefault=False)
         part("cache_s")
-        # L3 and NIXL open on threads while this one builds the engine (the packed weights, the
-        # kernels); each is bounded where it calls out (the L3 store's calls, NIXL's local agent).
-        # Each part's seconds are its own thread's. The tokenizer's grammars are built after
-        # the worker is ready (``prepare_grammars``), or by the first constrained request.
-        with ThreadPoolExecutor(2, thread_name_prefix=f"start-{worker_id}") as pool:
-            l3 = pool.submit(self._timed_part, "l3_s", self._open_l3, peer_host)
-            nixl = pool.submit(self._timed_part, "nixl_s", self._open_nixl)
-            self.grammars = self._timed_part("grammars_s", self._grammars, mc.vocab_size)
-            self.engine = Engine(self.model, self.cache, config.scheduler_config(), decode_kernel=config.decode_kernel,
-                                 grammars=self.grammars)
-            self.startup["packed_weights"] = getattr(self.model, "packed_source", {}).get("source", "none")
-            part("engine_s")
-            self.l3, self.nixl = l3.result(), nixl.result()
-            if self.l3 is not None:   # the cache is this thread's until the engine thread starts
-                self.cache.attach_l3(self.l3)
+        self._build_engine(peer_host, part)
         part("parallel_wait_s")
         self._configure_engine()
         self.migration = Migrator(worker_id, self.cache, self.nixl, block_tokens=tiers.block_tokens,
@@ -207,6 +193,30 @@ class WorkerCore:
             for namespace, held in (quotas.l3_written.items() if quotas is not None else ()):
                 if held:   # the tenants' L3 counts: a directory that restarted learns this replica's
                     self.publisher.on_l3_stored(list(held), namespace)
+
+    def _build_engine(self, peer_host: str | None, part: Callable[[str], None]) -> None:
+        """The engine, with L3, NIXL and the pools' pages beside it (start-up)."""
+        config, mc = self.config, self.model.config
+        # L3 and NIXL open, and the pools' pages are touched, on threads while this one builds
+        # the engine (the packed weights, the kernels); each is bounded where it calls out (the
+        # L3 store's calls, NIXL's local agent). Each part's seconds are its own thread's. The
+        # tokenizer's grammars are built after the worker is ready (``prepare_grammars``), or
+        # by the first constrained request.
+        with ThreadPoolExecutor(3, thread_name_prefix=f"start-{self.worker_id}") as pool:
+            l3 = pool.submit(self._timed_part, "l3_s", self._open_l3, peer_host)
+            nixl = pool.submit(self._timed_part, "nixl_s", self._open_nixl)
+            # The pools' pages (nothing is written to them before the engine is built).
+            touched = pool.submit(self._timed_part, "prefault_s",
+                                  lambda: [p.prefault() for p in self.cache.pools if hasattr(p, "prefault")])
+            self.grammars = self._timed_part("grammars_s", self._grammars, mc.vocab_size)
+            self.engine = Engine(self.model, self.cache, config.scheduler_config(), decode_kernel=config.decode_kernel,
+                                 grammars=self.grammars)
+            self.startup["packed_weights"] = getattr(self.model, "packed_source", {}).get("source", "none")
+            part("engine_s")
+            self.l3, self.nixl = l3.result(), nixl.result()
+            touched.result()
+            if self.l3 is not None:   # the cache is this thread's until the engine thread starts
+                self.cache.attach_l3(self.l3)
 
     def _register(self, fresh: bool = True) -> None:
         """Register with the directory: measured rates and the peer channel's address."""

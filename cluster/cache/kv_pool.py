@@ -56,7 +56,7 @@ def cuda_available() -> bool:
 class KVPool:
     def __init__(self, alloc_config: AllocatorConfig, layout: KVLayout | None, *,
                  device: str | torch.device = "cpu", pin_memory: bool = False, name: str = "pool",
-                 codec: Any = None):
+                 codec: Any = None, prefault: bool = True):
         self.name = name
         self.codec = codec if codec is not None and codec.compressed else None
         self.allocator = BlockAllocator(alloc_config)
@@ -73,10 +73,17 @@ class KVPool:
             dtype = self.codec.stored_dtype if self.codec else layout.torch_dtype
             pin = pin_memory and self.device.type == "cpu" and cuda_available()
             self.tensor = torch.zeros(shape, dtype=dtype, device=self.device, pin_memory=pin)
-            if self.device.type == "cpu" and not pin:
-                # zeros() maps pages lazily: touch them now, so the first copy into the
-                # pool does not pay page faults in the middle of serving.
-                self.tensor.fill_(0)
+            self._untouched = self.device.type == "cpu" and not pin
+            if prefault:
+                self.prefault()
+
+    def prefault(self) -> None:
+        """zeros() maps a CPU pool's pages lazily: touch them all, so the first copy into the
+        pool does not pay page faults in the middle of serving. Once, before anything is
+        written to the pool (a worker does it on a start-up thread beside the engine build)."""
+        if getattr(self, "_untouched", False):
+            self.tensor.fill_(0)
+            self._untouched = False
 
     @property
     def block_bytes(self) -> int:

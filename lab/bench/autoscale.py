@@ -310,7 +310,7 @@ def l3_counters(base: str) -> dict:
     out = {}
     for w, st in workers.items():
         l3 = st.get("l3") or {}
-        out[w[-8:]] = {k: l3.get(k) for k in L3_KEYS} | {"put_failures": (l3.get("store") or {}).get("put_failures")}
+        out[w[-8:]] = {**{k: l3.get(k) for k in L3_KEYS}, "put_failures": (l3.get("store") or {}).get("put_failures")}
     return out
 
 
