@@ -72,17 +72,21 @@ class KVPool:
                      layout.num_kv_heads, row)
             dtype = self.codec.stored_dtype if self.codec else layout.torch_dtype
             pin = pin_memory and self.device.type == "cpu" and cuda_available()
-            self.tensor = torch.zeros(shape, dtype=dtype, device=self.device, pin_memory=pin)
+            # A CPU pool is zeroed by ``prefault`` (now, or later on a worker's start-up thread):
+            # writing the zeros is what maps its pages, seconds for a GiB on a busy machine.
             self._untouched = self.device.type == "cpu" and not pin
+            self.tensor = torch.empty(shape, dtype=dtype, device=self.device) if self._untouched \
+                else torch.zeros(shape, dtype=dtype, device=self.device, pin_memory=pin)
             if prefault:
                 self.prefault()
 
     def prefault(self) -> None:
-        """zeros() maps a CPU pool's pages lazily: touch them all, so the first copy into the
-        pool does not pay page faults in the middle of serving. Once, before anything is
-        written to the pool (a worker does it on a start-up thread beside the engine build)."""
+        """Zero a CPU pool, mapping every page, so the first copy into the pool does not pay
+        page faults in the middle of serving. Once, before the pool is used: a pool built with
+        ``prefault=False`` holds garbage until then (a worker zeroes it on a start-up thread
+        beside the engine build and waits for it before the engine thread starts)."""
         if getattr(self, "_untouched", False):
-            self.tensor.fill_(0)
+            self.tensor.zero_()
             self._untouched = False
 
     @property
