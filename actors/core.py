@@ -23,6 +23,7 @@ that class as a deployment; tests run it as a Ray actor).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
@@ -96,22 +97,9 @@ class WorkerCore:
         self.model = self.loaded.model
         mc = self.model.config
         self.layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, mc.dtype)
-        self.cache = TieredCache(tiers, self.layout, vocab_size=mc.vocab_size)
+        self.cache = TieredCache(tiers, self.layout, vocab_size=mc.vocab_size, prefault=False)
         part("cache_s")
-        # L3, NIXL and the tokenizer's grammars open on threads while this one builds the engine
-        # (the packed weights, the kernels); each is bounded where it calls out (the L3 store's
-        # calls, NIXL's local agent). Each part's seconds are its own thread's.
-        with ThreadPoolExecutor(3, thread_name_prefix=f"start-{worker_id}") as pool:
-            l3 = pool.submit(self._timed_part, "l3_s", self._open_l3, peer_host)
-            nixl = pool.submit(self._timed_part, "nixl_s", self._open_nixl)
-            grammars = pool.submit(self._timed_part, "grammars_s", self._grammars, mc.vocab_size)
-            self.engine = Engine(self.model, self.cache, config.scheduler_config(), decode_kernel=config.decode_kernel)
-            self.startup["packed_weights"] = getattr(self.model, "packed_source", {}).get("source", "none")
-            part("engine_s")
-            self.l3, self.nixl = l3.result(), nixl.result()
-            if self.l3 is not None:   # the cache is this thread's until the engine thread starts
-                self.cache.attach_l3(self.l3)
-            self.engine.grammars = self.engine.sampler.grammars = grammars.result()
+        self._build_engine(peer_host, part)
         part("parallel_wait_s")
         self._configure_engine()
         self.migration = Migrator(worker_id, self.cache, self.nixl, block_tokens=tiers.block_tokens,
@@ -206,16 +194,60 @@ class WorkerCore:
                 if held:   # the tenants' L3 counts: a directory that restarted learns this replica's
                     self.publisher.on_l3_stored(list(held), namespace)
 
+    def _build_engine(self, peer_host: str | None, part: Callable[[str], None]) -> None:
+        """The engine, with L3, NIXL and the pools' pages beside it (start-up)."""
+        config, mc = self.config, self.model.config
+        # L3 and NIXL open, and the pools' pages are touched, on threads while this one builds
+        # the engine (the packed weights, the kernels); each is bounded where it calls out (the
+        # L3 store's calls, NIXL's local agent). Each part's seconds are its own thread's. The
+        # tokenizer's grammars are built after the worker is ready (``prepare_grammars``), or
+        # by the first constrained request.
+        with ThreadPoolExecutor(3, thread_name_prefix=f"start-{self.worker_id}") as pool:
+            l3 = pool.submit(self._timed_part, "l3_s", self._open_l3, peer_host)
+            nixl = pool.submit(self._timed_part, "nixl_s", self._open_nixl)
+            # The pools' pages (nothing is written to them before the engine is built).
+            touched = pool.submit(self._timed_part, "prefault_s",
+                                  lambda: [p.prefault() for p in self.cache.pools if hasattr(p, "prefault")])
+            self.grammars = self._timed_part("grammars_s", self._grammars, mc.vocab_size)
+            self.engine = Engine(self.model, self.cache, config.scheduler_config(), decode_kernel=config.decode_kernel,
+                                 grammars=self.grammars)
+            self.startup["packed_weights"] = getattr(self.model, "packed_source", {}).get("source", "none")
+            part("engine_s")
+            self.l3, self.nixl = l3.result(), nixl.result()
+            touched.result()
+            if self.l3 is not None:   # the cache is this thread's until the engine thread starts
+                self.cache.attach_l3(self.l3)
+
     def _register(self, fresh: bool = True) -> None:
         """Register with the directory: measured rates and the peer channel's address."""
         self.directory.register(self.worker_id, self.rates(), self.peer.address if self.peer else None, fresh)
 
     def _grammars(self, vocab_size: int) -> Grammars | None:
-        """Structured output's matchers for this model's tokenizer (None without llguidance)."""
+        """Structured output's matchers for this model's tokenizer (None without llguidance),
+        its tokenizer loaded and llguidance's view of it built later (``prepare_grammars``)."""
         if not grammar_available():
             log.warning("structured output off on %s: llguidance is not installed", self.worker_id)
             return None
-        return Grammars(load_tokenizer(self.loaded), vocab_size)
+        loaded = self.loaded
+        return Grammars.deferred(lambda: load_tokenizer(loaded), vocab_size)
+
+    def prepare_grammars(self) -> None:
+        """Build the grammars' tokenizer on a thread of its own at the lowest CPU priority (the
+        shell calls it once the worker is ready: the engine's threads keep the cores); a
+        constrained request that comes first waits for it (``generate``), never the engine."""
+        grammars = self.grammars
+        if grammars is None or grammars.ready:
+            return
+
+        def build() -> None:
+            with contextlib.suppress(OSError):   # a thread's own nice value (Linux)
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+            try:
+                grammars.prepare()
+                log.info("worker %s: grammars ready in %.2f s", self.worker_id, grammars.build_s)
+            except Exception as exc:   # the first constrained request tries again and reports it
+                log.warning("worker %s: building the grammars failed: %s", self.worker_id, exc)
+        threading.Thread(target=build, name=f"grammars-{self.worker_id}", daemon=True).start()
 
     def _open_l3(self, host: str | None) -> L3Tier | None:
         """L3 on the configured master (the caller attaches it to the cache); None (one log line)
@@ -342,6 +374,8 @@ class WorkerCore:
                                 time.perf_counter() - started if migration is not None else 0.0, received_at)
         req = EngineRequest(list(request.prompt), request.params, namespace=request.tenant,
                             session_id=request.session_id)
+        if request.params.grammar is not None and self.grammars is not None and not self.grammars.ready:
+            await asyncio.to_thread(self.grammars.prepare)   # here, not on the engine thread
         async for item in self.loop.stream(req, context):
             yield item
 
@@ -434,7 +468,8 @@ class WorkerCore:
                            "torch_threads": torch.get_num_threads(),
                            "linear_layouts": self.engine.linear_layouts, "decode_kernel": self.engine.decode_kernel,
                            "ownership_violations": self.loop.owner.violations,
-                           "watchdog_trips": self.loop.watchdog_trips},
+                           "watchdog_trips": self.loop.watchdog_trips,
+                           "grammars_build_s": self.grammars.build_s if self.grammars is not None else None},
                 "load": dataclasses.asdict(self.loop.measure_load()), "autoscaling": self.loop.signals.as_metrics(),
                 "fragmentation": c.fragmentation(),
                 "protected_tokens": c.protected_tokens, "evictable_tokens": c.evictable_tokens,

@@ -9,7 +9,8 @@ Scale-in (``hand_off``), within the shell's budget (Serve's
 2. every cached sequence's blocks that L3 lacks are queued for writing, most
    valuable first (``cluster.cache.prefix_value``: expected reuse x recompute
    cost), COLD ones read from disk too;
-3. meanwhile the most valuable sequences are offered to the surviving
+3. meanwhile the most recently used sequences (``recent_prefixes``: the
+   sessions under way, whose next turns come next) are offered to the surviving
    workers, least loaded first; each pulls its share over NIXL (a migration
    from this worker, as the router's migrations are); not when the whole app
    is being deleted (``to_peers=False``: no replica survives to use them);
@@ -35,7 +36,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Awaitable, Callable, Protocol
 
-from cluster.cache.prefix_value import valuable_prefixes
+from cluster.cache.prefix_value import recent_prefixes
 from cluster.protocol import PrefixOffer
 
 if TYPE_CHECKING:
@@ -124,7 +125,7 @@ async def hand_off(core: "WorkerCore", ops: PeerOps, budget_s: float, *,
     if k:
         offers = await core.loop.run(lambda: [
             PrefixOffer(core.worker_id, p.namespace, p.tokens, p.value)
-            for p in valuable_prefixes(core.cache.tree, k)])
+            for p in recent_prefixes(core.cache.tree, k)])
         report.of_prefixes = report.of_prefixes or len(offers)
         report.peer_prefixes, report.peer_tokens = await _offer_to_peers(ops, offers, deadline)
     if link is not None:

@@ -112,6 +112,7 @@ class CacheWorker:
                         "warmup_s": round(t_ready - t_cuda, 3), "total_s": round(t_ready - t0, 3),
                         "core_parts": dict(self.core.startup)}
         await self.directory.note_lifecycle(self.worker_id, "startup", self.startup)
+        self.core.prepare_grammars()   # after ready: a start waits for none of it
 
     async def _build_cuda_steps(self) -> dict:
         """Compile and capture what the model's CUDA steps launch (``cuda_graphs.warm_up``),

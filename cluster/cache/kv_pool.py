@@ -56,7 +56,7 @@ def cuda_available() -> bool:
 class KVPool:
     def __init__(self, alloc_config: AllocatorConfig, layout: KVLayout | None, *,
                  device: str | torch.device = "cpu", pin_memory: bool = False, name: str = "pool",
-                 codec: Any = None):
+                 codec: Any = None, prefault: bool = True):
         self.name = name
         self.codec = codec if codec is not None and codec.compressed else None
         self.allocator = BlockAllocator(alloc_config)
@@ -72,11 +72,22 @@ class KVPool:
                      layout.num_kv_heads, row)
             dtype = self.codec.stored_dtype if self.codec else layout.torch_dtype
             pin = pin_memory and self.device.type == "cpu" and cuda_available()
-            self.tensor = torch.zeros(shape, dtype=dtype, device=self.device, pin_memory=pin)
-            if self.device.type == "cpu" and not pin:
-                # zeros() maps pages lazily: touch them now, so the first copy into the
-                # pool does not pay page faults in the middle of serving.
-                self.tensor.fill_(0)
+            # A CPU pool is zeroed by ``prefault`` (now, or later on a worker's start-up thread):
+            # writing the zeros is what maps its pages, seconds for a GiB on a busy machine.
+            self._untouched = self.device.type == "cpu" and not pin
+            self.tensor = torch.empty(shape, dtype=dtype, device=self.device) if self._untouched \
+                else torch.zeros(shape, dtype=dtype, device=self.device, pin_memory=pin)
+            if prefault:
+                self.prefault()
+
+    def prefault(self) -> None:
+        """Zero a CPU pool, mapping every page, so the first copy into the pool does not pay
+        page faults in the middle of serving. Once, before the pool is used: a pool built with
+        ``prefault=False`` holds garbage until then (a worker zeroes it on a start-up thread
+        beside the engine build and waits for it before the engine thread starts)."""
+        if getattr(self, "_untouched", False):
+            self.tensor.zero_()
+            self._untouched = False
 
     @property
     def block_bytes(self) -> int:

@@ -8,9 +8,11 @@ Value = expected reuse x recompute cost:
 - recompute cost: ``n * (1 + n / ATTENTION_TOKENS)`` for ``n`` tokens (prefill
   grows faster than the token count: attention reads the whole context).
 
-Two rankings use it. ``valuable_prefixes``: every cached sequence (each
-leaf's path), with the hits of the chain only it uses: what a replica that
-leaves hands on (scale-in). ``shared_prefixes``: the branch points (a path
+Three rankings use it. ``valuable_prefixes``: every cached sequence (each
+leaf's path), with the hits of the chain only it uses: the order a replica
+that leaves writes what L3 lacks (scale-in). ``recent_prefixes``: the same
+sequences, the most recently used first: the ones a leaving replica's peers
+pull (its live sessions). ``shared_prefixes``: the branch points (a path
 several sequences continue, e.g. a system prompt), with their own hits: what
 a new replica pulls before it takes traffic (scale-out). Reading the tree
 here touches nothing (recency and hit counts stay as they were).
@@ -86,4 +88,17 @@ def shared_prefixes(tree: "RadixTree", limit: int | None = None, now: float | No
     now = tree.clock() if now is None else now
     out = [_valued(tree, node, node.hit_count, now) for node in tree.iter_nodes() if len(node.children) >= 2]
     out.sort(key=lambda p: -p.value)
+    return out if limit is None else out[:limit]
+
+
+def recent_prefixes(tree: "RadixTree", limit: int | None = None, now: float | None = None) -> list[ValuedPrefix]:
+    """Every cached sequence, the most recently used first (each with its value): what a
+    leaving replica's peers pull, a bounded few. A conversation's next turn comes seconds
+    after its last one, so the sequences used last are the sessions still under way, the
+    ones whose next turn lands on a survivor in the next seconds. By value, a session that
+    ended with many turns outranks one under way with fewer (its hits count, and idle time
+    halves them only every ``REUSE_HALF_LIFE_S``): a replica that held 30 sessions handed
+    its peers 16 finished ones, and the one still talking found none of it (issue 52)."""
+    out = valuable_prefixes(tree, None, now)
+    out.sort(key=lambda p: p.idle_s)
     return out if limit is None else out[:limit]

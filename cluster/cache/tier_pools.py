@@ -23,13 +23,16 @@ from cluster.errors import InvalidInputError
 from cluster.names import COLD, HOT
 
 
-def build_pools(config: TierConfig, layout: KVLayout | None, device: torch.device, codec: Any) -> list[Any]:
-    """One pool per tier of ``config`` (sized already: ``TierConfig.sized``)."""
+def build_pools(config: TierConfig, layout: KVLayout | None, device: torch.device, codec: Any,
+                prefault: bool = True) -> list[Any]:
+    """One pool per tier of ``config`` (sized already: ``TierConfig.sized``); ``prefault=False``:
+    the CPU pools' pages are touched later (``KVPool.prefault``)."""
     bt, mode = config.block_tokens, config.mode
-    pools: list[Any] = [KVPool(AllocatorConfig(config.hot_blocks, bt, mode), layout, device=device, name="hot")]
+    pools: list[Any] = [KVPool(AllocatorConfig(config.hot_blocks, bt, mode), layout, device=device, name="hot",
+                               prefault=prefault)]
     if config.warm_blocks:
         pools.append(KVPool(AllocatorConfig(config.warm_blocks, bt, mode), layout, codec=codec,
-                            device="cpu", pin_memory=device.type == "cuda", name="warm"))
+                            device="cpu", pin_memory=device.type == "cuda", name="warm", prefault=prefault))
     if config.cold_blocks and layout is None:  # simulation: bookkeeping only, no file
         pools.append(KVPool(AllocatorConfig(config.cold_blocks, bt, mode), None, name="cold"))
     elif config.cold_blocks:

@@ -79,9 +79,10 @@ __all__ = ["TieredCache", "TierConfig", "Move", "MoveKind", "Readiness", "Tiered
 
 class TieredCache:
     def __init__(self, config: TierConfig, layout: KVLayout | None, *, clock: Callable[[], float] = time.monotonic,
-                 vocab_size: int | None = None, deterministic_io: bool = False):
+                 vocab_size: int | None = None, deterministic_io: bool = False, prefault: bool = True):
         """``deterministic_io``: background copies complete at the next poll,
-        exactly (tests and replays); production leaves it off."""
+        exactly (tests and replays); production leaves it off. ``prefault=False``: the
+        CPU pools' pages are touched later, by their ``prefault`` (a worker's start-up thread)."""
         self.device = config.resolved_device()
         # How WARM, COLD and L3 store KV (``cluster.cache.codec``); sizes in MiB become blocks of it.
         self.codec = tier_codec(config, layout, self.device)
@@ -90,7 +91,7 @@ class TieredCache:
                               * layout.head_dim * layout.torch_dtype.itemsize, self.device.type)
         self.config = config
         self.layout = layout
-        self.pools: list[Any] = build_pools(config, layout, self.device, self.codec)
+        self.pools: list[Any] = build_pools(config, layout, self.device, self.codec, prefault=prefault)
         self.tree = RadixTree([p.allocator for p in self.pools], policy=config.eviction_policy, clock=clock,
                               vocab_size=vocab_size)
         self.copier, self.disk_io, upload = build_copy_engines(config, layout, self.device, self.pools,

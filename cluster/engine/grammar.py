@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -88,6 +90,17 @@ def choice_spec(choices: Sequence[str]) -> GrammarSpec:
     return GrammarSpec("choice", json.dumps(list(choices)))
 
 
+def _ll_tokenizer(tokenizer: Any, vocab_size: int) -> Any:
+    """llguidance's tokenizer for ``tokenizer`` (an ``HFTokenizer`` or the byte tokenizer)."""
+    import llguidance
+    import llguidance.hf
+
+    hf = getattr(tokenizer, "tokenizer", None)
+    if hf is not None:
+        return llguidance.hf.from_tokenizer(hf, n_vocab=vocab_size, eos_token=list(tokenizer.stop_token_ids))
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_ByteVocab(tokenizer)), n_vocab=vocab_size)
+
+
 class _ByteVocab:
     """The built-in byte tokenizer as llguidance sees a tokenizer."""
 
@@ -102,20 +115,45 @@ class _ByteVocab:
 
 
 class Grammars:
-    """The grammars of one tokenizer: compiles specs into matchers, computes masks."""
+    """The grammars of one tokenizer: compiles specs into matchers, computes masks.
+
+    llguidance's view of the tokenizer (a pass over the whole vocabulary: seconds for a
+    49k-token vocabulary on a busy CPU) is built once, by ``prepare`` or on the first
+    ``matcher`` that needs it, whichever comes first (``deferred``: also the tokenizer's
+    own load). A replica prepares it on a thread after it reports ready, so its start
+    does not wait for it, and a constrained request that comes first waits for it."""
 
     def __init__(self, tokenizer: Any, vocab_size: int):
-        import llguidance
-        import llguidance.hf
-
         self.vocab_size = vocab_size
-        hf = getattr(tokenizer, "tokenizer", None)
-        if hf is not None:
-            self.tokenizer = llguidance.hf.from_tokenizer(hf, n_vocab=vocab_size,
-                                                          eos_token=list(tokenizer.stop_token_ids))
-        else:
-            self.tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_ByteVocab(tokenizer)),
-                                                    n_vocab=vocab_size)
+        self._load: Callable[[], Any] = lambda: tokenizer
+        self._ll: Any = None
+        self._lock = threading.Lock()
+        self.build_s: float | None = None   # seconds the build took (None: not built yet)
+
+    @classmethod
+    def deferred(cls, load: Callable[[], Any], vocab_size: int) -> "Grammars":
+        """Grammars whose tokenizer ``load()`` returns, loaded when they are first prepared."""
+        out = cls(None, vocab_size)
+        out._load = load
+        return out
+
+    @property
+    def ready(self) -> bool:
+        return self._ll is not None
+
+    def prepare(self) -> None:
+        """Build llguidance's tokenizer now (any thread; once: later calls return at once)."""
+        self._tokenizer()
+
+    def _tokenizer(self) -> Any:
+        if self._ll is not None:
+            return self._ll
+        with self._lock:   # one build; a caller that comes during it waits for it
+            if self._ll is None:
+                began = time.perf_counter()
+                self._ll = _ll_tokenizer(self._load(), self.vocab_size)
+                self.build_s = round(time.perf_counter() - began, 3)
+        return self._ll
 
     def matcher(self, spec: GrammarSpec, consumed: Sequence[int] = ()) -> Any:
         """A fresh matcher for ``spec``, advanced over ``consumed`` (a resumed request's
@@ -124,7 +162,7 @@ class Grammars:
         from llguidance import LLMatcher
 
         spec.check()
-        m = LLMatcher(self.tokenizer, spec.grammar(), log_level=0)
+        m = LLMatcher(self._tokenizer(), spec.grammar(), log_level=0)
         if m.is_error():
             raise InvalidInputError(f"the {spec.kind} does not compile: {m.get_error()[:500]}")
         if consumed and not m.consume_tokens(list(consumed)):

@@ -47,7 +47,12 @@ One row per arm (``lab.bench.autoscale_figures`` computes every figure):
 - ``crossed_scale_in_*``: the turns whose session's previous turn ran on a
   replica that had left before the turn was sent: how many, their sessions,
   ``crossed_scale_in_reuse`` (of what the previous turn left, prompt + reply,
-  the share found cached; a failed turn counts 0) and how many failed;
+  the share found cached; a failed turn counts 0), ``crossed_scale_in_by_tier``
+  (where those cached tokens were) and how many failed;
+- ``handoffs``: each stopped replica's hand-off report (blocks queued for L3,
+  sequences its peers pulled); ``l3_at_end``: the live replicas' L3 counters
+  (fetches, misses, skips, install failures) and ``l3_master``: the L3 pool's
+  capacity, use and evictions at the end;
 - ``idle_to_min_s``: from the last answer to ``min_replicas`` running, none starting
   (0 where a scale-in during ``cool`` got there first); ``peak_end_to_min_s``: the
   same from the end of ``peak``, the load back at its base rate;
@@ -282,6 +287,54 @@ def start_figures(notes: list[dict], load_wall: float) -> dict:
     return {"replica_starts": starts, "process_to_ready_s_max": max(later) if later else None}
 
 
+HANDOFF_KEYS = ("l3_blocks", "l3_prefixes", "of_prefixes", "l3_flushed", "peer_prefixes", "peer_tokens", "seconds")
+L3_KEYS = ("fetches", "fetch_blocks_asked", "fetch_blocks_hit", "fetch_misses", "fetch_skipped_slower",
+           "fetch_unanswered", "install_failures", "installed_tokens", "writes_dropped", "write_failures")
+
+
+def handoff_figures(notes: list[dict]) -> list[dict]:
+    """Each replica's hand-off as it noted it with the directory (kind ``handoff``)."""
+    return [{"worker_id": n["worker_id"][-8:], **{k: rounded(n[k], 2) if isinstance(n.get(k), float) else n.get(k)
+                                                  for k in HANDOFF_KEYS}}
+            for n in notes if n.get("kind") == "handoff"]
+
+
+def l3_counters(base: str) -> dict:
+    """The live replicas' L3 counters at the end (``GET /v1/cache/stats``; {} when it does not answer)."""
+    import httpx
+
+    try:
+        workers = httpx.get(base + "/v1/cache/stats", timeout=30).json().get("workers", {})
+    except (httpx.HTTPError, ValueError):
+        return {}
+    out = {}
+    for w, st in workers.items():
+        l3 = st.get("l3") or {}
+        out[w[-8:]] = {**{k: l3.get(k) for k in L3_KEYS}, "put_failures": (l3.get("store") or {}).get("put_failures")}
+    return out
+
+
+MASTER_METRICS = ("master_total_capacity_bytes", "master_allocated_bytes", "master_key_count",
+                  "master_evicted_key_count", "master_evicted_size_bytes")
+
+
+def master_counters(url: str) -> dict:
+    """The L3 master's pool and evictions at the end (its Prometheus text; {} when it does not answer):
+    a full pool evicts, and a session missing one block of its run reads only what comes before it."""
+    import httpx
+
+    try:
+        text = httpx.get(url, timeout=10).text
+    except httpx.HTTPError:
+        return {}
+    out = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in MASTER_METRICS:
+            out[name.removeprefix("master_")] = int(float(value))
+    return out
+
+
 def arm_row(arm: str, args, phases: list[Phase], load: LoadRun, samples: list[ReplicaSample], t0: float,
             notes: list[dict], load_wall: float) -> dict:
     """One arm's figures from what it recorded."""
@@ -321,7 +374,8 @@ def write_raw(path: str, arm: str, samples: list[ReplicaSample], turns: list[Tur
     record = {"arm": arm, "samples": [[rounded(s.at, 3), s.running, s.starting, list(s.live)] for s in samples],
               "turns": [{"session": t.session, "turn": t.turn, "ok": t.ok, "sent_s": rounded(t.started_at - t0, 3),
                          "ttft_s": t.ttft_s, "e2e_s": t.e2e_s, "worker_id": t.worker_id, "prompt": t.prompt_tokens,
-                         "completion": t.completion_tokens, "cached": t.cached_tokens, "error": t.error}
+                         "completion": t.completion_tokens, "cached": t.cached_tokens,
+                         "cached_by_tier": t.cached_by_tier, "error": t.error}
                         for t in turns]}
     with open(path, "a", encoding="utf-8") as f:
         f.write(json.dumps(record) + "\n")
@@ -354,6 +408,9 @@ def run_arm(arm: str, args, phases: list[Phase], plan: list[PlannedSession], sys
         notes = ray.get(directory.get_stats.remote(), timeout=30).get("lifecycle", [])
         row = arm_row(arm, args, phases, load, list(sampler.samples), t0, notes, load_wall)
         row["samples_missed"] = sampler.missed
+        row["handoffs"] = handoff_figures(notes)
+        row["l3_at_end"] = l3_counters(f"http://127.0.0.1:{port}")
+        row["l3_master"] = master_counters(local.l3.metrics_url) if local.l3 is not None else None
         if args.raw:
             write_raw(args.raw, arm, list(sampler.samples), load.turns, t0)
         return row

@@ -191,11 +191,15 @@ def crossing_turns(turns: list[Turn], gone: dict[str, float], t0: float) -> list
 
 
 def crossing_figures(pairs: list[tuple[Turn, Turn]]) -> dict:
-    """How much of what their previous turn left (prompt + reply) the crossing turns found cached,
-    and how many of them failed."""
+    """How much of what their previous turn left (prompt + reply) the crossing turns found cached
+    (and in which tier: HOT after a peer pulled it at the hand-off, L3 ...), and how many failed."""
     cached = [t.cached_tokens if t.ok else 0 for _, t in pairs]
     previous = [p.prompt_tokens + p.completion_tokens for p, _ in pairs]
-    return {"crossed_scale_in_turns": len(pairs),
+    by_tier: dict[str, int] = {}
+    for _, t in pairs:
+        for tier, n in (t.cached_by_tier if t.ok else {}).items():
+            by_tier[tier] = by_tier.get(tier, 0) + int(n)
+    return {"crossed_scale_in_turns": len(pairs), "crossed_scale_in_by_tier": by_tier,
             "crossed_scale_in_sessions": len({t.session for _, t in pairs}),
             "crossed_scale_in_reuse": reuse_ratio(cached, previous) if pairs else None,
             "crossed_scale_in_lost": sum(1 for _, t in pairs if not t.ok)}

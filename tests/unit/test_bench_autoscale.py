@@ -40,10 +40,10 @@ def parse(argv):
     return p.parse_args(argv)
 
 
-def turn(session, k, *, at, ttft=0.5, ok=True, worker="a", prompt=100, completion=10, cached=0):
+def turn(session, k, *, at, ttft=0.5, ok=True, worker="a", prompt=100, completion=10, cached=0, by_tier=None):
     return Turn(session, k, ok, ttft_s=ttft if ok else None, e2e_s=ttft + 1.0 if ok else None,
                 prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached,
-                started_at=T0 + at, worker_id=worker)
+                started_at=T0 + at, worker_id=worker, cached_by_tier=dict(by_tier or {}))
 
 
 def sample(at, running, live=("a",), starting=0):
@@ -171,7 +171,8 @@ def test_only_turns_whose_previous_replica_had_left_crossed_a_scale_in():
     assert gone == {"b": 60}
     turns = [
         turn(0, 0, at=40, worker="b", prompt=600, completion=20),
-        turn(0, 1, at=70, worker="a", prompt=650, completion=20, cached=620),   # crossed: b left at 60
+        turn(0, 1, at=70, worker="a", prompt=650, completion=20, cached=620,    # crossed: b left at 60
+             by_tier={"hot": 31, "l3": 589}),
         turn(1, 0, at=40, worker="b", prompt=500, completion=10),
         turn(1, 1, at=55, worker="b", prompt=530, completion=10, cached=510),   # b still there: not crossed
         turn(1, 2, at=65, ok=False),                                            # crossed (prev on b), failed
@@ -180,9 +181,11 @@ def test_only_turns_whose_previous_replica_had_left_crossed_a_scale_in():
     pairs = crossing_turns(turns, gone, T0)
     assert [(p.session, p.turn, t.turn) for p, t in pairs] == [(0, 0, 1), (1, 1, 2)]
     assert crossing_figures(pairs) == {"crossed_scale_in_turns": 2, "crossed_scale_in_sessions": 2,
+                                       "crossed_scale_in_by_tier": {"hot": 31, "l3": 589},
                                        "crossed_scale_in_reuse": round(620 / (620 + 540), 4),
                                        "crossed_scale_in_lost": 1}
     assert crossing_figures([]) == {"crossed_scale_in_turns": 0, "crossed_scale_in_sessions": 0,
+                                    "crossed_scale_in_by_tier": {},
                                     "crossed_scale_in_reuse": None, "crossed_scale_in_lost": 0}
 
 

@@ -88,3 +88,34 @@ def test_a_random_model_under_a_json_schema_writes_valid_json(seed):
     free = eng.generate(TOK.encode("answer: "), SamplingParams(max_tokens=40, temperature=1.0, seed=seed))
     with pytest.raises(ValueError):
         json.loads(TOK.decode([t for t in free.output if t < 256]))
+
+
+def test_deferred_grammars_load_their_tokenizer_once_on_first_use():
+    loads = []
+    g = Grammars.deferred(lambda: loads.append(1) or TOK, TOK.vocab_size)
+    assert (g.ready, loads, g.build_s) == (False, [], None)   # nothing built until something needs it
+    m = g.matcher(GrammarSpec("regex", "ab"))
+    assert g.ready and loads == [1] and g.build_s is not None
+    assert allowed(g, m) == {ord("a")}
+    g.prepare()
+    assert loads == [1]                                         # built once
+
+
+def test_a_worker_starts_without_its_grammars_and_its_first_constrained_request_builds_them():
+    import asyncio
+
+    from cluster.protocol import GenerateRequest
+    from tests.unit.helpers import make_worker
+
+    core = make_worker("w-g")
+    try:
+        assert core.grammars is not None and not core.grammars.ready   # the start waited for none of it
+        params = SamplingParams(max_tokens=5, grammar=GrammarSpec("regex", "ab"))
+
+        async def go():
+            return [i async for i in core.generate(GenerateRequest(TOK.encode("x"), params))]
+        items = asyncio.run(go())
+        assert [i.token for i in items] == [ord("a"), ord("b")] and core.grammars.ready   # then the stop token
+        assert items[-1].finish_reason.value == "stop"
+    finally:
+        core.close()

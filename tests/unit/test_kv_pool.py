@@ -25,6 +25,17 @@ def test_pool_shape_is_block_first():
     assert pool.tensor[3].is_contiguous()
 
 
+def test_a_pool_is_zero_when_built_and_a_deferred_one_once_prefaulted():
+    assert int(torch.count_nonzero(make_pool().tensor)) == 0
+    pool = KVPool(AllocatorConfig(num_blocks=16, block_tokens=8), LAYOUT, prefault=False)
+    pool.tensor.fill_(7.0)   # what an unzeroed allocation may hold
+    pool.prefault()
+    assert int(torch.count_nonzero(pool.tensor)) == 0
+    pool.tensor.fill_(1.0)
+    pool.prefault()          # once: a pool in use is never zeroed again
+    assert int(torch.count_nonzero(pool.tensor)) == pool.tensor.numel()
+
+
 def test_write_then_read_round_trips_across_extents():
     pool = make_pool()
     ext = pool.allocator.allocate(19)

@@ -339,3 +339,15 @@ def test_config_is_validated():
         L3TierConfig(model_id="m", write="sometimes")
     with pytest.raises(InvalidInputError, match="min_fetch_blocks"):
         L3TierConfig(model_id="m", min_fetch_blocks=0)
+
+
+def test_a_turns_own_tail_back_from_l3_sets_no_fetch_rate(model):
+    store = MemoryL3Store()
+    a, tier_a, _ = make(model, store)
+    first = run(a, tier_a, toks(700, 40))   # 40 + 3 output tokens cached: five blocks and a 3-token tail in L3
+    assert tier_a.stats.tails_written == 1 and tier_a.fetch_tokens_per_s is None
+    # The next turn runs two blocks past what the cache holds: L3 has none of them, but the
+    # fetch brings the 3-token tail the cache already holds: no measure of L3's rate.
+    follow = run(a, tier_a, toks(700, 40) + first.output + toks(701, 20))
+    assert follow.cached_tokens == 43 and tier_a.stats.fetches == 2 and tier_a.stats.tails_fetched == 1
+    assert tier_a.stats.fetch_blocks_hit == 0 and tier_a.fetch_tokens_per_s is None

@@ -352,7 +352,8 @@ class L3Tier:
                 if len(times) > 4096:
                     del times[:2048]
                     del sizes[:2048]
-                if r.seconds > 0:   # observed rate, smoothed: what the next decisions weigh
+                # Observed rate, smoothed, from runs the guard decides on (a lone tail times a round trip).
+                if r.seconds > 0 and r.blocks >= self.config.min_fetch_blocks:
                     rate = brought / r.seconds
                     f = self.fetch_tokens_per_s
                     self.fetch_tokens_per_s = rate if f is None else 0.8 * f + 0.2 * rate
