@@ -234,7 +234,8 @@ class WorkerCore:
     def prepare_grammars(self) -> None:
         """Build the grammars' tokenizer on a thread of its own at the lowest CPU priority (the
         shell calls it once the worker is ready: the engine's threads keep the cores); a
-        constrained request that comes first waits for it (``generate``), never the engine."""
+        constrained request that comes first builds them itself at its own priority, off the
+        engine thread (``generate``), rather than wait for this one."""
         grammars = self.grammars
         if grammars is None or grammars.ready:
             return

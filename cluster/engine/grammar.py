@@ -121,7 +121,8 @@ class Grammars:
     49k-token vocabulary on a busy CPU) is built once, by ``prepare`` or on the first
     ``matcher`` that needs it, whichever comes first (``deferred``: also the tokenizer's
     own load). A replica prepares it on a thread after it reports ready, so its start
-    does not wait for it, and a constrained request that comes first waits for it."""
+    does not wait for it, and a constrained request that comes first builds it itself
+    rather than wait for that low-priority thread."""
 
     def __init__(self, tokenizer: Any, vocab_size: int):
         self.vocab_size = vocab_size
@@ -148,10 +149,14 @@ class Grammars:
     def _tokenizer(self) -> Any:
         if self._ll is not None:
             return self._ll
-        with self._lock:   # one build; a caller that comes during it waits for it
+        # Built outside the lock: a caller that needs it now never waits on a slower builder
+        # (a replica's background build runs at the lowest CPU priority). Two builds at once
+        # cost a second pass over the vocabulary; the first to end is kept.
+        began = time.perf_counter()
+        built = _ll_tokenizer(self._load(), self.vocab_size)
+        with self._lock:
             if self._ll is None:
-                began = time.perf_counter()
-                self._ll = _ll_tokenizer(self._load(), self.vocab_size)
+                self._ll = built
                 self.build_s = round(time.perf_counter() - began, 3)
         return self._ll
 

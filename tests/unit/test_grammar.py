@@ -101,6 +101,30 @@ def test_deferred_grammars_load_their_tokenizer_once_on_first_use():
     assert loads == [1]                                         # built once
 
 
+def test_a_caller_never_waits_on_a_slower_build_in_progress():
+    import threading
+
+    release, started, loads = threading.Event(), threading.Event(), []
+
+    def load():
+        loads.append(threading.current_thread().name)
+        if len(loads) == 1:            # the background build: stuck until released
+            started.set()
+            release.wait(10)
+        return TOK
+
+    g = Grammars.deferred(load, TOK.vocab_size)
+    slow = threading.Thread(target=g.prepare, name="background")
+    slow.start()
+    assert started.wait(10)
+    m = g.matcher(GrammarSpec("regex", "ab"))                   # builds its own, does not wait
+    assert g.ready and allowed(g, m) == {ord("a")} and slow.is_alive()
+    kept = g._ll
+    release.set()
+    slow.join(10)
+    assert loads == ["background", "MainThread"] and g._ll is kept   # the first to end is kept
+
+
 def test_a_worker_starts_without_its_grammars_and_its_first_constrained_request_builds_them():
     import asyncio
 
