@@ -131,6 +131,7 @@ class Scheduler:
         return self.measures.prefill_s_per_token
 
     def add(self, req: EngineRequest) -> None:
+        req.trace.added_step = self.stats["steps"]
         self.waiting.append(req)
 
     def has_work(self) -> bool:
@@ -186,6 +187,7 @@ class Scheduler:
         for item in plan.items:
             if item.request.forward_at is None:
                 item.request.forward_at = forward_at
+                item.request.trace.first_forward(item.request, plan.items, self.stats["steps"])
         plan.all_logits = self.config.keep_logits or any(wants_prompt_rows(i.request) for i in plan.items)
 
     def _beside_decodes(self, budget: int, plan: StepPlan) -> int:
@@ -239,12 +241,14 @@ class Scheduler:
                     state.halted = self._preempt_for(req, planned) or not self._stall_tenant(req, state.stalled)
                     continue
                 self.stats["waits_for_promotion"] += 1   # on its way up to HOT: the others go meanwhile
+                req.trace.promotion_waits += 1
                 state.promoting = True
                 continue
             if self.config.shared_fills and self._behind_shared_fill(req, sum(readiness.tiers)):
                 self.stats["waits_for_shared_prefix"] += 1
                 continue
-            req.scheduled_at = self.clock() if req.scheduled_at is None else req.scheduled_at
+            if req.scheduled_at is None:
+                req.scheduled_at, req.trace.steps_waited = self.clock(), self.stats["steps"] - req.trace.added_step
             n = self._admit(req, budget, promote=not readiness.recompute, extra=extra)
             if n is None:
                 if req.finished:   # the cache refused its prompt
@@ -471,6 +475,7 @@ class Scheduler:
         """``req`` sampled ``token``: its event, and its end when the token ends it."""
         if req.first_token_at is None:
             req.first_token_at = self.clock()
+            req.trace.prompt_steps = self.stats["steps"] + 1 - req.trace.forward_step
         reason = None
         if token in req.params.stop_token_ids:
             reason = FinishReason.STOP
