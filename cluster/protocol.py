@@ -418,11 +418,13 @@ class ReplicaTiming:
     step_rows: int = 0
     step_decodes: int = 0
     step_other_tokens: int = 0
+    room_waits: int = 0          # of the steps waited: looked at, no room (promotion or chunk)
+    unreached: int = 0           # of the steps waited: never looked at (budget spent, planning halted)
 
 
 # ``ReplicaTiming``'s counts in engine steps (beside its durations).
 STEP_COUNTS = ("steps_waited", "promotion_waits", "prompt_steps", "step_tokens", "step_rows", "step_decodes",
-               "step_other_tokens")
+               "step_other_tokens", "room_waits", "unreached")
 
 
 @dataclass(frozen=True, slots=True)

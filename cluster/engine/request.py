@@ -45,6 +45,9 @@ class StepTrace:
     step_rows: int = 0
     step_decodes: int = 0
     step_other_tokens: int = 0
+    room_waits: int = 0         # steps it was looked at and found no room (for its promotion or its chunk)
+    unreached: int = 0          # steps whose planning never looked at it (budget spent, halted, slots full)
+    looked_step: int = -1       # the step count when the planning last looked at it
 
     def first_forward(self, req: "EngineRequest", items: list, step: int) -> None:
         """``req``'s first forward is in the step of ``items`` (ScheduledRequests), planned after ``step`` steps."""

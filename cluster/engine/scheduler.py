@@ -179,6 +179,8 @@ class Scheduler:
             used[item.request.namespace] = used.get(item.request.namespace, 0) + item.num_tokens
         self.policy.charge(used)
         self.note_waiting()
+        for req in self.waiting:
+            req.trace.unreached += req.trace.looked_step != self.stats["steps"]
         if not plan.items:   # no forward: the next step's interval is no step's time
             self.slicer.steps.idle()
             return
@@ -230,6 +232,7 @@ class Scheduler:
                 if req.yielded_to in self.waiting:
                     continue
                 req.yielded_to = None
+            req.trace.looked_step = self.stats["steps"]
             readiness = self.cache.ready(req.tokens, req.namespace, make_room=not state.promoting,
                                          recompute_s_per_token=self.prefill_s_per_token)
             if req.first_look is None:   # where its KV comes from, before any promotion
@@ -237,6 +240,7 @@ class Scheduler:
             if not readiness.ready:
                 if readiness.blocked:   # the oldest one's promotion found no room: nobody takes room before it
                     self.stats["waits_for_promotion_room"] += 1
+                    req.trace.room_waits += 1
                     self.blocked = req
                     state.halted = self._preempt_for(req, planned) or not self._stall_tenant(req, state.stalled)
                     continue
@@ -255,6 +259,7 @@ class Scheduler:
                     self.waiting.remove(req)
                     continue
                 self.stats["waits_for_room"] += 1
+                req.trace.room_waits += 1
                 self.blocked = req
                 # no room: it waits for running requests to finish, yield or give way (its tenant's alone under quotas)
                 state.halted = self._preempt_for(req, planned) or not self._stall_tenant(req, state.stalled)
