@@ -34,7 +34,8 @@ token went: ``b_ttft_parts_ms_later_turns_p50``, the median of each part
 wait in engine steps (steps waited before admission, of those waiting for a
 promotion, the steps the prompt took, the tokens, rows, decodes and other
 tenants' tokens of the step of its first forward), ``b_later_turns_promoted``
-the later turns that waited for a promotion), then a summary line with the ratios to
+the later turns that waited for a promotion, and ``b_later_turns_detail`` each
+later turn's figures, named by ``b_later_turns_detail_keys``), then a summary line with the ratios to
 B alone and the goals of issue 44 (cached share >= 0.9x, TTFT p50 <= 1.5x
 with quotas; A served, 0 failed).
 """
@@ -222,6 +223,11 @@ def step_counts(turns: list) -> dict:
     out = {"b_steps_later_turns_p50": {k: rounded(statistics.median(m[k] for m in timed), 1) for k in STEP_COUNTS},
            "b_steps_later_turns_max": {k: max(m[k] for m in timed) for k in STEP_COUNTS}}
     out["b_later_turns_promoted"] = sum(1 for m in timed if m["promotion_waits"])
+    # Each later turn, in the order they ended: TTFT, replica queue and first forward (ms), then its counts.
+    out["b_later_turns_detail_keys"] = ["ttft_ms", "replica_queue_ms", "first_forward_ms", *STEP_COUNTS]
+    out["b_later_turns_detail"] = [
+        [rounded(t.ttft_s * 1e3, 1), t.timing_ms.get("replica_queue"), t.timing_ms.get("first_forward"),
+         *(t.timing_steps[k] for k in STEP_COUNTS)] for t in turns if t.timing_steps and t.ttft_s is not None]
     return out
 
 
