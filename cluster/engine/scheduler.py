@@ -75,10 +75,10 @@ from cluster.engine.scheduler_config import SchedulerConfig
 from cluster.engine.stall_free import prefill_cap
 from cluster.engine.step_measures import StepMeasures
 from cluster.engine.tenant_work import TenantWork
+from cluster.engine.waiting_checks import behind_shared_fill, promote_inline
 from cluster.errors import CacheError, PoolExhaustedError
 from cluster.names import COLD, HOT, L3, WARM
 from cluster.protocol import FinishReason
-from cluster.tokens import common_prefix
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +90,7 @@ class _Pass:
     promoting: bool = False   # an older waiting request's prefix is on its way up
     stalled: set = field(default_factory=set)   # tenants whose oldest waiting request found no room (quotas)
     halted: bool = False      # a request found no room: nobody behind it takes room before it
+    inlined: bool = False     # a promotion was waited for in this step's planning (one a step)
 
 
 STAT_KEYS = ("prompt_tokens", "cached_tokens", "computed_tokens", "requests_finished", "requests_failed",
@@ -98,7 +99,8 @@ STAT_KEYS = ("prompt_tokens", "cached_tokens", "computed_tokens", "requests_fini
              "swap_in_bytes", "waits_for_room", "waits_for_promotion", "recomputed_held_tokens",
              "recomputed_held_hot_tokens", "recomputed_held_warm_tokens", "recomputed_held_cold_tokens",
              "recompute_chosen_tokens", "waits_for_promotion_room", "time_slice_preemptions",
-             "time_slice_declined", "waits_for_shared_prefix", "final_tokens_skipped", "slot_yields")
+             "time_slice_declined", "waits_for_shared_prefix", "final_tokens_skipped", "slot_yields",
+             "promotions_inline")
 
 
 class Scheduler:
@@ -165,7 +167,8 @@ class Scheduler:
                 fills = [r for r in self.running if r.to_compute > 1 and id(r) not in planned
                          and (group is ANY or r.namespace == group)]
                 left = self._plan_running(plan, fills, share, planned, budget - share)   # fills: no spare
-                left = self._plan_waiting(plan, left, planned, state, group, extra)
+                inline = self.policy.promotes_inline and group is not ANY and i == 0 and not last
+                left = self._plan_waiting(plan, left, planned, state, group, extra, inline)
                 budget -= share - left
         self._planned(plan)
         self.tenant_work.after_step(len(plan.items), self.running, self.waiting)
@@ -215,13 +218,15 @@ class Scheduler:
         return budget
 
     def _plan_waiting(self, plan: StepPlan, budget: int, planned: set[int], state: "_Pass",
-                      tenant: Any = ANY, extra: int = 0) -> int:
+                      tenant: Any = ANY, extra: int = 0, inline: bool = False) -> int:
         """Waiting requests (of ``tenant``, or all) into the plan, in the policy's order, as
         far as the budget goes; the budget left. Promotions that make room go oldest first
         and one at a time; behind it only those that fit in free blocks (started for every
         waiting request at once, their prefixes pushed each other back out of a full HOT
         pool before any was admitted: a livelock). ``state`` carries that across a step's
-        calls, and whether a request that found no room stops everyone behind it."""
+        calls, and whether a request that found no room stops everyone behind it. ``inline``:
+        the policy's least-served tenant, whose promotion may be waited for in the step
+        (``waiting_checks.promote_inline``)."""
         for req in self.policy.waiting_order(self.waiting):
             if budget <= 0 or len(self.running) >= self.config.max_running or state.halted:
                 break
@@ -237,6 +242,12 @@ class Scheduler:
                                          recompute_s_per_token=self.prefill_s_per_token)
             if req.first_look is None:   # where its KV comes from, before any promotion
                 req.first_look = readiness.tiers
+            if not readiness.ready and not readiness.blocked and inline and not state.inlined:
+                again = promote_inline(self.cache, req, readiness, self.slicer.steps.median(),
+                                       self.prefill_s_per_token)   # the least-served tenant's: ready in this step
+                state.inlined = again is not None
+                readiness = again or readiness
+                self.stats["promotions_inline"] += state.inlined
             if not readiness.ready:
                 if readiness.blocked:   # the oldest one's promotion found no room: nobody takes room before it
                     self.stats["waits_for_promotion_room"] += 1
@@ -248,7 +259,8 @@ class Scheduler:
                 req.trace.promotion_waits += 1
                 state.promoting = True
                 continue
-            if self.config.shared_fills and self._behind_shared_fill(req, sum(readiness.tiers)):
+            if self.config.shared_fills and behind_shared_fill(self.running, req, sum(readiness.tiers),
+                                                               self.cache.config.block_tokens):
                 self.stats["waits_for_shared_prefix"] += 1
                 continue
             if req.scheduled_at is None:
@@ -282,22 +294,6 @@ class Scheduler:
         if self.cache.quotas is None:
             return False
         stalled.add(req.namespace)
-        return True
-
-    def _behind_shared_fill(self, req: EngineRequest, cached: int) -> bool:
-        """The shared-fills policy: whether a running request still filling its prompt
-        computes at least a block of what ``req`` would compute beyond the cache, or all of
-        it but ``req``'s last token (an identical prompt); ``req`` then waits for that
-        fill's checkpoint (taken even for less than a block once awaited)."""
-        seq = req.tokens
-        need = min(self.cache.config.block_tokens, len(seq) - 1 - cached)
-        if need < 1:   # only its last token left: nothing another fill could save it
-            return False
-        fill = next((o for o in self.running if o.to_compute > 1 and o.namespace == req.namespace
-                     and common_prefix(seq, o.tokens) - cached >= need), None)
-        if fill is None:
-            return False
-        fill.awaited = True
         return True
 
     def note_waiting(self) -> None:

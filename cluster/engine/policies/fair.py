@@ -15,6 +15,11 @@
   another's long decodes. This yield is not gated by time slicing's measured gain
   and cost: it happens only for a tenant with no running slot, once per free
   slot it needs.
+- **Promotions**: while tenants share the engine, the least-served tenant's
+  waiting request whose prefix is partly in WARM is admitted in the step that
+  starts its promotion, the step's planning waiting for the copy where it is
+  measured short (``promotes_inline``: ``cluster.engine.waiting_checks``);
+  every other request is passed over while its copy runs.
 - **Victims**: for room (and for a time slice, still gated by its measured gain
   and cost) the tenant most over its slot share yields first, then the tenant
   served most recently; a waiting request that finds no room may take it from
@@ -34,6 +39,7 @@ from cluster.engine.preemption import spare_repeated
 class FairSharePolicy(SchedulingPolicy):
     name = "fair"
     preempts_across_tenants = True
+    promotes_inline = True
 
     def __init__(self, max_running: int, quotas: Any = None):
         super().__init__(max_running, quotas)
