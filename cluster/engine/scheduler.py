@@ -75,7 +75,7 @@ from cluster.engine.scheduler_config import SchedulerConfig
 from cluster.engine.stall_free import prefill_cap
 from cluster.engine.step_measures import StepMeasures
 from cluster.engine.tenant_work import TenantWork
-from cluster.engine.waiting_checks import behind_shared_fill, promote_inline
+from cluster.engine.waiting_checks import behind_shared_fill, logprob_cap, promote_inline
 from cluster.errors import CacheError, PoolExhaustedError
 from cluster.names import COLD, HOT, L3, WARM
 from cluster.protocol import FinishReason
@@ -91,6 +91,7 @@ class _Pass:
     stalled: set = field(default_factory=set)   # tenants whose oldest waiting request found no room (quotas)
     halted: bool = False      # a request found no room: nobody behind it takes room before it
     inlined: bool = False     # a promotion was waited for in this step's planning (one a step)
+    looked: set = field(default_factory=set)   # looked at ahead of their tenant's fills (not again)
 
 
 STAT_KEYS = ("prompt_tokens", "cached_tokens", "computed_tokens", "requests_finished", "requests_failed",
@@ -166,9 +167,11 @@ class Scheduler:
                 extra = self.policy.reach(budget, share, i == 0 and not last, spare)
                 fills = [r for r in self.running if r.to_compute > 1 and id(r) not in planned
                          and (group is ANY or r.namespace == group)]
-                left = self._plan_running(plan, fills, share, planned, budget - share)   # fills: no spare
-                inline = self.policy.promotes_inline and group is not ANY and i == 0 and not last
-                left = self._plan_waiting(plan, left, planned, state, group, extra, inline)
+                lead = self.policy.promotes_inline and group is not ANY and i == 0 and not last
+                ahead = self._plan_waiting(plan, share, planned, state, group, extra, lead, True) \
+                    if self.policy.ending_first and group is not ANY and not last else share
+                left = self._plan_running(plan, fills, ahead, planned, budget - share)   # fills: no spare
+                left = self._plan_waiting(plan, left, planned, state, group, extra, lead)
                 budget -= share - left
         self._planned(plan)
         self.tenant_work.after_step(len(plan.items), self.running, self.waiting)
@@ -218,20 +221,21 @@ class Scheduler:
         return budget
 
     def _plan_waiting(self, plan: StepPlan, budget: int, planned: set[int], state: "_Pass",
-                      tenant: Any = ANY, extra: int = 0, inline: bool = False) -> int:
+                      tenant: Any = ANY, extra: int = 0, lead: bool = False, ending: bool = False) -> int:
         """Waiting requests (of ``tenant``, or all) into the plan, in the policy's order, as
         far as the budget goes; the budget left. Promotions that make room go oldest first
         and one at a time; behind it only those that fit in free blocks (started for every
         waiting request at once, their prefixes pushed each other back out of a full HOT
         pool before any was admitted: a livelock). ``state`` carries that across a step's
-        calls, and whether a request that found no room stops everyone behind it. ``inline``:
+        calls, and whether a request that found no room stops everyone behind it. ``lead``:
         the policy's least-served tenant, whose promotion may be waited for in the step
-        (``waiting_checks.promote_inline``)."""
+        (``waiting_checks.promote_inline``); ``ending``: its pass before its own running
+        fills, for new prompts that end in this step (the others wait for the pass after)."""
         for req in self.policy.waiting_order(self.waiting):
             if budget <= 0 or len(self.running) >= self.config.max_running or state.halted:
                 break
             if (tenant is not ANY and req.namespace != tenant) or req.namespace in state.stalled \
-                    or not self._slot_free(req):
+                    or not self._slot_free(req) or id(req) in state.looked or (ending and req.admitted_at is not None):
                 continue
             if req.yielded_to is not None:   # it gave its room to an older request: not back before it
                 if req.yielded_to in self.waiting:
@@ -242,7 +246,12 @@ class Scheduler:
                                          recompute_s_per_token=self.prefill_s_per_token)
             if req.first_look is None:   # where its KV comes from, before any promotion
                 req.first_look = readiness.tiers
-            if not readiness.ready and not readiness.blocked and inline and not state.inlined:
+            if ending and readiness.ready and len(req.tokens) - sum(readiness.tiers[:3]) + readiness.recompute \
+                    > budget + extra:
+                continue   # a prompt that cannot end in this step goes after its tenant's running fills
+            if ending:
+                state.looked.add(id(req))
+            if not readiness.ready and not readiness.blocked and lead and not state.inlined:
                 again = promote_inline(self.cache, req, readiness, self.slicer.steps.median(),
                                        self.prefill_s_per_token)   # the least-served tenant's: ready in this step
                 state.inlined = again is not None
@@ -375,7 +384,7 @@ class Scheduler:
         the prefix's colder part (``Readiness.recompute``)."""
         seq = req.tokens
         try:
-            lease = self.cache.admit(seq, req.namespace, validate=False, max_cached=self._logprob_cap(req),
+            lease = self.cache.admit(seq, req.namespace, validate=False, max_cached=logprob_cap(req),
                                      promote=promote)
         except CacheError as exc:
             req.finished, req.finish_reason, req.error = True, FinishReason.ERROR, str(exc)
@@ -392,15 +401,6 @@ class Scheduler:
         req.lease = lease
         req.num_computed_tokens = lease.cached_tokens
         return n
-
-    def _logprob_cap(self, req: EngineRequest) -> int | None:
-        """For a request that wants its prompt's logprobs: the most prefix it may take from
-        the cache (positions whose logprobs are unknown are computed, even if their KV is cached;
-        the sampler filled in what it kept at submit: ``Sampler.prepare``)."""
-        if req.params.prompt_logprobs is None or req.prompt_logprobs is None:
-            return None
-        known = next((i for i, e in enumerate(req.prompt_logprobs) if e is None and i), len(req.prompt))
-        return known - 1 if known < len(req.prompt) else None
 
     def _note_admission(self, req: EngineRequest, lease) -> None:
         """What the cache gave ``req`` and from which tier: at its first admission, its

@@ -1,4 +1,4 @@
-"""Two checks of a waiting request the scheduler makes before it admits one (``cluster.engine.scheduler``).
+"""Checks of a waiting request the scheduler makes before it admits one (``cluster.engine.scheduler``).
 
 - **Shared fills** (``behind_shared_fill``): a waiting request whose part beyond
   the cache a running prompt fill computes waits for that fill's checkpoint.
@@ -15,6 +15,8 @@
   milliseconds. The step's planning waits those milliseconds and admits it in
   the same step. One such wait a step; a promotion from COLD or L3 (a disk, the
   network) is never waited for inline.
+- **Prompt logprobs** (``logprob_cap``): how much cached prefix a request that
+  wants its prompt's logprobs may take.
 
 Engine thread only.
 """
@@ -59,3 +61,13 @@ def promote_inline(cache: Any, req: Any, readiness: Any, step_s: float | None,
         return None
     cache.await_promotion(req.tokens, req.namespace)
     return cache.ready(req.tokens, req.namespace, make_room=False, recompute_s_per_token=recompute_s_per_token)
+
+
+def logprob_cap(req: Any) -> int | None:
+    """For a request that wants its prompt's logprobs: the most prefix it may take from
+    the cache (positions whose logprobs are unknown are computed, even if their KV is cached;
+    the sampler filled in what it kept at submit: ``Sampler.prepare``)."""
+    if req.params.prompt_logprobs is None or req.prompt_logprobs is None:
+        return None
+    known = next((i for i, e in enumerate(req.prompt_logprobs) if e is None and i), len(req.prompt))
+    return known - 1 if known < len(req.prompt) else None

@@ -40,6 +40,7 @@ class FairSharePolicy(SchedulingPolicy):
     name = "fair"
     preempts_across_tenants = True
     promotes_inline = True
+    ending_first = True
 
     def __init__(self, max_running: int, quotas: Any = None):
         super().__init__(max_running, quotas)
