@@ -1,6 +1,8 @@
-"""The fair share's inline promotion (``cluster.engine.waiting_checks.promote_inline``): beside
-another tenant's flood, the least-served tenant's request whose prefix is in WARM is admitted
-in the step that starts its promotion; exactly which tokens each step's plan holds."""
+"""How the fair share plans a tenant's waiting request beside another tenant's flood: a new
+prompt that ends in the step goes before its own tenant's running fill (``ending_first``), and
+the least-served tenant's request whose prefix is in WARM is admitted in the step that starts
+its promotion (``cluster.engine.waiting_checks.promote_inline``); exactly which tokens each
+step's plan holds."""
 
 from __future__ import annotations
 
@@ -8,7 +10,8 @@ from cluster.cache.kv_pool import KVLayout
 from cluster.cache.tiered import TierConfig, TieredCache
 from cluster.engine.engine import Engine, EngineRequest, SamplingParams
 from cluster.names import HOT, WARM
-from tests.unit.test_fair_share import Clock, seq, step
+from tests.unit.test_fair_share import Clock, seq, step, submit
+from tests.unit.test_fair_share import make_engine as fair_engine
 from tests.unit.test_scheduler import BT, MODEL, check_drained, reference_outputs
 
 STEP_S = 10.0   # the test clock's step: any real copy is far below a quarter of it
@@ -81,3 +84,37 @@ def test_first_come_first_served_passes_the_request_over_while_its_prefix_is_pro
     while engine.has_work():
         ticking_step(engine, clock)
     check_drained(engine)
+
+
+def b_fills_a_long_prompt_beside_a_flood(engine):
+    """A's 60-token prompt, then B's 40-token one (chunked: B's running fill), then B's
+    3-token request. Returns B's short request."""
+    submit(engine, "A", seq(0, 60))
+    assert step(engine) == [("A", 0, 16)]
+    submit(engine, "B", seq(10, 40))
+    assert step(engine) == [("B", 0, 8), ("A", 16, 8)]
+    return submit(engine, "B", seq(30, 3))
+
+
+def test_a_new_prompt_that_ends_in_the_step_goes_before_its_own_tenants_running_fill():
+    """B's 3 tokens run in the very next step, ahead of B's own 40-token fill, which takes the
+    rest of B's share (8); A keeps its 8: B's first token comes 3 steps sooner."""
+    engine = fair_engine(budget=16)
+    b = b_fills_a_long_prompt_beside_a_flood(engine)
+    assert step(engine) == [("B", 0, 3), ("B", 8, 5), ("A", 24, 8)]
+    assert step(engine) == [("B", 3, 1), ("B", 13, 8), ("A", 32, 7)]
+    assert b.finished and b.trace.steps_waited == 0 and b.trace.unreached == 0
+    assert b.output == reference_outputs([(b.prompt, SamplingParams(max_tokens=2))])[0]
+
+
+def test_without_ending_first_the_new_prompt_waits_for_its_own_tenants_fill():
+    """The same steps with ``ending_first`` off (the fair share before it): B's short request
+    is not reached while B's fill takes B's share, and runs after the fill ends."""
+    engine = fair_engine(budget=16)
+    engine.scheduler.policy.ending_first = False
+    b = b_fills_a_long_prompt_beside_a_flood(engine)
+    assert step(engine) == [("B", 8, 8), ("A", 24, 8)]
+    assert step(engine) == [("B", 16, 8), ("A", 32, 8)]
+    assert step(engine) == [("B", 24, 16)]
+    assert step(engine) == [("B", 40, 1), ("A", 40, 8), ("B", 0, 3)]
+    assert b.trace.steps_waited == 3 and b.trace.unreached == 3
