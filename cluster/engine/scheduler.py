@@ -319,7 +319,9 @@ class Scheduler:
         head, hot = self.blocked, self.cache.hot.allocator
         slice_s = self.config.time_slice_s
         victim = None if head is None or slice_s is None else self.slicer.victim(
-            head, self.running, self.clock(), slice_s, self.prefill_s_per_token,
+            head, [r for r in self.policy.slice_candidates(head, self.running)
+                   if self.cache.may_preempt(head.namespace, r.namespace)],
+            self.clock(), slice_s, self.prefill_s_per_token,
             hot.free_blocks * hot.block_tokens, self.policy.slice_victim(self.running))
         if victim is not None:
             self.preempt(victim, at=self.waiting.index(head) + 1)

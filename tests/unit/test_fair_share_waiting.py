@@ -118,3 +118,18 @@ def test_without_ending_first_the_new_prompt_waits_for_its_own_tenants_fill():
     assert step(engine) == [("B", 24, 16)]
     assert step(engine) == [("B", 40, 1), ("A", 40, 8), ("B", 0, 3)]
     assert b.trace.steps_waited == 3 and b.trace.unreached == 3
+
+
+def test_a_time_slice_takes_room_only_from_its_own_tenant_or_one_served_as_much():
+    """The fair share's time-slice candidates for a waiting request of A (served most): A's own
+    decodes only, never quieter B's (which would queue behind A's backlog); for B's request,
+    everyone's. First come, first served: every running request, as before."""
+    from cluster.engine.policies import POLICIES
+
+    fair = POLICIES["fair"](max_running=8)
+    fair.shares.charge({"A": 30, "B": 4})
+    running = [EngineRequest(seq(5 * i, 4), namespace=ns) for i, ns in enumerate("ABAB")]
+    head_a, head_b = EngineRequest(seq(9, 4), namespace="A"), EngineRequest(seq(9, 4), namespace="B")
+    assert fair.slice_candidates(head_a, running) == [running[0], running[2]]
+    assert fair.slice_candidates(head_b, running) == running
+    assert POLICIES["fcfs"](max_running=8).slice_candidates(head_a, running) == running

@@ -74,6 +74,10 @@ class SchedulingPolicy:
         candidates (newest first), or None for the slicer's own pick (fewest tokens to swap)."""
         return None
 
+    def slice_candidates(self, head: Any, running: list) -> list:
+        """The running requests a time slice for ``head`` may take room from (every one)."""
+        return running
+
     def slot_yields(self, running: list, waiting: Iterable) -> list[tuple[Any, Any]]:
         """(victim, waiting request) pairs: running requests that yield their slot before
         this step is planned, each to the waiting request it yields to (none by default)."""
