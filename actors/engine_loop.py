@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from cluster.engine.engine import Engine, EngineRequest
 from cluster.errors import CacheError
 from cluster.ownership import ThreadOwner, checks_enabled
-from cluster.protocol import FinishReason, LoadReport, MigrationResult, ReplicaTiming, StreamItem
+from cluster.protocol import STEP_COUNTS, FinishReason, LoadReport, MigrationResult, ReplicaTiming, StreamItem
 from cluster.routing.autoscale_signals import ReplicaSignals, TtftWindow
 
 log = logging.getLogger(__name__)
@@ -78,6 +78,11 @@ class EngineWedgedError(CacheError):
     """The worker's engine made no progress for ``watchdog_s`` with work queued;
     its requests are failed and the worker is unhealthy for good. The request
     itself is fine: it can be resumed on another worker."""
+
+
+def _step_fields(trace) -> dict:
+    """A request's ``StepTrace`` as ``ReplicaTiming``'s step fields."""
+    return {name: getattr(trace, name) for name in STEP_COUNTS}
 
 
 def _put_all(items: list) -> None:
@@ -224,7 +229,8 @@ class EngineLoop:
             timing = ReplicaTiming(queue_s=max(0.0, req.scheduled_at - entered),
                                    prefix_load_s=max(0.0, req.forward_at - req.scheduled_at),
                                    forward_s=max(0.0, req.first_token_at - req.forward_at),
-                                   migrate_s=ctx.migrate_s, received_at=ctx.received_at)
+                                   migrate_s=ctx.migrate_s, received_at=ctx.received_at,
+                                   **_step_fields(req.trace))
         logprob, top, prompt_lps = None, (), None
         if token is not None and req.params.logprobs is not None and req.token_logprobs:
             logprob, top = req.token_logprobs[-1]

@@ -408,6 +408,23 @@ class ReplicaTiming:
     forward_s: float = 0.0      # the forward over the uncached suffix and the sampled token
     migrate_s: float = 0.0      # pulling the prefix from a peer first (0: no migration)
     received_at: float = 0.0    # wall clock: the replica's generate() began
+    # The same wait in engine steps (``cluster.engine.request.StepTrace``): steps planned before the
+    # one that admitted it, of those the ones it waited for its prefix's promotion, the steps its
+    # prompt took; its first forward's step: tokens, rows, decode rows, other tenants' tokens.
+    steps_waited: int = 0
+    promotion_waits: int = 0
+    prompt_steps: int = 0
+    step_tokens: int = 0
+    step_rows: int = 0
+    step_decodes: int = 0
+    step_other_tokens: int = 0
+    room_waits: int = 0          # of the steps waited: looked at, no room (promotion or chunk)
+    unreached: int = 0           # of the steps waited: never looked at (budget spent, planning halted)
+
+
+# ``ReplicaTiming``'s counts in engine steps (beside its durations).
+STEP_COUNTS = ("steps_waited", "promotion_waits", "prompt_steps", "step_tokens", "step_rows", "step_decodes",
+               "step_other_tokens", "room_waits", "unreached")
 
 
 @dataclass(frozen=True, slots=True)
@@ -561,5 +578,5 @@ def _check_tokens(tokens: Any, what: str) -> None:
 __all__ = ["WIRE_VERSION", "Tenant", "MalformedMessageError", "FinishReason", "Transport", "GREEDY_TEMPERATURE",
            "Range", "SAMPLING_RANGES", "LOGIT_BIAS_RANGE", "SEED_MIN", "SEED_MAX", "PRIORITY_MIN", "PRIORITY_MAX", "MAX_LOGPROBS", "SamplingParams", "MigrationResult", "RouteDecision", "GenerateRequest", "StagedPrefix", "RATE_FIELDS",
            "PrefixOffer",
-           "MeasuredRates", "WorkerInfo", "Snapshot", "ReplicaTiming", "StreamItem", "TableChange", "TableState",
+           "MeasuredRates", "WorkerInfo", "Snapshot", "ReplicaTiming", "STEP_COUNTS", "StreamItem", "TableChange", "TableState",
            "TableUpdate", "LoadReport", "L3ShareCounts", "PublishReply"]

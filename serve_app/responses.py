@@ -427,6 +427,7 @@ def cache_info(last: StreamItem | None, clock: RequestClock | None = None, ingre
     if clock is not None:   # who routed it, and where its time went (serve_app.timing)
         info["routed_by"] = clock.routed_by
         info["timing_ms"] = clock.breakdown_ms()
+        info["timing_steps"] = clock.step_counts()
     return info
 
 

@@ -28,6 +28,14 @@ the ingress's own total:
 - ``respond``: from the first token to the response ready (``total - ttft``):
   the text and the JSON, and for a stream or a longer answer the other tokens.
 
+Beside the parts, ``step_counts`` (the app's ``prefix_cache.timing_steps``:
+counts, ``STEP_COUNTS``) from the replica say the same wait in engine steps:
+``steps_waited`` (steps planned from the hand-over to the step that admitted it), ``promotion_waits`` (of those, the
+steps it was passed over while its prefix was promoted up to HOT),
+``prompt_steps`` (the steps its prompt took, 1: whole in one step), and of the
+step of its first forward ``step_tokens``, ``step_rows``, ``step_decodes``
+and ``step_other_tokens`` (other tenants' tokens in it).
+
 The two hops use wall clocks of two processes: exact on one host, as good
 as the hosts' clock sync across hosts (their sum with the replica's own
 durations is always exact). Without a replica timing (an error before the
@@ -39,7 +47,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from cluster.protocol import ReplicaTiming, RouteDecision
+from cluster.protocol import STEP_COUNTS, ReplicaTiming, RouteDecision
 
 
 # The parts of ``breakdown_ms`` that add up to the time to first token, in order.
@@ -78,6 +86,10 @@ class RequestClock:
             self.first_wall, self.call_wall, self.route_s, self.replica = time.time(), call_wall, route_s, timing
             if routing is not None:
                 self.routed_by, self.decision_us = routing.source, routing.decision_us
+
+    def step_counts(self) -> dict:
+        """The replica's counts in engine steps (``STEP_COUNTS``; empty without a replica timing)."""
+        return {name: getattr(self.replica, name) for name in STEP_COUNTS} if self.replica is not None else {}
 
     def breakdown_ms(self, done: float | None = None) -> dict:
         """Milliseconds per part (module docstring); ``done`` is the perf_counter

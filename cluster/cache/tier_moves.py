@@ -88,6 +88,12 @@ class TierMoves:
             if not self.poll():
                 time.sleep(0.0005)
 
+    def wait_path(self, nodes: list[TreeNode]) -> None:
+        """Wait for the promotions that own any of ``nodes`` (one path's), each applied."""
+        for n in nodes:
+            if isinstance(n.busy, Move) and n.busy.kind is MoveKind.PROMOTE:
+                self.wait(n.busy)
+
     def count_drop(self, tier: int, reason: str, tokens: int) -> None:
         """``tokens`` left the tree from ``tier`` for ``reason`` (``last_tier``: LRU at
         the lowest tier; ``lower_full``: the tier below could make no room; ``over_cap``:

@@ -519,6 +519,11 @@ class TieredCache:
     def wait_all(self) -> None:
         self.moves.wait_all()
 
+    def await_promotion(self, tokens: Sequence[int], namespace: Hashable = None) -> None:
+        """Wait for the promotions in flight on ``tokens``' cached prefix (and apply them)."""
+        self.check_owner("await_promotion")
+        self.moves.wait_path(self.tree.match_prefix(tokens, namespace, validate=False).nodes)
+
     def in_flight(self) -> int:
         return self.moves.in_flight()
 

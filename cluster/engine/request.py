@@ -28,6 +28,36 @@ from cluster.names import COLD, HOT, L3, WARM
 from cluster.protocol import FinishReason, SamplingParams
 
 
+@dataclass(slots=True)
+class StepTrace:
+    """Where one request's time to first token went, counted in engine steps (the replica
+    sends it with the first token, ``ReplicaTiming``): steps planned between its hand-over and
+    the step that admitted it, the steps of those it was passed over while its prefix was
+    promoted, the steps its prompt took, and the step of its first forward (every token and
+    row in it, how many rows were decodes, how many tokens were other tenants')."""
+
+    added_step: int = 0         # the engine's step count when it was handed over
+    forward_step: int = 0       # the step count when its first forward was planned
+    steps_waited: int = 0
+    promotion_waits: int = 0
+    prompt_steps: int = 0
+    step_tokens: int = 0
+    step_rows: int = 0
+    step_decodes: int = 0
+    step_other_tokens: int = 0
+    room_waits: int = 0         # steps it was looked at and found no room (for its promotion or its chunk)
+    unreached: int = 0          # steps whose planning never looked at it (budget spent, halted, slots full)
+    looked_step: int = -1       # the step count when the planning last looked at it
+
+    def first_forward(self, req: "EngineRequest", items: list, step: int) -> None:
+        """``req``'s first forward is in the step of ``items`` (ScheduledRequests), planned after ``step`` steps."""
+        self.forward_step = step
+        self.step_tokens = sum(i.num_tokens for i in items)
+        self.step_rows = len(items)
+        self.step_decodes = sum(1 for i in items if i.request.to_compute == 1)
+        self.step_other_tokens = sum(i.num_tokens for i in items if i.request.namespace != req.namespace)
+
+
 @dataclass
 class EngineRequest:
     """One request inside the engine: its tokens, its lease on the KV cache and its timestamps."""
@@ -72,6 +102,7 @@ class EngineRequest:
     touched_at: float | None = None     # when it touched its cached prefix at submit (the cache's clock)
     generator: torch.Generator | None = None   # reseeded per position (see position_seed)
     matcher: Any = None                 # its grammar's matcher (structured output), fed every sampled token
+    trace: StepTrace = field(default_factory=StepTrace)   # its first token's wait in engine steps
 
     @property
     def tokens(self) -> list[int]:

@@ -75,10 +75,10 @@ from cluster.engine.scheduler_config import SchedulerConfig
 from cluster.engine.stall_free import prefill_cap
 from cluster.engine.step_measures import StepMeasures
 from cluster.engine.tenant_work import TenantWork
+from cluster.engine.waiting_checks import behind_shared_fill, logprob_cap, promote_inline
 from cluster.errors import CacheError, PoolExhaustedError
 from cluster.names import COLD, HOT, L3, WARM
 from cluster.protocol import FinishReason
-from cluster.tokens import common_prefix
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +90,8 @@ class _Pass:
     promoting: bool = False   # an older waiting request's prefix is on its way up
     stalled: set = field(default_factory=set)   # tenants whose oldest waiting request found no room (quotas)
     halted: bool = False      # a request found no room: nobody behind it takes room before it
+    inlined: bool = False     # a promotion was waited for in this step's planning (one a step)
+    looked: set = field(default_factory=set)   # looked at ahead of their tenant's fills (not again)
 
 
 STAT_KEYS = ("prompt_tokens", "cached_tokens", "computed_tokens", "requests_finished", "requests_failed",
@@ -98,7 +100,8 @@ STAT_KEYS = ("prompt_tokens", "cached_tokens", "computed_tokens", "requests_fini
              "swap_in_bytes", "waits_for_room", "waits_for_promotion", "recomputed_held_tokens",
              "recomputed_held_hot_tokens", "recomputed_held_warm_tokens", "recomputed_held_cold_tokens",
              "recompute_chosen_tokens", "waits_for_promotion_room", "time_slice_preemptions",
-             "time_slice_declined", "waits_for_shared_prefix", "final_tokens_skipped", "slot_yields")
+             "time_slice_declined", "waits_for_shared_prefix", "final_tokens_skipped", "slot_yields",
+             "promotions_inline")
 
 
 class Scheduler:
@@ -131,6 +134,7 @@ class Scheduler:
         return self.measures.prefill_s_per_token
 
     def add(self, req: EngineRequest) -> None:
+        req.trace.added_step = self.stats["steps"]
         self.waiting.append(req)
 
     def has_work(self) -> bool:
@@ -163,8 +167,11 @@ class Scheduler:
                 extra = self.policy.reach(budget, share, i == 0 and not last, spare)
                 fills = [r for r in self.running if r.to_compute > 1 and id(r) not in planned
                          and (group is ANY or r.namespace == group)]
-                left = self._plan_running(plan, fills, share, planned, budget - share)   # fills: no spare
-                left = self._plan_waiting(plan, left, planned, state, group, extra)
+                lead = self.policy.promotes_inline and group is not ANY and i == 0 and not last
+                ahead = self._plan_waiting(plan, share, planned, state, group, extra, lead, True) \
+                    if self.policy.ending_first and group is not ANY and not last else share
+                left = self._plan_running(plan, fills, ahead, planned, budget - share)   # fills: no spare
+                left = self._plan_waiting(plan, left, planned, state, group, extra, lead)
                 budget -= share - left
         self._planned(plan)
         self.tenant_work.after_step(len(plan.items), self.running, self.waiting)
@@ -178,6 +185,8 @@ class Scheduler:
             used[item.request.namespace] = used.get(item.request.namespace, 0) + item.num_tokens
         self.policy.charge(used)
         self.note_waiting()
+        for req in self.waiting:
+            req.trace.unreached += req.trace.looked_step != self.stats["steps"]
         if not plan.items:   # no forward: the next step's interval is no step's time
             self.slicer.steps.idle()
             return
@@ -186,6 +195,7 @@ class Scheduler:
         for item in plan.items:
             if item.request.forward_at is None:
                 item.request.forward_at = forward_at
+                item.request.trace.first_forward(item.request, plan.items, self.stats["steps"])
         plan.all_logits = self.config.keep_logits or any(wants_prompt_rows(i.request) for i in plan.items)
 
     def _beside_decodes(self, budget: int, plan: StepPlan) -> int:
@@ -211,46 +221,66 @@ class Scheduler:
         return budget
 
     def _plan_waiting(self, plan: StepPlan, budget: int, planned: set[int], state: "_Pass",
-                      tenant: Any = ANY, extra: int = 0) -> int:
+                      tenant: Any = ANY, extra: int = 0, lead: bool = False, ending: bool = False) -> int:
         """Waiting requests (of ``tenant``, or all) into the plan, in the policy's order, as
         far as the budget goes; the budget left. Promotions that make room go oldest first
         and one at a time; behind it only those that fit in free blocks (started for every
         waiting request at once, their prefixes pushed each other back out of a full HOT
         pool before any was admitted: a livelock). ``state`` carries that across a step's
-        calls, and whether a request that found no room stops everyone behind it."""
+        calls, and whether a request that found no room stops everyone behind it. ``lead``:
+        the policy's least-served tenant, whose promotion may be waited for in the step
+        (``waiting_checks.promote_inline``); ``ending``: its pass before its own running
+        fills, for new prompts that end in this step (the others wait for the pass after)."""
         for req in self.policy.waiting_order(self.waiting):
             if budget <= 0 or len(self.running) >= self.config.max_running or state.halted:
                 break
             if (tenant is not ANY and req.namespace != tenant) or req.namespace in state.stalled \
-                    or not self._slot_free(req):
+                    or not self._slot_free(req) or id(req) in state.looked or (ending and req.admitted_at is not None):
                 continue
             if req.yielded_to is not None:   # it gave its room to an older request: not back before it
                 if req.yielded_to in self.waiting:
                     continue
                 req.yielded_to = None
+            req.trace.looked_step = self.stats["steps"]
             readiness = self.cache.ready(req.tokens, req.namespace, make_room=not state.promoting,
                                          recompute_s_per_token=self.prefill_s_per_token)
             if req.first_look is None:   # where its KV comes from, before any promotion
                 req.first_look = readiness.tiers
+            if ending and readiness.ready and len(req.tokens) - sum(readiness.tiers[:3]) + readiness.recompute \
+                    > budget + extra:
+                continue   # a prompt that cannot end in this step goes after its tenant's running fills
+            if ending:
+                state.looked.add(id(req))
+            if not readiness.ready and not readiness.blocked and lead and not state.inlined:
+                again = promote_inline(self.cache, req, readiness, self.slicer.steps.median(),
+                                       self.prefill_s_per_token)   # the least-served tenant's: ready in this step
+                state.inlined = again is not None
+                readiness = again or readiness
+                self.stats["promotions_inline"] += state.inlined
             if not readiness.ready:
                 if readiness.blocked:   # the oldest one's promotion found no room: nobody takes room before it
                     self.stats["waits_for_promotion_room"] += 1
+                    req.trace.room_waits += 1
                     self.blocked = req
                     state.halted = self._preempt_for(req, planned) or not self._stall_tenant(req, state.stalled)
                     continue
                 self.stats["waits_for_promotion"] += 1   # on its way up to HOT: the others go meanwhile
+                req.trace.promotion_waits += 1
                 state.promoting = True
                 continue
-            if self.config.shared_fills and self._behind_shared_fill(req, sum(readiness.tiers)):
+            if self.config.shared_fills and behind_shared_fill(self.running, req, sum(readiness.tiers),
+                                                               self.cache.config.block_tokens):
                 self.stats["waits_for_shared_prefix"] += 1
                 continue
-            req.scheduled_at = self.clock() if req.scheduled_at is None else req.scheduled_at
+            if req.scheduled_at is None:
+                req.scheduled_at, req.trace.steps_waited = self.clock(), self.stats["steps"] - req.trace.added_step
             n = self._admit(req, budget, promote=not readiness.recompute, extra=extra)
             if n is None:
                 if req.finished:   # the cache refused its prompt
                     self.waiting.remove(req)
                     continue
                 self.stats["waits_for_room"] += 1
+                req.trace.room_waits += 1
                 self.blocked = req
                 # no room: it waits for running requests to finish, yield or give way (its tenant's alone under quotas)
                 state.halted = self._preempt_for(req, planned) or not self._stall_tenant(req, state.stalled)
@@ -275,22 +305,6 @@ class Scheduler:
         stalled.add(req.namespace)
         return True
 
-    def _behind_shared_fill(self, req: EngineRequest, cached: int) -> bool:
-        """The shared-fills policy: whether a running request still filling its prompt
-        computes at least a block of what ``req`` would compute beyond the cache, or all of
-        it but ``req``'s last token (an identical prompt); ``req`` then waits for that
-        fill's checkpoint (taken even for less than a block once awaited)."""
-        seq = req.tokens
-        need = min(self.cache.config.block_tokens, len(seq) - 1 - cached)
-        if need < 1:   # only its last token left: nothing another fill could save it
-            return False
-        fill = next((o for o in self.running if o.to_compute > 1 and o.namespace == req.namespace
-                     and common_prefix(seq, o.tokens) - cached >= need), None)
-        if fill is None:
-            return False
-        fill.awaited = True
-        return True
-
     def note_waiting(self) -> None:
         """A session prefetch leaves alone what the still-waiting requests touched at their
         submit (``TieredCache.prefetch``): tell the cache since when (None: nobody waits)."""
@@ -305,7 +319,9 @@ class Scheduler:
         head, hot = self.blocked, self.cache.hot.allocator
         slice_s = self.config.time_slice_s
         victim = None if head is None or slice_s is None else self.slicer.victim(
-            head, self.running, self.clock(), slice_s, self.prefill_s_per_token,
+            head, [r for r in self.policy.slice_candidates(head, self.running)
+                   if self.cache.may_preempt(head.namespace, r.namespace)],
+            self.clock(), slice_s, self.prefill_s_per_token,
             hot.free_blocks * hot.block_tokens, self.policy.slice_victim(self.running))
         if victim is not None:
             self.preempt(victim, at=self.waiting.index(head) + 1)
@@ -370,7 +386,7 @@ class Scheduler:
         the prefix's colder part (``Readiness.recompute``)."""
         seq = req.tokens
         try:
-            lease = self.cache.admit(seq, req.namespace, validate=False, max_cached=self._logprob_cap(req),
+            lease = self.cache.admit(seq, req.namespace, validate=False, max_cached=logprob_cap(req),
                                      promote=promote)
         except CacheError as exc:
             req.finished, req.finish_reason, req.error = True, FinishReason.ERROR, str(exc)
@@ -387,15 +403,6 @@ class Scheduler:
         req.lease = lease
         req.num_computed_tokens = lease.cached_tokens
         return n
-
-    def _logprob_cap(self, req: EngineRequest) -> int | None:
-        """For a request that wants its prompt's logprobs: the most prefix it may take from
-        the cache (positions whose logprobs are unknown are computed, even if their KV is cached;
-        the sampler filled in what it kept at submit: ``Sampler.prepare``)."""
-        if req.params.prompt_logprobs is None or req.prompt_logprobs is None:
-            return None
-        known = next((i for i, e in enumerate(req.prompt_logprobs) if e is None and i), len(req.prompt))
-        return known - 1 if known < len(req.prompt) else None
 
     def _note_admission(self, req: EngineRequest, lease) -> None:
         """What the cache gave ``req`` and from which tier: at its first admission, its
@@ -471,6 +478,7 @@ class Scheduler:
         """``req`` sampled ``token``: its event, and its end when the token ends it."""
         if req.first_token_at is None:
             req.first_token_at = self.clock()
+            req.trace.prompt_steps = self.stats["steps"] + 1 - req.trace.forward_step
         reason = None
         if token in req.params.stop_token_ids:
             reason = FinishReason.STOP

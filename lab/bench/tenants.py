@@ -28,7 +28,14 @@ listed tenants' guarantees.
 Every arm runs the same plan (documents, questions, arrivals, pauses, reply
 lengths) and the same flood. One JSON line per arm (B's later-turn cached
 share and TTFT p50/p99, A's served and failed counts, what the replicas'
-per-tenant counters say B lost to A), then a summary line with the ratios to
+per-tenant counters say B lost to A, and where B's later turns' time to first
+token went: ``b_ttft_parts_ms_later_turns_p50``, the median of each part
+(``serve_app.timing``), and ``b_steps_later_turns_p50`` / ``_max``, the same
+wait in engine steps (steps waited before admission, of those waiting for a
+promotion, the steps the prompt took, the tokens, rows, decodes and other
+tenants' tokens of the step of its first forward), ``b_later_turns_promoted``
+the later turns that waited for a promotion, and ``b_later_turns_detail`` each
+later turn's figures, named by ``b_later_turns_detail_keys``), then a summary line with the ratios to
 B alone and the goals of issue 44 (cached share >= 0.9x, TTFT p50 <= 1.5x
 with quotas; A served, 0 failed).
 """
@@ -199,7 +206,29 @@ def run_arm(name: str, base: str, model: str, plan, system: str, prompts, rate: 
             "b_ttft_ms_first_turn_p50": fields["ttft_ms_first_turn_p50"],
             "a_rate_per_s": rounded(rate, 3) if prompts else 0.0,
             "a_max_send_s": rounded(args.flood_max_s, 1) if prompts else None, **a,
-            "b_tokens_lost_to_a": b_lost, "errors": summary["errors"], **_engine_fields(stats)}
+            "b_tokens_lost_to_a": b_lost, "errors": summary["errors"], **_engine_fields(stats),
+            "b_ttft_parts_ms_later_turns_p50": summary.get("ttft_parts_ms_later_turns_p50"),
+            **step_counts([t for t in b.turns if t.ok and t.turn > 0])}
+
+
+def step_counts(turns: list) -> dict:
+    """B's later turns' wait in engine steps, from the replica's counts in each response's
+    ``timing_steps`` (``cluster.protocol.STEP_COUNTS``): the median and the highest of each, and
+    how many of the turns waited for a promotion of their prefix."""
+    from cluster.protocol import STEP_COUNTS
+
+    timed = [t.timing_steps for t in turns if t.timing_steps]
+    if not timed:
+        return {}
+    out = {"b_steps_later_turns_p50": {k: rounded(statistics.median(m[k] for m in timed), 1) for k in STEP_COUNTS},
+           "b_steps_later_turns_max": {k: max(m[k] for m in timed) for k in STEP_COUNTS}}
+    out["b_later_turns_promoted"] = sum(1 for m in timed if m["promotion_waits"])
+    # Each later turn, in the order they ended: TTFT, replica queue and first forward (ms), then its counts.
+    out["b_later_turns_detail_keys"] = ["ttft_ms", "replica_queue_ms", "first_forward_ms", *STEP_COUNTS]
+    out["b_later_turns_detail"] = [
+        [rounded(t.ttft_s * 1e3, 1), t.timing_ms.get("replica_queue"), t.timing_ms.get("first_forward"),
+         *(t.timing_steps[k] for k in STEP_COUNTS)] for t in turns if t.timing_steps and t.ttft_s is not None]
+    return out
 
 
 def _engine_fields(stats: dict) -> dict:

@@ -69,6 +69,7 @@ class Turn:
     timing_ms: dict = field(default_factory=dict)        # this app's TTFT by part (serve_app.timing)
     after_long_pause: bool = False     # sent after a long think time (lab.load.session_workload)
     itl_s: list = field(default_factory=list)   # the gaps between its streamed pieces after the first
+    timing_steps: dict = field(default_factory=dict)     # this app's wait in engine steps (serve_app.timing)
 
 
 @dataclass
@@ -193,5 +194,5 @@ async def ask_turn(http, model: str, messages: list[dict], i: int, t: int, max_t
     return Turn(i, t, True, ttft, time.perf_counter() - started, int(usage.get("prompt_tokens", 0)),
                 int(usage.get("completion_tokens", 0)), cached, None, sent_at, cache.get("worker_id"),
                 dict(cache.get("cached_tokens_by_tier") or {}), dict(cache.get("timing_ms") or {}),
-                itl_s=gaps), "".join(text)
+                itl_s=gaps, timing_steps=dict(cache.get("timing_steps") or {})), "".join(text)
 

@@ -71,3 +71,20 @@ def test_the_flood_sends_at_its_rate_until_stopped_and_counts_what_was_served(mo
     got = asyncio.run(go())
     assert got["a_sent"] == len(sent) and got["a_failed"] == 1 and got["a_served"] == len(sent) - 1
     assert sent[:3] == ["Request 0. doc", "Request 1. doc", "Request 2. doc"]   # distinct from the first token
+
+
+def test_b_later_turns_wait_in_engine_steps_median_max_and_detail():
+    from lab.load.chat_workload import Turn
+
+    def turn(ttft_s, steps_waited, promotion_waits):
+        counts = {"steps_waited": steps_waited, "promotion_waits": promotion_waits, "prompt_steps": 1,
+                  "step_tokens": 24, "step_rows": 2, "step_decodes": 1, "step_other_tokens": 0, "room_waits": 0,
+                  "unreached": steps_waited - promotion_waits}
+        return Turn(0, 1, True, ttft_s, timing_ms={"replica_queue": 5.0, "first_forward": 40.0}, timing_steps=counts)
+
+    row = bench_tenants.step_counts([turn(0.05, 0, 0), turn(0.25, 4, 1), turn(0.5, 9, 2), Turn(0, 1, True, 0.1)])
+    assert row["b_steps_later_turns_p50"]["steps_waited"] == 4 and row["b_steps_later_turns_max"]["unreached"] == 7
+    assert row["b_later_turns_promoted"] == 2
+    assert row["b_later_turns_detail_keys"][:4] == ["ttft_ms", "replica_queue_ms", "first_forward_ms", "steps_waited"]
+    assert row["b_later_turns_detail"][1] == [250.0, 5.0, 40.0, 4, 1, 1, 24, 2, 1, 0, 0, 3]
+    assert bench_tenants.step_counts([Turn(0, 1, True, 0.1)]) == {}   # a server without the counts

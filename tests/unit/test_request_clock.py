@@ -21,6 +21,10 @@ def test_breakdown_splits_the_total_into_its_parts():
                                    "ingress_other": 1.0, "respond": 1.5, "ttft": 12.5, "total": 14.0,
                                    "route_decision": 0.12}, abs=1e-6)
     assert clock.routed_by == "router_view"
+    assert clock.step_counts() == {"steps_waited": 0, "promotion_waits": 0, "prompt_steps": 0, "step_tokens": 0,
+                                   "step_rows": 0, "step_decodes": 0, "step_other_tokens": 0, "room_waits": 0,
+                                   "unreached": 0}
+    assert RequestClock(received=1.0, received_wall=1.0).step_counts() == {}   # no replica timing
     to_first = sum(v for k, v in parts.items() if k not in ("respond", "ttft", "total", "route_decision"))
     assert to_first == pytest.approx(parts["ttft"]) and to_first + parts["respond"] == pytest.approx(parts["total"])
 

@@ -34,6 +34,8 @@ class SchedulingPolicy:
 
     name = "fcfs"
     preempts_across_tenants = False   # a waiting request may take another tenant's room (fair share)
+    promotes_inline = False   # the least-served tenant's promotion may be waited for in the step (fair share)
+    ending_first = False      # a tenant's new prompts that end in the step go before its own running fills
 
     def __init__(self, max_running: int, quotas: Any = None):
         self.max_running = max_running
@@ -71,6 +73,10 @@ class SchedulingPolicy:
         """How a time slice picks among the decodes past their slice: a function of those
         candidates (newest first), or None for the slicer's own pick (fewest tokens to swap)."""
         return None
+
+    def slice_candidates(self, head: Any, running: list) -> list:
+        """The running requests a time slice for ``head`` may take room from (every one)."""
+        return running
 
     def slot_yields(self, running: list, waiting: Iterable) -> list[tuple[Any, Any]]:
         """(victim, waiting request) pairs: running requests that yield their slot before

@@ -15,7 +15,14 @@
   another's long decodes. This yield is not gated by time slicing's measured gain
   and cost: it happens only for a tenant with no running slot, once per free
   slot it needs.
-- **Victims**: for room (and for a time slice, still gated by its measured gain
+- **Promotions**: while tenants share the engine, the least-served tenant's
+  waiting request whose prefix is partly in WARM is admitted in the step that
+  starts its promotion, the step's planning waiting for the copy where it is
+  measured short (``promotes_inline``: ``cluster.engine.waiting_checks``);
+  every other request is passed over while its copy runs.
+- **Victims**: a time slice for a waiting request takes room only from its own
+  tenant or one served at least as much recently, and only where the quotas
+  allow (``slice_candidates``, ``may_preempt``); for room (and for a time slice, still gated by its measured gain
   and cost) the tenant most over its slot share yields first, then the tenant
   served most recently; a waiting request that finds no room may take it from
   another tenant's running request that the quotas allow (``may_preempt``).
@@ -34,6 +41,8 @@ from cluster.engine.preemption import spare_repeated
 class FairSharePolicy(SchedulingPolicy):
     name = "fair"
     preempts_across_tenants = True
+    promotes_inline = True
+    ending_first = True
 
     def __init__(self, max_running: int, quotas: Any = None):
         super().__init__(max_running, quotas)
@@ -82,6 +91,14 @@ class FairSharePolicy(SchedulingPolicy):
     def slice_victim(self, running: list):
         key = self.over_share_key(running)
         return lambda candidates: max(candidates, key=key, default=None)
+
+    def slice_candidates(self, head: Any, running: list) -> list:
+        """A time slice for ``head`` takes room only from its own tenant or a tenant served at
+        least as much recently: a flood's request does not slice a quieter tenant's decode (which
+        would then wait behind the flood's backlog, ``yielded_to``)."""
+        served = self.shares.served
+        mine = served.get(head.namespace, 0.0)
+        return [r for r in running if r.namespace == head.namespace or served.get(r.namespace, 0.0) >= mine]
 
     def slot_yields(self, running: list, waiting: Iterable) -> list[tuple[Any, Any]]:
         max_running = self.max_running
