@@ -24,6 +24,8 @@
 #include <atomic>
 #include <cmath>
 #include <limits>
+#include <memory>
+#include <thread>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -179,13 +181,41 @@ __attribute__((target("avx512f"))) void online_softmax(float* s, int64_t visible
   }
 }
 
+// The keys transposed a block of 64 at a time, [kv_heads, 64, ld_kt], zero past the last
+// key; a block is turned by the first task that asks for it (state 0 -> 1 -> 2), the others
+// wait the few microseconds that takes.
+struct TransposedKeys {
+  const float* src;   // [kv_heads, keys, 64]
+  float* kt;
+  int64_t keys, ld_kt, blocks;
+  std::atomic<int>* state;
+
+  const float* block(int64_t h, int64_t b) {
+    float* dst = kt + h * kDim * ld_kt + b * kBlock;
+    std::atomic<int>& st = state[h * blocks + b];
+    int expected = 0;
+    if (st.load(std::memory_order_acquire) != 2 && st.compare_exchange_strong(expected, 1)) {
+      const int64_t j0 = b * kBlock, n = std::min(kBlock, keys - j0);
+      const float* from = src + (h * keys + j0) * kDim;
+      for (int64_t d = 0; d < kDim; ++d) {
+        float* row = dst + d * ld_kt;
+        for (int64_t j = 0; j < n; ++j) row[j] = from[j * kDim + d];
+        for (int64_t j = n; j < kBlock; ++j) row[j] = 0.f;
+      }
+      st.store(2, std::memory_order_release);
+    }
+    while (st.load(std::memory_order_acquire) != 2) std::this_thread::yield();
+    return dst;
+  }
+};
+
 struct Shape {
   int64_t tokens, heads, kv_heads, group, keys, ld_kt, start;
   float scale;
 };
 
 // One task: the query tokens [t0, t0 + nt) of KV head h, every query head of its group.
-__attribute__((target("avx512f"))) void attend_tile(const Shape& sh, const float* q, const float* kt, const float* v,
+__attribute__((target("avx512f"))) void attend_tile(const Shape& sh, const float* q, TransposedKeys& kt, const float* v,
                                                     float* out, int64_t h, int64_t t0, float* qs, float* s, float* o,
                                                     float* top, float* sum) {
   const int64_t nt = std::min(kTileTokens, sh.tokens - t0), g = sh.group, rows = nt * g;
@@ -199,11 +229,10 @@ __attribute__((target("avx512f"))) void attend_tile(const Shape& sh, const float
   std::fill(top, top + rows, -std::numeric_limits<float>::infinity());
   std::fill(sum, sum + rows, 0.f);
   const int64_t first = sh.start + t0, seen = first + nt;   // the tile's first position; keys it sees
-  const float* kth = kt + h * kDim * sh.ld_kt;
   const float* vh = v + h * sh.keys * kDim;
   for (int64_t j0 = 0; j0 < seen; j0 += kBlock) {
     const int64_t nk = std::min(kBlock, seen - j0);
-    scores(qs, kth + j0, sh.ld_kt, s, rows);
+    scores(qs, kt.block(h, j0 / kBlock), sh.ld_kt, s, rows);
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t visible = std::min(nk, first + r / g + 1 - j0);   // keys up to the row's own position
       online_softmax(s + r * kBlock, visible, top[r], sum[r], o + r * kDim);
@@ -243,13 +272,18 @@ torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& key
 #if defined(__x86_64__)
   const torch::Tensor qc = q.contiguous(), vc = values.contiguous();
   const int64_t ld_kt = (S + kBlock - 1) / kBlock * kBlock;
-  // The keys transposed, [kv_heads, 64, ld_kt], zero past S (a block's loads stay inside).
-  torch::Tensor kt = torch::zeros({kv_heads, kDim, ld_kt}, q.options());
-  kt.narrow(2, 0, S).copy_(keys.transpose(1, 2));
+  // The keys transposed, [kv_heads, 64, ld_kt], zero past S (a block's loads stay inside):
+  // each block of 64 keys turned by the first task that needs it (one parallel region a
+  // call: a region costs a wake-up of every thread, a scheduler slice on a busy machine).
+  const torch::Tensor kc = keys.contiguous();
+  torch::Tensor kt = torch::empty({kv_heads, kDim, ld_kt}, q.options());
+  const int64_t key_blocks = ld_kt / kBlock;
+  std::unique_ptr<std::atomic<int>[]> state(new std::atomic<int>[kv_heads * key_blocks]);
+  for (int64_t b = 0; b < kv_heads * key_blocks; ++b) state[b].store(0, std::memory_order_relaxed);
+  TransposedKeys keys_t{kc.data_ptr<float>(), kt.data_ptr<float>(), S, ld_kt, key_blocks, state.get()};
   const Shape sh{T, heads, kv_heads, heads / kv_heads, S, ld_kt, start, static_cast<float>(scale)};
   const int64_t tiles = (T + kTileTokens - 1) / kTileTokens, tasks = tiles * kv_heads;
   const float* qp = qc.data_ptr<float>();
-  const float* ktp = kt.data_ptr<float>();
   const float* vp = vc.data_ptr<float>();
   float* op = out.data_ptr<float>();
   std::atomic<int64_t> next{0};
@@ -260,7 +294,7 @@ torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& key
     float *qs = buf.data(), *o = qs + rows * kDim, *s = o + rows * kDim, *top = s + rows * kBlock, *sum = top + rows;
     for (int64_t task; (task = next.fetch_add(1, std::memory_order_relaxed)) < tasks;) {
       const int64_t tile = tiles - 1 - task / kv_heads;   // the longest rows first
-      attend_tile(sh, qp, ktp, vp, op, task % kv_heads, tile * kTileTokens, qs, s, o, top, sum);
+      attend_tile(sh, qp, keys_t, vp, op, task % kv_heads, tile * kTileTokens, qs, s, o, top, sum);
     }
   });
 #endif
