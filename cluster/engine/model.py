@@ -271,7 +271,7 @@ class DecoderModel(nn.Module):
             logits = self.kernels.graphs.run(checked, pool)
             if logits is not None:
                 return logits
-        slot_rows = paged.SlotRows(pool, checked)
+        slot_rows = paged.SlotRows(pool, checked, self.kernels.prefill)
 
         def attend(layer_index, q, k, v, item_index):
             return slot_rows.attend(self.config, layer_index, q, k, v, item_index)
@@ -284,13 +284,18 @@ class DecoderModel(nn.Module):
         pool's slots (``cluster.engine.kernels``: ``paged_attention``, float32 on the CPU,
         Triton on CUDA); True when it is in use. On the CPU the norms and the rotary
         embedding then run compiled too (one call each instead of five or six ops: at a
-        decode step's few rows the dispatch costs more than the arithmetic)."""
+        decode step's few rows the dispatch costs more than the arithmetic), and so does a
+        prompt chunk's attention where the head_dim is 64 and the CPU has AVX-512
+        (``prefill_attention``: one flash pass over the cached prefix and the chunk)."""
         kernels = self.kernels
         kernels.attention, kernels.graphs, kernels.small_ops, kernels.layer_loop = None, None, None, None
+        kernels.prefill = None
         if on and self.config.dtype == "float32" and self.device.type == "cpu":
-            from cluster.engine.kernels import paged_attention, small_ops
+            from cluster.engine.kernels import paged_attention, prefill_attention, small_ops
             self.kernels.attention = paged_attention()
             self.kernels.small_ops = small_ops()
+            if paged.prefill_fits(self.config):
+                self.kernels.prefill = prefill_attention()
         elif on and self.device.type == "cuda":
             from cluster.engine.kernels import cuda_paged_attention
             self.kernels.attention = cuda_paged_attention()

@@ -19,6 +19,7 @@ Layouts = tuple[int, ...]   # linear_layouts.Layouts: a layout per row count
 class ModelKernels:
     attention: Any = None      # the batched attention over the KV pool's slots (C++ on the CPU, Triton on CUDA)
     small_ops: Any = None      # the compiled rms_norm and rope (CPU, float32)
+    prefill: Any = None        # a prompt chunk's causal attention in one flash pass (CPU, float32, head_dim 64)
     layer_loop: Any = None     # layer_loop.CompiledLayers: a step's whole layer loop in one call (CPU)
     graphs: Any = None         # cuda_graphs.DecodeGraphs: decode steps replayed from captured graphs (CUDA)
     layer_layouts: Layouts | None = None   # the fastest linear layout per row count: the layers' linears

@@ -11,8 +11,10 @@ prefix read the same pool memory.
 
 Two paths per layer: the items after a prefix with at most
 ``EXTEND_MAX`` new tokens all at once in the compiled kernel (``paged_attention``: C++ on
-the CPU, Triton on CUDA), the rest one by one with ``attention.attend_torch`` over a
-transient gather of the layer's K/V (a prefill chunk's attention outweighs the gather).
+the CPU, Triton on CUDA), the rest one by one over a transient gather of the layer's K/V
+(a prefill chunk's attention outweighs the gather): with the compiled ``prefill_attention``
+where the model has it (the CPU, float32, head_dim 64, AVX-512: ``prefill_fits``), else
+``attention.attend_torch``.
 The torch items run first in each layer, so a kernel item may read slots a torch item of
 the same step writes (a prompt being filled and a request behind it on its prefix).
 """
@@ -96,12 +98,22 @@ def check_writes(checked: Sequence[PagedItem], on_kernel: set) -> None:
                                  "in this forward after (or while) it is read")
 
 
+PREFILL_HEAD_DIM, PREFILL_MAX_GROUP = 64, 8   # what the compiled prefill_attention serves
+
+
+def prefill_fits(config) -> bool:
+    """Whether the compiled ``prefill_attention`` serves this model's shapes (head_dim 64, at
+    most 8 query heads per KV head, float32)."""
+    return config.head_dim == PREFILL_HEAD_DIM and config.num_heads % config.num_kv_heads == 0 \
+        and config.num_heads // config.num_kv_heads <= PREFILL_MAX_GROUP and config.dtype == "float32"
+
+
 class SlotRows:
     """The torch path's view of the pool: ``pool.view(-1, head_dim)``, and per item the row
     of each position's slot at layer 0, K, head 0 (a layer, V and a head are fixed steps
-    from there)."""
+    from there). ``prefill``: the compiled ``prefill_attention`` (None: ``attend_torch``)."""
 
-    def __init__(self, pool: torch.Tensor, checked: Sequence[PagedItem]):
+    def __init__(self, pool: torch.Tensor, checked: Sequence[PagedItem], prefill=None):
         _, layers, _, block_tokens, kv_heads, head_dim = pool.shape
         self.flat = pool.view(-1, head_dim)
         self.kv_heads, self.head_dim = kv_heads, head_dim
@@ -111,6 +123,7 @@ class SlotRows:
         self.device = pool.device
         self.block_tokens, self.block_rows = block_tokens, layers * self.layer_rows
         self.checked = checked
+        self.prefill = prefill if pool.device.type == "cpu" else None
         self.token_rows: dict[int, torch.Tensor] = {}   # per item, once a forward (kernel items need none)
 
     def attend(self, config, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -129,6 +142,8 @@ class SlotRows:
         rows = (self.heads[:, None] + keys_at[None, :]).reshape(-1)   # head-major
         keys = self.flat.index_select(0, rows).view(self.kv_heads, -1, self.head_dim)
         values = self.flat.index_select(0, rows + self.v_rows).view(self.kv_heads, -1, self.head_dim)
+        if self.prefill is not None and q.shape[0] > 1:
+            return self.prefill(q.contiguous(), keys, values, start_pos, config.head_dim ** -0.5)
         return attend_torch(config, q, keys, values, start_pos)
 
 

@@ -127,10 +127,11 @@ def counted_kernels(model: Any) -> Iterator[dict[str, int]]:
     attention kernel over the pool's slots (``paged_attention``, per layer of a step the
     Python loop runs; ``extend_attention``, the key this count had when the kernel attended
     per-request buffers, kept equal to it for readers of the JSON), the compiled norms and
-    rotary embedding (``small_ops``) and the layer loop in one call (``layer_loop``, per
-    step). Nothing is counted on CUDA (see the graph figures)."""
-    counts = {"paged_attention": 0, "extend_attention": 0, "small_ops": 0, "layer_loop": 0}
-    saved = (model.kernels.attention, model.kernels.small_ops, model.kernels.layer_loop)
+    rotary embedding (``small_ops``), the layer loop in one call (``layer_loop``, per
+    step) and a prompt chunk's attention (``prefill_attention``, per layer of a chunk).
+    Nothing is counted on CUDA (see the graph figures)."""
+    counts = {"paged_attention": 0, "extend_attention": 0, "small_ops": 0, "layer_loop": 0, "prefill_attention": 0}
+    saved = (model.kernels.attention, model.kernels.small_ops, model.kernels.layer_loop, model.kernels.prefill)
 
     def counting(names: tuple[str, ...], fn: Any) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -146,10 +147,12 @@ def counted_kernels(model: Any) -> Iterator[dict[str, int]]:
             model.kernels.small_ops = _CountedOps(saved[1], counting)
         if saved[2] is not None:
             model.kernels.layer_loop = counting(("layer_loop",), saved[2])
+        if saved[3] is not None:
+            model.kernels.prefill = counting(("prefill_attention",), saved[3])
     try:
         yield counts
     finally:
-        model.kernels.attention, model.kernels.small_ops, model.kernels.layer_loop = saved
+        model.kernels.attention, model.kernels.small_ops, model.kernels.layer_loop, model.kernels.prefill = saved
 
 
 class _CountedOps:

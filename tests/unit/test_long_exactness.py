@@ -64,6 +64,8 @@ def test_long_prompts_equal_transformers_through_the_compiled_kernels(blocked_ev
     assert calls["extend_attention"] == calls["paged_attention"]   # the JSON's old key: the paged kernel's count
     decode_steps = 3 * (MAX_TOKENS - 1)   # after each request's first token, one step a token, alone
     assert calls["small_ops"] > 0   # the prefill chunks' norms and rotary embedding
+    if model.kernels.prefill is not None:   # AVX-512: each layer of the cold prompt's 3 chunks and the cached one's
+        assert calls["prefill_attention"] == (3 + 1) * model.config.num_layers
     if blocked:   # every decode step (and the later turn's 16 tokens) in one compiled call
         assert calls["layer_loop"] >= decode_steps + 1
     else:         # the Python loop, the batched kernel in each layer of those steps
