@@ -42,7 +42,9 @@ class FairSharePolicy(SchedulingPolicy):
     name = "fair"
     preempts_across_tenants = True
     promotes_inline = True
-    ending_first = True
+    # Off: with it on, the tenant state machine found a slotless tenant kept from a running slot
+    # for 2 steps (its invariant is 1; `--hypothesis-seed=1`), cause not found yet.
+    ending_first = False
 
     def __init__(self, max_running: int, quotas: Any = None):
         super().__init__(max_running, quotas)
