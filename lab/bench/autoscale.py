@@ -37,7 +37,9 @@ One row per arm (``lab.bench.autoscale_figures`` computes every figure):
   (the policy's decision as Serve carried it out); ``scale_out_running_s``: to
   the first sample with more replicas RUNNING than at the step;
   ``scale_out_first_served_s``: to the first token a replica that was not live
-  at the step streamed;
+  at the step streamed; ``first_slo_miss_after_step_s``: to the sending of the
+  first request that missed the SLO (the load outrunning the replicas serving)
+  and ``scale_out_running_after_miss_s``: from then to the new replica running;
 - ``replica_starts``: each replica's start-up as it noted it with the directory
   (``process_to_ready_s``: from its process's start to ready to serve; Ray may
   hand an actor a worker process it started earlier, which only adds to it),
