@@ -37,7 +37,9 @@ One row per arm (``lab.bench.autoscale_figures`` computes every figure):
   (the policy's decision as Serve carried it out); ``scale_out_running_s``: to
   the first sample with more replicas RUNNING than at the step;
   ``scale_out_first_served_s``: to the first token a replica that was not live
-  at the step streamed;
+  at the step streamed; ``first_slo_miss_after_step_s``: to the sending of the
+  first request that missed the SLO (the load outrunning the replicas serving)
+  and ``scale_out_running_after_miss_s``: from then to the new replica running;
 - ``replica_starts``: each replica's start-up as it noted it with the directory
   (``process_to_ready_s``: from its process's start to ready to serve; Ray may
   hand an actor a worker process it started earlier, which only adds to it),
@@ -85,6 +87,7 @@ from lab.bench.autoscale_figures import (
     crossing_turns,
     idle_to_min,
     left_times,
+    overload_onset,
     phase_bounds,
     phases_of,
     replica_seconds,
@@ -124,7 +127,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sample-s", type=float, default=0.5, help="replica sampling period")
     p.add_argument("--request-timeout-s", type=float, default=120.0)
     p.add_argument("--raw", default=None, metavar="FILE",
-                   help="also append each arm's samples and requests to FILE (one JSON line per arm)")
+                   help="also append each arm's samples, the workers' loads and the requests to FILE "
+                        "(one JSON line per arm)")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
 
@@ -167,11 +171,15 @@ def app_args(arm: str, args: argparse.Namespace, worker: dict) -> dict:
 
 class Sampler:
     """Serve's replica states and the directory's live workers every ``period_s``, each read bounded
-    (a read that times out is a missing sample, never a stall)."""
+    (a read that times out is a missing sample, never a stall). With ``loads``, also each live
+    worker's load as the directory last heard it (queued tokens: the waiting prompt tokens the
+    cache did not serve plus the running requests' tokens still to decode; running requests):
+    ``self.loads``, one (s after the start, {worker: [queued_tokens, running]}) per sample."""
 
-    def __init__(self, t0: float, period_s: float, timeout_s: float = 5.0):
-        self.t0, self.period_s, self.timeout_s = t0, period_s, timeout_s
+    def __init__(self, t0: float, period_s: float, timeout_s: float = 5.0, loads: bool = False):
+        self.t0, self.period_s, self.timeout_s, self.with_loads = t0, period_s, timeout_s, loads
         self.samples: list[ReplicaSample] = []
+        self.loads: list[tuple[float, dict[str, list[int]]]] = []
         self.missed = 0
         self._stop = threading.Event()
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="autoscale-sampler-read")
@@ -192,13 +200,16 @@ class Sampler:
     def _loop(self) -> None:
         while not self._stop.is_set():
             try:
-                running, starting, live = self._pool.submit(self._read).result(timeout=self.timeout_s)
-                self.samples.append(ReplicaSample(time.monotonic() - self.t0, running, starting, live))
+                running, starting, live, loads = self._pool.submit(self._read).result(timeout=self.timeout_s)
+                at = time.monotonic() - self.t0
+                self.samples.append(ReplicaSample(at, running, starting, live))
+                if loads is not None:
+                    self.loads.append((at, loads))
             except Exception:   # a slow controller or directory: this sample is missing, say how many
                 self.missed += 1
             self._stop.wait(self.period_s)
 
-    def _read(self) -> tuple[int, int, tuple[str, ...]]:
+    def _read(self) -> tuple[int, int, tuple[str, ...], dict[str, list[int]] | None]:
         import ray
         from ray import serve
 
@@ -210,9 +221,15 @@ class Sampler:
         if app is not None and APP_REPLICAS in app.deployments:
             states = {getattr(k, "value", str(k)): v for k, v in app.deployments[APP_REPLICAS].replica_states.items()}
         directory = ray.get_actor(DIRECTORY_NAME, namespace="prefix-cache")
-        live = ray.get(directory.live_workers.remote(), timeout=self.timeout_s)
+        loads = None
+        if self.with_loads:
+            workers = ray.get(directory.get_stats.remote(), timeout=self.timeout_s)["workers"]
+            live = list(workers)
+            loads = {w[-8:]: [int(v["queued_tokens"]), int(v["running"])] for w, v in workers.items()}
+        else:
+            live = ray.get(directory.live_workers.remote(), timeout=self.timeout_s)
         return (int(states.get("RUNNING", 0)), sum(int(states.get(s, 0)) for s in STARTING_STATES),
-                tuple(sorted(live)))
+                tuple(sorted(live)), loads)
 
 
 @dataclasses.dataclass
@@ -358,6 +375,7 @@ def arm_row(arm: str, args, phases: list[Phase], load: LoadRun, samples: list[Re
                 "scale_events": [[rounded(at, 1), a, b] for at, a, b in scale_events(samples)],
                 "last_answer_s": rounded(last_answer, 2)})
     row.update(scale_out_reaction(samples, turns, step_at, t0))
+    row.update(overload_onset(turns, step_at, t0, args.ttft_slo_s, row["scale_out_running_s"]))
     gone = left_times(samples)
     row["replicas_left"] = [[w[-8:], rounded(at, 1)] for w, at in sorted(gone.items(), key=lambda g: g[1])]
     row.update(crossing_figures(crossing_turns(turns, gone, t0)))
@@ -367,11 +385,14 @@ def arm_row(arm: str, args, phases: list[Phase], load: LoadRun, samples: list[Re
     return row
 
 
-def write_raw(path: str, arm: str, samples: list[ReplicaSample], turns: list[Turn], t0: float) -> None:
-    """One JSON line: the arm's replica samples and its requests (times in s after the load's start)."""
+def write_raw(path: str, arm: str, samples: list[ReplicaSample], turns: list[Turn], t0: float,
+              loads: list[tuple[float, dict]] | None = None) -> None:
+    """One JSON line: the arm's replica samples, the workers' loads (``Sampler.loads``) and its
+    requests (times in s after the load's start)."""
     import json
 
     record = {"arm": arm, "samples": [[rounded(s.at, 3), s.running, s.starting, list(s.live)] for s in samples],
+              "loads": [[rounded(at, 3), w] for at, w in loads or []],
               "turns": [{"session": t.session, "turn": t.turn, "ok": t.ok, "sent_s": rounded(t.started_at - t0, 3),
                          "ttft_s": t.ttft_s, "e2e_s": t.e2e_s, "worker_id": t.worker_id, "prompt": t.prompt_tokens,
                          "completion": t.completion_tokens, "cached": t.cached_tokens,
@@ -396,7 +417,7 @@ def run_arm(arm: str, args, phases: list[Phase], plan: list[PlannedSession], sys
         local.deploy(app_args(arm, args, worker), port=port, timeout_s=600)
         print(f"{arm}: deployed, load starts", flush=True)
         t0, load_wall = time.monotonic(), time.time()
-        sampler = Sampler(t0, args.sample_s).start()
+        sampler = Sampler(t0, args.sample_s, loads=bool(args.raw)).start()
         total = sum(p.duration_s for p in phases)
         load = asyncio.run(run_load(f"http://127.0.0.1:{port}", model, plan, system, t0, total + args.tail_s,
                                     args.request_timeout_s))
@@ -412,7 +433,7 @@ def run_arm(arm: str, args, phases: list[Phase], plan: list[PlannedSession], sys
         row["l3_at_end"] = l3_counters(f"http://127.0.0.1:{port}")
         row["l3_master"] = master_counters(local.l3.metrics_url) if local.l3 is not None else None
         if args.raw:
-            write_raw(args.raw, arm, list(sampler.samples), load.turns, t0)
+            write_raw(args.raw, arm, list(sampler.samples), load.turns, t0, list(sampler.loads))
         return row
     finally:
         local.shutdown()

@@ -8,7 +8,10 @@
 - ``slo_attainment``: the share of requests whose TTFT was under the SLO (a
   request that failed counts as missed);
 - ``scale_out_reaction``: from the load step to the first new replica running
-  and to the first request a new replica answered;
+  and to the first request a new replica answered; ``overload_onset``: from the
+  step to the first request that missed the SLO (when the load first outran the
+  replicas serving), and from then to the new replica running (the reaction
+  proper: signal, decision, start-up);
 - ``crossing_turns``: the turns whose session's previous turn ran on a replica
   that had left (``left_times``: stopped by a scale-in) before the turn was
   sent, and what they kept;
@@ -147,6 +150,20 @@ def scale_out_reaction(samples: list[ReplicaSample], turns: list[Turn], step_at:
             "scale_out_first_served_s": rounded(min(served) - step_at, 2) if served else None}
 
 
+def overload_onset(turns: list[Turn], step_at: float, t0: float, slo_s: float,
+                   scale_out_running_s: float | None) -> dict:
+    """``first_slo_miss_after_step_s``: from the load step to the sending of the first request sent
+    after it whose TTFT was over ``slo_s`` (or that failed); ``scale_out_running_after_miss_s``:
+    from then to the new replica running (``scale_out_running_s`` less it; negative when the
+    replica came first). None where there is no such request or no scale-out."""
+    missed = [t.started_at - t0 - step_at for t in turns
+              if t.started_at - t0 >= step_at and (not t.ok or t.ttft_s is None or t.ttft_s > slo_s)]
+    first = min(missed) if missed else None
+    after = scale_out_running_s - first if first is not None and scale_out_running_s is not None else None
+    return {"first_slo_miss_after_step_s": rounded(first, 2) if first is not None else None,
+            "scale_out_running_after_miss_s": rounded(after, 2) if after is not None else None}
+
+
 def gone_times(samples: list[ReplicaSample]) -> dict[str, float]:
     """Each worker that left the directory's live set: when it was first seen gone."""
     ordered = sorted(samples, key=lambda s: s.at)
@@ -250,6 +267,8 @@ def summary(ours: dict, theirs: dict) -> dict:
             "replica_seconds_ratio": ratio,
             "scale_out_running_s": ours.get("scale_out_running_s"),
             "scale_out_running_s_serve_default": theirs.get("scale_out_running_s"),
+            "first_slo_miss_after_step_s": ours.get("first_slo_miss_after_step_s"),
+            "scale_out_running_after_miss_s": ours.get("scale_out_running_after_miss_s"),
             "idle_to_min_s": ours.get("idle_to_min_s"),
             "idle_to_min_s_serve_default": theirs.get("idle_to_min_s"),
             "lost_requests": ours.get("lost_requests"),

@@ -20,6 +20,7 @@ from lab.bench.autoscale_figures import (
     gone_times,
     idle_to_min,
     left_times,
+    overload_onset,
     phase_at,
     phase_bounds,
     phases_of,
@@ -129,6 +130,18 @@ def test_scale_out_reaction_from_the_step_to_more_running_and_to_the_new_replica
     assert scale_out_reaction(samples[:2], turns[:1], step_at=40, t0=T0) == {
         "replicas_at_step": 1, "scale_out_started_s": None, "scale_out_running_s": None,
         "scale_out_first_served_s": None}
+
+
+def test_overload_onset_is_the_first_request_after_the_step_over_the_slo_and_the_reaction_after_it():
+    turns = [turn(0, 0, at=35, ttft=3.0), turn(1, 0, at=41, ttft=0.2), turn(2, 0, at=44.5, ttft=2.5),
+             turn(3, 0, at=43.5, ok=False), turn(4, 0, at=46, ttft=4.0), turn(5, 0, at=42, ttft=2.0)]
+    # before the step (35 s) and at the SLO (2.0 s) are no miss; the failed one at 43.5 s is the first
+    assert overload_onset(turns, step_at=40, t0=T0, slo_s=2.0, scale_out_running_s=12.5) == {
+        "first_slo_miss_after_step_s": 3.5, "scale_out_running_after_miss_s": 9.0}
+    assert overload_onset(turns, step_at=40, t0=T0, slo_s=2.0, scale_out_running_s=None) == {
+        "first_slo_miss_after_step_s": 3.5, "scale_out_running_after_miss_s": None}
+    assert overload_onset(turns[:2], step_at=40, t0=T0, slo_s=2.0, scale_out_running_s=12.5) == {
+        "first_slo_miss_after_step_s": None, "scale_out_running_after_miss_s": None}
 
 
 def test_a_replica_already_up_at_the_step_is_no_reaction_to_it():
