@@ -397,20 +397,13 @@ class PublisherEpoch:
 
 
 @dataclass(slots=True)
-class ReplicaTiming:
-    """Where the replica spent one request's time to first token, carried by the
-    first token's ``StreamItem``. Durations are the replica's own; the
-    wall-clock stamp (``time.time()``) lets the ingress split the hops to and
-    from the replica (exact on one host, as good as the clocks across hosts)."""
+class StepCounts:
+    """One request's wait for its first token, counted in engine steps: steps planned before
+    the one that admitted it, of those the ones it waited for its prefix's promotion, found no
+    room or was never looked at; the steps its prompt took; and its first forward's step:
+    tokens, rows, decode rows, other tenants' tokens. The engine counts them
+    (``cluster.engine.request.StepTrace``); ``ReplicaTiming`` carries them to the ingress."""
 
-    queue_s: float = 0.0        # handed to the engine until the step that admitted it began
-    prefix_load_s: float = 0.0  # that step: matching the prefix, promoting it, reading its cached KV
-    forward_s: float = 0.0      # the forward over the uncached suffix and the sampled token
-    migrate_s: float = 0.0      # pulling the prefix from a peer first (0: no migration)
-    received_at: float = 0.0    # wall clock: the replica's generate() began
-    # The same wait in engine steps (``cluster.engine.request.StepTrace``): steps planned before the
-    # one that admitted it, of those the ones it waited for its prefix's promotion, the steps its
-    # prompt took; its first forward's step: tokens, rows, decode rows, other tenants' tokens.
     steps_waited: int = 0
     promotion_waits: int = 0
     prompt_steps: int = 0
@@ -422,9 +415,23 @@ class ReplicaTiming:
     unreached: int = 0           # of the steps waited: never looked at (budget spent, planning halted)
 
 
-# ``ReplicaTiming``'s counts in engine steps (beside its durations).
-STEP_COUNTS = ("steps_waited", "promotion_waits", "prompt_steps", "step_tokens", "step_rows", "step_decodes",
-               "step_other_tokens", "room_waits", "unreached")
+# The counts in engine steps, by name (``StepCounts``'s fields).
+STEP_COUNTS = tuple(f.name for f in dataclasses.fields(StepCounts))
+
+
+@dataclass(slots=True)
+class ReplicaTiming(StepCounts):
+    """Where the replica spent one request's time to first token, carried by the
+    first token's ``StreamItem``: the same wait in engine steps (``StepCounts``) and
+    these durations. Durations are the replica's own; the wall-clock stamp
+    (``time.time()``) lets the ingress split the hops to and from the replica (exact
+    on one host, as good as the clocks across hosts)."""
+
+    queue_s: float = 0.0        # handed to the engine until the step that admitted it began
+    prefix_load_s: float = 0.0  # that step: matching the prefix, promoting it, reading its cached KV
+    forward_s: float = 0.0      # the forward over the uncached suffix and the sampled token
+    migrate_s: float = 0.0      # pulling the prefix from a peer first (0: no migration)
+    received_at: float = 0.0    # wall clock: the replica's generate() began
 
 
 @dataclass(frozen=True, slots=True)
@@ -578,5 +585,5 @@ def _check_tokens(tokens: Any, what: str) -> None:
 __all__ = ["WIRE_VERSION", "Tenant", "MalformedMessageError", "FinishReason", "Transport", "GREEDY_TEMPERATURE",
            "Range", "SAMPLING_RANGES", "LOGIT_BIAS_RANGE", "SEED_MIN", "SEED_MAX", "PRIORITY_MIN", "PRIORITY_MAX", "MAX_LOGPROBS", "SamplingParams", "MigrationResult", "RouteDecision", "GenerateRequest", "StagedPrefix", "RATE_FIELDS",
            "PrefixOffer",
-           "MeasuredRates", "WorkerInfo", "Snapshot", "ReplicaTiming", "STEP_COUNTS", "StreamItem", "TableChange", "TableState",
+           "MeasuredRates", "WorkerInfo", "Snapshot", "ReplicaTiming", "StepCounts", "STEP_COUNTS", "StreamItem", "TableChange", "TableState",
            "TableUpdate", "LoadReport", "L3ShareCounts", "PublishReply"]

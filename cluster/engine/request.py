@@ -25,28 +25,17 @@ import xxhash
 
 from cluster.cache.lease import KVLease
 from cluster.names import COLD, HOT, L3, WARM
-from cluster.protocol import FinishReason, SamplingParams
+from cluster.protocol import FinishReason, SamplingParams, StepCounts
 
 
 @dataclass(slots=True)
-class StepTrace:
-    """Where one request's time to first token went, counted in engine steps (the replica
-    sends it with the first token, ``ReplicaTiming``): steps planned between its hand-over and
-    the step that admitted it, the steps of those it was passed over while its prefix was
-    promoted, the steps its prompt took, and the step of its first forward (every token and
-    row in it, how many rows were decodes, how many tokens were other tenants')."""
+class StepTrace(StepCounts):
+    """Where one request's time to first token went, counted in engine steps
+    (``StepCounts``; the replica sends them with the first token, ``ReplicaTiming``),
+    and the step counts the scheduler marks them by."""
 
     added_step: int = 0         # the engine's step count when it was handed over
     forward_step: int = 0       # the step count when its first forward was planned
-    steps_waited: int = 0
-    promotion_waits: int = 0
-    prompt_steps: int = 0
-    step_tokens: int = 0
-    step_rows: int = 0
-    step_decodes: int = 0
-    step_other_tokens: int = 0
-    room_waits: int = 0         # steps it was looked at and found no room (for its promotion or its chunk)
-    unreached: int = 0          # steps whose planning never looked at it (budget spent, halted, slots full)
     looked_step: int = -1       # the step count when the planning last looked at it
 
     def first_forward(self, req: "EngineRequest", items: list, step: int) -> None:

@@ -43,7 +43,7 @@ ALL_MESSAGES = [
     SamplingParams(4, 0.7, 0.9, 42, (2,)),
     GenerateRequest([1, 2, 3], SamplingParams(max_tokens=4), "tenant-a", "chat-1", DECISION, ("w9",)),
     StreamItem(42, False, cached_tokens=16, tier_hits=(16, 0, 0), prompt_tokens=20, worker_id="w1",
-               reason="cached_prefix", timing=ReplicaTiming(0.1, 0.2, 0.3, 0.0, 1.5e9)),
+               reason="cached_prefix", timing=ReplicaTiming(queue_s=0.1, prefix_load_s=0.2, forward_s=0.3, migrate_s=0.0, received_at=1.5e9)),
     StreamItem(None, True, FinishReason.STOP, prompt_tokens=20,
                migration=MigrationResult("w2", Transport.OBJECT_STORE, 32, 1_474_560)),
     StreamItem(None, True, FinishReason.ERROR, error="engine step failed"),
