@@ -12,8 +12,8 @@ Each run replays the trace once per arm (``--scale-arms``):
 - ``elastic``: L3 with write-behind (every committed block reaches L3; a request
   reads the blocks L3 holds past its local prefix at ``--l3-gbps``, and the cost
   policy prices that), hand-off at scale-in (every block of the leaving replica
-  to L3, its ``handoff_peer_prefixes`` most valuable sequences to the least
-  loaded survivors), warm-up at scale-out (the survivors' most valuable shared
+  to L3 in value order, its ``handoff_peer_prefixes`` most recently used
+  sequences to the least loaded survivors, as ``actors.elastic`` offers them), warm-up at scale-out (the survivors' most valuable shared
   prefixes);
 - ``baseline``: none of it: a replica's cache is its own and goes with it;
 - ``handoff_value`` / ``handoff_lru``: no write-behind, and a hand-off that may
@@ -33,7 +33,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from cluster.cache.prefix_value import shared_prefixes, valuable_prefixes
+from cluster.cache.prefix_value import recent_prefixes, shared_prefixes, valuable_prefixes
 from cluster.cache.tiered import TierConfig
 from cluster.errors import InvalidInputError
 from cluster.hashing import block_hashes
@@ -171,7 +171,8 @@ class ScaleEvents:
             written += len(new)
         peers = sorted(survivors, key=lambda rs: rs[1].queued_tokens)
         pulled = 0
-        for i, p in enumerate(order[:HANDOFF_PEER_PREFIXES]):
+        # The peers pull the sessions under way (most recent first), as the product offers them.
+        for i, p in enumerate(recent_prefixes(tree, HANDOFF_PEER_PREFIXES)):
             if not peers:
                 break
             target = peers[i % len(peers)][0]

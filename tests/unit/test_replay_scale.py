@@ -57,3 +57,41 @@ def test_bad_specs_are_refused():
         parse_events("explode@1")
     with pytest.raises(InvalidInputError, match="needs a time"):
         parse_events("kill")
+
+
+def test_a_scale_in_hands_its_peers_the_sessions_used_last_as_the_product_does(monkeypatch):
+    """The replay's hand-off follows ``actors.elastic``: L3 gets the leaving replica's blocks in
+    value order, the survivors pull its most recently used sequences."""
+    from cluster.cache.prefix_value import recent_prefixes, valuable_prefixes
+    from cluster.cache.tiered import TierConfig
+    from lab.bench import replay_elastic
+    from lab.bench.replay_model import Replica
+
+    config = TierConfig(hot_blocks=256, warm_blocks=0, block_tokens=1)
+    victim, survivor = Replica("victim", config), Replica("survivor", config)
+    finished = tuple(range(1000, 1064))   # a long session with many turns, ended
+    under_way = tuple(range(2000, 2032))  # a short one, used last
+    assert replay_elastic._install(victim, finished) == len(finished)
+    for _ in range(5):   # its later turns: hits
+        assert replay_elastic._install(victim, finished) == 0
+    replay_elastic._install(victim, under_way)
+    # The two orders disagree, so the test tells them apart.
+    assert valuable_prefixes(victim.cache.tree)[0].tokens == finished
+    assert recent_prefixes(victim.cache.tree)[0].tokens == under_way
+
+    class Sim:
+        indexes: list = []
+
+        def publish(self, replica):
+            pass
+
+    class State:
+        queued_tokens = 0
+
+    monkeypatch.setattr(replay_elastic, "HANDOFF_PEER_PREFIXES", 1)
+    events = replay_elastic.ScaleEvents([], "elastic", window_s=10.0, l3_blocks=1000, handoff_blocks=None,
+                                        make_replica=None)
+    facts = events._hand_off(Sim(), victim, [(survivor, State())])
+    assert facts == {"handoff_l3_blocks": len(finished) + len(under_way), "handoff_peer_blocks": len(under_way)}
+    assert survivor.cache.tree.match_prefix(list(under_way)).length == len(under_way)
+    assert survivor.cache.tree.match_prefix(list(finished)).length == 0
