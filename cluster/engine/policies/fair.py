@@ -15,6 +15,11 @@
   another's long decodes. This yield is not gated by time slicing's measured gain
   and cost: it happens only for a tenant with no running slot, once per free
   slot it needs.
+- **A quiet tenant's first token**: a step in which the least-served tenant's
+  prompt ends carries no chunk of another tenant's longer prompt (``after_first``;
+  decodes and prompts that end in the step stay): the
+  flood's chunk, beside a quiet tenant's later turn, about doubled the step its
+  first token came from (``bench tenants``' step counts).
 - **Promotions**: while tenants share the engine, the least-served tenant's
   waiting request whose prefix is partly in WARM is admitted in the step that
   starts its promotion, the step's planning waiting for the copy where it is
@@ -45,6 +50,7 @@ class FairSharePolicy(SchedulingPolicy):
     # Off: with it on, the tenant state machine found a slotless tenant kept from a running slot
     # for 2 steps (its invariant is 1; `--hypothesis-seed=1`), cause not found yet.
     ending_first = False
+    first_token_alone = True   # see ``after_first``
 
     def __init__(self, max_running: int, quotas: Any = None):
         super().__init__(max_running, quotas)
@@ -75,6 +81,15 @@ class FairSharePolicy(SchedulingPolicy):
         turn is not cut into two or three short chunks beside a flood, while no step grows
         long (a running fill, the flood's, never gets it)."""
         return left - share + (spare if first else 0)
+
+    def after_first(self, items: list, groups: int) -> bool:
+        """A step in which the tenant served least recently (first in the order) ends a prompt,
+        its next token due, carries no chunk of another tenant's longer prompt
+        (``first_token_alone``; the decodes and other prompts that end in the step stay): a quiet
+        tenant's first token comes from a short step, not one as long as its tokens and the
+        flood's chunk together. The flood's chunk waits a step; the order turns as the quiet
+        tenant counts as served."""
+        return self.first_token_alone and groups > 1 and any(item.samples for item in items)
 
     def slot_share(self, tenants: int, max_running: int) -> int:
         return max(1, max_running // max(1, tenants))
