@@ -168,3 +168,19 @@ def test_without_first_token_alone_the_floods_chunk_shares_the_quiet_tenants_ste
     assert step(engine) == [("A", 4, 1), ("A", 35, 5)]
     drive(engine)
     assert [r.output for r in reqs] == reference_outputs([(r.prompt, r.params) for r in reqs])
+
+
+def test_a_time_slice_for_a_tenant_at_its_slot_share_takes_room_from_its_own_tenant_only():
+    """4 slots, tenants A, B and C at work (a slot share of 1): B already holds its one slot, so
+    its waiting request's time slice may take room from B's own decode only (another tenant's
+    slot, freed for it, went to B's next request while a tenant with no slot waited: the tenant
+    state machine). D, with no slot, may take room from everyone served at least as much."""
+    from cluster.engine.policies import POLICIES
+
+    fair = POLICIES["fair"](max_running=4)
+    fair.shares.charge({"A": 30, "B": 4, "C": 10})
+    running = [EngineRequest(seq(5 * i, 4), namespace=ns) for i, ns in enumerate("AABC")]
+    head_b, head_d = EngineRequest(seq(9, 4), namespace="B"), EngineRequest(seq(9, 4), namespace="D")
+    assert fair.slice_candidates(head_b, running) == [running[2]]
+    assert fair.slice_candidates(head_d, running) == running
+    assert POLICIES["fcfs"](max_running=4).slice_candidates(head_b, running) == running

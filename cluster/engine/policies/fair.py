@@ -26,7 +26,8 @@
   measured short (``promotes_inline``: ``cluster.engine.waiting_checks``);
   every other request is passed over while its copy runs.
 - **Victims**: a time slice for a waiting request takes room only from its own
-  tenant or one served at least as much recently, and only where the quotas
+  tenant or one served at least as much recently (from its own tenant only once
+  that tenant holds its slot share), and only where the quotas
   allow (``slice_candidates``, ``may_preempt``); for room (and for a time slice, still gated by its measured gain
   and cost) the tenant most over its slot share yields first, then the tenant
   served most recently; a waiting request that finds no room may take it from
@@ -112,10 +113,15 @@ class FairSharePolicy(SchedulingPolicy):
     def slice_candidates(self, head: Any, running: list) -> list:
         """A time slice for ``head`` takes room only from its own tenant or a tenant served at
         least as much recently: a flood's request does not slice a quieter tenant's decode (which
-        would then wait behind the flood's backlog, ``yielded_to``)."""
+        would then wait behind the flood's backlog, ``yielded_to``). A tenant already at its slot
+        share takes room from its own requests only: another tenant's slot, freed for it, went to
+        its tenant's next request while a third tenant had none (the tenant state machine)."""
         served = self.shares.served
         mine = served.get(head.namespace, 0.0)
-        return [r for r in running if r.namespace == head.namespace or served.get(r.namespace, 0.0) >= mine]
+        counts = Counter(r.namespace for r in running)
+        own_only = counts[head.namespace] >= self.slot_share(len(self.tenants) or len(counts), self.max_running)
+        return [r for r in running if r.namespace == head.namespace
+                or (not own_only and served.get(r.namespace, 0.0) >= mine)]
 
     def slot_yields(self, running: list, waiting: Iterable) -> list[tuple[Any, Any]]:
         max_running = self.max_running
