@@ -21,7 +21,10 @@ way as soon as more than one tenant has work in the engine:
    part (a quiet tenant's short request runs whole in the next step, its
    first token a step sooner; the tenant then counts as served more); what a
    tenant leaves unused goes to the tenants after it, and a last pass gives
-   what is still left to any request not yet in the step.
+   what is still left to any request not yet in the step. Once the first
+   tenant ends a prompt in the step, the rest of the step takes only prompts
+   that end in it (``FairSharePolicy.after_first``): its first token comes from
+   a short step, not one with the flood's chunk in it.
 
 "Served recently": the tokens each tenant had planned, decayed by ``DECAY``
 per step (deficit round robin's counter, kept across steps, so the tenant

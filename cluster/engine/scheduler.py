@@ -92,6 +92,7 @@ class _Pass:
     halted: bool = False      # a request found no room: nobody behind it takes room before it
     inlined: bool = False     # a promotion was waited for in this step's planning (one a step)
     looked: set = field(default_factory=set)   # looked at ahead of their tenant's fills (not again)
+    ends_only: bool = False   # the rest of the step takes only prompts that end in it (``after_first``)
 
 
 STAT_KEYS = ("prompt_tokens", "cached_tokens", "computed_tokens", "requests_finished", "requests_failed",
@@ -154,8 +155,7 @@ class Scheduler:
                                                        self.clock)
         budget = self._plan_running(plan, [r for r in self.running if r.to_compute == 1], budget, planned)
         budget = self._beside_decodes(budget, plan)
-        # What a shortened step (tenant quotas' step_tokens) kept out, up to one more such step:
-        # the policy may let a waiting request's prompt end in this step past it (``reach``).
+        # What a shortened step (step_tokens) kept out, up to one more: a waiting prompt may end past it (reach)
         spare = min(step_budget, max(0, self._beside_decodes(self.config.max_batch_tokens, plan) - step_budget))
         groups, last_pass = self.policy.groups(self.running, self.waiting, planned)
         state = _Pass()
@@ -165,14 +165,15 @@ class Scheduler:
                     break
                 share = budget if last else self.policy.share(budget, len(groups) - i)
                 extra = self.policy.reach(budget, share, i == 0 and not last, spare)
-                fills = [r for r in self.running if r.to_compute > 1 and id(r) not in planned
-                         and (group is ANY or r.namespace == group)]
+                mark, fills = len(plan.items), [r for r in self.running if r.to_compute > 1 and id(r) not in planned
+                    and (group is ANY or r.namespace == group) and (r.to_compute <= budget or not state.ends_only)]
                 lead = self.policy.promotes_inline and group is not ANY and i == 0 and not last
                 ahead = self._plan_waiting(plan, share, planned, state, group, extra, lead, True) \
                     if self.policy.ending_first and group is not ANY and not last else share
                 left = self._plan_running(plan, fills, ahead, planned, budget - share)   # fills: no spare
-                left = self._plan_waiting(plan, left, planned, state, group, extra, lead)
+                left = self._plan_waiting(plan, left, planned, state, group, extra, lead, state.ends_only)
                 budget -= share - left
+                state.ends_only |= i == 0 and not last and self.policy.after_first(plan.items[mark:], len(groups))
         self._planned(plan)
         self.tenant_work.after_step(len(plan.items), self.running, self.waiting)
         return plan
@@ -229,13 +230,14 @@ class Scheduler:
         pool before any was admitted: a livelock). ``state`` carries that across a step's
         calls, and whether a request that found no room stops everyone behind it. ``lead``:
         the policy's least-served tenant, whose promotion may be waited for in the step
-        (``waiting_checks.promote_inline``); ``ending``: its pass before its own running
-        fills, for new prompts that end in this step (the others wait for the pass after)."""
+        (``waiting_checks.promote_inline``); ``ending``: only new prompts that end in this step
+        (``ending_first``, ``after_first``), and a request owed a running slot, whole or not."""
         for req in self.policy.waiting_order(self.waiting):
             if budget <= 0 or len(self.running) >= self.config.max_running or state.halted:
                 break
-            if (tenant is not ANY and req.namespace != tenant) or req.namespace in state.stalled \
-                    or not self._slot_free(req) or id(req) in state.looked or (ending and req.admitted_at is not None):
+            only_ending = ending and req not in self.owed
+            if (tenant is not ANY and req.namespace != tenant) or req.namespace in state.stalled or id(req) in \
+                    state.looked or not self._slot_free(req) or (only_ending and req.admitted_at is not None):
                 continue
             if req.yielded_to is not None:   # it gave its room to an older request: not back before it
                 if req.yielded_to in self.waiting:
@@ -246,9 +248,9 @@ class Scheduler:
                                          recompute_s_per_token=self.prefill_s_per_token)
             if req.first_look is None:   # where its KV comes from, before any promotion
                 req.first_look = readiness.tiers
-            if ending and readiness.ready and len(req.tokens) - sum(readiness.tiers[:3]) + readiness.recompute \
-                    > budget + extra:
-                continue   # a prompt that cannot end in this step goes after its tenant's running fills
+            if only_ending and readiness.ready and \
+                    len(req.tokens) - sum(readiness.tiers[:3]) + readiness.recompute > budget + extra:
+                continue   # a prompt that cannot end in this step goes later
             if ending:
                 state.looked.add(id(req))
             if not readiness.ready and not readiness.blocked and lead and not state.inlined:

@@ -75,34 +75,37 @@ def test_a_lone_tenant_gets_the_whole_budget_first_come_first_served():
 def test_a_short_request_of_another_tenant_runs_whole_in_the_next_step_beside_a_flood():
     """A fills the budget with a long prompt and has two more queued; B's 6-token prompt,
     submitted after all of them, is planned whole in the very next step (first come, first
-    served it would wait for A's 104 tokens), and A takes the rest of the budget."""
+    served it would wait for A's 104 tokens), alone: A's chunk waits a step
+    (``first_token_alone``), then takes the rest of the budget beside B's decode."""
     engine = make_engine(budget=16)
     submit(engine, "A", seq(0, 40))
     submit(engine, "A", seq(40, 32))
     submit(engine, "A", seq(20, 32))
     assert step(engine) == [("A", 0, 16)]
     submit(engine, "B", [7, 8, 9, 10, 11, 12])
-    assert step(engine) == [("B", 0, 6), ("A", 16, 10)]
+    assert step(engine) == [("B", 0, 6)]
     # B decodes next: its token first, then the rest to A, least served
-    assert step(engine) == [("B", 6, 1), ("A", 26, 14), ("A", 0, 1)]
+    assert step(engine) == [("B", 6, 1), ("A", 16, 15)]
+    assert step(engine) == [("A", 31, 9), ("A", 0, 7)]
 
 
 @pytest.mark.parametrize("b_tokens, want", [
-    (11, [("B", 0, 11), ("A", 16, 5)]),    # past its equal part (8) but within the step: whole
+    (11, [("B", 0, 11)]),                  # past its equal part (8) but within the step: whole, A's chunk out
     (16, [("B", 0, 16)]),                  # the whole step: whole, A waits a step
     (20, [("B", 0, 8), ("A", 16, 8)]),     # longer than the step: an equal part, chunked
 ])
 def test_a_prompt_that_can_end_in_this_step_ends_in_it(b_tokens, want):
     """B's prompt goes whole where the step's budget holds it, even past B's equal part (its
-    first token a step sooner); a longer one is chunked at the equal part, and its rest (12,
-    B still the less served of the two) ends whole in the next step."""
+    first token a step sooner), without A's chunk beside it (``first_token_alone``); a longer
+    one is chunked at the equal part, and its rest (12, B still the less served of the two)
+    ends whole in the next step, alone."""
     engine = make_engine(budget=16)
     submit(engine, "A", seq(0, 60))
     assert step(engine) == [("A", 0, 16)]
     submit(engine, "B", seq(5, b_tokens))
     assert step(engine) == want
     if b_tokens == 20:
-        assert step(engine) == [("B", 8, 12), ("A", 24, 4)]
+        assert step(engine) == [("B", 8, 12)]
 
 
 def test_two_backlogged_tenants_split_the_budget_exactly():
@@ -157,11 +160,11 @@ def test_step_tokens_shorten_steps_while_another_tenant_was_active_within_the_wi
     submit(engine, "A", seq(0, 100), max_tokens=1)
     assert step(engine) == [("A", 0, 32)]      # A alone: the whole budget
     submit(engine, "B", [3, 4, 5], max_tokens=1)
-    assert step(engine) == [("B", 0, 3), ("A", 32, 5)]   # two tenants: 8 tokens a step
+    assert step(engine) == [("B", 0, 3)]       # two tenants: 8 tokens a step, B's first token alone
     clock.now = 5.0
-    assert step(engine) == [("A", 37, 8)]      # B done 5 s ago: still within the window
+    assert step(engine) == [("A", 32, 8)]      # B done 5 s ago: still within the window
     clock.now = 10.5
-    assert step(engine) == [("A", 45, 32)]     # B quiet for longer than the window: A's whole budget again
+    assert step(engine) == [("A", 40, 32)]     # B quiet for longer than the window: A's whole budget again
 
 
 def test_the_least_served_tenant_ends_a_prompt_past_the_shortened_step_the_flood_is_chunked():

@@ -1,8 +1,9 @@
 """How the fair share plans a tenant's waiting request beside another tenant's flood: a new
-prompt that ends in the step goes before its own tenant's running fill (``ending_first``), and
-the least-served tenant's request whose prefix is in WARM is admitted in the step that starts
-its promotion (``cluster.engine.waiting_checks.promote_inline``); exactly which tokens each
-step's plan holds."""
+prompt that ends in the step goes before its own tenant's running fill (``ending_first``), the
+least-served tenant's request whose prefix is in WARM is admitted in the step that starts its
+promotion (``cluster.engine.waiting_checks.promote_inline``), and the step in which the
+least-served tenant's prompt ends takes no chunk of another tenant's longer prompt
+(``first_token_alone``); exactly which tokens each step's plan holds."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from cluster.cache.kv_pool import KVLayout
 from cluster.cache.tiered import TierConfig, TieredCache
 from cluster.engine.engine import Engine, EngineRequest, SamplingParams
 from cluster.names import HOT, WARM
-from tests.unit.test_fair_share import Clock, seq, step, submit
+from tests.unit.test_fair_share import Clock, drive, seq, step, submit
 from tests.unit.test_fair_share import make_engine as fair_engine
 from tests.unit.test_scheduler import BT, MODEL, check_drained, reference_outputs
 
@@ -56,14 +57,15 @@ def b_in_warm_beside_a_flood(engine, clock):
 
 def test_the_least_served_tenants_promotion_is_waited_for_in_the_step_that_admits_it():
     """Under the fair share B's prefix comes up from WARM within the step's planning and B's
-    3 new tokens run in that very step (A the rest); its answer is the one it gets alone."""
+    3 new tokens run in that very step (alone: A's chunk waits, ``first_token_alone``); its
+    answer is the one it gets alone."""
     clock = Clock()
     engine = make_engine(clock, quotas={})
     b = b_in_warm_beside_a_flood(engine, clock)
-    assert ticking_step(engine, clock) == [("B", 12, 3), ("A", 32, 13)]
+    assert ticking_step(engine, clock) == [("B", 12, 3)]
     assert engine.stats["promotions_inline"] == 1 and engine.stats["waits_for_promotion"] == 1   # the warm-up's
     assert b.tier_hits[:2] == [0, 12] and b.trace.promotion_waits == 0 and b.trace.steps_waited == 0
-    assert ticking_step(engine, clock) == [("B", 15, 1), ("A", 45, 15)]
+    assert ticking_step(engine, clock) == [("B", 15, 1), ("A", 32, 15)]
     assert b.finished and b.output == reference_outputs([(b.prompt, SamplingParams(max_tokens=2))])[0]
     while engine.has_work():
         ticking_step(engine, clock)
@@ -98,13 +100,13 @@ def b_fills_a_long_prompt_beside_a_flood(engine):
 
 def test_a_new_prompt_that_ends_in_the_step_goes_before_its_own_tenants_running_fill():
     """B's 3 tokens run in the very next step, ahead of B's own 40-token fill, which takes the
-    rest of B's share (8); A keeps its 8: B's first token comes 3 steps sooner. (Off by default:
-    see ``FairSharePolicy.ending_first``.)"""
+    rest of B's share and A's (B's prompt ends: A's chunk waits a step, ``first_token_alone``):
+    B's first token comes 3 steps sooner. (Off by default: see ``FairSharePolicy.ending_first``.)"""
     engine = fair_engine(budget=16)
     engine.scheduler.policy.ending_first = True
     b = b_fills_a_long_prompt_beside_a_flood(engine)
-    assert step(engine) == [("B", 0, 3), ("B", 8, 5), ("A", 24, 8)]
-    assert step(engine) == [("B", 3, 1), ("B", 13, 8), ("A", 32, 7)]
+    assert step(engine) == [("B", 0, 3), ("B", 8, 5)]
+    assert step(engine) == [("B", 3, 1), ("B", 13, 8), ("A", 24, 7)]
     assert b.finished and b.trace.steps_waited == 0 and b.trace.unreached == 0
     assert b.output == reference_outputs([(b.prompt, SamplingParams(max_tokens=2))])[0]
 
@@ -135,3 +137,50 @@ def test_a_time_slice_takes_room_only_from_its_own_tenant_or_one_served_as_much(
     assert fair.slice_candidates(head_a, running) == [running[0], running[2]]
     assert fair.slice_candidates(head_b, running) == running
     assert POLICIES["fcfs"](max_running=8).slice_candidates(head_a, running) == running
+
+
+def a_decode_and_a_flood_then_two_quiet_tenants(first_token_alone: bool):
+    """A decodes a short request beside its 40-token prompt; B (4 tokens) and C (3) arrive."""
+    engine = fair_engine(budget=16)
+    engine.scheduler.policy.first_token_alone = first_token_alone
+    reqs = [submit(engine, "A", [1, 2], max_tokens=6), submit(engine, "A", seq(0, 40))]
+    assert step(engine) == [("A", 0, 2), ("A", 0, 14)]
+    return engine, reqs + [submit(engine, "B", seq(9, 4)), submit(engine, "C", seq(20, 3))]
+
+
+def test_a_quiet_tenants_first_token_comes_from_a_step_without_the_floods_chunk():
+    """``first_token_alone``: B (served least) ends its prompt, so the step takes no chunk of A's
+    longer prompt; A's decode stays, and so does C's prompt, which ends in the step too. A's
+    chunk runs in the next step; every answer is the one it gets alone."""
+    engine, reqs = a_decode_and_a_flood_then_two_quiet_tenants(True)
+    assert step(engine) == [("A", 2, 1), ("B", 0, 4), ("C", 0, 3)]
+    assert step(engine) == [("A", 3, 1), ("B", 4, 1), ("C", 3, 1), ("A", 14, 13)]
+    assert step(engine) == [("A", 4, 1), ("A", 27, 13)]
+    drive(engine)
+    assert [r.output for r in reqs] == reference_outputs([(r.prompt, r.params) for r in reqs])
+
+
+def test_without_first_token_alone_the_floods_chunk_shares_the_quiet_tenants_step():
+    """The same steps with the rule off: A's chunk takes what B and C leave of the step."""
+    engine, reqs = a_decode_and_a_flood_then_two_quiet_tenants(False)
+    assert step(engine) == [("A", 2, 1), ("B", 0, 4), ("C", 0, 3), ("A", 14, 8)]
+    assert step(engine) == [("A", 3, 1), ("B", 4, 1), ("C", 3, 1), ("A", 22, 13)]
+    assert step(engine) == [("A", 4, 1), ("A", 35, 5)]
+    drive(engine)
+    assert [r.output for r in reqs] == reference_outputs([(r.prompt, r.params) for r in reqs])
+
+
+def test_a_time_slice_for_a_tenant_at_its_slot_share_takes_room_from_its_own_tenant_only():
+    """4 slots, tenants A, B and C at work (a slot share of 1): B already holds its one slot, so
+    its waiting request's time slice may take room from B's own decode only (another tenant's
+    slot, freed for it, went to B's next request while a tenant with no slot waited: the tenant
+    state machine). D, with no slot, may take room from everyone served at least as much."""
+    from cluster.engine.policies import POLICIES
+
+    fair = POLICIES["fair"](max_running=4)
+    fair.shares.charge({"A": 30, "B": 4, "C": 10})
+    running = [EngineRequest(seq(5 * i, 4), namespace=ns) for i, ns in enumerate("AABC")]
+    head_b, head_d = EngineRequest(seq(9, 4), namespace="B"), EngineRequest(seq(9, 4), namespace="D")
+    assert fair.slice_candidates(head_b, running) == [running[2]]
+    assert fair.slice_candidates(head_d, running) == running
+    assert POLICIES["fcfs"](max_running=4).slice_candidates(head_b, running) == running

@@ -6,7 +6,8 @@ hold). A policy owns three choices, each a method here:
 
 - **the waiting order** (``waiting_order``): in which order waiting requests are
   looked at, within a group;
-- **the budget split** (``step_budget``, ``groups``, ``share``, ``charge``): after
+- **the budget split** (``step_budget``, ``groups``, ``share``, ``reach``,
+  ``after_first``, ``charge``): after
   every decode has its token, who shares what is left of the step's token
   budget: one group (``ANY``: every request) or one group per tenant, each its
   share, in the policy's order;
@@ -60,6 +61,12 @@ class SchedulingPolicy:
         (``spare``: the tokens the shortening kept out of this step, ``first``: the group that
         comes first in the step's first pass)."""
         return left - share
+
+    def after_first(self, items: list, groups: int) -> bool:
+        """Once the first of ``groups`` groups is planned (``items``: what it put in the step),
+        whether the rest of the step takes only prompts that end in it, no chunk of a longer
+        one (no by default)."""
+        return False
 
     def waiting_order(self, waiting: Iterable) -> list:
         """The waiting requests in the order they are looked at (first come, first served)."""

@@ -15,13 +15,19 @@
   another's long decodes. This yield is not gated by time slicing's measured gain
   and cost: it happens only for a tenant with no running slot, once per free
   slot it needs.
+- **A quiet tenant's first token**: a step in which the least-served tenant's
+  prompt ends carries no chunk of another tenant's longer prompt (``after_first``;
+  decodes and prompts that end in the step stay): the
+  flood's chunk, beside a quiet tenant's later turn, about doubled the step its
+  first token came from (``bench tenants``' step counts).
 - **Promotions**: while tenants share the engine, the least-served tenant's
   waiting request whose prefix is partly in WARM is admitted in the step that
   starts its promotion, the step's planning waiting for the copy where it is
   measured short (``promotes_inline``: ``cluster.engine.waiting_checks``);
   every other request is passed over while its copy runs.
 - **Victims**: a time slice for a waiting request takes room only from its own
-  tenant or one served at least as much recently, and only where the quotas
+  tenant or one served at least as much recently (from its own tenant only once
+  that tenant holds its slot share), and only where the quotas
   allow (``slice_candidates``, ``may_preempt``); for room (and for a time slice, still gated by its measured gain
   and cost) the tenant most over its slot share yields first, then the tenant
   served most recently; a waiting request that finds no room may take it from
@@ -45,6 +51,7 @@ class FairSharePolicy(SchedulingPolicy):
     # Off: with it on, the tenant state machine found a slotless tenant kept from a running slot
     # for 2 steps (its invariant is 1; `--hypothesis-seed=1`), cause not found yet.
     ending_first = False
+    first_token_alone = True   # see ``after_first``
 
     def __init__(self, max_running: int, quotas: Any = None):
         super().__init__(max_running, quotas)
@@ -76,6 +83,15 @@ class FairSharePolicy(SchedulingPolicy):
         long (a running fill, the flood's, never gets it)."""
         return left - share + (spare if first else 0)
 
+    def after_first(self, items: list, groups: int) -> bool:
+        """A step in which the tenant served least recently (first in the order) ends a prompt,
+        its next token due, carries no chunk of another tenant's longer prompt
+        (``first_token_alone``; the decodes and other prompts that end in the step stay): a quiet
+        tenant's first token comes from a short step, not one as long as its tokens and the
+        flood's chunk together. The flood's chunk waits a step; the order turns as the quiet
+        tenant counts as served."""
+        return self.first_token_alone and groups > 1 and any(item.samples for item in items)
+
     def slot_share(self, tenants: int, max_running: int) -> int:
         return max(1, max_running // max(1, tenants))
 
@@ -97,10 +113,15 @@ class FairSharePolicy(SchedulingPolicy):
     def slice_candidates(self, head: Any, running: list) -> list:
         """A time slice for ``head`` takes room only from its own tenant or a tenant served at
         least as much recently: a flood's request does not slice a quieter tenant's decode (which
-        would then wait behind the flood's backlog, ``yielded_to``)."""
+        would then wait behind the flood's backlog, ``yielded_to``). A tenant already at its slot
+        share takes room from its own requests only: another tenant's slot, freed for it, went to
+        its tenant's next request while a third tenant had none (the tenant state machine)."""
         served = self.shares.served
         mine = served.get(head.namespace, 0.0)
-        return [r for r in running if r.namespace == head.namespace or served.get(r.namespace, 0.0) >= mine]
+        counts = Counter(r.namespace for r in running)
+        own_only = counts[head.namespace] >= self.slot_share(len(self.tenants) or len(counts), self.max_running)
+        return [r for r in running if r.namespace == head.namespace
+                or (not own_only and served.get(r.namespace, 0.0) >= mine)]
 
     def slot_yields(self, running: list, waiting: Iterable) -> list[tuple[Any, Any]]:
         max_running = self.max_running
