@@ -184,7 +184,8 @@ class _PolicyReplay:
             t0 = _cpu()
             for _, _, rep, batch in due:
                 if index.apply(batch) in ("gap", "resync"):
-                    index.load_snapshot(rep.worker_id, *rep.publisher.snapshot())
+                    snapshot = rep.publisher.snapshot()
+                    index.load_snapshot(rep.worker_id, snapshot.seq, snapshot.entries)
             applied = _cpu() - t0
             self.apply_s[i] += applied
             self.pending_apply[i] += applied

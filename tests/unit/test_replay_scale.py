@@ -95,3 +95,26 @@ def test_a_scale_in_hands_its_peers_the_sessions_used_last_as_the_product_does(m
     assert facts == {"handoff_l3_blocks": len(finished) + len(under_way), "handoff_peer_blocks": len(under_way)}
     assert survivor.cache.tree.match_prefix(list(under_way)).length == len(under_way)
     assert survivor.cache.tree.match_prefix(list(finished)).length == 0
+
+
+def test_a_replica_whose_event_buffer_overflows_is_reloaded_from_its_snapshot(capsys, monkeypatch):
+    """A publisher that drops events asks for a resync; the replay's index then loads the
+    replica's snapshot (a ``Snapshot`` with its epoch), as the directory does, and the run goes on."""
+    import functools
+
+    from cluster.routing import index as index_module
+    from lab.bench import replay_model
+
+    monkeypatch.setattr(replay_model, "KVEventPublisher",
+                        functools.partial(replay_model.KVEventPublisher, max_buffer_events=4))
+    loaded = []
+    real = index_module.GlobalIndex.load_snapshot
+
+    def load_snapshot(self, worker_id, seq, entries):
+        loaded.append(worker_id)
+        return real(self, worker_id, seq, entries)
+    monkeypatch.setattr(index_module.GlobalIndex, "load_snapshot", load_snapshot)
+    runs, rows = scale_lines(capsys, "--scale-arms", "elastic")
+    assert loaded, "no replica overflowed its event buffer: the test does not reach the snapshot path"
+    assert [(rows["elastic", e]["replicas_before"], rows["elastic", e]["replicas_after"])
+            for e in ("scale_in", "scale_out", "kill")] == [(4, 3), (3, 4), (4, 3)]
