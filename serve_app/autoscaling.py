@@ -7,7 +7,9 @@ The policy itself is ``cluster.routing.autoscale`` (no Ray). Here:
   with the ``policy_kwargs``, called with an ``AutoscalingContext``). It reads
   each running replica's signals from ``ctx.aggregated_metrics`` (what
   ``CacheWorker.record_autoscaling_stats`` reported, averaged by Serve over
-  ``look_back_period_s``), keeps its own state in ``ctx.policy_state``, and
+  ``look_back_period_s``) with the look-back's own readings of the queue from
+  ``ctx.raw_metrics`` (so a queue that persists is told from a burst), keeps
+  its own state in ``ctx.policy_state``, and
   takes the time, the target and the bounds from the context.
 - ``replica_autoscaling_config``: the CacheReplica deployment's
   ``autoscaling_config`` from the app args. ``autoscaling_policy``:
@@ -27,12 +29,14 @@ deprecated key; its default of 10 s alone would delay a scale-out by up to 10 s)
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 import time
 from typing import TYPE_CHECKING, Any, Mapping
 
 from cluster.routing.autoscale import AutoscaleConfig, AutoscaleState, decide
-from cluster.routing.autoscale_signals import ReplicaSignals
+from cluster.routing.autoscale_signals import QUEUED_PROMPT_TOKENS, ReplicaSignals
 
 if TYPE_CHECKING:
     from ray.serve.config import AutoscalingContext
@@ -51,15 +55,32 @@ REPLACED_BY_POLICY = {"target_ongoing_requests": "scale_out_queue_s and ttft_slo
                       "downscale_delay_s": "downscale_window_s and scale_in_interval_s"}
 
 
-def replica_signals(aggregated: Mapping[str, Mapping[Any, float]] | None) -> list[ReplicaSignals]:
+def replica_signals(aggregated: Mapping[str, Mapping[Any, float]] | None,
+                    raw: Mapping[str, Mapping[Any, Any]] | None = None) -> list[ReplicaSignals]:
     """Each replica's signals from Serve's aggregated custom metrics (metric -> replica -> value),
-    in a fixed order; replicas that have not reported all four are left out."""
+    in a fixed order; replicas that have not reported all four are left out. With Serve's raw
+    metrics (metric -> replica -> time series), each carries its look-back's readings of the
+    queue (``queued_readings``)."""
     by_replica: dict[Any, dict[str, float]] = {}
     for name, per_replica in (aggregated or {}).items():
         for replica, value in per_replica.items():
             by_replica.setdefault(replica, {})[name] = value
-    signals = (ReplicaSignals.from_metrics(by_replica[r]) for r in sorted(by_replica, key=str))
-    return [s for s in signals if s is not None]
+    series = (raw or {}).get(QUEUED_PROMPT_TOKENS) or {}
+    out = []
+    for replica in sorted(by_replica, key=str):
+        signals = ReplicaSignals.from_metrics(by_replica[replica])
+        if signals is not None:
+            out.append(dataclasses.replace(signals, queued_readings=queue_readings(series.get(replica))))
+    return out
+
+
+def queue_readings(series: Any) -> tuple[float, ...]:
+    """The values of one replica's time series (Serve's ``TimeStampedValue`` list, oldest first);
+    empty where there is none or a value is not a finite number (the mean alone decides then)."""
+    values = [getattr(point, "value", None) for point in series or ()]
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values):
+        return ()
+    return tuple(max(0.0, float(v)) for v in values)
 
 
 class PrefixCacheAutoscalingPolicy:
@@ -67,10 +88,11 @@ class PrefixCacheAutoscalingPolicy:
 
     def __init__(self, **policy_kwargs: Any):
         self.config = AutoscaleConfig.from_kwargs(policy_kwargs)
+        self._last_reason: str | None = None
 
     def __call__(self, ctx: "AutoscalingContext") -> tuple[int, dict[str, Any]]:
         now = ctx.current_time if ctx.current_time is not None else time.time()
-        decision = decide(self.config, replica_signals(ctx.aggregated_metrics),
+        decision = decide(self.config, replica_signals(ctx.aggregated_metrics, getattr(ctx, "raw_metrics", None)),
                           target=ctx.target_num_replicas, running=ctx.current_num_replicas,
                           min_replicas=ctx.capacity_adjusted_min_replicas,
                           max_replicas=ctx.capacity_adjusted_max_replicas,
@@ -78,6 +100,10 @@ class PrefixCacheAutoscalingPolicy:
         if decision.replicas != ctx.target_num_replicas:
             log.info("autoscaling %s: %d -> %d replicas (%s)", ctx.deployment_name, ctx.target_num_replicas,
                      decision.replicas, decision.reason)
+        elif decision.reason == "queue_brief" and self._last_reason != "queue_brief":
+            log.info("autoscaling %s: holding %d replicas (queue_brief: the queue passed its threshold "
+                     "on the look-back's mean, but did not stay above it)", ctx.deployment_name, decision.replicas)
+        self._last_reason = decision.reason
         return decision.replicas, {**(ctx.policy_state or {}), **decision.state.as_policy_state()}
 
 

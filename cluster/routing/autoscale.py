@@ -12,7 +12,13 @@ Each replica's queued prefill is measured against the scale-out threshold:
 that is the deployment's *queue load*, in replicas at the threshold.
 
 - **Scale out** when the queue load exceeds the replicas reporting (the mean
-  replica is past the threshold: to as many replicas as keep each at it), or a
+  replica is past the threshold: to as many replicas as keep each at it) and the
+  queue persisted: a replica's queue was above its threshold in at least
+  ``scale_out_queue_share`` of its look-back readings (``queued_readings``;
+  without readings the mean alone decides). A burst the replica clears in less
+  than that (a few sessions arriving together at the base rate) raises the
+  look-back mean as much as the start of a real ramp, but is gone before a new
+  replica could serve: the policy holds (``queue_brief``). Also when a
   replica's TTFT p90 is above ``ttft_slo_s``, or a replica was out of HOT room
   for ``scale_out_blocked`` of the look-back (one more replica each, and only
   once no replica is still starting: it is the help already on its way).
@@ -53,6 +59,7 @@ class AutoscaleConfig:
     scale_out_queue_s: float = 1.0       # seconds of queued prefill per replica that scale out
     scale_out_queued_tokens: int = 4096  # ... as tokens, for a replica that reports no prefill rate
     scale_out_blocked: float = 0.5       # share of the look-back a replica was out of HOT room that scales out
+    scale_out_queue_share: float = 0.5   # share of a replica's look-back readings with its queue above the threshold
     max_scale_out_step: int = 2          # replicas added by one scale-out at most
     low_fraction: float = 0.5            # a signal is low below this share of its scale-out threshold
     running_per_replica: float = 4.0     # running requests one replica keeps after a scale-in
@@ -77,7 +84,7 @@ class AutoscaleConfig:
             if getattr(self, name) < 0:
                 raise InvalidInputError(f"autoscaling policy option {name} must be >= 0 seconds, "
                                         f"got {getattr(self, name)!r}")
-        for name in ("scale_out_blocked", "low_fraction"):
+        for name in ("scale_out_blocked", "scale_out_queue_share", "low_fraction"):
             if not 0 < getattr(self, name) <= 1:
                 raise InvalidInputError(f"autoscaling policy option {name} must be in (0, 1], "
                                         f"got {getattr(self, name)!r}")
@@ -137,12 +144,21 @@ class _Reading:
     worst_ttft_s: float
     worst_blocked: float
     running: float          # requests running, all replicas
+    queue_held: float | None   # the highest share of a replica's readings above its threshold (None: no readings)
 
     @classmethod
     def of(cls, config: AutoscaleConfig, signals: Sequence[ReplicaSignals]) -> "_Reading":
         shares = [s.queued_prompt_tokens / config.queue_threshold_tokens(s) for s in signals]
+        held = [sum(q > config.queue_threshold_tokens(s) for q in s.queued_readings) / len(s.queued_readings)
+                for s in signals if s.queued_readings]
         return cls(sum(shares), max(shares), max(s.ttft_p90_s for s in signals),
-                   max(s.blocked_for_room for s in signals), sum(s.engine_running for s in signals))
+                   max(s.blocked_for_room for s in signals), sum(s.engine_running for s in signals),
+                   max(held) if held else None)
+
+    def queue_persists(self, config: AutoscaleConfig) -> bool:
+        """The queue stayed above a replica's threshold for ``scale_out_queue_share`` of its
+        readings (True without readings: then the look-back mean alone decides)."""
+        return self.queue_held is None or self.queue_held >= config.scale_out_queue_share
 
 
 def decide(config: AutoscaleConfig, signals: Sequence[ReplicaSignals], *, target: int, running: int,
@@ -154,7 +170,9 @@ def decide(config: AutoscaleConfig, signals: Sequence[ReplicaSignals], *, target
     Reasons: ``bounds`` (the target was outside them), ``no_signals``, ``scale_out_queue``,
     ``scale_out_ttft``, ``scale_out_blocked``, ``scale_in``, and for no change ``starting``
     (scale-out wanted, the replicas on their way cover it), ``at_max``, ``rate_limited``,
-    ``low_window`` (low, not yet for the whole window), ``hold``."""
+    ``queue_brief`` (the queue's mean is past the threshold, but no replica's queue stayed
+    above it for ``scale_out_queue_share`` of its readings), ``low_window`` (low, not yet for
+    the whole window), ``hold``."""
     if not min_replicas <= target <= max_replicas:
         return Decision(min(max(target, min_replicas), max_replicas), "bounds",
                         AutoscaleState(last_scale_at=now, low_since=None))
@@ -170,6 +188,8 @@ def decide(config: AutoscaleConfig, signals: Sequence[ReplicaSignals], *, target
         if state.last_scale_at is not None and now - state.last_scale_at < config.scale_out_interval_s:
             return Decision(target, "rate_limited", busy)
         return Decision(want, reason, AutoscaleState(last_scale_at=now, low_since=None))
+    if reading.queue_load > len(signals):   # past the threshold on the mean, but not for long
+        return Decision(target, "queue_brief", dataclasses.replace(state, low_since=None))
     return _scale_in(config, reading, target, min_replicas, now, state)
 
 
@@ -177,7 +197,7 @@ def _scale_out(config: AutoscaleConfig, reading: _Reading, reporting: int, targe
                max_replicas: int) -> tuple[int, str] | None:
     """(the count wanted, why) when a signal asks for more replicas; None when none does."""
     wants: list[tuple[int, str]] = []
-    if reading.queue_load > reporting:   # the mean replica is past its threshold
+    if reading.queue_load > reporting and reading.queue_persists(config):   # the mean replica is past it, and held
         wants.append((math.ceil(reading.queue_load), "scale_out_queue"))
     one_more = target + 1 if running >= target else target   # a replica on its way is the one more
     if reading.worst_ttft_s > config.ttft_slo_s:

@@ -20,6 +20,12 @@ reads them back per replica (``from_metrics``), averaged by Serve over its
   prompt-heavy steps (the calibrated rate before it has one; 0: unknown), so
   the policy can read queued tokens as seconds of prefill.
 
+Beside the averages, the policy gets each replica's ``queued_readings``: the
+look-back's own readings of ``queued_prompt_tokens``, oldest first (Serve's
+raw time series; Serve records them at even intervals, 1 s under this app's
+settings), so it can tell a queue that persists from a burst the replica
+cleared (empty where Serve gave no series).
+
 Names are Serve metric keys; ``engine_running`` is not ``running_requests``,
 which is Serve's own key for a replica's ongoing requests.
 """
@@ -51,6 +57,7 @@ class ReplicaSignals:
     ttft_p90_s: float = 0.0
     engine_running: float = 0.0
     prefill_tokens_per_s: float = 0.0
+    queued_readings: tuple[float, ...] = ()   # the look-back's readings of queued_prompt_tokens, oldest first
 
     def as_metrics(self) -> dict[str, float]:
         """Serve's custom metrics: metric name -> number."""

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from ray.serve._private.common import DeploymentID, ReplicaID
+from ray.serve._private.common import DeploymentID, ReplicaID, TimeStampedValue
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
 from serve_app.autoscaling import POLICY_PATH, PrefixCacheAutoscalingPolicy, replica_signals
@@ -32,13 +32,13 @@ def signals(queued=0.0, blocked=0.0, ttft=0.0, running=0.0, rate=2000.0):   # 1 
             "engine_running": running, "prefill_tokens_per_s": rate}
 
 
-def context(aggregated, *, target, now, state=None, running=None, lo=1, hi=8, config=None):
+def context(aggregated, *, target, now, state=None, running=None, lo=1, hi=8, config=None, raw=None):
     running = target if running is None else running
     return AutoscalingContext(
         deployment_id=DEPLOYMENT, deployment_name="CacheReplica", app_name="prefix-cache",
         current_num_replicas=running, target_num_replicas=target, running_replicas=REPLICAS[:running],
         total_num_requests=float(running), total_queued_requests=0.0, aggregated_metrics=aggregated,
-        raw_metrics={}, capacity_adjusted_min_replicas=lo, capacity_adjusted_max_replicas=hi,
+        raw_metrics=raw if raw is not None else {}, capacity_adjusted_min_replicas=lo, capacity_adjusted_max_replicas=hi,
         policy_state=dict(state or {}), last_scale_up_time=None, last_scale_down_time=None,
         current_time=now, config=config)
 
@@ -69,6 +69,28 @@ def test_lazy_metrics_and_replicas_that_have_not_reported_are_handled():
     assert replica_signals(lazy()) == replica_signals(metrics(signals(queued=5000)))
     assert policy(context({}, target=2, now=1.0))[0] == 2   # nothing reported yet: hold
     assert policy(context(None, target=2, now=1.0))[0] == 2
+
+
+def queue_series(*per_replica):
+    """Serve's raw metrics of the queue: replica -> its look-back's readings, 1 s apart."""
+    return {"queued_prompt_tokens": {replica: [TimeStampedValue(100.0 + i, v) for i, v in enumerate(readings)]
+                                     for replica, readings in zip(REPLICAS, per_replica)}}
+
+
+def test_the_queue_readings_come_from_serves_raw_metrics_and_a_burst_holds():
+    policy = PrefixCacheAutoscalingPolicy()   # 1 s of prefill at 2,000 tokens/s: 2,000 tokens
+    aggregated = metrics(signals(queued=2200))
+    burst = queue_series([0, 0, 5000, 6000, 0])   # 2 of 5 readings above: cleared
+    assert replica_signals(aggregated, burst)[0].queued_readings == (0.0, 0.0, 5000.0, 6000.0, 0.0)
+    replicas, state = policy(context(aggregated, target=1, now=105.0, raw=burst))
+    assert (replicas, state["prefix_cache_last_scale_at"]) == (1, None)
+    held = queue_series([0, 3000, 3000, 3000, 2000])   # 3 of 5 above
+    replicas, state = policy(context(aggregated, target=1, now=105.0, raw=held))
+    assert (replicas, state["prefix_cache_last_scale_at"]) == (2, 105.0)
+    # A series with a value that is not a number is left out: the mean alone decides.
+    bad = queue_series([0, float("nan"), 5000, 6000, 0])
+    assert replica_signals(aggregated, bad)[0].queued_readings == ()
+    assert policy(context(aggregated, target=1, now=105.0, raw=bad))[0] == 2
 
 
 def test_through_serves_own_wrapper_the_decision_is_applied_without_serves_delays():

@@ -1,6 +1,8 @@
 """The autoscaling policy without Ray (``cluster.routing.autoscale``): exact decisions over
 an injected clock and sequences of replica signals, and the TTFT window the replicas keep."""
 
+import dataclasses
+
 import pytest
 
 from cluster.errors import InvalidInputError
@@ -45,6 +47,48 @@ def test_a_scale_out_adds_at_most_max_scale_out_step_and_never_passes_max_replic
     assert run(flood, target=1, now=0.0, hi=2).replicas == 2
     d = run(flood, target=8, now=0.0)
     assert (d.replicas, d.reason) == (8, "at_max")
+
+
+def held(readings, rate=400.0):
+    """A replica's signals as Serve hands them over: the look-back's mean and its own readings."""
+    return ReplicaSignals(sum(readings) / len(readings), 0.0, 0.0, 0, rate, tuple(readings))
+
+
+def test_a_burst_the_replica_cleared_holds_and_a_queue_that_persists_scales_out():
+    # Threshold 400 tokens (1 s at 400 tokens/s). Both look-backs' means pass it; only the
+    # second's queue stayed above it for half the readings. The burst is the cool-phase flap of
+    # `bench autoscale` (3 sessions in 2 s, cleared in 2 s); the ramp is the peak's onset.
+    burst = held([20, 571, 1543, 89, 0])          # mean 444.6: 2 of 5 readings above
+    d = run([burst], target=1, hi=2, now=200.0, state=AutoscaleState(last_scale_at=150.0, low_since=190.0))
+    assert (d.replicas, d.reason) == (1, "queue_brief")
+    assert d.state == AutoscaleState(last_scale_at=150.0, low_since=None)   # not low either
+    ramp = held([581, 1288, 1961, 1262, 72])      # mean 1032.8: 4 of 5 above
+    d = run([ramp], target=1, hi=2, now=200.0, state=AutoscaleState(last_scale_at=150.0))
+    assert (d.replicas, d.reason, d.state) == (2, "scale_out_queue", AutoscaleState(last_scale_at=200.0))
+    assert run([ramp], target=1, hi=8, now=200.0).replicas == 3   # ceil(2.58) replicas of queue
+    # Without readings (Serve gave no series) the look-back mean alone decides, as before.
+    assert run([busy(queued=444.6, rate=400.0)], target=1, now=200.0).reason == "scale_out_queue"
+
+
+def test_the_queue_must_stay_above_the_threshold_for_scale_out_queue_share_of_the_readings():
+    assert run([held([0, 900, 900, 0])], target=1, now=0.0).reason == "scale_out_queue"   # 2 of 4: the share
+    assert run([held([0, 900, 900, 400, 400])], target=1, now=0.0).reason == "queue_brief"   # at it is not above
+    ramp = [held([581, 1288, 1961, 1262, 72])]   # 4 of 5 above
+    assert run(ramp, target=1, now=0.0, config=AutoscaleConfig(scale_out_queue_share=0.8)).reason == "scale_out_queue"
+    assert run(ramp, target=1, now=0.0, config=AutoscaleConfig(scale_out_queue_share=0.9)).reason == "queue_brief"
+
+
+def test_one_replica_whose_queue_persists_is_enough_and_other_signals_are_not_held_back():
+    # Two replicas, 2.6 replicas of queue on the mean: one burst, one held queue.
+    d = run([held([0, 0, 2000, 1200, 0]), held([500, 500, 500, 500, 0])], target=2, now=0.0)
+    assert (d.replicas, d.reason) == (3, "scale_out_queue")
+    d = run([held([0, 0, 2000, 1200, 0]), held([900, 0, 0, 0, 0])], target=2, now=0.0)
+    assert (d.replicas, d.reason) == (2, "queue_brief")
+    # A brief queue does not hide a TTFT above the SLO or a replica out of HOT room.
+    ttft = dataclasses.replace(held([20, 571, 1543, 89, 0]), ttft_p90_s=2.5)
+    assert (run([ttft], target=1, now=0.0).replicas, run([ttft], target=1, now=0.0).reason) == (2, "scale_out_ttft")
+    blocked = dataclasses.replace(held([20, 571, 1543, 89, 0]), blocked_for_room=0.6)
+    assert run([blocked], target=1, now=0.0).reason == "scale_out_blocked"
 
 
 def test_ttft_p90_above_the_slo_adds_one_replica_unless_one_is_already_starting():
@@ -168,6 +212,8 @@ def test_bad_options_fail_naming_the_key():
         AutoscaleConfig.from_kwargs({"downscale_window_s": -1})
     with pytest.raises(InvalidInputError, match="low_fraction must be in \\(0, 1\\]"):
         AutoscaleConfig.from_kwargs({"low_fraction": 1.5})
+    with pytest.raises(InvalidInputError, match="scale_out_queue_share must be in \\(0, 1\\]"):
+        AutoscaleConfig.from_kwargs({"scale_out_queue_share": 0})
     with pytest.raises(InvalidInputError, match="scale_out_blocked must be a number, got True"):
         AutoscaleConfig.from_kwargs({"scale_out_blocked": True})
     assert AutoscaleConfig.from_kwargs({"ttft_slo_s": 1, "downscale_window_s": 30}).ttft_slo_s == 1
