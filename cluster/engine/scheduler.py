@@ -342,10 +342,10 @@ class Scheduler:
             self.stats["slot_yields"] += 1
 
     def _slot_free(self, req: EngineRequest) -> bool:
-        """A running slot for ``req``: one of ``max_running`` that is neither taken nor owed to
-        another waiting request (a slot yielded to it, kept until it is admitted)."""
-        owed = sum(1 for r in self.owed if r is not req)
-        return len(self.running) + owed < self.config.max_running
+        """A running slot for ``req``: one of ``max_running`` neither taken nor owed to another waiting
+        request (yielded to it, kept until it is admitted), the policy's to give (``takes_slot``)."""
+        free = self.config.max_running - len(self.running) - sum(1 for r in self.owed if r is not req)
+        return free > 0 and self.policy.takes_slot(req, free, self.running, self.waiting, self.owed)
 
     def _preempt_for(self, req: EngineRequest, planned: set[int]) -> bool:
         """Under the fair share, a waiting request that found no room (for its chunk or its

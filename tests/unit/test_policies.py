@@ -12,7 +12,7 @@ from cluster.engine.engine import Engine, EngineRequest, SamplingParams
 from cluster.engine.policies import POLICIES
 from cluster.engine.scheduler_config import SchedulerConfig
 from cluster.errors import InvalidInputError
-from tests.unit.test_fair_share import seq
+from tests.unit.test_fair_share import seq, step
 from tests.unit.test_scheduler import BT, MODEL, check_drained, reference_outputs
 
 
@@ -122,6 +122,51 @@ def test_a_tenant_at_its_share_keeps_its_slots_and_the_owed_slot_is_kept_for_its
     assert [r.preemptions for r in a + b] == [0, 1, 0, 0] and later_a.admitted_at is None
     drain(engine)
     check_drained(engine)
+
+
+def test_a_slot_freed_for_room_does_not_go_to_a_tenant_at_its_share_while_others_have_none():
+    """HOT of 9 blocks, 4 slots: A, B, C and D decode one 7-token request each (a slot share of
+    1 once T comes); T's 14-token prompt and A's second, 2-token one wait. B's and then D's decode
+    find no room (preempted for it, D's back at once from its prompt): a slot is free while B and T
+    have none. A, at its share, does not take it (``takes_slot``): before, A's request took it, all
+    4 slots were taken with A over its share, and it yielded the slot at the next step. Every
+    answer is the one each request gets alone."""
+    c = MODEL.config
+    cache = TieredCache(TierConfig(hot_blocks=9, warm_blocks=0, block_tokens=BT, device="cpu", tenant_quotas={}),
+                        KVLayout(c.num_layers, c.num_kv_heads, c.head_dim), vocab_size=c.vocab_size,
+                        deterministic_io=True)
+    engine = Engine(MODEL, cache, max_batch_tokens=16, max_running=4, cache_final_token=False)
+    first = [submit(engine, ns, seq(10 * i, 7), max_tokens=8) for i, ns in enumerate("ABCD")]
+    assert [step(engine) for _ in range(3)] == [
+        [("A", 0, 7), ("B", 0, 7)], [("A", 7, 1), ("B", 7, 1), ("C", 0, 7), ("D", 0, 7)],
+        [("A", 8, 1), ("C", 7, 1), ("D", 7, 1), ("B", 8, 1)]]
+    t, a2 = submit(engine, "T", seq(50, 14), max_tokens=2), submit(engine, "A", seq(40, 2), max_tokens=2)
+    assert step(engine) == [("A", 9, 1), ("C", 8, 1), ("D", 0, 9)]   # B's slot stays free
+    assert [r.preemptions for r in first] == [0, 2, 0, 1] and a2.admitted_at is None
+    assert [r.namespace for r in engine.scheduler.running] == ["A", "C", "D"]
+    assert step(engine) == [("A", 10, 1), ("C", 9, 1), ("D", 9, 1)] and engine.stats["slot_yields"] == 0
+    drain(engine)
+    reqs = first + [t, a2]
+    assert [r.output for r in reqs] == reference_outputs(
+        [(r.prompt, SamplingParams(max_tokens=r.params.max_tokens)) for r in reqs])
+    check_drained(engine)
+
+
+def test_takes_slot_keeps_a_free_slot_for_each_slotless_tenant_from_a_tenant_at_its_share():
+    """4 slots, A, B and C run one request each, D (none running) and A wait: a slot share of 1.
+    A's second request may not take the last slot (A would hold 2 while D holds none); D's may;
+    with two free, A's may (one is left for D); not with D's head yielded to another, nor with the
+    slot owed to A's request. First come, first served: anyone."""
+    fair = POLICIES["fair"](max_running=4)
+    running = [EngineRequest(seq(5 * i, 4), namespace=ns) for i, ns in enumerate("ABC")]
+    a2, d = EngineRequest(seq(9, 4), namespace="A"), EngineRequest(seq(19, 4), namespace="D")
+    assert fair.takes_slot(a2, 1, running, [a2, d], []) is False
+    assert fair.takes_slot(d, 1, running, [a2, d], []) is True
+    assert fair.takes_slot(a2, 2, running[:2], [a2, d], []) is True
+    assert fair.takes_slot(a2, 1, running, [a2, d], [a2]) is True   # its own slot, owed to it
+    d.yielded_to = running[1]
+    assert fair.takes_slot(a2, 1, running, [a2, d], []) is True
+    assert POLICIES["fcfs"](max_running=4).takes_slot(a2, 1, running, [a2], []) is True
 
 
 # ---------------------------------------------------------------- priority

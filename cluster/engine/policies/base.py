@@ -14,7 +14,8 @@ hold). A policy owns three choices, each a method here:
 - **the victim choice** (``room_victim``, ``slice_victim``, ``slot_yields``,
   ``preempts_across_tenants``): which running request gives up its room when a
   running request needs room, when a time slice fires
-  (``cluster.engine.preemption``), and when a waiting tenant has no running slot.
+  (``cluster.engine.preemption``), and when a waiting tenant has no running slot;
+  and who may take a free running slot (``takes_slot``).
 
 The defaults here are first come, first served (``fcfs.py``). A policy is one
 file with a subclass and one line in ``cluster.engine.policies.POLICIES``.
@@ -89,6 +90,11 @@ class SchedulingPolicy:
         """(victim, waiting request) pairs: running requests that yield their slot before
         this step is planned, each to the waiting request it yields to (none by default)."""
         return []
+
+    def takes_slot(self, req: Any, free: int, running: list, waiting: Iterable, owed: list) -> bool:
+        """Whether ``req`` may take one of the ``free`` running slots (``free`` > 0: neither taken
+        nor owed to another waiting request, ``owed``): yes by default."""
+        return True
 
     def charge(self, used: dict[Hashable, int]) -> None:
         """This step's planned tokens per tenant (for a policy that keeps recent service)."""

@@ -14,7 +14,9 @@
   after the request it yielded to): a tenant's short request does not wait behind
   another's long decodes. This yield is not gated by time slicing's measured gain
   and cost: it happens only for a tenant with no running slot, once per free
-  slot it needs.
+  slot it needs. A slot freed while the step is planned (a preemption for room)
+  goes to a tenant already running a request only where that leaves no tenant
+  over its share, or a slot for every tenant with none (``takes_slot``).
 - **A quiet tenant's first token**: a step in which the least-served tenant's
   prompt ends carries no chunk of another tenant's longer prompt (``after_first``;
   decodes and prompts that end in the step stay): the
@@ -147,6 +149,30 @@ class FairSharePolicy(SchedulingPolicy):
             counts[tenant] += 1
             out.append((victim, heads[tenant]))
         return out
+
+    def takes_slot(self, req: Any, free: int, running: list, waiting: Iterable, owed: list) -> bool:
+        """A tenant that already runs a request takes a free slot only where, after it, no tenant
+        is over its slot share, or a free slot is left for every other tenant with waiting work
+        (a request not yielded to another), none running and none owed: a slot freed while the
+        step was planned (a preemption for room) went to a tenant at its share, filled the slots
+        and left a slotless tenant waiting that no yield had served (the tenant state machine's
+        slot invariant). A tenant without a running request, or a request owed its slot, takes
+        it. ``waiting``: the queue (read twice at most)."""
+        counts = Counter(r.namespace for r in running)
+        if not counts[req.namespace] or any(r is req for r in owed):
+            return True
+        counts[req.namespace] += 1
+        tenants = self.tenants or list(dict.fromkeys(r.namespace for r in (*running, *waiting)))
+        share = self.slot_share(len(tenants), self.max_running)
+        if all(n <= share for n in counts.values()) or free >= len(tenants):   # a slot left for each
+            return True
+        kept, slotless = {r.namespace for r in owed}, set()
+        for r in waiting:
+            if r.yielded_to is None and not counts[r.namespace] and r.namespace not in kept:
+                slotless.add(r.namespace)
+                if len(slotless) >= free:   # the slots left would not serve every slotless tenant
+                    return False
+        return True
 
     def charge(self, used: dict[Hashable, int]) -> None:
         self.shares.charge(used)
