@@ -167,6 +167,8 @@ class FairSharePolicy(SchedulingPolicy):
         if all(n <= share for n in counts.values()) or free >= len(tenants):   # a slot left for each
             return True
         kept, slotless = {r.namespace for r in owed}, set()
+        if self.tenants and all(counts[t] or t in kept for t in self.tenants):
+            return True   # every tenant with work this step runs or is owed a slot: no queue scan
         for r in waiting:
             if r.yielded_to is None and not counts[r.namespace] and r.namespace not in kept:
                 slotless.add(r.namespace)
