@@ -110,13 +110,14 @@ class Arms:
         r.raise_for_status()
         return time.perf_counter() - t0
 
-    def one(self) -> tuple[float, dict, str | None]:
+    def one(self) -> tuple[float, dict, str | None, bool]:
+        """One 1-token completion: (seconds, timing, routed by, whether its prefix was pulled)."""
         t0 = time.perf_counter()
         r = self.http.post("/v1/completions", json=self.one_token)
         r.raise_for_status()
         elapsed = time.perf_counter() - t0
         info = r.json()["prefix_cache"]
-        return elapsed, info.get("timing_ms", {}), info.get("routed_by")
+        return elapsed, info.get("timing_ms", {}), info.get("routed_by"), info.get("migration") is not None
 
     def throughput(self, concurrency: int, seconds: float) -> dict:
         """``concurrency`` clients sending 1-token completions of fresh prompts for
@@ -152,8 +153,9 @@ class Arms:
         r = self.http.post("/v1/completions", json={"model": self.model, "prompt": self.prefix, "max_tokens": 1})
         r.raise_for_status()
 
-    def cached_ttft(self) -> tuple[float, dict, int, str | None]:
-        """One streamed request: the cached prefix and a new suffix; (TTFT, timing, cached tokens, routed by)."""
+    def cached_ttft(self) -> tuple[float, dict, int, str | None, bool]:
+        """One streamed request: the cached prefix and a new suffix; (TTFT, timing, cached tokens, routed by,
+        whether its prefix was pulled from another replica)."""
         suffix = [self.rng.randrange(100, self.vocab) for _ in range(self.suffix_tokens)]
         body = {"model": self.model, "prompt": self.prefix + suffix, "max_tokens": 2, "ignore_eos": True,
                 "stream": True, "stream_options": {"include_usage": True}}
@@ -171,7 +173,7 @@ class Arms:
             raise RuntimeError(f"streamed request failed: {last['error']}")
         cached = last.get("usage", {}).get("prompt_tokens_details", {}).get("cached_tokens", 0)
         info = last.get("prefix_cache", {})
-        return ttft, info.get("timing_ms", {}), cached, info.get("routed_by")
+        return ttft, info.get("timing_ms", {}), cached, info.get("routed_by"), info.get("migration") is not None
 
     def close(self) -> None:
         self.http.close()
@@ -189,11 +191,12 @@ def measure(arms: Arms, requests: int, warmup: int) -> dict:
     for _ in range(warmup):
         arms.echo()
         arms.one()
-    echo, one, timings, routed_by = [], [], [], []
+    echo, one, timings, routed_by, pulled = [], [], [], [], []
     for _ in range(requests):   # in turns: the machine's noise falls on both arms
         echo.append(arms.echo())
-        elapsed, timing, source = arms.one()
+        elapsed, timing, source, migrated = arms.one()
         one.append(elapsed)
+        pulled.append(migrated)
         timings.append(timing)
         routed_by.append(source)
     arms.warm_prefix()
@@ -202,13 +205,14 @@ def measure(arms: Arms, requests: int, warmup: int) -> dict:
         arms.cached_ttft()
     ttfts, ttft_timings, cached = [], [], []
     for _ in range(requests):
-        ttft, timing, n, source = arms.cached_ttft()
+        ttft, timing, n, source, migrated = arms.cached_ttft()
+        pulled.append(migrated)
         ttfts.append(ttft)
         ttft_timings.append(timing)
         cached.append(n)
         routed_by.append(source)
     return {"echo": echo, "one": one, "timings": timings, "ttfts": ttfts, "ttft_timings": ttft_timings,
-            "cached": cached, "routed_by": routed_by}
+            "cached": cached, "routed_by": routed_by, "pulled": pulled}
 
 
 def throughput_row(t: dict, args) -> dict:

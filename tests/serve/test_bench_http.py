@@ -56,11 +56,13 @@ def test_bench_http_rows_breakdown_and_local_decisions(app_url):
     assert ours["cached_tokens_p50"] == 240            # the whole prefix, every time
     # After the warm-up every decision was made on the router's copy of the table.
     assert ours["routed_locally"] == 1.0 and m["routed_by"] == ["router_view"] * 10
-    for timing in m["timings"] + m["ttft_timings"]:
+    for timing, pulled in zip(m["timings"] + m["ttft_timings"], m["pulled"], strict=True):
         assert all(timing[p] >= 0 for p in TTFT_PARTS)
         assert sum(timing[p] for p in TTFT_PARTS) == pytest.approx(timing["ttft"], abs=0.01)
         assert timing["ttft"] + timing["respond"] == pytest.approx(timing["total"], abs=0.01)
-        assert timing["migrate"] == 0   # everything was local: no pull
+        # No pull, no time in it. (On a loaded machine the router may send a request to the idle
+        # replica, which pulls the prefix from its holder: then the part is that pull's time.)
+        assert (timing["migrate"] > 0) == pulled
     for field in ("latency_ms_p50", "latency_ms_p99", "path_ms_p50", "ttft_ms_cached_p50", "suffix_forward_ms_p50",
                   "route_ms_p99", "decision_us_p99"):
         assert isinstance(ours[field], float), field   # measured, not left out (speed is the command's to report)
