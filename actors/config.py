@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from cluster.cache.tiered import TierConfig
 from cluster.engine.checkpoint import ModelSpec
-from cluster.engine.scheduler_config import DEFAULT_TIME_SLICE_S, SchedulerConfig, check_policy_name
+from cluster.engine.scheduler_config import DEFAULT_TIME_SLICE_S, SchedulerConfig, check_policy_name, check_stall_free_steps
 from cluster.errors import InvalidInputError
 
 # A worker's tier sizes when the config names none (TierConfig itself has no default HOT size).
@@ -87,6 +87,12 @@ class WorkerConfig:
     # The shared-fills policy (cluster.engine.scheduler): a request whose part beyond the cache
     # another's prefill computes waits for that fill's checkpoint. Off: each computes its own part.
     shared_fills: bool = True
+    # Stall-free batching (cluster.engine.stall_free): while decodes run, a step's prompt chunk is
+    # what the measured rates compute in this many decode steps' time less one (8 bounds a running
+    # stream's longest gap at about 8 decode steps). Null (the default): the whole max_batch_tokens,
+    # as vLLM's chunked prefill: each extra step re-reads the weights, so the cap made first turns
+    # slower and stalled the streams beside them as long in all (measured: docs/benchmarks.md).
+    stall_free_steps: int | None = None
     # Time slicing (cluster.engine.preemption): a request waiting for HOT room that running
     # decodes hold may take the room of one that has decoded max(this, 8 measured steps)
     # (seconds; it yields: its KV goes to the cache and it resumes exactly), only where the
@@ -162,6 +168,7 @@ class WorkerConfig:
                                               not 0 < self.time_slice_s <= 3600):
             raise InvalidInputError(f"time_slice_s must be a number of seconds in (0, 3600] or null, "
                                     f"got {self.time_slice_s!r}")
+        check_stall_free_steps(self.stall_free_steps, "stall_free_steps")
         if not isinstance(self.shared_fills, bool):
             raise InvalidInputError(f"shared_fills must be true or false, got {self.shared_fills!r}")
         check_policy_name(self.scheduling_policy, "scheduling_policy")
@@ -191,6 +198,7 @@ class WorkerConfig:
         """The engine's scheduler settings from this config."""
         return SchedulerConfig(max_batch_tokens=self.max_batch_tokens, max_running=self.max_running,
                                time_slice_s=self.time_slice_s, shared_fills=self.shared_fills,
+                               stall_free_steps=self.stall_free_steps,
                                cache_final_token=self.cache_final_token, policy=self.scheduling_policy)
 
     @classmethod

@@ -115,7 +115,7 @@ class EngineLoop:
         self.owner = ThreadOwner(f"engine-{name}")
         if checks_enabled():
             engine.owner = self.cache.owner = self.owner
-        self.stats = {"rejected_queue_full": 0, "engine_step_failures": 0}
+        self.stats = {"rejected_queue_full": 0, "engine_step_failures": 0, "gathers": 0}
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         # Open streams: written by the engine thread and by callers, read by the watchdog.
         # request id -> (caller's loop, its queue, engine-clock entry time, context)
@@ -182,9 +182,15 @@ class EngineLoop:
         pass without a new arrival (``gather_max_s`` at most), so one step takes a burst whole:
         sessions behind one system prompt then ride on its fill (``Engine._ride``) instead of
         waiting a step for it. A lone request pays ``gather_quiet_s``; a loaded engine never
-        waits (it is not idle)."""
+        waits (it is not idle). Only for a new fill (``Engine.new_fill_waiting``): a request whose
+        prompt is mostly cached, a session's next turn, starts at once (the window cost every
+        later turn its quiet time and shared nothing)."""
         if self.gather_max_s <= 0 or self.gather_quiet_s <= 0:
             return
+        self._run_commands()   # the submits that woke the engine
+        if not self.engine.new_fill_waiting():
+            return
+        self.stats["gathers"] += 1
         end = self.clock() + self.gather_max_s
         self._wake.clear()
         while (left := end - self.clock()) > 0 and self._wake.wait(min(self.gather_quiet_s, left)):

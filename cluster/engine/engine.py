@@ -148,6 +148,18 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    def new_fill_waiting(self) -> bool:
+        """Whether a waiting request's prompt is mostly beyond the cache: a fill that requests
+        following it closely may share (a burst behind one new system prompt or document). A
+        prompt mostly cached (a session's next turn) computes only its own tail, which nothing
+        shares: waiting for followers gains nothing and delays its first token."""
+        self._owned("Engine.new_fill_waiting")
+        for req in self.scheduler.waiting:
+            cached = sum(self.cache.tree.peek(req.tokens, req.namespace, validate=False)[1])   # touches nothing
+            if 2 * cached < len(req.tokens):
+                return True
+        return False
+
     def generate(self, prompt: Sequence[int], params: SamplingParams | None = None, **kw) -> EngineRequest:
         """Run one request to completion (convenience for tests and tools)."""
         req = self.submit(EngineRequest(list(prompt), params or SamplingParams(), **kw))

@@ -12,7 +12,8 @@ the page cache by every replica on the machine and nothing is recomputed. The te
 are the bytes the packing made, so the forward is bit for bit the unpacked path's.
 
 The key names everything the copies depend on: the checkpoint (its directory, each
-weight file's name, size and modification time, its ``config.json``), ``LAYOUT_VERSION``,
+weight file's name, size and modification time, its ``config.json``), ``LAYOUT_VERSION``, the
+tuning rule (``linear_layouts.TUNING_RULE``: a table measured by an older rule is measured again),
 the dtype, CPU, torch version, thread count, ``PREFIX_CACHE_MKL_PACKED`` and the compiled
 kernel's source; a file whose key differs is ignored and replaced. A model without a
 ``weights_id`` (the seeded test models, set by ``checkpoint.load_model`` only) is not
@@ -65,7 +66,8 @@ def cache_key(model: Any) -> str:
 
     source = Path(kernels.__file__).parent / "blocked_linear.cpp"
     kernel = hashlib.sha256(source.read_bytes()).hexdigest()[:16] if source.is_file() else "-"
-    return (f"v{LAYOUT_VERSION}|{model.weights_id}|{model.config.dtype}|{linear_layouts._cpu_name()}|"
+    return (f"v{LAYOUT_VERSION}|{linear_layouts.TUNING_RULE}|{model.weights_id}|{model.config.dtype}|"
+            f"{linear_layouts._cpu_name()}|"
             f"torch {torch.__version__}|{torch.get_num_threads()} threads|"
             f"packed {int(linear_layouts.packed_enabled())}|kernel {kernel}")
 

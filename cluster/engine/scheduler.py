@@ -3,8 +3,8 @@
 ``schedule`` spends one token budget (``SchedulerConfig.max_batch_tokens``) on
 one step's plan, in this order (vLLM v1's, with chunked prefill):
 
-1. running requests that decode: one token each; beside them, prompts get at
-   most what keeps the step from stalling them (``cluster.engine.stall_free``);
+1. running requests that decode: one token each; beside them, prompts get the rest
+   (at most what keeps the step from stalling them, where ``stall_free_steps`` asks);
 2. running requests still filling their prompt: the next chunk each, in the
    policy's order, as far as the budget goes;
 3. waiting requests, in the policy's order: a lease on the prompt's cached
@@ -201,8 +201,8 @@ class Scheduler:
 
     def _beside_decodes(self, budget: int, plan: StepPlan) -> int:
         """``budget`` for prompts, at most what keeps the plan's decodes from stalling (if any)."""
-        return min(budget, prefill_cap(budget, self.slicer.steps.median(), self.prefill_s_per_token,
-                                       self.cache.config.block_tokens)) if plan.items else budget
+        return prefill_cap(budget, self.slicer.steps.median(), self.prefill_s_per_token,
+                           self.cache.config.block_tokens, self.config.stall_free_steps) if plan.items else budget
 
     def _plan_running(self, plan: StepPlan, reqs: list[EngineRequest], budget: int, planned: set[int],
                       extra: int = 0) -> int:

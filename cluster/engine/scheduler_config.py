@@ -32,7 +32,9 @@ class SchedulerConfig:
     (``WorkerConfig.cache_final_token``), as vLLM and SGLang do. ``keep_logits``: every computed
     row's logits kept on the request. ``policy``: the waiting order, the victim choice and the
     budget split (``cluster.engine.policies``: fcfs, fair, priority); None: ``fair`` where the
-    cache has tenant quotas, else ``fcfs``."""
+    cache has tenant quotas, else ``fcfs``. ``stall_free_steps``: while decodes run, a step's
+    prompt part is what the measured rates compute in this many decode steps' time less one
+    (``cluster.engine.stall_free``, e.g. its ``STALL_STEPS``); None (the default): the whole budget."""
 
     max_batch_tokens: int = DEFAULT_BATCH_TOKENS
     max_running: int = 64
@@ -41,6 +43,7 @@ class SchedulerConfig:
     cache_final_token: bool = True
     keep_logits: bool = False
     policy: str | None = None
+    stall_free_steps: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_batch_tokens", "max_running"):
@@ -53,10 +56,18 @@ class SchedulerConfig:
             raise InvalidInputError(f"time_slice_s must be a positive number of seconds or None, "
                                     f"got {self.time_slice_s!r}")
         check_policy_name(self.policy, "policy")
+        check_stall_free_steps(self.stall_free_steps, "stall_free_steps")
 
     def policy_for(self, has_quotas: bool) -> str:
         """The policy this scheduler runs: the configured one, else what the quotas select."""
         return self.policy or ("fair" if has_quotas else "fcfs")
+
+
+def check_stall_free_steps(value, key: str) -> None:
+    """``value`` is an integer >= 2 or None, else a one-line error naming ``key``."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 2):
+        raise InvalidInputError(f"{key} must be an integer >= 2 (a step beside decodes takes about this many "
+                                f"decode steps' time at most) or null (no cap but max_batch_tokens), got {value!r}")
 
 
 def check_policy_name(name, key: str) -> None:

@@ -69,7 +69,7 @@ def tune_blocked(model, monkeypatch, tmp_path) -> dict:
 
     monkeypatch.setenv(linear_layouts.TUNING_DIR_ENV, str(tmp_path))
     monkeypatch.setattr(linear_layouts, "_known", {})
-    monkeypatch.setattr(linear_layouts, "_time", lambda weights, rows, layout, packs:
+    monkeypatch.setattr(linear_layouts, "_time", lambda weights, rows, layout, packs, **_:
                         -1.0 if layout == linear_layouts.BLOCKED else float(layout))
     tuned = model.tune_linears()
     if linear_layouts.BLOCKED not in model.kernels.layer_layouts:

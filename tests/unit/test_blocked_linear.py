@@ -104,7 +104,7 @@ def test_a_wrong_order_or_a_bias_added_differently_is_not_used(module, monkeypat
     monkeypatch.setattr(linear_layouts, "_known", {})
     weight = torch.randn(96, 576)
     assert linear_layouts.blocked_order([(weight, None)]) is None
-    monkeypatch.setattr(linear_layouts, "_time", lambda weights, rows, layout, packs:
+    monkeypatch.setattr(linear_layouts, "_time", lambda weights, rows, layout, packs, **_:
                         -1.0 if layout == linear_layouts.BLOCKED else float(layout))
     assert linear_layouts.BLOCKED not in linear_layouts.tuned([weight], "float32")
 
@@ -146,3 +146,28 @@ def test_a_long_prompt_on_the_kernel_gets_mkls_numbers_bit_for_bit(module, monke
     logits, kv = forward_batch(model, [(prompt, 0, None)])[0]
     assert torch.equal(blocked_kv, kv)
     assert torch.equal(blocked_logits, logits)
+
+
+def test_the_tuning_takes_each_layouts_fastest_round_and_keeps_blocked_unless_clearly_beaten(monkeypatch) -> None:
+    """``_fastest``: the candidates are timed in interleaved rounds and each keeps its fastest
+    round, so one slow round (a moment of load) does not pick a slower layout for good (as one
+    timed pass did: x @ W^T for 32-63 rows at three times blocked's time); another layout
+    replaces blocked only where it is more than ``BLOCKED_MARGIN`` faster."""
+    plain, blocked = linear_layouts.PLAIN, linear_layouts.BLOCKED
+    rounds = {plain: iter([0.067, 0.067, 0.067]), blocked: iter([0.300, 0.023, 0.023])}   # blocked's 1st round hit
+    calls = []
+
+    def timed(weights, rows, layout, packs, warm=True):
+        calls.append((layout, warm))
+        return next(rounds[layout])
+
+    monkeypatch.setattr(linear_layouts, "_time", timed)
+    assert linear_layouts._fastest([], 32, [plain, blocked], {}) == blocked
+    assert calls == [(plain, True), (blocked, True), (plain, False), (blocked, False), (plain, False),
+                     (blocked, False)]   # in turn, warmed up in the first round only
+    for plain_s, want in ((0.095, blocked), (0.080, plain)):   # 5% faster: blocked stays; 20%: plain
+        monkeypatch.setattr(linear_layouts, "_time", lambda w, r, layout, p, warm=True, s=plain_s:
+                            s if layout == plain else 0.100)
+        assert linear_layouts._fastest([], 32, [plain, blocked], {}) == want
+    monkeypatch.setattr(linear_layouts, "_time", lambda w, r, layout, p, warm=True: 0.08 if layout == plain else 0.1)
+    assert linear_layouts._fastest([], 32, [plain, linear_layouts.TRANSPOSED], {}) == plain   # no blocked: fastest

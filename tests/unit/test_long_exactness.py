@@ -24,7 +24,7 @@ def blocked_everywhere(monkeypatch, tmp_path):
     """The blocked layout timed fastest at every row count, in a fresh tuning directory."""
     monkeypatch.setenv(linear_layouts.TUNING_DIR_ENV, str(tmp_path))
     monkeypatch.setattr(linear_layouts, "_known", {})
-    monkeypatch.setattr(linear_layouts, "_time", lambda weights, rows, layout, packs:
+    monkeypatch.setattr(linear_layouts, "_time", lambda weights, rows, layout, packs, **_:
                         -1.0 if layout == linear_layouts.BLOCKED else float(layout))
 
 

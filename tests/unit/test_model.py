@@ -510,7 +510,7 @@ def test_packed_layout_is_picked_only_when_asked_for(monkeypatch, tmp_path, opt_
     # A machine where packed always wins, then transposed, then blocked, then plain.
     rank = {linear_layouts.PACKED: 0, linear_layouts.TRANSPOSED: 1, linear_layouts.BLOCKED: 2,
             linear_layouts.PLAIN: 3}
-    monkeypatch.setattr(linear_layouts, "_time", lambda weights, rows, layout, packs: rank[layout])
+    monkeypatch.setattr(linear_layouts, "_time", lambda weights, rows, layout, packs, **_: rank[layout])
     model = DecoderModel(SMALL)
     tuned = model.tune_linears()
     expected = "packed" if opt_in == "1" else "W @ x^T"

@@ -15,7 +15,7 @@ def test_the_cap_is_what_the_measured_prefill_rate_computes_in_the_stall_budget(
 
 
 def test_a_prompt_beside_decodes_gets_the_cap_and_alone_the_whole_budget():
-    engine = make_engine(hot_blocks=256, budget=64)
+    engine = make_engine(hot_blocks=256, budget=64, stall_free_steps=STALL_STEPS)
     s = engine.scheduler
     decode = engine.submit(EngineRequest(list(range(1, 9)), SamplingParams(max_tokens=40)))
     engine.step()
@@ -28,7 +28,7 @@ def test_a_prompt_beside_decodes_gets_the_cap_and_alone_the_whole_budget():
     sizes = {id(i.request): i.num_tokens for i in plan.items}
     assert sizes == {id(decode): 1, id(prompt): 50}                    # 50 <= 68: the whole prompt
     s.fail_plan(plan, "test")                                          # (not run: planning only)
-    engine2 = make_engine(hot_blocks=256, budget=64)
+    engine2 = make_engine(hot_blocks=256, budget=64, stall_free_steps=STALL_STEPS)
     s2 = engine2.scheduler
     for t in range(10):
         s2.slicer.steps.forward(t * 0.010)
@@ -38,10 +38,37 @@ def test_a_prompt_beside_decodes_gets_the_cap_and_alone_the_whole_budget():
     long = engine2.submit(EngineRequest([t % 60 + 1 for t in range(10, 70)], SamplingParams(max_tokens=1)))
     plan = s2.schedule()
     assert {id(i.request): i.num_tokens for i in plan.items} == {id(decode2): 1, id(long): MIN_PREFILL_TOKENS}
-    alone = make_engine(hot_blocks=256, budget=64)
+    alone = make_engine(hot_blocks=256, budget=64, stall_free_steps=STALL_STEPS)
     alone.scheduler.measures.prefill_s_per_token = 0.005
     for t in range(10):
         alone.scheduler.slicer.steps.forward(t * 0.010)
     first = alone.submit(EngineRequest([t % 60 + 1 for t in range(10, 110)], SamplingParams(max_tokens=1)))
     plan = alone.scheduler.schedule()
     assert [(id(i.request), i.num_tokens) for i in plan.items] == [(id(first), 64)]   # no decode: the budget
+
+
+def test_without_the_cap_a_prompt_beside_decodes_gets_the_whole_budget():
+    """``stall_free_steps=None`` (the default, in the engine and the worker): the step's prompt
+    part is the budget left after the decodes, measured rates or not (vLLM's chunked prefill);
+    the setting is checked where it is given."""
+    from actors.config import WorkerConfig
+    import pytest
+
+    from cluster.engine.scheduler_config import SchedulerConfig
+    from cluster.errors import InvalidInputError
+
+    assert prefill_cap(512, 0.030, 0.0025, 16, None) == 512
+    assert SchedulerConfig().stall_free_steps is None and WorkerConfig().scheduler_config().stall_free_steps is None
+    engine = make_engine(hot_blocks=256, budget=64)
+    s = engine.scheduler
+    for t in range(10):
+        s.slicer.steps.forward(t * 0.010)
+    s.measures.prefill_s_per_token = 0.005                             # capped, this would be 32
+    decode = engine.submit(EngineRequest(list(range(1, 9)), SamplingParams(max_tokens=40)))
+    engine.step()
+    long = engine.submit(EngineRequest([t % 60 + 1 for t in range(10, 110)], SamplingParams(max_tokens=1)))
+    plan = s.schedule()
+    assert {id(i.request): i.num_tokens for i in plan.items} == {id(decode): 1, id(long): 63}
+    for bad in (1, 0, True, 2.5, "8"):
+        with pytest.raises(InvalidInputError, match="stall_free_steps must be an integer >= 2"):
+            SchedulerConfig(stall_free_steps=bad)

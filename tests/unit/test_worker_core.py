@@ -130,6 +130,27 @@ def test_a_burst_reaching_an_idle_worker_computes_its_shared_prompt_once():
         core.close()
 
 
+def test_only_a_new_fill_waits_for_followers_a_sessions_next_turn_starts_at_once():
+    """The gather window waits for followers only when the work that woke the engine is mostly
+    beyond the cache (a fill they may share): the first turn (nothing cached) waits its quiet
+    time, the session's next turn (its prompt cached but for the reply's last token and the
+    new question) does not; a new prompt that shares only a short cached prefix waits again."""
+    core = make("w-gather", gather_quiet_ms=1, gather_max_ms=2)
+    try:
+        first = list(range(40))
+        items = run(core, first)
+        gathers = asyncio.run(core.stats())["worker"]["gathers"]
+        assert gathers == 1
+        turn = first + [i.token for i in items] + [5, 6]   # 43 of 46 tokens cached
+        assert [i.token for i in run(core, turn)] == greedy(turn, 4)
+        assert asyncio.run(core.stats())["worker"]["gathers"] == 1
+        fresh = first[:8] + [(3 * i + 1) % 60 for i in range(40)]   # 8 of 48 cached
+        assert [i.token for i in run(core, fresh)] == greedy(fresh, 4)
+        assert asyncio.run(core.stats())["worker"]["gathers"] == 2
+    finally:
+        core.close()
+
+
 def test_gather_window_settings_are_checked():
     with pytest.raises(ValueError, match="gather_max_ms must be a number of milliseconds"):
         WorkerConfig.from_dict({"gather_max_ms": -1})
