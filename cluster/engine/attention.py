@@ -18,6 +18,12 @@ QUERY_CHUNK = 256  # CUDA: queries per masked attention call when a cached prefi
 # items); longer ones go to SDPA, whose flash kernel is faster from a few dozen tokens on
 # (the measurements behind 32: docs/engine.md, "Speed on the CPU").
 EXTEND_MAX = 32
+# Where the compiled prefill kernel attends prompt chunks (``prefill_attention``: float32, head_dim
+# 64, AVX-512), it is faster than the extend kernel from about a dozen new tokens on: a step of
+# one 24-token chunk after 1,024 cached tokens 35-42 ms against 45, of 4 such items 122-129
+# against 150, of 8 items of 20 after one shared 1,024 211-215 against 229 (SmolLM2-135M, AMD
+# EPYC, 2 threads). So with it the extend kernel takes at most this many.
+EXTEND_MAX_BESIDE_PREFILL = 8
 
 
 def attend_torch(config, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start_pos: int) -> torch.Tensor:

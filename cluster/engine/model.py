@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cluster.engine import layer_loop, linear_layouts, packed_weights, paged
-from cluster.engine.attention import EXTEND_MAX  # noqa: F401  (re-exported: the kernel's reach)
+from cluster.engine.attention import EXTEND_MAX, EXTEND_MAX_BESIDE_PREFILL  # EXTEND_MAX re-exported: the kernel's reach
 from cluster.engine.linear_layouts import linear as _linear
 from cluster.engine.model_kernels import ModelKernels
 from cluster.engine.model_inputs import (  # noqa: F401  (re-exported: the model's contract)
@@ -265,7 +265,8 @@ class DecoderModel(nn.Module):
         checked = paged.validate_items(self.config, items, pool)
         if not checked:
             return []
-        decodes = paged.kernel_items(self.kernels.attention, pool, checked)
+        reach = EXTEND_MAX_BESIDE_PREFILL if self.kernels.prefill is not None else EXTEND_MAX
+        decodes = paged.kernel_items(self.kernels.attention, pool, checked, reach)
         paged.check_writes(checked, decodes.items if decodes is not None else set())
         if self.kernels.graphs is not None:   # CUDA: a step of decodes alone replays a captured graph
             logits = self.kernels.graphs.run(checked, pool)

@@ -171,12 +171,14 @@ class PagedItems:
         return self.kernel(q, k, v, self.pool, layer, self.slots, self.starts, self.positions, self.counts, scale)
 
 
-def kernel_items(kernel, pool: torch.Tensor, checked: Sequence[PagedItem]) -> PagedItems | None:
-    """The items of ``checked`` the kernel attends: after a prefix, at most ``EXTEND_MAX``
-    new tokens; None when there are none or no kernel."""
+def kernel_items(kernel, pool: torch.Tensor, checked: Sequence[PagedItem],
+                 reach: int = EXTEND_MAX) -> PagedItems | None:
+    """The items of ``checked`` the kernel attends: after a prefix, at most ``reach`` new
+    tokens (``EXTEND_MAX``; ``EXTEND_MAX_BESIDE_PREFILL`` where the prefill kernel takes
+    the longer ones); None when there are none or no kernel."""
     if kernel is None:
         return None
-    index = [i for i, (t, p, _) in enumerate(checked) if t.numel() <= EXTEND_MAX and p > 0]
+    index = [i for i, (t, p, _) in enumerate(checked) if t.numel() <= reach and p > 0]
     if not index:
         return None
     positions = [checked[i][1] for i in index]

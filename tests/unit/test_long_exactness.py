@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from cluster.engine import kernels, linear_layouts
+from cluster.engine.attention import EXTEND_MAX_BESIDE_PREFILL
 from cluster.engine.checkpoint import ModelSpec, load_model, load_tokenizer
 from lab.bench.exactness import compare, make_engine, make_prompts, package_text
 from tests.requirements import require_default_model, require_kernel, require_module
@@ -64,10 +65,16 @@ def test_long_prompts_equal_transformers_through_the_compiled_kernels(blocked_ev
     assert calls["extend_attention"] == calls["paged_attention"]   # the JSON's old key: the paged kernel's count
     decode_steps = 3 * (MAX_TOKENS - 1)   # after each request's first token, one step a token, alone
     assert calls["small_ops"] > 0   # the prefill chunks' norms and rotary embedding
-    if model.kernels.prefill is not None:   # AVX-512: each layer of the cold prompt's 3 chunks and the cached one's
-        assert calls["prefill_attention"] == (3 + 1) * model.config.num_layers
-    if blocked:   # every decode step (and the later turn's 16 tokens) in one compiled call
-        assert calls["layer_loop"] >= decode_steps + 1
+    if model.kernels.prefill is not None:
+        # AVX-512: each layer of the cold prompt's 3 chunks, the cached one's and the later turn's
+        # 16 tokens (past EXTEND_MAX_BESIDE_PREFILL: the prefill kernel takes them)
+        assert LATER > EXTEND_MAX_BESIDE_PREFILL
+        assert calls["prefill_attention"] == (3 + 1 + 1) * model.config.num_layers
+        steps_on_kernel = decode_steps
+    else:   # the later turn's 16 tokens on the extend kernel too
+        steps_on_kernel = decode_steps + 1
+    if blocked:   # every decode step in one compiled call
+        assert calls["layer_loop"] >= steps_on_kernel
     else:         # the Python loop, the batched kernel in each layer of those steps
-        assert calls["paged_attention"] >= (decode_steps + 1) * model.config.num_layers
+        assert calls["paged_attention"] >= steps_on_kernel * model.config.num_layers
     engine.cache.check_invariants()
