@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from cluster.cache.tiered import TierConfig
 from cluster.engine.checkpoint import ModelSpec
 from cluster.engine.scheduler_config import DEFAULT_TIME_SLICE_S, SchedulerConfig, check_policy_name, check_stall_free_steps
+from cluster.engine.stall_free import STALL_STEPS
 from cluster.errors import InvalidInputError
 
 # A worker's tier sizes when the config names none (TierConfig itself has no default HOT size).
@@ -88,11 +89,12 @@ class WorkerConfig:
     # another's prefill computes waits for that fill's checkpoint. Off: each computes its own part.
     shared_fills: bool = True
     # Stall-free batching (cluster.engine.stall_free): while decodes run, a step's prompt chunk is
-    # what the measured rates compute in this many decode steps' time less one (8 bounds a running
-    # stream's longest gap at about 8 decode steps). Null (the default): the whole max_batch_tokens,
-    # as vLLM's chunked prefill: each extra step re-reads the weights, so the cap made first turns
-    # slower and stalled the streams beside them as long in all (measured: docs/benchmarks.md).
-    stall_free_steps: int | None = None
+    # what the measured rates compute in this many decode steps' time less one (8: a running
+    # stream's longest gap is about 8 decode steps). Null: the whole max_batch_tokens, as vLLM's
+    # chunked prefill: a session's first turn beside one stream comes sooner (1,095 against
+    # 1,360-1,458 ms), but 16 streams in a burst see an ITL p99 of 146-330 ms against 122-138
+    # (docs/benchmarks.md), so the cap stays the default.
+    stall_free_steps: int | None = STALL_STEPS
     # Time slicing (cluster.engine.preemption): a request waiting for HOT room that running
     # decodes hold may take the room of one that has decoded max(this, 8 measured steps)
     # (seconds; it yields: its KV goes to the cache and it resumes exactly), only where the

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cluster.engine.policies import POLICIES
+from cluster.engine.stall_free import STALL_STEPS
 from cluster.errors import InvalidInputError
 
 # The default budget: a step computes at most this many tokens (decodes and prefill chunks
@@ -34,7 +35,7 @@ class SchedulerConfig:
     budget split (``cluster.engine.policies``: fcfs, fair, priority); None: ``fair`` where the
     cache has tenant quotas, else ``fcfs``. ``stall_free_steps``: while decodes run, a step's
     prompt part is what the measured rates compute in this many decode steps' time less one
-    (``cluster.engine.stall_free``, e.g. its ``STALL_STEPS``); None (the default): the whole budget."""
+    (``cluster.engine.stall_free``; default ``STALL_STEPS``, 8); None: the whole budget."""
 
     max_batch_tokens: int = DEFAULT_BATCH_TOKENS
     max_running: int = 64
@@ -43,7 +44,7 @@ class SchedulerConfig:
     cache_final_token: bool = True
     keep_logits: bool = False
     policy: str | None = None
-    stall_free_steps: int | None = None
+    stall_free_steps: int | None = STALL_STEPS
 
     def __post_init__(self) -> None:
         for name in ("max_batch_tokens", "max_running"):

@@ -15,7 +15,7 @@ def test_the_cap_is_what_the_measured_prefill_rate_computes_in_the_stall_budget(
 
 
 def test_a_prompt_beside_decodes_gets_the_cap_and_alone_the_whole_budget():
-    engine = make_engine(hot_blocks=256, budget=64, stall_free_steps=STALL_STEPS)
+    engine = make_engine(hot_blocks=256, budget=64)
     s = engine.scheduler
     decode = engine.submit(EngineRequest(list(range(1, 9)), SamplingParams(max_tokens=40)))
     engine.step()
@@ -48,9 +48,9 @@ def test_a_prompt_beside_decodes_gets_the_cap_and_alone_the_whole_budget():
 
 
 def test_without_the_cap_a_prompt_beside_decodes_gets_the_whole_budget():
-    """``stall_free_steps=None`` (the default, in the engine and the worker): the step's prompt
-    part is the budget left after the decodes, measured rates or not (vLLM's chunked prefill);
-    the setting is checked where it is given."""
+    """``stall_free_steps=None`` (the cap off; the default is ``STALL_STEPS`` in the engine and the
+    worker): the step's prompt part is the budget left after the decodes, measured rates or not
+    (vLLM's chunked prefill); the setting is checked where it is given."""
     from actors.config import WorkerConfig
     import pytest
 
@@ -58,8 +58,8 @@ def test_without_the_cap_a_prompt_beside_decodes_gets_the_whole_budget():
     from cluster.errors import InvalidInputError
 
     assert prefill_cap(512, 0.030, 0.0025, 16, None) == 512
-    assert SchedulerConfig().stall_free_steps is None and WorkerConfig().scheduler_config().stall_free_steps is None
-    engine = make_engine(hot_blocks=256, budget=64)
+    assert SchedulerConfig().stall_free_steps == WorkerConfig().scheduler_config().stall_free_steps == STALL_STEPS
+    engine = make_engine(hot_blocks=256, budget=64, stall_free_steps=None)
     s = engine.scheduler
     for t in range(10):
         s.slicer.steps.forward(t * 0.010)
