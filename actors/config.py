@@ -91,9 +91,9 @@ class WorkerConfig:
     # Stall-free batching (cluster.engine.stall_free): while decodes run, a step's prompt chunk is
     # what the measured rates compute in this many decode steps' time less one (8: a running
     # stream's longest gap is about 8 decode steps). Null: the whole max_batch_tokens, as vLLM's
-    # chunked prefill: a session's first turn beside one stream comes sooner (1,095 against
-    # 1,360-1,458 ms), but 16 streams in a burst see an ITL p99 of 146-330 ms against 122-138
-    # (docs/benchmarks.md), so the cap stays the default.
+    # chunked prefill: a session's first turn beside one stream comes sooner (1,052-1,291 ms in
+    # six runs against 1,117-1,338 in three), but 16 streams in a burst see an ITL p99 of 146-330
+    # ms against 122-138 (docs/benchmarks.md), so the cap stays the default.
     stall_free_steps: int | None = STALL_STEPS
     # Time slicing (cluster.engine.preemption): a request waiting for HOT room that running
     # decodes hold may take the room of one that has decoded max(this, 8 measured steps)

@@ -1,27 +1,24 @@
-"""How many prompt tokens a step computes beside running decodes (stall-free batching, opt-in).
+"""How many prompt tokens a step computes beside running decodes (stall-free batching).
 
-Every running stream waits for each step that has its decode in it. With the setting
-``stall_free_steps`` (``SchedulerConfig``, the worker key of the same name), while decodes
-run the prompt part of a step is what the measured prefill rate computes in
-``stall_free_steps - 1`` measured step times (Sarathi-Serve's stall-free batching, with the
-budget from the measured rates instead of a fixed token count): a stream waits at most about
-that many steps' time for its next token, and a prompt still advances every step. With no
-decode running, a step takes the whole ``max_batch_tokens``; until both rates are measured
-nothing is capped.
+Every running stream waits for each step that has its decode in it. While decodes run, the
+prompt part of a step is what the measured prefill rate computes in ``stall_free_steps - 1``
+measured step times (``SchedulerConfig.stall_free_steps``, the worker key of the same name;
+default ``STALL_STEPS``; Sarathi-Serve's stall-free batching, with the budget from the measured
+rates instead of a fixed token count): a stream waits at most about that many steps' time for
+its next token, and a prompt still advances every step. With no decode running, a step takes
+the whole ``max_batch_tokens``; until both rates are measured nothing is capped.
 
-Off by default (None: the whole budget beside decodes, as vLLM's chunked prefill). On two CPU
-cores every step re-reads the weights (~14 ms of a 20 ms decode step), so splitting a 1,400-token
-first turn into about seven capped steps instead of three made it 25-35% slower and stalled the
-streams beside it as long in all, in more gaps; measured at equal memory against vLLM
-(docs/benchmarks.md, issue 51): sessions first turns 1,095 ms without the cap against
-1,360-1,458 ms with it (``STALL_STEPS`` 8), the other figures within the runs' spread, and on
-shared prefixes no worse. Turn it on where a bound on the longest gap matters more than the
-first token and the total.
+The trade, measured at equal memory against vLLM (docs/benchmarks.md, issue 51): on two CPU
+cores every step re-reads the weights (~14 ms of a 20 ms decode step), so the cap splits a
+1,400-token first turn beside one stream into about seven steps instead of three (first turns
+1,117-1,338 ms in three runs with it, 1,052-1,291 in six without); beside 16 streams in a burst it
+keeps their ITL p99 at 122-138 ms against 146-330 without it. ``None`` turns it off (the whole budget beside decodes, as vLLM's chunked
+prefill), for deployments whose streams are few and first tokens matter most.
 """
 
 from __future__ import annotations
 
-STALL_STEPS = 8             # a suggested stall_free_steps: a step with decodes in it takes about 8 step times
+STALL_STEPS = 8             # the default stall_free_steps: a step with decodes in it takes about 8 step times
 MIN_PREFILL_TOKENS = 32     # a prompt beside decodes still advances at least this much a step
 
 
