@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 from cluster.cache.tiered import TierConfig
 from cluster.engine.checkpoint import ModelSpec
-from cluster.engine.scheduler_config import DEFAULT_TIME_SLICE_S, SchedulerConfig, check_policy_name, check_stall_free_steps
+from cluster.engine.scheduler_config import (DEFAULT_TIME_SLICE_S, SchedulerConfig, check_policy_name,
+                                             check_stall_free_steps)
 from cluster.engine.stall_free import STALL_STEPS
 from cluster.errors import InvalidInputError
 

@@ -11,9 +11,10 @@ the whole ``max_batch_tokens``; until both rates are measured nothing is capped.
 The trade, measured at equal memory against vLLM (docs/benchmarks.md, issue 51): on two CPU
 cores every step re-reads the weights (~14 ms of a 20 ms decode step), so the cap splits a
 1,400-token first turn beside one stream into about seven steps instead of three (first turns
-1,117-1,338 ms in three runs with it, 1,052-1,291 in six without); beside 16 streams in a burst it
-keeps their ITL p99 at 122-138 ms against 146-330 without it. ``None`` turns it off (the whole budget beside decodes, as vLLM's chunked
-prefill), for deployments whose streams are few and first tokens matter most.
+1,117-1,338 ms in three runs with it, 1,052-1,291 in six without); beside 16 streams in a burst
+it keeps their ITL p99 at 122-138 ms against 146-330 without it. ``None`` turns it off (the whole
+budget beside decodes, as vLLM's chunked prefill), for deployments whose streams are few and
+first tokens matter most.
 """
 
 from __future__ import annotations
