@@ -106,7 +106,7 @@ class TenantMachine(RuleBasedStateMachine):
         self.last: dict = {}   # tenant -> its last finished request
         self.idle_steps = 0
         self.slotless: dict = {}   # tenant -> steps in a row it had waiting work and no running request
-        self.kept_from: tuple[set, set] | None = None   # (running, waiting) tenants of the step in progress
+        self.kept_from: tuple[set, set, bool] | None = None   # (running, waiting) tenants, lending: the step's
         pick = self.quotas.pick
 
         def checked_pick(tier, *, leaves_only):
@@ -121,8 +121,8 @@ class TenantMachine(RuleBasedStateMachine):
         victim = self.engine.cache.tree.namespace_of(node)
         if who is NOBODY or who == victim:
             return
-        running, waiting = self.kept_from
-        kept = victim in running or (victim in waiting and not self.lending)
+        running, waiting, lending = self.kept_from
+        kept = victim in running or (victim in waiting and not lending)
         if kept:
             assert self.quotas.holds(victim, tier) > self.quotas.guarantee(victim, tier), (
                 f"tenant {victim!r} (at work) lost a node of tier {tier} to {who!r} while within its guarantee")
@@ -170,7 +170,11 @@ class TenantMachine(RuleBasedStateMachine):
         engine = self.engine
         if self.lending:   # only ever while nothing runs (a move in flight: the lent room's promotion)
             assert not engine.scheduler.running
-        self.kept_from = ({r.namespace for r in engine.scheduler.running}, {r.namespace for r in engine.scheduler.waiting})
+        # The tenants with work and whether the waiting ones' guarantees are lent, as the cache is
+        # told for the whole step (``TenantWork.before_step``): a step that plans a request again
+        # ends the lending for the next one, not for its own update's checkpoints.
+        self.kept_from = ({r.namespace for r in engine.scheduler.running},
+                          {r.namespace for r in engine.scheduler.waiting}, self.lending)
         self.now += 1.0
         computed = engine.stats["steps"]
         self._count_slotless()

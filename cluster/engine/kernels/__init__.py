@@ -32,7 +32,12 @@ bits, without the GIL and a Python dispatch per op (``DecoderModel._layers``).
 
 Each build takes up to a minute once per machine (cached under
 ``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``; concurrent
-builds wait on the loader's lock). When one cannot be built (no compiler,
+builds wait on the loader's lock). A process killed mid-build leaves that lock
+behind, and torch's loader waits for it to go forever: every later start on the
+machine hung (seen here after a test run was killed during a rebuild). So a
+start first waits for the lock itself (``wait_for_build_lock``) and removes one
+older than ``BUILD_LOCK_STALE_S``, far past any build's time; a live build's lock
+is waited for as before. When one cannot be built (no compiler,
 ``PREFIX_CACHE_KERNELS=0``), its function here is None, the reason is logged
 once, and the model keeps its torch path.
 """
@@ -42,12 +47,14 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 log = logging.getLogger(__name__)
 
 ENV_VAR = "PREFIX_CACHE_KERNELS"
+BUILD_LOCK_STALE_S = 300.0   # a build lock this old was left by a process killed mid-build (builds take ~1 min)
 _lock = threading.Lock()
 _state: dict[str, dict[str, Any]] = {name: {"module": None, "tried": False, "error": None}
                                      for name in ("decode_attention", "blocked_linear", "layers", "prefill_attention",
@@ -79,6 +86,27 @@ def _load(name: str, build) -> Any:
 INCLUDES = {"layers": ("blocked_linear.cpp", "decode_attention.cpp")}
 
 
+def wait_for_build_lock(extension: str, stale_s: float = BUILD_LOCK_STALE_S, poll_s: float = 0.2,
+                        clock: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep) -> str:
+    """Before torch's loader builds or loads ``extension``: wait while another process's build
+    holds the loader's lock file, and remove the lock once it is ``stale_s`` old (its
+    builder was killed; the loader itself would wait for it forever). ``"free"``: no lock,
+    or its build ended; ``"stale"``: a stale lock was removed (logged)."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = Path(_get_build_directory(extension, verbose=False)) / "lock"
+    while True:
+        try:
+            age = clock() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return "free"
+        if age >= stale_s:
+            log.warning("removing the build lock %s, %.0f s old: its build was killed", lock, age)
+            lock.unlink(missing_ok=True)
+            return "stale"
+        sleep(poll_s)
+
+
 def _module(name: str) -> Any:
     """The compiled module of ``<name>.cpp``, built on first use, or None (see above)."""
     def build():
@@ -89,6 +117,7 @@ def _module(name: str) -> Any:
         here = Path(__file__).parent
         digest = hashlib.sha256(b"".join((here / f).read_bytes() for f in INCLUDES.get(name, ()))).hexdigest()
         flags = ["-O3", "-fopenmp"] + ([f"-DPREFIX_CACHE_INCLUDES={digest[:16]}"] if name in INCLUDES else [])
+        wait_for_build_lock(f"prefix_cache_{name}")
         return load(name=f"prefix_cache_{name}", sources=[str(here / f"{name}.cpp")],
                     extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
     return _load(name, build)
