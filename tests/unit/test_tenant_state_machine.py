@@ -106,7 +106,7 @@ class TenantMachine(RuleBasedStateMachine):
         self.last: dict = {}   # tenant -> its last finished request
         self.idle_steps = 0
         self.slotless: dict = {}   # tenant -> steps in a row it had waiting work and no running request
-        self.kept_from: tuple[set, set, bool] | None = None   # (running, waiting) tenants, lending: the step's
+        self.kept_from: tuple[set, set, bool] | None = None   # the step's running, waiting tenants; lending
         pick = self.quotas.pick
 
         def checked_pick(tier, *, leaves_only):

@@ -34,8 +34,7 @@ Each build takes up to a minute once per machine (cached under
 ``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``; concurrent
 builds wait on the loader's lock). A process killed mid-build leaves that lock
 behind, and torch's loader waits for it to go forever: every later start on the
-machine hung (seen here after a test run was killed during a rebuild). So a
-start first waits for the lock itself (``wait_for_build_lock``) and removes one
+machine hung. So a start first waits for the lock itself (``wait_for_build_lock``) and removes one
 older than ``BUILD_LOCK_STALE_S``, far past any build's time; a live build's lock
 is waited for as before. When one cannot be built (no compiler,
 ``PREFIX_CACHE_KERNELS=0``), its function here is None, the reason is logged
