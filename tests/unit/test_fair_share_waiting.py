@@ -101,9 +101,9 @@ def b_fills_a_long_prompt_beside_a_flood(engine):
 def test_a_new_prompt_that_ends_in_the_step_goes_before_its_own_tenants_running_fill():
     """B's 3 tokens run in the very next step, ahead of B's own 40-token fill, which takes the
     rest of B's share and A's (B's prompt ends: A's chunk waits a step, ``first_token_alone``):
-    B's first token comes 3 steps sooner. (Off by default: see ``FairSharePolicy.ending_first``.)"""
+    B's first token comes 3 steps sooner (``FairSharePolicy.ending_first``, on by default)."""
     engine = fair_engine(budget=16)
-    engine.scheduler.policy.ending_first = True
+    assert engine.scheduler.policy.ending_first is True
     b = b_fills_a_long_prompt_beside_a_flood(engine)
     assert step(engine) == [("B", 0, 3), ("B", 8, 5)]
     assert step(engine) == [("B", 3, 1), ("B", 13, 8), ("A", 24, 7)]
@@ -112,10 +112,10 @@ def test_a_new_prompt_that_ends_in_the_step_goes_before_its_own_tenants_running_
 
 
 def test_without_ending_first_the_new_prompt_waits_for_its_own_tenants_fill():
-    """The same steps with ``ending_first`` off (the default): B's short request is not
-    reached while B's fill takes B's share, and runs after the fill ends."""
+    """The same steps with ``ending_first`` off: B's short request is not reached while
+    B's fill takes B's share, and runs after the fill ends."""
     engine = fair_engine(budget=16)
-    assert engine.scheduler.policy.ending_first is False
+    engine.scheduler.policy.ending_first = False
     b = b_fills_a_long_prompt_beside_a_flood(engine)
     assert step(engine) == [("B", 8, 8), ("A", 24, 8)]
     assert step(engine) == [("B", 16, 8), ("A", 32, 8)]

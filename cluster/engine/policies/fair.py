@@ -17,6 +17,11 @@
   slot it needs. A slot freed while the step is planned (a preemption for room)
   goes to a tenant already running a request only where that leaves no tenant
   over its share, or a slot for every tenant with none (``takes_slot``).
+- **A quiet tenant's later turn**: within a tenant, a new prompt that ends in the
+  step (a later turn after its cached history) goes before that tenant's own
+  running prefill fills (``ending_first``): beside A's flood, B's later turns
+  otherwise sat unreached behind B's own new session's 600-token fill for 28-42
+  steps (``bench tenants``).
 - **A quiet tenant's first token**: a step in which the least-served tenant's
   prompt ends carries no chunk of another tenant's longer prompt (``after_first``;
   decodes and prompts that end in the step stay): the
@@ -50,9 +55,7 @@ class FairSharePolicy(SchedulingPolicy):
     name = "fair"
     preempts_across_tenants = True
     promotes_inline = True
-    # Off: with it on, the tenant state machine found a slotless tenant kept from a running slot
-    # for 2 steps (its invariant is 1; `--hypothesis-seed=1`), cause not found yet.
-    ending_first = False
+    ending_first = True   # see the module docstring's "a quiet tenant's later turn"
     first_token_alone = True   # see ``after_first``
 
     def __init__(self, max_running: int, quotas: Any = None):
