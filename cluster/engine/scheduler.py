@@ -75,7 +75,7 @@ from cluster.engine.scheduler_config import SchedulerConfig
 from cluster.engine.stall_free import prefill_cap
 from cluster.engine.step_measures import StepMeasures
 from cluster.engine.tenant_work import TenantWork
-from cluster.engine.waiting_checks import behind_shared_fill, logprob_cap, promote_inline
+from cluster.engine.waiting_checks import InlinePromotions, behind_shared_fill, logprob_cap
 from cluster.errors import CacheError, PoolExhaustedError
 from cluster.names import COLD, HOT, L3, WARM
 from cluster.protocol import FinishReason
@@ -123,7 +123,7 @@ class Scheduler:
         self.slicer = TimeSlicer(stats, cache.promote_s_per_token, config.max_batch_tokens)   # its measures, its rule
         self.blocked: EngineRequest | None = None   # the waiting request that found no room last step
         self.owed: list[EngineRequest] = []   # waiting requests another yielded its running slot to
-        self.tenant_work = TenantWork(cache)   # who has work, for the tenant quotas' guarantees
+        self.tenant_work, self.inline = TenantWork(cache), InlinePromotions()   # who has work; inline waits
         self._bytes_per_token = cache.layout.bytes_per_token() if cache.layout is not None else 0
         quotas = cache.quotas.config if cache.quotas is not None else None
         # Without quotas the default stays first come, first served: a tenant's request put ahead of a
@@ -167,11 +167,11 @@ class Scheduler:
                 extra = self.policy.reach(budget, share, i == 0 and not last, spare)
                 mark, fills = len(plan.items), [r for r in self.running if r.to_compute > 1 and id(r) not in planned
                     and (group is ANY or r.namespace == group) and (r.to_compute <= budget or not state.ends_only)]
-                lead = self.policy.promotes_inline and group is not ANY and i == 0 and not last
-                ahead = self._plan_waiting(plan, share, planned, state, group, extra, lead, True) \
+                inline = self.policy.promotes_inline and group is not ANY and not last
+                ahead = self._plan_waiting(plan, share, planned, state, group, extra, inline, True) \
                     if self.policy.ending_first and group is not ANY and not last else share
                 left = self._plan_running(plan, fills, ahead, planned, budget - share)   # fills: no spare
-                left = self._plan_waiting(plan, left, planned, state, group, extra, lead, state.ends_only)
+                left = self._plan_waiting(plan, left, planned, state, group, extra, inline, state.ends_only)
                 budget -= share - left
                 state.ends_only |= i == 0 and not last and self.policy.after_first(plan.items[mark:], len(groups))
         self._planned(plan)
@@ -222,15 +222,15 @@ class Scheduler:
         return budget
 
     def _plan_waiting(self, plan: StepPlan, budget: int, planned: set[int], state: "_Pass",
-                      tenant: Any = ANY, extra: int = 0, lead: bool = False, ending: bool = False) -> int:
+                      tenant: Any = ANY, extra: int = 0, inline: bool = False, ending: bool = False) -> int:
         """Waiting requests (of ``tenant``, or all) into the plan, in the policy's order, as
         far as the budget goes; the budget left. Promotions that make room go oldest first
         and one at a time; behind it only those that fit in free blocks (started for every
         waiting request at once, their prefixes pushed each other back out of a full HOT
         pool before any was admitted: a livelock). ``state`` carries that across a step's
-        calls, and whether a request that found no room stops everyone behind it. ``lead``:
-        the policy's least-served tenant, whose promotion may be waited for in the step
-        (``waiting_checks.promote_inline``); ``ending``: only new prompts that end in this step
+        calls, and whether a request that found no room stops everyone behind it. ``inline``:
+        a promotion may be waited for in the step, one a step, in the policy's tenant order
+        (``waiting_checks.InlinePromotions``); ``ending``: only new prompts that end in this step
         (``ending_first``, ``after_first``), and a request owed a running slot, whole or not."""
         for req in self.policy.waiting_order(self.waiting):
             if budget <= 0 or len(self.running) >= self.config.max_running or state.halted:
@@ -253,9 +253,9 @@ class Scheduler:
                 continue   # a prompt that cannot end in this step goes later
             if ending:
                 state.looked.add(id(req))
-            if not readiness.ready and not readiness.blocked and lead and not state.inlined:
-                again = promote_inline(self.cache, req, readiness, self.slicer.steps.median(),
-                                       self.prefill_s_per_token)   # the least-served tenant's: ready in this step
+            if not readiness.ready and not readiness.blocked and inline and not state.inlined:
+                again = self.inline.promote(self.cache, req, readiness, self.slicer.steps.median(),
+                                            self.prefill_s_per_token)   # the least-served tenant's: ready in this step
                 state.inlined = again is not None
                 readiness = again or readiness
                 self.stats["promotions_inline"] += state.inlined

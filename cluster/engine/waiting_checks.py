@@ -2,19 +2,21 @@
 
 - **Shared fills** (``behind_shared_fill``): a waiting request whose part beyond
   the cache a running prompt fill computes waits for that fill's checkpoint.
-- **Inline promotion** (``promote_inline``): a waiting request whose cached
-  prefix is partly in WARM waits for its promotion to HOT; the scheduler starts
-  the copy and passes the request over for the step while it runs. Under the
-  fair share (``SchedulingPolicy.promotes_inline``) the least-served tenant's
-  request, while tenants share the engine, waits for that copy inside the step's
-  planning instead, where the measured copy rate says it takes at most
+- **Inline promotion** (``InlinePromotions``, ``promote_inline``): a waiting
+  request whose cached prefix is partly in WARM waits for its promotion to HOT;
+  the scheduler starts the copy and passes the request over for the step while
+  it runs. Under the fair share (``SchedulingPolicy.promotes_inline``), while
+  tenants share the engine, the first such request in the tenants' order waits
+  for that copy inside the step's planning instead, where the measured copy rate says it takes at most
   ``INLINE_STEP_SHARE`` of the median step: measured beside a flood (``bench
   tenants``), a quiet tenant's later turn was promoted from WARM in most turns
   and each promotion passed it over for one to three whole steps of the flood
   (80-110 ms each on two CPU cores), where the copy itself takes a few
   milliseconds. The step's planning waits those milliseconds and admits it in
   the same step. One such wait a step; a promotion from COLD or L3 (a disk, the
-  network) is never waited for inline.
+  network) is never waited for inline. The inline waits are measured on their
+  own (``InlinePromotions``): the copy thread's rate beside a forward pass is
+  10-35x an inline wait's on two cores.
 - **Prompt logprobs** (``logprob_cap``): how much cached prefix a request that
   wants its prompt's logprobs may take.
 
@@ -23,12 +25,17 @@ Engine thread only.
 
 from __future__ import annotations
 
-from typing import Any
+import time
+from typing import Any, Callable
 
+from cluster.estimators import RecentMedian
 from cluster.names import COLD, L3, WARM
 from cluster.tokens import common_prefix
 
 INLINE_STEP_SHARE = 0.25   # an inline promotion's measured copy time, at most this share of the median step
+# Inline waits of fewer WARM tokens are not measured: a wait's fixed part (the hand-off to the copy
+# thread and back) over a token or two read as 1e-3 s a token and stopped every later inline wait.
+INLINE_SAMPLE_MIN_TOKENS = 64
 
 
 def behind_shared_fill(running: list, req: Any, cached: int, block_tokens: int) -> bool:
@@ -48,13 +55,41 @@ def behind_shared_fill(running: list, req: Any, cached: int, block_tokens: int) 
     return True
 
 
+class InlinePromotions:
+    """``promote_inline`` with its own measure: the wall time per token of the inline
+    waits of at least ``INLINE_SAMPLE_MIN_TOKENS`` (``rate``). The cache's WARM copy
+    rate (``TierMoves.promote_s_per_token``) is the copy thread's time, mostly measured
+    beside a forward pass that takes the cores; an inline wait runs while the engine
+    thread waits. Measured in ``bench tenants`` on 2 cores: inline waits about 1e-6 s a
+    token, the copies beside a forward 1e-5 to 3.5e-5, so the cache's rate alone turned
+    down a third of the quiet tenant's inline promotions (a 690-token prefix: 13.5 ms
+    against a quarter of a 53 ms step), and each one turned down cost it a step. Until
+    an inline wait was measured the cache's rate decides. Engine thread only."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter):
+        self.clock = clock
+        self.waits = RecentMedian()   # seconds per token of the inline waits
+
+    def rate(self, cache: Any) -> float | None:
+        own = self.waits.value()
+        return own if own is not None else cache.promote_s_per_token[WARM]
+
+    def promote(self, cache: Any, req: Any, readiness: Any, step_s: float | None,
+                recompute_s_per_token: float | None) -> Any:
+        """``promote_inline`` at this measure, and the wait measured."""
+        began = self.clock()
+        again = promote_inline(cache, req, readiness, step_s, recompute_s_per_token, self.rate(cache))
+        if again is not None and readiness.tiers[WARM] >= INLINE_SAMPLE_MIN_TOKENS:
+            self.waits.add((self.clock() - began) / readiness.tiers[WARM])
+        return again
+
+
 def promote_inline(cache: Any, req: Any, readiness: Any, step_s: float | None,
-                   recompute_s_per_token: float | None) -> Any:
+                   recompute_s_per_token: float | None, rate: float | None) -> Any:
     """``req``'s promotion from WARM just started (``readiness``: not ready, not blocked):
-    where the measured copy rate says it takes at most ``INLINE_STEP_SHARE`` of ``step_s``
-    (the median step), wait for it and look again (the new ``Readiness``); else None."""
+    where ``rate`` (seconds per token) says it takes at most ``INLINE_STEP_SHARE`` of
+    ``step_s`` (the median step), wait for it and look again (the new ``Readiness``); else None."""
     tiers = readiness.tiers
-    rate = cache.promote_s_per_token[WARM]
     if not tiers[WARM] or tiers[COLD] or (len(tiers) > L3 and tiers[L3]) or rate is None or not step_s:
         return None
     if tiers[WARM] * rate > INLINE_STEP_SHARE * step_s:

@@ -1,7 +1,7 @@
 """How the fair share plans a tenant's waiting request beside another tenant's flood: a new
 prompt that ends in the step goes before its own tenant's running fill (``ending_first``), the
 least-served tenant's request whose prefix is in WARM is admitted in the step that starts its
-promotion (``cluster.engine.waiting_checks.promote_inline``), and the step in which the
+promotion (``cluster.engine.waiting_checks.InlinePromotions``), and the step in which the
 least-served tenant's prompt ends takes no chunk of another tenant's longer prompt
 (``first_token_alone``); exactly which tokens each step's plan holds."""
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 from cluster.cache.kv_pool import KVLayout
 from cluster.cache.tiered import TierConfig, TieredCache
 from cluster.engine.engine import Engine, EngineRequest, SamplingParams
-from cluster.names import HOT, WARM
+from cluster.names import WARM
 from tests.unit.test_fair_share import Clock, drive, seq, step, submit
 from tests.unit.test_fair_share import make_engine as fair_engine
 from tests.unit.test_scheduler import BT, MODEL, check_drained, reference_outputs
@@ -66,6 +66,26 @@ def test_the_least_served_tenants_promotion_is_waited_for_in_the_step_that_admit
     assert engine.stats["promotions_inline"] == 1 and engine.stats["waits_for_promotion"] == 1   # the warm-up's
     assert b.tier_hits[:2] == [0, 12] and b.trace.promotion_waits == 0 and b.trace.steps_waited == 0
     assert ticking_step(engine, clock) == [("B", 15, 1), ("A", 32, 15)]
+    assert b.finished and b.output == reference_outputs([(b.prompt, SamplingParams(max_tokens=2))])[0]
+    while engine.has_work():
+        ticking_step(engine, clock)
+    check_drained(engine)
+
+
+def test_a_promotion_is_waited_for_in_the_step_whichever_tenant_goes_first():
+    """B served more recently than A (A's group goes first): B's promotion is still waited for
+    in the step's planning (one a step, in the fair order), and B's 3 tokens run beside A's
+    chunk in that very step. Only the least-served tenant's was, before: B was passed over a
+    step (measured beside a flood, a third of the quiet tenant's later turns lost a step so)."""
+    clock = Clock()
+    engine = make_engine(clock, quotas={})
+    b = b_in_warm_beside_a_flood(engine, clock)
+    engine.scheduler.policy.shares.charge({"B": 100})
+    assert engine.scheduler.policy.shares.order(["A", "B"]) == ["A", "B"]
+    assert ticking_step(engine, clock) == [("A", 32, 8), ("B", 12, 3)]
+    assert engine.stats["promotions_inline"] == 1 and engine.stats["waits_for_promotion"] == 1   # the warm-up's
+    assert b.trace.promotion_waits == 0 and b.trace.steps_waited == 0
+    assert ticking_step(engine, clock) == [("B", 15, 1), ("A", 40, 15)]
     assert b.finished and b.output == reference_outputs([(b.prompt, SamplingParams(max_tokens=2))])[0]
     while engine.has_work():
         ticking_step(engine, clock)

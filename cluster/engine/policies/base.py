@@ -36,7 +36,7 @@ class SchedulingPolicy:
 
     name = "fcfs"
     preempts_across_tenants = False   # a waiting request may take another tenant's room (fair share)
-    promotes_inline = False   # the least-served tenant's promotion may be waited for in the step (fair share)
+    promotes_inline = False   # while tenants share the engine, a promotion may be waited for in the step (fair)
     ending_first = False      # a tenant's new prompts that end in the step go before its own running fills
 
     def __init__(self, max_running: int, quotas: Any = None):

@@ -27,10 +27,10 @@
   decodes and prompts that end in the step stay): the
   flood's chunk, beside a quiet tenant's later turn, about doubled the step its
   first token came from (``bench tenants``' step counts).
-- **Promotions**: while tenants share the engine, the least-served tenant's
-  waiting request whose prefix is partly in WARM is admitted in the step that
-  starts its promotion, the step's planning waiting for the copy where it is
-  measured short (``promotes_inline``: ``cluster.engine.waiting_checks``);
+- **Promotions**: while tenants share the engine, a waiting request whose prefix
+  is partly in WARM is admitted in the step that starts its promotion, the step's
+  planning waiting for the copy where it is measured short (one a step, the first
+  in the tenants' order: ``promotes_inline``, ``cluster.engine.waiting_checks``);
   every other request is passed over while its copy runs.
 - **Victims**: a time slice for a waiting request takes room only from its own
   tenant or one served at least as much recently (from its own tenant only once
