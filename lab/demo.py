@@ -47,6 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=12, help="reply tokens per turn of the workload")
     p.add_argument("--plot", default="prefix-cache-demo.png")
     p.add_argument("--port", type=int, default=0, help="HTTP port (default: a free one)")
+    p.add_argument("--l3-pool-mb", type=int, default=1024,
+                   help="MiB of the local L3 pool (Mooncake) the replicas share (0: no L3)")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -166,11 +168,13 @@ def run(args: argparse.Namespace) -> int:
     arms = [tuple(a.split(":")) for a in args.arms.split(",")]
     if any(len(a) != 2 or a[1] not in ("tiered", "drop") for a in arms):
         raise ValueError(f"--arms takes router:cache pairs with cache tiered or drop, got {args.arms!r}")
+    if args.l3_pool_mb < 0:
+        raise ValueError(f"--l3-pool-mb must be >= 0 (0: no L3), got {args.l3_pool_mb}")
     port = args.port or free_port()
     print("preparing the model (the first run converts the embedded GGUF once, ~30 s)...", flush=True)
     model = prepare_model(args.model)
     print("starting a local Ray cluster (head + 2 worker nodes on 127.0.0.1)...", flush=True)
-    local = LocalCluster(worker_nodes=2)
+    local = LocalCluster(worker_nodes=2, l3_pool_mb=args.l3_pool_mb)
     try:
         print(f"deploying the app (3 cache replicas, {model}) on http://127.0.0.1:{port} ...", flush=True)
         worker = {**DEMO_WORKER, "hot_blocks": args.hot_blocks}

@@ -60,7 +60,7 @@ from cluster.cache.codec import CodecMismatchError, stored_block_bytes, tier_cod
 from cluster.cache.disk import DiskPool
 from cluster.cache.kv_pool import KVLayout, KVPool
 from cluster.cache.lease import KVLease
-from cluster.cache.l3.link import L3Link
+from cluster.cache.l3.link import NO_ROOM, L3Link
 from cluster.cache.l3.tier import L3Tier
 from cluster.cache.quotas import TenantQuotas
 from cluster.cache.radix_tree import RadixTree, TreeNode
@@ -256,13 +256,13 @@ class TieredCache:
             # another codec's bytes are refused, never read as this one's.
             self.codec.check_stored(kv, "migrated KV")
             kv = self.codec.decode(kv)
-        return self._install_at(tokens[:kv.shape[2]], namespace, kv, 0, validate=True) or 0
+        return max(0, self._install_at(tokens[:kv.shape[2]], namespace, kv, 0, validate=True) or 0)
 
     def _install_at(self, tokens: Sequence[int], namespace: Hashable, kv: torch.Tensor, start: int, *,
                     validate: bool = False) -> int | None:
         """Cache ``kv``, the KV of ``tokens[start:]``, behind the tree's prefix of ``tokens``;
-        the tokens new here, or None when it cannot land: the tree no longer reaches
-        ``start`` (evicted meanwhile), or HOT has no room (what ``L3Link`` installs with)."""
+        the tokens new here, or None when the tree no longer reaches ``start`` (evicted
+        meanwhile), ``NO_ROOM`` when HOT has no room now (what ``L3Link`` installs with)."""
         end = len(tokens)
         lease = self.admit(tokens, namespace, compute_last=False, validate=validate)
         try:
@@ -275,7 +275,7 @@ class TieredCache:
             lease.commit(tokens)
             return end - have
         except PoolExhaustedError:
-            return None
+            return NO_ROOM
         finally:
             lease.release()
 

@@ -215,7 +215,9 @@ def test_a_missing_block_is_not_asked_for_again_within_its_ttl(model):
     assert again.cached_tokens == 0 and tier_b.stats.fetches == 1   # remembered as missing
 
 
-def test_fetched_blocks_that_find_no_room_are_counted_and_the_request_computes(model):
+def fetched_without_room(model):
+    """A's 48-token prompt in L3; B's HOT (8 blocks) mostly held by a running request when B's
+    request for the same prompt (and one token) fetches it: (B, its tier, the prompt, the blocker)."""
     store = MemoryL3Store()
     a, tier_a, _ = make(model, store)
     prompt = toks(500, 48)
@@ -227,9 +229,35 @@ def test_fetched_blocks_that_find_no_room_are_counted_and_the_request_computes(m
     result = b.cache.ready(prompt + [1], None)
     assert result[0] is False and tier_b.stats.fetches == 1
     tier_b.run_pending()
-    assert b.cache.apply_l3() == 0 and tier_b.stats.install_failures == 1
+    return b, tier_b, prompt, blocker
+
+
+def test_fetched_blocks_that_find_no_room_wait_for_it_with_their_request(model):
+    """The 48 fetched tokens find no HOT room: kept (``install_retries``), the request keeps
+    waiting for them, and once the running request gives its room back they are installed on
+    the next look, without a second fetch. Dropping them made the request compute all 48
+    (the demo's round-robin turns beside running requests: 88.5% of their session found)."""
+    b, tier_b, prompt, blocker = fetched_without_room(model)
+    assert b.cache.apply_l3() == 0 and tier_b.stats.install_retries == 1 and tier_b.stats.install_failures == 0
+    again = b.cache.ready(prompt + [1], None)
+    assert again.ready is False and again.tiers[-1] == 48 and tier_b.stats.fetches == 1   # waits for them
+    blocker.release()
+    assert b.cache.ready(prompt + [1], None).ready is True
+    assert tier_b.stats.installed_tokens == 48 and tier_b.stats.fetches == 1 and tier_b.stats.install_failures == 0
+    assert b.cache.lookup(prompt + [1]).length == 48
+
+
+def test_fetched_blocks_that_wait_too_long_for_room_are_counted_and_the_request_computes(model, monkeypatch):
+    """Past ``INSTALL_RETRY_S`` (0 here: at once) the fetched blocks go, counted, and the
+    request computes without a second fetch."""
+    import cluster.cache.l3.link as link
+
+    monkeypatch.setattr(link, "INSTALL_RETRY_S", 0.0)
+    b, tier_b, prompt, blocker = fetched_without_room(model)
+    assert b.cache.apply_l3() == 0 and tier_b.stats.install_failures == 1 and tier_b.stats.install_retries == 0
     blocker.release()
     assert b.cache.ready(prompt + [1], None)[0] is True    # no second fetch: it computes
+    assert tier_b.stats.fetches == 1 and tier_b.stats.installed_tokens == 0
 
 
 def test_a_full_write_queue_drops_writes_and_counts_them(model):

@@ -37,9 +37,14 @@ from cluster.hashing import block_hashes, tail_hash
 from cluster.names import COLD, WARM
 
 # ``install(tokens, namespace, kv, start)``: cache ``kv`` (the KV of ``tokens[start:]``) behind
-# the tree's prefix of ``tokens``; the tokens new to the tree, or None when it cannot land
-# (the tree no longer reaches ``start``, or HOT has no room).
+# the tree's prefix of ``tokens``; the tokens new to the tree, None when it cannot land (the
+# tree no longer reaches ``start``), or ``NO_ROOM`` (HOT has no room for it now).
 Install = Callable[[Sequence[int], Hashable, torch.Tensor, int], "int | None"]
+NO_ROOM = -1
+# Fetched blocks that found no HOT room wait this long for it, looked at again with their
+# request (while running requests hold HOT); then they go and the request computes. Computing
+# needs the same HOT room, so waiting for it with the KV in hand is never the slower path.
+INSTALL_RETRY_S = 2.0
 
 
 class L3Shares(Protocol):
@@ -70,6 +75,7 @@ class L3Link:
                  shares: L3Shares | None = None):
         self.tier, self.tree, self.pools, self._install_kv, self.shares = tier, tree, pools, install, shares
         self._applying = False
+        self._unplaced: dict[int, tuple[FetchResult, float]] = {}   # first hash -> (fetched, since): no room yet
         self.stats = {"handoff_blocks": 0, "handoff_bytes": 0, "handoff_prefixes": 0, "handoff_s": 0.0}
 
     # ------------------------------------------------------------ fetches
@@ -89,6 +95,9 @@ class L3Link:
         if full - first < least:
             return 0
         hashes = block_hashes(tokens[:full * bt], bt, salt=namespace)
+        waiting = self._unplaced.get(hashes[first])
+        if waiting is not None:   # fetched, waiting for HOT room: the request waits with it
+            return waiting[0].blocks * bt + waiting[0].tail_tokens
         if not tier.fetching(hashes, first):
             if not tier.wants_fetch(hashes, first):
                 return 0
@@ -103,17 +112,27 @@ class L3Link:
         self._applying = True
         try:
             self.tier.take_written()
-            return sum(self._install(r) for r in self.tier.take_fetched() if r.blocks or r.tail_tokens)
+            unplaced, self._unplaced = self._unplaced, {}
+            done = [(r, since) for r, since in unplaced.values()]
+            done += [(r, None) for r in self.tier.take_fetched() if r.blocks or r.tail_tokens]
+            return sum(self._install(r, since) for r, since in done)
         finally:
             self._applying = False
 
-    def _install(self, r: FetchResult) -> int:
+    def _install(self, r: FetchResult, since: float | None = None) -> int:
         """Cache blocks read from L3 behind the tree's prefix of the same tokens (the
-        ``install`` function, with KV that starts at block ``r.first_block``). Nothing is
-        installed when the tree no longer reaches that block (evicted meanwhile) or HOT
-        has no room: counted, and the request computes."""
+        ``install`` function, with KV that starts at block ``r.first_block``). Where HOT
+        has no room now, they are kept and tried again at the next ``apply`` (their request
+        keeps waiting), for ``INSTALL_RETRY_S`` since they first found none. Nothing is
+        installed when the tree no longer reaches that block (evicted meanwhile) or that
+        time passed: counted, and the request computes."""
         new = self._install_kv(r.tokens, r.namespace, r.kv, r.first_block * self.tier.block_tokens)
-        if new is None:
+        now = time.monotonic()
+        if new == NO_ROOM and now - (now if since is None else since) < INSTALL_RETRY_S:
+            self._unplaced[r.first_hash] = (r, now if since is None else since)
+            self.tier.stats.install_retries += since is None
+            return 0
+        if new is None or new == NO_ROOM:
             self._not_installed(r)
             return 0
         self.tier.stats.installed_tokens += new

@@ -164,6 +164,7 @@ class L3TierStats:
     bytes_fetched: int = 0
     installed_tokens: int = 0
     install_failures: int = 0
+    install_retries: int = 0    # fetched blocks kept for a later look: HOT had no room for them yet
     fetches_timed: int = 0          # fetches that found blocks, timed (the latest in ``fetch_s``)
     fetch_s: list[float] = field(default_factory=list)   # the latest fetches' times (bounded)
     fetch_tokens: list[int] = field(default_factory=list)   # ... and the tokens each brought
