@@ -9,16 +9,9 @@ from types import SimpleNamespace
 
 from cluster.cache.tier_types import Readiness
 from cluster.engine.waiting_checks import INLINE_SAMPLE_MIN_TOKENS, INLINE_STEP_SHARE, InlinePromotions
+from tests.unit.test_fair_share import Clock as FakeClock
 
 STEP_S = 0.040   # the median step: an inline wait may take INLINE_STEP_SHARE of it (10 ms)
-
-
-class FakeClock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class FakeCache:
