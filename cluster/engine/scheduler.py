@@ -255,7 +255,7 @@ class Scheduler:
                 state.looked.add(id(req))
             if not readiness.ready and not readiness.blocked and inline and not state.inlined:
                 again = self.inline.promote(self.cache, req, readiness, self.slicer.steps.median(),
-                                            self.prefill_s_per_token)   # the least-served tenant's: ready in this step
+                                            self.prefill_s_per_token)   # ready in this step where the copy is short
                 state.inlined = again is not None
                 readiness = again or readiness
                 self.stats["promotions_inline"] += state.inlined

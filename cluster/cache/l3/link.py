@@ -128,9 +128,10 @@ class L3Link:
         time passed: counted, and the request computes."""
         new = self._install_kv(r.tokens, r.namespace, r.kv, r.first_block * self.tier.block_tokens)
         now = time.monotonic()
-        if new == NO_ROOM and now - (now if since is None else since) < INSTALL_RETRY_S:
-            self._unplaced[r.first_hash] = (r, now if since is None else since)
-            self.tier.stats.install_retries += since is None
+        first_wait, since = since is None, now if since is None else since
+        if new == NO_ROOM and now - since < INSTALL_RETRY_S:
+            self._unplaced[r.first_hash] = (r, since)
+            self.tier.stats.install_retries += first_wait
             return 0
         if new is None or new == NO_ROOM:
             self._not_installed(r)
