@@ -27,7 +27,9 @@ def test_the_replica_ttft_enters_the_p90_and_the_hook_reports_every_signal():
     try:
         idle = published(core)
         assert (idle.queued_prompt_tokens, idle.blocked_for_room, idle.ttft_p90_s, idle.engine_running) == (0, 0, 0, 0)
-        assert idle.prefill_tokens_per_s == core.cost.prefill_tokens_per_s   # the rate the worker prices with
+        # The engine's own measured prefill rate, or the worker's priced one until it has measured any.
+        own = asyncio.run(core.loop.run(lambda: core.engine.prefill_tokens_per_s or core.cost.prefill_tokens_per_s))
+        assert own > 0 and idle.prefill_tokens_per_s == own
         # The engine's clock ticks once a call: handed over (1) ... first token sampled (6).
         core.engine.clock = TickClock()
         run_worker(core, list(range(40)), max_tokens=3)
