@@ -165,12 +165,26 @@ class TierMoves:
                     if self.stats.demotion_failures == 1:
                         log.warning("demotion from tier %d failed (%s: %s); dropping instead", tier,
                                     type(move.error).__name__, move.error)
+                over_cap = move is None and isinstance(self.refused, TenantCapError)
                 if not node.children and not node.lock_ref and node.alive and not node.busy:
-                    reason = "copy_failed" if move is not None else (
-                        "over_cap" if isinstance(self.refused, TenantCapError) else "lower_full")
+                    reason = "copy_failed" if move is not None else ("over_cap" if over_cap else "lower_full")
                     self.count_drop(tier, reason, self.tree.drop(node))   # the next tier is stuck too
+                elif over_cap and self._subtree_idle(node):
+                    # Its tenant's cap below is under one block: the node can never go down, and its
+                    # data further down (COLD) cannot be reached without it. A cap stays a cap.
+                    self.count_drop(tier, "over_cap", self.tree.drop_subtree(node))
                 else:
                     passed_over.append(node)
+        return True
+
+    @staticmethod
+    def _subtree_idle(node: TreeNode) -> bool:
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            if n.lock_ref or n.busy:
+                return False
+            stack.extend(n.children.values())
         return True
 
     def fit_below(self, node: TreeNode) -> TreeNode:
@@ -179,12 +193,17 @@ class TierMoves:
         stays, a candidate of its own once the tail has gone). A node larger than the tier
         below could never move down, however empty that tier (a 1k-token prefix over a WARM
         of 1k tokens: HOT stuck full, every waiting request stalled); one that fills it would
-        push everything else out of it."""
+        push everything else out of it. Under quotas the part that moves also fits its tenant's
+        cap in the tier below (a WARM cap of 9 tokens under a 29-token node: the node could
+        never go down, and HOT stayed full of it)."""
         dst = node.tier + 1
         if dst >= self.num_tiers or node.lower is not None:   # a lower copy moves it down for free
             return node
         bt = self.pools[dst].allocator.config.block_tokens
         limit = self.pools[dst].allocator.num_blocks // 2 * bt
+        quotas = self.space.quotas
+        if quotas is not None:
+            limit = min(limit, quotas.cap(self.tree.namespace_of(node), dst) // bt * bt)
         if limit == 0 or len(node.key) <= limit:
             return node
         start, p = 0, node.parent

@@ -35,9 +35,12 @@ wait in engine steps (steps waited before admission, of those waiting for a
 promotion, the steps the prompt took, the tokens, rows, decodes and other
 tenants' tokens of the step of its first forward), ``b_later_turns_promoted``
 the later turns that waited for a promotion, and ``b_later_turns_detail`` each
-later turn's figures, named by ``b_later_turns_detail_keys``), then a summary line with the ratios to
-B alone and the goals of issue 44 (cached share >= 0.9x, TTFT p50 <= 1.5x
-with quotas; A served, 0 failed).
+later turn's figures, named by ``b_later_turns_detail_keys``). Each row also carries both tenants'
+serving figures (``b_``/``a_`` + TTFT p50, TPOT p50/p99, ITL p99/max, e2e p50, output tok/s), so a
+scheduling default shows what it costs beside the TTFT it was tuned for. Then a summary line with
+the ratios to B alone (B's TPOT, ITL p99, e2e and tok/s too), A's serving figures with quotas over
+without, and the goals of issues 44 and 53 (cached share >= 0.9x, TTFT p50 <= 1.5x with quotas; A
+served, 0 failed).
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ import statistics
 import time
 
 from lab.bench.common import emit, rounded
-from lab.load.chat_workload import ask_turn, system_prompt
+from lab.load.chat_workload import WorkloadResult, ask_turn, system_prompt
 from lab.load.session_workload import document, plan_sessions, run_sessions, session_fields
 
 # tenant-a and tenant-b have shares in the quotas arm; tenant-a0 and tenant-b0 (the same clients
@@ -125,16 +128,16 @@ async def flood(base: str, model: str, prompts: list[str], rate_per_s: float, st
                 seed: int = 0) -> dict:
     """Tenant A: Poisson arrivals at ``rate_per_s`` (open loop, each a distinct prompt; the
     gaps seeded by ``seed``) until ``stop`` (or ``max_s`` of sending); then waits for those
-    in flight. Served and failed counts."""
+    in flight. Served and failed counts, and A's serving figures (``SERVING_FIELDS``)."""
     import httpx
 
-    results: list[bool] = []
+    result = WorkloadResult()
 
     async def one(i: int, http) -> None:
         # Distinct from the first token: no flood request shares a prefix with another.
         messages = [{"role": "user", "content": f"Request {i}. " + prompts[i % len(prompts)]}]
         turn, _ = await ask_turn(http, model, messages, i, 0, max_tokens)
-        results.append(turn.ok)
+        result.turns.append(turn)
 
     tasks = []
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
@@ -151,7 +154,20 @@ async def flood(base: str, model: str, prompts: list[str], rate_per_s: float, st
             except TimeoutError:
                 pass
         await asyncio.gather(*tasks)
-    return {"a_sent": len(tasks), "a_served": sum(results), "a_failed": len(results) - sum(results)}
+        result.wall_s = time.perf_counter() - t0
+    served = sum(t.ok for t in result.turns)
+    return {"a_sent": len(tasks), "a_served": served, "a_failed": len(result.turns) - served,
+            **serving_fields("a_", result.summary())}
+
+
+# Each tenant's serving figures in every arm row (``WorkloadResult.summary``'s keys, prefixed
+# ``b_``/``a_``): a scheduling default must carry them beside the TTFT it was tuned for.
+SERVING_FIELDS = ("ttft_ms_p50", "tpot_ms_p50", "tpot_ms_p99", "itl_ms_p99", "itl_ms_max", "e2e_ms_p50",
+                  "output_tokens_per_s")
+
+
+def serving_fields(prefix: str, summary: dict) -> dict:
+    return {prefix + key: summary.get(key) for key in SERVING_FIELDS}
 
 
 async def b_with_flood(base: str, model: str, plan, system: str, prompts: list[str] | None,
@@ -163,7 +179,8 @@ async def b_with_flood(base: str, model: str, plan, system: str, prompts: list[s
                                          key="key-a" + suffix, max_s=flood_max_s, seed=seed)) if prompts else None
     b = await run_sessions(base, model, plan, system=system, api_key="key-b" + suffix)
     stop.set()
-    a = await flooding if flooding is not None else {"a_sent": 0, "a_served": 0, "a_failed": 0}
+    a = await flooding if flooding is not None else \
+        {"a_sent": 0, "a_served": 0, "a_failed": 0, **serving_fields("a_", {})}
     return b, a
 
 
@@ -203,7 +220,7 @@ def run_arm(name: str, base: str, model: str, plan, system: str, prompts, rate: 
             "b_later_turns_cached_share": fields["later_turns_cached_share"],
             "b_ttft_ms_later_turns_p50": fields["ttft_ms_later_turns_p50"],
             "b_ttft_ms_later_turns_p99": fields["ttft_ms_later_turns_p99"],
-            "b_ttft_ms_first_turn_p50": fields["ttft_ms_first_turn_p50"],
+            "b_ttft_ms_first_turn_p50": fields["ttft_ms_first_turn_p50"], **serving_fields("b_", summary),
             "a_rate_per_s": rounded(rate, 3) if prompts else 0.0,
             "a_max_send_s": rounded(args.flood_max_s, 1) if prompts else None, **a,
             "b_tokens_lost_to_a": b_lost, "errors": summary["errors"], **_engine_fields(stats),
@@ -243,13 +260,23 @@ def _engine_fields(stats: dict) -> dict:
             "engine_step_ms_mean": rounded(step_ms / steps, 1) if steps else None}
 
 
+# The serving figures the summary compares: B beside A's flood with quotas over B alone, and A with
+# quotas over A without.
+SERVING_RATIOS = ("tpot_ms_p50", "itl_ms_p99", "e2e_ms_p50", "output_tokens_per_s")
+
+
 def compare(alone: dict, no_quotas: dict, quotas: dict) -> dict:
     """The summary line: ratios to B alone and issue 44's goals, met or not."""
     def ratio(row: dict, key: str) -> float | None:
         return rounded(row[key] / alone[key], 3) if row.get(key) is not None and alone.get(key) else None
 
     share_q, ttft_q = ratio(quotas, "b_later_turns_cached_share"), ratio(quotas, "b_ttft_ms_later_turns_p50")
+
+    def a_ratio(key: str) -> float | None:   # A with quotas over A without (the fair share's cost to A)
+        return rounded(quotas[key] / no_quotas[key], 3) if quotas.get(key) and no_quotas.get(key) else None
     return {"bench": "tenants", "arm": "summary",
+            **{f"b_{key}_vs_alone_quotas": ratio(quotas, f"b_{key}") for key in SERVING_RATIOS},
+            **{f"a_{key}_quotas_vs_no_quotas": a_ratio(f"a_{key}") for key in SERVING_RATIOS},
             "cached_share_vs_alone_quotas": share_q,
             "cached_share_vs_alone_no_quotas": ratio(no_quotas, "b_later_turns_cached_share"),
             "ttft_p50_vs_alone_quotas": ttft_q,
@@ -321,7 +348,8 @@ def over_runs(summaries: list[dict]) -> dict:
     """The runs' summary lines as one: the median of each ratio and its spread (min, max)."""
     row: dict = {"bench": "tenants", "arm": "runs", "runs": len(summaries)}
     for key in ("cached_share_vs_alone_quotas", "ttft_p50_vs_alone_quotas", "cached_share_vs_alone_no_quotas",
-                "ttft_p50_vs_alone_no_quotas"):
+                "ttft_p50_vs_alone_no_quotas", *(f"b_{k}_vs_alone_quotas" for k in SERVING_RATIOS),
+                *(f"a_{k}_quotas_vs_no_quotas" for k in SERVING_RATIOS)):
         values = [s[key] for s in summaries if s.get(key) is not None]
         row[f"{key}_median"] = rounded(statistics.median(values), 3) if values else None
         row[f"{key}_spread"] = [min(values), max(values)] if values else None

@@ -6,6 +6,7 @@ import asyncio
 import pytest
 
 from lab.bench import tenants as bench_tenants
+from lab.load.chat_workload import Turn
 
 
 def args(**kw):
@@ -37,11 +38,30 @@ def test_summary_ratios_and_goals():
     off = {"b_later_turns_cached_share": 0.19, "b_ttft_ms_later_turns_p50": 400.0, "a_served": 9, "a_failed": 0}
     on = {"b_later_turns_cached_share": 0.9025, "b_ttft_ms_later_turns_p50": 150.0, "a_served": 9, "a_failed": 0}
     got = bench_tenants.compare(alone, off, on)
+    none = {**{f"b_{k}_vs_alone_quotas": None for k in bench_tenants.SERVING_RATIOS},
+            **{f"a_{k}_quotas_vs_no_quotas": None for k in bench_tenants.SERVING_RATIOS}}
     assert got == {"bench": "tenants", "arm": "summary", "cached_share_vs_alone_quotas": 0.95,
                    "cached_share_vs_alone_no_quotas": 0.2, "ttft_p50_vs_alone_quotas": 1.5,
                    "ttft_p50_vs_alone_no_quotas": 4.0, "goal_cached_share_met": True,
-                   "goal_ttft_p50_met": True, "goal_a_served_met": True}
+                   "goal_ttft_p50_met": True, "goal_a_served_met": True, **none}
     assert not bench_tenants.compare(alone, off, {**on, "a_failed": 1})["goal_a_served_met"]
+
+
+def test_summary_carries_both_tenants_serving_figures():
+    alone = {"b_later_turns_cached_share": 1.0, "b_ttft_ms_later_turns_p50": 60.0, "b_tpot_ms_p50": 40.0,
+             "b_itl_ms_p99": 80.0, "b_e2e_ms_p50": 1000.0, "b_output_tokens_per_s": 10.0}
+    off = {**alone, "a_served": 3, "a_failed": 0, "a_tpot_ms_p50": 50.0, "a_itl_ms_p99": 100.0,
+           "a_e2e_ms_p50": 2000.0, "a_output_tokens_per_s": 4.0}
+    on = {**off, "b_tpot_ms_p50": 50.0, "b_itl_ms_p99": 120.0, "b_e2e_ms_p50": 1250.0, "b_output_tokens_per_s": 9.0,
+          "a_tpot_ms_p50": 60.0, "a_e2e_ms_p50": 3000.0, "a_output_tokens_per_s": 3.0, "a_itl_ms_p99": None}
+    got = bench_tenants.compare(alone, off, on)
+    assert [got[f"b_{k}_vs_alone_quotas"] for k in bench_tenants.SERVING_RATIOS] == [1.25, 1.5, 1.25, 0.9]
+    assert [got[f"a_{k}_quotas_vs_no_quotas"] for k in bench_tenants.SERVING_RATIOS] == [1.2, None, 1.5, 0.75]
+    runs = bench_tenants.over_runs([{**got, "b_failed": 0}, {**got, "b_tpot_ms_p50_vs_alone_quotas": 2.0,
+                                                            "b_failed": 0}])
+    assert runs["b_tpot_ms_p50_vs_alone_quotas_median"] == 1.625
+    assert runs["b_tpot_ms_p50_vs_alone_quotas_spread"] == [1.25, 2.0]
+    assert runs["a_itl_ms_p99_quotas_vs_no_quotas_median"] is None
 
 
 def test_tenant_counters_sum_over_replicas():
@@ -56,7 +76,9 @@ def test_the_flood_sends_at_its_rate_until_stopped_and_counts_what_was_served(mo
 
     async def fake_turn(http, model, messages, i, t, max_tokens, headers=None):
         sent.append(messages[0]["content"])
-        return type("T", (), {"ok": i != 1})(), ""
+        if i == 1:
+            return Turn(i, 0, False, error="HTTP 503"), ""
+        return Turn(i, 0, True, ttft_s=0.1, e2e_s=0.4, completion_tokens=4, itl_s=[0.1, 0.1, 0.1]), ""
 
     monkeypatch.setattr(bench_tenants, "ask_turn", fake_turn)
 
@@ -71,6 +93,8 @@ def test_the_flood_sends_at_its_rate_until_stopped_and_counts_what_was_served(mo
     got = asyncio.run(go())
     assert got["a_sent"] == len(sent) and got["a_failed"] == 1 and got["a_served"] == len(sent) - 1
     assert sent[:3] == ["Request 0. doc", "Request 1. doc", "Request 2. doc"]   # distinct from the first token
+    assert (got["a_ttft_ms_p50"], got["a_tpot_ms_p50"], got["a_e2e_ms_p50"]) == (100.0, 100.0, 400.0)
+    assert set(got) == {"a_sent", "a_served", "a_failed", *("a_" + k for k in bench_tenants.SERVING_FIELDS)}
 
 
 def test_b_later_turns_wait_in_engine_steps_median_max_and_detail():

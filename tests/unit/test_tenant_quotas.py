@@ -144,6 +144,23 @@ def test_warm_keeps_the_guarantee_when_a_demotion_needs_room_and_the_last_tier_d
     assert stats["B"]["evictions_suffered"]["warm"] == 0
 
 
+def test_a_node_longer_than_its_tenants_warm_cap_moves_down_in_a_part_that_fits_it(tmp_path):
+    """A's WARM cap is 8 tokens; its 16-token sequence must leave HOT: the leaf-ward 8 go down
+    (cut on a block boundary), the head stays. It used to be dropped whole, cap or not."""
+    cache = make({"default": {"warm": {"cap": 0.25}}}, hot=8, warm=8, cold=8, disk_dir=str(tmp_path))
+    long = [5] * 16
+    lease = cache.admit(long, "A", compute_last=False)
+    lease.extend(16)
+    lease.commit(long)
+    lease.release()
+    put(cache, 1, "A"), put(cache, 2, "A"), put(cache, 3, "A")   # 40 tokens of A for a HOT of 32
+    cache.wait_all()
+    cache.poll()
+    assert cache.tree.peek(long, "A")[1][:3] == [8, 8, 0]
+    assert [where(cache, i, "A") for i in (1, 2, 3)] == ["hot"] * 3
+    assert (cache.stats["demotion_splits"], cache.stats["dropped_tokens"]) == (1, 0)
+
+
 def test_nothing_evictable_under_the_rules_means_no_room():
     cache = make({"tenants": {"B": {"hot": {"guarantee": 0.5}}, "C": {"hot": {"guarantee": 0.5}}}})
     put(cache, 1, "B"), put(cache, 2, "B"), put(cache, 20, "C"), put(cache, 21, "C")
