@@ -324,7 +324,8 @@ class Scheduler:
             head, [r for r in self.policy.slice_candidates(head, self.running)
                    if self.cache.may_preempt(head.namespace, r.namespace)],
             self.clock(), slice_s, self.prefill_s_per_token,
-            hot.free_blocks * hot.block_tokens, self.policy.slice_victim(self.running))
+            hot.free_blocks * hot.block_tokens, self.policy.slice_victim(self.running),
+            not self.policy.preempts_across_tenants)   # the fair share's slices need not cover (preemption.py)
         if victim is not None:
             self.preempt(victim, at=self.waiting.index(head) + 1)
             victim.yielded_to = head

@@ -360,6 +360,11 @@ def our_stats(stats: dict, wall_s: float | None) -> dict:
     infos = [w.get("worker", {}) for w in workers]
     row: dict = {}
     row["preemptions"] = sum(e.get("preemptions", 0) for e in engines)
+    # Of them, time slices (the rest: a running request's next chunk or token found no HOT room),
+    # and the engine's waits by cause: why requests queued while the engine had room to run.
+    for key in ("time_slice_preemptions", "waits_for_room", "waits_for_promotion", "waits_for_promotion_room",
+                "promotions_inline"):
+        row[key] = sum(e.get(key, 0) for e in engines)
     row["promoted_tokens"] = sum(c.get("promoted_tokens", 0) for c in caches)
     row["recomputed_tokens"] = sum(e.get("recomputed_tokens", 0) for e in engines)
     row["recomputed_held_tokens"] = sum(e.get("recomputed_held_tokens", 0) for e in engines)

@@ -52,7 +52,7 @@ def test_no_slice_for_a_request_behind_decodes_that_end_soon():
     step) would keep the victim out longer than that: gain 3 s < cost 9 s + its swap."""
     victim = decoding(prompt=20, max_tokens=12, produced=9)             # 3 steps left, 28 tokens of KV
     head = waiting(prompt=40, max_tokens=8)
-    costs = slice_costs(head, victim, [victim], rates(), free_tokens=0)
+    costs = slice_costs(head, victim, [victim], rates(), free_tokens=12)
     assert costs == SliceCosts(gain_s=3.0, swap_s=2 * 28 * 0.0625, promote_s=0.0, victim_wait_s=1.0 + 8.0)
     assert not costs.worth
 
@@ -62,10 +62,10 @@ def test_a_slice_for_a_short_request_behind_a_long_decode_when_the_copies_are_ch
     same slice at a copy rate of 1 s a token (56 s of swap) is refused."""
     victim = decoding(prompt=20, max_tokens=60, produced=9)
     head = waiting(prompt=40, max_tokens=4, found=(0, 32, 0))           # 32 in WARM, 8 to compute
-    costs = slice_costs(head, victim, [victim], rates(), free_tokens=0)
+    costs = slice_costs(head, victim, [victim], rates(), free_tokens=12)
     assert costs == SliceCosts(gain_s=51.0, swap_s=3.5, promote_s=32 * 0.0625, victim_wait_s=1.0 + 4.0)
     assert costs.worth
-    slow = slice_costs(head, victim, [victim], rates(warm=1.0), free_tokens=0)
+    slow = slice_costs(head, victim, [victim], rates(warm=1.0), free_tokens=12)
     assert (slow.swap_s, slow.promote_s, slow.cost_s, slow.worth) == (56.0, 32.0, 93.0, False)
 
 
@@ -78,9 +78,26 @@ def test_the_wait_ends_at_the_first_decode_that_frees_the_room_needed():
     big = waiting(prompt=38, max_tokens=1)
     r = rates(warm=None, prefill=0.25)
     assert slice_costs(small, long_, [long_, short], r, free_tokens=0).gain_s == 2.0
-    costs = slice_costs(big, long_, [long_, short], r, free_tokens=8)
+    costs = slice_costs(big, long_, [long_, short], r, free_tokens=9)
     assert costs == SliceCosts(gain_s=40.0, swap_s=2 * 28 * 0.25, promote_s=0.0, victim_wait_s=38 * 0.25 + 1.0)
     assert costs.worth
+
+
+def test_no_slice_whose_room_leaves_the_waiting_request_short():
+    """The victim's 29 tokens and 8 free are 37 of the 38 the waiting request needs: it would
+    still wait after the slice (and a second decode would yield for it too), so no slice,
+    however large the gain; with 9 free it is exactly enough."""
+    short, long_ = decoding(prompt=10, max_tokens=4, produced=2), decoding(prompt=20, max_tokens=49, produced=9)
+    big = waiting(prompt=38, max_tokens=1)
+    r = rates(warm=None, prefill=0.25)
+    short_of = slice_costs(big, long_, [long_, short], r, free_tokens=8)
+    assert (short_of.gain_s, short_of.covers, short_of.worth) == (40.0, False, False)
+    assert slice_costs(big, long_, [long_, short], r, free_tokens=9).covers
+    slicer = slicer_with_steps([1.0] * SLICE_MIN_STEPS, warm=None)
+    longest = lambda candidates: max(candidates, key=lambda c: c.num_computed_tokens)   # noqa: E731
+    assert slicer.victim(big, [long_, short], 50.0, 0.5, 0.25, 8, longest) is None
+    # The fair share's slices across tenants need not cover: the gain still beats the cost.
+    assert slicer.victim(big, [long_, short], 50.0, 0.5, 0.25, 8, longest, covering=False) is long_
 
 
 # ------------------------------------------------------------------ when a slice may fire
@@ -91,12 +108,12 @@ def test_a_slice_never_fires_before_the_measured_steps():
     victim = decoding(prompt=20, max_tokens=60, produced=9, since=0.0)
     young = slicer_with_steps([1.0] * (SLICE_MIN_STEPS - 1))
     assert young.slice_s(0.5) is None
-    assert young.victim(head, [victim], 100.0, 0.5, None, 0) is None
+    assert young.victim(head, [victim], 100.0, 0.5, None, 12) is None
     assert young.stats["time_slice_declined"] == 0   # no decision was made
     grown = slicer_with_steps([1.0] * SLICE_MIN_STEPS)
     assert grown.slice_s(0.5) == 8.0 and grown.slice_s(12.0) == 12.0
     assert grown.candidates([victim], 7.9, 0.5) == [] and grown.candidates([victim], 8.0, 0.5) == [victim]
-    assert grown.victim(head, [victim], 8.0, 0.5, None, 0) is victim
+    assert grown.victim(head, [victim], 8.0, 0.5, None, 12) is victim   # 12 free and its 29: the 40 needed
 
 
 def test_a_stream_preempted_once_is_never_a_slice_victim():
@@ -107,7 +124,7 @@ def test_a_stream_preempted_once_is_never_a_slice_victim():
     fresh = decoding(prompt=24, max_tokens=60, produced=9)
     assert slicer.candidates([once], 50.0, 0.5) == []
     assert slicer.candidates([fresh, once], 50.0, 0.5) == [fresh]
-    assert slicer.victim(waiting(prompt=40, max_tokens=4), [fresh, once], 50.0, 0.5, None, 0) is fresh
+    assert slicer.victim(waiting(prompt=40, max_tokens=4), [fresh, once], 50.0, 0.5, None, 12) is fresh
 
 
 def test_one_outlier_step_does_not_flip_the_decision():
@@ -121,10 +138,10 @@ def test_one_outlier_step_does_not_flip_the_decision():
     spiked = slicer_with_steps([1.0] * 15 + [50.0], warm=warm)
     assert spiked.steps.median() == 1.0
     for slicer in (steady, spiked):
-        assert slicer.victim(head, [victim], 20.0, 0.5, None, 0) is None
+        assert slicer.victim(head, [victim], 20.0, 0.5, None, 12) is None
         assert slicer.stats["time_slice_declined"] == 1
     ewma = 1.0 * 0.8 + 50.0 * 0.2
-    assert slice_costs(head, victim, [victim], rates(step_s=ewma, warm=warm), 0).worth
+    assert slice_costs(head, victim, [victim], rates(step_s=ewma, warm=warm), 12).worth
 
 
 def test_a_refused_slice_is_counted_once_per_waiting_request():
@@ -132,7 +149,7 @@ def test_a_refused_slice_is_counted_once_per_waiting_request():
     victim = decoding(prompt=20, max_tokens=12, produced=9)
     first, second = waiting(prompt=40, max_tokens=8), waiting(prompt=40, max_tokens=8)
     for head in (first, first, first, second):
-        assert slicer.victim(head, [victim], 20.0, 0.5, None, 0) is None
+        assert slicer.victim(head, [victim], 20.0, 0.5, None, 12) is None
     assert slicer.stats["time_slice_declined"] == 2
 
 
