@@ -359,6 +359,11 @@ def our_stats(stats: dict, wall_s: float | None) -> dict:
     caches = [w.get("cache", {}) for w in workers]
     infos = [w.get("worker", {}) for w in workers]
     row: dict = {}
+    # Each tier's capacity as the replicas built it (with kv_memory_mb the server splits the bytes: the
+    # row's hot_tokens and warm_tokens are then these, not the flags' defaults).
+    tiers = [w.get("tiers") or {} for w in workers]
+    row["tier_capacity_tokens"] = {name: sum((t.get(name) or {}).get("capacity_tokens", 0) for t in tiers)
+                                   for name in ("hot", "warm", "cold")} if any(tiers) else None
     row["preemptions"] = sum(e.get("preemptions", 0) for e in engines)
     # Of them, time slices (the rest: a running request's next chunk or token found no HOT room),
     # and the engine's waits by cause: why requests queued while the engine had room to run.
@@ -426,9 +431,14 @@ def run_ours(args, model_id: str, drive, hot_tokens: int) -> dict:
                                           for w in (stats.get("workers") or {}).values())
         row["preemptions_per_stream"] = preemptions_per_stream(row)
         memory = {"kv_memory_mb": args.memory_mb} if getattr(args, "memory_mb", None) else {}
+        built = row.get("tier_capacity_tokens") or {}
+        if memory and built:   # what the server's split made, not the flags' values
+            hot_tokens, args_warm = built["hot"], built["warm"]
+        else:
+            args_warm = args.warm_tokens * args.replicas
         return {"impl": "prefix-cache", "workload": row.pop("workload"), "replicas": args.replicas, **memory,
                 "torch_threads": args.torch_threads, "replica_calls": args.replica_calls, "l3": l3,
-                "hot_tokens": hot_tokens, "warm_tokens": args.warm_tokens * args.replicas,
+                "hot_tokens": hot_tokens, "warm_tokens": args_warm,
                 "max_batch_tokens": max_batch_tokens, "max_running": max_running,
                 "worker_overrides": worker_overrides(getattr(args, "worker", None) or []), **row}
     finally:

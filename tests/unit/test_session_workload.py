@@ -302,6 +302,14 @@ def test_our_row_reads_the_replicas_stats() -> None:
     for w in stats["workers"].values():
         del w["worker"]["decode_kernel"]
     assert bench_serving.our_stats(stats, 2.0)["compiled_kernels"] is None
+    assert row["tier_capacity_tokens"] is None   # replicas that report no tiers
+    for i, w in enumerate(stats["workers"].values()):   # the split kv_memory_mb made, summed over the replicas
+        w["tiers"] = {"hot": {"capacity_tokens": 7168}, "warm": {"capacity_tokens": 1024 * (i + 1)},
+                      "cold": {"capacity_tokens": 0}}
+    assert bench_serving.our_stats(stats, 2.0)["tier_capacity_tokens"] == {"hot": 14336, "warm": 3072, "cold": 0}
+    t0 = next(iter(stats["workers"].values()))["tiers"]
+    del t0["cold"]
+    assert bench_serving.our_stats(stats, 2.0)["tier_capacity_tokens"]["cold"] == 0
 
 
 def test_our_arm_runs_without_l3_unless_asked_and_says_which(monkeypatch) -> None:
