@@ -30,7 +30,8 @@ resumes exactly):
      Not under the fair share, whose slices go across tenants (a quiet
      tenant's request takes the room of a flood's short decodes, one a step:
      with the rule, ``bench tenants``' quiet tenant waited for room in 5 of 20
-     later turns, its TTFT 1.59x and 1.80x alone, against 1 of 30 and 1.45x);
+     later turns against 1 of 30 without it; its TTFT, 1.80x and 1.59x alone
+     in those two runs, moves between 1.19x and 2.02x from run to run anyway);
   4. the measured gain exceeds the measured cost (``slice_costs``):
 
      - gain: the waiting request's wait avoided: running requests end in order
