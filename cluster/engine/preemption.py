@@ -223,7 +223,7 @@ class TimeSlicer:
             return None
         victim = pick(candidates) if pick else min(candidates, key=lambda r: r.num_computed_tokens)
         costs = slice_costs(head, victim, running, self.rates(prefill_s_per_token), free_tokens)
-        if costs.worth or (not covering and costs.gain_s > costs.cost_s):
+        if costs.worth if covering else costs.gain_s > costs.cost_s:
             return victim
         if self.declined_for is not head:
             self.declined_for = head

@@ -431,14 +431,12 @@ def run_ours(args, model_id: str, drive, hot_tokens: int) -> dict:
                                           for w in (stats.get("workers") or {}).values())
         row["preemptions_per_stream"] = preemptions_per_stream(row)
         memory = {"kv_memory_mb": args.memory_mb} if getattr(args, "memory_mb", None) else {}
-        built = row.get("tier_capacity_tokens") or {}
-        if memory and built:   # what the server's split made, not the flags' values
-            hot_tokens, args_warm = built["hot"], built["warm"]
-        else:
-            args_warm = args.warm_tokens * args.replicas
+        built = row.get("tier_capacity_tokens")   # with kv_memory_mb: the server's split, not the flags' values
+        hot, warm = (built["hot"], built["warm"]) if memory and built else \
+            (hot_tokens, args.warm_tokens * args.replicas)
         return {"impl": "prefix-cache", "workload": row.pop("workload"), "replicas": args.replicas, **memory,
                 "torch_threads": args.torch_threads, "replica_calls": args.replica_calls, "l3": l3,
-                "hot_tokens": hot_tokens, "warm_tokens": args_warm,
+                "hot_tokens": hot, "warm_tokens": warm,
                 "max_batch_tokens": max_batch_tokens, "max_running": max_running,
                 "worker_overrides": worker_overrides(getattr(args, "worker", None) or []), **row}
     finally:

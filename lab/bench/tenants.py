@@ -266,17 +266,14 @@ SERVING_RATIOS = ("tpot_ms_p50", "itl_ms_p99", "e2e_ms_p50", "output_tokens_per_
 
 
 def compare(alone: dict, no_quotas: dict, quotas: dict) -> dict:
-    """The summary line: ratios to B alone and issue 44's goals, met or not."""
-    def ratio(row: dict, key: str) -> float | None:
-        return rounded(row[key] / alone[key], 3) if row.get(key) is not None and alone.get(key) else None
+    """The summary line: ratios to B alone (A's: with quotas over without) and the goals, met or not."""
+    def ratio(row: dict, key: str, base: dict = alone) -> float | None:
+        return rounded(row[key] / base[key], 3) if row.get(key) is not None and base.get(key) else None
 
     share_q, ttft_q = ratio(quotas, "b_later_turns_cached_share"), ratio(quotas, "b_ttft_ms_later_turns_p50")
-
-    def a_ratio(key: str) -> float | None:   # A with quotas over A without (the fair share's cost to A)
-        return rounded(quotas[key] / no_quotas[key], 3) if quotas.get(key) and no_quotas.get(key) else None
     return {"bench": "tenants", "arm": "summary",
             **{f"b_{key}_vs_alone_quotas": ratio(quotas, f"b_{key}") for key in SERVING_RATIOS},
-            **{f"a_{key}_quotas_vs_no_quotas": a_ratio(f"a_{key}") for key in SERVING_RATIOS},
+            **{f"a_{key}_quotas_vs_no_quotas": ratio(quotas, f"a_{key}", no_quotas) for key in SERVING_RATIOS},
             "cached_share_vs_alone_quotas": share_q,
             "cached_share_vs_alone_no_quotas": ratio(no_quotas, "b_later_turns_cached_share"),
             "ttft_p50_vs_alone_quotas": ttft_q,
