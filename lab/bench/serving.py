@@ -4,7 +4,7 @@
         [--max-tokens N] [--think-s S] [--doc-tokens 1300] [--arrival-s 4] [--long-pause-share 0.25]
         [--long-pause-s 20] [--no-session-header] [--hot-tokens N] [--warm-tokens 65536] [--l3]
         [--arms prefix-cache,vllm-same-hot,vllm-all-memory] [--pairs N]
-        [--peer vllm --peer-python /opt/vllm-venv/bin/python]
+        [--peer vllm --peer-python /opt/vllm-venv/bin/python] [--turns-out PATH]
     prefix-cache bench serving --memory-mb M --working-set 0.5,1,2,4 [--workload sessions|shared-prefix]
         [--prefix-tokens 1024] [--prefixes N] [--requests 48] --peer vllm --peer-python PATH
 
@@ -84,6 +84,11 @@ linears, ``PREFIX_CACHE_MKL_PACKED=1``) and ``ttft_parts_ms_first_turn_p50`` /
 ``ttft_parts_ms_later_turns_p50`` (the median of each part of the time to first token,
 from the app's per-request ``prefix_cache.timing_ms``: ``serve_app.timing``).
 
+``--turns-out PATH`` appends every request of every arm to ``PATH``, one JSON line each with its
+arm (``impl``), ``pair`` and working set: when it was sent, its TTFT, e2e and longest gap, its
+cached tokens by tier, and this app's TTFT parts and wait in engine steps
+(``lab.load.chat_workload.turn_records``): where each request's time went, not only the medians.
+
 A ``summary`` row compares our arm with the vLLM arms that ran. Sessions workload:
 ``throughput_vs_same_hot`` / ``throughput_vs_all_memory`` (output tokens/s, ours over
 theirs), ``ttft_ms_later_turns_p50_vs_*`` and ``ttft_ms_later_turns_p99_vs_*``, and the
@@ -104,6 +109,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import re
 import sys
 from pathlib import Path
@@ -121,11 +127,12 @@ from lab.bench import vllm_peer
 from lab.bench.serving_summary import (  # noqa: F401  (names kept from before the split)
     DROP_REASONS_WITHOUT_ROOM, RATIO_SUFFIXES, _at_least, _at_most, _compare, _over_pairs, compare_sessions, dropped_for_other_reasons)
 from lab.bench.vllm_peer import vllm_kv_tokens  # noqa: F401  (the peer's KV per arm, as before the split)
-from lab.load.chat_workload import run_workload, system_prompt
+from lab.load.chat_workload import run_workload, system_prompt, turn_records
 from lab.load.session_workload import plan_sessions, run_sessions, session_fields
 
 
 WORKLOADS = ("sessions", "burst", "shared-prefix")
+TURNS = "_turns"   # a drive's row: the run's requests (``--turns-out``), taken off before the row is printed
 # The flags both workloads share, where their defaults differ (None: see each flag's help).
 WORKLOAD_DEFAULTS = {
     "sessions": {"sessions": 12, "turns": 4, "system_tokens": 80, "max_tokens": 96, "think_s": 3.0,
@@ -206,6 +213,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker", action="append", default=[], metavar="KEY=VALUE",
                    help="a setting of this app's worker config for our arm (repeatable; VALUE as JSON), e.g. "
                         "shared_fills=false, gather_max_ms=0; the row's worker_overrides says which")
+    p.add_argument("--turns-out", default=None, metavar="PATH",
+                   help="append every request of every arm to PATH as JSON lines (lab.load.chat_workload."
+                        "turn_records: when it was sent, TTFT, e2e, longest gap, cached tokens by tier, "
+                        "this app's TTFT parts and wait in engine steps), each with its arm, pair and R")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--memory-mb", type=float, default=None,
@@ -259,7 +270,7 @@ def _driver(args, tokenizer, system: str):
         def drive(base: str, model: str) -> dict:
             result = asyncio.run(run_workload(base, model, sessions=args.sessions, turns=args.turns, system=system,
                                               max_tokens=args.max_tokens, think_s=args.think_s, seed=args.seed))
-            return {"workload": "burst", **result.summary(), **session_fields(result.turns)}
+            return {"workload": "burst", **result.summary(), **session_fields(result.turns), TURNS: result.turns}
         return drive
 
     if args.workload == "shared-prefix":
@@ -275,7 +286,7 @@ def _driver(args, tokenizer, system: str):
 
     def drive(base: str, model: str) -> dict:
         result = asyncio.run(run_sessions(base, model, plan, system=system, session_header=header))
-        return {"workload": args.workload, "session_header": header, **result.summary()}
+        return {"workload": args.workload, "session_header": header, **result.summary(), TURNS: result.turns}
     return drive
 
 
@@ -523,6 +534,14 @@ def parse_working_sets(text: str) -> list[float]:
     return values
 
 
+def write_turns(path: str | None, turns: list, tags: dict) -> None:
+    """``--turns-out``: append each request of one arm's run to ``path``, with ``tags``."""
+    if path:
+        with open(path, "a") as out:
+            for record in turn_records(turns):
+                out.write(json.dumps({**tags, **record}) + "\n")
+
+
 def _run_pairs(args, base: list[str], drive, model_id: str, model_dir, hot_tokens: int, sizes: dict) -> None:
     """Every pair of the arms in ``base`` on one workload, their rows and summaries (``sizes``:
     the equal-memory fields every row carries, empty without --memory-mb)."""
@@ -536,6 +555,7 @@ def _run_pairs(args, base: list[str], drive, model_id: str, model_dir, hot_token
         rows, pair = {}, ({"pair": i + 1} if args.pairs > 1 else {})
         for arm in arm_order(base, i):
             rows[arm] = runners[arm]()
+            write_turns(args.turns_out, rows[arm].pop(TURNS, []), {"impl": arm, **pair, **sizes})
             emit({"bench": "serving", **pair, **sizes, **rows[arm]})
         ours = rows.get("prefix-cache")
         if ours is None or len(rows) < 2:

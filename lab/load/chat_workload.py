@@ -72,6 +72,27 @@ class Turn:
     timing_steps: dict = field(default_factory=dict)     # this app's wait in engine steps (serve_app.timing)
 
 
+def turn_records(turns: list[Turn]) -> list[dict]:
+    """Each request of a run as one JSON-ready record, in the order they were sent: its
+    session and turn, ``sent_s`` (seconds after the run's first request), TTFT, e2e and its
+    longest gap between streamed pieces (ms), its tokens, the cached ones by tier, and this
+    app's TTFT parts (``timing_ms``) and wait in engine steps (``timing_steps``; empty for a
+    server that reports neither). Where a request's time went, one by one
+    (``bench serving --turns-out``)."""
+    t0 = min((t.started_at for t in turns), default=0.0)
+
+    def ms(seconds: float | None) -> float | None:
+        return None if seconds is None else round(seconds * 1e3, 1)
+
+    return [{"session": t.session, "turn": t.turn, "ok": t.ok, "sent_s": round(t.started_at - t0, 3),
+             "ttft_ms": ms(t.ttft_s), "e2e_ms": ms(t.e2e_s), "itl_ms_max": ms(max(t.itl_s, default=None)),
+             "prompt_tokens": t.prompt_tokens, "completion_tokens": t.completion_tokens,
+             "cached_tokens": t.cached_tokens, "cached_tokens_by_tier": t.cached_by_tier,
+             "after_long_pause": t.after_long_pause, "timing_ms": t.timing_ms, "timing_steps": t.timing_steps,
+             "error": t.error}
+            for t in sorted(turns, key=lambda t: t.started_at)]
+
+
 @dataclass
 class WorkloadResult:
     turns: list[Turn] = field(default_factory=list)

@@ -15,7 +15,7 @@ import statistics
 import pytest
 
 from lab.bench import serving as bench_serving
-from lab.load.chat_workload import Turn
+from lab.load.chat_workload import Turn, turn_records
 from lab.load.session_workload import (
     SESSION_HEADER,
     PlannedSession,
@@ -440,3 +440,52 @@ def test_worker_overrides_set_our_arms_worker_config_and_bad_ones_are_named() ->
     assert (worker["shared_fills"], worker["time_slice_s"], worker["eviction_policy"]) == (False, 0.25, "lfu")
     with pytest.raises(ValueError, match="--worker takes KEY=VALUE, got 'riders'"):
         bench_serving.worker_overrides(["riders"])
+
+
+def test_turn_records_say_when_each_request_was_sent_and_where_its_time_went() -> None:
+    late = Turn(3, 1, True, ttft_s=0.25, e2e_s=1.5, prompt_tokens=1480, completion_tokens=30, cached_tokens=1460,
+                started_at=107.5, cached_by_tier={"hot": 98, "cold": 1362}, timing_ms={"replica_queue": 180.0},
+                itl_s=[0.04, 0.3, 0.05], timing_steps={"steps_waited": 4, "unreached": 2})
+    first = Turn(3, 0, True, ttft_s=1.0, e2e_s=2.0, prompt_tokens=1400, completion_tokens=20, started_at=100.0)
+    failed = Turn(5, 0, False, error="HTTP 503: busy", started_at=101.25)
+    records = turn_records([late, first, failed])
+    assert [(r["session"], r["turn"], r["sent_s"]) for r in records] == [(3, 0, 0.0), (5, 0, 1.25), (3, 1, 7.5)]
+    assert records[2] == {"session": 3, "turn": 1, "ok": True, "sent_s": 7.5, "ttft_ms": 250.0, "e2e_ms": 1500.0,
+                          "itl_ms_max": 300.0, "prompt_tokens": 1480, "completion_tokens": 30, "cached_tokens": 1460,
+                          "cached_tokens_by_tier": {"hot": 98, "cold": 1362}, "after_long_pause": False,
+                          "timing_ms": {"replica_queue": 180.0}, "timing_steps": {"steps_waited": 4, "unreached": 2},
+                          "error": None}
+    assert (records[1]["ok"], records[1]["ttft_ms"], records[1]["itl_ms_max"], records[1]["error"]) == \
+        (False, None, None, "HTTP 503: busy")
+    assert records[0]["itl_ms_max"] is None   # one streamed piece: no gap
+
+
+def test_turns_out_appends_each_arms_requests_tagged_and_keeps_them_out_of_the_rows(monkeypatch, capsys,
+                                                                                   tmp_path) -> None:
+    import cluster.engine.checkpoint as checkpoint
+    import serve_app.local as local
+
+    def ours(args, model, drive, hot_tokens):
+        return {**stand_in("prefix-cache", 60.0, 100.0, 900.0), bench_serving.TURNS: [
+            Turn(0, 0, True, ttft_s=0.5, e2e_s=1.0, started_at=10.0), Turn(0, 1, True, ttft_s=0.1, e2e_s=0.4,
+                                                                          started_at=12.0)]}
+
+    def vllm(args, model_dir, drive, hot_tokens, arm):
+        return {**stand_in(arm, 40.0, 500.0, 1000.0), bench_serving.TURNS: [
+            Turn(0, 0, True, ttft_s=0.7, e2e_s=1.2, started_at=50.0)]}
+
+    monkeypatch.setattr(bench_serving, "run_ours", ours)
+    monkeypatch.setattr(bench_serving, "run_vllm", vllm)
+    monkeypatch.setattr(local, "prepare_model", lambda spec: "model")
+    monkeypatch.setattr(checkpoint, "load_tokenizer", lambda spec: Words())
+    monkeypatch.setattr(checkpoint, "resolve_checkpoint", lambda spec: "/weights")
+    out = tmp_path / "turns.jsonl"
+    args = parser().parse_args(["--pairs", "2", "--peer", "vllm", "--peer-python", "/venv/bin/python",
+                                "--arms", "prefix-cache,vllm-same-hot", "--doc-tokens", "50", "--turns-out", str(out)])
+    assert bench_serving.run(args) == 0
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["impl"], r["pair"], r["turn"], r["sent_s"], r["ttft_ms"]) for r in records] == [
+        ("prefix-cache", 1, 0, 0.0, 500.0), ("prefix-cache", 1, 1, 2.0, 100.0), ("vllm-same-hot", 1, 0, 0.0, 700.0),
+        ("vllm-same-hot", 2, 0, 0.0, 700.0), ("prefix-cache", 2, 0, 0.0, 500.0), ("prefix-cache", 2, 1, 2.0, 100.0)]
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert rows and not any(bench_serving.TURNS in r for r in rows)
