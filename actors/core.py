@@ -80,6 +80,10 @@ class WorkerCore:
         ``peer_secret`` what every call on it must carry."""
         self.worker_id = worker_id
         self.config = config
+        # Set before the engine thread starts (its ticks read them): the peer channel, once
+        # open, and whether the directory has heard of this process (``_rates_changed``).
+        self.peer: PeerServer | None = None
+        self.registered = False
         # Seconds of each start-up part (a replacement's recovery waits for all of them).
         self.startup: dict[str, float | str] = {}
         mark = time.perf_counter()
@@ -123,11 +127,11 @@ class WorkerCore:
                                watchdog_s=config.watchdog_s, on_trip=self._tripped,
                                gather_s=(config.gather_quiet_ms / 1e3, config.gather_max_ms / 1e3))
         self.migration.on_engine = lambda fn: self.loop.call(fn).result()
-        self.peer = None
         if peer_host is not None:
             self.peer = PeerServer(worker_id, self, host=peer_host, secret=peer_secret)
         if directory is not None:
             self._register()
+            self.registered = True
             self.reporter.start_heartbeat(alive=self.loop.alive)
         part("loop_s")
 
@@ -338,11 +342,13 @@ class WorkerCore:
 
     def _rates_changed(self, cost: CostModel) -> None:
         """Engine thread: the refiner measured a rate that moved materially; it is in
-        force here now (the engine loop's and L3's reads) and at the directory."""
+        force here now (the engine loop's and L3's reads) and at the directory (from the
+        constructor's registration on: a rate measured while the worker starts, before it
+        has a peer channel or has registered, goes with that registration)."""
         self.cost = cost
         if self.l3 is not None:
             self.l3.set_rates(cost.l3_fetch_tokens_per_s or None, cost.prefill_tokens_per_s)
-        if self.directory is not None:
+        if self.directory is not None and self.registered:   # before that, the first registration carries it
             self._register(fresh=False)
 
     def _timed_part(self, name: str, fn, *args):

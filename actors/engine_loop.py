@@ -115,7 +115,7 @@ class EngineLoop:
         self.owner = ThreadOwner(f"engine-{name}")
         if checks_enabled():
             engine.owner = self.cache.owner = self.owner
-        self.stats = {"rejected_queue_full": 0, "engine_step_failures": 0, "gathers": 0}
+        self.stats = {"rejected_queue_full": 0, "engine_step_failures": 0, "tick_failures": 0, "gathers": 0}
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         # Open streams: written by the engine thread and by callers, read by the watchdog.
         # request id -> (caller's loop, its queue, engine-clock entry time, context)
@@ -175,7 +175,11 @@ class EngineLoop:
             self.load_report, self.signals = self._measure()
             self._progress_at = self.clock()
             if self._on_tick is not None and self.wedged is None:   # a tripped worker stays dropped
-                self._on_tick()
+                try:
+                    self._on_tick()
+                except Exception:   # never let the engine thread die: the reports go on next tick
+                    log.exception("engine tick failed on %s", self.name)
+                    self.stats["tick_failures"] += 1
 
     def _gather(self) -> None:
         """Work came to an idle engine: wait for what follows it closely, until ``gather_quiet_s``

@@ -194,7 +194,7 @@ class LoopbackCacheCluster:
             self.addresses[wid] = ray.get(ref, timeout=timeout_s)
             del self._starting[wid]
         while time.monotonic() < deadline:
-            if ray.get(self.directory.live_workers.remote()) == self.worker_ids:
+            if ray.get(self.directory.live_workers.remote(), timeout=30) == self.worker_ids:
                 return
             time.sleep(0.1)
         raise TimeoutError(f"workers {self.worker_ids} did not all register with the directory")

@@ -375,3 +375,46 @@ def test_a_migration_between_serve_style_workers_runs_over_their_peer_channel():
     finally:
         holder.close()
         target.close()
+
+
+def test_a_tick_that_fails_leaves_the_engine_thread_serving():
+    core = make("w-tick")
+    try:
+        calls, tick = [], core.refiner.tick
+
+        def failing_once():
+            calls.append(1)
+            if len(calls) == 1:
+                raise AttributeError("a start-up race")
+            tick()
+
+        core.refiner.tick = failing_once
+        prompt = list(range(40))
+        assert [i.token for i in run(core, prompt)] == greedy(prompt, 4)   # served after the failed tick
+        assert core.loop.stats["tick_failures"] == 1 and core.loop.alive()
+    finally:
+        core.close()
+
+
+def test_a_rate_measured_before_the_worker_registered_waits_for_its_registration():
+    class Directory:
+        def __init__(self):
+            self.calls = []
+
+        def register(self, worker_id, rates, peer_address, fresh):
+            self.calls.append((worker_id, peer_address, fresh))
+
+    core = make("w-rates")
+    try:
+        # A refiner's rate change on the engine thread while the constructor still runs: the
+        # directory is known, the peer channel not yet open, the worker not yet registered.
+        directory = Directory()
+        core.directory, core.registered = directory, False
+        core.loop.call(lambda: core._rates_changed(core.cost)).result(timeout=30)
+        assert directory.calls == []   # the constructor's registration carries the new rates
+        core.registered = True
+        core.loop.call(lambda: core._rates_changed(core.cost)).result(timeout=30)
+        assert directory.calls == [("w-rates", None, False)]
+    finally:
+        core.directory = None
+        core.close()
