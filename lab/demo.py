@@ -170,11 +170,11 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--arms takes router:cache pairs with cache tiered or drop, got {args.arms!r}")
     if args.l3_pool_mb < 0:
         raise ValueError(f"--l3-pool-mb must be >= 0 (0: no L3), got {args.l3_pool_mb}")
-    port = args.port or free_port()
     print("preparing the model (the first run converts the embedded GGUF once, ~30 s)...", flush=True)
     model = prepare_model(args.model)
     print("starting a local Ray cluster (head + 2 worker nodes on 127.0.0.1)...", flush=True)
     local = LocalCluster(worker_nodes=2, l3_pool_mb=args.l3_pool_mb)
+    port = args.port or free_port()   # once the cluster's processes hold their ports, not before
     try:
         print(f"deploying the app (3 cache replicas, {model}) on http://127.0.0.1:{port} ...", flush=True)
         worker = {**DEMO_WORKER, "hot_blocks": args.hot_blocks}

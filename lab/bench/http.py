@@ -285,10 +285,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("need 1 <= --suffix-tokens < --prompt-tokens")
     if args.ingress_replicas < 1 or args.concurrency < 1 or args.throughput_s < 0:
         raise ValueError("need --ingress-replicas >= 1, --concurrency >= 1 and --throughput-s >= 0")
-    port = args.port or free_port()
     args.model_id = prepare_model(args.model)
     prompt_ids, vocab = _prompt_ids(args.model, args.prompt_tokens, args.seed)
     local = LocalCluster(worker_nodes=2)
+    port = args.port or free_port()   # once the cluster's processes hold their ports
     try:
         worker = dict(DEMO_WORKER)
         if args.model is not None:

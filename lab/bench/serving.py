@@ -426,9 +426,9 @@ def run_ours(args, model_id: str, drive, hot_tokens: int) -> dict:
 
     worker = _worker_config(args, hot_tokens)
     max_batch_tokens, max_running = step_limits(args)
-    port = args.port or free_port()
     local = LocalCluster(worker_nodes=max(0, args.replicas - 1), cpus_per_node=2,
                          l3_pool_mb=1024 if args.l3 else 0)
+    port = args.port or free_port()   # once the cluster's processes hold their ports
     try:
         local.deploy({"num_replicas": args.replicas, "worker": worker, "admin_without_keys": True,
                       "replica_calls": args.replica_calls,

@@ -304,9 +304,9 @@ def run(args: argparse.Namespace) -> int:
     app = {"num_replicas": 1, "worker": worker, "api_keys": ",".join(f"{k}={t}" for k, t in KEYS.items()),
            "admin_keys": ADMIN_KEY, "limits": {"max_prompt_tokens": 8192, "max_tokens": 1024},
            "tenant_quotas": quotas}
-    port = args.port or free_port()
-    base = f"http://127.0.0.1:{port}"
     local = LocalCluster(worker_nodes=0, cpus_per_node=2, l3_pool_mb=0)
+    port = args.port or free_port()   # once the cluster's processes hold their ports
+    base = f"http://127.0.0.1:{port}"
     summaries, max_s = [], args.flood_max_s
     try:
         for _ in range(max(1, args.runs)):

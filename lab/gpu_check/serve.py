@@ -94,9 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     placements = record_placements()
     row: dict = {"model": model, "replicas": args.replicas}
     failed: list[str] = []
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
     local = LocalCluster(worker_nodes=1, cpus_per_node=4, l3_pool_mb=0)
+    port = free_port()   # once the cluster's processes hold their ports
+    base = f"http://127.0.0.1:{port}"
     try:
         local.deploy(app, port=port)
         row["placement"] = f"prefix-cache deploy: {placements[-1].reason}" if placements else None
