@@ -115,7 +115,8 @@ class EngineLoop:
         self.owner = ThreadOwner(f"engine-{name}")
         if checks_enabled():
             engine.owner = self.cache.owner = self.owner
-        self.stats = {"rejected_queue_full": 0, "engine_step_failures": 0, "tick_failures": 0, "gathers": 0}
+        self.stats = {"rejected_queue_full": 0, "engine_step_failures": 0, "tick_failures": 0, "idle_failures": 0,
+                      "gathers": 0}
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         # Open streams: written by the engine thread and by callers, read by the watchdog.
         # request id -> (caller's loop, its queue, engine-clock entry time, context)
@@ -163,7 +164,11 @@ class EngineLoop:
                     self._wake.clear()
             else:  # idle gap: housekeeping that must never delay a batch
                 if self._on_idle is not None:
-                    self._on_idle()
+                    try:
+                        self._on_idle()
+                    except Exception:   # never let the engine thread die: the next idle gap tries again
+                        log.exception("idle housekeeping failed on %s", self.name)
+                        self.stats["idle_failures"] += 1
                 # New work and commands set the event, so the wait costs them nothing;
                 # it only spaces the idle housekeeping, more widely the longer it idles.
                 if self._wake.wait(idle_wait):

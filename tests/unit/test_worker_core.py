@@ -396,6 +396,29 @@ def test_a_tick_that_fails_leaves_the_engine_thread_serving():
         core.close()
 
 
+def test_idle_housekeeping_that_fails_leaves_the_engine_thread_serving():
+    core = make("w-idle")
+    try:
+        calls, housekeeping = [], core.cache.housekeeping
+
+        def failing_once():
+            calls.append(1)
+            if len(calls) == 1:
+                raise RuntimeError("a housekeeping bug")
+            housekeeping()
+
+        core.cache.housekeeping = failing_once
+        core.loop.wake()   # an idle gap now: its housekeeping raises once
+        deadline = time.monotonic() + 30
+        while not calls and time.monotonic() < deadline:
+            time.sleep(0.01)
+        prompt = list(range(40))
+        assert [i.token for i in run(core, prompt)] == greedy(prompt, 4)
+        assert core.loop.stats["idle_failures"] == 1 and core.loop.alive()
+    finally:
+        core.close()
+
+
 def test_a_rate_measured_before_the_worker_registered_waits_for_its_registration():
     class Directory:
         def __init__(self):
