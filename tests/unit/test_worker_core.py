@@ -377,44 +377,33 @@ def test_a_migration_between_serve_style_workers_runs_over_their_peer_channel():
         target.close()
 
 
-def test_a_tick_that_fails_leaves_the_engine_thread_serving():
-    core = make("w-tick")
+def fails_once(fn, exc: Exception):
+    """``fn`` that raises ``exc`` on its first call, and the list of its calls."""
+    calls = []
+
+    def wrapped():
+        calls.append(1)
+        if len(calls) == 1:
+            raise exc
+        fn()
+    return wrapped, calls
+
+
+@pytest.mark.parametrize("hook, counter", [("tick", "tick_failures"), ("idle", "idle_failures")])
+def test_a_tick_or_idle_housekeeping_that_fails_leaves_the_engine_thread_serving(hook, counter):
+    core = make(f"w-{hook}")
     try:
-        calls, tick = [], core.refiner.tick
-
-        def failing_once():
-            calls.append(1)
-            if len(calls) == 1:
-                raise AttributeError("a start-up race")
-            tick()
-
-        core.refiner.tick = failing_once
-        prompt = list(range(40))
-        assert [i.token for i in run(core, prompt)] == greedy(prompt, 4)   # served after the failed tick
-        assert core.loop.stats["tick_failures"] == 1 and core.loop.alive()
-    finally:
-        core.close()
-
-
-def test_idle_housekeeping_that_fails_leaves_the_engine_thread_serving():
-    core = make("w-idle")
-    try:
-        calls, housekeeping = [], core.cache.housekeeping
-
-        def failing_once():
-            calls.append(1)
-            if len(calls) == 1:
-                raise RuntimeError("a housekeeping bug")
-            housekeeping()
-
-        core.cache.housekeeping = failing_once
-        core.loop.wake()   # an idle gap now: its housekeeping raises once
+        if hook == "tick":   # the rate refiner runs in every tick (the start-up race raised there)
+            core.refiner.tick, calls = fails_once(core.refiner.tick, AttributeError("a start-up race"))
+        else:
+            core.cache.housekeeping, calls = fails_once(core.cache.housekeeping, RuntimeError("a housekeeping bug"))
+        core.loop.wake()   # an iteration now: an idle gap and its tick
         deadline = time.monotonic() + 30
         while not calls and time.monotonic() < deadline:
             time.sleep(0.01)
         prompt = list(range(40))
-        assert [i.token for i in run(core, prompt)] == greedy(prompt, 4)
-        assert core.loop.stats["idle_failures"] == 1 and core.loop.alive()
+        assert [i.token for i in run(core, prompt)] == greedy(prompt, 4)   # served after the failure
+        assert core.loop.stats[counter] == 1 and core.loop.alive()
     finally:
         core.close()
 
