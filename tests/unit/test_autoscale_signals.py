@@ -3,6 +3,7 @@ iteration (``EngineLoop.signals``) and what Serve's hook returns (``record_autos
 
 import asyncio
 import threading
+import time
 from types import SimpleNamespace
 
 from actors.worker import CacheWorker
@@ -12,9 +13,15 @@ from tests.unit.helpers import TickClock, make_worker, run_worker
 
 
 def published(core):
-    """The signals as of the engine thread's last finished iteration: a command runs at the
-    start of an iteration, after the one before it published."""
-    asyncio.run(core.loop.run(lambda: None))
+    """The signals the engine thread publishes at the end of the iteration whose start runs a
+    command (so measured after everything before the call). Not those current when the
+    command runs: before the loop's first iteration ends they are the defaults (zeros), which
+    made the prefill rate read 0.0 on a loaded machine."""
+    at_start = asyncio.run(core.loop.run(lambda: core.loop.signals))
+    deadline = time.monotonic() + 60
+    while core.signals() is at_start and time.monotonic() < deadline:   # each iteration publishes anew
+        time.sleep(0.001)
+    assert core.signals() is not at_start, "the engine thread published nothing for 60 s"
     return core.signals()
 
 
