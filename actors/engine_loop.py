@@ -253,8 +253,12 @@ class EngineLoop:
             k = req.params.prompt_logprobs
             prompt_lps = tuple(None if e is None else (e[0], tuple(e[1][:k])) for e in req.prompt_logprobs)
         if token is not None and len(req.output) == 1 and req.first_token_at is not None:
-            # The replica's TTFT: its migration, then from the hand-over to the engine on.
-            self.ttft.add(self.clock(), ctx.migrate_s + max(0.0, req.first_token_at - entered))
+            # The replica's TTFT: its migration, then from the hand-over to the engine on; and
+            # its own prefill (its uncached tokens at the prefill rate), the part of it that
+            # is not wait.
+            rate = self._prefill_tokens_per_s()
+            own = (len(req.prompt) - req.cached_tokens) / rate if rate > 0 else None
+            self.ttft.add(self.clock(), ctx.migrate_s + max(0.0, req.first_token_at - entered), own)
         item = StreamItem(token, finished, req.finish_reason, req.error, req.cached_tokens, tuple(req.tier_hits),
                           len(req.prompt), self.name, ctx.reason, ctx.migration, timing, logprob, top, prompt_lps,
                           tiers_found=tuple(req.tiers_found))
@@ -321,10 +325,16 @@ class EngineLoop:
         waiting = sum(len(r.prompt) - r.cached_tokens for r in engine.scheduler.waiting)
         running = sum(r.params.max_tokens - len(r.output) for r in engine.scheduler.running)
         load = LoadReport(waiting + running, len(engine.scheduler.running), len(engine.scheduler.waiting), self._transfer_rate())
-        rate = engine.prefill_tokens_per_s or self._prefill_rate() or 0.0
-        signals = ReplicaSignals(waiting, 1.0 if engine.blocked_for_room else 0.0, self.ttft.p90(self.clock()),
-                                 len(engine.scheduler.running), rate)
+        now = self.clock()
+        signals = ReplicaSignals(waiting, 1.0 if engine.blocked_for_room else 0.0, self.ttft.p90(now),
+                                 len(engine.scheduler.running), self._prefill_tokens_per_s(),
+                                 ttft_wait_p90_s=self.ttft.wait_p90(now), prefill_share=self.ttft.prefill_share(now))
         return load, signals
+
+    def _prefill_tokens_per_s(self) -> float:
+        """(engine thread) The engine's measured prefill rate, or the priced one until it has
+        measured any (0: unknown)."""
+        return self.engine.prefill_tokens_per_s or self._prefill_rate() or 0.0
 
     def wake(self) -> None:
         self._wake.set()

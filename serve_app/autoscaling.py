@@ -103,6 +103,11 @@ class PrefixCacheAutoscalingPolicy:
         elif decision.reason == "queue_brief" and self._last_reason != "queue_brief":
             log.info("autoscaling %s: holding %d replicas (queue_brief: the queue passed its threshold "
                      "on the look-back's mean, but did not stay above it)", ctx.deployment_name, decision.replicas)
+        elif decision.reason == "ttft_own_prefill" and self._last_reason != "ttft_own_prefill":
+            log.warning("autoscaling %s: holding %d replicas (ttft_own_prefill: a replica's TTFT p90 is above "
+                        "ttft_slo_s %.3g s, but it is its prompts' own prefill, not a wait more replicas would "
+                        "shorten: raise ttft_slo_s or speed up the replicas)", ctx.deployment_name,
+                        decision.replicas, self.config.ttft_slo_s)
         self._last_reason = decision.reason
         return decision.replicas, {**(ctx.policy_state or {}), **decision.state.as_policy_state()}
 

@@ -19,17 +19,28 @@ that is the deployment's *queue load*, in replicas at the threshold.
   than that (a few sessions arriving together at the base rate) raises the
   look-back mean as much as the start of a real ramp, but is gone before a new
   replica could serve: the policy holds (``queue_brief``). Also when a
-  replica's TTFT p90 is above ``ttft_slo_s``, or a replica was out of HOT room
-  for ``scale_out_blocked`` of the look-back (one more replica each, and only
+  replica's TTFT p90 is above ``ttft_slo_s`` *and its wait is what more
+  replicas can shorten*, or a replica was out of HOT room for
+  ``scale_out_blocked`` of the look-back (one more replica each, and only
   once no replica is still starting: it is the help already on its way).
   At most ``max_scale_out_step`` replicas at once.
+- **The TTFT's wait.** A replica's TTFT is its wait (the queue, steps shared
+  with others' work) and its prompts' own prefill, which takes as long on any
+  replica (``ReplicaSignals.ttft_wait_p90_s``). A TTFT p90 above the SLO
+  scales out only where the wait p90 is at least ``low_fraction`` of the SLO
+  or is what puts the p90 past it (the TTFT p90 less the wait p90 within the
+  SLO); otherwise more replicas would cost replica-seconds and leave the TTFT
+  where it is (long prompts on a slow replica: ``ttft_own_prefill`` when
+  nothing else decides). A replica that reports no wait reads as all wait.
 - **Scale in** when every signal has stayed low for ``downscale_window_s``:
-  each replica's queue below ``low_fraction`` of its threshold, every TTFT p90
+  each replica's queue below ``low_fraction`` of its threshold, every wait p90
   below ``low_fraction`` x ``ttft_slo_s``, no replica out of HOT room, and the
-  running requests and the queue fit on fewer replicas (``running_per_replica``
-  each; queue load at ``low_fraction``). It goes to what the load needs in one
-  step, so an idle deployment is back at ``min_replicas`` one window after its
-  signals went quiet.
+  load fits on fewer replicas: the running requests (``running_per_replica``
+  each), the queue (queue load at ``low_fraction``) and the prefill the
+  replicas did over their TTFT window (``prefill_share`` summed, at
+  ``low_fraction`` of each replica's time). It goes to what the load needs in
+  one step, so an idle deployment is back at ``min_replicas`` one window after
+  its signals went quiet.
 - **Rate limits**: no scale-out within ``scale_out_interval_s`` of the last
   scale event, no scale-in within ``scale_in_interval_s`` of it.
 - Never below ``min_replicas`` nor above ``max_replicas``; without a signal
@@ -145,15 +156,22 @@ class _Reading:
     worst_blocked: float
     running: float          # requests running, all replicas
     queue_held: float | None   # the highest share of a replica's readings above its threshold (None: no readings)
+    worst_wait_s: float     # the highest wait p90 (a replica that reports none: its TTFT p90)
+    ttft_fixable: bool      # a replica's TTFT p90 is past the SLO, and its wait is what more replicas shorten
+    prefill_load: float     # the replicas' prefill shares summed (those that report one)
 
     @classmethod
     def of(cls, config: AutoscaleConfig, signals: Sequence[ReplicaSignals]) -> "_Reading":
         shares = [s.queued_prompt_tokens / config.queue_threshold_tokens(s) for s in signals]
         held = [sum(q > config.queue_threshold_tokens(s) for q in s.queued_readings) / len(s.queued_readings)
                 for s in signals if s.queued_readings]
+        slo = config.ttft_slo_s
+        fixable = any(s.ttft_p90_s > slo and (s.ttft_p90_s - s.wait_s <= slo or s.wait_s >= config.low_fraction * slo)
+                      for s in signals)
         return cls(sum(shares), max(shares), max(s.ttft_p90_s for s in signals),
                    max(s.blocked_for_room for s in signals), sum(s.engine_running for s in signals),
-                   max(held) if held else None)
+                   max(held) if held else None, max(s.wait_s for s in signals), fixable,
+                   sum(s.prefill_share or 0.0 for s in signals))
 
     def queue_persists(self, config: AutoscaleConfig) -> bool:
         """The queue stayed above a replica's threshold for ``scale_out_queue_share`` of its
@@ -172,7 +190,8 @@ def decide(config: AutoscaleConfig, signals: Sequence[ReplicaSignals], *, target
     (scale-out wanted, the replicas on their way cover it), ``at_max``, ``rate_limited``,
     ``queue_brief`` (the queue's mean is past the threshold, but no replica's queue stayed
     above it for ``scale_out_queue_share`` of its readings), ``low_window`` (low, not yet for
-    the whole window), ``hold``."""
+    the whole window), ``ttft_own_prefill`` (a TTFT p90 past the SLO that is its prompts' own
+    prefill, not wait: more replicas would not shorten it), ``hold``."""
     if not min_replicas <= target <= max_replicas:
         return Decision(min(max(target, min_replicas), max_replicas), "bounds",
                         AutoscaleState(last_scale_at=now, low_since=None))
@@ -190,7 +209,10 @@ def decide(config: AutoscaleConfig, signals: Sequence[ReplicaSignals], *, target
         return Decision(want, reason, AutoscaleState(last_scale_at=now, low_since=None))
     if reading.queue_load > len(signals):   # past the threshold on the mean, but not for long
         return Decision(target, "queue_brief", dataclasses.replace(state, low_since=None))
-    return _scale_in(config, reading, target, min_replicas, now, state)
+    decision = _scale_in(config, reading, target, min_replicas, now, state)
+    if decision.reason == "hold" and reading.worst_ttft_s > config.ttft_slo_s:   # past the SLO, not by its wait
+        return dataclasses.replace(decision, reason="ttft_own_prefill")
+    return decision
 
 
 def _scale_out(config: AutoscaleConfig, reading: _Reading, reporting: int, target: int, running: int,
@@ -200,7 +222,7 @@ def _scale_out(config: AutoscaleConfig, reading: _Reading, reporting: int, targe
     if reading.queue_load > reporting and reading.queue_persists(config):   # the mean replica is past it, and held
         wants.append((math.ceil(reading.queue_load), "scale_out_queue"))
     one_more = target + 1 if running >= target else target   # a replica on its way is the one more
-    if reading.worst_ttft_s > config.ttft_slo_s:
+    if reading.ttft_fixable:
         wants.append((one_more, "scale_out_ttft"))
     if reading.worst_blocked >= config.scale_out_blocked:
         wants.append((one_more, "scale_out_blocked"))
@@ -212,12 +234,12 @@ def _scale_out(config: AutoscaleConfig, reading: _Reading, reporting: int, targe
 
 def _scale_in(config: AutoscaleConfig, reading: _Reading, target: int, min_replicas: int, now: float,
               state: AutoscaleState) -> Decision:
-    low = (reading.worst_queue <= config.low_fraction and reading.worst_ttft_s <= config.low_fraction * config.ttft_slo_s
+    low = (reading.worst_queue <= config.low_fraction and reading.worst_wait_s <= config.low_fraction * config.ttft_slo_s
            and reading.worst_blocked == 0)
     if not low:
         return Decision(target, "hold", dataclasses.replace(state, low_since=None))
     need = max(min_replicas, math.ceil(reading.running / config.running_per_replica),
-               math.ceil(reading.queue_load / config.low_fraction))
+               math.ceil(reading.queue_load / config.low_fraction), math.ceil(reading.prefill_load / config.low_fraction))
     low_since = state.low_since if state.low_since is not None else now
     quiet = dataclasses.replace(state, low_since=low_since)
     if need >= target:

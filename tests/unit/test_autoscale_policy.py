@@ -99,6 +99,48 @@ def test_ttft_p90_above_the_slo_adds_one_replica_unless_one_is_already_starting(
     assert run([busy(ttft=2.0)], target=1, now=50.0).reason == "hold"   # at the SLO is not above it
 
 
+def waited(ttft, wait, prefill_share=None, running=0):
+    return ReplicaSignals(0, 0.0, ttft, running, RATE, ttft_wait_p90_s=wait, prefill_share=prefill_share)
+
+
+@pytest.mark.parametrize("ttft, wait, reason", [
+    (2.5, 0.6, "scale_out_ttft"),     # 1.9 s of its own prefill: the wait is what puts it past the SLO
+    (6.0, 1.0, "scale_out_ttft"),     # its own prefill alone is past the SLO, but the wait is half of it
+    (2.5, 0.4, "ttft_own_prefill"),   # 2.1 s of its own prefill: a replica more would leave it past the SLO
+    (6.0, 0.9, "ttft_own_prefill"),
+    (2.5, None, "scale_out_ttft"),    # a replica that reports no wait: all of it is wait
+])
+def test_a_ttft_past_the_slo_scales_out_only_where_its_wait_is_what_more_replicas_shorten(ttft, wait, reason):
+    # Eight requests running keep both replicas: without a scale-out, the policy holds, and says why.
+    d = run([waited(ttft, wait, running=4), busy(running=4)], target=2, now=50.0)
+    assert (d.replicas, d.reason) == ((3 if reason == "scale_out_ttft" else 2), reason)
+
+
+def test_prompts_whose_own_prefill_is_past_the_slo_let_the_replicas_scale_in_on_their_wait():
+    """Long prompts on slow replicas: every TTFT p90 past the SLO, the waits short. The old rule
+    (TTFT p90 under half the SLO) never scaled in while they came; the wait is low, and the
+    prefill the two replicas did (0.2 of each one's time) fits on one at half its time."""
+    state, target, decisions = AutoscaleState(last_scale_at=0.0), 2, []
+    for now in (100.0, 159.0, 160.0):
+        d = run([waited(3.0, 0.2, prefill_share=0.2)] * target, target=target, now=now, state=state)
+        decisions.append((now, d.replicas, d.reason))
+        state, target = d.state, d.replicas
+    assert decisions == [(100.0, 2, "low_window"), (159.0, 2, "low_window"), (160.0, 1, "scale_in")]
+    # One replica's wait at half the SLO is not low: its window restarts.
+    d = run([waited(3.0, 1.0, prefill_share=0.2), waited(3.0, 0.2)], target=2, now=500.0, state=AutoscaleState(low_since=0.0))
+    assert (d.replicas, d.reason, d.state.low_since) == (3, "scale_out_ttft", None)
+
+
+def test_scale_in_keeps_the_replicas_their_prefill_needs():
+    low = AutoscaleState(low_since=0.0)
+    d = run([waited(0.5, 0.1, prefill_share=0.3)] * 3, target=3, now=60.0, state=low)   # 0.9: two at half their time
+    assert (d.replicas, d.reason) == (2, "scale_in")
+    d = run([waited(0.5, 0.1, prefill_share=0.35)] * 3, target=3, now=60.0, state=low)  # 1.05: three
+    assert (d.replicas, d.reason, d.state.low_since) == (3, "hold", 0.0)
+    # Not reported (an older replica): the running requests and the queue decide, as before.
+    assert run([waited(0.5, 0.1)] * 3, target=3, now=60.0, state=low).replicas == 1
+
+
 def test_a_replica_out_of_hot_room_for_half_the_look_back_scales_out():
     d = run([busy(blocked=0.5), IDLE], target=2, now=50.0)
     assert (d.replicas, d.reason) == (3, "scale_out_blocked")
@@ -220,13 +262,18 @@ def test_bad_options_fail_naming_the_key():
 
 
 def test_signals_round_trip_through_serve_metrics_and_an_incomplete_report_is_none():
-    s = ReplicaSignals(1200, 1.0, 0.75, 3, 850.0)
+    s = ReplicaSignals(1200, 1.0, 0.75, 3, 850.0, ttft_wait_p90_s=0.25, prefill_share=0.4)
     assert s.as_metrics() == {"queued_prompt_tokens": 1200.0, "blocked_for_room": 1.0, "ttft_p90_s": 0.75,
-                              "engine_running": 3.0, "prefill_tokens_per_s": 850.0}
-    assert ReplicaSignals.from_metrics(s.as_metrics()) == s
+                              "engine_running": 3.0, "prefill_tokens_per_s": 850.0, "ttft_wait_p90_s": 0.25,
+                              "prefill_share": 0.4}
+    assert ReplicaSignals.from_metrics(s.as_metrics()) == s and s.wait_s == 0.25
     metrics = s.as_metrics()
-    del metrics["prefill_tokens_per_s"]   # optional: unknown rate
-    assert ReplicaSignals.from_metrics(metrics).prefill_tokens_per_s == 0.0
+    for optional in ("prefill_tokens_per_s", "ttft_wait_p90_s", "prefill_share"):   # unknown rate, not reported
+        del metrics[optional]
+    older = ReplicaSignals.from_metrics(metrics)
+    assert (older.prefill_tokens_per_s, older.ttft_wait_p90_s, older.prefill_share, older.wait_s) == (0.0, None, None, 0.75)
+    assert set(older.as_metrics()) == set(metrics) | {"prefill_tokens_per_s"}   # None is not sent as a number
+    assert ReplicaSignals.from_metrics({**s.as_metrics(), "ttft_wait_p90_s": float("inf")}) is None
     del metrics["ttft_p90_s"]
     assert ReplicaSignals.from_metrics(metrics) is None
     assert ReplicaSignals.from_metrics({**s.as_metrics(), "blocked_for_room": float("nan")}) is None
@@ -246,3 +293,14 @@ def test_the_ttft_window_keeps_the_last_window_and_its_nearest_rank_p90():
     for i in range(5):
         small.add(0.0, float(i))
     assert len(small) == 3 and small.p90(0.0) == 4.0
+
+
+def test_the_ttft_window_splits_each_ttft_into_its_wait_and_its_own_prefill():
+    w = TtftWindow(window_s=10.0, max_samples=100)
+    assert (w.p90(0.0), w.wait_p90(0.0), w.prefill_share(0.0)) == (0.0, 0.0, 0.0)
+    w.add(1.0, 3.0, 2.5)    # waited 0.5 s
+    w.add(2.0, 1.0, 0.25)   # waited 0.75 s
+    w.add(3.0, 0.5, 2.0)    # its prefill estimate past its TTFT: no wait, 0.5 s of prefill
+    w.add(4.0, 2.0)         # the rate unknown: all wait, no prefill counted
+    assert (w.p90(4.0), w.wait_p90(4.0), w.prefill_share(4.0)) == (3.0, 2.0, 0.325)   # (2.5+0.25+0.5) / 10
+    assert (w.p90(11.5), w.wait_p90(11.5), w.prefill_share(11.5)) == (2.0, 2.0, 0.075)  # t <= 1.5 expired

@@ -37,13 +37,19 @@ def test_the_replica_ttft_enters_the_p90_and_the_hook_reports_every_signal():
         # The engine's own measured prefill rate, or the worker's priced one until it has measured any.
         own = asyncio.run(core.loop.run(lambda: core.engine.prefill_tokens_per_s or core.cost.prefill_tokens_per_s))
         assert own > 0 and idle.prefill_tokens_per_s == own
-        # The engine's clock ticks once a call: handed over (1) ... first token sampled (6).
+        # Its own prefill at a rate of 20 tokens/s (set on the engine thread): 40 uncached
+        # tokens are 2 s of each TTFT. The engine's clock ticks once a call: handed over (1) ...
+        # first token sampled (6): a TTFT of 5 s, of which 3 s are wait.
+        asyncio.run(core.loop.run(lambda: setattr(core.loop, "_prefill_tokens_per_s", lambda: 20.0)))
         core.engine.clock = TickClock()
         run_worker(core, list(range(40)), max_tokens=3)
-        assert published(core).ttft_p90_s == 5.0
+        first = published(core)
+        assert (first.ttft_p90_s, first.ttft_wait_p90_s, first.prefill_share) == (5.0, 3.0, 2.0 / 30.0)
         core.engine.clock = TickClock()
         run_worker(core, list(range(100, 140)), max_tokens=3)
-        assert published(core).ttft_p90_s == 5.0
+        both = published(core)   # the window's prefill: 4 s of its 30
+        assert (both.ttft_p90_s, both.ttft_wait_p90_s, both.prefill_share, both.prefill_tokens_per_s) == \
+            (5.0, 3.0, 4.0 / 30.0, 20.0)
         metrics = hook(core)
         assert set(metrics) == set(METRIC_NAMES) and metrics["ttft_p90_s"] == 5.0
         assert all(isinstance(v, float) for v in metrics.values())   # what Serve accepts: numbers only
