@@ -152,9 +152,10 @@ def warm_up(base: str, model: str, sessions: list[dict], args, progress) -> None
     """The first turn of every session, unmeasured, round robin over the replicas; the first
     arm flushes what it left. Each replica's first forwards of the workload's shapes (the
     weights' and the KV pools' pages touched for the first time, the grammars built beside
-    them at the lowest priority) land here instead of in whichever arm runs first: on a slow
-    VM without it, the first arm's TTFT p50 was 1.2x (round robin first) and 2.3x (cost first)
-    the second's."""
+    them at the lowest priority) land here instead of in whichever arm runs first. On a slow
+    VM without it the first arm's TTFT p50 was 1.2x (round robin first) and 2.3x (cost first)
+    the second's; with it, 0.9x and 2.1x (cost first, two runs): the cost arm's p50 varies
+    there (411-1,323 ms over four runs, round robin's 456-725) with or without a warm-up."""
     first_turns = [{**s, "questions": s["questions"][:1]} for s in sessions]
     asyncio.run(run_arm(base, model, "round_robin", first_turns, args, progress))
 
