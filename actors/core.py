@@ -116,6 +116,7 @@ class WorkerCore:
         self.on_migration = on_migration
         self._on_trip = on_trip
         self._wedge = threading.Event()
+        self._closing = threading.Event()   # set by close: background start-up work stops
         self._slow_step_s = 0.0   # the 'slow' drill fault (inject_fault)
         # How this worker reaches a holder to pull from it (``link_for(holder_id)``), for
         # the pulls a leaving peer asks of it; the shell sets it (None: it cannot pull).
@@ -201,24 +202,21 @@ class WorkerCore:
     def _build_engine(self, peer_host: str | None, part: Callable[[str], None]) -> None:
         """The engine, with L3, NIXL and the pools' pages beside it (start-up)."""
         config, mc = self.config, self.model.config
-        # L3 and NIXL open, and the pools' pages are touched, on threads while this one builds
-        # the engine (the packed weights, the kernels); each is bounded where it calls out (the
-        # L3 store's calls, NIXL's local agent). Each part's seconds are its own thread's. The
-        # tokenizer's grammars are built after the worker is ready (``prepare_grammars``), or
-        # by the first constrained request.
-        with ThreadPoolExecutor(3, thread_name_prefix=f"start-{self.worker_id}") as pool:
+        # L3 and NIXL open on threads while this one builds the engine (the packed weights,
+        # the kernels); each is bounded where it calls out (the L3 store's calls, NIXL's local
+        # agent). Each part's seconds are its own thread's. The tokenizer's grammars are built
+        # after the worker is ready (``prepare_grammars``), or by the first constrained
+        # request; the CPU pools' pages are mapped after it too (``prepare_pools``): the pools
+        # are zero from the start (``cluster.cache.host_memory``).
+        with ThreadPoolExecutor(2, thread_name_prefix=f"start-{self.worker_id}") as pool:
             l3 = pool.submit(self._timed_part, "l3_s", self._open_l3, peer_host)
             nixl = pool.submit(self._timed_part, "nixl_s", self._open_nixl)
-            # The pools' pages (nothing is written to them before the engine is built).
-            touched = pool.submit(self._timed_part, "prefault_s",
-                                  lambda: [p.prefault() for p in self.cache.pools if hasattr(p, "prefault")])
             self.grammars = self._timed_part("grammars_s", self._grammars, mc.vocab_size)
             self.engine = Engine(self.model, self.cache, config.scheduler_config(), decode_kernel=config.decode_kernel,
                                  grammars=self.grammars)
             self.startup["packed_weights"] = getattr(self.model, "packed_source", {}).get("source", "none")
             part("engine_s")
             self.l3, self.nixl = l3.result(), nixl.result()
-            touched.result()
             if self.l3 is not None:   # the cache is this thread's until the engine thread starts
                 self.cache.attach_l3(self.l3)
 
@@ -253,6 +251,25 @@ class WorkerCore:
             except Exception as exc:   # the first constrained request tries again and reports it
                 log.warning("worker %s: building the grammars failed: %s", self.worker_id, exc)
         threading.Thread(target=build, name=f"grammars-{self.worker_id}", daemon=True).start()
+
+    def prepare_pools(self) -> None:
+        """Map the CPU pools' pages, HOT first, on a thread of its own at the lowest CPU
+        priority (the shell calls it once the worker is ready). The pools are zero from the
+        start and mapping leaves what they hold alone, so the engine serves meanwhile; a page
+        it writes first is mapped by that write. ``close`` stops it between chunks."""
+        pools = [p for p in self.cache.pools if hasattr(p, "prefault")]
+        stop = self._closing.is_set
+
+        def run() -> None:
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+            done = [r for r in (p.prefault(stop) for p in pools) if r is not None]
+            if done:
+                log.info("worker %s: KV pools' pages mapped after ready: %.0f MiB in %.2f s%s", self.worker_id,
+                         sum(r["bytes"] for r in done) / (1 << 20), sum(r["seconds"] for r in done),
+                         "" if all(r["supported"] for r in done) else
+                         " (no MADV_POPULATE_WRITE here: the rest are mapped by their first write)")
+        threading.Thread(target=run, name=f"pools-{self.worker_id}", daemon=True).start()
 
     def _open_l3(self, host: str | None) -> L3Tier | None:
         """L3 on the configured master (the caller attaches it to the cache); None (one log line)
@@ -529,6 +546,7 @@ class WorkerCore:
             raise RuntimeError(f"engine thread of {self.worker_id} died")
 
     def close(self) -> None:
+        self._closing.set()
         self._wedge.set()
         if self.reporter is not None:
             self.reporter.close()

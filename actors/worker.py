@@ -45,6 +45,10 @@ from cluster.protocol import GenerateRequest, MigrationResult, PrefixOffer, Snap
 
 log = logging.getLogger(__name__)
 
+# When this process had imported the worker (torch, the engine, the cache): a start-up note
+# tells the process's imports from the time before it (the interpreter, Ray, Serve) and after.
+IMPORTED_AT = time.time()
+
 
 class CacheWorker:
     def __init__(self, worker_id: str, worker_config: dict | None = None, namespace: str = "prefix-cache",
@@ -106,13 +110,15 @@ class CacheWorker:
         self._on_lifecycle("warmup", self.warmup)
         # Where a new worker's start-up goes (recovery after a kill waits for all of it).
         t_ready = time.perf_counter()
-        self.startup = {"process_started_at": _process_started_at(), "started_at": started_at,
+        self.startup = {"process_started_at": _process_started_at(), "imported_at": IMPORTED_AT,
+                        "started_at": started_at,
                         "ready_at": started_at + (t_ready - t0),
                         "core_s": round(t_core - t0, 3), "cuda_steps_s": round(t_cuda - t_core, 3),
                         "warmup_s": round(t_ready - t_cuda, 3), "total_s": round(t_ready - t0, 3),
                         "core_parts": dict(self.core.startup)}
         await self.directory.note_lifecycle(self.worker_id, "startup", self.startup)
         self.core.prepare_grammars()   # after ready: a start waits for none of it
+        self.core.prepare_pools()
 
     async def _build_cuda_steps(self) -> dict:
         """Compile and capture what the model's CUDA steps launch (``cuda_graphs.warm_up``),

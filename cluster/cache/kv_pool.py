@@ -21,6 +21,7 @@ from typing import Any, Sequence
 import torch
 
 from cluster.cache.allocator import AllocatorConfig, BlockAllocator, Extent
+from cluster.cache.host_memory import populate, zeroed_host_tensor
 from cluster.errors import InvalidInputError, PoolExhaustedError
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -72,22 +73,22 @@ class KVPool:
                      layout.num_kv_heads, row)
             dtype = self.codec.stored_dtype if self.codec else layout.torch_dtype
             pin = pin_memory and self.device.type == "cpu" and cuda_available()
-            # A CPU pool is zeroed by ``prefault`` (now, or later on a worker's start-up thread):
-            # writing the zeros is what maps its pages, seconds for a GiB on a busy machine.
-            self._untouched = self.device.type == "cpu" and not pin
-            self.tensor = torch.empty(shape, dtype=dtype, device=self.device) if self._untouched \
-                else torch.zeros(shape, dtype=dtype, device=self.device, pin_memory=pin)
+            # A CPU pool lies on an anonymous mapping: zero from the OS, its pages mapped by
+            # ``prefault`` (now, or after a worker is ready) or by their first write.
+            self._mapping = None
+            if self.device.type == "cpu" and not pin:
+                self.tensor, self._mapping = zeroed_host_tensor(shape, dtype)
+            else:
+                self.tensor = torch.zeros(shape, dtype=dtype, device=self.device, pin_memory=pin)
             if prefault:
                 self.prefault()
 
-    def prefault(self) -> None:
-        """Zero a CPU pool, mapping every page, so the first copy into the pool does not pay
-        page faults in the middle of serving. Once, before the pool is used: a pool built with
-        ``prefault=False`` holds garbage until then (a worker zeroes it on a start-up thread
-        beside the engine build and waits for it before the engine thread starts)."""
-        if getattr(self, "_untouched", False):
-            self.tensor.zero_()
-            self._untouched = False
+    def prefault(self, stop=lambda: False) -> dict | None:
+        """Map a CPU pool's pages ahead of its first copies (``host_memory.populate``), so
+        serving pays no page faults for them; what the pool holds is unchanged, so this may
+        run while the pool is in use. None for a pool that needs nothing (on a device,
+        pinned, or empty)."""
+        return populate(self._mapping, stop) if getattr(self, "_mapping", None) is not None else None
 
     @property
     def block_bytes(self) -> int:

@@ -42,7 +42,9 @@ One row per arm (``lab.bench.autoscale_figures`` computes every figure):
   and ``scale_out_running_after_miss_s``: from then to the new replica running;
 - ``replica_starts``: each replica's start-up as it noted it with the directory
   (``process_to_ready_s``: from its process's start to ready to serve; Ray may
-  hand an actor a worker process it started earlier, which only adds to it),
+  hand an actor a worker process it started earlier, which only adds to it;
+  ``process_to_imported_s``: to the worker's modules imported, ``imported_to_start_s``: from
+  then to the worker's own start-up),
   and ``process_to_ready_s_max`` over the replicas started after the load began;
 - ``replicas_left``: each replica that left, and when it stopped taking requests
   (the scale-in that stopped it, before the directory dropped it);
@@ -298,6 +300,11 @@ def start_figures(notes: list[dict], load_wall: float) -> dict:
         starts.append({"worker_id": n["worker_id"][-8:], "started_after_load_s": rounded(n["started_at"] - load_wall, 2),
                        "core_s": n.get("core_s"), "total_s": n.get("total_s"),
                        "process_to_ready_s": rounded(n["ready_at"] - proc, 2) if proc else None,
+                       # the process's start to the worker imported, then to the worker's start
+                       "process_to_imported_s": rounded(n["imported_at"] - proc, 2)
+                       if proc and n.get("imported_at") else None,
+                       "imported_to_start_s": rounded(n["started_at"] - n["imported_at"], 2)
+                       if n.get("imported_at") else None,
                        "core_parts": n.get("core_parts")})
     later = [s["process_to_ready_s"] for s in starts
              if s["started_after_load_s"] > 0 and s["process_to_ready_s"] is not None]

@@ -1,3 +1,5 @@
+import sys
+
 import pytest
 import torch
 
@@ -25,15 +27,45 @@ def test_pool_shape_is_block_first():
     assert pool.tensor[3].is_contiguous()
 
 
-def test_a_pool_is_zero_when_built_and_a_deferred_one_once_prefaulted():
+def _resident_bytes(tensor):
+    """The resident bytes of the mapping that holds ``tensor`` (/proc/self/smaps)."""
+    addr = tensor.data_ptr()
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and head == "Rss:":
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no mapping holds the tensor")
+
+
+def test_a_cpu_pool_is_zero_when_built_and_mapping_its_pages_keeps_what_it_holds():
     assert int(torch.count_nonzero(make_pool().tensor)) == 0
     pool = KVPool(AllocatorConfig(num_blocks=16, block_tokens=8), LAYOUT, prefault=False)
-    pool.tensor.fill_(7.0)   # what an unzeroed allocation may hold
-    pool.prefault()
-    assert int(torch.count_nonzero(pool.tensor)) == 0
-    pool.tensor.fill_(1.0)
-    pool.prefault()          # once: a pool in use is never zeroed again
-    assert int(torch.count_nonzero(pool.tensor)) == pool.tensor.numel()
+    assert int(torch.count_nonzero(pool.tensor)) == 0   # no write: the OS's zero pages
+    pool.tensor[3].fill_(7.0)   # the engine writes while the pages are mapped after ready
+    done = pool.prefault()
+    assert done["bytes"] == pool.tensor.numel() * pool.tensor.element_size()
+    assert int(torch.count_nonzero(pool.tensor)) == pool.tensor[3].numel()
+    assert bool((pool.tensor[3] == 7.0).all())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/smaps")
+def test_a_deferred_pool_maps_no_page_until_it_is_prefaulted_or_written():
+    pool = KVPool(AllocatorConfig(num_blocks=256, block_tokens=16), KVLayout(4, 4, 64), prefault=False)
+    size = pool.tensor.numel() * pool.tensor.element_size()   # 16 MiB
+    assert _resident_bytes(pool.tensor) == 0
+    pool.tensor[0].fill_(1.0)   # a first write maps its own pages (a huge page where THP is always on)
+    assert pool.block_bytes <= _resident_bytes(pool.tensor) <= max(pool.block_bytes, 2 << 20)
+    done = pool.prefault(stop=lambda: False)
+    if not done["supported"]:
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE")
+    assert done["bytes"] == size
+    assert _resident_bytes(pool.tensor) == size
+    assert int(torch.count_nonzero(pool.tensor)) == pool.tensor[0].numel()
 
 
 def test_write_then_read_round_trips_across_extents():
