@@ -379,3 +379,27 @@ def test_a_turns_own_tail_back_from_l3_sets_no_fetch_rate(model):
     follow = run(a, tier_a, toks(700, 40) + first.output + toks(701, 20))
     assert follow.cached_tokens == 43 and tier_a.stats.fetches == 2 and tier_a.stats.tails_fetched == 1
     assert tier_a.stats.fetch_blocks_hit == 0 and tier_a.fetch_tokens_per_s is None
+
+
+def test_a_guard_that_judged_l3_slower_probes_it_again_and_fetches_once_it_knows(model):
+    """The rates say L3 is slower (1,000 against 50,000 tokens/s): no fetch, and no new
+    sample to say otherwise. One fetch every ``probe_s`` goes ahead anyway; the one that
+    came back fast enough (here: on the in-process store, faster than any prefill the fit is
+    given) is a sample, and with enough of them the fit, not the rate, decides."""
+    now = [0.0]
+    store = MemoryL3Store()
+    a, tier_a, _ = make(model, store)
+    for seed in range(4):
+        run(a, tier_a, toks(400 + seed, 40), max_tokens=1)
+    b, tier_b, _ = make(model, store)
+    tier_b.clock = lambda: now[0]
+    tier_b.cost.last_probe = 0.0
+    tier_b.set_rates(fetch_tokens_per_s=1_000.0, prefill_tokens_per_s=50_000.0)
+    assert run(b, tier_b, toks(400, 40) + [5]).cached_tokens == 0
+    assert tier_b.stats.fetch_skipped_slower >= 1 and tier_b.stats.fetches == 0
+    now[0] = tier_b.cost.probe_s
+    assert run(b, tier_b, toks(401, 40) + [5]).cached_tokens == 40
+    assert tier_b.stats.fetch_probes == 1 and len(tier_b.cost.samples) == 1
+    now[0] += 1.0   # within probe_s of the probe: the given rate still decides
+    assert run(b, tier_b, toks(402, 40) + [5]).cached_tokens == 0
+    assert tier_b.stats.fetch_probes == 1

@@ -20,8 +20,7 @@ tenant-salted chained hash (``cluster.cache.l3``). Two flows cross:
   partial block stored right after that run (where a sequence committed
   elsewhere ended), and the engine thread installs them into the tree
   (``take_fetched``) before the request is admitted. A fetch is started only
-  where it beats recompute: the measured fetch rate (``set_rates``) must
-  exceed the prefill rate.
+  where it beats recompute (``fetch_cost.FetchCost``: a round trip plus tokens).
 
 Every method but the I/O loop runs on the cache's owner thread. Results come
 back through a queue the owner drains (``take_fetched``, ``take_written``),
@@ -44,6 +43,7 @@ import torch
 
 from cluster.cache.codec import TierCodec
 from cluster.cache.kv_pool import KVLayout
+from cluster.cache.l3.fetch_cost import FetchCost
 from cluster.cache.l3.store import GetStatus, L3Block, L3Lookup, L3Store, kv_layout_version, l3_key
 from cluster.cache.l3.tier_types import (  # noqa: F401  (l3_model_id: imported from here)
     BoundedHashes, FetchJob, FetchResult, InventoryJob, L3TierConfig, L3TierStats, WriteDone, WriteJob, l3_model_id)
@@ -75,6 +75,7 @@ class L3Tier:
         self._fetching: dict[int, FetchJob] = {}             # first block's hash -> fetch in flight
         self.fetch_tokens_per_s: float | None = None       # measured (calibration), then observed
         self.prefill_tokens_per_s: float | None = None
+        self.cost = FetchCost(started_at=clock())   # the ``auto`` guard: fetch where it beats prefill
         self.listeners: list[Any] = []   # on_l3_stored(hashes, namespace), on_l3_removed(hashes), on_l3_inventory
         self.stats = L3TierStats()
         self._cv = threading.Condition()
@@ -96,14 +97,8 @@ class L3Tier:
 
     # ------------------------------------------------------------ policy
     def set_rates(self, fetch_tokens_per_s: float | None, prefill_tokens_per_s: float | None) -> None:
-        self.fetch_tokens_per_s = fetch_tokens_per_s
+        self.fetch_tokens_per_s = self.cost.rate = fetch_tokens_per_s
         self.prefill_tokens_per_s = prefill_tokens_per_s
-
-    def faster_than_recompute(self) -> bool:
-        """Whether reading from L3 beats computing the same tokens (both measured;
-        unknown rates count as faster: the first fetches measure it)."""
-        f, p = self.fetch_tokens_per_s, self.prefill_tokens_per_s
-        return f is None or p is None or f > p
 
     @property
     def codec_name(self) -> str:
@@ -299,9 +294,12 @@ class L3Tier:
         missed = self._missing.get(h)
         if missed is not None and self.clock() - missed < cfg.miss_ttl_s:
             return False
-        if cfg.fetch == "auto" and not self.faster_than_recompute():
-            self.stats.fetch_skipped_slower += 1
-            return False
+        run = min(len(hashes) - first_block, cfg.max_fetch_blocks) * self.block_tokens
+        if cfg.fetch == "auto" and not self.cost.beats_recompute(run, self.prefill_tokens_per_s):
+            if not self.cost.probe_due(self.clock()):   # one fetch a while still measures L3
+                self.stats.fetch_skipped_slower += 1
+                return False
+            self.stats.fetch_probes += 1
         return True
 
     def note_missing(self, block_hash: int) -> None:
@@ -349,6 +347,7 @@ class L3Tier:
                 times.append(r.seconds)
                 sizes.append(brought)
                 self.stats.fetches_timed += 1
+                self.cost.add(brought, r.seconds)
                 if len(times) > 4096:
                     del times[:2048]
                     del sizes[:2048]

@@ -156,6 +156,7 @@ class L3TierStats:
     tails_fetched: int = 0          # partial blocks a fetch found after its full blocks
     fetch_misses: int = 0           # fetches that found not even their first block
     fetch_skipped_slower: int = 0   # a fetch was possible but recompute is faster
+    fetch_probes: int = 0           # ... fetched anyway, one a while, to measure L3 again (``FetchCost``)
     fetch_unanswered: int = 0       # fetches cut short by a block the store did not answer for
     verify_failed_removed: int = 0  # blocks that failed verification, removed from L3
     inventories: int = 0            # L3 inventories sent to the directory
