@@ -116,13 +116,14 @@ class WorkerConfig:
     # peer's measured rates instead of calibrating (seconds of start-up: a replacement
     # replica is serving sooner). False: always measure.
     reuse_peer_calibration: bool = True
-    # True (default): measure every rate (actors.calibration.calibrate, ~5 s) before serving,
-    # unless a peer's are taken. False: serve at once on a one-prefill prior. Either way the
-    # engine's and the cache's own measurements replace them as they come (RateRefiner).
-    # Not yet the default: on the prior, L3's fetch rate was first measured on small fetches
-    # and the "auto" fetch guard turned L3 off under round-robin turns (demo: reuse 0.85
-    # against 0.998 calibrated).
-    calibrate_at_start: bool = True
+    # False (default): serve at once on a one-prefill prior (``prior_rates``), unless a
+    # peer's rates are taken; the engine's and the cache's own measurements replace them as
+    # they come (RateRefiner). True: measure every rate first (actors.calibration.calibrate,
+    # 5-8 s of start-up on a 2-core CPU replica). The default calibrated until L3's fetch
+    # guard modelled a fetch's round trip and probed again (cluster.cache.l3.fetch_cost):
+    # before, the prior's first small fetches turned L3 off for good under round-robin turns
+    # (demo: reuse 0.85 against 0.998 calibrated).
+    calibrate_at_start: bool = False
     # Compute the last sampled token's KV when a request ends (a lone forward per
     # finished request) so that the next turn hits one more token: see Engine.
     cache_final_token: bool = False

@@ -6,8 +6,8 @@ start with each part's seconds (``WorkerCore.startup``: model, cache, engine wit
 weights' source, L3/NIXL/grammars on their threads, the rates). Two arms in the same run:
 ``before`` (no packed-weights cache, ``PREFIX_CACHE_PACKED_CACHE=0``, and the full
 calibration before serving, ``calibrate_at_start``) and ``after`` (the packed weights from
-disk and serving on the prior, ``calibrate_at_start: false``; the default still calibrates
-first: ``actors/config.py``); a summary line with each arm's median ``core_s``. No Ray.
+disk and serving on the prior, ``calibrate_at_start: false``, the default: ``actors/config.py``);
+a summary line with each arm's median ``core_s``. No Ray.
 """
 
 from __future__ import annotations
