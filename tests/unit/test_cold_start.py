@@ -110,6 +110,28 @@ def test_a_worker_serves_on_prior_rates_then_its_own_appear():
 
 
 
+def test_the_prior_times_a_warm_prefill_not_the_models_first_forward(monkeypatch):
+    """The first forward warms the model up (2.5 s for 64 tokens beside Ray's start-up on a
+    2-core VM, a tenth of the rate): the prior is the second prefill's rate."""
+    from actors import calibration
+
+    core = make_worker("w-prior-warm", calibrate_at_start=False)
+    try:
+        seconds = iter([2.5, 0.25])
+        timed = []
+
+        def fake_timed(fn, tokens):
+            fn()
+            timed.append(tokens)
+            return tokens, next(seconds)
+        monkeypatch.setattr(calibration, "_timed", fake_timed)
+        cost = core.loop.call(lambda: calibration.prior_rates(core.engine)).result()
+        assert len(timed) == 2 and cost.prefill_tokens_per_s == pytest.approx(timed[1] / 0.25)
+        assert core.loop.call(lambda: core.cache.tree.total_tokens).result() == 0   # it leaves the cache empty
+    finally:
+        core.close()
+
+
 def test_rate_refiner_replaces_only_material_changes():
     from actors.calibration import RateRefiner
     from cluster.routing.policies import CostModel
