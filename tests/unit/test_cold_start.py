@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from cluster.engine import packed_weights
+from cluster.names import WARM
 from cluster.engine.model import DecoderModel, ModelConfig
 from tests.unit.helpers import WORKER_MODEL, make_worker, run_worker
 from tests.unit.reference_forward import forward_one
@@ -117,6 +118,8 @@ def test_the_prior_times_a_warm_prefill_not_the_models_first_forward(monkeypatch
 
     core = make_worker("w-prior-warm", calibrate_at_start=False)
     try:
+        # The start measured the WARM copy rate (inline promotions read it from the first request).
+        assert core.rates_source == "prior" and core.cache.promote_s_per_token[WARM] > 0
         seconds = iter([2.5, 0.25])
         timed = []
 
