@@ -169,8 +169,8 @@ def prior_rates(engine: Engine, *, seed: int = 0) -> CostModel:
             prompt = torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist()
             tokens, seconds = _timed(lambda p=prompt: engine.generate(p, SamplingParams(max_tokens=1)), n)
         # One WARM promotion of it (about a millisecond), so the cache's WARM copy rate is
-        # measured before serving: inline promotions and promote-or-recompute read it, and
-        # unmeasured, each of a quiet tenant's first promotions waited a step.
+        # measured before serving, as calibration leaves it: inline promotions and
+        # promote-or-recompute read it.
         if cache.num_tiers > WARM and cache.demote_path(prompt, None, WARM):
             cache.admit(prompt, compute_last=False).release()
     finally:

@@ -116,8 +116,8 @@ class WorkerConfig:
     # peer's measured rates instead of calibrating (seconds of start-up: a replacement
     # replica is serving sooner). False: always measure.
     reuse_peer_calibration: bool = True
-    # False (default): serve at once on a one-prefill prior (``prior_rates``), unless a
-    # peer's rates are taken; the engine's and the cache's own measurements replace them as
+    # False (default): serve at once on a prior (``prior_rates``: a warm 64-token prefill and
+    # one WARM promotion, well under a second), unless a peer's rates are taken; the engine's and the cache's own measurements replace them as
     # they come (RateRefiner). True: measure every rate first (actors.calibration.calibrate,
     # 5-8 s of start-up on a 2-core CPU replica). The default calibrated until L3's fetch
     # guard modelled a fetch's round trip and probed again (cluster.cache.l3.fetch_cost):

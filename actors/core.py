@@ -268,7 +268,7 @@ class WorkerCore:
                 log.info("worker %s: KV pools' pages mapped after ready: %.0f MiB in %.2f s%s", self.worker_id,
                          sum(r["bytes"] for r in done) / (1 << 20), sum(r["seconds"] for r in done),
                          "" if all(r["supported"] for r in done) else
-                         " (no MADV_POPULATE_WRITE here: the rest are mapped by their first write)")
+                         " (madvise refused MADV_POPULATE_WRITE: the rest are mapped by their first write)")
         threading.Thread(target=run, name=f"pools-{self.worker_id}", daemon=True).start()
 
     def _open_l3(self, host: str | None) -> L3Tier | None:

@@ -47,7 +47,7 @@ def populate(mapping: mmap.mmap, stop=lambda: False) -> dict:
         length = min(POPULATE_CHUNK_BYTES, size - done)
         try:
             mapping.madvise(MADV_POPULATE_WRITE, done, length)
-        except OSError:   # EINVAL: a kernel before 5.14
+        except OSError:   # EINVAL: a kernel before 5.14 (or ENOMEM: no memory to map now)
             return {"bytes": done, "seconds": round(time.perf_counter() - began, 3), "supported": False}
         except ValueError:   # the mapping was closed (its pool is gone)
             break
