@@ -67,6 +67,7 @@ class KVPool:
         self.cow_copies = 0
         self.moved_tokens = 0
         self.tensor: torch.Tensor | None = None
+        self._mapping = None   # a CPU pool's anonymous mapping (``host_memory``)
         if layout is not None:
             row = self.codec.stored_row if self.codec else layout.head_dim
             shape = (alloc_config.num_blocks, layout.num_layers, 2, alloc_config.block_tokens,
@@ -75,7 +76,6 @@ class KVPool:
             pin = pin_memory and self.device.type == "cpu" and cuda_available()
             # A CPU pool lies on an anonymous mapping: zero from the OS, its pages mapped by
             # ``prefault`` (now, or after a worker is ready) or by their first write.
-            self._mapping = None
             if self.device.type == "cpu" and not pin:
                 self.tensor, self._mapping = zeroed_host_tensor(shape, dtype)
             else:
@@ -88,7 +88,7 @@ class KVPool:
         serving pays no page faults for them; what the pool holds is unchanged, so this may
         run while the pool is in use. None for a pool that needs nothing (on a device,
         pinned, or empty)."""
-        return populate(self._mapping, stop) if getattr(self, "_mapping", None) is not None else None
+        return populate(self._mapping, stop) if self._mapping is not None else None
 
     @property
     def block_bytes(self) -> int:
