@@ -98,6 +98,7 @@ class WorkerCore:
         # A model that cannot load raises here, so the actor or replica never reports ready.
         self.loaded = load_model(config.model_spec(), device=str(tiers.resolved_device()))
         part("model_s")
+        self.startup["weights"] = self.loaded.model.weights_source or "built"
         self.model = self.loaded.model
         mc = self.model.config
         self.layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, mc.dtype)

@@ -31,8 +31,10 @@ every request from the directory's decision.
   cluster has GPUs and the CPU otherwise, decided when the app is built and said
   in the deploy log; a number (0 or more) is honoured as given
   (``serve_app.placement``)
-- ``health_check_period_s`` (default 2): how often Serve asks each replica's
-  ``check_health`` (it raises once the watchdog declared the engine wedged)
+- ``health_check_period_s`` (default 0.5): how often Serve asks each replica's
+  ``check_health`` (it raises once the watchdog declared the engine wedged); Serve
+  learns of a replica whose process died at its next check, so this is also how
+  long a replacement may wait to be started (the check reads a flag: it costs nothing)
 - ``max_resumes`` (default 2): how many times the ingress resumes a request
   on another replica after its replica failed mid-request
 - ``ingress_replicas`` (default 1) or ``ingress_autoscaling_config``: the
@@ -210,7 +212,7 @@ def build_app(args: dict[str, Any] | None = None):
         "ray_actor_options": actor_opts,
         "max_ongoing_requests": int(args.pop("max_ongoing_requests", 64)),
         "max_queued_requests": int(args.pop("max_queued_requests", 256)),
-        "health_check_period_s": float(args.pop("health_check_period_s", 2.0)),
+        "health_check_period_s": float(args.pop("health_check_period_s", 0.5)),
         "health_check_timeout_s": 10.0,
         # A stopping replica drains, then hands its cache on (worker handoff_s) in its
         # destructor: Serve force-kills it after this long.

@@ -408,11 +408,15 @@ def load_model(spec: ModelSpec | object = None, device: str | torch.device = "cp
     directory = resolve_checkpoint(spec)
     raw = _read_json(directory / "config.json")
     model = DecoderModel(model_config_from_hf(raw, spec.dtype), init_weights=False)
-    load_weights(model, directory)
-    from cluster.engine.packed_weights import checkpoint_identity
+    from cluster.engine import packed_weights
 
-    # The key of the packed copies tune_linears keeps on disk (cluster.engine.packed_weights).
-    model.weights_id, model.weights_name = checkpoint_identity(directory), model_id(spec)
+    # The key of the weights and packed copies kept on disk (cluster.engine.packed_weights).
+    model.weights_id, model.weights_name = packed_weights.checkpoint_identity(directory), model_id(spec)
+    model.weights_source = "disk"
+    if not packed_weights.map_weights(model):   # this machine's earlier cast of the same checkpoint
+        load_weights(model, directory)
+        model.weights_source = "checkpoint"
+        packed_weights.keep_weights(model)
     generation = directory / "generation_config.json"
     sources = (_read_json(generation) if generation.is_file() else {}, raw)   # the generation config's first
     found = [source["eos_token_id"] for source in sources if source.get("eos_token_id") is not None]

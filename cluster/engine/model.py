@@ -221,6 +221,9 @@ class DecoderModel(nn.Module):
         self.weights_id: str | None = None
         self.weights_name = ""
         self.packed_source: dict = {}
+        # Where the loader's parameters came from: "checkpoint" (read and cast) or "disk" (this
+        # machine's earlier cast, mapped); "" for a model built here.
+        self.weights_source = ""
         if init_weights:
             self._init_weights()
         self.eval()

@@ -105,6 +105,18 @@ def _replica_options(app) -> dict:
     return app._bound_deployment.init_args[0]._bound_deployment.ray_actor_options
 
 
+def test_serve_checks_each_replica_twice_a_second_unless_told():
+    """Issue 52: Serve learns of a dead replica's process at its next health check, so the
+    period is part of a replacement's start."""
+    from serve_app.app import build_app
+
+    def period(app) -> float:
+        return app._bound_deployment.init_args[0]._bound_deployment._deployment_config.health_check_period_s
+
+    assert period(build_app({})) == 0.5
+    assert period(build_app({"health_check_period_s": 3})) == 3.0
+
+
 def test_the_gpu_claim_is_decided_from_the_cluster_and_logged(monkeypatch):
     """``gpus_per_replica`` unset: a GPU per replica where the cluster has GPUs, the CPU (with
     its preloaded runtimes) where it has none, one line in the deploy log each time; ``device:

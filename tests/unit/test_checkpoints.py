@@ -176,6 +176,47 @@ def test_greedy_tokens_equal_transformers_generate(family, tmp_path) -> None:
     assert engine.generate(prompt, SamplingParams(max_tokens=32)).output == expected[0, 20:].tolist()
 
 
+def test_a_second_load_maps_the_first_loads_cast_bit_for_bit(tmp_path, monkeypatch) -> None:
+    """Issue 52: the checkpoint is read and cast once a machine; a later load maps that file."""
+    from cluster.engine import packed_weights
+
+    monkeypatch.setenv(packed_weights.DIR_ENV, str(tmp_path / "packed"))
+    monkeypatch.delenv(packed_weights.SWITCH_ENV, raising=False)
+    hf_model = build_checkpoint("qwen3", tmp_path / "ckpt")
+    first = load_model(ModelSpec(str(tmp_path / "ckpt"))).model
+    assert first.weights_source == "checkpoint"
+    (kept,) = (tmp_path / "packed").glob("*-weights-*.pt")
+    second = load_model(ModelSpec(str(tmp_path / "ckpt"))).model
+    assert second.weights_source == "disk"
+    assert [n for n, _ in first.named_parameters()] == [n for n, _ in second.named_parameters()]
+    assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(first.parameters(), second.parameters()))
+    assert str(kept) in Path("/proc/self/maps").read_text()   # the parameters are the file's pages
+    tokens = list(range(3, 40))
+    ours = forward_one(second, torch.tensor(tokens), 0, None)[0]
+    assert (ours - hf_logits(hf_model, tokens)).abs().max().item() < TOL
+    half = load_model(ModelSpec(str(tmp_path / "ckpt"), dtype="bfloat16")).model   # another dtype: its own cast
+    assert half.weights_source == "checkpoint" and len(list((tmp_path / "packed").glob("*-weights-*.pt"))) == 2
+    monkeypatch.setenv(packed_weights.SWITCH_ENV, "0")
+    assert load_model(ModelSpec(str(tmp_path / "ckpt"))).model.weights_source == "checkpoint"
+
+
+def test_a_weights_file_that_does_not_fit_is_cast_again(tmp_path, monkeypatch) -> None:
+    from cluster.engine import packed_weights
+
+    monkeypatch.setenv(packed_weights.DIR_ENV, str(tmp_path / "packed"))
+    monkeypatch.delenv(packed_weights.SWITCH_ENV, raising=False)
+    build_checkpoint("llama", tmp_path / "ckpt")
+    model = load_model(ModelSpec(str(tmp_path / "ckpt"))).model
+    store = packed_weights._weights_store(model)
+    state = store.load()
+    state["params"].pop(next(iter(state["params"])))   # a parameter missing: refused, not half-mapped
+    store.save({"params": state["params"]})   # as every writer does: a new file renamed over the old
+    again = load_model(ModelSpec(str(tmp_path / "ckpt"))).model
+    assert again.weights_source == "checkpoint"
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters()))
+    assert load_model(ModelSpec(str(tmp_path / "ckpt"))).model.weights_source == "disk"   # the file was rewritten
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_precision_loads_in_its_dtype(tmp_path, dtype: str) -> None:
     build_checkpoint("qwen3", tmp_path)
