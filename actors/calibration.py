@@ -220,6 +220,17 @@ class RateRefiner:
         return True
 
 
+    def latest(self, names: tuple[str, ...]) -> dict[str, float]:
+        """Each of ``names``: its latest measure where this worker measured it, else the rate in
+        force (a peer's, the prior's or kept; 0 where there is none)."""
+        out = {}
+        for name in names:
+            read = self.sources.get(name)
+            value = read() if read is not None and name in self.measured else None
+            out[name] = float(value) if value and value > 0 else float(getattr(self.cost, name, 0.0) or 0.0)
+        return out
+
+
 def rate_sources(engine: Engine, migrator: Migrator, l3: L3Tier | None) -> dict[str, Callable[[], float | None]]:
     """Where each rate is measured while serving (engine thread reads)."""
     moves = engine.cache.moves

@@ -5,7 +5,9 @@ The pieces, each in its own module:
 - ``actors.engine_loop.EngineLoop``: the engine thread, its command queue and
   the token streams (it owns the engine and the cache);
 - ``actors.migration.Migrator``: leases, NIXL and object-store pulls, installs;
-- ``actors.calibration.calibrate``: the ``CostModel`` measured at start-up;
+- ``actors.calibration``: the ``CostModel`` it starts on (a peer's, this machine's
+  kept ones from ``cluster.engine.machine_rates``, a prior, or a full calibration)
+  and its refinement while serving;
 - ``actors.reporter.EventReporter``: KV events, load and snapshots to the directory;
 - ``actors.peer.PeerServer``: the peer channel other workers and the ingress
   call this worker on (migrations, admin), when the shell gives it a host;
@@ -46,10 +48,11 @@ from cluster.cache.l3 import INSTALL_HINT, L3Config, MooncakeL3Store, mooncake_a
 from cluster.cache.l3.tier import L3Tier, L3TierConfig, l3_model_id
 from cluster.cache.prefix_value import shared_prefixes
 from cluster.cache.tiered import TieredCache
-from cluster.engine import malloc, openmp
+from cluster.engine import machine_rates, malloc, openmp
 from cluster.engine.checkpoint import load_model, load_tokenizer
 from cluster.engine.engine import Engine, EngineRequest
 from cluster.engine.grammar import Grammars, grammar_available
+from cluster.names import WARM
 from cluster.protocol import (GenerateRequest, L3ShareCounts, LoadReport, MeasuredRates, MigrationResult, PrefixOffer,
                               Snapshot, StagedPrefix, StreamItem, Tenant, WorkerInfo)
 from cluster.routing.autoscale_signals import ReplicaSignals
@@ -145,9 +148,21 @@ class WorkerCore:
 
     def _initial_rates(self, directory) -> None:
         """Before the engine thread owns the cache: the full calibration where asked, else a
-        peer's rates or a one-prefill prior; either way refined while serving (``RateRefiner``)."""
+        peer's rates, this machine's kept ones (``cluster.engine.machine_rates``) or a
+        two-prefill prior; either way refined while serving (``RateRefiner``), and what the
+        worker measures is kept for the machine's next start (``_keep_rates``)."""
+        self.rates_kept = machine_rates.rates_file(self.model, str(self.model.device),
+                                                   self.layout.bytes_per_token(), self.config.block_tokens)
         self.rates_source = "peer"
         self.cost = self._peer_cost(directory)
+        if self.cost is None and not self.config.calibrate_at_start and self.rates_kept is not None:
+            kept = self.rates_kept.load()
+            if kept is not None:
+                self.rates_source = "disk"
+                self.cost = CostModel(**kept.rates, block_tokens=self.config.block_tokens)
+                if "warm_promote_tokens_per_s" in kept.measured:   # as the prior measures it: inline
+                    # promotions and promote-or-recompute read the cache's WARM copy rate
+                    self.cache.moves.seed_copy_rate(WARM, 1.0 / kept.rates["warm_promote_tokens_per_s"])
         if self.cost is None:
             self.rates_source = "calibrated" if self.config.calibrate_at_start else "prior"
             self.cost = calibrate(self.engine, self.migration) if self.config.calibrate_at_start \
@@ -368,6 +383,15 @@ class WorkerCore:
             self.l3.set_rates(cost.l3_fetch_tokens_per_s or None, cost.prefill_tokens_per_s)
         if self.directory is not None and self.registered:   # before that, the first registration carries it
             self._register(fresh=False)
+        self._keep_rates()
+
+    def _keep_rates(self) -> None:
+        """This machine's next start takes the rates measured here (once the engine measured
+        its own prefill: a peer's or the prior's are not kept as this machine's)."""
+        refiner = getattr(self, "refiner", None)
+        kept = getattr(self, "rates_kept", None)
+        if kept is not None and refiner is not None and "prefill_tokens_per_s" in refiner.measured:
+            kept.save(refiner.latest(machine_rates.RATE_NAMES), sorted(refiner.measured))
 
     def _timed_part(self, name: str, fn, *args):
         """``fn(*args)``, its seconds as the start-up part ``name`` (a start-up thread's)."""
@@ -554,6 +578,7 @@ class WorkerCore:
         if self.peer is not None:
             self.peer.close()
         self.loop.close()
+        self._keep_rates()   # the engine thread has stopped: its measures are this thread's to read
         self.cache.close()   # with its L3 thread
         if self.l3 is not None:
             self.l3.store.close()

@@ -462,6 +462,12 @@ class TierMoves:
                     if node.alive:
                         self.tree.requeue(node)
 
+    def seed_copy_rate(self, tier: int, s_per_token: float) -> None:
+        """A copy rate measured before this process (kept on the machine's disk) as the first
+        sample of ``tier``'s median, where none is measured yet: the copies outvote it."""
+        if self.promote_s_per_token[tier] is None:
+            self.promote_s_per_token[tier] = self._copy_samples[tier].add(s_per_token)
+
     def _note_copy_rate(self, move: Move, tokens: int, seconds: float) -> None:
         """Seconds per token of promotions from the source tier (the copy's own time), the
         median of the recent copies (``cluster.estimators``): what ``ready`` weighs a promotion

@@ -135,6 +135,57 @@ def test_the_prior_times_a_warm_prefill_not_the_models_first_forward(monkeypatch
         core.close()
 
 
+def test_kept_rates_round_trip_and_a_foreign_or_bad_file_is_a_miss(tmp_path):
+    from cluster.engine.machine_rates import RatesFile
+
+    store = RatesFile("tiny/model", "key-a", tmp_path)
+    assert store.load() is None
+    store.save({"prefill_tokens_per_s": 300.0, "warm_promote_tokens_per_s": 9e5, "nonsense": 1.0},
+               ["prefill_tokens_per_s"])
+    kept = store.load()
+    assert kept.rates == {"prefill_tokens_per_s": 300.0, "warm_promote_tokens_per_s": 9e5}
+    assert kept.measured == {"prefill_tokens_per_s"}
+    other = RatesFile("tiny/model", "key-b", tmp_path)
+    other.path = store.path   # the same file, another key (machine, threads, KV shape): refused
+    assert other.load() is None
+    store.path.write_text('{"key": "key-a", "rates": {"prefill_tokens_per_s": -1}}')
+    assert store.load() is None
+    store.path.write_text("{torn")
+    assert store.load() is None
+
+
+def test_a_worker_keeps_what_it_measured_and_the_machines_next_start_takes_it(tmp_path, monkeypatch):
+    """Issue 52: a replica with no peer starts on the rates this machine's last replica measured
+    (no prior to measure before serving), with the WARM copy rate as the prior would leave it."""
+    from cluster.engine import machine_rates
+
+    store = machine_rates.RatesFile("tiny/model", "key", tmp_path)
+    monkeypatch.setattr(machine_rates, "rates_file", lambda *args: store)
+    first = make_worker("w-kept-1", calibrate_at_start=False)
+    try:
+        assert first.rates_source == "prior"
+        run_worker(first, list(range(1, 140)), max_tokens=2)   # one prompt step the engine measures
+        measured = first.loop.call(lambda: first.engine.prefill_tokens_per_s).result()
+        assert measured
+    finally:
+        first.close()
+    kept = store.load()
+    assert kept.rates["prefill_tokens_per_s"] == pytest.approx(measured)
+    assert {"prefill_tokens_per_s", "warm_promote_tokens_per_s"} <= kept.measured
+    second = make_worker("w-kept-2", calibrate_at_start=False)
+    try:
+        assert second.rates_source == "disk" and second.startup["rates_source"] == "disk"
+        assert second.cost.prefill_tokens_per_s == kept.rates["prefill_tokens_per_s"]
+        assert second.cache.promote_s_per_token[WARM] == pytest.approx(1 / kept.rates["warm_promote_tokens_per_s"])
+    finally:
+        second.close()
+    calibrated = make_worker("w-kept-3", calibrate_at_start=True)   # asked to calibrate: it does
+    try:
+        assert calibrated.rates_source == "calibrated"
+    finally:
+        calibrated.close()
+
+
 def test_rate_refiner_replaces_only_material_changes():
     from actors.calibration import RateRefiner
     from cluster.routing.policies import CostModel
