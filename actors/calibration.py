@@ -67,10 +67,17 @@ def calibrate(engine: Engine, migrator: Migrator, *, repeats: int = 2, seed: int
         for live, before in counters:   # the worker's counters start at zero for its requests
             live.clear()
             live.update(before)
+    return completed_rates(bt, prefill, warm, cold, transfer, l3_rate)
+
+
+def completed_rates(block_tokens: int, prefill: float, warm: float | None = None, cold: float | None = None,
+                    transfer: float | None = None, l3_fetch: float | None = None) -> CostModel:
+    """A complete ``CostModel`` from the rates measured (tokens per second each; None: not
+    measured): a missing WARM rate is 20x prefill, COLD WARM/10, transfer WARM/4, no L3 0."""
     warm = warm or prefill * 20
     return CostModel(prefill_tokens_per_s=prefill, warm_promote_tokens_per_s=warm,
                      cold_promote_tokens_per_s=cold or warm / 10, transfer_tokens_per_s=transfer or warm / 4,
-                     block_tokens=bt, l3_fetch_tokens_per_s=l3_rate or 0.0)
+                     block_tokens=block_tokens, l3_fetch_tokens_per_s=l3_fetch or 0.0)
 
 
 def _timed(fn: Callable[[], object], tokens: int) -> tuple[int, float]:
@@ -179,9 +186,7 @@ def prior_rates(engine: Engine, *, seed: int = 0) -> CostModel:
         for live, before in counters:
             live.clear()
             live.update(before)
-    prefill = tokens / max(seconds, 1e-6)
-    return CostModel(prefill_tokens_per_s=prefill, warm_promote_tokens_per_s=prefill * 20,
-                     cold_promote_tokens_per_s=prefill * 2, transfer_tokens_per_s=prefill * 5, block_tokens=bt)
+    return completed_rates(bt, tokens / max(seconds, 1e-6))
 
 
 class RateRefiner:
@@ -220,14 +225,13 @@ class RateRefiner:
         return True
 
 
-    def latest(self, names: tuple[str, ...]) -> dict[str, float]:
-        """Each of ``names``: its latest measure where this worker measured it, else the rate in
-        force (a peer's, the prior's or kept; 0 where there is none)."""
+    def latest(self) -> dict[str, float]:
+        """The latest measure of each rate this worker has measured itself (by name)."""
         out = {}
-        for name in names:
-            read = self.sources.get(name)
-            value = read() if read is not None and name in self.measured else None
-            out[name] = float(value) if value and value > 0 else float(getattr(self.cost, name, 0.0) or 0.0)
+        for name in sorted(self.measured):
+            value = self.sources[name]()
+            if value and value > 0:
+                out[name] = float(value)
         return out
 
 

@@ -37,7 +37,7 @@ from typing import AsyncIterator, Awaitable, Callable
 import numpy as np
 import torch
 
-from actors.calibration import RateRefiner, calibrate, prior_rates, rate_sources
+from actors.calibration import RateRefiner, calibrate, completed_rates, prior_rates, rate_sources
 from actors.config import WorkerConfig
 from actors.engine_loop import EngineLoop, EngineWedgedError, QueueFullError, StreamContext
 from actors.migration import Migrator, PeerLink
@@ -147,22 +147,26 @@ class WorkerCore:
                  self.engine.linear_layouts)
 
     def _initial_rates(self, directory) -> None:
-        """Before the engine thread owns the cache: the full calibration where asked, else a
-        peer's rates, this machine's kept ones (``cluster.engine.machine_rates``) or a
+        """Before the engine thread owns the cache: the full calibration where asked, else
+        this machine's kept rates (``cluster.engine.machine_rates``), a peer's, or a
         two-prefill prior; either way refined while serving (``RateRefiner``), and what the
         worker measures is kept for the machine's next start (``_keep_rates``)."""
         self.rates_kept = machine_rates.rates_file(self.model, str(self.model.device),
                                                    self.layout.bytes_per_token(), self.config.block_tokens)
-        self.rates_source = "peer"
-        self.cost = self._peer_cost(directory)
-        if self.cost is None and not self.config.calibrate_at_start and self.rates_kept is not None:
-            kept = self.rates_kept.load()
-            if kept is not None:
-                self.rates_source = "disk"
-                self.cost = CostModel(**kept.rates, block_tokens=self.config.block_tokens)
-                if "warm_promote_tokens_per_s" in kept.measured:   # as the prior measures it: inline
-                    # promotions and promote-or-recompute read the cache's WARM copy rate
-                    self.cache.moves.seed_copy_rate(WARM, 1.0 / kept.rates["warm_promote_tokens_per_s"])
+        # This machine's own measures first: no remote call (the first replica's directory is
+        # still starting, and asking it for a peer's rates waited out its 2 s timeout).
+        kept = self.rates_kept.load() if self.rates_kept is not None and not self.config.calibrate_at_start else None
+        if kept is not None:
+            self.rates_source = "disk"
+            self.cost = completed_rates(self.config.block_tokens, kept["prefill_tokens_per_s"],
+                                        kept.get("warm_promote_tokens_per_s"), kept.get("cold_promote_tokens_per_s"),
+                                        kept.get("transfer_tokens_per_s"), kept.get("l3_fetch_tokens_per_s"))
+            if "warm_promote_tokens_per_s" in kept:   # as the prior leaves it: inline promotions and
+                # promote-or-recompute read the cache's own WARM copy rate
+                self.cache.moves.seed_copy_rate(WARM, 1.0 / kept["warm_promote_tokens_per_s"])
+        else:
+            self.rates_source = "peer"
+            self.cost = self._peer_cost(directory)
         if self.cost is None:
             self.rates_source = "calibrated" if self.config.calibrate_at_start else "prior"
             self.cost = calibrate(self.engine, self.migration) if self.config.calibrate_at_start \
@@ -391,7 +395,7 @@ class WorkerCore:
         refiner = getattr(self, "refiner", None)
         kept = getattr(self, "rates_kept", None)
         if kept is not None and refiner is not None and "prefill_tokens_per_s" in refiner.measured:
-            kept.save(refiner.latest(machine_rates.RATE_NAMES), sorted(refiner.measured))
+            kept.save(refiner.latest())
 
     def _timed_part(self, name: str, fn, *args):
         """``fn(*args)``, its seconds as the start-up part ``name`` (a start-up thread's)."""

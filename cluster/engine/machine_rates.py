@@ -12,8 +12,10 @@ The key is everything the packed copies depend on (the checkpoint, the dtype, th
 the thread count, the kernel), the device, and the KV's bytes per token and block size, so
 a rate kept for another machine, model, thread count or KV shape is never read. A model
 without a checkpoint (the seeded test models) keeps nothing, and ``PREFIX_CACHE_PACKED_CACHE=0``
-turns this off with the rest of the cache. The rates are a starting point like a peer's: the
-refiner replaces each as soon as the engine measures it.
+turns this off with the rest of the cache. Only rates a worker measured itself are kept (a
+peer's or the prior's are not this machine's), and a start completes the rest as calibration
+does (``actors.calibration.completed_rates``). The rates are a starting point like a peer's:
+the refiner replaces each as soon as the engine measures it.
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ import logging
 import math
 import os
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -47,12 +48,6 @@ def device_name(device: str) -> str:
     return device
 
 
-@dataclass(frozen=True)
-class KeptRates:
-    rates: dict[str, float]    # CostModel keyword arguments (names from RATE_NAMES)
-    measured: frozenset[str]   # those the worker that kept them had measured itself
-
-
 class RatesFile:
     """One model's rates on this machine: ``load`` (None on a miss, another key or a bad file), ``save``."""
 
@@ -62,8 +57,9 @@ class RatesFile:
         stem = re.sub(r"[^A-Za-z0-9._-]", "_", name)[:80] or "model"
         self.path = self.directory / f"{stem}-rates-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
-    def load(self) -> KeptRates | None:
-        """The kept rates (each a positive finite number, names from ``RATE_NAMES``), or None."""
+    def load(self) -> dict[str, float] | None:
+        """The kept rates by name (each a positive finite number measured by a worker, names from
+        ``RATE_NAMES``, the prefill rate among them), or None."""
         try:
             state = json.loads(self.path.read_text())
         except FileNotFoundError:
@@ -78,17 +74,16 @@ class RatesFile:
                or not math.isfinite(v) or v <= 0 for name, v in rates.items()):
             log.warning("kept rates %s hold a bad value; measuring", self.path)
             return None
-        measured = state.get("measured")
-        measured = frozenset(m for m in measured if m in rates) if isinstance(measured, list) else frozenset()
-        return KeptRates({name: float(v) for name, v in rates.items()}, measured)
+        return {name: float(v) for name, v in rates.items()}
 
-    def save(self, rates: Mapping[str, float], measured: list[str] | None = None) -> None:
-        """Write atomically (a reader sees the old file or the new one); a read-only disk keeps nothing."""
+    def save(self, rates: Mapping[str, float]) -> None:
+        """Keep ``rates`` (what a worker measured itself; only those), written atomically (a
+        reader sees the old file or the new one); a read-only disk keeps nothing."""
         rates = {name: float(v) for name, v in rates.items() if name in RATE_NAMES and v and v > 0}
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps({"key": self.key, "rates": rates, "measured": sorted(measured or [])}))
+            tmp.write_text(json.dumps({"key": self.key, "rates": rates}))
             tmp.replace(self.path)
         except OSError as exc:
             log.warning("rates not kept on disk (%s)", exc)

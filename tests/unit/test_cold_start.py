@@ -140,11 +140,8 @@ def test_kept_rates_round_trip_and_a_foreign_or_bad_file_is_a_miss(tmp_path):
 
     store = RatesFile("tiny/model", "key-a", tmp_path)
     assert store.load() is None
-    store.save({"prefill_tokens_per_s": 300.0, "warm_promote_tokens_per_s": 9e5, "nonsense": 1.0},
-               ["prefill_tokens_per_s"])
-    kept = store.load()
-    assert kept.rates == {"prefill_tokens_per_s": 300.0, "warm_promote_tokens_per_s": 9e5}
-    assert kept.measured == {"prefill_tokens_per_s"}
+    store.save({"prefill_tokens_per_s": 300.0, "warm_promote_tokens_per_s": 9e5, "nonsense": 1.0})
+    assert store.load() == {"prefill_tokens_per_s": 300.0, "warm_promote_tokens_per_s": 9e5}
     other = RatesFile("tiny/model", "key-b", tmp_path)
     other.path = store.path   # the same file, another key (machine, threads, KV shape): refused
     assert other.load() is None
@@ -169,14 +166,16 @@ def test_a_worker_keeps_what_it_measured_and_the_machines_next_start_takes_it(tm
         assert measured
     finally:
         first.close()
-    kept = store.load()
-    assert kept.rates["prefill_tokens_per_s"] == pytest.approx(measured)
-    assert {"prefill_tokens_per_s", "warm_promote_tokens_per_s"} <= kept.measured
+    kept = store.load()   # what it measured itself, only: prefill and the prior's WARM promotion
+    assert set(kept) == {"prefill_tokens_per_s", "warm_promote_tokens_per_s"}
+    assert kept["prefill_tokens_per_s"] == pytest.approx(measured)
     second = make_worker("w-kept-2", calibrate_at_start=False)
     try:
         assert second.rates_source == "disk" and second.startup["rates_source"] == "disk"
-        assert second.cost.prefill_tokens_per_s == kept.rates["prefill_tokens_per_s"]
-        assert second.cache.promote_s_per_token[WARM] == pytest.approx(1 / kept.rates["warm_promote_tokens_per_s"])
+        warm = kept["warm_promote_tokens_per_s"]
+        assert (second.cost.prefill_tokens_per_s, second.cost.warm_promote_tokens_per_s) == (kept["prefill_tokens_per_s"], warm)
+        assert (second.cost.cold_promote_tokens_per_s, second.cost.transfer_tokens_per_s) == (warm / 10, warm / 4)
+        assert second.cache.promote_s_per_token[WARM] == pytest.approx(1 / warm)
     finally:
         second.close()
     calibrated = make_worker("w-kept-3", calibrate_at_start=True)   # asked to calibrate: it does

@@ -28,18 +28,21 @@ def test_pool_shape_is_block_first():
 
 
 def _resident_bytes(tensor):
-    """The resident bytes of the mapping that holds ``tensor`` (/proc/self/smaps)."""
-    addr = tensor.data_ptr()
-    with open("/proc/self/smaps") as f:
-        inside = False
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo <= addr < hi
-            elif inside and head == "Rss:":
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no mapping holds the tensor")
+    """The resident bytes of the pages under ``tensor`` (``mincore``: page by page, so an
+    adjacent mapping the kernel merged with the pool's does not count)."""
+    import ctypes
+    import mmap
+
+    page = mmap.PAGESIZE
+    begin = tensor.data_ptr() // page * page
+    end = tensor.data_ptr() + tensor.numel() * tensor.element_size()
+    pages = (end - begin + page - 1) // page
+    vec = (ctypes.c_ubyte * pages)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte))
+    if libc.mincore(ctypes.c_void_p(begin), ctypes.c_size_t(end - begin), vec) != 0:
+        raise OSError(ctypes.get_errno(), "mincore failed")
+    return sum(b & 1 for b in vec) * page
 
 
 def test_a_cpu_pool_is_zero_when_built_and_mapping_its_pages_keeps_what_it_holds():
