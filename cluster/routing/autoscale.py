@@ -144,6 +144,9 @@ class Decision:
     replicas: int
     reason: str   # scale_out_queue, scale_out_ttft, scale_out_blocked, scale_in, hold, ... (see decide)
     state: AutoscaleState
+    # What keeps the replicas where a scale-in does not come: the signal not low ("wait p90
+    # 1.3 s"), or the load term that needs them ("prefill 0.62 of a replica"); "" otherwise.
+    detail: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,16 +237,24 @@ def _scale_out(config: AutoscaleConfig, reading: _Reading, reporting: int, targe
 
 def _scale_in(config: AutoscaleConfig, reading: _Reading, target: int, min_replicas: int, now: float,
               state: AutoscaleState) -> Decision:
-    low = (reading.worst_queue <= config.low_fraction and reading.worst_wait_s <= config.low_fraction * config.ttft_slo_s
-           and reading.worst_blocked == 0)
-    if not low:
-        return Decision(target, "hold", dataclasses.replace(state, low_since=None))
-    need = max(min_replicas, math.ceil(reading.running / config.running_per_replica),
-               math.ceil(reading.queue_load / config.low_fraction), math.ceil(reading.prefill_load / config.low_fraction))
+    busy = []   # the signals not low
+    if reading.worst_queue > config.low_fraction:
+        busy.append(f"queue {reading.worst_queue:.2f} of its threshold")
+    if reading.worst_wait_s > config.low_fraction * config.ttft_slo_s:
+        busy.append(f"wait p90 {reading.worst_wait_s:.2f} s")
+    if reading.worst_blocked > 0:
+        busy.append(f"out of HOT room {reading.worst_blocked:.2f} of the look-back")
+    if busy:
+        return Decision(target, "hold", dataclasses.replace(state, low_since=None), "; ".join(busy))
+    terms = {f"running {reading.running:.1f}": math.ceil(reading.running / config.running_per_replica),
+             f"queue {reading.queue_load:.2f} of a replica": math.ceil(reading.queue_load / config.low_fraction),
+             f"prefill {reading.prefill_load:.2f} of a replica": math.ceil(reading.prefill_load / config.low_fraction)}
+    need = max(min_replicas, *terms.values())
     low_since = state.low_since if state.low_since is not None else now
     quiet = dataclasses.replace(state, low_since=low_since)
     if need >= target:
-        return Decision(target, "hold", quiet)
+        held_by = [term for term, n in terms.items() if n >= target]
+        return Decision(target, "hold", quiet, f"{', '.join(held_by) or 'min_replicas'} needs {target}")
     if now - low_since < config.downscale_window_s:
         return Decision(target, "low_window", quiet)
     if state.last_scale_at is not None and now - state.last_scale_at < config.scale_in_interval_s:
