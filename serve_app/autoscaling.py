@@ -109,7 +109,8 @@ class PrefixCacheAutoscalingPolicy:
                         "ttft_slo_s %.3g s, but it is its prompts' own prefill, not a wait more replicas would "
                         "shorten: raise ttft_slo_s or speed up the replicas)", ctx.deployment_name,
                         decision.replicas, self.config.ttft_slo_s)
-        elif decision.reason == "hold" and decision.detail and _kind(decision.detail) != self._last_hold:
+        elif (decision.reason == "hold" and decision.detail and decision.replicas > ctx.capacity_adjusted_min_replicas
+              and _kind(decision.detail) != self._last_hold):   # what keeps it from scaling in
             log.info("autoscaling %s: holding %d replicas (%s)", ctx.deployment_name, decision.replicas,
                      decision.detail)
         self._last_hold = _kind(decision.detail) if decision.reason == "hold" else None

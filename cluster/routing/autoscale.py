@@ -33,10 +33,12 @@ that is the deployment's *queue load*, in replicas at the threshold.
   where it is (long prompts on a slow replica: ``ttft_own_prefill`` when
   nothing else decides). A replica that reports no wait reads as all wait.
 - **Scale in** when every signal has stayed low for ``downscale_window_s``:
-  each replica's queue below ``low_fraction`` of its threshold, every wait p90
+  each replica's typical queue (the median of its look-back's readings: a burst
+  it cleared within the look-back leaves the median where it was, as it leaves
+  the scale-out alone) below ``low_fraction`` of its threshold, every wait p90
   below ``low_fraction`` x ``ttft_slo_s``, no replica out of HOT room, and the
   load fits on fewer replicas: the running requests (``running_per_replica``
-  each), the queue (queue load at ``low_fraction``) and the prefill the
+  each), the typical queue (its load at ``low_fraction``) and the prefill the
   replicas did over their TTFT window (``prefill_share`` summed, at
   ``low_fraction`` of each replica's time). It goes to what the load needs in
   one step, so an idle deployment is back at ``min_replicas`` one window after
@@ -54,6 +56,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -162,10 +165,14 @@ class _Reading:
     worst_wait_s: float     # the highest wait p90 (a replica that reports none: its TTFT p90)
     ttft_fixable: bool      # a replica's TTFT p90 is past the SLO, and its wait is what more replicas shorten
     prefill_load: float     # the replicas' prefill shares summed (those that report one)
+    typical_queue_load: float    # as queue_load, each replica's queue its look-back's median reading
+    worst_typical_queue: float   # ... and the highest replica's
 
     @classmethod
     def of(cls, config: AutoscaleConfig, signals: Sequence[ReplicaSignals]) -> "_Reading":
         shares = [s.queued_prompt_tokens / config.queue_threshold_tokens(s) for s in signals]
+        typical = [(statistics.median(s.queued_readings) if s.queued_readings else s.queued_prompt_tokens)
+                   / config.queue_threshold_tokens(s) for s in signals]
         held = [sum(q > config.queue_threshold_tokens(s) for q in s.queued_readings) / len(s.queued_readings)
                 for s in signals if s.queued_readings]
         slo = config.ttft_slo_s
@@ -174,7 +181,7 @@ class _Reading:
         return cls(sum(shares), max(shares), max(s.ttft_p90_s for s in signals),
                    max(s.blocked_for_room for s in signals), sum(s.engine_running for s in signals),
                    max(held) if held else None, max(s.wait_s for s in signals), fixable,
-                   sum(s.prefill_share or 0.0 for s in signals))
+                   sum(s.prefill_share or 0.0 for s in signals), sum(typical), max(typical))
 
     def queue_persists(self, config: AutoscaleConfig) -> bool:
         """The queue stayed above a replica's threshold for ``scale_out_queue_share`` of its
@@ -237,9 +244,9 @@ def _scale_out(config: AutoscaleConfig, reading: _Reading, reporting: int, targe
 
 def _scale_in(config: AutoscaleConfig, reading: _Reading, target: int, min_replicas: int, now: float,
               state: AutoscaleState) -> Decision:
-    busy = []   # the signals not low
-    if reading.worst_queue > config.low_fraction:
-        busy.append(f"queue {reading.worst_queue:.2f} of its threshold")
+    busy = []   # the signals not low (the queue: its typical reading, which one burst does not move)
+    if reading.worst_typical_queue > config.low_fraction:
+        busy.append(f"queue {reading.worst_typical_queue:.2f} of its threshold")
     if reading.worst_wait_s > config.low_fraction * config.ttft_slo_s:
         busy.append(f"wait p90 {reading.worst_wait_s:.2f} s")
     if reading.worst_blocked > 0:
@@ -247,7 +254,8 @@ def _scale_in(config: AutoscaleConfig, reading: _Reading, target: int, min_repli
     if busy:
         return Decision(target, "hold", dataclasses.replace(state, low_since=None), "; ".join(busy))
     terms = {f"running {reading.running:.1f}": math.ceil(reading.running / config.running_per_replica),
-             f"queue {reading.queue_load:.2f} of a replica": math.ceil(reading.queue_load / config.low_fraction),
+             f"queue {reading.typical_queue_load:.2f} of a replica":
+                 math.ceil(reading.typical_queue_load / config.low_fraction),
              f"prefill {reading.prefill_load:.2f} of a replica": math.ceil(reading.prefill_load / config.low_fraction)}
     need = max(min_replicas, *terms.values())
     low_since = state.low_since if state.low_since is not None else now

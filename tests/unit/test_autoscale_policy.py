@@ -198,6 +198,22 @@ def test_scale_in_keeps_what_the_running_requests_and_the_queue_need():
     assert run([busy(queued=400)] * 4, target=4, now=60.0, state=low).replicas == 2
 
 
+def test_a_burst_in_the_look_back_does_not_hold_a_scale_in_and_a_queue_that_stays_does():
+    """Issue 52: on a slow replica one request's prompt is half the queue threshold; the cool
+    phase of `bench autoscale` held two replicas to the end of its load on look-back means
+    of 0.52-0.87 of the threshold (the controller's log). The scale-in reads the median."""
+    low = AutoscaleState(low_since=0.0)
+    burst = held([0, 0, 0, 1500, 0])   # threshold 400 tokens: the mean is 0.75 of it, the median 0
+    d = run([burst, held([0] * 5)], target=2, now=60.0, state=low)
+    assert (d.replicas, d.reason) == (1, "scale_in")
+    stays = held([300, 300, 300, 0, 0])   # the median 0.75 of the threshold: not low
+    d = run([stays, held([0] * 5)], target=2, now=60.0, state=low)
+    assert (d.replicas, d.reason, d.detail, d.state.low_since) == (2, "hold", "queue 0.75 of its threshold", None)
+    # Without readings the mean decides, as before.
+    d = run([busy(queued=300, rate=400.0), IDLE], target=2, now=60.0, state=low)
+    assert (d.replicas, d.reason) == (2, "hold")
+
+
 def test_scale_in_is_rate_limited_by_the_last_scale_event():
     state = AutoscaleState(last_scale_at=50.0, low_since=0.0)
     d = run([IDLE] * 2, target=2, now=79.0, state=state)
