@@ -74,12 +74,15 @@ class DirectoryLink:
         id held); False when a live worker registers again before its snapshot."""
         self.handle().register_worker.remote(worker_id, rates, peer_address, fresh)
 
-    def publisher_epoch(self, worker_id: str, timeout_s: float = 2.0) -> int | None:
+    def publisher_epoch(self, worker_id: str, timeout_s: float = 2.0, asked=None) -> int | None:
         """The epoch the directory hands this new process's KV event publisher, or None
         (no directory within ``timeout_s``: the publisher then takes its own clock's,
-        and asks again if the directory refuses it). Blocking: called in constructors."""
+        and asks again if the directory refuses it). ``asked``: the future of a request
+        made earlier (``publisher_epoch_future``), so the directory's own start overlaps
+        the worker's. Blocking: called in constructors."""
         try:
-            issued = ray.get(self.handle().publisher_epoch.remote(worker_id), timeout=timeout_s)
+            fut = asked if asked is not None else self.handle().publisher_epoch.remote(worker_id).future()
+            issued = fut.result(timeout=timeout_s)
         except Exception as exc:
             log.warning("no publisher epoch from the directory for %s (%s); using this node's clock",
                         worker_id, type(exc).__name__)
