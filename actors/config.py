@@ -116,9 +116,10 @@ class WorkerConfig:
     # peer's measured rates instead of calibrating (seconds of start-up: a replacement
     # replica is serving sooner). False: always measure.
     reuse_peer_calibration: bool = True
-    # False (default): serve at once on a prior (``prior_rates``: a warm 64-token prefill and
-    # one WARM promotion, well under a second), unless a peer's rates are taken; the engine's and the cache's own measurements replace them as
-    # they come (RateRefiner). True: measure every rate first (actors.calibration.calibrate,
+    # False (default): serve at once on the rates this machine's last replica of the model
+    # measured (kept on disk: cluster.engine.machine_rates), else a peer's, else a prior
+    # (``prior_rates``: a warm 64-token prefill and one WARM promotion, well under a second);
+    # the engine's and the cache's own measurements replace them as they come (RateRefiner). True: measure every rate first (actors.calibration.calibrate,
     # 5-8 s of start-up on a 2-core CPU replica). The default calibrated until L3's fetch
     # guard modelled a fetch's round trip and probed again (cluster.cache.l3.fetch_cost):
     # before, the prior's first small fetches turned L3 off for good under round-robin turns

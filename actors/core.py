@@ -92,7 +92,7 @@ class WorkerCore:
         mark = time.perf_counter()
         # The publisher's epoch, asked now: a first replica's directory starts beside it, and
         # waiting for its answer after the engine build took a 2 s timeout out of the start.
-        self._epoch_asked = self._ask_epoch(directory)
+        self._epoch_asked = directory.ask_publisher_epoch(worker_id) if directory is not None else None
 
         def part(name: str) -> None:
             nonlocal mark
@@ -183,11 +183,7 @@ class WorkerCore:
         """The KV events' publisher on the tree (and L3's inventories), and the reporter that
         sends them with the load to ``directory`` (None: nothing is reported). The publisher's
         epoch is the directory's (``cluster.routing.events``); its own clock's when it did not answer."""
-        epoch, (fut, asked_at) = None, self._epoch_asked
-        if fut is not None:   # what is left of 2 s since it was asked (the fallback is supported)
-            epoch = directory.publisher_epoch(self.worker_id, max(0.2, asked_at + 2.0 - time.monotonic()), fut)
-        elif directory is not None:
-            epoch = directory.publisher_epoch(self.worker_id)
+        epoch = directory.publisher_epoch(self.worker_id, asked=self._epoch_asked) if directory is not None else None
         self.publisher = KVEventPublisher(self.worker_id, self.cache.tree, self.config.tier_config().block_tokens,
                                           epoch=epoch)
         self.cache.add_listener(self.publisher)
@@ -320,17 +316,6 @@ class WorkerCore:
                       codec=self.cache.codec)
         log.info("worker %s uses L3 at %s (write %s)", self.worker_id, cfg.l3_master, cfg.l3_write)
         return tier
-
-    def _ask_epoch(self, directory) -> tuple[object | None, float]:
-        """The future of the directory's publisher epoch for this process, and when it was asked
-        (None: no directory, or asking failed: ``publisher_epoch`` asks again)."""
-        if directory is None:
-            return None, time.monotonic()
-        try:
-            return directory.publisher_epoch_future(self.worker_id), time.monotonic()
-        except Exception as exc:
-            log.info("publisher epoch not asked early for %s (%s)", self.worker_id, type(exc).__name__)
-            return None, time.monotonic()
 
     def _peer_cost(self, directory) -> CostModel | None:
         """A registered peer's measured rates, when this worker may reuse them."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import ray
 from ray.exceptions import RayActorError
@@ -74,15 +75,27 @@ class DirectoryLink:
         id held); False when a live worker registers again before its snapshot."""
         self.handle().register_worker.remote(worker_id, rates, peer_address, fresh)
 
+    def ask_publisher_epoch(self, worker_id: str):
+        """Ask for this new process's publisher epoch now and take the answer later
+        (``publisher_epoch(worker_id, asked=...)``), so the directory's own start overlaps
+        the worker's; None where asking failed (``publisher_epoch`` asks again)."""
+        try:
+            return self.publisher_epoch_future(worker_id), time.monotonic()
+        except Exception as exc:
+            log.info("publisher epoch not asked early for %s (%s)", worker_id, type(exc).__name__)
+            return None
+
     def publisher_epoch(self, worker_id: str, timeout_s: float = 2.0, asked=None) -> int | None:
         """The epoch the directory hands this new process's KV event publisher, or None
-        (no directory within ``timeout_s``: the publisher then takes its own clock's,
-        and asks again if the directory refuses it). ``asked``: the future of a request
-        made earlier (``publisher_epoch_future``), so the directory's own start overlaps
-        the worker's. Blocking: called in constructors."""
+        (no directory within ``timeout_s``, counted from ``asked``'s request where given, at
+        least 0.2 s more: the publisher then takes its own clock's, and asks again if the
+        directory refuses it). Blocking: called in constructors."""
         try:
-            fut = asked if asked is not None else self.handle().publisher_epoch.remote(worker_id).future()
-            issued = fut.result(timeout=timeout_s)
+            if asked is not None:
+                fut, asked_at = asked
+                issued = fut.result(timeout=max(0.2, asked_at + timeout_s - time.monotonic()))
+            else:
+                issued = ray.get(self.handle().publisher_epoch.remote(worker_id), timeout=timeout_s)
         except Exception as exc:
             log.warning("no publisher epoch from the directory for %s (%s); using this node's clock",
                         worker_id, type(exc).__name__)

@@ -4,9 +4,11 @@ Starts ``--runs`` WorkerCores of the worker config (``--worker-json``, default t
 model with ``--kv-memory-mb``), each in a fresh Python process, and prints one JSON line a
 start with each part's seconds (``WorkerCore.startup``: model, cache, engine with the packed
 weights' source, L3/NIXL/grammars on their threads, the rates). Two arms in the same run:
-``before`` (no packed-weights cache, ``PREFIX_CACHE_PACKED_CACHE=0``, and the full
-calibration before serving, ``calibrate_at_start``) and ``after`` (the packed weights from
-disk and serving on the prior, ``calibrate_at_start: false``, the default: ``actors/config.py``);
+``before`` (no packed-weights cache, ``PREFIX_CACHE_PACKED_CACHE=0``: the checkpoint cast and
+packed in the process, and the full calibration before serving, ``calibrate_at_start``) and
+``after`` (the defaults: the weights mapped and the packed copies from disk, and serving on
+this machine's kept rates where a replica kept some, else on the prior, ``calibrate_at_start:
+false``: ``actors/config.py``);
 a summary line with each arm's median ``core_s``. No Ray.
 """
 

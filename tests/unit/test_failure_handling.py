@@ -197,7 +197,10 @@ class RatesOnlyDirectory:
     def register(self, worker_id, rates, peer_address=None, fresh=True):
         self.registered.append(worker_id)
 
-    def publisher_epoch(self, worker_id):
+    def ask_publisher_epoch(self, worker_id):
+        return None   # asked when the answer is read
+
+    def publisher_epoch(self, worker_id, asked=None):
         return 7   # the directory's, whatever this node's clock says
 
 

@@ -80,7 +80,10 @@ class SharesDirectory:
     def register(self, worker_id, rates, peer_address=None, fresh=True):
         pass
 
-    def publisher_epoch(self, worker_id):
+    def ask_publisher_epoch(self, worker_id):
+        return None
+
+    def publisher_epoch(self, worker_id, asked=None):
         return 7
 
     def publish(self, worker_id, batch, load, want_l3_shares=False):
