@@ -224,7 +224,6 @@ class RateRefiner:
         self.on_change(self.cost)
         return True
 
-
     def latest(self) -> dict[str, float]:
         """The latest measure of each rate this worker has measured itself (by name)."""
         out = {}

@@ -119,8 +119,9 @@ class WorkerConfig:
     # False (default): serve at once on the rates this machine's last replica of the model
     # measured (kept on disk: cluster.engine.machine_rates), else a peer's, else a prior
     # (``prior_rates``: a warm 64-token prefill and one WARM promotion, well under a second);
-    # the engine's and the cache's own measurements replace them as they come (RateRefiner). True: measure every rate first (actors.calibration.calibrate,
-    # 5-8 s of start-up on a 2-core CPU replica). The default calibrated until L3's fetch
+    # the engine's and the cache's own measurements replace them as they come (RateRefiner).
+    # True: measure every rate first (actors.calibration.calibrate, 5-8 s of start-up on a
+    # 2-core CPU replica). The default calibrated until L3's fetch
     # guard modelled a fetch's round trip and probed again (cluster.cache.l3.fetch_cost):
     # before, the prior's first small fetches turned L3 off for good under round-robin turns
     # (demo: reuse 0.85 against 0.998 calibrated).

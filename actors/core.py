@@ -395,10 +395,8 @@ class WorkerCore:
     def _keep_rates(self) -> None:
         """This machine's next start takes the rates measured here (once the engine measured
         its own prefill: a peer's or the prior's are not kept as this machine's)."""
-        refiner = getattr(self, "refiner", None)
-        kept = getattr(self, "rates_kept", None)
-        if kept is not None and refiner is not None and "prefill_tokens_per_s" in refiner.measured:
-            kept.save(refiner.latest())
+        if self.rates_kept is not None and "prefill_tokens_per_s" in self.refiner.measured:
+            self.rates_kept.save(self.refiner.latest())
 
     def _timed_part(self, name: str, fn, *args):
         """``fn(*args)``, its seconds as the start-up part ``name`` (a start-up thread's)."""

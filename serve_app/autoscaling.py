@@ -89,7 +89,7 @@ class PrefixCacheAutoscalingPolicy:
     def __init__(self, **policy_kwargs: Any):
         self.config = AutoscaleConfig.from_kwargs(policy_kwargs)
         self._last_reason: str | None = None
-        self._last_hold: str | None = None   # what held the replicas at the last call (its terms' names)
+        self._last_hold: tuple[str, ...] | None = None   # what held the replicas at the last call
 
     def __call__(self, ctx: "AutoscalingContext") -> tuple[int, dict[str, Any]]:
         now = ctx.current_time if ctx.current_time is not None else time.time()
@@ -109,20 +109,13 @@ class PrefixCacheAutoscalingPolicy:
                         "ttft_slo_s %.3g s, but it is its prompts' own prefill, not a wait more replicas would "
                         "shorten: raise ttft_slo_s or speed up the replicas)", ctx.deployment_name,
                         decision.replicas, self.config.ttft_slo_s)
-        elif (decision.reason == "hold" and decision.detail and decision.replicas > ctx.capacity_adjusted_min_replicas
-              and _kind(decision.detail) != self._last_hold):   # what keeps it from scaling in
+        elif (decision.reason == "hold" and decision.held_by != self._last_hold
+              and decision.replicas > ctx.capacity_adjusted_min_replicas):   # what keeps it from scaling in
             log.info("autoscaling %s: holding %d replicas (%s)", ctx.deployment_name, decision.replicas,
                      decision.detail)
-        self._last_hold = _kind(decision.detail) if decision.reason == "hold" else None
+        self._last_hold = decision.held_by if decision.reason == "hold" else None
         self._last_reason = decision.reason
         return decision.replicas, {**(ctx.policy_state or {}), **decision.state.as_policy_state()}
-
-
-def _kind(detail: str) -> str:
-    """A hold's detail without its figures ("prefill 0.62 of a replica needs 2" -> "prefill needs"):
-    the controller logs a hold when what holds changes, not at every figure."""
-    return " ".join(w for w in detail.replace(",", " ").replace(";", " ").split()
-                    if not any(c.isdigit() for c in w))
 
 
 def replica_autoscaling_config(config: Mapping[str, Any] | None, policy: str | None = None,

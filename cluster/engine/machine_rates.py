@@ -20,14 +20,11 @@ the refiner replaces each as soon as the engine measures it.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
-import os
-import re
-from pathlib import Path
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from cluster.engine import packed_weights
 
@@ -48,14 +45,10 @@ def device_name(device: str) -> str:
     return device
 
 
-class RatesFile:
+class RatesFile(packed_weights.KeyedFile):
     """One model's rates on this machine: ``load`` (None on a miss, another key or a bad file), ``save``."""
 
-    def __init__(self, name: str, key: str, directory: Path | None = None):
-        self.key = key
-        self.directory = directory or packed_weights.cache_dir()
-        stem = re.sub(r"[^A-Za-z0-9._-]", "_", name)[:80] or "model"
-        self.path = self.directory / f"{stem}-rates-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    suffix = ".json"
 
     def load(self) -> dict[str, float] | None:
         """The kept rates by name (each a positive finite number measured by a worker, names from
@@ -77,16 +70,10 @@ class RatesFile:
         return {name: float(v) for name, v in rates.items()}
 
     def save(self, rates: Mapping[str, float]) -> None:
-        """Keep ``rates`` (what a worker measured itself; only those), written atomically (a
-        reader sees the old file or the new one); a read-only disk keeps nothing."""
+        """Keep ``rates`` (what a worker measured itself; only those), written atomically; a
+        read-only disk keeps nothing."""
         rates = {name: float(v) for name, v in rates.items() if name in RATE_NAMES and v and v > 0}
-        try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps({"key": self.key, "rates": rates}))
-            tmp.replace(self.path)
-        except OSError as exc:
-            log.warning("rates not kept on disk (%s)", exc)
+        self._write(lambda tmp: tmp.write_text(json.dumps({"key": self.key, "rates": rates})))
 
 
 def rates_file(model: Any, device: str, bytes_per_token: int, block_tokens: int) -> RatesFile | None:
@@ -96,4 +83,4 @@ def rates_file(model: Any, device: str, bytes_per_token: int, block_tokens: int)
         return None
     key = (f"rates v{RATES_VERSION}|{packed_weights.cache_key(model)}|{device_name(device)}|"
            f"{bytes_per_token} bytes a token|{block_tokens} a block")
-    return RatesFile(model.weights_name, key)
+    return RatesFile(f"{model.weights_name}-rates", key)

@@ -38,6 +38,7 @@ import hashlib
 import logging
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -83,15 +84,36 @@ def cache_key(model: Any) -> str:
             f"packed {int(linear_layouts.packed_enabled())}|kernel {kernel}")
 
 
-class PackedStore:
-    """One model's packed file: ``load`` (None on a miss or another key), ``save``."""
+class KeyedFile:
+    """A file in this machine's cache (``cache_dir``), named by ``name`` and a hash of ``key``
+    (the key itself is stored inside: a reader refuses a file of another key), written
+    atomically: a reader sees the old file or the new one, and a process that maps the old
+    one keeps its pages (never truncate a file in place)."""
+
+    suffix = ".pt"
 
     def __init__(self, name: str, key: str, directory: Path | None = None):
         self.key = key
         self.directory = directory or cache_dir()
         stem = re.sub(r"[^A-Za-z0-9._-]", "_", name)[:80] or "model"
         self.prefix = f"{stem}-"
-        self.path = self.directory / f"{self.prefix}{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
+        self.path = self.directory / f"{self.prefix}{hashlib.sha256(key.encode()).hexdigest()[:16]}{self.suffix}"
+
+    def _write(self, write: Callable[[Path], None]) -> bool:
+        """``write(tmp)`` then rename it over the file; False (logged) where the disk refused."""
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
+            write(tmp)
+            tmp.replace(self.path)
+            return True
+        except OSError as exc:
+            log.warning("%s not kept on disk (%s)", self.path.name, exc)
+            return False
+
+
+class PackedStore(KeyedFile):
+    """One model's packed file: ``load`` (None on a miss or another key), ``save``."""
 
     def load(self) -> dict | None:
         """The stored state, its tensors mapped from the file; None without a file of this key."""
@@ -105,19 +127,12 @@ class PackedStore:
         return state if isinstance(state, dict) and state.get("key") == self.key else None
 
     def save(self, state: dict) -> None:
-        """Write atomically (a reader sees the old file or the new one, and a process that maps
-        the old one keeps its pages: never truncate a file in place) and remove this model's
-        files of other keys; a read-only disk keeps the copies in memory only."""
-        try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
-            torch.save({**state, "key": self.key}, tmp)
-            tmp.replace(self.path)
-            for old in self.directory.glob(f"{self.prefix}*.pt"):
+        """Write it (atomically) and remove this model's files of other keys; a read-only disk
+        keeps the copies in memory only."""
+        if self._write(lambda tmp: torch.save({**state, "key": self.key}, tmp)):
+            for old in self.directory.glob(f"{self.prefix}*{self.suffix}"):
                 if old != self.path and len(old.name) == len(self.path.name):
                     old.unlink(missing_ok=True)
-        except OSError as exc:
-            log.warning("packed weights not kept on disk (%s)", exc)
 
 
 def _groups(model: Any) -> tuple[list, list]:

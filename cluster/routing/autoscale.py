@@ -147,9 +147,10 @@ class Decision:
     replicas: int
     reason: str   # scale_out_queue, scale_out_ttft, scale_out_blocked, scale_in, hold, ... (see decide)
     state: AutoscaleState
-    # What keeps the replicas where a scale-in does not come: the signal not low ("wait p90
-    # 1.3 s"), or the load term that needs them ("prefill 0.62 of a replica"); "" otherwise.
+    # What keeps the replicas where a scale-in does not come: the signals not low ("wait p90
+    # 1.3 s"), or the load terms that need them ("prefill 0.62 of a replica needs 2"); "" otherwise.
     detail: str = ""
+    held_by: tuple[str, ...] = ()   # their names ("queue", "wait", "room"; "running", "prefill", "min_replicas")
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,7 +158,6 @@ class _Reading:
     """The signals summed up: what the rules compare."""
 
     queue_load: float       # replicas at the queue threshold (sum of each replica's queue / its threshold)
-    worst_queue: float      # the highest replica's queue / its threshold
     worst_ttft_s: float
     worst_blocked: float
     running: float          # requests running, all replicas
@@ -178,7 +178,7 @@ class _Reading:
         slo = config.ttft_slo_s
         fixable = any(s.ttft_p90_s > slo and (s.ttft_p90_s - s.wait_s <= slo or s.wait_s >= config.low_fraction * slo)
                       for s in signals)
-        return cls(sum(shares), max(shares), max(s.ttft_p90_s for s in signals),
+        return cls(sum(shares), max(s.ttft_p90_s for s in signals),
                    max(s.blocked_for_room for s in signals), sum(s.engine_running for s in signals),
                    max(held) if held else None, max(s.wait_s for s in signals), fixable,
                    sum(s.prefill_share or 0.0 for s in signals), sum(typical), max(typical))
@@ -244,25 +244,28 @@ def _scale_out(config: AutoscaleConfig, reading: _Reading, reporting: int, targe
 
 def _scale_in(config: AutoscaleConfig, reading: _Reading, target: int, min_replicas: int, now: float,
               state: AutoscaleState) -> Decision:
-    busy = []   # the signals not low (the queue: its typical reading, which one burst does not move)
+    busy = {}   # the signals not low (the queue: its typical reading, which one burst does not move)
     if reading.worst_typical_queue > config.low_fraction:
-        busy.append(f"queue {reading.worst_typical_queue:.2f} of its threshold")
+        busy["queue"] = f"queue {reading.worst_typical_queue:.2f} of its threshold"
     if reading.worst_wait_s > config.low_fraction * config.ttft_slo_s:
-        busy.append(f"wait p90 {reading.worst_wait_s:.2f} s")
+        busy["wait"] = f"wait p90 {reading.worst_wait_s:.2f} s"
     if reading.worst_blocked > 0:
-        busy.append(f"out of HOT room {reading.worst_blocked:.2f} of the look-back")
+        busy["room"] = f"out of HOT room {reading.worst_blocked:.2f} of the look-back"
     if busy:
-        return Decision(target, "hold", dataclasses.replace(state, low_since=None), "; ".join(busy))
-    terms = {f"running {reading.running:.1f}": math.ceil(reading.running / config.running_per_replica),
-             f"queue {reading.typical_queue_load:.2f} of a replica":
-                 math.ceil(reading.typical_queue_load / config.low_fraction),
-             f"prefill {reading.prefill_load:.2f} of a replica": math.ceil(reading.prefill_load / config.low_fraction)}
-    need = max(min_replicas, *terms.values())
+        return Decision(target, "hold", dataclasses.replace(state, low_since=None), "; ".join(busy.values()),
+                        tuple(busy))
+    terms = {"running": (f"running {reading.running:.1f}", math.ceil(reading.running / config.running_per_replica)),
+             "queue": (f"queue {reading.typical_queue_load:.2f} of a replica",
+                       math.ceil(reading.typical_queue_load / config.low_fraction)),
+             "prefill": (f"prefill {reading.prefill_load:.2f} of a replica",
+                         math.ceil(reading.prefill_load / config.low_fraction))}
+    need = max(min_replicas, *(n for _, n in terms.values()))
     low_since = state.low_since if state.low_since is not None else now
     quiet = dataclasses.replace(state, low_since=low_since)
     if need >= target:
-        held_by = [term for term, n in terms.items() if n >= target]
-        return Decision(target, "hold", quiet, f"{', '.join(held_by) or 'min_replicas'} needs {target}")
+        held_by = tuple(name for name, (_, n) in terms.items() if n >= target) or ("min_replicas",)
+        texts = [terms[name][0] if name in terms else name for name in held_by]
+        return Decision(target, "hold", quiet, f"{', '.join(texts)} needs {target}", held_by)
     if now - low_since < config.downscale_window_s:
         return Decision(target, "low_window", quiet)
     if state.last_scale_at is not None and now - state.last_scale_at < config.scale_in_interval_s:

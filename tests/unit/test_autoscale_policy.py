@@ -138,6 +138,7 @@ def test_scale_in_keeps_the_replicas_their_prefill_needs():
     d = run([waited(0.5, 0.1, prefill_share=0.35)] * 3, target=3, now=60.0, state=low)  # 1.05: three
     assert (d.replicas, d.reason, d.state.low_since) == (3, "hold", 0.0)
     assert d.detail == "prefill 1.05 of a replica needs 3"   # what the controller's log says held them
+    assert d.held_by == ("prefill",)   # the controller logs a hold again when this changes
     d = run([waited(0.5, 1.5, prefill_share=0.1)] * 3, target=3, now=60.0, state=low)
     assert (d.reason, d.detail, d.state.low_since) == ("hold", "wait p90 1.50 s", None)
     # Not reported (an older replica): the running requests and the queue decide, as before.
