@@ -152,3 +152,60 @@ def test_extreme_values_never_make_the_draw_fail():
     for t in (0.0, 1e-5, 1.0, 2.0):
         params = SamplingParams(temperature=t, repetition_penalty=1e-300, seed=1, top_p=0.5, min_p=0.9)
         assert sample_token(row, params, [1, 2], [3], gen(0)) in (1, 2, 3) or row[[1, 2, 3]].max() <= 0
+
+
+def test_the_nucleus_from_the_top_candidates_is_the_whole_sorts_exactly(monkeypatch):
+    """``sample`` looks for the nucleus among a top-k of candidates before sorting the whole
+    vocabulary: the same generator state gives the same token either way, for peaked and
+    flat distributions, nuclei past the first and the second candidate counts, and tokens
+    tied across the candidates' edge (those are sorted whole, stably by id)."""
+    import cluster.engine.sampling as sampling
+
+    vocab = 6000
+    rows = [torch.randn(vocab, generator=torch.Generator().manual_seed(s)) * scale
+            for s, scale in ((0, 8.0), (1, 3.0), (2, 1.0), (3, 0.2))]
+    tied = torch.full((vocab,), -5.0)
+    tied[:10] = 4.0
+    tied[10:3000] = 0.5   # thousands of equal tokens across the 1,024 and 4,096 edges
+    rows.append(tied)
+    scattered = torch.randn(vocab, generator=torch.Generator().manual_seed(5))
+    scattered[torch.randperm(vocab, generator=torch.Generator().manual_seed(5))[:300]] = 5.0
+    rows.append(scattered)   # 300 tokens tied at the top, spread over the ids: a top-k's order is not theirs
+    cases = [(row, t, p) for row in rows for t in (0.5, 1.0, 1.7) for p in (0.3, 0.9, 0.95, 0.999)]
+
+    def draws() -> list[int]:
+        return [sample(row, t, p, torch.Generator().manual_seed(seed)) for row, t, p in cases for seed in range(3)]
+
+    fast = draws()
+    monkeypatch.setattr(sampling, "NUCLEUS_CANDIDATES", vocab)   # >= the vocabulary: the whole sort
+    monkeypatch.setattr(sampling, "NUCLEUS_WIDE", vocab)
+    assert draws() == fast
+    # The flat rows' nuclei are wider than 1,024 candidates: both paths were taken.
+    probs = torch.softmax(rows[3] / 1.7, -1).sort(descending=True).values
+    assert int((torch.cumsum(probs, 0) < 0.95).sum()) > 4096
+
+
+def test_the_draw_follows_the_distribution_and_never_picks_a_zero():
+    row = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0, 0.0]))   # two tokens with probability 0
+    generator = torch.Generator().manual_seed(7)
+    counts = [0] * 6
+    for _ in range(20000):
+        counts[sample(row, 1.0, 1.0, generator)] += 1
+    assert counts[4] == counts[5] == 0
+    for token, p in enumerate((0.5, 0.3, 0.15, 0.05)):
+        assert abs(counts[token] / 20000 - p) < 0.015, counts
+    # top_p 0.8 keeps tokens 0 and 1 at 0.5 / 0.8 and 0.3 / 0.8.
+    kept = [sample(row, 1.0, 0.8, generator) for _ in range(8000)]
+    assert set(kept) == {0, 1} and abs(kept.count(0) / 8000 - 0.625) < 0.02
+
+
+def test_a_draw_at_the_top_of_the_range_or_from_an_infinite_logit_still_picks_a_token(monkeypatch):
+    import cluster.engine.sampling as sampling
+
+    probs = torch.tensor([0.25, 0.75, 0.0, 0.0])
+    monkeypatch.setattr(sampling.torch, "rand", lambda *a, **k: torch.tensor(1.0, dtype=torch.float64))
+    assert sampling._draw(probs, None, torch.log(probs)) == 1   # the last token with a probability
+    monkeypatch.undo()
+    row = torch.tensor([0.0, float("inf"), 1.0])
+    assert sample(row, 1.0, 1.0, torch.Generator().manual_seed(0)) == 1
+    assert sample(row, 1.0, 0.9, torch.Generator().manual_seed(0)) == 1
