@@ -218,6 +218,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "turn_records: when it was sent, TTFT, e2e, longest gap, cached tokens by tier, "
                         "this app's TTFT parts and wait in engine steps), each with its arm, pair and R")
     p.add_argument("--port", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="every request's temperature (default 0: greedy, the same replies in every arm)")
+    p.add_argument("--top-p", type=float, default=1.0, help="every request's top_p (default 1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--memory-mb", type=float, default=None,
                    help="equal memory: MiB of KV for each server (ours: kv_memory_mb over the replicas, split by "
@@ -264,13 +267,24 @@ def arm_order(arms: list[str], pair: int) -> list[str]:
     return orders[pair % len(orders)] if orders else []
 
 
+def sampling_of(args) -> dict:
+    """The requests' sampling fields (``--temperature``, ``--top-p``): greedy by default."""
+    temperature, top_p = getattr(args, "temperature", 0.0), getattr(args, "top_p", 1.0)
+    if not temperature >= 0 or not 0 < top_p <= 1:
+        raise ValueError(f"--temperature must be >= 0 and --top-p in (0, 1], got {temperature} and {top_p}")
+    return {"temperature": temperature, **({"top_p": top_p} if top_p < 1 else {})}
+
+
 def _driver(args, tokenizer, system: str):
     """The workload as a function of (server base URL, model name) -> its row, the same for every arm."""
+    sampling = sampling_of(args)
     if args.workload == "burst":
         def drive(base: str, model: str) -> dict:
             result = asyncio.run(run_workload(base, model, sessions=args.sessions, turns=args.turns, system=system,
-                                              max_tokens=args.max_tokens, think_s=args.think_s, seed=args.seed))
-            return {"workload": "burst", **result.summary(), **session_fields(result.turns), TURNS: result.turns}
+                                              max_tokens=args.max_tokens, think_s=args.think_s, seed=args.seed,
+                                              sampling=sampling))
+            return {"workload": "burst", "sampling": sampling, **result.summary(), **session_fields(result.turns),
+                    TURNS: result.turns}
         return drive
 
     if args.workload == "shared-prefix":
@@ -285,8 +299,10 @@ def _driver(args, tokenizer, system: str):
         header = args.session_header
 
     def drive(base: str, model: str) -> dict:
-        result = asyncio.run(run_sessions(base, model, plan, system=system, session_header=header))
-        return {"workload": args.workload, "session_header": header, **result.summary(), TURNS: result.turns}
+        result = asyncio.run(run_sessions(base, model, plan, system=system, session_header=header,
+                                          sampling=sampling))
+        return {"workload": args.workload, "session_header": header, "sampling": sampling, **result.summary(),
+                TURNS: result.turns}
     return drive
 
 

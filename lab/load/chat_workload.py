@@ -141,7 +141,8 @@ def _ttft_parts(ok: list[Turn]) -> dict:
 
 
 async def run_workload(base: str, model: str, *, sessions: int, turns: int, system: str, max_tokens: int,
-                       think_s: float, seed: int, timeout_s: float = 600.0) -> WorkloadResult:
+                       think_s: float, seed: int, timeout_s: float = 600.0,
+                       sampling: dict | None = None) -> WorkloadResult:
     import httpx
 
     rng = random.Random(seed)
@@ -161,7 +162,7 @@ async def run_workload(base: str, model: str, *, sessions: int, turns: int, syst
             messages.append({"role": "assistant", "content": reply})
 
     async def ask(http, messages, i, t) -> tuple[Turn, str]:
-        return await ask_turn(http, model, messages, i, t, max_tokens)
+        return await ask_turn(http, model, messages, i, t, max_tokens, sampling=sampling)
 
     limits = httpx.Limits(max_connections=sessions + 4, max_keepalive_connections=sessions + 4)
     async with httpx.AsyncClient(base_url=base, timeout=timeout_s, limits=limits) as http:
@@ -172,11 +173,12 @@ async def run_workload(base: str, model: str, *, sessions: int, turns: int, syst
 
 
 async def ask_turn(http, model: str, messages: list[dict], i: int, t: int, max_tokens: int,
-                   headers: dict | None = None) -> tuple[Turn, str]:
+                   headers: dict | None = None, sampling: dict | None = None) -> tuple[Turn, str]:
     """One streamed chat turn: its measurements and the reply's text (an error ends as a failed Turn);
-    ``headers``: extra request headers (e.g. ``X-Session-Id``)."""
+    ``headers``: extra request headers (e.g. ``X-Session-Id``); ``sampling``: the request's
+    sampling fields (e.g. ``{"temperature": 0.8, "top_p": 0.95}``; default greedy)."""
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
-            "stream": True, "stream_options": {"include_usage": True}}
+            **(sampling or {}), "stream": True, "stream_options": {"include_usage": True}}
     started, sent_at = time.perf_counter(), time.monotonic()
     ttft, text, usage, finished, cache, last, gaps = None, [], None, False, {}, None, []
     try:

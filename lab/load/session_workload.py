@@ -189,10 +189,11 @@ def session_fields(turns: list[Turn]) -> dict:
 
 async def run_sessions(base: str, model: str, plan: list[PlannedSession], *, system: str,
                        session_header: bool = True, timeout_s: float = 600.0,
-                       api_key: str | None = None) -> SessionsResult:
+                       api_key: str | None = None, sampling: dict | None = None) -> SessionsResult:
     """Run ``plan`` against the OpenAI-compatible server at ``base`` (sessions arrive at their
     ``start_s``, wait each turn's ``pause_s`` after the reply before it); every Turn in the
-    order it ended. ``api_key``: sent as the bearer token (the tenant's key)."""
+    order it ended. ``api_key``: sent as the bearer token (the tenant's key); ``sampling``: each
+    request's sampling fields (``ask_turn``; default greedy)."""
     import httpx
 
     result = SessionsResult(sessions=list(plan))
@@ -207,7 +208,7 @@ async def run_sessions(base: str, model: str, plan: list[PlannedSession], *, sys
             content = s.first_message(planned) if planned.turn == 0 else planned.question
             messages.append({"role": "user", "content": content})
             turn, reply = await ask_turn(http, model, messages, s.session, planned.turn, planned.max_tokens,
-                                         headers=headers)
+                                         headers=headers, sampling=sampling)
             turn.after_long_pause = planned.after_long_pause
             result.turns.append(turn)
             if not turn.ok:

@@ -199,6 +199,23 @@ def test_the_client_sends_each_sessions_header_and_its_real_replies_back() -> No
     asyncio.run(server.run(sessions, session_header=False))
     assert len(server.requests) == 9
     assert not any(SESSION_HEADER.lower() in headers for headers, _ in server.requests)
+    # bench serving --temperature 0.8 --top-p 0.95: every request samples so.
+    server = FakeServer()
+    asyncio.run(server.run(sessions, sampling={"temperature": 0.8, "top_p": 0.95}))
+    assert len(server.requests) == 9
+    assert all((body["temperature"], body["top_p"]) == (0.8, 0.95) for _, body in server.requests)
+
+
+def test_bench_serving_samples_as_told_and_greedy_by_default() -> None:
+    from types import SimpleNamespace
+
+    from lab.bench.serving import sampling_of
+
+    assert sampling_of(SimpleNamespace(temperature=0.0, top_p=1.0)) == {"temperature": 0.0}
+    assert sampling_of(SimpleNamespace(temperature=0.8, top_p=0.95)) == {"temperature": 0.8, "top_p": 0.95}
+    for bad in ((-1.0, 1.0), (0.8, 0.0), (0.8, 1.5), (float("nan"), 1.0)):
+        with pytest.raises(ValueError, match="--temperature must be >= 0 and --top-p in"):
+            sampling_of(SimpleNamespace(temperature=bad[0], top_p=bad[1]))
 
 
 def test_an_error_status_or_a_stream_without_its_end_fails_the_turn_and_ends_its_session() -> None:
