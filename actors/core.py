@@ -64,6 +64,7 @@ from cluster.transfer.nixl_transport import NixlEndpoint, TransferError, nixl_av
 log = logging.getLogger(__name__)
 
 SLOW_FAULT_STEP_S = 0.05   # what the 'slow' drill fault adds to every engine iteration
+GRAMMARS_AFTER_IDLE_S = 10.0   # the engine idle this long before the grammars' tokenizer is built
 
 __all__ = ["WorkerCore", "WorkerConfig", "PeerLink", "QueueFullError", "EngineWedgedError"]
 
@@ -257,10 +258,10 @@ class WorkerCore:
         return Grammars.deferred(lambda: load_tokenizer(loaded), vocab_size)
 
     def prepare_grammars(self) -> None:
-        """Build the grammars' tokenizer on a thread of its own at the lowest CPU priority (the
-        shell calls it once the worker is ready: the engine's threads keep the cores); a
-        constrained request that comes first builds them itself at its own priority, off the
-        engine thread (``generate``), rather than wait for this one."""
+        """Build the grammars' tokenizer on a thread of its own at the lowest CPU priority, once
+        the engine has idled ``GRAMMARS_AFTER_IDLE_S`` (the shell calls it once the worker is
+        ready); a constrained request that comes first builds them itself at its own
+        priority, off the engine thread (``generate``), rather than wait for this one."""
         grammars = self.grammars
         if grammars is None or grammars.ready:
             return
@@ -268,6 +269,13 @@ class WorkerCore:
         def build() -> None:
             with contextlib.suppress(OSError):   # a thread's own nice value (Linux)
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+            # Only once the engine has idled a while: the build holds the GIL about 2 s (the
+            # tokenizer's load, in Python), whatever its nice value, and steps beside it took
+            # 1.5-2.6x as long (docs/engine.md: a replica's first requests after ready).
+            while not (grammars.ready or self._closing.is_set()) and self.loop.idle_s() < GRAMMARS_AFTER_IDLE_S:
+                self._closing.wait(0.2)
+            if grammars.ready or self._closing.is_set():
+                return
             try:
                 grammars.prepare()
                 log.info("worker %s: grammars ready in %.2f s", self.worker_id, grammars.build_s)

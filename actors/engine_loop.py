@@ -129,6 +129,7 @@ class EngineLoop:
         self.watchdog_s = watchdog_s
         self._on_trip = on_trip
         self._progress_at = clock()     # replaced whole by the engine thread after each iteration
+        self._working, self._worked_at = False, clock()   # written by the engine thread only (idle_s)
         self.wedged: str | None = None  # set once, by the watchdog: why the engine was declared wedged
         self.watchdog_trips = 0
         self._stop = threading.Event()
@@ -140,6 +141,11 @@ class EngineLoop:
             self._watchdog = threading.Thread(target=self._watch, name=f"watchdog-{name}", daemon=True)
             self._watchdog.start()
 
+    def idle_s(self) -> float:
+        """(any thread) How long the engine has been without work: 0 during an iteration
+        that has some, else the time since the last one ended."""
+        return 0.0 if self._working else max(0.0, self.clock() - self._worked_at)
+
     # ------------------------------------------------------------ engine thread
     def _loop(self) -> None:
         self.owner.bind()
@@ -148,6 +154,7 @@ class EngineLoop:
             self._run_commands()
             if self.engine.has_work():
                 idle_wait = IDLE_WAIT_MIN_S
+                self._working = True
                 steps = self.engine.stats["steps"]
                 try:
                     events = self.engine.step(defer_finish=True)
@@ -160,6 +167,7 @@ class EngineLoop:
                 # The last tokens are on their way: now cache their sequences and unlock
                 # (the client does not wait for the final token's KV or the insert).
                 self.engine.complete_finished()
+                self._worked_at, self._working = self.clock(), False
                 if not events and self.engine.stats["steps"] == steps and self._wake.wait(PENDING_WAIT_S):
                     self._wake.clear()
             else:  # idle gap: housekeeping that must never delay a batch

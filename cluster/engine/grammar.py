@@ -120,9 +120,11 @@ class Grammars:
     llguidance's view of the tokenizer (a pass over the whole vocabulary: seconds for a
     49k-token vocabulary on a busy CPU) is built once, by ``prepare`` or on the first
     ``matcher`` that needs it, whichever comes first (``deferred``: also the tokenizer's
-    own load). A replica prepares it on a thread after it reports ready, so its start
-    does not wait for it, and a constrained request that comes first builds it itself
-    rather than wait for that low-priority thread."""
+    own load). A replica prepares it on a thread once its engine has idled a while
+    (``actors.core.GRAMMARS_AFTER_IDLE_S``: the build holds the GIL, so steps beside it
+    run slower), so neither its start nor its first requests wait for it, and a
+    constrained request that comes first builds it itself rather than wait for that
+    low-priority thread."""
 
     def __init__(self, tokenizer: Any, vocab_size: int):
         self.vocab_size = vocab_size
