@@ -163,7 +163,18 @@ class LoopbackCacheCluster:
         killed actor keeps it a while), registered with the directory."""
         import ray
 
+        from cluster.names import worker_actor_name
+
         ray.kill(self.workers[worker_id], no_restart=True)
+        # Until the killed actor's name is free: starting (get_if_exists) before that hands back
+        # the dying actor, whose ready() then fails (ActorDiedError: killed by ray.kill).
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                ray.get_actor(worker_actor_name(worker_id), namespace=self.namespace)
+            except ValueError:   # no such actor: the name is free
+                break
+            time.sleep(0.1)
         self.start_worker(int(worker_id[1:]))
         self.wait_registered()
 
