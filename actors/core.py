@@ -261,7 +261,7 @@ class WorkerCore:
         """Build the grammars' tokenizer on a thread of its own at the lowest CPU priority, once
         the engine has idled ``GRAMMARS_AFTER_IDLE_S`` (the shell calls it once the worker is
         ready); a constrained request that comes first builds them itself at its own
-        priority, off the engine thread (``generate``), rather than wait for this one."""
+        priority, off the engine thread (``generate``); one during this build waits for it."""
         grammars = self.grammars
         if grammars is None or grammars.ready:
             return

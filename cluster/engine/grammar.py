@@ -122,9 +122,9 @@ class Grammars:
     ``matcher`` that needs it, whichever comes first (``deferred``: also the tokenizer's
     own load). A replica prepares it on a thread once its engine has idled a while
     (``actors.core.GRAMMARS_AFTER_IDLE_S``: the build holds the GIL, so steps beside it
-    run slower), so neither its start nor its first requests wait for it, and a
-    constrained request that comes first builds it itself rather than wait for that
-    low-priority thread."""
+    run slower), so neither its start nor its first requests wait for it; a constrained
+    request that comes first builds it itself, and one that comes during a build waits
+    for that build (one at a time)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int):
         self.vocab_size = vocab_size
@@ -151,14 +151,14 @@ class Grammars:
     def _tokenizer(self) -> Any:
         if self._ll is not None:
             return self._ll
-        # Built outside the lock: a caller that needs it now never waits on a slower builder
-        # (a replica's background build runs at the lowest CPU priority). Two builds at once
-        # cost a second pass over the vocabulary; the first to end is kept.
-        began = time.perf_counter()
-        built = _ll_tokenizer(self._load(), self.vocab_size)
+        # One build at a time; a caller that comes during one waits for it. Two at once (two
+        # constrained requests, or one beside the replica's background build) load the
+        # tokenizer through transformers' lazy modules from two threads, which failed with
+        # "module 'transformers' has no attribute 'AutoTokenizer'" (a 503).
         with self._lock:
             if self._ll is None:
-                self._ll = built
+                began = time.perf_counter()
+                self._ll = _ll_tokenizer(self._load(), self.vocab_size)
                 self.build_s = round(time.perf_counter() - began, 3)
         return self._ll
 

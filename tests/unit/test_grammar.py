@@ -101,28 +101,32 @@ def test_deferred_grammars_load_their_tokenizer_once_on_first_use():
     assert loads == [1]                                         # built once
 
 
-def test_a_caller_never_waits_on_a_slower_build_in_progress():
+def test_a_caller_during_a_build_waits_for_it_and_nothing_is_built_twice():
+    """One build at a time: two at once loaded the tokenizer through transformers' lazy
+    modules from two threads, which failed a constrained request with an AttributeError."""
     import threading
 
     release, started, loads = threading.Event(), threading.Event(), []
 
     def load():
         loads.append(threading.current_thread().name)
-        if len(loads) == 1:            # the background build: stuck until released
-            started.set()
-            release.wait(10)
+        started.set()
+        release.wait(10)   # the background build: held until released
         return TOK
 
     g = Grammars.deferred(load, TOK.vocab_size)
     slow = threading.Thread(target=g.prepare, name="background")
     slow.start()
     assert started.wait(10)
-    m = g.matcher(GrammarSpec("regex", "ab"))                   # builds its own, does not wait
-    assert g.ready and allowed(g, m) == {ord("a")} and slow.is_alive()
-    kept = g._ll
+    got = []
+    caller = threading.Thread(target=lambda: got.append(g.matcher(GrammarSpec("regex", "ab"))), name="request")
+    caller.start()
+    caller.join(0.5)
+    assert caller.is_alive() and not got and not g.ready   # waiting on the build, not building its own
     release.set()
     slow.join(10)
-    assert loads == ["background", "MainThread"] and g._ll is kept   # the first to end is kept
+    caller.join(10)
+    assert loads == ["background"] and g.ready and allowed(g, got[0]) == {ord("a")}
 
 
 def test_a_worker_starts_without_its_grammars_and_its_first_constrained_request_builds_them():
