@@ -46,14 +46,14 @@ def _prepare(script, ready=False, closing=False):
 
 def test_the_build_waits_for_the_engine_to_idle_long_enough():
     busy = [0.0, 2.5, GRAMMARS_AFTER_IDLE_S - 0.1, GRAMMARS_AFTER_IDLE_S]
-    grammars, loop = _prepare(busy)
+    grammars, _ = _prepare(busy)
     assert grammars.prepared_after == [4]   # built once, right after the fourth reading, not before
 
 
 def test_no_build_when_a_request_built_them_first_or_the_worker_closes():
     grammars, _ = _prepare([0.0], ready=True)
     assert grammars.prepared_after == []   # already built (or by a constrained request): nothing started
-    grammars, loop = _prepare([0.0], closing=True)
+    grammars, _ = _prepare([0.0], closing=True)
     assert grammars.prepared_after == [] and not grammars.ready
 
 

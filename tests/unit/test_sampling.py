@@ -159,7 +159,7 @@ def test_the_nucleus_from_the_top_candidates_is_the_whole_sorts_exactly(monkeypa
     vocabulary: the same generator state gives the same token either way, for peaked and
     flat distributions, nuclei past the first and the second candidate counts, and tokens
     tied across the candidates' edge (those are sorted whole, stably by id)."""
-    import cluster.engine.sampling as sampling
+    from cluster.engine import sampling
 
     vocab = 6000
     rows = [torch.randn(vocab, generator=torch.Generator().manual_seed(s)) * scale
@@ -200,7 +200,7 @@ def test_the_draw_follows_the_distribution_and_never_picks_a_zero():
 
 
 def test_a_draw_at_the_top_of_the_range_or_from_an_infinite_logit_still_picks_a_token(monkeypatch):
-    import cluster.engine.sampling as sampling
+    from cluster.engine import sampling
 
     probs = torch.tensor([0.25, 0.75, 0.0, 0.0])
     monkeypatch.setattr(sampling.torch, "rand", lambda *a, **k: torch.tensor(1.0, dtype=torch.float64))
