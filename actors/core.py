@@ -272,8 +272,9 @@ class WorkerCore:
             # Only once the engine has idled a while: the build holds the GIL about 2 s (the
             # tokenizer's load, in Python), whatever its nice value, and steps beside it took
             # 1.5-2.6x as long (docs/engine.md: a replica's first requests after ready).
-            while not (grammars.ready or self._closing.is_set()) and self.loop.idle_s() < GRAMMARS_AFTER_IDLE_S:
-                self._closing.wait(0.2)
+            while self.loop.idle_s() < GRAMMARS_AFTER_IDLE_S:
+                if grammars.ready or self._closing.wait(0.2):
+                    return
             if grammars.ready or self._closing.is_set():
                 return
             try:
