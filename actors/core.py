@@ -255,7 +255,7 @@ class WorkerCore:
             log.warning("structured output off on %s: llguidance is not installed", self.worker_id)
             return None
         loaded = self.loaded
-        return Grammars.deferred(lambda: load_tokenizer(loaded), vocab_size)
+        return Grammars.deferred(lambda: load_tokenizer(loaded), vocab_size, loaded.checkpoint_dir)
 
     def prepare_grammars(self) -> None:
         """Build the grammars' tokenizer on a thread of its own at the lowest CPU priority, once

@@ -22,6 +22,7 @@ import re
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -101,6 +102,53 @@ def _ll_tokenizer(tokenizer: Any, vocab_size: int) -> Any:
     return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_ByteVocab(tokenizer)), n_vocab=vocab_size)
 
 
+def ll_tokenizer_from_files(directory: Path, vocab_size: int) -> Any | None:
+    """llguidance's tokenizer straight from a checkpoint's ``tokenizer.json``, in Rust: the
+    JSON ``llguidance.hf.from_tokenizer`` would hand it (padding and truncation off), with
+    the stop tokens ``HFTokenizer`` gives (EOS, then the generation config's). About 0.4 s,
+    where loading the tokenizer through transformers first took about 2 s holding the GIL
+    (docs/engine.md). None where the files alone do not say the whole tokenizer (an added
+    token only in ``tokenizer_config.json``, an EOS named two ways or not at all): then the
+    caller loads it through transformers as before."""
+    from cluster.engine.hf_adapter import generation_eos_ids
+
+    def read(name: str) -> dict:
+        path = directory / name
+        return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+    def content(token: Any) -> Any:
+        return token.get("content") if isinstance(token, dict) else token
+
+    spec = read("tokenizer.json")
+    config, special = read("tokenizer_config.json"), read("special_tokens_map.json")
+    vocab = (spec.get("model") or {}).get("vocab")
+    if not isinstance(vocab, dict):
+        return None
+    added = {t.get("content"): t.get("id") for t in spec.get("added_tokens") or ()}
+    for token_id, token in (config.get("added_tokens_decoder") or {}).items():
+        if added.get(content(token)) != int(token_id):
+            return None
+    names = {content(config.get("eos_token")), content(special.get("eos_token"))} - {None}
+    if len(names) != 1:
+        return None
+    (eos,) = names
+    eos_id = added.get(eos, vocab.get(eos))
+    if not isinstance(eos_id, int):
+        return None
+    stops = [eos_id]
+    stops += [t for t in generation_eos_ids(directory / "generation_config.json") if t not in stops]
+    if any(not 0 <= t < vocab_size for t in stops):
+        return None
+    if spec.get("padding") is not None or spec.get("truncation") is not None:
+        spec["padding"] = spec["truncation"] = None
+        text = json.dumps(spec)
+    else:
+        text = (directory / "tokenizer.json").read_text(encoding="utf-8")
+    import llguidance
+
+    return llguidance.LLTokenizer(text, n_vocab=vocab_size, eos_token=stops)
+
+
 class _ByteVocab:
     """The built-in byte tokenizer as llguidance sees a tokenizer."""
 
@@ -129,15 +177,19 @@ class Grammars:
     def __init__(self, tokenizer: Any, vocab_size: int):
         self.vocab_size = vocab_size
         self._load: Callable[[], Any] = lambda: tokenizer
+        self._files: Path | None = None   # a checkpoint whose tokenizer.json is tried first
         self._ll: Any = None
         self._lock = threading.Lock()
         self.build_s: float | None = None   # seconds the build took (None: not built yet)
 
     @classmethod
-    def deferred(cls, load: Callable[[], Any], vocab_size: int) -> "Grammars":
-        """Grammars whose tokenizer ``load()`` returns, loaded when they are first prepared."""
+    def deferred(cls, load: Callable[[], Any], vocab_size: int, checkpoint_dir: Path | None = None) -> "Grammars":
+        """Grammars whose tokenizer ``load()`` returns, loaded when they are first prepared;
+        with ``checkpoint_dir``, built from its ``tokenizer.json`` without loading it where
+        the files say the whole tokenizer (``ll_tokenizer_from_files``)."""
         out = cls(None, vocab_size)
         out._load = load
+        out._files = checkpoint_dir
         return out
 
     @property
@@ -158,7 +210,8 @@ class Grammars:
         with self._lock:
             if self._ll is None:
                 began = time.perf_counter()
-                self._ll = _ll_tokenizer(self._load(), self.vocab_size)
+                direct = None if self._files is None else ll_tokenizer_from_files(self._files, self.vocab_size)
+                self._ll = direct if direct is not None else _ll_tokenizer(self._load(), self.vocab_size)
                 self.build_s = round(time.perf_counter() - began, 3)
         return self._ll
 

@@ -69,7 +69,7 @@ class HFTokenizer:
         if not Path(path).is_dir():
             raise FileNotFoundError(f"tokenizer directory {str(path)!r} does not exist")
         tokenizer = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-        return cls(tokenizer, generation_eos_ids=_generation_eos_ids(Path(path) / "generation_config.json"))
+        return cls(tokenizer, generation_eos_ids=generation_eos_ids(Path(path) / "generation_config.json"))
 
     @property
     def vocab_size(self) -> int:
@@ -173,7 +173,7 @@ def _plain_text_backend(tokenizer: Any) -> Any:
     return plain
 
 
-def _generation_eos_ids(path: Path) -> tuple[int, ...]:
+def generation_eos_ids(path: Path) -> tuple[int, ...]:
     """`eos_token_id` of a generation_config.json (int, list or absent) as a tuple."""
     if not path.is_file():
         return ()

@@ -147,3 +147,88 @@ def test_a_worker_starts_without_its_grammars_and_its_first_constrained_request_
         assert items[-1].finish_reason.value == "stop"
     finally:
         core.close()
+
+
+def _checkpoint_copy(tmp_path, edit=None):
+    """The default model's tokenizer files in ``tmp_path`` (``edit(name, data)`` changes one's JSON)."""
+    import shutil
+
+    from cluster.engine.checkpoint import ModelSpec, resolve_checkpoint
+    from tests.requirements import require_default_model
+
+    require_default_model()
+    source = resolve_checkpoint(ModelSpec.parse(None))
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(source / name, tmp_path / name)
+    if edit is not None:
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            path = tmp_path / name
+            data = json.loads(path.read_text()) if path.is_file() else {}
+            if edit(name, data):
+                path.write_text(json.dumps(data))
+    return source, tmp_path
+
+
+def test_the_grammars_tokenizer_built_from_the_files_is_the_one_transformers_gives(tmp_path):
+    from cluster.engine.checkpoint import load_tokenizer
+    from cluster.engine.grammar import _ll_tokenizer, ll_tokenizer_from_files
+
+    source, _ = _checkpoint_copy(tmp_path)
+    hf = load_tokenizer(None)
+    direct, loaded = ll_tokenizer_from_files(source, 49152), _ll_tokenizer(hf, 49152)
+    assert direct.eos_tokens == loaded.eos_tokens == list(hf.stop_token_ids)
+    assert direct.vocab_size == loaded.vocab_size == 49152
+    assert all(direct.decode_bytes([i]) == loaded.decode_bytes([i]) and
+               direct.is_special_token(i) == loaded.is_special_token(i) for i in range(49152))
+    for text in ("Hello, world!", '{"name": "Ana", "age": 3}', "<|im_start|>user\nhi<|im_end|>", " ünïcode ☃ 日本"):
+        assert direct.tokenize_str(text) == loaded.tokenize_str(text)
+
+    def refused(_):
+        raise AssertionError("the files say the whole tokenizer: nothing is loaded")
+    g = Grammars.deferred(refused, 49152, source)
+    m = g.matcher(GrammarSpec("regex", "yes|no"))
+    assert set(torch.nonzero(g.mask(m)).flatten().tolist()) == \
+        {t for t in range(49152) if loaded.decode_bytes([t]) and b"yes".startswith(loaded.decode_bytes([t]))
+         or loaded.decode_bytes([t]) and b"no".startswith(loaded.decode_bytes([t]))}
+
+
+@pytest.mark.parametrize("case", ["added token only in the config", "two eos tokens", "no eos token",
+                                  "generation eos outside the vocabulary"])
+def test_files_that_do_not_say_the_whole_tokenizer_fall_back_to_loading_it(tmp_path, case):
+    from cluster.engine.grammar import ll_tokenizer_from_files
+
+    def edit(name, data):
+        if case == "added token only in the config" and name == "tokenizer_config.json":
+            data["added_tokens_decoder"] = {"49151": {"content": "<tool>", "special": True}}
+        elif case == "two eos tokens" and name == "special_tokens_map.json":
+            data["eos_token"] = "<|endoftext|>"
+        elif case == "no eos token" and name == "tokenizer_config.json":
+            del data["eos_token"]
+        elif case == "generation eos outside the vocabulary" and name == "tokenizer.json":
+            (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 60000]}))
+            return False
+        else:
+            return False
+        return True
+    _, directory = _checkpoint_copy(tmp_path, edit)
+    assert ll_tokenizer_from_files(directory, 49152) is None
+    loads = []
+    g = Grammars.deferred(lambda: loads.append(1) or TOK, TOK.vocab_size, directory)
+    g.prepare()
+    assert loads == [1] and g.ready
+
+
+def test_padding_and_truncation_in_the_files_are_turned_off_as_transformers_turns_them_off(tmp_path):
+    from cluster.engine.grammar import ll_tokenizer_from_files
+
+    def edit(name, data):
+        if name != "tokenizer.json":
+            return False
+        data["truncation"] = {"direction": "Right", "max_length": 4, "strategy": "LongestFirst", "stride": 0}
+        data["padding"] = {"strategy": {"Fixed": 64}, "direction": "Right", "pad_to_multiple_of": None,
+                           "pad_id": 2, "pad_type_id": 0, "pad_token": "<|im_end|>"}
+        return True
+    source, directory = _checkpoint_copy(tmp_path, edit)
+    text = "one two three four five six seven eight nine ten"
+    assert ll_tokenizer_from_files(directory, 49152).tokenize_str(text) == \
+        ll_tokenizer_from_files(source, 49152).tokenize_str(text)
