@@ -58,6 +58,13 @@ class LocalCluster:
     def __init__(self, worker_nodes: int = 2, cpus_per_node: int = 2, namespace: str = "prefix-cache",
                  l3_pool_mb: int = 1024):
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # before Ray starts: bind 127.0.0.1
+        if os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0":
+            # Ray reads the variable into this switch once, when it is imported; a command that
+            # imported Ray first (``prefix-cache serve`` checks the app's config before it starts
+            # the cluster) had every node on the machine's address. The switch works either way.
+            from ray._private import ray_constants
+
+            ray_constants.ENABLE_RAY_CLUSTER = False
         from actors.config import prepare_serving_env
 
         prepare_serving_env()   # replicas at nice 0, Serve's gRPC and loop settings (actors/config.py)

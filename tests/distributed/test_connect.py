@@ -77,3 +77,25 @@ def test_is_loopback(address, loopback):
 def test_the_timeout_must_be_a_positive_number(timeout_s):
     with pytest.raises(InvalidInputError, match="connect timeout must be a positive number"):
         connect("127.0.0.1:6379", timeout_s=timeout_s)
+
+
+# A local cluster started by a command that imported Ray first (``prefix-cache serve``
+# imports the app, and Ray with it, to check the config before the cluster starts).
+LOCAL_CHILD = """
+import ray
+from serve_app.local import LocalCluster
+local = LocalCluster(worker_nodes=1, cpus_per_node=1, l3_pool_mb=0)
+try:
+    print("ADDRESS", local.cluster.address, flush=True)
+    print("NODES", sorted({n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}), flush=True)
+finally:
+    ray.shutdown()
+    local.cluster.shutdown()
+"""
+
+
+def test_a_local_cluster_stays_on_loopback_when_ray_was_imported_first():
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_ADDRESS")}
+    done = subprocess.run([sys.executable, "-c", LOCAL_CHILD], env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "ADDRESS 127.0.0.1:" in done.stdout and "NODES ['127.0.0.1']" in done.stdout, done.stdout
