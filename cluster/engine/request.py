@@ -24,6 +24,7 @@ import torch
 import xxhash
 
 from cluster.cache.lease import KVLease
+from cluster.engine.sampling import Penalties
 from cluster.names import COLD, HOT, L3, WARM
 from cluster.protocol import FinishReason, SamplingParams, StepCounts
 
@@ -91,6 +92,7 @@ class EngineRequest:
     touched_at: float | None = None     # when it touched its cached prefix at submit (the cache's clock)
     generator: torch.Generator | None = None   # reseeded per position (see position_seed)
     matcher: Any = None                 # its grammar's matcher (structured output), fed every sampled token
+    penalties: Penalties = field(default_factory=Penalties)   # its penalty state across its tokens
     trace: StepTrace = field(default_factory=StepTrace)   # its first token's wait in engine steps
 
     @property

@@ -68,7 +68,7 @@ class Sampler:
             if not mask.any():   # nothing can follow (an error state): end it here
                 raise CacheError(f"the grammar allows no further token: {req.matcher.get_error()[:200]}")
         token = greedy if greedy is not None else sample_token(rows[-1], req.params, req.prompt, req.output,
-                                                               generator, mask)
+                                                               generator, mask, req.penalties)
         if req.matcher is not None:
             req.matcher.consume_token(token)
         logprobs = token_logprobs(rows[-1], token, req.params.logprobs) if req.params.logprobs is not None \

@@ -116,39 +116,75 @@ def needs_processing(params: SamplingParams) -> bool:
                 or params.frequency_penalty or params.presence_penalty or params.top_k > 0 or params.min_p > 0)
 
 
-def output_of(prompt: Sequence[int], output: Sequence[int], params: SamplingParams) -> list[int]:
-    """This generation's own tokens so far: those it generated here, after the
-    ones it had generated before a resume (the prompt's last ``prior_output``)."""
-    prior = params.prior_output
-    return (list(prompt[len(prompt) - prior:]) if prior else []) + list(output)
+class Penalties:
+    """A request's penalty state across its tokens: which ids its prompt and output hold
+    (``repetition_penalty``) and how often each of its own tokens came (``frequency_penalty``,
+    ``presence_penalty``), as tensors over the vocabulary, brought up to date with the tokens
+    added since the last call. Rebuilding them every token from Python sets cost 0.4-0.7 ms
+    a token at a 2,000-token prompt on the engine thread (two cores), per stream; the
+    penalties applied over the whole vocabulary give the same floats where they apply and
+    leave the rest as they are. Rebuilt whole when the request's prompt or output is not the
+    one it followed (another list, or a shorter one). Engine thread only."""
+
+    __slots__ = ("_done", "_output", "_prompt", "counts", "seen")
+
+    def __init__(self) -> None:
+        self.seen: torch.Tensor | None = None     # bool [vocab]: in the prompt or the output
+        self.counts: torch.Tensor | None = None   # float32 [vocab]: the request's own tokens
+        self._prompt: Any = None
+        self._output: Any = None
+        self._done = 0   # output tokens counted
+
+    def update(self, prompt: Sequence[int], output: Sequence[int], params: SamplingParams, vocab: int) -> None:
+        if self.seen is None or self._prompt is not prompt or self._output is not output or \
+                self._done > len(output) or self.seen.numel() != vocab:
+            self.seen = torch.zeros(vocab, dtype=torch.bool)
+            self.counts = torch.zeros(vocab, dtype=torch.float32)
+            self.seen[torch.tensor(list(prompt), dtype=torch.long)] = True
+            prior = min(params.prior_output, len(prompt))
+            if prior:   # a resumed request's tokens before the resume are its own too
+                self._count(prompt[len(prompt) - prior:])
+            self._prompt, self._output, self._done = prompt, output, 0
+        if self._done < len(output):
+            new = output[self._done:]
+            self.seen[torch.tensor(list(new), dtype=torch.long)] = True
+            self._count(new)
+            self._done = len(output)
+
+    def _count(self, tokens: Sequence[int]) -> None:
+        ids = torch.tensor(list(tokens), dtype=torch.long)
+        self.counts.index_add_(0, ids, torch.ones(len(ids), dtype=torch.float32))
+
+    def apply(self, logits: torch.Tensor, params: SamplingParams, own: int) -> torch.Tensor:
+        """``logits`` after the repetition penalty and the frequency and presence penalties
+        (``own``: how many tokens of its own the request has)."""
+        pen = params.repetition_penalty
+        if pen != 1.0:
+            logits = torch.where(self.seen, torch.where(logits > 0, logits / pen, logits * pen), logits)
+        if (params.frequency_penalty or params.presence_penalty) and own:
+            present = (self.counts > 0).to(torch.float32)
+            logits = logits - (params.frequency_penalty * self.counts + params.presence_penalty * present)
+        return logits
 
 
 def process(logits_row: torch.Tensor, params: SamplingParams, prompt: Sequence[int], output: Sequence[int],
-            mask: torch.Tensor | None = None) -> torch.Tensor:
-    """The logits after the mask, min_tokens, logit_bias and the penalties (a float32 copy)."""
+            mask: torch.Tensor | None = None, penalties: Penalties | None = None) -> torch.Tensor:
+    """The logits after the mask, min_tokens, logit_bias and the penalties (a float32 copy);
+    ``penalties``: the request's state, kept across its tokens (None: built for this call)."""
     logits = logits_row.float().clone()
     if mask is not None:   # a boolean [vocab]: True where the grammar allows the token
         logits.masked_fill_(~mask, NEG_INF)
-    own = output_of(prompt, output, params)
-    if params.min_tokens and len(own) < params.min_tokens and params.stop_token_ids:
+    own = min(params.prior_output, len(prompt)) + len(output)
+    if params.min_tokens and own < params.min_tokens and params.stop_token_ids:
         ids = torch.tensor([t for t in params.stop_token_ids if 0 <= t < logits.numel()], dtype=torch.long)
         logits[ids] = NEG_INF
     if params.logit_bias:
         ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.long)
         logits[ids] += torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32)
-    if params.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(prompt) | set(output)), dtype=torch.long)
-        if seen.numel():
-            values = logits[seen]
-            pen = params.repetition_penalty
-            logits[seen] = torch.where(values > 0, values / pen, values * pen)
-    if (params.frequency_penalty or params.presence_penalty) and own:
-        counts: dict[int, int] = {}
-        for t in own:
-            counts[t] = counts.get(t, 0) + 1
-        ids = torch.tensor(list(counts), dtype=torch.long)
-        freq = torch.tensor(list(counts.values()), dtype=torch.float32)
-        logits[ids] -= params.frequency_penalty * freq + params.presence_penalty
+    if params.repetition_penalty != 1.0 or ((params.frequency_penalty or params.presence_penalty) and own):
+        penalties = penalties if penalties is not None else Penalties()
+        penalties.update(prompt, output, params, logits.numel())
+        logits = penalties.apply(logits, params, own)
     return _finite(logits)
 
 
@@ -176,11 +212,12 @@ def choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
 
 
 def sample_token(logits_row: torch.Tensor, params: SamplingParams, prompt: Sequence[int], output: Sequence[int],
-                 generator: torch.Generator | None, mask: torch.Tensor | None = None) -> int:
-    """The next token of a request (see the module docstring)."""
+                 generator: torch.Generator | None, mask: torch.Tensor | None = None,
+                 penalties: Penalties | None = None) -> int:
+    """The next token of a request (see the module docstring; ``penalties``: its state)."""
     if mask is None and not needs_processing(params):
         return sample(logits_row, 0.0 if params.greedy else params.temperature, params.top_p, generator)
-    return choose(process(logits_row, params, prompt, output, mask), params, generator)
+    return choose(process(logits_row, params, prompt, output, mask, penalties), params, generator)
 
 
 def token_logprobs(logits_row: torch.Tensor, token: int, k: int) -> tuple[float, tuple[tuple[int, float], ...]]:

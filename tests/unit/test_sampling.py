@@ -209,3 +209,55 @@ def test_a_draw_at_the_top_of_the_range_or_from_an_infinite_logit_still_picks_a_
     row = torch.tensor([0.0, float("inf"), 1.0])
     assert sample(row, 1.0, 1.0, torch.Generator().manual_seed(0)) == 1
     assert sample(row, 1.0, 0.9, torch.Generator().manual_seed(0)) == 1
+
+
+def _penalized_by_sets(row, params, prompt, output):
+    """The penalties as they were computed before ``Penalties`` (Python sets, indexed writes):
+    the reference the kept state must equal bit for bit."""
+    out = row.float().clone()
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(prompt) | set(output)), dtype=torch.long)
+        values = out[seen]
+        out[seen] = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
+    prior = params.prior_output
+    own = (list(prompt[len(prompt) - prior:]) if prior else []) + list(output)
+    if (params.frequency_penalty or params.presence_penalty) and own:
+        counts: dict[int, int] = {}
+        for t in own:
+            counts[t] = counts.get(t, 0) + 1
+        ids = torch.tensor(list(counts), dtype=torch.long)
+        out[ids] -= params.frequency_penalty * torch.tensor(list(counts.values()), dtype=torch.float32) \
+            + params.presence_penalty
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_penalties_kept_across_tokens_equal_a_rebuild_every_token_bit_for_bit(seed):
+    """A request's ``Penalties`` follow its output as it grows (one state over 40 tokens),
+    and give the same floats as the sets rebuilt every token, for every mix of the three
+    penalties, a resumed request's own tokens included; a new output list, or a shorter one,
+    rebuilds the state."""
+    from cluster.engine.sampling import Penalties
+
+    g = torch.Generator().manual_seed(seed)
+    vocab = 300
+    prompt = torch.randint(0, vocab, (200,), generator=g).tolist()
+    for params in (SamplingParams(repetition_penalty=1.3), SamplingParams(frequency_penalty=0.7),
+                   SamplingParams(presence_penalty=-0.4, frequency_penalty=1.1, repetition_penalty=0.8),
+                   SamplingParams(frequency_penalty=0.5, presence_penalty=0.5, prior_output=30)):
+        state, output = Penalties(), []
+        for _ in range(40):
+            row = torch.randn(vocab, generator=g) * 4
+            kept = process(row, params, prompt, output, penalties=state)
+            assert torch.equal(kept, _penalized_by_sets(row, params, prompt, output).nan_to_num(
+                nan=float("-inf"), posinf=torch.finfo(torch.float32).max, neginf=float("-inf")))
+            assert torch.equal(kept, process(row, params, prompt, output))   # a state built for the call
+            output.append(int(torch.randint(0, vocab, (1,), generator=g)))
+        prior = min(params.prior_output, len(prompt))
+        del output[10:]   # the same list, shorter: the state starts over
+        assert torch.equal(process(row, params, prompt, output, penalties=state),
+                           process(row, params, prompt, output))
+        assert int(state.counts.sum()) == prior + 10
+        other = output[:5]   # another list: so does it
+        assert torch.equal(process(row, params, prompt, other, penalties=state), process(row, params, prompt, other))
+        assert int(state.counts.sum()) == prior + 5
