@@ -34,9 +34,7 @@ request cannot get its room, another running request, the policy's choice
 cache and it goes back to the front of the queue; admitted again, it finds what
 the cache kept and recomputes only the rest, and its sampling continues
 exactly (a function of seed and position). A waiting request that finds no
-room waits; under the fair share it takes the room from another tenant's running
-request the quotas allow, from one planned before it (a decode) before the next
-step is planned (``claim_victim``, counted in ``room_claims``).
+room waits.
 
 Two named policies of the room rules:
 
@@ -72,7 +70,7 @@ from cluster.engine.plan import Sampled, ScheduledRequest, StepOutput, StepPlan
 from cluster.engine.policies import ANY, POLICIES
 from cluster.engine.preemption import TimeSlicer, spare_repeated
 from cluster.engine.prompt_logprobs import wants_prompt_rows
-from cluster.engine.request import EngineRequest, TokenEvent, count_missed, split_by_tier
+from cluster.engine.request import EngineRequest, TokenEvent, split_by_tier
 from cluster.engine.scheduler_config import SchedulerConfig
 from cluster.engine.stall_free import prefill_cap
 from cluster.engine.step_measures import StepMeasures
@@ -102,7 +100,7 @@ STAT_KEYS = ("prompt_tokens", "cached_tokens", "computed_tokens", "requests_fini
              "resumed_warm_tokens", "resumed_cold_tokens", "resumed_l3_tokens", "recomputed_tokens",
              "swap_in_bytes", "waits_for_room", "waits_for_promotion", "recomputed_held_tokens",
              "recomputed_held_hot_tokens", "recomputed_held_warm_tokens", "recomputed_held_cold_tokens",
-             "recompute_chosen_tokens", "waits_for_promotion_room", "time_slice_preemptions", "room_claims",
+             "recompute_chosen_tokens", "waits_for_promotion_room", "time_slice_preemptions",
              "time_slice_declined", "waits_for_shared_prefix", "final_tokens_skipped", "slot_yields",
              "promotions_inline")
 
@@ -124,7 +122,6 @@ class Scheduler:
         self.finishing: list[tuple[EngineRequest, FinishReason]] = []   # ended by a token, not yet cached
         self.slicer = TimeSlicer(stats, cache.promote_s_per_token, config.max_batch_tokens)   # its measures, its rule
         self.blocked: EngineRequest | None = None   # the waiting request that found no room last step
-        self.unmet: EngineRequest | None = None   # the first of last step's with no victim out of its plan
         self.owed: list[EngineRequest] = []   # waiting requests another yielded its running slot to
         self.tenant_work, self.inline = TenantWork(cache), InlinePromotions()   # who has work; inline waits
         self._bytes_per_token = cache.layout.bytes_per_token() if cache.layout is not None else 0
@@ -333,11 +330,6 @@ class Scheduler:
             self.preempt(victim, at=self.waiting.index(head) + 1)
             victim.yielded_to = head
             self.stats["time_slice_preemptions"] += 1
-        elif (unmet := self.unmet) is not None and unmet in self.waiting and \
-                (victim := self.policy.claim_victim(unmet, self.running, self.cache.may_preempt)) is not None:
-            self.preempt(victim)   # the fair share's room claim: every victim was planned (decodes first) last step
-            self.stats["room_claims"] += 1
-        self.unmet = None
 
     def _yield_slots(self) -> None:
         """Running slots under the policy (the fair share: a tenant with waiting work and no
@@ -369,7 +361,6 @@ class Scheduler:
             r for r in reversed(self.running) if id(r) not in planned and r.namespace != req.namespace
             and self.cache.may_preempt(req.namespace, r.namespace, r.num_computed_tokens)))
         if victim is None:
-            self.unmet = self.unmet or req   # the step's first: its tenant's turn came first (least served)
             return False
         self.preempt(victim)
         return True
@@ -410,7 +401,7 @@ class Scheduler:
         except PoolExhaustedError:
             lease.release()
             return None
-        count_missed(self.stats, lease.missed_by_tier, promote)
+        self._count_missed(lease, promote)
         self._note_admission(req, lease)
         req.lease = lease
         req.num_computed_tokens = lease.cached_tokens
@@ -435,6 +426,20 @@ class Scheduler:
             self.stats[key] += tiers[tier]
         self.stats["swap_in_bytes"] += (tiers[WARM] + tiers[COLD] + tiers[L3]) * self._bytes_per_token
         self.stats["recomputed_tokens"] += max(0, req.preempted_len - lease.cached_tokens)
+
+    def _count_missed(self, lease, promoted: bool) -> None:
+        """What the tiers held for a lease beyond what it got: recomputed by choice
+        (a cost decision), or a defect (``recomputed_held_*``: must stay 0)."""
+        missed = lease.missed_by_tier
+        total = sum(missed)
+        if not total:
+            return
+        if not promoted:
+            self.stats["recompute_chosen_tokens"] += total
+            return
+        self.stats["recomputed_held_tokens"] += total
+        for tier, n in zip(("hot", "warm", "cold"), missed):
+            self.stats[f"recomputed_held_{tier}_tokens"] += n
 
     # ------------------------------------------------------------------ results
     def update(self, plan: StepPlan, output: StepOutput, sampled: list[Sampled]) -> None:
