@@ -119,7 +119,9 @@ def ll_tokenizer_from_files(directory: Path, vocab_size: int) -> Any | None:
     def content(token: Any) -> Any:
         return token.get("content") if isinstance(token, dict) else token
 
-    spec = read("tokenizer.json")
+    path = directory / "tokenizer.json"
+    text = path.read_text(encoding="utf-8") if path.is_file() else "{}"
+    spec = json.loads(text)
     config, special = read("tokenizer_config.json"), read("special_tokens_map.json")
     vocab = (spec.get("model") or {}).get("vocab")
     if not isinstance(vocab, dict):
@@ -142,8 +144,6 @@ def ll_tokenizer_from_files(directory: Path, vocab_size: int) -> Any | None:
     if spec.get("padding") is not None or spec.get("truncation") is not None:
         spec["padding"] = spec["truncation"] = None
         text = json.dumps(spec)
-    else:
-        text = (directory / "tokenizer.json").read_text(encoding="utf-8")
     import llguidance
 
     return llguidance.LLTokenizer(text, n_vocab=vocab_size, eos_token=stops)

@@ -161,7 +161,7 @@ def _checkpoint_copy(tmp_path, edit=None):
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         shutil.copy(source / name, tmp_path / name)
     if edit is not None:
-        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
             path = tmp_path / name
             data = json.loads(path.read_text()) if path.is_file() else {}
             if edit(name, data):
@@ -204,9 +204,8 @@ def test_files_that_do_not_say_the_whole_tokenizer_fall_back_to_loading_it(tmp_p
             data["eos_token"] = "<|endoftext|>"
         elif case == "no eos token" and name == "tokenizer_config.json":
             del data["eos_token"]
-        elif case == "generation eos outside the vocabulary" and name == "tokenizer.json":
-            (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 60000]}))
-            return False
+        elif case == "generation eos outside the vocabulary" and name == "generation_config.json":
+            data["eos_token_id"] = [2, 60000]
         else:
             return False
         return True
