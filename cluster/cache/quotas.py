@@ -8,7 +8,8 @@ The rules, in each tier, for a request of tenant R (``acting``) that needs room:
    refused (``TenantCapError``: a request waits or yields; a node not taken
    below stays, or is dropped, counted as ``over_cap``), so a cap stays a cap.
 2. Otherwise the tenants over the guarantee they keep now give first, R among
-   them, in the eviction policy's order across them.
+   them: the one furthest over it first (in tokens; the eviction policy's order
+   within it, and across tenants equally far over), then the next.
 3. Then R's own data, even below R's guarantee.
 4. A tenant at or under the guarantee it keeps is never evicted for another
    tenant: when nothing above is left, the room is not made (the request
@@ -91,6 +92,7 @@ class TenantQuotas:
         self.config = config
         self.resident: list[dict[Hashable, int]] = [defaultdict(int) for _ in range(_TIERS)]
         self._acting: list[tuple[Any, int]] = []    # (tenant, tokens asked) stack
+        self._givers: list[dict[int, list[frozenset]]] = []   # per acting frame: rule 2's order by tier
         self._picked: dict[int, Any] = {}           # id(node) -> the tenant it was picked for
         self.stats: dict[Hashable, dict[str, list[int]]] = {}
         self.l3_written: dict[Hashable, OrderedDict[int, None]] = defaultdict(OrderedDict)
@@ -166,10 +168,12 @@ class TenantQuotas:
     def acting(self, namespace: Any, asked: int = 0) -> Iterator[None]:
         """Room made inside is made for ``namespace`` (``NOBODY``: background)."""
         self._acting.append((namespace, asked))
+        self._givers.append({})
         try:
             yield
         finally:
             self._acting.pop()
+            self._givers.pop()
 
     @property
     def actor(self) -> tuple[Any, int]:
@@ -191,22 +195,42 @@ class TenantQuotas:
             yield
 
     # --------------------------------------------------------------- victims
+    def excess(self, namespace: Hashable, tier: int) -> int:
+        """How far ``namespace`` is over the guarantee it keeps in ``tier`` now (negative: under
+        it); a tenant lending its guarantee (``lending``, not ``protected``) keeps none."""
+        kept = 0 if self.lending() and namespace not in self.protected else self.guarantee(namespace, tier)
+        return self.holds(namespace, tier) - kept
+
+    def givers(self, tier: int) -> list[frozenset]:
+        """Rule 2's givers in ``tier``, grouped by how far over the guarantee they keep each is,
+        the furthest first. Taken once per room asked for (an ``acting`` frame), so one room is
+        made from the furthest tenant's data, whole sessions in the policy's order, before the
+        next tenant's: not a node from each in turn."""
+        frame = self._givers[-1] if self._givers else {}
+        if tier not in frame:
+            held = set(self.resident[tier]) | set(self.in_flight[tier])
+            if tier == HOT:
+                held |= set(self.running)
+            by_excess: dict[int, set] = defaultdict(set)
+            for t in held:
+                over = self.excess(t, tier)
+                if over > 0:
+                    by_excess[over].add(t)
+            frame[tier] = [frozenset(ts) for _, ts in sorted(by_excess.items(), key=lambda kv: -kv[0])]
+        return frame[tier]
+
     def allowed(self, tier: int) -> list[Callable[[TreeNode], bool]]:
-        """The rules' passes for the acting tenant, in order (each a node filter)."""
+        """The rules' passes for the acting tenant, in order (each a node filter): rule 2's
+        givers (``givers``: the furthest over the guarantee it keeps first, the eviction
+        policy's order within it and among tenants equally far over), each while it is still
+        over; then the actor's own (rule 3). At its cap, its own only (rule 1)."""
         who, asked = self.actor
         ns = self.tree.namespace_of
-        lend, protected = self.lending(), self.protected
-
-        def gives(node: TreeNode) -> bool:   # over the guarantee its tenant keeps now
-            t = ns(node)
-            return self.holds(t, tier) > (0 if lend and t not in protected else self.guarantee(t, tier))
-
-        if who is NOBODY:
-            return [gives]
         own = lambda n: ns(n) == who   # noqa: E731
-        if self.at_cap(who, tier, asked):
+        if who is not NOBODY and self.at_cap(who, tier, asked):
             return [own]
-        return [gives, own]
+        passes = [lambda n, ts=ts: ns(n) in ts and self.excess(ns(n), tier) > 0 for ts in self.givers(tier)]
+        return passes if who is NOBODY else passes + [own]
 
     def pick(self, tier: int, *, leaves_only: bool) -> TreeNode | None:
         """The next node of ``tier`` to push down (or drop) under the rules, or None."""
@@ -235,12 +259,19 @@ class TenantQuotas:
 
     def may_preempt(self, requester: Hashable, victim: Hashable) -> bool:
         """Whether the engine may preempt a running request of ``victim`` to make HOT room
-        for one of ``requester``: its own, or one of a tenant over its HOT guarantee (what
-        it holds, its running requests' KV included) while the requester is under its cap.
+        for one of ``requester``: its own; or, the requester under its cap, one of a tenant
+        further over its HOT guarantee (what it holds, its running requests' KV included)
+        than the requester is, as rule 2 orders the givers. A tenant at or under its
+        guarantee is never preempted for another, and of two tenants over theirs the one
+        less far over is never preempted for the other: a flood over its guarantee cannot
+        take a quieter tenant's running turn, while the quieter one may take the flood's.
         A tenant with a running request has work, so its guarantee holds."""
         if requester == victim:
             return True
-        return not self.at_cap(requester, HOT, 0) and self.over_guarantee(victim, HOT)
+        if self.at_cap(requester, HOT, 0) or not self.over_guarantee(victim, HOT):
+            return False
+        return self.holds(victim, HOT) - self.guarantee(victim, HOT) > \
+            max(0, self.holds(requester, HOT) - self.guarantee(requester, HOT))
 
     # ------------------------------------------------------- tree listener
     def on_stored(self, node: TreeNode) -> None:

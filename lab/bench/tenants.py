@@ -248,16 +248,26 @@ def step_counts(turns: list) -> dict:
     return out
 
 
+# The engine's counters each row carries (``Scheduler.STAT_KEYS``), summed over the replicas: who
+# was preempted, recomputed or waited for room in the arm.
+ENGINE_COUNTERS = ("preemptions", "preempted_tokens", "recomputed_tokens", "recomputed_held_tokens",
+                   "waits_for_room", "waits_for_promotion_room", "slot_yields", "time_slice_preemptions")
+
+
 def _engine_fields(stats: dict) -> dict:
     """The replicas' engine steps in the arm (the cache was flushed, not the counters: totals
-    since deploy), for where B's time went: steps and mean step time."""
+    since deploy), for where B's time went: steps, mean step time and ``ENGINE_COUNTERS``."""
     steps = step_ms = 0.0
+    counters = dict.fromkeys(ENGINE_COUNTERS, 0)
     for worker in (stats.get("workers") or {}).values():
         engine = worker.get("engine") or {}
         steps += engine.get("steps", 0)
         step_ms += engine.get("step_ms", 0.0)
+        for key in ENGINE_COUNTERS:
+            counters[key] += engine.get(key, 0)
     return {"engine_steps_since_deploy": int(steps),
-            "engine_step_ms_mean": rounded(step_ms / steps, 1) if steps else None}
+            "engine_step_ms_mean": rounded(step_ms / steps, 1) if steps else None,
+            **{f"engine_{key}_since_deploy": n for key, n in counters.items()}}
 
 
 # The serving figures the summary compares: B beside A's flood with quotas over B alone, and A with

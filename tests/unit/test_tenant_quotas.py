@@ -100,6 +100,51 @@ def test_tenants_over_their_guarantee_give_first_in_lru_order_across_them():
     assert stats["A"]["evictions_caused"]["hot"] == 16
 
 
+def test_the_tenant_furthest_over_its_guarantee_gives_first_whatever_the_lru_order():
+    """HOT 48 tokens, B guaranteed 24: B holds 32 (8 over), A 16 (16 over, its guarantee 0).
+    B's oldest sequence is the least recently used of all, but A is further over: A's own
+    oldest goes for A's next request, and for B's. Under plain LRU across the givers B's
+    1 would go both times."""
+    cache = make(B_HALF, hot=12)
+    for i in (1, 2, 3, 4):
+        put(cache, i, "B")
+    put(cache, 10, "A"), put(cache, 11, "A")   # HOT full
+    q = cache.quotas
+    assert (q.excess("B", HOT), q.excess("A", HOT)) == (8, 16)
+    put(cache, 12, "A")
+    assert layout(cache, [("B", 1), ("A", 10), ("A", 11), ("A", 12)]) == {
+        ("B", 1): "hot", ("A", 10): "warm", ("A", 11): "hot", ("A", 12): "hot"}
+    put(cache, 5, "B")   # B over by 8 (16 with this one), A by 16: still A's
+    assert layout(cache, [("B", 1), ("A", 11)]) == {("B", 1): "hot", ("A", 11): "warm"}
+    assert (q.excess("B", HOT), q.excess("A", HOT)) == (16, 8)
+    put(cache, 13, "A")   # now B is the furthest over: B's oldest goes
+    assert layout(cache, [("B", 1), ("B", 2), ("A", 12), ("A", 13)]) == {
+        ("B", 1): "warm", ("B", 2): "hot", ("A", 12): "hot", ("A", 13): "hot"}
+    assert cache.tenant_stats()["B"]["evictions_suffered_from_others"]["hot"] == 8
+    cache.check_invariants()
+
+
+def test_one_room_is_made_from_the_furthest_tenant_first_not_a_node_from_each_in_turn():
+    """No guarantees: C holds 16 (the oldest), B 24, A 8; HOT (48) is full. D's 16 tokens,
+    one room, come from B alone (24 over, the furthest), both of its older sequences: the
+    order is taken once for the room. Taken again after B's first went, B and C would be
+    equally far over (16) and C's older 4 would go second."""
+    cache = make({"default": {"hot": {"cap": 1.0}}}, hot=12)
+    put(cache, 4, "C"), put(cache, 5, "C")
+    put(cache, 1, "B"), put(cache, 2, "B"), put(cache, 3, "B")
+    put(cache, 10, "A")
+    assert cache.hot.allocator.free_blocks == 0
+    lease = cache.admit([7] * 16, "D", compute_last=False)
+    try:
+        lease.extend(16)
+        lease.commit([7] * 16)
+    finally:
+        lease.release()
+    assert layout(cache, [("B", 1), ("B", 2), ("B", 3), ("C", 4), ("C", 5), ("A", 10)]) == {
+        ("B", 1): "warm", ("B", 2): "warm", ("B", 3): "hot", ("C", 4): "hot", ("C", 5): "hot", ("A", 10): "hot"}
+    cache.check_invariants()
+
+
 def test_a_tenant_under_its_guarantee_makes_room_from_its_own_data_last():
     cache = make(B_HALF)
     put(cache, 10, "A"), put(cache, 11, "A"), put(cache, 12, "A"), put(cache, 13, "A")   # A fills HOT
@@ -197,6 +242,28 @@ def test_preemption_follows_the_same_rule():
     assert make().may_preempt("A", "B")      # no quotas: anyone
 
 
+def test_a_tenant_is_preempted_only_for_one_less_far_over_its_guarantee():
+    """B guaranteed 16 of HOT's 32 holds 24 (8 over); A, guaranteed nothing, runs 4 tokens,
+    then 12. Under its guarantee-free 8, A may preempt B (B further over); at 12 over it may
+    not (a flood over its guarantee never takes a quieter tenant's running turn), while B,
+    now less far over, may preempt A. Equally far over, neither preempts the other."""
+    cache = make(B_HALF)
+    q = cache.quotas
+    put(cache, 1, "B"), put(cache, 2, "B"), put(cache, 3, "B")
+    a = cache.admit([5] * 12, "A", compute_last=False)
+    try:
+        a.extend(4)
+        assert (q.excess("B", HOT), q.excess("A", HOT)) == (8, 4)
+        assert cache.may_preempt("A", "B") and not cache.may_preempt("B", "A")
+        a.extend(4)
+        assert (q.excess("B", HOT), q.excess("A", HOT)) == (8, 8)
+        assert not cache.may_preempt("A", "B") and not cache.may_preempt("B", "A")
+        a.extend(4)
+        assert not cache.may_preempt("A", "B") and cache.may_preempt("B", "A")
+    finally:
+        a.release()
+
+
 def test_hits_and_lookups_by_tenant():
     cache = make(B_HALF)
     put(cache, 1, "B")
@@ -214,7 +281,7 @@ def test_acting_is_a_stack_and_nobody_takes_only_from_tenants_over_their_guarant
         with q.acting("B", 4):
             assert q.actor == ("B", 4)
         assert q.actor == ("A", 8)
-    assert len(q.allowed(HOT)) == 1
+    assert q.allowed(HOT) == []   # background work, and nobody holds anything: nobody gives
 
 
 # --------------------------------------------------------------------------- L3
@@ -438,6 +505,26 @@ def test_the_engine_preempts_the_tenant_over_its_guarantee_not_the_newest_reques
             assert lost_while_working["hot"] == 0
             assert engine.cache.stats["dropped_tokens"] == 0
         engine.cache.check_invariants()
+
+
+def test_a_flood_over_its_guarantee_never_preempts_a_quieter_tenants_running_turns():
+    """HOT 64 tokens, B guaranteed 32. A (guaranteed nothing) runs one request, then B two
+    turns, and together they outgrow HOT. When the room runs out (A 20 over its guarantee,
+    B 8 over its own) A's request gives way, not B's newest turn: under the rule before
+    2026-12-07 (any tenant under its cap could preempt one over its guarantee) A preempted
+    B's. Every output is the reference's exactly."""
+    from cluster.engine.engine import EngineRequest, SamplingParams
+    from tests.unit.test_scheduler import reference_outputs
+
+    work = [([3] * 12, SamplingParams(max_tokens=14)), ([4] * 12, SamplingParams(max_tokens=14)),
+            ([1] * 12, SamplingParams(max_tokens=14))]
+    want = reference_outputs(work)
+    engine = _engine({"tenants": {"B": {"hot": {"guarantee": 0.5}}}})
+    reqs = [engine.submit(EngineRequest(list(p), s, namespace=ns)) for (p, s), ns in zip(work, "ABB")]
+    _drive(engine)
+    assert [r.output for r in reqs] == want
+    assert [r.preemptions for r in reqs] == [1, 0, 0]
+    engine.cache.check_invariants()
 
 
 def test_a_request_past_its_tenants_hot_cap_is_refused_at_submit_and_guarantees_are_no_bound():
