@@ -257,21 +257,22 @@ class TenantQuotas:
                     if self.must_shed(tier):
                         shed(tier, lambda: self.must_shed(tier))
 
-    def may_preempt(self, requester: Hashable, victim: Hashable) -> bool:
+    def may_preempt(self, requester: Hashable, victim: Hashable, asked: int = 0) -> bool:
         """Whether the engine may preempt a running request of ``victim`` to make HOT room
-        for one of ``requester``: its own; or, the requester under its cap, one of a tenant
-        further over its HOT guarantee (what it holds, its running requests' KV included)
-        than the requester is, as rule 2 orders the givers. A tenant at or under its
-        guarantee is never preempted for another, and of two tenants over theirs the one
-        less far over is never preempted for the other: a flood over its guarantee cannot
-        take a quieter tenant's running turn, while the quieter one may take the flood's.
-        A tenant with a running request has work, so its guarantee holds."""
+        for ``asked`` tokens of one of ``requester``: its own; or, the requester under its cap,
+        one of a tenant over its HOT guarantee (what it holds, its running requests' KV
+        included) and further over it than the requester would be with what it asks (as
+        rule 2 orders the givers). So a tenant at or under its guarantee is never preempted
+        for another; a flood over its guarantee cannot take a quieter tenant's running turn,
+        while the quieter one may take the flood's; and a victim, once preempted, cannot
+        take the room straight back (it would be further over than the tenant it took it
+        from: the two would preempt each other in turn). A tenant with a running request has
+        work, so its guarantee holds."""
         if requester == victim:
             return True
         if self.at_cap(requester, HOT, 0) or not self.over_guarantee(victim, HOT):
             return False
-        return self.holds(victim, HOT) - self.guarantee(victim, HOT) > \
-            max(0, self.holds(requester, HOT) - self.guarantee(requester, HOT))
+        return self.excess(victim, HOT) > max(0, self.excess(requester, HOT) + asked)
 
     # ------------------------------------------------------- tree listener
     def on_stored(self, node: TreeNode) -> None:

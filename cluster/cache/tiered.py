@@ -543,11 +543,19 @@ class TieredCache:
             self.pools[COLD].close()
 
     # ---------------------------------------------------------------- internals
-    def may_preempt(self, requester: Hashable, victim: Hashable, victim_running: int = 0) -> bool:
-        """Whether the engine may preempt a running request of tenant ``victim`` for HOT room for
-        one of ``requester`` (always, without quotas; ``TenantQuotas.may_preempt``). ``victim_running``
-        is unused: a running request's KV counts toward its tenant already (callers may drop it)."""
-        return self.quotas is None or self.quotas.may_preempt(requester, victim)
+    def may_preempt(self, requester: Hashable, victim: Hashable, asked: int = 0) -> bool:
+        """Whether the engine may preempt a running request of tenant ``victim`` for ``asked`` HOT
+        tokens of one of ``requester`` (always, without quotas; ``TenantQuotas.may_preempt``)."""
+        return self.quotas is None or self.quotas.may_preempt(requester, victim, asked)
+
+    def hot_asks(self, tokens: Sequence[int], namespace: Hashable = None) -> int:
+        """The HOT tokens admitting ``tokens`` adds to what its tenant holds: all but the cached
+        prefix in HOT now (a look: nothing touched)."""
+        return len(tokens) - self.tree.peek(tokens, namespace, validate=False)[1][HOT]
+
+    def hot_excess(self, namespace: Hashable) -> int:
+        """How far ``namespace`` is over its HOT guarantee, running KV counted (0 without quotas)."""
+        return 0 if self.quotas is None else self.quotas.excess(namespace, HOT)
 
     def set_work(self, active: Collection[Hashable], protected: Collection[Hashable] | None = None) -> None:
         if self.quotas is not None:   # ``TenantQuotas.set_work``

@@ -135,3 +135,18 @@ def split_by_tier(cached: int, found: list[int]) -> list[int]:
     if len(found) > L3 and found[L3]:
         return [hot, warm, cold, rest]
     return [hot + rest, warm, cold, 0]
+
+
+def count_missed(stats: dict, missed: list[int], promoted: bool) -> None:
+    """What the tiers held for a lease beyond what it got (``missed``, by tier) into the
+    scheduler's ``stats``: recomputed by choice (a cost decision), or a defect
+    (``recomputed_held_*``: must stay 0)."""
+    total = sum(missed)
+    if not total:
+        return
+    if not promoted:
+        stats["recompute_chosen_tokens"] += total
+        return
+    stats["recomputed_held_tokens"] += total
+    for tier, n in zip(("hot", "warm", "cold"), missed):
+        stats[f"recomputed_held_{tier}_tokens"] += n

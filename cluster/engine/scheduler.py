@@ -34,7 +34,9 @@ request cannot get its room, another running request, the policy's choice
 cache and it goes back to the front of the queue; admitted again, it finds what
 the cache kept and recomputes only the rest, and its sampling continues
 exactly (a function of seed and position). A waiting request that finds no
-room waits.
+room waits; under the fair share it takes the room from another tenant's running
+request the quotas allow, from one planned before it (a decode) before the next
+step is planned (``claim_victim``, counted in ``room_claims``).
 
 Two named policies of the room rules:
 
@@ -70,7 +72,7 @@ from cluster.engine.plan import Sampled, ScheduledRequest, StepOutput, StepPlan
 from cluster.engine.policies import ANY, POLICIES
 from cluster.engine.preemption import TimeSlicer, spare_repeated
 from cluster.engine.prompt_logprobs import wants_prompt_rows
-from cluster.engine.request import EngineRequest, TokenEvent, split_by_tier
+from cluster.engine.request import EngineRequest, TokenEvent, count_missed, split_by_tier
 from cluster.engine.scheduler_config import SchedulerConfig
 from cluster.engine.stall_free import prefill_cap
 from cluster.engine.step_measures import StepMeasures
@@ -100,7 +102,7 @@ STAT_KEYS = ("prompt_tokens", "cached_tokens", "computed_tokens", "requests_fini
              "resumed_warm_tokens", "resumed_cold_tokens", "resumed_l3_tokens", "recomputed_tokens",
              "swap_in_bytes", "waits_for_room", "waits_for_promotion", "recomputed_held_tokens",
              "recomputed_held_hot_tokens", "recomputed_held_warm_tokens", "recomputed_held_cold_tokens",
-             "recompute_chosen_tokens", "waits_for_promotion_room", "time_slice_preemptions",
+             "recompute_chosen_tokens", "waits_for_promotion_room", "time_slice_preemptions", "room_claims",
              "time_slice_declined", "waits_for_shared_prefix", "final_tokens_skipped", "slot_yields",
              "promotions_inline")
 
@@ -122,6 +124,7 @@ class Scheduler:
         self.finishing: list[tuple[EngineRequest, FinishReason]] = []   # ended by a token, not yet cached
         self.slicer = TimeSlicer(stats, cache.promote_s_per_token, config.max_batch_tokens)   # its measures, its rule
         self.blocked: EngineRequest | None = None   # the waiting request that found no room last step
+        self.unmet: list[EngineRequest] = []   # last step's waiting requests with no victim out of its plan
         self.owed: list[EngineRequest] = []   # waiting requests another yielded its running slot to
         self.tenant_work, self.inline = TenantWork(cache), InlinePromotions()   # who has work; inline waits
         self._bytes_per_token = cache.layout.bytes_per_token() if cache.layout is not None else 0
@@ -320,9 +323,10 @@ class Scheduler:
             self.blocked = None
         head, hot = self.blocked, self.cache.hot.allocator
         slice_s = self.config.time_slice_s
+        asked = 0 if head is None or slice_s is None else self.cache.hot_asks(head.tokens, head.namespace)
         victim = None if head is None or slice_s is None else self.slicer.victim(
             head, [r for r in self.policy.slice_candidates(head, self.running)
-                   if self.cache.may_preempt(head.namespace, r.namespace)],
+                   if self.cache.may_preempt(head.namespace, r.namespace, asked)],
             self.clock(), slice_s, self.prefill_s_per_token,
             hot.free_blocks * hot.block_tokens, self.policy.slice_victim(self.running),
             not self.policy.preempts_across_tenants)   # the fair share's slices need not cover (preemption.py)
@@ -330,6 +334,28 @@ class Scheduler:
             self.preempt(victim, at=self.waiting.index(head) + 1)
             victim.yielded_to = head
             self.stats["time_slice_preemptions"] += 1
+        else:
+            self._claim_room()
+        self.unmet = []
+
+    def _claim_room(self) -> None:
+        """The fair share's room claim: last step's waiting requests that found no room with every
+        running request they may take it from already in that step's plan (decodes and running
+        prompts are planned first), their tenants least over the HOT guarantee first, each asks
+        ``claim_victim``; the first victim found is preempted before this step is planned and comes
+        back only after the request it yielded to. Without it a quiet tenant's turn, its prefix
+        to promote, waited while a flood's running prompt grew into HOT's free blocks 32 tokens
+        a step (``bench tenants``, 2026-12-07)."""
+        for head in sorted((r for r in self.unmet if r in self.waiting),
+                           key=lambda r: self.cache.hot_excess(r.namespace)):
+            asked = self.cache.hot_asks(head.tokens, head.namespace)
+            victim = self.policy.claim_victim(head, self.running,
+                                              lambda r, v: self.cache.may_preempt(r, v, asked))
+            if victim is not None:
+                self.preempt(victim, at=self.waiting.index(head) + 1)
+                victim.yielded_to = head
+                self.stats["room_claims"] += 1
+                return
 
     def _yield_slots(self) -> None:
         """Running slots under the policy (the fair share: a tenant with waiting work and no
@@ -357,10 +383,12 @@ class Scheduler:
         for the next step)."""
         if not self.policy.preempts_across_tenants:
             return False
+        asked = self.cache.hot_asks(req.tokens, req.namespace)
         victim = self.policy.room_victim(spare_repeated(
             r for r in reversed(self.running) if id(r) not in planned and r.namespace != req.namespace
-            and self.cache.may_preempt(req.namespace, r.namespace, r.num_computed_tokens)))
+            and self.cache.may_preempt(req.namespace, r.namespace, asked)))
         if victim is None:
+            self.unmet.append(req)   # a victim may be in the plan: claimed before the next one (``_claim_room``)
             return False
         self.preempt(victim)
         return True
@@ -375,7 +403,7 @@ class Scheduler:
             except PoolExhaustedError:
                 victim = self.policy.room_victim(spare_repeated(
                     r for r in reversed(self.running) if id(r) not in planned
-                    and self.cache.may_preempt(req.namespace, r.namespace, r.num_computed_tokens)))
+                    and self.cache.may_preempt(req.namespace, r.namespace, n)))
                 if victim is None:   # everyone else is in this step already: this one yields
                     victim = req
                 self.preempt(victim)
@@ -401,7 +429,7 @@ class Scheduler:
         except PoolExhaustedError:
             lease.release()
             return None
-        self._count_missed(lease, promote)
+        count_missed(self.stats, lease.missed_by_tier, promote)
         self._note_admission(req, lease)
         req.lease = lease
         req.num_computed_tokens = lease.cached_tokens
@@ -426,20 +454,6 @@ class Scheduler:
             self.stats[key] += tiers[tier]
         self.stats["swap_in_bytes"] += (tiers[WARM] + tiers[COLD] + tiers[L3]) * self._bytes_per_token
         self.stats["recomputed_tokens"] += max(0, req.preempted_len - lease.cached_tokens)
-
-    def _count_missed(self, lease, promoted: bool) -> None:
-        """What the tiers held for a lease beyond what it got: recomputed by choice
-        (a cost decision), or a defect (``recomputed_held_*``: must stay 0)."""
-        missed = lease.missed_by_tier
-        total = sum(missed)
-        if not total:
-            return
-        if not promoted:
-            self.stats["recompute_chosen_tokens"] += total
-            return
-        self.stats["recomputed_held_tokens"] += total
-        for tier, n in zip(("hot", "warm", "cold"), missed):
-            self.stats[f"recomputed_held_{tier}_tokens"] += n
 
     # ------------------------------------------------------------------ results
     def update(self, plan: StepPlan, output: StepOutput, sampled: list[Sampled]) -> None:
@@ -598,3 +612,4 @@ class Scheduler:
                 lease.release()   # after a commit it only ends the lease
                 req.lease = None
             self.stats["requests_finished" if error is None else "requests_failed"] += 1
+

@@ -233,6 +233,49 @@ def test_under_quotas_a_waiting_request_without_room_preempts_the_flooding_tenan
     engine.cache.check_invariants()
 
 
+def test_a_waiting_request_claims_room_held_by_decodes_planned_before_it():
+    """A decodes two requests and HOT is full; B's 20-token prompt finds no room, and every
+    running request is already in that step's plan (decodes go first), so none could give
+    it then. Before the next step is planned B claims it: A's newer request is preempted
+    (its KV into the cache) and B runs in that step, not once A's own growth next needs a
+    block (a step later here; 5-26 steps beside a flood whose blocks hold 16-32 tokens).
+    Every token is that of a run alone."""
+    work = [(seq(i * 30, 22), SamplingParams(max_tokens=14)) for i in range(2)]
+    b_work = (seq(5, 20), SamplingParams(max_tokens=2))
+    want = reference_outputs(work + [b_work])
+    engine = make_engine(budget=16, hot_blocks=14, quotas={"tenants": {"B": {"hot": {"guarantee": 0.25}}}})
+    reqs = [engine.submit(EngineRequest(list(p), s, namespace="A")) for p, s in work]
+    assert [step(engine) for _ in range(4)][-1] == [("A", 23, 1), ("A", 22, 1)]   # both decode
+    assert engine.cache.hot.allocator.free_blocks == 1
+    b = engine.submit(EngineRequest(list(b_work[0]), b_work[1], namespace="B"))
+    assert step(engine) == [("A", 24, 1), ("A", 23, 1)]   # B found no room; no victim outside the plan
+    assert engine.scheduler.stats["room_claims"] == 0 and [r.preemptions for r in reqs] == [0, 0]
+    assert ("B", 0, 8) in step(engine)   # claimed: A's newer request gave way before the plan
+    assert engine.scheduler.stats["room_claims"] == 1 and [r.preemptions for r in reqs] == [0, 1]
+    drive(engine)
+    assert [r.output for r in reqs + [b]] == want
+    engine.cache.check_invariants()
+
+
+def test_the_claim_takes_what_the_quotas_allow_from_the_tenant_served_most_newest_first():
+    """The claim takes from another tenant's running request that ``may_preempt`` allows (the
+    quotas: further over its HOT guarantee than the claimant would be), the tenant served most
+    first, newest first; never from the claimant's own tenant."""
+    from types import SimpleNamespace
+
+    from cluster.engine.policies.fair import FairSharePolicy
+
+    policy = FairSharePolicy(4, None)
+    policy.shares.served.update({"A": 40.0, "B": 2.0, "C": 2.0})
+    running = [SimpleNamespace(namespace=ns, preemptions=0) for ns in ("B", "A", "A", "C")]
+    allow = lambda requester, victim: True
+    assert policy.claim_victim(SimpleNamespace(namespace="B"), running, allow) is running[2]   # A's newest
+    assert policy.claim_victim(SimpleNamespace(namespace="A"), running, allow) is running[3]   # C's, newer than B's
+    assert policy.claim_victim(SimpleNamespace(namespace="A"), running[:3], allow) is running[0]
+    assert policy.claim_victim(SimpleNamespace(namespace="B"), running, lambda r, v: v != "A") is running[3]
+    assert policy.claim_victim(SimpleNamespace(namespace="B"), running, lambda r, v: False) is None
+
+
 def test_without_tenant_quotas_tenants_stay_first_come_first_served():
     """No ``tenant_quotas``: the plan is the one-queue order of before (B behind A's backlog)."""
     engine = make_engine(budget=16, quotas=None)

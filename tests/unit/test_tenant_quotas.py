@@ -243,25 +243,34 @@ def test_preemption_follows_the_same_rule():
 
 
 def test_a_tenant_is_preempted_only_for_one_less_far_over_its_guarantee():
-    """B guaranteed 16 of HOT's 32 holds 24 (8 over); A, guaranteed nothing, runs 4 tokens,
-    then 12. Under its guarantee-free 8, A may preempt B (B further over); at 12 over it may
-    not (a flood over its guarantee never takes a quieter tenant's running turn), while B,
-    now less far over, may preempt A. Equally far over, neither preempts the other."""
-    cache = make(B_HALF)
+    """HOT 48 tokens; B, guaranteed 24, holds 32 (8 over); A, guaranteed nothing, runs 4
+    tokens, then 8, then 12 (nothing is pushed out: 44 fit). At 4 over A may preempt B (B
+    further over); equally far over, neither the other; at 12 over A may not (a flood over
+    its guarantee never takes a quieter tenant's running turn), while B may preempt A. What
+    the requester asks for counts toward how far over it would be."""
+    cache = make(B_HALF, hot=12)
     q = cache.quotas
-    put(cache, 1, "B"), put(cache, 2, "B"), put(cache, 3, "B")
+    for i in (1, 2, 3, 4):
+        put(cache, i, "B")
     a = cache.admit([5] * 12, "A", compute_last=False)
     try:
         a.extend(4)
         assert (q.excess("B", HOT), q.excess("A", HOT)) == (8, 4)
         assert cache.may_preempt("A", "B") and not cache.may_preempt("B", "A")
+        assert not cache.may_preempt("A", "B", 4)   # A asking 4 more would be as far over as B
         a.extend(4)
         assert (q.excess("B", HOT), q.excess("A", HOT)) == (8, 8)
         assert not cache.may_preempt("A", "B") and not cache.may_preempt("B", "A")
         a.extend(4)
+        assert (q.excess("B", HOT), q.excess("A", HOT)) == (8, 12)
         assert not cache.may_preempt("A", "B") and cache.may_preempt("B", "A")
+        assert cache.may_preempt("B", "A", 3) and not cache.may_preempt("B", "A", 4)
     finally:
         a.release()
+    # A preempted (its KV gone) asks its 12 again: B, 8 over, is not further over than A would
+    # be, so A cannot take the room straight back (the two would preempt each other in turn).
+    assert q.excess("A", HOT) == 0
+    assert not cache.may_preempt("A", "B", 12) and cache.may_preempt("A", "B", 7)
 
 
 def test_hits_and_lookups_by_tenant():

@@ -86,6 +86,11 @@ class SchedulingPolicy:
         """The running requests a time slice for ``head`` may take room from (every one)."""
         return running
 
+    def claim_victim(self, head: Any, running: list, may_preempt: Callable) -> Any:
+        """A running request of another tenant to preempt, before the step is planned, for the
+        waiting request ``head`` that found no room last step (None: no claim; the fair share's)."""
+        return None
+
     def slot_yields(self, running: list, waiting: Iterable) -> list[tuple[Any, Any]]:
         """(victim, waiting request) pairs: running requests that yield their slot before
         this step is planned, each to the waiting request it yields to (none by default)."""

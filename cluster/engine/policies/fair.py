@@ -38,7 +38,9 @@
   allow (``slice_candidates``, ``may_preempt``); for room (and for a time slice, still gated by its measured gain
   and cost) the tenant most over its slot share yields first, then the tenant
   served most recently; a waiting request that finds no room may take it from
-  another tenant's running request that the quotas allow (``may_preempt``).
+  another tenant's running request that the quotas allow (``may_preempt``), and
+  from one already in that step's plan (every decode is planned first) before the
+  next step is planned (``claim_victim``).
 """
 
 from __future__ import annotations
@@ -127,6 +129,15 @@ class FairSharePolicy(SchedulingPolicy):
         own_only = counts[head.namespace] >= self.slot_share(len(self.tenants) or len(counts), self.max_running)
         return [r for r in running if r.namespace == head.namespace
                 or (not own_only and served.get(r.namespace, 0.0) >= mine)]
+
+    def claim_victim(self, head: Any, running: list, may_preempt: Callable) -> Any:
+        """The room a waiting request found none of last step (``head``), claimed before the next
+        step is planned: from a running request of another tenant that the quotas allow
+        (``may_preempt``: further over its HOT guarantee than ``head``'s tenant), the tenant
+        served most first, newest first, not one preempted often. Where it found no room, every
+        such request was already in that step's plan (decodes and running prompts go first)."""
+        return self.room_victim(spare_repeated(
+            r for r in reversed(running) if r.namespace != head.namespace and may_preempt(head.namespace, r.namespace)))
 
     def slot_yields(self, running: list, waiting: Iterable) -> list[tuple[Any, Any]]:
         max_running = self.max_running
