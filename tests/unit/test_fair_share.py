@@ -257,6 +257,34 @@ def test_a_waiting_request_claims_room_held_by_decodes_planned_before_it():
     engine.cache.check_invariants()
 
 
+def test_the_claim_goes_to_the_waiting_tenant_least_over_its_guarantee_first():
+    """A decodes two requests in a full HOT (56 tokens; A guaranteed a quarter, 14, and 35
+    over it). C (no guarantee, a 40-token prompt) and then B (guaranteed a quarter; a 20-token
+    prompt) each find no room with every running request in the plan. The claim is B's,
+    least over its guarantee: C would be 40 over with its prompt, further than A, so the
+    quotas give C nothing of A's, and B, 6 over with its prompt, A's newer request. Taken for
+    the step's first unmet request only (C's, as before 2026-12-07), the claim would find no
+    victim and B would wait for A's decodes to end. Every token is that of a run alone."""
+    work = [(seq(i * 30, 22), SamplingParams(max_tokens=14)) for i in range(2)]
+    c_work, b_work = (seq(40, 40), SamplingParams(max_tokens=2)), (seq(5, 20), SamplingParams(max_tokens=2))
+    want = reference_outputs(work + [c_work, b_work])
+    engine = make_engine(budget=16, hot_blocks=14, quotas={"tenants": {"A": {"hot": {"guarantee": 0.25}}, "B": {"hot": {"guarantee": 0.25}}}})
+    reqs = [engine.submit(EngineRequest(list(p), s, namespace="A")) for p, s in work]
+    assert [step(engine) for _ in range(4)][-1] == [("A", 23, 1), ("A", 22, 1)]
+    c = engine.submit(EngineRequest(list(c_work[0]), c_work[1], namespace="C"))
+    b = engine.submit(EngineRequest(list(b_work[0]), b_work[1], namespace="B"))
+    assert step(engine) == [("A", 24, 1), ("A", 23, 1)]   # neither found room; no victim out of the plan
+    assert [engine.cache.hot_excess(ns) for ns in "ABC"] == [35, -14, 0]
+    assert not engine.cache.may_preempt("C", "A", 40) and engine.cache.may_preempt("B", "A", 20)
+    # Claimed for B: A's newer request gave way before the plan; B's first chunk and C's fit
+    # in the room it left, A's comes back behind B (its KV from the cache).
+    assert step(engine) == [("A", 25, 1), ("C", 0, 5), ("B", 0, 5), ("A", 0, 5)]
+    assert engine.scheduler.stats["room_claims"] == 1 and [r.preemptions for r in reqs] == [0, 1]
+    drive(engine)
+    assert [r.output for r in reqs + [c, b]] == want
+    engine.cache.check_invariants()
+
+
 def test_the_claim_takes_what_the_quotas_allow_from_the_tenant_served_most_newest_first():
     """The claim takes from another tenant's running request that ``may_preempt`` allows (the
     quotas: further over its HOT guarantee than the claimant would be), the tenant served most
