@@ -32,7 +32,7 @@ What callers use, and nothing inside:
 - the worker: ``poll``, ``housekeeping`` (idle gaps), ``drop_all``,
   ``add_listener``, ``close``; ``lookup``, ``tier_summary``, ``stats`` to look.
 - the engine, under tenant quotas: ``set_work`` each step (who has work, whose
-  guarantee holds: ``cluster.cache.quotas``), ``may_preempt``, ``hot_room_for``.
+  guarantee holds: ``cluster.cache.quotas``), ``may_preempt``, ``hot_asks``, ``hot_room_for``.
 - L3 (``attach_l3`` gives the cache an ``L3Link`` as ``l3``,
   ``cluster.cache.l3.link``): a committed sequence's full blocks are written
   behind the request; ``ready`` fetches the blocks a waiting request's prompt
@@ -529,8 +529,7 @@ class TieredCache:
 
     @property
     def promote_s_per_token(self) -> list[float | None]:
-        """Measured seconds per token of a promotion from each tier (``TierMoves``)."""
-        return self.moves.promote_s_per_token
+        return self.moves.promote_s_per_token   # measured seconds per token of a promotion from each tier
 
     def close(self) -> None:
         self.wait_all()
@@ -542,28 +541,21 @@ class TieredCache:
         if self.num_tiers > COLD and isinstance(self.pools[COLD], DiskPool):
             self.pools[COLD].close()
 
-    # ---------------------------------------------------------------- internals
+    # ------------------------------------------------------- tenant quotas (the engine's)
     def may_preempt(self, requester: Hashable, victim: Hashable, asked: int = 0) -> bool:
-        """Whether the engine may preempt a running request of tenant ``victim`` for ``asked`` HOT
-        tokens of one of ``requester`` (always, without quotas; ``TenantQuotas.may_preempt``)."""
+        """``TenantQuotas.may_preempt`` for ``asked`` HOT tokens of ``requester`` (always, without quotas)."""
         return self.quotas is None or self.quotas.may_preempt(requester, victim, asked)
 
     def hot_asks(self, tokens: Sequence[int], namespace: Hashable = None) -> int:
-        """The HOT tokens admitting ``tokens`` adds to what its tenant holds: all but the cached
-        prefix in HOT now (a look: nothing touched)."""
+        """The HOT tokens admitting ``tokens`` adds to its tenant's: all but the prefix in HOT now (a look)."""
         return len(tokens) - self.tree.peek(tokens, namespace, validate=False)[1][HOT]
-
-    def hot_excess(self, namespace: Hashable) -> int:
-        """How far ``namespace`` is over its HOT guarantee, running KV counted (0 without quotas)."""
-        return 0 if self.quotas is None else self.quotas.excess(namespace, HOT)
 
     def set_work(self, active: Collection[Hashable], protected: Collection[Hashable] | None = None) -> None:
         if self.quotas is not None:   # ``TenantQuotas.set_work``
             self.quotas.set_work(active, protected)
 
     def hot_room_for(self, namespace: Hashable) -> int:
-        """The HOT tokens a request of ``namespace`` can ever have: all of HOT, or its tenant's HOT
-        cap (every other tenant's guarantee is lent to it once the work ahead of it ends)."""
+        """All of HOT, or its tenant's HOT cap: the most a request of ``namespace`` can hold."""
         cap = self.hot.allocator.capacity_tokens
         return cap if self.quotas is None else min(cap, self.quotas.cap(namespace, HOT))
 

@@ -73,6 +73,7 @@ from cluster.engine.policies import ANY, POLICIES
 from cluster.engine.preemption import TimeSlicer, spare_repeated
 from cluster.engine.prompt_logprobs import wants_prompt_rows
 from cluster.engine.request import EngineRequest, TokenEvent, count_missed, split_by_tier
+from cluster.engine.room_claims import RoomClaims
 from cluster.engine.scheduler_config import SchedulerConfig
 from cluster.engine.stall_free import prefill_cap
 from cluster.engine.step_measures import StepMeasures
@@ -124,7 +125,7 @@ class Scheduler:
         self.finishing: list[tuple[EngineRequest, FinishReason]] = []   # ended by a token, not yet cached
         self.slicer = TimeSlicer(stats, cache.promote_s_per_token, config.max_batch_tokens)   # its measures, its rule
         self.blocked: EngineRequest | None = None   # the waiting request that found no room last step
-        self.unmet: list[EngineRequest] = []   # last step's waiting requests with no victim out of its plan
+        self.claims = RoomClaims(stats)   # room claimed from planned requests (the fair share's)
         self.owed: list[EngineRequest] = []   # waiting requests another yielded its running slot to
         self.tenant_work, self.inline = TenantWork(cache), InlinePromotions()   # who has work; inline waits
         self._bytes_per_token = cache.layout.bytes_per_token() if cache.layout is not None else 0
@@ -240,7 +241,8 @@ class Scheduler:
                 break
             only_ending = ending and req not in self.owed
             if (tenant is not ANY and req.namespace != tenant) or req.namespace in state.stalled or id(req) in \
-                    state.looked or not self._slot_free(req) or (only_ending and req.admitted_at is not None):
+                    state.looked or not self._slot_free(req) or (only_ending and req.admitted_at is not None) \
+                    or self.claims.holds_back(req, self.waiting):
                 continue
             if req.yielded_to is not None:   # it gave its room to an older request: not back before it
                 if req.yielded_to in self.waiting:
@@ -292,6 +294,7 @@ class Scheduler:
                 continue
             self.waiting.remove(req)
             self.running.append(req)
+            self.claims.admitted(req)
             if req is self.blocked:
                 self.blocked = None
             if req in self.owed:
@@ -334,28 +337,9 @@ class Scheduler:
             self.preempt(victim, at=self.waiting.index(head) + 1)
             victim.yielded_to = head
             self.stats["time_slice_preemptions"] += 1
+            self.claims.skip()
         else:
-            self._claim_room()
-        self.unmet = []
-
-    def _claim_room(self) -> None:
-        """The fair share's room claim: last step's waiting requests that found no room with every
-        running request they may take it from already in that step's plan (decodes and running
-        prompts are planned first), their tenants least over the HOT guarantee first, each asks
-        ``claim_victim``; the first victim found is preempted before this step is planned and comes
-        back only after the request it yielded to. Without it a quiet tenant's turn, its prefix
-        to promote, waited while a flood's running prompt grew into HOT's free blocks 32 tokens
-        a step (``bench tenants``, 2026-12-07)."""
-        for head in sorted((r for r in self.unmet if r in self.waiting),
-                           key=lambda r: self.cache.hot_excess(r.namespace)):
-            asked = self.cache.hot_asks(head.tokens, head.namespace)
-            victim = self.policy.claim_victim(head, self.running,
-                                              lambda r, v: self.cache.may_preempt(r, v, asked))
-            if victim is not None:
-                self.preempt(victim, at=self.waiting.index(head) + 1)
-                victim.yielded_to = head
-                self.stats["room_claims"] += 1
-                return
+            self.claims.claim(self.cache, self.policy, self.waiting, self.running, self.preempt)
 
     def _yield_slots(self) -> None:
         """Running slots under the policy (the fair share: a tenant with waiting work and no
@@ -388,7 +372,7 @@ class Scheduler:
             r for r in reversed(self.running) if id(r) not in planned and r.namespace != req.namespace
             and self.cache.may_preempt(req.namespace, r.namespace, asked)))
         if victim is None:
-            self.unmet.append(req)   # a victim may be in the plan: claimed before the next one (``_claim_room``)
+            self.claims.note(req)   # a victim may be in the plan: claimed before the next one is planned
             return False
         self.preempt(victim)
         return True

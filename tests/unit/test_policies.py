@@ -126,11 +126,13 @@ def test_a_tenant_at_its_share_keeps_its_slots_and_the_owed_slot_is_kept_for_its
 
 def test_a_slot_freed_for_room_does_not_go_to_a_tenant_at_its_share_while_others_have_none():
     """HOT of 9 blocks, 4 slots: A, B, C and D decode one 7-token request each (a slot share of
-    1 once T comes); T's 14-token prompt and A's second, 2-token one wait. B's and then D's decode
-    find no room (preempted for it, D's back at once from its prompt): a slot is free while B and T
-    have none. A, at its share, does not take it (``takes_slot``): before, A's request took it, all
-    4 slots were taken with A over its share, and it yielded the slot at the next step. Every
-    answer is the one each request gets alone."""
+    1 once T comes); T's 14-token prompt and A's second, 2-token one wait. No tenant has a
+    guarantee, and a running request is preempted for another tenant's only where its tenant
+    holds more than the requester would with what it asks: decodes of equal tenants that find
+    no room yield themselves (B twice, C twice). When C's yields, a slot is free while T has
+    none; A, at its share, does not take it (``takes_slot``): before, A's request took it,
+    all 4 slots were taken with A over its share, and it yielded the slot at the next step.
+    T's room is claimed from A the step after. Every answer is the one each request gets alone."""
     c = MODEL.config
     cache = TieredCache(TierConfig(hot_blocks=9, warm_blocks=0, block_tokens=BT, device="cpu", tenant_quotas={}),
                         KVLayout(c.num_layers, c.num_kv_heads, c.head_dim), vocab_size=c.vocab_size,
@@ -141,10 +143,13 @@ def test_a_slot_freed_for_room_does_not_go_to_a_tenant_at_its_share_while_others
         [("A", 0, 7), ("B", 0, 7)], [("A", 7, 1), ("B", 7, 1), ("C", 0, 7), ("D", 0, 7)],
         [("A", 8, 1), ("C", 7, 1), ("D", 7, 1), ("B", 8, 1)]]
     t, a2 = submit(engine, "T", seq(50, 14), max_tokens=2), submit(engine, "A", seq(40, 2), max_tokens=2)
-    assert step(engine) == [("A", 9, 1), ("C", 8, 1), ("D", 0, 9)]   # B's slot stays free
-    assert [r.preemptions for r in first] == [0, 2, 0, 1] and a2.admitted_at is None
-    assert [r.namespace for r in engine.scheduler.running] == ["A", "C", "D"]
-    assert step(engine) == [("A", 10, 1), ("C", 9, 1), ("D", 9, 1)] and engine.stats["slot_yields"] == 0
+    assert step(engine) == [("A", 9, 1), ("D", 8, 1), ("C", 0, 9), ("B", 0, 5)]
+    assert [r.preemptions for r in first] == [0, 2, 1, 0]
+    assert step(engine) == [("A", 10, 1), ("D", 9, 1), ("B", 5, 5)]   # C's slot stays free
+    assert [r.preemptions for r in first] == [0, 2, 2, 0] and a2.admitted_at is None
+    assert [r.namespace for r in engine.scheduler.running] == ["A", "D", "B"]
+    assert ("T", 0, 4) in step(engine) and engine.stats["room_claims"] == 1 and first[0].preemptions == 1
+    assert engine.stats["slot_yields"] == 0
     drain(engine)
     reqs = first + [t, a2]
     assert [r.output for r in reqs] == reference_outputs(
