@@ -241,8 +241,7 @@ class Scheduler:
                 break
             only_ending = ending and req not in self.owed
             if (tenant is not ANY and req.namespace != tenant) or req.namespace in state.stalled or id(req) in \
-                    state.looked or not self._slot_free(req) or (only_ending and req.admitted_at is not None) \
-                    or self.claims.holds_back(req, self.waiting):
+                    state.looked or not self._slot_free(req) or (only_ending and req.admitted_at is not None):
                 continue
             if req.yielded_to is not None:   # it gave its room to an older request: not back before it
                 if req.yielded_to in self.waiting:
@@ -294,7 +293,6 @@ class Scheduler:
                 continue
             self.waiting.remove(req)
             self.running.append(req)
-            self.claims.admitted(req)
             if req is self.blocked:
                 self.blocked = None
             if req in self.owed:

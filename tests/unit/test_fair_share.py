@@ -262,8 +262,7 @@ def test_the_claim_goes_to_the_waiting_tenant_least_over_its_guarantee_first():
     over it). C (no guarantee, a 40-token prompt) and then B (guaranteed a quarter; a 20-token
     prompt) each find no room with every running request in the plan. The claim is B's,
     least over its guarantee: C would be 40 over with its prompt, further than A, so the
-    quotas give C nothing of A's, and B, 6 over with its prompt, A's newer request, and the
-    room it leaves goes to B before anyone else waiting. Taken for
+    quotas give C nothing of A's, and B, 6 over with its prompt, A's newer request. Taken for
     the step's first unmet request only (C's, as before 2026-12-07), the claim would find no
     victim and B would wait for A's decodes to end. Every token is that of a run alone."""
     work = [(seq(i * 30, 22), SamplingParams(max_tokens=14)) for i in range(2)]
@@ -277,9 +276,9 @@ def test_the_claim_goes_to_the_waiting_tenant_least_over_its_guarantee_first():
     assert step(engine) == [("A", 24, 1), ("A", 23, 1)]   # neither found room; no victim out of the plan
     assert [engine.cache.quotas.excess(ns, 0) for ns in "ABC"] == [35, -14, 0]
     assert not engine.cache.may_preempt("C", "A", 40) and engine.cache.may_preempt("B", "A", 20)
-    # Claimed for B: A's newer request gave way before the plan. C, ahead of B in the order,
-    # waits this step (the claimed room goes to B first); A's comes back behind B.
-    assert step(engine) == [("A", 25, 1), ("B", 0, 8), ("A", 0, 7)]
+    # Claimed for B: A's newer request gave way before the plan; B's first chunk and C's fit
+    # in the room it left, A's comes back behind B (its KV from the cache).
+    assert step(engine) == [("A", 25, 1), ("C", 0, 5), ("B", 0, 5), ("A", 0, 5)]
     assert engine.scheduler.stats["room_claims"] == 1 and [r.preemptions for r in reqs] == [0, 1]
     drive(engine)
     assert [r.output for r in reqs + [c, b]] == want

@@ -132,7 +132,8 @@ def test_a_slot_freed_for_room_does_not_go_to_a_tenant_at_its_share_while_others
     no room yield themselves (B twice, C twice). When C's yields, a slot is free while T has
     none; A, at its share, does not take it (``takes_slot``): before, A's request took it,
     all 4 slots were taken with A over its share, and it yielded the slot at the next step.
-    T's room is claimed from A the step after. Every answer is the one each request gets alone."""
+    The step after, C's claim preempts A's request, and T, first in the order, takes the room.
+    Every answer is the one each request gets alone."""
     c = MODEL.config
     cache = TieredCache(TierConfig(hot_blocks=9, warm_blocks=0, block_tokens=BT, device="cpu", tenant_quotas={}),
                         KVLayout(c.num_layers, c.num_kv_heads, c.head_dim), vocab_size=c.vocab_size,
@@ -148,7 +149,7 @@ def test_a_slot_freed_for_room_does_not_go_to_a_tenant_at_its_share_while_others
     assert step(engine) == [("A", 10, 1), ("D", 9, 1), ("B", 5, 5)]   # C's slot stays free
     assert [r.preemptions for r in first] == [0, 2, 2, 0] and a2.admitted_at is None
     assert [r.namespace for r in engine.scheduler.running] == ["A", "D", "B"]
-    assert ("T", 0, 4) in step(engine) and engine.stats["room_claims"] == 1 and first[0].preemptions == 1
+    assert ("T", 0, 14) in step(engine) and engine.stats["room_claims"] == 1 and first[0].preemptions == 1
     assert engine.stats["slot_yields"] == 0
     drain(engine)
     reqs = first + [t, a2]
