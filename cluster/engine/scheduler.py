@@ -36,7 +36,7 @@ the cache kept and recomputes only the rest, and its sampling continues
 exactly (a function of seed and position). A waiting request that finds no
 room waits; under the fair share it takes the room from another tenant's running
 request the quotas allow, from one planned before it (a decode) before the next
-step is planned (``claim_victim``, counted in ``room_claims``).
+step is planned (``cluster.engine.room_claims``, counted in ``room_claims``).
 
 Two named policies of the room rules:
 

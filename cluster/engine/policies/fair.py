@@ -133,7 +133,7 @@ class FairSharePolicy(SchedulingPolicy):
     def claim_victim(self, head: Any, running: list, may_preempt: Callable) -> Any:
         """The room a waiting request found none of last step (``head``), claimed before the next
         step is planned: from a running request of another tenant that the quotas allow
-        (``may_preempt``: further over its HOT guarantee than ``head``'s tenant), the tenant
+        (``may_preempt``: further over its HOT guarantee than ``head``'s would be), the tenant
         served most first, newest first, not one preempted often. Where it found no room, every
         such request was already in that step's plan (decodes and running prompts go first)."""
         return self.room_victim(spare_repeated(
