@@ -217,10 +217,12 @@ class TierMoves:
         self.stats.demotion_splits += 1
         return node
 
-    def start_demotion(self, nodes: TreeNode | list[TreeNode]) -> Move | None:
+    def start_demotion(self, nodes: TreeNode | list[TreeNode], *, wait_below: bool = True) -> Move | None:
         """Move nodes of one tier one tier down, as a single asynchronous copy
         (consecutive whole blocks coalesce). Nodes whose room cannot be found
-        below stay where they are; None when none could start."""
+        below stay where they are; None when none could start. ``wait_below=False``
+        (background work): room below is only its free blocks, or, in the lowest tier,
+        what dropping its LRU leaves frees; nothing waits for a copy further down."""
         nodes = [nodes] if isinstance(nodes, TreeNode) else list(nodes)
         self.refused = None
         copied = []
@@ -250,7 +252,8 @@ class TierMoves:
         for node in nodes:
             try:   # room below is made for the node's own tenant (quotas)
                 dst_exts.append(self.space.allocate(dst, len(node.key), private_tail=False,
-                                                    tenant=self.tree.namespace_of(node)))
+                                                    tenant=self.tree.namespace_of(node),
+                                                    make_room=wait_below or dst == self.num_tiers - 1))
                 taken.append(node)
                 self.space.coming(dst, node, len(node.key))   # counts for the next node's room already
             except PoolExhaustedError as exc:

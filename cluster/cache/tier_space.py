@@ -201,7 +201,14 @@ class TierSpace:
                     self._demote_to_low_watermark(tier)
 
     def _demote_to_low_watermark(self, tier: int) -> None:
-        target = self.config.low_watermark * self.pools[tier].allocator.capacity_tokens
+        self._demote_down_to(tier, self.config.low_watermark * self.pools[tier].allocator.capacity_tokens)
+
+    def _demote_down_to(self, tier: int, target: float) -> None:
+        """Start demotions out of ``tier`` until what it holds, less what leaves, is at most
+        ``target`` tokens. Background work never waits for a copy (a promotion's wait for
+        room, stalling every running stream, came mostly from here: a demotion into a full
+        WARM waited for WARM's own demotion to the disk): what finds no free room below stays
+        and is offered again later, while the tier below drains for it, asynchronously too."""
         batch, leaving = [], self._held_tokens(tier)
         while leaving > target:
             node = self.pick(tier, leaves_only=False)
@@ -210,8 +217,14 @@ class TierSpace:
             node = self.mover.fit_below(node)
             batch.append(node)
             leaving -= len(node.key)
-        if batch:
-            self.mover.start_demotion(batch)
-            for node in batch:
-                if not node.busy:  # no room below for it: offer it again later
-                    self.tree.requeue(node)
+        if not batch:
+            return
+        self.mover.start_demotion(batch, wait_below=False)
+        refused = 0
+        for node in batch:
+            if not node.busy:  # no room below for it: offer it again later
+                self.tree.requeue(node)
+                refused += len(node.key) if node.alive and node.tier == tier else 0
+        if refused and tier + 2 < self.num_tiers:   # room below for them once its copies in flight land
+            below = tier + 1
+            self._demote_down_to(below, self.pools[below].allocator.capacity_tokens - refused)

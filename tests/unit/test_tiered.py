@@ -155,6 +155,36 @@ def test_watermark_demotes_lru_first_and_never_locked(tmp_path):
     cache.close()
 
 
+def test_a_background_demotion_never_waits_for_room_below_the_lower_tier_drains_instead(tmp_path):
+    """HOT over its high watermark while WARM has one free block: the demotion that cannot fit
+    stays in HOT (nothing on the engine thread waits for WARM's copy to the disk), WARM starts
+    demoting as much to COLD, and once that copy lands the next watermark pass moves HOT's nodes."""
+    cache = make(tmp_path, hot=8, warm=8, cold=16)   # 32 / 32 / 64 tokens, watermarks 0.9 / 0.7
+    for i in range(7):                               # WARM at 28 of 32 tokens: under its watermark
+        demote(cache, put(cache, [10 + i] * 4), WARM)
+    hot = [put(cache, [50 + i] * 8) for i in range(3)]   # 24 HOT tokens, under the mark
+    waits = []
+    real_wait = cache.moves.wait
+    cache.moves.wait = lambda move: waits.append(move) or real_wait(move)
+    hot.append(put(cache, [60] * 8))                 # 32 > 28.8: the two LRU nodes should go down
+    assert waits == [] and cache.stats["stalls"] == 0
+    assert [n.tier for n in hot] == [HOT] * 4        # WARM's free block holds neither 8-token node
+    assert sorted(m.dst_tier for m in cache.moves.active.values()) == [COLD]
+    assert sum(len(n.key) for m in cache.moves.active.values() for n in m.nodes) == 12   # 16 free after
+    cache.moves.wait = real_wait
+    cache.wait_all()
+    cache.poll()
+    cache.space.enforce_watermarks()
+    cache.wait_all()
+    cache.poll()
+    assert [n.tier for n in hot] == [WARM, WARM, HOT, HOT]
+    assert cache.stats["dropped_tokens"] == 0
+    for i in range(3):                               # all of it still readable, from whichever tier
+        assert torch.equal(match(cache, [50 + i] * 8).kv, kv_for([50 + i] * 8))
+    cache.check_invariants()
+    cache.close()
+
+
 def test_demotion_is_abandoned_when_the_node_gets_locked(tmp_path):
     cache = make(tmp_path, cold=0)
     node = put(cache, list(range(6)))
