@@ -2,11 +2,15 @@
 
 Every running stream waits for each step that has its decode in it. While decodes run, the
 prompt part of a step is what the measured prefill rate computes in ``stall_free_steps - 1``
-measured step times (``SchedulerConfig.stall_free_steps``, the worker key of the same name;
-default ``STALL_STEPS``; Sarathi-Serve's stall-free batching, with the budget from the measured
-rates instead of a fixed token count): a stream waits at most about that many steps' time for
-its next token, and a prompt still advances every step. With no decode running, a step takes
-the whole ``max_batch_tokens``; until both rates are measured nothing is capped.
+times a step of decodes alone takes (``StepMeasures.decode_step_s``, its recent median; every
+step's median until one is measured) (``SchedulerConfig.stall_free_steps``, the worker key of
+the same name; default ``STALL_STEPS``; Sarathi-Serve's stall-free batching, with the budget
+from the measured rates instead of a fixed token count): a stream waits at most about that
+many decode steps' time for its next token, and a prompt still advances every step. With no
+decode running, a step takes the whole ``max_batch_tokens``; until both rates are measured
+nothing is capped. The unit was every step's median before: under a stream of prompts that is
+a prompt step's, so the cap rose with the very load it is for (at twice the memory's working
+set, streams beside prompts waited 0.8-1.0 s a step, as with no cap).
 
 The trade, measured at equal memory against vLLM (docs/benchmarks.md, issue 51): on two CPU
 cores every step re-reads the weights (~14 ms of a 20 ms decode step), so the cap splits a
@@ -26,7 +30,7 @@ MIN_PREFILL_TOKENS = 32     # a prompt beside decodes still advances at least th
 def prefill_cap(budget: int, step_s: float | None, prefill_s_per_token: float | None, block_tokens: int,
                 stall_steps: int | None = STALL_STEPS) -> int:
     """The prompt tokens a step may compute beside running decodes, out of ``budget``:
-    ``step_s`` the median step time, ``prefill_s_per_token`` the measured prefill cost
+    ``step_s`` the median time of a step of decodes alone, ``prefill_s_per_token`` the measured prefill cost
     (either None: not measured yet, the whole budget); ``stall_steps`` (None: no cap, the
     whole budget, as vLLM's chunked prefill)."""
     if not step_s or not prefill_s_per_token or stall_steps is None:

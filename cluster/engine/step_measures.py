@@ -2,7 +2,9 @@
 and the prefill rate.
 
 ``steps``, ``step_ms`` (a step's forward, sampling and update, wall time), ``forward_ms``, and
-for steps of decodes alone ``decode_steps``, ``decode_step_ms``, ``decode_rows``. The prefill
+for steps of decodes alone ``decode_steps``, ``decode_step_ms``, ``decode_rows``, and their
+recent median (``decode_step_s``: what a running stream waits a token without prompts beside
+it, the unit stall-free batching counts its stall budget in). The prefill
 rate (``prefill_s_per_token``: the recent median of seconds per computed token over steps
 that were mostly prompt tokens) is what a promotion's copy time is weighed against
 (``TieredCache.ready``) and what time slicing and stall-free batching price a prefill at.
@@ -26,6 +28,8 @@ class StepMeasures:
                       "decode_rows": 0})
         self._prefill_samples = RecentMedian()   # seconds per prompt token of recent prefill steps
         self.prefill_s_per_token: float | None = None
+        self._decode_samples = RecentMedian()    # seconds of recent steps of decodes alone
+        self.decode_step_s: float | None = None
 
     def record(self, plan: StepPlan, output: StepOutput) -> None:
         """One step that ran (its forward began at ``output.began`` and its update just ended)."""
@@ -38,6 +42,7 @@ class StepMeasures:
             stats["decode_steps"] += 1
             stats["decode_step_ms"] += step_ms
             stats["decode_rows"] += len(plan.items)
+            self.decode_step_s = self._decode_samples.add(step_ms / 1e3)
         computed = sum(item.num_tokens for item in plan.items)
         if computed - len(plan.items) >= PREFILL_STEP_TOKENS:   # mostly prompt tokens: a prefill's rate
             self.prefill_s_per_token = self._prefill_samples.add(output.forward_ms / 1e3 / computed)

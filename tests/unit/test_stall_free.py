@@ -72,3 +72,37 @@ def test_without_the_cap_a_prompt_beside_decodes_gets_the_whole_budget():
     for bad in (1, 0, True, 2.5, "8"):
         with pytest.raises(InvalidInputError, match="stall_free_steps must be an integer >= 2"):
             SchedulerConfig(stall_free_steps=bad)
+
+
+def test_the_stall_budget_is_counted_in_steps_of_decodes_alone_not_in_prompt_steps():
+    """Under a stream of prompts most steps carry a prompt chunk, so every step's median is a
+    prompt step's (here 400 ms); the cap counts steps of decodes alone (10 ms), measured as
+    they run, else it would rise with the load it is for (7 x 400 / 5 = 560: the whole budget)."""
+    def planned(decode_steps_s):
+        engine = make_engine(hot_blocks=256, budget=64, stall_free_steps=STALL_STEPS)
+        s = engine.scheduler
+        for t in range(10):
+            s.slicer.steps.forward(t * 0.400)                          # every step: 400 ms
+        s.measures.prefill_s_per_token = 0.005
+        decode = engine.submit(EngineRequest(list(range(1, 9)), SamplingParams(max_tokens=40)))
+        engine.step()                                                  # its prompt (no decode step)
+        for step_s in decode_steps_s:
+            s.measures.decode_step_s = s.measures._decode_samples.add(step_s)
+        long = engine.submit(EngineRequest([t % 60 + 1 for t in range(10, 110)], SamplingParams(max_tokens=1)))
+        plan = s.schedule()
+        return [i.num_tokens for i in plan.items if i.request is decode], \
+            [i.num_tokens for i in plan.items if i.request is long]
+
+    assert planned([]) == ([1], [63])                                  # none measured: every step's median
+    assert planned([0.010, 0.012, 0.010]) == ([1], [MIN_PREFILL_TOKENS])   # 7 x 10 / 5 = 14 -> the floor
+
+
+def test_a_step_of_decodes_alone_is_what_the_measures_keep_as_the_decode_step():
+    engine = make_engine(hot_blocks=256, budget=64)
+    s = engine.scheduler
+    engine.submit(EngineRequest(list(range(1, 9)), SamplingParams(max_tokens=5)))
+    engine.step()                                                      # the prompt: no decode step yet
+    assert s.measures.decode_step_s is None
+    engine.step()                                                      # a decode alone
+    assert s.measures.decode_step_s is not None and s.measures.decode_step_s > 0
+    assert len(s.measures._decode_samples) == s.stats["decode_steps"] == 1
