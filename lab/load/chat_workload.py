@@ -75,7 +75,8 @@ class Turn:
 def turn_records(turns: list[Turn]) -> list[dict]:
     """Each request of a run as one JSON-ready record, in the order they were sent: its
     session and turn, ``sent_s`` (seconds after the run's first request), TTFT, e2e and its
-    longest gap between streamed pieces (ms), its tokens, the cached ones by tier, and this
+    longest gap between streamed pieces (ms) and every gap (``itl_ms``: which of them make
+    the run's ITL p99), its tokens, the cached ones by tier, and this
     app's TTFT parts (``timing_ms``) and wait in engine steps (``timing_steps``; empty for a
     server that reports neither). Where a request's time went, one by one
     (``bench serving --turns-out``)."""
@@ -89,7 +90,7 @@ def turn_records(turns: list[Turn]) -> list[dict]:
              "prompt_tokens": t.prompt_tokens, "completion_tokens": t.completion_tokens,
              "cached_tokens": t.cached_tokens, "cached_tokens_by_tier": t.cached_by_tier,
              "after_long_pause": t.after_long_pause, "timing_ms": t.timing_ms, "timing_steps": t.timing_steps,
-             "error": t.error}
+             "error": t.error, "itl_ms": [round(g * 1e3, 1) for g in t.itl_s]}
             for t in sorted(turns, key=lambda t: t.started_at)]
 
 

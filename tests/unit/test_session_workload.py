@@ -471,7 +471,7 @@ def test_turn_records_say_when_each_request_was_sent_and_where_its_time_went() -
                           "itl_ms_max": 300.0, "prompt_tokens": 1480, "completion_tokens": 30, "cached_tokens": 1460,
                           "cached_tokens_by_tier": {"hot": 98, "cold": 1362}, "after_long_pause": False,
                           "timing_ms": {"replica_queue": 180.0}, "timing_steps": {"steps_waited": 4, "unreached": 2},
-                          "error": None}
+                          "error": None, "itl_ms": [40.0, 300.0, 50.0]}
     assert (records[1]["ok"], records[1]["ttft_ms"], records[1]["itl_ms_max"], records[1]["error"]) == \
         (False, None, None, "HTTP 503: busy")
     assert records[0]["itl_ms_max"] is None   # one streamed piece: no gap
