@@ -65,6 +65,7 @@ log = logging.getLogger(__name__)
 
 SLOW_FAULT_STEP_S = 0.05   # what the 'slow' drill fault adds to every engine iteration
 GRAMMARS_AFTER_IDLE_S = 10.0   # the engine idle this long before the grammars' tokenizer is built
+POOLS_AFTER_IDLE_S = 0.5       # the engine idle this long before the next chunk of the pools' pages is mapped
 
 __all__ = ["WorkerCore", "WorkerConfig", "PeerLink", "QueueFullError", "EngineWedgedError"]
 
@@ -285,17 +286,16 @@ class WorkerCore:
         threading.Thread(target=build, name=f"grammars-{self.worker_id}", daemon=True).start()
 
     def prepare_pools(self) -> None:
-        """Map the CPU pools' pages, HOT first, on a thread of its own at the lowest CPU
-        priority (the shell calls it once the worker is ready). The pools are zero from the
-        start and mapping leaves what they hold alone, so the engine serves meanwhile; a page
-        it writes first is mapped by that write. ``close`` stops it between chunks."""
+        """Map the CPU pools' pages, HOT first, on a nice-19 thread once the worker is ready, a chunk
+        at a time while the engine has idled ``POOLS_AFTER_IDLE_S`` (docs/engine.md: a burst's first
+        turns beside it); the pools are zero from the start and keep what they hold. ``close`` stops it."""
         pools = [p for p in self.cache.pools if hasattr(p, "prefault")]
-        stop = self._closing.is_set
+        stop, pause = self._closing.is_set, lambda: self.loop.idle_s() < POOLS_AFTER_IDLE_S
 
         def run() -> None:
             with contextlib.suppress(OSError):
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-            done = [r for r in (p.prefault(stop) for p in pools) if r is not None]
+            done = [r for r in (p.prefault(stop, pause) for p in pools) if r is not None]
             if done:
                 log.info("worker %s: KV pools' pages mapped after ready: %.0f MiB in %.2f s%s", self.worker_id,
                          sum(r["bytes"] for r in done) / (1 << 20), sum(r["seconds"] for r in done),

@@ -83,12 +83,12 @@ class KVPool:
             if prefault:
                 self.prefault()
 
-    def prefault(self, stop=lambda: False) -> dict | None:
-        """Map a CPU pool's pages ahead of its first copies (``host_memory.populate``), so
-        serving pays no page faults for them; what the pool holds is unchanged, so this may
-        run while the pool is in use. None for a pool that needs nothing (on a device,
-        pinned, or empty)."""
-        return populate(self._mapping, stop) if self._mapping is not None else None
+    def prefault(self, stop=lambda: False, pause=lambda: False) -> dict | None:
+        """Map a CPU pool's pages ahead of its first copies (``host_memory.populate``, waiting
+        while ``pause()``), so serving pays no page faults for them; what the pool holds is
+        unchanged, so this may run while the pool is in use. None for a pool that needs
+        nothing (on a device, pinned, or empty)."""
+        return populate(self._mapping, stop, pause) if self._mapping is not None else None
 
     @property
     def block_bytes(self) -> int:
