@@ -171,7 +171,7 @@ class Scheduler:
                 extra = self.policy.reach(budget, share, i == 0 and not last, spare)
                 mark, fills = len(plan.items), [r for r in self.running if r.to_compute > 1 and id(r) not in planned
                     and (group is ANY or r.namespace == group) and (r.to_compute <= budget or not state.ends_only)]
-                inline = self.policy.promotes_inline and group is not ANY and not last
+                inline = self.policy.promotes_inline and not last
                 ahead = self._plan_waiting(plan, share, planned, state, group, extra, inline, True) \
                     if self.policy.ending_first and group is not ANY and not last else share
                 left = self._plan_running(plan, fills, ahead, planned, budget - share)   # fills: no spare

@@ -3,18 +3,20 @@
 - **Shared fills** (``behind_shared_fill``): a waiting request whose part beyond
   the cache a running prompt fill computes waits for that fill's checkpoint.
 - **Inline promotion** (``InlinePromotions``, ``promote_inline``): a waiting
-  request whose cached prefix is partly in WARM waits for its promotion to HOT;
-  the scheduler starts the copy and passes the request over for the step while
-  it runs. Under the fair share (``SchedulingPolicy.promotes_inline``), while
-  tenants share the engine, the first such request in the tenants' order waits
-  for that copy inside the step's planning instead, where the measured copy rate says it takes at most
-  ``INLINE_STEP_SHARE`` of the median step: measured beside a flood (``bench
-  tenants``), a quiet tenant's later turn was promoted from WARM in most turns
-  and each promotion passed it over for one to three whole steps of the flood
-  (80-110 ms each on two CPU cores), where the copy itself takes a few
-  milliseconds. The step's planning waits those milliseconds and admits it in
-  the same step. One such wait a step; a promotion from COLD or L3 (a disk, the
-  network) is never waited for inline. The inline waits are measured on their
+  request whose cached prefix is partly in WARM waits for its promotion to HOT.
+  The first such request a step reaches (in the policy's order; under the fair
+  share, the tenants') waits for that copy inside the step's planning, where the
+  measured copy rate says it takes at most ``INLINE_STEP_SHARE`` of the median
+  step (``SchedulingPolicy.promotes_inline``); the others are passed over for the
+  step while their copies run. Measured beside a flood (``bench tenants``), a quiet
+  tenant's later turn was promoted from WARM in most turns and each promotion
+  passed it over for one to three whole steps of the flood (80-110 ms each on two
+  CPU cores), where the copy itself takes a few milliseconds; first come, first
+  served lost the same step (``bench serving --workload shared-prefix``, R = 1: 10
+  of 32 requests, 50-200 ms each), and waits inline too since 2026-12-07. The
+  step's planning waits those milliseconds and admits it in the same step. One
+  such wait a step; a promotion from COLD or L3 (a disk, the network) is never
+  waited for inline. The inline waits are measured on their
   own (``InlinePromotions``): the copy thread's rate beside a forward pass is
   10-35x an inline wait's on two cores.
 - **Prompt logprobs** (``logprob_cap``): how much cached prefix a request that

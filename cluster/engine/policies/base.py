@@ -36,7 +36,7 @@ class SchedulingPolicy:
 
     name = "fcfs"
     preempts_across_tenants = False   # a waiting request may take another tenant's room (fair share)
-    promotes_inline = False   # while tenants share the engine, a promotion may be waited for in the step (fair)
+    promotes_inline = True    # a short promotion from WARM may be waited for in the step (waiting_checks)
     ending_first = False      # a tenant's new prompts that end in the step go before its own running fills
 
     def __init__(self, max_running: int, quotas: Any = None):

@@ -27,11 +27,11 @@
   decodes and prompts that end in the step stay): the
   flood's chunk, beside a quiet tenant's later turn, about doubled the step its
   first token came from (``bench tenants``' step counts).
-- **Promotions**: while tenants share the engine, a waiting request whose prefix
-  is partly in WARM is admitted in the step that starts its promotion, the step's
-  planning waiting for the copy where it is measured short (one a step, the first
-  in the tenants' order: ``promotes_inline``, ``cluster.engine.waiting_checks``);
-  every other request is passed over while its copy runs.
+- **Promotions**: a waiting request whose prefix is partly in WARM is admitted in
+  the step that starts its promotion, the step's planning waiting for the copy where
+  it is measured short (one a step, the first in the tenants' order: ``promotes_inline``,
+  ``cluster.engine.waiting_checks``; first come, first served does the same in its
+  order); every other request is passed over while its copy runs.
 - **Victims**: a time slice for a waiting request takes room only from its own
   tenant or one served at least as much recently (from its own tenant only once
   that tenant holds its slot share), and only where the quotas
@@ -56,7 +56,6 @@ from cluster.engine.preemption import spare_repeated
 class FairSharePolicy(SchedulingPolicy):
     name = "fair"
     preempts_across_tenants = True
-    promotes_inline = True
     ending_first = True   # see the module docstring's "a quiet tenant's later turn"
     first_token_alone = True   # see ``after_first``
 
