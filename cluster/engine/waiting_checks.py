@@ -35,6 +35,11 @@ from cluster.names import COLD, L3, WARM
 from cluster.tokens import common_prefix
 
 INLINE_STEP_SHARE = 0.25   # an inline promotion's measured copy time, at most this share of the median step
+# Until an inline wait is measured, the first one (a probe) may take, by the copy thread's rate,
+# up to this share of the median step: that rate is 10-35x an inline wait's, so with a quarter
+# no first wait was ever taken and none was ever measured (first come, first served at R = 1 of
+# bench serving's shared prefixes: 0 inline promotions in 31 promotion waits).
+INLINE_PROBE_STEP_SHARE = 1.0
 # Inline waits of fewer WARM tokens are not measured: a wait's fixed part (the hand-off to the copy
 # thread and back) over a token or two read as 1e-3 s a token and stopped every later inline wait.
 INLINE_SAMPLE_MIN_TOKENS = 64
@@ -66,7 +71,8 @@ class InlinePromotions:
     token, the copies beside a forward 1e-5 to 3.5e-5, so the cache's rate alone turned
     down a third of the quiet tenant's inline promotions (a 690-token prefix: 13.5 ms
     against a quarter of a 53 ms step), and each one turned down cost it a step. Until
-    an inline wait was measured the cache's rate decides. Engine thread only."""
+    an inline wait was measured the cache's rate decides, against a whole median step
+    (``INLINE_PROBE_STEP_SHARE``: the first wait is the probe). Engine thread only."""
 
     def __init__(self, clock: Callable[[], float] = time.perf_counter):
         self.clock = clock
@@ -80,21 +86,22 @@ class InlinePromotions:
                 recompute_s_per_token: float | None) -> Any:
         """``promote_inline`` at this measure, and the wait measured."""
         began = self.clock()
-        again = promote_inline(cache, req, readiness, step_s, recompute_s_per_token, self.rate(cache))
+        share = INLINE_STEP_SHARE if len(self.waits) else INLINE_PROBE_STEP_SHARE
+        again = promote_inline(cache, req, readiness, step_s, recompute_s_per_token, self.rate(cache), share)
         if again is not None and readiness.tiers[WARM] >= INLINE_SAMPLE_MIN_TOKENS:
             self.waits.add((self.clock() - began) / readiness.tiers[WARM])
         return again
 
 
 def promote_inline(cache: Any, req: Any, readiness: Any, step_s: float | None,
-                   recompute_s_per_token: float | None, rate: float | None) -> Any:
+                   recompute_s_per_token: float | None, rate: float | None, share: float = INLINE_STEP_SHARE) -> Any:
     """``req``'s promotion from WARM just started (``readiness``: not ready, not blocked):
-    where ``rate`` (seconds per token) says it takes at most ``INLINE_STEP_SHARE`` of
-    ``step_s`` (the median step), wait for it and look again (the new ``Readiness``); else None."""
+    where ``rate`` (seconds per token) says it takes at most ``share`` of ``step_s`` (the
+    median step), wait for it and look again (the new ``Readiness``); else None."""
     tiers = readiness.tiers
     if not tiers[WARM] or tiers[COLD] or (len(tiers) > L3 and tiers[L3]) or rate is None or not step_s:
         return None
-    if tiers[WARM] * rate > INLINE_STEP_SHARE * step_s:
+    if tiers[WARM] * rate > share * step_s:
         return None
     cache.await_promotion(req.tokens, req.namespace)
     return cache.ready(req.tokens, req.namespace, make_room=False, recompute_s_per_token=recompute_s_per_token)

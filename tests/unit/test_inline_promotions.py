@@ -8,7 +8,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from cluster.cache.tier_types import Readiness
-from cluster.engine.waiting_checks import INLINE_SAMPLE_MIN_TOKENS, INLINE_STEP_SHARE, InlinePromotions
+from cluster.engine.waiting_checks import (INLINE_PROBE_STEP_SHARE, INLINE_SAMPLE_MIN_TOKENS, INLINE_STEP_SHARE,
+                                           InlinePromotions)
 from tests.unit.test_fair_share import Clock as FakeClock
 
 STEP_S = 0.040   # the median step: an inline wait may take INLINE_STEP_SHARE of it (10 ms)
@@ -37,23 +38,26 @@ def waiting(warm: int, hot: int = 97) -> tuple[SimpleNamespace, Readiness]:
 
 def test_the_measured_inline_wait_decides_not_the_copy_threads_rate():
     """The copy thread's rate beside a forward (2e-5 s a token, as measured on 2 cores) puts a
-    690-token promotion at 13.8 ms, over a quarter of a 40 ms step: the first one is declined.
-    Once an inline wait was measured (a 640-token one in 0.64 ms: 1e-6 s a token), the same
-    690 tokens are estimated at 0.69 ms and waited for."""
+    2,100-token promotion at 42 ms, over a whole 40 ms step: even the first one (the probe) is
+    declined. A 690-token one (13.8 ms, over a quarter of the step but under a whole one) is the
+    probe: waited for and measured (0.69 ms: 1e-6 s a token). From then on the measured waits
+    decide, against a quarter of the step: the 2,100 tokens are estimated at 2.1 ms."""
     clock = FakeClock()
     inline = InlinePromotions(clock)
-    cache = FakeCache(clock, copy_rate=2e-5, wait_s=0.00064)
+    cache = FakeCache(clock, copy_rate=2e-5, wait_s=0.00069)
+    big, big_readiness = waiting(2100)
+    assert 2100 * 2e-5 > INLINE_PROBE_STEP_SHARE * STEP_S
+    assert inline.promote(cache, big, big_readiness, STEP_S, None) is None and cache.awaited == 0
     req, readiness = waiting(690)
-    assert 690 * 2e-5 > INLINE_STEP_SHARE * STEP_S
-    assert inline.promote(cache, req, readiness, STEP_S, None) is None and cache.awaited == 0
-    cache.promote_s_per_token[1] = 1e-5   # one short copy thread sample: 6.4 ms, under 10 ms
-    first, first_readiness = waiting(640)
-    assert inline.promote(cache, first, first_readiness, STEP_S, None).ready
-    assert list(inline.waits.recent) == [0.00064 / 640]
-    cache.promote_s_per_token[1] = 2e-5   # the copy thread's rate back up: no longer what decides
-    assert inline.rate(cache) == 0.00064 / 640
-    again = inline.promote(cache, req, readiness, STEP_S, None)
-    assert again.ready and again.tiers == [787, 0, 0] and cache.awaited == 2
+    assert INLINE_STEP_SHARE * STEP_S < 690 * 2e-5 <= INLINE_PROBE_STEP_SHARE * STEP_S
+    assert inline.promote(cache, req, readiness, STEP_S, None).ready
+    assert list(inline.waits.recent) == [0.00069 / 690] and cache.awaited == 1
+    assert inline.rate(cache) == 0.00069 / 690   # the copy thread's rate no longer decides
+    again = inline.promote(cache, big, big_readiness, STEP_S, None)
+    assert again.ready and again.tiers == [2197, 0, 0] and cache.awaited == 2
+    inline.waits.recent.clear()   # waits measured slow (1e-4 s a token): a quarter of the step, not a whole one
+    inline.waits.add(1e-4)
+    assert inline.promote(cache, req, readiness, STEP_S, None) is None and cache.awaited == 2
 
 
 def test_a_wait_of_a_few_tokens_is_not_measured():
