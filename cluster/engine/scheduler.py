@@ -204,12 +204,12 @@ class Scheduler:
         plan.all_logits = self.config.keep_logits or any(wants_prompt_rows(i.request) for i in plan.items)
 
     def _beside_decodes(self, budget: int, plan: StepPlan) -> int:
-        """``budget`` for prompts, at most what keeps the plan's decodes from stalling (if any): in
-        steps of decodes alone (not every step's median, which under a stream of prompts is a
-        prompt step's and lifted the cap when it mattered most), until one is measured every step's."""
-        step_s = self.measures.decode_step_s or self.slicer.steps.median()
-        return prefill_cap(budget, step_s, self.prefill_s_per_token,
-                           self.cache.config.block_tokens, self.config.stall_free_steps) if plan.items else budget
+        """``budget`` for prompts, at most what spares the plan's decodes (if any) a stall (``prefill_cap``)."""
+        if not plan.items:
+            return budget
+        prompts = len(self.waiting) + sum(1 for r in self.running if r.to_compute > 1)
+        return prefill_cap(budget, self.measures.decode_step_s or self.slicer.steps.median(), self.prefill_s_per_token,
+                           self.cache.config.block_tokens, self.config.stall_free_steps, len(plan.items), prompts)
 
     def _plan_running(self, plan: StepPlan, reqs: list[EngineRequest], budget: int, planned: set[int],
                       extra: int = 0) -> int:

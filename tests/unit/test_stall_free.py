@@ -106,3 +106,29 @@ def test_a_step_of_decodes_alone_is_what_the_measures_keep_as_the_decode_step():
     engine.step()                                                      # a decode alone
     assert s.measures.decode_step_s is not None and s.measures.decode_step_s > 0
     assert len(s.measures._decode_samples) == s.stats["decode_steps"] == 1
+
+
+def test_the_cap_holds_only_while_the_decodes_are_at_least_as_many_as_the_waiting_prompts():
+    """The cap holds prompts back to spare the running streams a stall: with more requests
+    waiting on prompt compute than decodes in the step, it would hold back more than it spares,
+    and the step takes the whole budget (a flood of prompts beside a few streams: held anyway,
+    the flood took 25% more steps and the queue behind it grew)."""
+    assert prefill_cap(512, 0.030, 0.0025, 16, STALL_STEPS, decodes=2, prompts=2) == 80   # as many: capped
+    assert prefill_cap(512, 0.030, 0.0025, 16, STALL_STEPS, decodes=2, prompts=3) == 512  # more waiting: all
+
+    def planned(extra_prompts):
+        engine = make_engine(hot_blocks=256, budget=64, stall_free_steps=STALL_STEPS)
+        s = engine.scheduler
+        s.measures.prefill_s_per_token = 0.005
+        decode = engine.submit(EngineRequest(list(range(1, 9)), SamplingParams(max_tokens=40)))
+        engine.step()
+        s.measures.decode_step_s = s.measures._decode_samples.add(0.010)   # capped: 32 tokens
+        long = engine.submit(EngineRequest([t % 60 + 1 for t in range(10, 110)], SamplingParams(max_tokens=1)))
+        for i in range(extra_prompts):
+            engine.submit(EngineRequest([t % 50 + 2 + i for t in range(40)], SamplingParams(max_tokens=1)))
+        plan = s.schedule()
+        return [i.num_tokens for i in plan.items if i.request is decode], \
+            [i.num_tokens for i in plan.items if i.request is long]
+
+    assert planned(0) == ([1], [MIN_PREFILL_TOKENS])   # one prompt beside one stream: capped
+    assert planned(1) == ([1], [63])                     # two waiting beside one stream: the whole budget
