@@ -3,10 +3,10 @@
 Every running stream waits for each step that has its decode in it. While decodes run, the
 prompt part of a step is what the measured prefill rate computes in ``stall_free_steps - 1``
 times a step of decodes alone takes (``StepMeasures.decode_step_s``, its recent median; every
-step's median until one is measured) (``SchedulerConfig.stall_free_steps``, the worker key of
-the same name; default ``STALL_STEPS``; Sarathi-Serve's stall-free batching, with the budget
-from the measured rates instead of a fixed token count): a stream waits at most about that
-many decode steps' time for its next token, and a prompt still advances every step. With no
+step's median until one is measured). ``stall_free_steps`` is ``SchedulerConfig``'s and the
+worker key of the same name (default ``STALL_STEPS``): Sarathi-Serve's stall-free batching, with
+the budget from the measured rates instead of a fixed token count. A stream waits at most about
+that many decode steps' time for its next token, and a prompt still advances every step. With no
 decode running, a step takes the whole ``max_batch_tokens``; until both rates are measured
 nothing is capped. The unit was every step's median before: under a stream of prompts that is
 a prompt step's, so the cap rose with the very load it is for (at twice the memory's working

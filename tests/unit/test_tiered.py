@@ -160,17 +160,20 @@ def test_a_background_demotion_never_waits_for_room_below_the_lower_tier_drains_
     stays in HOT (nothing on the engine thread waits for WARM's copy to the disk), WARM starts
     demoting as much to COLD, and once that copy lands the next watermark pass moves HOT's nodes."""
     cache = make(tmp_path, hot=8, warm=8, cold=16)   # 32 / 32 / 64 tokens, watermarks 0.9 / 0.7
-    for i in range(7):                               # WARM at 28 of 32 tokens: under its watermark
-        demote(cache, put(cache, [10 + i] * 4), WARM)
+    warm = [put(cache, [10 + i] * 4) for i in range(7)]
+    for node in warm:                                # WARM at 28 of 32 tokens: under its watermark
+        demote(cache, node, WARM)
     hot = [put(cache, [50 + i] * 8) for i in range(3)]   # 24 HOT tokens, under the mark
     waits = []
     real_wait = cache.moves.wait
     cache.moves.wait = lambda move: waits.append(move) or real_wait(move)
     hot.append(put(cache, [60] * 8))                 # 32 > 28.8: the two LRU nodes should go down
-    assert waits == [] and cache.stats["stalls"] == 0
-    assert [n.tier for n in hot] == [HOT] * 4        # WARM's free block holds neither 8-token node
-    assert sorted(m.dst_tier for m in cache.moves.active.values()) == [COLD]
-    assert sum(len(n.key) for m in cache.moves.active.values() for n in m.nodes) == 12   # 16 free after
+    assert waits == [] and cache.stats["stalls"] == 0   # nothing waited for a copy, nothing made room
+    # WARM's free block held neither 8-token node: WARM started demoting its 3 LRU nodes (12 tokens,
+    # 16 free after) to COLD instead. That copy may land while put runs, a later pass move HOT's
+    # nodes down and WARM's own watermark push more of it, asynchronously too.
+    going = [n.tier == COLD or (n.busy is not None and n.busy.dst_tier == COLD) for n in warm]
+    assert going[:3] == [True] * 3
     cache.moves.wait = real_wait
     cache.wait_all()
     cache.poll()
