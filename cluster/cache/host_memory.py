@@ -20,7 +20,7 @@ import torch
 # Linux's value (include/uapi/asm-generic/mman-common.h); Python's mmap module names it from 3.13.
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 # One madvise call at a time, so a populate can stop or pause between chunks (a closing
-# worker, an engine with work): one call maps 16 MiB in about 5 ms on two cores.
+# worker, an engine with work): a call maps at most 16 MiB, so a pause waits for one call at most.
 POPULATE_CHUNK_BYTES = 16 << 20
 POPULATE_PAUSE_S = 0.05   # while paused, how often a populate looks again
 
