@@ -251,7 +251,8 @@ def step_counts(turns: list) -> dict:
 # The engine's counters each row carries (``Scheduler.STAT_KEYS``), summed over the replicas: who
 # was preempted, recomputed or waited for room in the arm.
 ENGINE_COUNTERS = ("preemptions", "preempted_tokens", "recomputed_tokens", "recomputed_held_tokens",
-                   "waits_for_room", "waits_for_promotion_room", "slot_yields", "time_slice_preemptions")
+                   "waits_for_room", "waits_for_promotion_room", "slot_yields", "time_slice_preemptions",
+                   "room_claims")
 
 
 def _engine_fields(stats: dict) -> dict:
