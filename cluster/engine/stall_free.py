@@ -16,7 +16,7 @@ The cap holds prompts back for the running streams' sake, so it applies only whi
 decodes are at least as many as the requests waiting on prompt compute (queued, or filling a
 prompt): where those outnumber the streams it spares, the step takes the whole budget. Held in
 every case (decode-step unit, 2026-12-07), a flood of prompts beside one tenant's streams
-(``bench tenants``, no quotas) took 25% more steps, and the other tenant's later turns waited
+(``bench tenants``, no quotas) took 20-26% more steps, and the other tenant's later turns waited
 16-51 s in the queue (141 ms to 10 s before): the steps the cap adds (each re-reads the weights
 and carries the decodes) cost prompt throughput exactly when prompts queue.
 
